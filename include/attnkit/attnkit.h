@@ -1,0 +1,11 @@
+#pragma once
+
+/// Umbrella header: every public attnkit header.
+/// Example: `#include <attnkit/attnkit.h>` then `attnkit::MultiHeadAttention mha(...);`
+
+#include "attnkit/causal_attention.h"
+#include "attnkit/functional.h"
+#include "attnkit/multi_head_attention.h"
+#include "attnkit/options.h"
+#include "attnkit/self_attention.h"
+#include "attnkit/version.h"

@@ -1,0 +1,95 @@
+#pragma once
+
+/// Stateless attention pieces. Every attnkit module hands its attention to
+/// `scaled_dot_product_attention`; the other functions are the notebooks' steps,
+/// usable on their own.
+
+#include <torch/torch.h>
+
+namespace attnkit::functional {
+
+/// Dot-product attention scores `queries @ keys^T` over the last two dimensions:
+/// (..., n, d) x (..., m, d) -> (..., n, m). A 1-D query (d) against keys (m, d) gives (m).
+/// Example: `attention_scores(inputs[1], inputs)` gives the notebooks' omega_2.
+torch::Tensor attention_scores(const torch::Tensor& queries, const torch::Tensor& keys);
+
+/// The naive normalisation the notebooks compare softmax with: `scores / scores.sum(-1)`.
+/// Example: `normalize_by_sum(attention_scores(x[1], x))`.
+torch::Tensor normalize_by_sum(const torch::Tensor& attn_scores);
+
+/// Softmax over the last dimension: the attention weights of unscaled scores.
+/// Example: `softmax_weights(torch::tensor({0.1, -0.2, 0.3}))`.
+torch::Tensor softmax_weights(const torch::Tensor& attn_scores);
+
+/// Weighted sum of value vectors: (..., n, m) x (..., m, d) -> (..., n, d); (m) x (m, d) -> (d).
+/// Example: `context_vectors(attn_weights_2, inputs)`.
+torch::Tensor context_vectors(const torch::Tensor& attn_weights, const torch::Tensor& values);
+
+/// Simplified self-attention without trainable weights (queries = keys = values = x):
+/// `softmax(x x^T) x`, unscaled, for x of shape (n, d) or (b, n, d).
+/// Example: `simple_self_attention(inputs)[1]` is the notebooks' context vector z_2.
+torch::Tensor simple_self_attention(const torch::Tensor& x);
+
+/// Causal mask as a bool tensor of shape (num_queries, num_keys): `true` above the
+/// diagonal, i.e. where a query would see a later key. Same as
+/// `torch.triu(torch.ones(n, m), diagonal=1).bool()`.
+/// Example: `causal_mask(6, 6)`.
+torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys,
+                          const torch::Device& device = torch::kCPU);
+
+/// First causal recipe of the notebooks: zero the weights above the diagonal of
+/// already-normalised attention weights (..., n, n) and renormalise each row to sum 1.
+/// Example: `causal_weights_by_renormalizing(torch::softmax(scores / std::sqrt(d_k), -1))`.
+torch::Tensor causal_weights_by_renormalizing(const torch::Tensor& attn_weights);
+
+/// Second causal recipe: fill the scores above the diagonal with -inf, then softmax of
+/// `scores / sqrt(d_k)`. Gives the same weights as `causal_weights_by_renormalizing`.
+/// Example: `causal_weights_by_masking(scores, /*d_k=*/2)`.
+torch::Tensor causal_weights_by_masking(const torch::Tensor& attn_scores, int64_t d_k);
+
+/// Dropout on attention weights, as `torch.nn.Dropout(p)`: in training mode each weight is
+/// zeroed with probability p and the kept ones are scaled by 1 / (1 - p); otherwise identity.
+/// Example: `torch::manual_seed(123); dropout_weights(torch::ones({6, 6}), 0.5, true)`.
+torch::Tensor dropout_weights(const torch::Tensor& attn_weights, double p, bool training);
+
+/// Options for `scaled_dot_product_attention`.
+/// Example: `SdpaOptions().is_causal(true).dropout_p(0.1).training(true)`.
+struct SdpaOptions {
+  /// Bool mask broadcastable to (..., n, m); `true` marks a key a query must not see.
+  /// A row that masks every key gets all-zero weights (never NaN).
+  TORCH_ARG(torch::Tensor, attn_mask) = {};
+  /// Apply the causal mask `causal_mask(n, m)` (in addition to `attn_mask`, if any).
+  TORCH_ARG(bool, is_causal) = false;
+  /// Dropout probability on the attention weights, in [0, 1); used only when `training`.
+  TORCH_ARG(double, dropout_p) = 0.0;
+  /// Whether dropout is active.
+  TORCH_ARG(bool, training) = false;
+  /// Score multiplier; when unset the scores are divided by sqrt(head_dim), as in the book.
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+};
+
+/// Context vectors together with the attention weights that produced them
+/// (weights after dropout, as multiplied into the values).
+struct AttentionOutput {
+  /// (..., n, hd_v)
+  torch::Tensor context;
+  /// (..., n, m)
+  torch::Tensor weights;
+};
+
+/// The one attention core of attnkit, the book's computation:
+/// `dropout(softmax(masked_fill(q k^T, mask, -inf) / sqrt(hd))) @ v`
+/// for q (..., n, hd), k (..., m, hd), v (..., m, hd_v). Returns the context and the weights.
+/// Example: `scaled_dot_product_attention_with_weights(q, k, v, SdpaOptions().is_causal(true))`.
+AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& query,
+                                                          const torch::Tensor& key,
+                                                          const torch::Tensor& value,
+                                                          const SdpaOptions& options = {});
+
+/// Same as `scaled_dot_product_attention_with_weights`, returning only the context (..., n, hd_v).
+/// Example: `scaled_dot_product_attention(q, k, v, SdpaOptions().is_causal(true))`.
+torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                           const torch::Tensor& value,
+                                           const SdpaOptions& options = {});
+
+}  // namespace attnkit::functional

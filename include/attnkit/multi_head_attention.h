@@ -1,0 +1,134 @@
+#pragma once
+
+/// Multi-head attention three ways: the book's wrapper around CausalAttention heads, the
+/// book's MultiHeadAttention (one projection per Q/K/V split into heads), and a variant with
+/// a single combined QKV projection as in seed 001's multi-head layer.
+
+#include <torch/torch.h>
+
+#include "attnkit/causal_attention.h"
+#include "attnkit/functional.h"
+#include "attnkit/options.h"
+
+namespace attnkit {
+
+/// Python `MultiHeadAttentionWrapper(d_in, d_out, context_length, dropout, num_heads,
+/// qkv_bias=False)`: a `heads` ModuleList of `num_heads` CausalAttention(d_in, d_out, ...)
+/// whose outputs are concatenated. Input (b, n, d_in); output (b, n, d_out * num_heads).
+/// Example: `MultiHeadAttentionWrapper mha(3, 2, 6, 0.0, /*num_heads=*/2);  // output width 4`
+class MultiHeadAttentionWrapperImpl : public torch::nn::Cloneable<MultiHeadAttentionWrapperImpl> {
+ public:
+  MultiHeadAttentionWrapperImpl(int64_t d_in, int64_t d_out, int64_t context_length, double dropout,
+                                int64_t num_heads, bool qkv_bias = false)
+      : MultiHeadAttentionWrapperImpl(
+            MultiHeadAttentionWrapperOptions(d_in, d_out, context_length, dropout, num_heads)
+                .qkv_bias(qkv_bias)) {}
+  explicit MultiHeadAttentionWrapperImpl(const MultiHeadAttentionWrapperOptions& options);
+
+  /// Validates the options and registers the heads.
+  void reset() override;
+  /// Re-initialises every head.
+  void reset_parameters();
+  /// `attnkit::MultiHeadAttentionWrapper(d_in=3, d_out=2, context_length=6, dropout=0,
+  /// num_heads=2, qkv_bias=false)`
+  void pretty_print(std::ostream& stream) const override;
+
+  /// (b, n, d_in) -> (b, n, d_out * num_heads).
+  torch::Tensor forward(const torch::Tensor& x);
+
+  /// Context (b, n, d_out * num_heads) and attention weights (b, num_heads, n, n).
+  functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
+
+  MultiHeadAttentionWrapperOptions options;
+  /// `num_heads` CausalAttention modules.
+  torch::nn::ModuleList heads{nullptr};
+};
+
+TORCH_MODULE(MultiHeadAttentionWrapper);
+
+/// Python `MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads, qkv_bias=False)`:
+/// Linear `W_query`, `W_key`, `W_value` (d_in -> d_out), split into `num_heads` heads of width
+/// d_out / num_heads, attention per head, heads merged, then Linear `out_proj` (d_out -> d_out,
+/// with bias); a `mask` buffer as in CausalAttention. With `causal(false)` no mask is applied
+/// (encoder self-attention). Input (b, n, d_in); output (b, n, d_out).
+/// Example: `MultiHeadAttention mha(MultiHeadAttentionOptions(768, 768, 1024, 0.1, 12));`
+class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
+ public:
+  MultiHeadAttentionImpl(int64_t d_in, int64_t d_out, int64_t context_length, double dropout,
+                         int64_t num_heads, bool qkv_bias = false)
+      : MultiHeadAttentionImpl(
+            MultiHeadAttentionOptions(d_in, d_out, context_length, dropout, num_heads)
+                .qkv_bias(qkv_bias)) {}
+  explicit MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options);
+
+  /// Validates the options, registers the projections and the `mask` buffer.
+  void reset() override;
+  /// Re-initialises the projections.
+  void reset_parameters();
+  /// `attnkit::MultiHeadAttention(d_in=3, d_out=2, context_length=6, dropout=0, num_heads=2,
+  /// qkv_bias=false, causal=true)`
+  void pretty_print(std::ostream& stream) const override;
+
+  /// (b, n, d_in) -> (b, n, d_out).
+  torch::Tensor forward(const torch::Tensor& x);
+
+  /// Context (b, n, d_out) and attention weights (b, num_heads, n, n).
+  functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
+
+  MultiHeadAttentionOptions options;
+  torch::nn::Linear W_query{nullptr};
+  torch::nn::Linear W_key{nullptr};
+  torch::nn::Linear W_value{nullptr};
+  torch::nn::Linear out_proj{nullptr};
+  /// (context_length, context_length), 1 above the diagonal.
+  torch::Tensor mask;
+};
+
+TORCH_MODULE(MultiHeadAttention);
+
+/// Multi-head attention with one combined projection `qkv` = Linear(d_in, 3 * d_out), as in
+/// seed 001's multi-head layer, then `out_proj` and a `mask` buffer as in MultiHeadAttention.
+///
+/// Layout of `qkv`'s 3 * d_out output features (seed 001's): grouped by head, and within a
+/// head query, key, value: feature `h * 3 * hd + j * hd + i` is element i of head h of
+/// j = 0 query, 1 key, 2 value. So `qkv(x).view({b, n, h, 3 * hd})` chunked in three along
+/// the last dimension gives each head's q, k, v.
+/// Example: `MultiHeadAttentionCombinedQKV mha(MultiHeadAttentionOptions(64, 64, 32, 0.0, 4));`
+class MultiHeadAttentionCombinedQKVImpl
+    : public torch::nn::Cloneable<MultiHeadAttentionCombinedQKVImpl> {
+ public:
+  MultiHeadAttentionCombinedQKVImpl(int64_t d_in, int64_t d_out, int64_t context_length,
+                                    double dropout, int64_t num_heads, bool qkv_bias = false)
+      : MultiHeadAttentionCombinedQKVImpl(
+            MultiHeadAttentionOptions(d_in, d_out, context_length, dropout, num_heads)
+                .qkv_bias(qkv_bias)) {}
+  explicit MultiHeadAttentionCombinedQKVImpl(const MultiHeadAttentionCombinedQKVOptions& options);
+
+  /// Validates the options, registers the projections and the `mask` buffer.
+  void reset() override;
+  /// Re-initialises the projections.
+  void reset_parameters();
+  /// `attnkit::MultiHeadAttentionCombinedQKV(d_in=3, d_out=2, ..., causal=true)`
+  void pretty_print(std::ostream& stream) const override;
+
+  /// (b, n, d_in) -> (b, n, d_out).
+  torch::Tensor forward(const torch::Tensor& x);
+
+  /// Context (b, n, d_out) and attention weights (b, num_heads, n, n).
+  functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
+
+  /// Copies a MultiHeadAttention's weights into `qkv` (in the layout above) and `out_proj`;
+  /// both modules then compute the same function. Fails when the options differ.
+  void copy_weights_from(const MultiHeadAttentionImpl& mha);
+
+  MultiHeadAttentionCombinedQKVOptions options;
+  /// Linear(d_in, 3 * d_out), per-head [q | k | v] layout.
+  torch::nn::Linear qkv{nullptr};
+  torch::nn::Linear out_proj{nullptr};
+  /// (context_length, context_length), 1 above the diagonal.
+  torch::Tensor mask;
+};
+
+TORCH_MODULE(MultiHeadAttentionCombinedQKV);
+
+}  // namespace attnkit

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Builds and runs attnkit-walkthrough: the chapter-3 computations step by step.
+# Usage: scripts/run.sh [walkthrough arguments, e.g. --section multihead, --help]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/build.sh --target attnkit-walkthrough >/dev/null
+exec "${ATTNKIT_BUILD_DIR:-build}/apps/attnkit-walkthrough" "$@"

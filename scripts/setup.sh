@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what attnkit needs to build and test, from Debian 12's archive.
+# Idempotent: prints nothing and changes nothing when everything is already installed.
+set -euo pipefail
+
+packages=(
+  cmake ninja-build g++          # build tools
+  libtorch-dev                   # LibTorch 1.13 (CPU)
+  libopenblas0-pthread           # without it LibTorch uses the reference BLAS, ~30x slower
+  libgtest-dev                   # tests
+  libcxxopts-dev                 # command-line parsing in the programs
+)
+
+missing=()
+for package in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$package")
+  fi
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "setup: installing ${missing[*]} (from Debian's archive)"
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "setup: need root or sudo to install: ${missing[*]}" >&2; exit 1; }
+  sudo=sudo
+fi
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "setup: done"

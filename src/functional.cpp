@@ -1,0 +1,148 @@
+#include "attnkit/functional.h"
+
+#include <cmath>
+#include <limits>
+
+#include "checks.h"
+
+namespace attnkit::functional {
+
+using detail::shape_string;
+
+torch::Tensor attention_scores(const torch::Tensor& queries, const torch::Tensor& keys) {
+  TORCH_CHECK(keys.dim() >= 2, "[attention_scores] keys: expected at least 2-D (..., m, d), got ",
+              keys.dim(), "-D with shape ", shape_string(keys));
+  TORCH_CHECK(queries.size(-1) == keys.size(-1),
+              "[attention_scores] queries and keys must have the same last dimension, got "
+              "queries ",
+              shape_string(queries), " and keys ", shape_string(keys));
+  // (..., m, d) -> (..., d, m)
+  return torch::matmul(queries, keys.transpose(-2, -1));
+}
+
+torch::Tensor normalize_by_sum(const torch::Tensor& attn_scores) {
+  return attn_scores / attn_scores.sum(-1, /*keepdim=*/true);
+}
+
+torch::Tensor softmax_weights(const torch::Tensor& attn_scores) {
+  return torch::softmax(attn_scores, -1);
+}
+
+torch::Tensor context_vectors(const torch::Tensor& attn_weights, const torch::Tensor& values) {
+  TORCH_CHECK(attn_weights.size(-1) == values.size(values.dim() >= 2 ? -2 : -1),
+              "[context_vectors] attn_weights has ", attn_weights.size(-1),
+              " keys per row but values has ", values.size(values.dim() >= 2 ? -2 : -1),
+              " rows (attn_weights ", shape_string(attn_weights), ", values ", shape_string(values),
+              ")");
+  return torch::matmul(attn_weights, values);
+}
+
+torch::Tensor simple_self_attention(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3,
+              "[simple_self_attention] x: expected (num_tokens, d) or (b, num_tokens, d), got ",
+              x.dim(), "-D with shape ", shape_string(x));
+  return context_vectors(softmax_weights(attention_scores(x, x)), x);
+}
+
+torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::Device& device) {
+  TORCH_CHECK(num_queries >= 0 && num_keys >= 0,
+              "[causal_mask] sizes must be >= 0, got num_queries = ", num_queries,
+              ", num_keys = ", num_keys);
+  return torch::ones({num_queries, num_keys}, torch::dtype(torch::kBool).device(device))
+      .triu(/*diagonal=*/1);
+}
+
+torch::Tensor causal_weights_by_renormalizing(const torch::Tensor& attn_weights) {
+  const auto n = attn_weights.size(-1);
+  const auto keep = torch::ones({attn_weights.size(-2), n}, attn_weights.options()).tril();
+  const auto masked = attn_weights * keep;
+  return masked / masked.sum(-1, /*keepdim=*/true);
+}
+
+torch::Tensor causal_weights_by_masking(const torch::Tensor& attn_scores, int64_t d_k) {
+  TORCH_CHECK(d_k > 0, "[causal_weights_by_masking] d_k must be > 0, got ", d_k);
+  const auto mask = causal_mask(attn_scores.size(-2), attn_scores.size(-1), attn_scores.device());
+  const auto masked = attn_scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
+  return torch::softmax(masked / std::sqrt(static_cast<double>(d_k)), -1);
+}
+
+torch::Tensor dropout_weights(const torch::Tensor& attn_weights, double p, bool training) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "[dropout_weights] p must be in [0, 1), got ", p);
+  // The op behind Python's nn.Dropout, so a seed draws the same mask.
+  return torch::dropout(attn_weights, p, training);
+}
+
+namespace {
+
+void check_sdpa_arguments(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const SdpaOptions& options) {
+  const char* fn = "[scaled_dot_product_attention]";
+  TORCH_CHECK(q.defined() && k.defined() && v.defined(), fn,
+              " query, key and value must all be defined tensors");
+  TORCH_CHECK(q.dim() >= 2 && k.dim() >= 2 && v.dim() >= 2, fn,
+              " query, key and value must be at least 2-D (..., n, hd), got query ",
+              shape_string(q), ", key ", shape_string(k), ", value ", shape_string(v));
+  TORCH_CHECK(q.size(-1) == k.size(-1), fn,
+              " query and key must have the same last dimension (head_dim), got query ",
+              shape_string(q), " and key ", shape_string(k));
+  TORCH_CHECK(k.size(-2) == v.size(-2), fn,
+              " key and value must have the same number of tokens (dim -2), got key ",
+              shape_string(k), " and value ", shape_string(v));
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), fn,
+              " query, key and value must share a dtype, got ", q.scalar_type(), ", ",
+              k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK(q.device() == k.device() && k.device() == v.device(), fn,
+              " query, key and value must be on one device, got ", q.device(), ", ", k.device(),
+              ", ", v.device());
+  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
+              " dropout_p must be in [0, 1), got ", options.dropout_p());
+  const auto& mask = options.attn_mask();
+  if (mask.defined()) {
+    TORCH_CHECK(mask.scalar_type() == torch::kBool, fn,
+                " attn_mask must be a bool tensor (true = masked), got dtype ", mask.scalar_type());
+    TORCH_CHECK(mask.dim() >= 2 && mask.size(-2) == q.size(-2) && mask.size(-1) == k.size(-2), fn,
+                " attn_mask must end in (num_queries, num_keys) = (", q.size(-2), ", ", k.size(-2),
+                "), got shape ", shape_string(mask));
+  }
+}
+
+}  // namespace
+
+AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& query,
+                                                          const torch::Tensor& key,
+                                                          const torch::Tensor& value,
+                                                          const SdpaOptions& options) {
+  check_sdpa_arguments(query, key, value, options);
+  const auto num_queries = query.size(-2);
+  const auto num_keys = key.size(-2);
+
+  auto mask = options.attn_mask();
+  const bool given_mask = mask.defined();
+  if (options.is_causal()) {
+    const auto causal = causal_mask(num_queries, num_keys, query.device());
+    mask = given_mask ? mask.logical_or(causal) : causal;
+  }
+
+  auto attn_scores = attention_scores(query, key);  // (..., n, m)
+  if (mask.defined()) {
+    attn_scores = attn_scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
+  }
+  // Divide (not multiply by the reciprocal) so float32 results are bit-identical to the book.
+  attn_scores = options.scale().has_value()
+                    ? attn_scores * *options.scale()
+                    : attn_scores / std::sqrt(static_cast<double>(query.size(-1)));
+  auto attn_weights = torch::softmax(attn_scores, -1);
+  if (given_mask) {
+    // A row whose keys are all masked is softmax(-inf, ...) = NaN; it attends to nothing.
+    attn_weights = attn_weights.masked_fill(mask.all(-1, /*keepdim=*/true), 0.0);
+  }
+  attn_weights = dropout_weights(attn_weights, options.dropout_p(), options.training());
+  return {torch::matmul(attn_weights, value), attn_weights};
+}
+
+torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                           const torch::Tensor& value, const SdpaOptions& options) {
+  return scaled_dot_product_attention_with_weights(query, key, value, options).context;
+}
+
+}  // namespace attnkit::functional

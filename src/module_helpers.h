@@ -1,0 +1,49 @@
+#pragma once
+
+// Tensor plumbing shared by the modules: the causal `mask` buffer and the head split/merge.
+
+#include <sstream>
+#include <string>
+
+#include <torch/torch.h>
+
+namespace attnkit::detail {
+
+/// Option values for pretty_print, independent of the caller's stream flags
+/// (std::fixed, std::boolalpha) so the printed text is always the same.
+inline std::string option_text(double value) {
+  std::ostringstream text;
+  text << value;
+  return text.str();
+}
+inline const char* option_text(bool value) {
+  return value ? "true" : "false";
+}
+
+/// The book's buffer: `torch.triu(torch.ones(L, L), diagonal=1)`, float, 1 above the diagonal.
+inline torch::Tensor causal_mask_buffer(int64_t context_length) {
+  return torch::ones({context_length, context_length}).triu(/*diagonal=*/1);
+}
+
+/// The top-left (n, n) corner of a `mask` buffer as a bool mask for `SdpaOptions::attn_mask`.
+inline torch::Tensor mask_for(const torch::Tensor& mask_buffer, int64_t num_tokens) {
+  return mask_buffer.slice(0, 0, num_tokens).slice(1, 0, num_tokens).to(torch::kBool);
+}
+
+/// (b, n, h * hd) -> (b, h, n, hd)
+inline torch::Tensor split_heads(const torch::Tensor& x, int64_t num_heads) {
+  const auto b = x.size(0);
+  const auto n = x.size(1);
+  // (b, n, h * hd) -> (b, n, h, hd) -> (b, h, n, hd)
+  return x.view({b, n, num_heads, x.size(2) / num_heads}).transpose(1, 2);
+}
+
+/// (b, h, n, hd) -> (b, n, h * hd)
+inline torch::Tensor merge_heads(const torch::Tensor& x) {
+  const auto b = x.size(0);
+  const auto n = x.size(2);
+  // (b, h, n, hd) -> (b, n, h, hd) -> (b, n, h * hd)
+  return x.transpose(1, 2).contiguous().view({b, n, x.size(1) * x.size(3)});
+}
+
+}  // namespace attnkit::detail

@@ -1,0 +1,214 @@
+#include "attnkit/multi_head_attention.h"
+
+#include <vector>
+
+#include "checks.h"
+#include "module_helpers.h"
+
+namespace attnkit {
+
+namespace F = attnkit::functional;
+
+namespace {
+
+void check_multi_head_options(const char* name, const MultiHeadAttentionOptions& options) {
+  detail::check_positive_option(name, "d_in", options.d_in());
+  detail::check_positive_option(name, "d_out", options.d_out());
+  detail::check_positive_option(name, "context_length", options.context_length());
+  detail::check_positive_option(name, "num_heads", options.num_heads());
+  detail::check_dropout_option(name, options.dropout());
+  TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", name,
+              "] option d_out must be divisible by num_heads, got d_out = ", options.d_out(),
+              ", num_heads = ", options.num_heads());
+}
+
+void print_multi_head_options(std::ostream& stream, const char* name,
+                              const MultiHeadAttentionOptions& options) {
+  stream << "attnkit::" << name << "(d_in=" << options.d_in() << ", d_out=" << options.d_out()
+         << ", context_length=" << options.context_length()
+         << ", dropout=" << detail::option_text(options.dropout())
+         << ", num_heads=" << options.num_heads()
+         << ", qkv_bias=" << detail::option_text(options.qkv_bias())
+         << ", causal=" << detail::option_text(options.causal()) << ")";
+}
+
+// Attention over already split heads (b, h, n, hd), then heads merged and projected.
+F::AttentionOutput attend_heads(const torch::Tensor& queries, const torch::Tensor& keys,
+                                const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
+                                const torch::Tensor& mask_buffer, bool training,
+                                torch::nn::Linear& out_proj) {
+  auto sdpa = F::SdpaOptions().dropout_p(opt.dropout()).training(training);
+  if (opt.causal()) {
+    sdpa.attn_mask(detail::mask_for(mask_buffer, queries.size(2)));
+  }
+  auto attended = F::scaled_dot_product_attention_with_weights(queries, keys, values, sdpa);
+  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
+}
+
+}  // namespace
+
+// ---- MultiHeadAttentionWrapper ------------------------------------------------------------
+
+MultiHeadAttentionWrapperImpl::MultiHeadAttentionWrapperImpl(
+    const MultiHeadAttentionWrapperOptions& options)
+    : options(options) {
+  reset();
+}
+
+void MultiHeadAttentionWrapperImpl::reset() {
+  const char* name = "MultiHeadAttentionWrapper";
+  detail::check_positive_option(name, "num_heads", options.num_heads());
+  // The heads validate the remaining options (and name themselves in the message).
+  heads = register_module("heads", torch::nn::ModuleList());
+  for (int64_t i = 0; i < options.num_heads(); ++i) {
+    heads->push_back(
+        CausalAttention(CausalAttentionOptions(options.d_in(), options.d_out(),
+                                               options.context_length(), options.dropout())
+                            .qkv_bias(options.qkv_bias())));
+  }
+}
+
+void MultiHeadAttentionWrapperImpl::reset_parameters() {
+  for (auto& head : *heads) {
+    head->as<CausalAttentionImpl>()->reset_parameters();
+  }
+}
+
+void MultiHeadAttentionWrapperImpl::pretty_print(std::ostream& stream) const {
+  stream << "attnkit::MultiHeadAttentionWrapper(d_in=" << options.d_in()
+         << ", d_out=" << options.d_out() << ", context_length=" << options.context_length()
+         << ", dropout=" << detail::option_text(options.dropout())
+         << ", num_heads=" << options.num_heads()
+         << ", qkv_bias=" << detail::option_text(options.qkv_bias()) << ")";
+}
+
+F::AttentionOutput MultiHeadAttentionWrapperImpl::forward_with_weights(const torch::Tensor& x) {
+  std::vector<torch::Tensor> contexts;
+  std::vector<torch::Tensor> weights;
+  for (auto& head : *heads) {
+    auto out = head->as<CausalAttentionImpl>()->forward_with_weights(x);
+    contexts.push_back(out.context);
+    weights.push_back(out.weights);
+  }
+  // h x (b, n, d_out) -> (b, n, h * d_out); h x (b, n, n) -> (b, h, n, n)
+  return {torch::cat(contexts, -1), torch::stack(weights, 1)};
+}
+
+torch::Tensor MultiHeadAttentionWrapperImpl::forward(const torch::Tensor& x) {
+  return forward_with_weights(x).context;
+}
+
+// ---- MultiHeadAttention -----------------------------------------------------------------
+
+MultiHeadAttentionImpl::MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options)
+    : options(options) {
+  reset();
+}
+
+void MultiHeadAttentionImpl::reset() {
+  check_multi_head_options("MultiHeadAttention", options);
+  const auto d_in = options.d_in();
+  const auto d_out = options.d_out();
+  const auto projection = torch::nn::LinearOptions(d_in, d_out).bias(options.qkv_bias());
+  // Creation order fixes the random draws: query, key, value, out_proj, as in Python.
+  W_query = register_module("W_query", torch::nn::Linear(projection));
+  W_key = register_module("W_key", torch::nn::Linear(projection));
+  W_value = register_module("W_value", torch::nn::Linear(projection));
+  out_proj = register_module("out_proj", torch::nn::Linear(d_out, d_out));
+  mask = register_buffer("mask", detail::causal_mask_buffer(options.context_length()));
+}
+
+void MultiHeadAttentionImpl::reset_parameters() {
+  W_query->reset_parameters();
+  W_key->reset_parameters();
+  W_value->reset_parameters();
+  out_proj->reset_parameters();
+}
+
+void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
+  print_multi_head_options(stream, "MultiHeadAttention", options);
+}
+
+F::AttentionOutput MultiHeadAttentionImpl::forward_with_weights(const torch::Tensor& x) {
+  detail::check_forward_input("MultiHeadAttention", x, {options.d_in(), options.context_length()},
+                              W_query->weight);
+  const auto h = options.num_heads();
+  return attend_heads(detail::split_heads(W_query(x), h), detail::split_heads(W_key(x), h),
+                      detail::split_heads(W_value(x), h), options, mask, is_training(), out_proj);
+}
+
+torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& x) {
+  return forward_with_weights(x).context;
+}
+
+// ---- MultiHeadAttentionCombinedQKV ------------------------------------------------------
+
+MultiHeadAttentionCombinedQKVImpl::MultiHeadAttentionCombinedQKVImpl(
+    const MultiHeadAttentionCombinedQKVOptions& options)
+    : options(options) {
+  reset();
+}
+
+void MultiHeadAttentionCombinedQKVImpl::reset() {
+  check_multi_head_options("MultiHeadAttentionCombinedQKV", options);
+  const auto d_in = options.d_in();
+  const auto d_out = options.d_out();
+  qkv = register_module(
+      "qkv", torch::nn::Linear(torch::nn::LinearOptions(d_in, 3 * d_out).bias(options.qkv_bias())));
+  out_proj = register_module("out_proj", torch::nn::Linear(d_out, d_out));
+  mask = register_buffer("mask", detail::causal_mask_buffer(options.context_length()));
+}
+
+void MultiHeadAttentionCombinedQKVImpl::reset_parameters() {
+  qkv->reset_parameters();
+  out_proj->reset_parameters();
+}
+
+void MultiHeadAttentionCombinedQKVImpl::pretty_print(std::ostream& stream) const {
+  print_multi_head_options(stream, "MultiHeadAttentionCombinedQKV", options);
+}
+
+F::AttentionOutput MultiHeadAttentionCombinedQKVImpl::forward_with_weights(const torch::Tensor& x) {
+  detail::check_forward_input("MultiHeadAttentionCombinedQKV", x,
+                              {options.d_in(), options.context_length()}, qkv->weight);
+  const auto b = x.size(0);
+  const auto n = x.size(1);
+  const auto h = options.num_heads();
+  const auto hd = options.d_out() / h;
+  // (b, n, 3 * d_out) -> (b, n, h, 3 * hd) -> (b, h, n, 3 * hd)
+  const auto qkv_heads = qkv(x).view({b, n, h, 3 * hd}).permute({0, 2, 1, 3});
+  const auto q_k_v = qkv_heads.chunk(3, -1);  // 3 x (b, h, n, hd)
+  return attend_heads(q_k_v[0], q_k_v[1], q_k_v[2], options, mask, is_training(), out_proj);
+}
+
+torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward(const torch::Tensor& x) {
+  return forward_with_weights(x).context;
+}
+
+void MultiHeadAttentionCombinedQKVImpl::copy_weights_from(const MultiHeadAttentionImpl& mha) {
+  const auto& o = mha.options;
+  const auto describe = [](const MultiHeadAttentionOptions& opt) {
+    return c10::str("d_in = ", opt.d_in(), ", d_out = ", opt.d_out(),
+                    ", num_heads = ", opt.num_heads(),
+                    ", qkv_bias = ", opt.qkv_bias() ? "true" : "false");
+  };
+  TORCH_CHECK(o.d_in() == options.d_in() && o.d_out() == options.d_out() &&
+                  o.num_heads() == options.num_heads() && o.qkv_bias() == options.qkv_bias(),
+              "[MultiHeadAttentionCombinedQKV::copy_weights_from] mha: expected ",
+              describe(options), "; got ", describe(o));
+  const auto h = options.num_heads();
+  const auto interleave = [h](const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v) {
+    // 3 x (h * hd, ...) -> (3, h, hd, ...) -> (h, 3, hd, ...) -> (h * 3 * hd, ...)
+    return torch::stack({q, k, v}).unflatten(1, {h, q.size(0) / h}).transpose(0, 1).flatten(0, 2);
+  };
+  torch::NoGradGuard no_grad;
+  qkv->weight.copy_(interleave(mha.W_query->weight, mha.W_key->weight, mha.W_value->weight));
+  if (options.qkv_bias()) {
+    qkv->bias.copy_(interleave(mha.W_query->bias, mha.W_key->bias, mha.W_value->bias));
+  }
+  out_proj->weight.copy_(mha.out_proj->weight);
+  out_proj->bias.copy_(mha.out_proj->bias);
+}
+
+}  // namespace attnkit
