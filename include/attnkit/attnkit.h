@@ -8,4 +8,5 @@
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/options.h"
 #include "attnkit/self_attention.h"
+#include "attnkit/serialize.h"
 #include "attnkit/version.h"

@@ -1,0 +1,60 @@
+#pragma once
+
+/// State dicts that cross between C++ and Python.
+///
+/// The file format is the one `torch.save` writes (a zip archive holding a pickled dict of
+/// tensors), produced and read here with LibTorch's `torch::pickle_save` / `pickle_load`:
+/// Python's `torch.load(path)` returns the dict, and the Python class's `load_state_dict`
+/// accepts it as is. From Python, save with `torch.save(dict(model.state_dict()), path)`:
+/// LibTorch reads plain dicts, not the OrderedDict that `state_dict()` returns.
+
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace attnkit {
+
+/// Parameters and buffers by their Python `state_dict()` keys ("W_query.weight", "mask").
+using StateDict = torch::OrderedDict<std::string, torch::Tensor>;
+
+/// The module's parameters, then its buffers, detached, under their state-dict keys.
+/// Example: `for (const auto& item : attnkit::state_dict(*mha)) std::cout << item.key();`
+StateDict state_dict(const torch::nn::Module& module);
+
+/// Writes `dict` to `path` in torch.save's format. The file is written to a temporary
+/// name, flushed and renamed, so `path` never holds a partial file.
+/// Example: `attnkit::write_state_dict(attnkit::state_dict(*mha), "mha.pt");`
+void write_state_dict(const StateDict& dict, const std::string& path);
+
+/// Reads a dict of tensors written by `write_state_dict` or by Python's
+/// `torch.save(dict(...), path)`. A missing, empty, truncated or foreign file is a
+/// `c10::Error` naming the path.
+/// Example: `auto dict = attnkit::read_state_dict("mha.pt");`
+StateDict read_state_dict(const std::string& path);
+
+/// `write_state_dict(state_dict(module), path)`.
+/// Example: `attnkit::save_state_dict(*mha, "mha.pt");`
+void save_state_dict(const torch::nn::Module& module, const std::string& path);
+
+/// What a non-strict load left out.
+struct LoadResult {
+  /// Keys of the module that the dict lacks (their values were left unchanged).
+  std::vector<std::string> missing_keys;
+  /// Keys of the dict that the module lacks (ignored).
+  std::vector<std::string> unexpected_keys;
+};
+
+/// Copies `dict` into the module's parameters and buffers (converting dtype and device).
+/// Every key and shape is checked before anything is copied, so a failed load leaves the
+/// module untouched. A shape mismatch is always an error naming the key and both shapes;
+/// with `strict` (the default) a missing or unexpected key is one too, otherwise they are
+/// skipped and reported in the result.
+/// Example: `attnkit::load_state_dict(*mha, dict, /*strict=*/false).missing_keys`
+LoadResult load_state_dict(torch::nn::Module& module, const StateDict& dict, bool strict = true);
+
+/// `load_state_dict(module, read_state_dict(path), strict)`, with the path in error messages.
+/// Example: `attnkit::load_state_dict(*mha, "trained_in_python.pt");`
+LoadResult load_state_dict(torch::nn::Module& module, const std::string& path, bool strict = true);
+
+}  // namespace attnkit

@@ -1,0 +1,165 @@
+#include "attnkit/serialize.h"
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+
+#include <unistd.h>
+
+#include "checks.h"
+
+namespace attnkit {
+
+using detail::shape_string;
+
+namespace {
+
+// The hint every "cannot read" error carries: how a Python user writes a readable file.
+constexpr const char* kPythonHint =
+    "expected a dict of tensors saved by attnkit::save_state_dict or by Python's "
+    "torch.save(dict(model.state_dict()), path)";
+
+std::string first_line(const std::string& text) {
+  return text.substr(0, text.find('\n'));
+}
+
+std::string and_more(size_t count) {
+  return count > 1 ? c10::str(" and ", count - 1, " more") : std::string();
+}
+
+std::vector<char> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "[read_state_dict] cannot open '", path, "' for reading");
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  TORCH_CHECK(!in.bad(), "[read_state_dict] error while reading '", path, "'");
+  TORCH_CHECK(!bytes.empty(), "[read_state_dict] '", path, "' is empty; ", kPythonHint);
+  return bytes;
+}
+
+}  // namespace
+
+StateDict state_dict(const torch::nn::Module& module) {
+  StateDict dict;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    dict.insert(item.key(), item.value().detach());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    dict.insert(item.key(), item.value().detach());
+  }
+  return dict;
+}
+
+void write_state_dict(const StateDict& dict, const std::string& path) {
+  c10::Dict<std::string, torch::Tensor> pickled;
+  for (const auto& item : dict) {
+    // Python reads CPU tensors on any machine; contiguous keeps the stored bytes minimal.
+    pickled.insert(item.key(), item.value().detach().to(torch::kCPU).contiguous());
+  }
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(pickled));
+
+  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(out.good(), "[write_state_dict] cannot open '", temporary, "' for writing");
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    if (!out.good()) {
+      std::remove(temporary.c_str());
+      TORCH_CHECK(false, "[write_state_dict] writing '", temporary, "' failed (disk full?)");
+    }
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::remove(temporary.c_str());
+    TORCH_CHECK(false, "[write_state_dict] cannot rename '", temporary, "' to '", path, "'");
+  }
+}
+
+StateDict read_state_dict(const std::string& path) {
+  const auto bytes = read_bytes(path);
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(bytes);
+  } catch (const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    const std::string reason = c10_error ? c10_error->what_without_backtrace() : e.what();
+    TORCH_CHECK(false, "[read_state_dict] '", path, "' is not a readable state-dict file (",
+                first_line(reason), "); ", kPythonHint);
+  }
+  TORCH_CHECK(value.isGenericDict(), "[read_state_dict] '", path, "' holds a ", value.tagKind(),
+              ", not a dict; ", kPythonHint);
+  StateDict dict;
+  for (const auto& entry : value.toGenericDict()) {
+    TORCH_CHECK(entry.key().isString(), "[read_state_dict] '", path, "': a key is a ",
+                entry.key().tagKind(), ", expected strings; ", kPythonHint);
+    const auto& key = entry.key().toStringRef();
+    TORCH_CHECK(entry.value().isTensor(), "[read_state_dict] '", path, "': value of key '", key,
+                "' is a ", entry.value().tagKind(), ", expected a tensor; ", kPythonHint);
+    dict.insert(key, entry.value().toTensor());
+  }
+  return dict;
+}
+
+void save_state_dict(const torch::nn::Module& module, const std::string& path) {
+  write_state_dict(state_dict(module), path);
+}
+
+namespace {
+
+LoadResult load_from(torch::nn::Module& module, const StateDict& dict, bool strict,
+                     const std::string& source) {
+  auto targets = module.named_parameters(/*recurse=*/true);
+  for (const auto& buffer : module.named_buffers(/*recurse=*/true)) {
+    targets.insert(buffer.key(), buffer.value());
+  }
+  // Check everything first: a failed load must not leave a half-loaded module.
+  LoadResult result;
+  for (const auto& target : targets) {
+    const auto* source_tensor = dict.find(target.key());
+    if (source_tensor == nullptr) {
+      result.missing_keys.push_back(target.key());
+      continue;
+    }
+    TORCH_CHECK(source_tensor->sizes() == target.value().sizes(), "[load_state_dict] ", source,
+                ": key '", target.key(), "' has shape ", shape_string(*source_tensor),
+                ", the module expects ", shape_string(target.value()));
+  }
+  for (const auto& item : dict) {
+    if (targets.find(item.key()) == nullptr) {
+      result.unexpected_keys.push_back(item.key());
+    }
+  }
+  if (strict) {
+    if (!result.missing_keys.empty()) {
+      const auto& key = result.missing_keys.front();
+      TORCH_CHECK(false, "[load_state_dict] ", source, ": missing key '", key, "' (shape ",
+                  shape_string(targets[key]), ")", and_more(result.missing_keys.size()),
+                  "; pass strict = false to load the rest");
+    }
+    if (!result.unexpected_keys.empty()) {
+      const auto& key = result.unexpected_keys.front();
+      TORCH_CHECK(false, "[load_state_dict] ", source, ": unexpected key '", key, "' (shape ",
+                  shape_string(dict[key]), ")", and_more(result.unexpected_keys.size()),
+                  "; the module has no such parameter or buffer; pass strict = false to ignore");
+    }
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& target : targets) {
+    if (const auto* source_tensor = dict.find(target.key())) {
+      target.value().copy_(*source_tensor);  // converts dtype and device as Python does
+    }
+  }
+  return result;
+}
+
+}  // namespace
+
+LoadResult load_state_dict(torch::nn::Module& module, const StateDict& dict, bool strict) {
+  return load_from(module, dict, strict, "state dict");
+}
+
+LoadResult load_state_dict(torch::nn::Module& module, const std::string& path, bool strict) {
+  return load_from(module, read_state_dict(path), strict, "'" + path + "'");
+}
+
+}  // namespace attnkit

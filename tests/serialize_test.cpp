@@ -1,0 +1,181 @@
+// attnkit/serialize.h: state dicts across C++ and Python, and every way a file can be bad.
+
+#include "attnkit/serialize.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "module_factory.h"
+#include "source_paths.h"
+#include "test_support.h"
+
+namespace fs = std::filesystem;
+using namespace attnkit::testing;
+
+namespace {
+
+// A fresh directory per test, removed afterwards.
+class SerializeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() /
+           ("attnkit_serialize_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  void write_file(const std::string& name, const std::string& bytes) const {
+    std::ofstream(path(name), std::ios::binary) << bytes;
+  }
+  fs::path dir_;
+};
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+const ModuleConfig kConfig{/*d_in=*/6,      /*d_out=*/8,       /*context_length=*/7,
+                           /*dropout=*/0.0,
+                           /*num_heads=*/2, /*qkv_bias=*/true, /*causal=*/true};
+const std::vector<std::string> kModules{"SelfAttentionV1",    "SelfAttentionV2",
+                                        "CausalAttention",    "MultiHeadAttentionWrapper",
+                                        "MultiHeadAttention", "MultiHeadAttentionCombinedQKV"};
+
+}  // namespace
+
+TEST_F(SerializeTest, RoundTripGivesIdenticalOutputsForEveryModule) {
+  const auto x = torch::randn({2, 7, 6});
+  for (const auto& name : kModules) {
+    torch::manual_seed(1);
+    auto saved = make_attention(name, kConfig);
+    attnkit::save_state_dict(*saved.module, path(name + ".pt"));
+    torch::manual_seed(2);
+    auto loaded = make_attention(name, kConfig);
+    EXPECT_FALSE(tensors_close(name + " before", loaded.forward(x), saved.forward(x), kFloat32));
+    const auto result = attnkit::load_state_dict(*loaded.module, path(name + ".pt"));
+    EXPECT_TRUE(result.missing_keys.empty() && result.unexpected_keys.empty()) << name;
+    EXPECT_TRUE(tensors_close(name, loaded.forward(x), saved.forward(x), 0.0));
+  }
+  // No temporary file is left beside the written ones.
+  for (const auto& entry : fs::directory_iterator(dir_)) {
+    EXPECT_EQ(entry.path().extension(), ".pt") << entry.path();
+  }
+}
+
+TEST_F(SerializeTest, KeysAreThoseOfThePythonStateDict) {
+  // 28_MultiHeadAttention_float64.state.pt was written by Python's torch.save.
+  const auto python = attnkit::read_state_dict(
+      std::string(kSourceDir) + "/data/golden/28_MultiHeadAttention_float64.state.pt");
+  const auto keys = python.keys();
+  EXPECT_EQ(std::set<std::string>(keys.begin(), keys.end()),
+            (std::set<std::string>{"W_query.weight", "W_key.weight", "W_value.weight",
+                                   "out_proj.weight", "out_proj.bias", "mask"}));
+  const auto ours = attnkit::state_dict(*attnkit::MultiHeadAttention(3, 2, 6, 0.0, 2)).keys();
+  EXPECT_EQ(std::set<std::string>(ours.begin(), ours.end()),
+            std::set<std::string>(keys.begin(), keys.end()));
+}
+
+TEST_F(SerializeTest, MismatchedKeysAndShapesAreNamedAndNothingIsLoaded) {
+  attnkit::MultiHeadAttention source(3, 4, 6, 0.0, 2);
+  attnkit::MultiHeadAttention target(3, 4, 6, 0.0, 2);
+  const auto before = attnkit::state_dict(*target);
+  const auto snapshot = target->W_query->weight.clone();
+
+  auto wrong_shape = attnkit::state_dict(*attnkit::MultiHeadAttention(3, 4, 8, 0.0, 2));
+  expect_error_containing([&] { attnkit::load_state_dict(*target, wrong_shape); },
+                          "[load_state_dict] state dict: key 'mask' has shape [8, 8], the module "
+                          "expects [6, 6]");
+  auto missing = attnkit::state_dict(*source);
+  missing.erase("out_proj.bias");
+  expect_error_containing([&] { attnkit::load_state_dict(*target, missing); },
+                          "missing key 'out_proj.bias' (shape [4]); pass strict = false");
+  auto extra = attnkit::state_dict(*source);
+  extra.insert("heads.0.W_query.weight", torch::zeros({2, 3}));
+  expect_error_containing([&] { attnkit::load_state_dict(*target, extra); },
+                          "unexpected key 'heads.0.W_query.weight' (shape [2, 3])");
+  EXPECT_TRUE(torch::equal(target->W_query->weight, snapshot))
+      << "a failed load changed the module";
+
+  // Non-strict: loads what matches and reports the rest.
+  missing.insert("extra", torch::zeros({1}));
+  const auto result = attnkit::load_state_dict(*target, missing, /*strict=*/false);
+  EXPECT_EQ(result.missing_keys, (std::vector<std::string>{"out_proj.bias"}));
+  EXPECT_EQ(result.unexpected_keys, (std::vector<std::string>{"extra"}));
+  EXPECT_TRUE(torch::equal(target->W_query->weight, source->W_query->weight));
+  EXPECT_TRUE(torch::equal(target->out_proj->bias, before["out_proj.bias"]));
+  // Shape mismatches stay errors even when not strict.
+  expect_error_containing([&] { attnkit::load_state_dict(*target, wrong_shape, false); },
+                          "key 'mask' has shape [8, 8]");
+}
+
+TEST_F(SerializeTest, BadFilesGiveOneLineErrors) {
+  attnkit::MultiHeadAttention mha(3, 4, 6, 0.0, 2);
+  attnkit::save_state_dict(*mha, path("good.pt"));
+  const auto good = file_bytes(path("good.pt"));
+  write_file("empty.pt", "");
+  write_file("foreign.pt", "W_query.weight = [[1, 2, 3]]\n");
+  write_file("half.pt", good.substr(0, good.size() / 2));
+  write_file("tail_cut.pt", good.substr(0, good.size() - 20));
+  write_file("head_cut.pt", good.substr(100));
+  {
+    const auto bytes = torch::pickle_save(torch::ones({2}));
+    std::ofstream(path("tensor.pt"), std::ios::binary).write(bytes.data(), bytes.size());
+  }
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"missing.pt", "cannot open"},
+      {"empty.pt", "is empty; expected a dict of tensors"},
+      {"foreign.pt", "is not a readable state-dict file"},
+      {"half.pt", "is not a readable state-dict file"},
+      {"tail_cut.pt", "is not a readable state-dict file"},
+      {"head_cut.pt", "is not a readable state-dict file"},
+      {"tensor.pt", "holds a Tensor, not a dict"},
+  };
+  const auto snapshot = attnkit::state_dict(*mha);
+  for (const auto& [name, message] : cases) {
+    SCOPED_TRACE(name);
+    expect_error_containing([&] { attnkit::load_state_dict(*mha, path(name)); }, message);
+    try {
+      attnkit::load_state_dict(*mha, path(name));
+    } catch (const c10::Error& e) {
+      const std::string text = e.what_without_backtrace();
+      EXPECT_EQ(text.find('\n'), std::string::npos) << "not one line: " << text;
+      EXPECT_NE(text.find(path(name)), std::string::npos) << "does not name the file: " << text;
+    }
+  }
+  EXPECT_TRUE(torch::equal(mha->W_key->weight, snapshot["W_key.weight"]));
+}
+
+TEST_F(SerializeTest, WritingWhereItCannotFails) {
+  attnkit::SelfAttentionV1 sa(3, 2);
+  expect_error_containing([&] { attnkit::save_state_dict(*sa, path("no_such_dir/sa.pt")); },
+                          "[write_state_dict] cannot open");
+}
+
+TEST_F(SerializeTest, PythonLoadsWhatCppWrote) {
+  const char* configured = std::getenv("ATTNKIT_PYTHON");
+  const std::string python = configured ? configured : "/usr/bin/python3";
+  if (std::system((python + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
+    GTEST_SKIP() << python << " cannot import torch (install python3-torch, or set ATTNKIT_PYTHON)"
+                 << ": C++ -> Python state-dict check skipped";
+  }
+  const auto x = torch::randn({2, 7, 6});
+  for (const auto& name : kModules) {
+    SCOPED_TRACE(name);
+    auto attention = make_attention(name, kConfig);
+    attention.module->eval();
+    attnkit::save_state_dict(*attention.module, path(name + ".pt"));
+    attnkit::StateDict io;
+    io.insert("input", x);
+    io.insert("output", attention.forward(x));
+    attnkit::write_state_dict(io, path(name + "_io.pt"));
+    const auto command = python + " " + kSourceDir + "/scripts/check_python_interop.py --module " +
+                         name + " --config '" + kConfig.json() + "' --state " + path(name + ".pt") +
+                         " --io " + path(name + "_io.pt");
+    EXPECT_EQ(std::system(command.c_str()), 0) << command;
+  }
+}
