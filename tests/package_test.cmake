@@ -1,0 +1,24 @@
+# CTest script: installs attnkit into a temporary prefix, builds apps/tiny_gpt (a separate
+# project) against it with find_package(attnkit), and runs it. Proves the package works.
+# Inputs (-D): ATTNKIT_BINARY_DIR, ATTNKIT_SOURCE_DIR, WORK_DIR, TORCH_DIR, GENERATOR.
+foreach(input ATTNKIT_BINARY_DIR ATTNKIT_SOURCE_DIR WORK_DIR TORCH_DIR GENERATOR)
+  if(NOT DEFINED ${input})
+    message(FATAL_ERROR "package_test.cmake: -D${input}=... is required")
+  endif()
+endforeach()
+
+function(run_step what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE result)
+  if(NOT result EQUAL 0)
+    message(FATAL_ERROR "package test: ${what} failed (${result})")
+  endif()
+endfunction()
+
+file(REMOVE_RECURSE ${WORK_DIR})
+run_step("install" ${CMAKE_COMMAND} --install ${ATTNKIT_BINARY_DIR} --prefix ${WORK_DIR}/prefix)
+run_step("configure tiny_gpt" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/apps/tiny_gpt
+  -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
+  -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
+run_step("build tiny_gpt" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+run_step("run tiny_gpt" ${WORK_DIR}/build/tiny_gpt
+  --data ${ATTNKIT_SOURCE_DIR}/data/the-verdict.txt --steps 300 --sample 120)
