@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Configures and builds attnkit (Release) in build/ or $ATTNKIT_BUILD_DIR.
-# Usage: scripts/build.sh [cmake --build arguments, e.g. --target attnkit-walkthrough]
+# Configures and builds attnkit with a CMake preset (CMakePresets.json), installing what is
+# missing first. Usage: scripts/build.sh [--preset default|debug|asan] [cmake --build args]
+#   scripts/build.sh                                  # Release, in build/
+#   scripts/build.sh --target attnkit-walkthrough
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-build_dir=${ATTNKIT_BUILD_DIR:-build}
-if [ ! -f "$build_dir/CMakeCache.txt" ]; then
-  cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+preset=default
+if [ "${1:-}" = "--preset" ]; then
+  preset=${2:?--preset needs a name: default, debug or asan}
+  shift 2
 fi
-cmake --build "$build_dir" -j "$(nproc)" "$@"
+scripts/setup.sh
+cmake --preset "$preset" >/dev/null
+cmake --build --preset "$preset" -j "$(nproc)" "$@"

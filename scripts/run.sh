@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh --target attnkit-walkthrough >/dev/null
-exec "${ATTNKIT_BUILD_DIR:-build}/apps/attnkit-walkthrough" "$@"
+exec build/apps/attnkit-walkthrough "$@"
