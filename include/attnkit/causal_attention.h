@@ -36,14 +36,19 @@ class CausalAttentionImpl : public torch::nn::Cloneable<CausalAttentionImpl> {
   /// Context (b, n, d_out) and attention weights (b, n, n) as used (after dropout).
   functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
 
+  /// The options this module was built with (reset() re-reads them).
   CausalAttentionOptions options;
+  /// Query projection, d_in -> d_out.
   torch::nn::Linear W_query{nullptr};
+  /// Key projection, d_in -> d_out.
   torch::nn::Linear W_key{nullptr};
+  /// Value projection, d_in -> d_out.
   torch::nn::Linear W_value{nullptr};
   /// (context_length, context_length), 1 above the diagonal.
   torch::Tensor mask;
 };
 
+/// Module holder for `CausalAttentionImpl` (shared-pointer semantics).
 TORCH_MODULE(CausalAttention);
 
 }  // namespace attnkit

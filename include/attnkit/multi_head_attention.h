@@ -39,11 +39,13 @@ class MultiHeadAttentionWrapperImpl : public torch::nn::Cloneable<MultiHeadAtten
   /// Context (b, n, d_out * num_heads) and attention weights (b, num_heads, n, n).
   functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
 
+  /// The options this module was built with (reset() re-reads them).
   MultiHeadAttentionWrapperOptions options;
   /// `num_heads` CausalAttention modules.
   torch::nn::ModuleList heads{nullptr};
 };
 
+/// Module holder for `MultiHeadAttentionWrapperImpl` (shared-pointer semantics).
 TORCH_MODULE(MultiHeadAttentionWrapper);
 
 /// Python `MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads, qkv_bias=False)`:
@@ -75,15 +77,21 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// Context (b, n, d_out) and attention weights (b, num_heads, n, n).
   functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
 
+  /// The options this module was built with (reset() re-reads them).
   MultiHeadAttentionOptions options;
+  /// Query projection, d_in -> d_out.
   torch::nn::Linear W_query{nullptr};
+  /// Key projection, d_in -> d_out.
   torch::nn::Linear W_key{nullptr};
+  /// Value projection, d_in -> d_out.
   torch::nn::Linear W_value{nullptr};
+  /// Output projection after the heads are merged, d_out -> d_out, with bias.
   torch::nn::Linear out_proj{nullptr};
   /// (context_length, context_length), 1 above the diagonal.
   torch::Tensor mask;
 };
 
+/// Module holder for `MultiHeadAttentionImpl` (shared-pointer semantics).
 TORCH_MODULE(MultiHeadAttention);
 
 /// Multi-head attention with one combined projection `qkv` = Linear(d_in, 3 * d_out), as in
@@ -121,14 +129,17 @@ class MultiHeadAttentionCombinedQKVImpl
   /// both modules then compute the same function. Fails when the options differ.
   void copy_weights_from(const MultiHeadAttentionImpl& mha);
 
+  /// The options this module was built with (reset() re-reads them).
   MultiHeadAttentionCombinedQKVOptions options;
   /// Linear(d_in, 3 * d_out), per-head [q | k | v] layout.
   torch::nn::Linear qkv{nullptr};
+  /// Output projection after the heads are merged, d_out -> d_out, with bias.
   torch::nn::Linear out_proj{nullptr};
   /// (context_length, context_length), 1 above the diagonal.
   torch::Tensor mask;
 };
 
+/// Module holder for `MultiHeadAttentionCombinedQKVImpl` (shared-pointer semantics).
 TORCH_MODULE(MultiHeadAttentionCombinedQKV);
 
 }  // namespace attnkit

@@ -35,6 +35,7 @@ class SelfAttentionV1Impl : public torch::nn::Cloneable<SelfAttentionV1Impl> {
   /// both give the same output (the notebook's exercise). Fails on a size or bias mismatch.
   void copy_weights_from(const SelfAttentionV2Impl& v2);
 
+  /// The options this module was built with (reset() re-reads them).
   SelfAttentionV1Options options;
   /// (d_in, d_out)
   torch::Tensor W_query;
@@ -44,6 +45,7 @@ class SelfAttentionV1Impl : public torch::nn::Cloneable<SelfAttentionV1Impl> {
   torch::Tensor W_value;
 };
 
+/// Module holder for `SelfAttentionV1Impl` (shared-pointer semantics).
 TORCH_MODULE(SelfAttentionV1);
 
 /// Python `SelfAttention_v2`: `torch::nn::Linear` submodules `W_query`, `W_key`, `W_value`
@@ -66,12 +68,17 @@ class SelfAttentionV2Impl : public torch::nn::Cloneable<SelfAttentionV2Impl> {
   /// (n, d_in) -> (n, d_out), or (b, n, d_in) -> (b, n, d_out).
   torch::Tensor forward(const torch::Tensor& x);
 
+  /// The options this module was built with (reset() re-reads them).
   SelfAttentionV2Options options;
+  /// Query projection, d_in -> d_out.
   torch::nn::Linear W_query{nullptr};
+  /// Key projection, d_in -> d_out.
   torch::nn::Linear W_key{nullptr};
+  /// Value projection, d_in -> d_out.
   torch::nn::Linear W_value{nullptr};
 };
 
+/// Module holder for `SelfAttentionV2Impl` (shared-pointer semantics).
 TORCH_MODULE(SelfAttentionV2);
 
 }  // namespace attnkit
