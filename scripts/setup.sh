@@ -9,6 +9,7 @@ packages=(
   libopenblas0-pthread           # without it LibTorch uses the reference BLAS, ~30x slower
   libgtest-dev                   # tests
   libcxxopts-dev                 # command-line parsing in the programs
+  libstb-dev                     # PNG writing and a bitmap font for attention heatmaps
 )
 
 missing=()

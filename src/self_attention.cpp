@@ -39,13 +39,17 @@ void SelfAttentionV1Impl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor SelfAttentionV1Impl::forward(const torch::Tensor& x) {
+  return forward_with_weights(x).context;
+}
+
+F::AttentionOutput SelfAttentionV1Impl::forward_with_weights(const torch::Tensor& x) {
   detail::check_forward_input("SelfAttentionV1", x,
                               {options.d_in(), /*context_length=*/0, /*allow_unbatched=*/true},
                               W_query);
   const auto keys = torch::matmul(x, W_key);  // (..., n, d_out)
   const auto queries = torch::matmul(x, W_query);
   const auto values = torch::matmul(x, W_value);
-  return F::scaled_dot_product_attention(queries, keys, values);
+  return F::scaled_dot_product_attention_with_weights(queries, keys, values);
 }
 
 void SelfAttentionV1Impl::copy_weights_from(const SelfAttentionV2Impl& v2) {
@@ -92,10 +96,14 @@ void SelfAttentionV2Impl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor SelfAttentionV2Impl::forward(const torch::Tensor& x) {
+  return forward_with_weights(x).context;
+}
+
+F::AttentionOutput SelfAttentionV2Impl::forward_with_weights(const torch::Tensor& x) {
   detail::check_forward_input("SelfAttentionV2", x,
                               {options.d_in(), /*context_length=*/0, /*allow_unbatched=*/true},
                               W_query->weight);
-  return F::scaled_dot_product_attention(W_query(x), W_key(x), W_value(x));
+  return F::scaled_dot_product_attention_with_weights(W_query(x), W_key(x), W_value(x));
 }
 
 }  // namespace attnkit

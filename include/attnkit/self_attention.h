@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/functional.h"
 #include "attnkit/options.h"
 
 namespace attnkit {
@@ -30,6 +31,9 @@ class SelfAttentionV1Impl : public torch::nn::Cloneable<SelfAttentionV1Impl> {
 
   /// (n, d_in) -> (n, d_out), or (b, n, d_in) -> (b, n, d_out).
   torch::Tensor forward(const torch::Tensor& x);
+
+  /// Context as `forward` and the attention weights (n, n) or (b, n, n).
+  functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
 
   /// Copies a bias-free SelfAttentionV2's weights (transposed) into this module, after which
   /// both give the same output (the notebook's exercise). Fails on a size or bias mismatch.
@@ -67,6 +71,9 @@ class SelfAttentionV2Impl : public torch::nn::Cloneable<SelfAttentionV2Impl> {
 
   /// (n, d_in) -> (n, d_out), or (b, n, d_in) -> (b, n, d_out).
   torch::Tensor forward(const torch::Tensor& x);
+
+  /// Context as `forward` and the attention weights (n, n) or (b, n, n).
+  functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
 
   /// The options this module was built with (reset() re-reads them).
   SelfAttentionV2Options options;

@@ -1,0 +1,139 @@
+#include "model.h"
+
+#include "attnkit/attnkit.h"
+
+namespace attnkit::train {
+
+const std::vector<std::string>& module_names() {
+  static const std::vector<std::string> names{"sa-v1",       "sa-v2", "causal",
+                                              "mha-wrapper", "mha",   "mha-combined"};
+  return names;
+}
+
+void check_model_config(const ModelConfig& c) {
+  const auto& names = module_names();
+  TORCH_CHECK(std::find(names.begin(), names.end(), c.module) != names.end(),
+              "--module: unknown module '", c.module,
+              "'; expected sa-v1, sa-v2, causal, mha-wrapper, mha or mha-combined");
+  const bool unmasked = c.module == "sa-v1" || c.module == "sa-v2";
+  const bool always_causal = c.module == "causal" || c.module == "mha-wrapper";
+  TORCH_CHECK(!(unmasked && c.causal), "--module ", c.module,
+              " has no causal mask, so on a causal task it would see the tokens it must "
+              "predict; use causal, mha-wrapper, mha or mha-combined");
+  TORCH_CHECK(!(always_causal && !c.causal), "--module ", c.module,
+              " always applies a causal mask, but this task needs every token to see every "
+              "other (bidirectional); use sa-v1, sa-v2, mha or mha-combined");
+  TORCH_CHECK(c.d_model >= 1, "--d-model: expected >= 1, got ", c.d_model);
+  TORCH_CHECK(c.heads >= 1, "--heads: expected >= 1, got ", c.heads);
+  TORCH_CHECK(c.layers >= 1, "--layers: expected >= 1, got ", c.layers);
+  const bool multi_head =
+      c.module == "mha-wrapper" || c.module == "mha" || c.module == "mha-combined";
+  TORCH_CHECK(!multi_head || c.d_model % c.heads == 0, "--d-model ", c.d_model,
+              " must be divisible by --heads ", c.heads, " for --module ", c.module);
+  TORCH_CHECK(c.dropout >= 0.0 && c.dropout < 1.0, "--dropout: expected a value in [0, 1), got ",
+              c.dropout);
+}
+
+namespace {
+
+template <typename Holder>
+std::function<functional::AttentionOutput(const torch::Tensor&)> weights_of(Holder holder) {
+  return [holder](const torch::Tensor& x) mutable { return holder->forward_with_weights(x); };
+}
+
+}  // namespace
+
+BlockImpl::BlockImpl(const ModelConfig& c) {
+  const auto d = c.d_model;
+  attention_norm_ =
+      register_module("attention_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  const auto mha_options =
+      MultiHeadAttentionOptions(d, d, c.context_length, c.dropout, c.heads).causal(c.causal);
+  if (c.module == "sa-v1") {
+    SelfAttentionV1 attention(d, d);
+    attention_ = register_module("attention", attention);
+    attend_ = weights_of(attention);
+  } else if (c.module == "sa-v2") {
+    SelfAttentionV2 attention(d, d);
+    attention_ = register_module("attention", attention);
+    attend_ = weights_of(attention);
+  } else if (c.module == "causal") {
+    CausalAttention attention(d, d, c.context_length, c.dropout);
+    attention_ = register_module("attention", attention);
+    attend_ = weights_of(attention);
+  } else if (c.module == "mha-wrapper") {
+    // Each head d_model / heads wide, so the concatenation is d_model wide.
+    MultiHeadAttentionWrapper attention(d, d / c.heads, c.context_length, c.dropout, c.heads);
+    attention_ = register_module("attention", attention);
+    attend_ = weights_of(attention);
+  } else if (c.module == "mha") {
+    MultiHeadAttention attention(mha_options);
+    attention_ = register_module("attention", attention);
+    attend_ = weights_of(attention);
+  } else {
+    MultiHeadAttentionCombinedQKV attention(mha_options);
+    attention_ = register_module("attention", attention);
+    attend_ = weights_of(attention);
+  }
+  if (c.ffn) {
+    feed_forward_norm_ = register_module("feed_forward_norm",
+                                         torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    feed_forward_ = register_module(
+        "feed_forward",
+        torch::nn::Sequential(torch::nn::Linear(d, 4 * d), torch::nn::GELU(),
+                              torch::nn::Dropout(c.dropout), torch::nn::Linear(4 * d, d)));
+  }
+}
+
+torch::Tensor BlockImpl::forward(torch::Tensor x, torch::Tensor* weights) {
+  auto attended = attend_(attention_norm_(x));
+  if (weights != nullptr) {
+    // Single-head modules give (b, n, n): add the head dimension.
+    *weights = attended.weights.dim() == 3 ? attended.weights.unsqueeze(1) : attended.weights;
+  }
+  x = x + attended.context;
+  if (feed_forward_) {
+    x = x + feed_forward_->forward(feed_forward_norm_(x));
+  }
+  return x;
+}
+
+AttentionModelImpl::AttentionModelImpl(const ModelConfig& config) : config_(config) {
+  check_model_config(config_);
+  token_embedding_ =
+      register_module("token_embedding", torch::nn::Embedding(config_.vocab_size, config_.d_model));
+  position_embedding_ = register_module(
+      "position_embedding", torch::nn::Embedding(config_.context_length, config_.d_model));
+  blocks_ = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config_.layers; ++i) {
+    blocks_->push_back(Block(config_));
+  }
+  final_norm_ = register_module(
+      "final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config_.d_model})));
+  head_ = register_module("head", torch::nn::Linear(config_.d_model, config_.vocab_size));
+}
+
+torch::Tensor AttentionModelImpl::run(const torch::Tensor& tokens,
+                                      std::vector<torch::Tensor>* maps) {
+  const auto positions = torch::arange(tokens.size(1), tokens.options());
+  auto x = token_embedding_(tokens) + position_embedding_(positions);  // (b, n, d_model)
+  for (auto& block : *blocks_) {
+    torch::Tensor weights;
+    x = block->as<BlockImpl>()->forward(x, maps ? &weights : nullptr);
+    if (maps)
+      maps->push_back(weights);
+  }
+  return head_(final_norm_(x));
+}
+
+torch::Tensor AttentionModelImpl::forward(const torch::Tensor& tokens) {
+  return run(tokens, nullptr);
+}
+
+std::vector<torch::Tensor> AttentionModelImpl::attention_maps(const torch::Tensor& tokens) {
+  std::vector<torch::Tensor> maps;
+  run(tokens, &maps);
+  return maps;
+}
+
+}  // namespace attnkit::train

@@ -1,0 +1,522 @@
+#include "trainer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include "heatmap.h"
+
+namespace attnkit::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kCheckpointFormat = 1;
+constexpr int64_t kMaxContext = 1024;
+
+int64_t default_steps(const std::string& task) {
+  // Measured on 2 cores: every generated task is at 100% held-out accuracy well before
+  // 600 steps; text starts to overfit its 18 kB of training bytes after about 500.
+  return task == "text" ? 500 : 600;
+}
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() &&
+         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// The settings a checkpoint must share with the run that resumes it.
+std::vector<std::pair<std::string, std::string>> compatibility_fields(const TrainConfig& c) {
+  return {{"task", c.task},
+          {"seq-len", std::to_string(c.seq_len)},
+          {"module", c.module},
+          {"d-model", std::to_string(c.d_model)},
+          {"heads", std::to_string(c.heads)},
+          {"layers", std::to_string(c.layers)},
+          {"ffn", c.ffn ? "true" : "false"}};
+}
+
+std::string compatibility_text(const TrainConfig& c) {
+  std::string text;
+  for (const auto& [key, value] : compatibility_fields(c)) {
+    text += key + "=" + value + ";";
+  }
+  return text;
+}
+
+// Masked next-token cross-entropy and the number of correct predictions.
+struct BatchScore {
+  torch::Tensor loss;  // scalar, mean over scored positions
+  int64_t correct = 0;
+  int64_t scored = 0;
+};
+
+BatchScore score(AttentionModel& model, const Batch& batch, const torch::Device& device,
+                 bool count_correct) {
+  const auto logits = model(batch.inputs.to(device));  // (b, n, vocab)
+  const auto mask = batch.loss_mask.to(device);
+  const auto scored_logits = logits.index({mask});  // (scored, vocab)
+  const auto targets = batch.targets.to(device).index({mask});
+  BatchScore result{torch::nn::functional::cross_entropy(scored_logits, targets), 0,
+                    targets.size(0)};
+  if (count_correct) {
+    result.correct = scored_logits.argmax(-1).eq(targets).sum().item<int64_t>();
+  }
+  return result;
+}
+
+Evaluation evaluate(AttentionModel& model, const std::vector<Batch>& batches,
+                    const torch::Device& device) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  double loss_sum = 0.0;
+  int64_t correct = 0, scored = 0;
+  for (const auto& batch : batches) {
+    const auto s = score(model, batch, device, /*count_correct=*/true);
+    loss_sum += s.loss.item<double>() * static_cast<double>(s.scored);
+    correct += s.correct;
+    scored += s.scored;
+  }
+  model->train();
+  Evaluation e;
+  e.loss = loss_sum / static_cast<double>(scored);
+  e.accuracy = static_cast<double>(correct) / static_cast<double>(scored);
+  e.bits_per_byte = e.loss / std::log(2.0);
+  return e;
+}
+
+// ---- checkpoints ------------------------------------------------------------------------
+
+struct TrainingState {
+  int64_t step = 0;
+  double best_loss = std::numeric_limits<double>::infinity();
+};
+
+void sync_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+void save_checkpoint(const std::string& path, const TrainConfig& config, AttentionModel& model,
+                     torch::optim::AdamW& optimizer, const TrainingState& state,
+                     const at::Generator& data_generator) {
+  torch::serialize::OutputArchive archive;
+  archive.write("format", c10::IValue(kCheckpointFormat));
+  archive.write("config", c10::IValue(compatibility_text(config)));
+  archive.write("step", c10::IValue(state.step));
+  archive.write("best_loss", c10::IValue(state.best_loss));
+  archive.write("data_rng", data_generator.get_state());
+  archive.write("cpu_rng", at::detail::getDefaultCPUGenerator().get_state());
+  torch::serialize::OutputArchive model_archive, optimizer_archive;
+  model->save(model_archive);
+  optimizer.save(optimizer_archive);
+  archive.write("model", model_archive);
+  archive.write("optimizer", optimizer_archive);
+  // Write beside the target, flush to disk, then rename: a crash leaves the old file intact.
+  const std::string temporary = path + ".tmp";
+  archive.save_to(temporary);
+  sync_file(temporary);
+  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "--save: cannot rename '",
+              temporary, "' to '", path, "'");
+}
+
+TrainingState load_checkpoint(const std::string& path, const TrainConfig& config,
+                              AttentionModel& model, torch::optim::AdamW& optimizer,
+                              at::Generator& data_generator, const torch::Device& device) {
+  TORCH_CHECK(std::ifstream(path).good(), "--resume: cannot read '", path, "'");
+  torch::serialize::InputArchive archive;
+  c10::IValue format, saved_config, step, best_loss;
+  try {
+    archive.load_from(path, device);
+    archive.read("format", format);
+    archive.read("config", saved_config);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "--resume: '", path, "' is not an attnkit-train checkpoint");
+  }
+  TORCH_CHECK(format.isInt() && format.toInt() == kCheckpointFormat, "--resume: '", path,
+              "' has checkpoint format ", format.isInt() ? format.toInt() : -1, ", expected ",
+              kCheckpointFormat);
+  // Name the first setting that differs.
+  std::string saved = saved_config.toStringRef();
+  for (const auto& [key, value] : compatibility_fields(config)) {
+    const auto at = saved.find(key + "=");
+    const auto end = saved.find(';', at);
+    const auto saved_value = at == std::string::npos
+                                 ? "?"
+                                 : saved.substr(at + key.size() + 1, end - at - key.size() - 1);
+    TORCH_CHECK(saved_value == value, "--resume: incompatible checkpoint '", path,
+                "': it was trained with --", key, " ", saved_value, ", this run has --", key, " ",
+                value);
+  }
+  TrainingState state;
+  try {
+    archive.read("step", step);
+    archive.read("best_loss", best_loss);
+    torch::Tensor data_rng, cpu_rng;
+    archive.read("data_rng", data_rng);
+    archive.read("cpu_rng", cpu_rng);
+    torch::serialize::InputArchive model_archive, optimizer_archive;
+    archive.read("model", model_archive);
+    archive.read("optimizer", optimizer_archive);
+    model->load(model_archive);
+    optimizer.load(optimizer_archive);
+    data_generator.set_state(data_rng.cpu());
+    auto default_generator = at::detail::getDefaultCPUGenerator();
+    default_generator.set_state(cpu_rng.cpu());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "--resume: '", path, "' is damaged or incomplete (",
+                std::string(e.what_without_backtrace()).substr(0, 120), ")");
+  }
+  state.step = step.toInt();
+  state.best_loss = best_loss.toDouble();
+  return state;
+}
+
+// ---- metrics file -----------------------------------------------------------------------
+
+class MetricsWriter {
+ public:
+  MetricsWriter(const std::string& path, bool text_task) : text_task_(text_task) {
+    if (path.empty())
+      return;
+    csv_ = ends_with(path, ".csv");
+    out_.open(path, std::ios::trunc);
+    TORCH_CHECK(out_.good(), "--metrics: cannot write '", path, "'");
+    if (csv_) {
+      out_ << "step,loss," << (text_task_ ? "bits_per_byte" : "accuracy")
+           << ",train_loss,tokens_per_s,elapsed_s,final\n";
+    }
+  }
+
+  void write(int64_t step, const Evaluation& e, double train_loss, double tokens_per_s,
+             double elapsed_s, bool final) {
+    if (!out_.is_open())
+      return;
+    const double metric = text_task_ ? e.bits_per_byte : e.accuracy;
+    out_ << std::setprecision(6);
+    if (csv_) {
+      out_ << step << "," << e.loss << "," << metric << "," << train_loss << "," << tokens_per_s
+           << "," << elapsed_s << "," << (final ? "true" : "false") << "\n";
+    } else {
+      out_ << "{\"step\": " << step << ", \"loss\": " << e.loss << ", \""
+           << (text_task_ ? "bits_per_byte" : "accuracy") << "\": " << metric
+           << ", \"train_loss\": " << train_loss << ", \"tokens_per_s\": " << tokens_per_s
+           << ", \"elapsed_s\": " << elapsed_s << ", \"final\": " << (final ? "true" : "false")
+           << "}\n";
+    }
+    out_.flush();  // a killed run keeps every line written so far
+  }
+
+ private:
+  bool text_task_;
+  bool csv_ = false;
+  std::ofstream out_;
+};
+
+// ---- progress ---------------------------------------------------------------------------
+
+std::string format_eval(const Evaluation& e, bool text) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(4) << "held-out loss " << e.loss;
+  if (text) {
+    s << std::setprecision(3) << ", " << e.bits_per_byte << " bits/byte";
+  } else {
+    s << std::setprecision(2) << ", accuracy " << 100.0 * e.accuracy << "%";
+  }
+  return s.str();
+}
+
+void draw_progress(std::ostream& out, int64_t step, int64_t steps, double loss, double accuracy,
+                   bool text, double tokens_per_s, double eta_s) {
+  constexpr int kWidth = 24;
+  const int filled = static_cast<int>(kWidth * step / std::max<int64_t>(steps, 1));
+  out << "\r[" << std::string(filled, '#') << std::string(kWidth - filled, '.') << "] step " << step
+      << "/" << steps << std::fixed << std::setprecision(4) << " loss " << loss;
+  if (!text)
+    out << std::setprecision(1) << " acc " << 100.0 * accuracy << "%";
+  out << std::setprecision(0) << " " << tokens_per_s << " tok/s ETA " << eta_s << "s   "
+      << std::flush;
+}
+
+std::string sample_text(AttentionModel& model, const Task& task, const torch::Device& device,
+                        int64_t length) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  const auto prompt = task.eval_batches(1).front().inputs[0];
+  const int64_t prompt_length = std::min<int64_t>(16, prompt.size(0));
+  std::vector<int64_t> tokens(prompt.data_ptr<int64_t>(),
+                              prompt.data_ptr<int64_t>() + prompt_length);
+  for (int64_t i = 0; i < length; ++i) {
+    const auto start =
+        std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - task.input_length());
+    const auto context =
+        torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end())).unsqueeze(0);
+    const auto logits = model(context.to(device)).select(1, -1).squeeze(0);
+    tokens.push_back(torch::multinomial(torch::softmax(logits / 0.8, -1), 1).item<int64_t>());
+  }
+  std::string text(tokens.begin(), tokens.end());
+  return "[" + text.substr(0, prompt_length) + "]" + text.substr(prompt_length);
+}
+
+void dump_attention(const std::string& path, AttentionModel& model, const Task& task,
+                    const torch::Device& device) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  const auto example = task.eval_batches(1).front().inputs;  // (1, n)
+  std::vector<std::string> labels;
+  for (int64_t i = 0; i < example.size(1); ++i) {
+    labels.push_back(task.token_label(example[0][i].item<int64_t>()));
+  }
+  std::vector<torch::Tensor> maps;
+  for (const auto& layer : model->attention_maps(example.to(device))) {
+    maps.push_back(layer[0].cpu());  // (h, n, n)
+  }
+  write_attention_heatmap(path, maps, labels, model->config().module + " on " + task.name());
+}
+
+}  // namespace
+
+std::string best_checkpoint_path(const std::string& save_path) {
+  const auto dot = save_path.rfind('.');
+  const auto slash = save_path.rfind('/');
+  if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) {
+    return save_path + ".best";
+  }
+  return save_path.substr(0, dot) + ".best" + save_path.substr(dot);
+}
+
+torch::Device resolve_device(const std::string& device) {
+  if (device == "auto") {
+    return torch::cuda::is_available() ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+  }
+  if (device == "cpu")
+    return torch::kCPU;
+  const bool cuda = device == "cuda" || device.rfind("cuda:", 0) == 0;
+  TORCH_CHECK(cuda, "--device: expected auto, cpu, cuda or cuda:N, got '", device, "'");
+  TORCH_CHECK(torch::cuda::is_available(), "--device ", device,
+              ": CUDA is not available (no GPU visible, or LibTorch built without CUDA); use "
+              "--device cpu");
+  if (device == "cuda")
+    return torch::Device(torch::kCUDA);
+  const auto index_text = device.substr(5);
+  char* end = nullptr;
+  const long index = std::strtol(index_text.c_str(), &end, 10);
+  TORCH_CHECK(!index_text.empty() && *end == '\0' && index >= 0 &&
+                  index < static_cast<long>(torch::cuda::device_count()),
+              "--device ", device, ": expected cuda:0..cuda:", torch::cuda::device_count() - 1);
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+TrainConfig resolve(TrainConfig c) {
+  if (c.seq_len == 0)
+    c.seq_len = default_task_length(c.task);
+  if (c.layers == 0)
+    c.layers = (c.task == "recall" || c.task == "text") ? 2 : 1;
+  if (c.steps == 0)
+    c.steps = default_steps(c.task);
+  if (c.eval_every == 0)
+    c.eval_every = std::max<int64_t>(1, c.steps / 10);
+  TORCH_CHECK(c.steps >= 1, "--steps: expected >= 1, got ", c.steps);
+  TORCH_CHECK(c.batch_size >= 1, "--batch-size: expected >= 1, got ", c.batch_size);
+  TORCH_CHECK(c.lr > 0 && std::isfinite(c.lr), "--lr: expected a positive number, got ", c.lr);
+  TORCH_CHECK(c.weight_decay >= 0, "--weight-decay: expected >= 0, got ", c.weight_decay);
+  TORCH_CHECK(c.threads >= 0, "--threads: expected >= 0 (0 = LibTorch's default), got ", c.threads);
+  TORCH_CHECK(c.eval_every >= 1, "--eval-every: expected >= 1, got ", c.eval_every);
+  TORCH_CHECK(c.sample >= 0, "--sample: expected >= 0, got ", c.sample);
+  TORCH_CHECK(c.dump_attention.empty() || ends_with(c.dump_attention, ".png"),
+              "--dump-attention: expected a file name ending in .png, got '", c.dump_attention,
+              "'");
+  resolve_device(c.device);  // fails early for cuda without CUDA
+  return c;
+}
+
+void print_config_table(std::ostream& out, const TrainConfig& c, const Task& task) {
+  const std::vector<std::pair<std::string, std::string>> rows{
+      {"task", c.task + (task.causal() ? " (causal)" : " (bidirectional)")},
+      {"seq-len", std::to_string(c.seq_len) + " (" + std::to_string(task.input_length()) +
+                      " tokens per sequence, vocab " + std::to_string(task.vocab_size()) + ")"},
+      {"module", c.module},
+      {"d-model / heads / layers", std::to_string(c.d_model) + " / " + std::to_string(c.heads) +
+                                       " / " + std::to_string(c.layers)},
+      {"ffn / dropout", std::string(c.ffn ? "yes" : "no") + " / " + c10::str(c.dropout)},
+      {"steps / batch-size", std::to_string(c.steps) + " / " + std::to_string(c.batch_size)},
+      {"lr / weight-decay", c10::str(c.lr) + " / " + c10::str(c.weight_decay)},
+      {"seed / device / threads",
+       std::to_string(c.seed) + " / " + resolve_device(c.device).str() + " / " +
+           std::to_string(c.threads > 0 ? c.threads : torch::get_num_threads())},
+      {"eval-every", std::to_string(c.eval_every)},
+  };
+  size_t width = 9;
+  for (const auto& row : rows)
+    width = std::max(width, row.first.size());
+  out << "| " << std::left << std::setw(static_cast<int>(width)) << "Parameter"
+      << " | Value\n"
+      << "|" << std::string(width + 2, '-') << "|" << std::string(40, '-') << "\n";
+  for (const auto& [name, value] : rows) {
+    out << "| " << std::setw(static_cast<int>(width)) << name << " | " << value << "\n";
+  }
+  out << std::right;
+  if (c.task == "text") {
+    out << std::fixed << std::setprecision(2) << "corpus " << c.data << ": unigram entropy "
+        << task.unigram_entropy() << ", bigram entropy " << task.bigram_entropy()
+        << " bits/byte on the held-out 10%\n";
+  }
+}
+
+TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomic<bool>* stop) {
+  const auto wall_start = Clock::now();
+  const auto device = resolve_device(config.device);
+  if (config.threads > 0)
+    torch::set_num_threads(static_cast<int>(config.threads));
+  torch::manual_seed(config.seed);
+  auto data_generator = at::detail::createCPUGenerator(config.seed);
+
+  const auto task = make_task(config.task, config.seq_len, config.seed, config.data);
+  ModelConfig model_config;
+  model_config.module = config.module;
+  model_config.vocab_size = task->vocab_size();
+  model_config.context_length = task->input_length();
+  model_config.d_model = config.d_model;
+  model_config.heads = config.heads;
+  model_config.layers = config.layers;
+  model_config.dropout = config.dropout;
+  model_config.ffn = config.ffn;
+  model_config.causal = task->causal();
+  TORCH_CHECK(task->input_length() <= kMaxContext, "--seq-len ", config.seq_len, ": task ",
+              config.task, " would need context_length ", task->input_length(), ", more than the ",
+              kMaxContext, " attnkit-train allows");
+  AttentionModel model(model_config);
+  model->to(device);
+  torch::optim::AdamW optimizer(
+      model->parameters(), torch::optim::AdamWOptions(config.lr).weight_decay(config.weight_decay));
+  const auto eval_batches = task->eval_batches(256);
+  const bool text = config.task == "text";
+  const bool verbose = !config.quiet;
+
+  TrainingState state;
+  if (!config.resume.empty()) {
+    state = load_checkpoint(config.resume, config, model, optimizer, data_generator, device);
+    if (verbose)
+      out << "resumed from " << config.resume << " at step " << state.step << "\n";
+  }
+  if (verbose)
+    print_config_table(out, config, *task);
+  MetricsWriter metrics(config.metrics, text);
+
+  TrainResult result;
+  double train_seconds = 0.0;
+  int64_t tokens = 0;
+  double smoothed_loss = 0.0;
+  double smoothed_accuracy = 0.0;
+  const auto save = [&](bool improved) {
+    if (config.save.empty())
+      return;
+    save_checkpoint(config.save, config, model, optimizer, state, data_generator);
+    if (improved) {
+      save_checkpoint(best_checkpoint_path(config.save), config, model, optimizer, state,
+                      data_generator);
+    }
+  };
+
+  model->train();
+  const int64_t first_step = state.step + 1;
+  for (int64_t step = first_step; step <= config.steps; ++step) {
+    if (stop != nullptr && stop->load()) {
+      result.interrupted = true;
+      break;
+    }
+    const auto step_start = Clock::now();
+    const auto batch = task->train_batch(config.batch_size, data_generator);
+    const auto s = score(model, batch, device, /*count_correct=*/config.progress_bar);
+    const double loss = s.loss.item<double>();
+    if (!std::isfinite(loss)) {
+      throw NonFiniteLoss(c10::str(
+          "loss became ", loss, " at step ", step, "; training stopped",
+          config.save.empty()
+              ? std::string(" (no --save given)")
+              : c10::str("; the last good checkpoint is ", config.save, " (step ", state.step, ")"),
+          ". Try a smaller --lr (now ", config.lr, ")"));
+    }
+    optimizer.zero_grad();
+    s.loss.backward();
+    torch::nn::utils::clip_grad_norm_(model->parameters(), config.clip_norm);
+    optimizer.step();
+    state.step = step;
+    train_seconds += seconds_since(step_start);
+    tokens += batch.inputs.numel();
+    result.losses.push_back(loss);
+    smoothed_loss = step == first_step ? loss : 0.95 * smoothed_loss + 0.05 * loss;
+    const double accuracy = s.scored ? static_cast<double>(s.correct) / s.scored : 0.0;
+    smoothed_accuracy = step == first_step ? accuracy : 0.95 * smoothed_accuracy + 0.05 * accuracy;
+    const double tokens_per_s = tokens / std::max(train_seconds, 1e-9);
+
+    if (verbose && config.progress_bar) {
+      const double eta = train_seconds / (step - first_step + 1) * (config.steps - step);
+      draw_progress(out, step, config.steps, smoothed_loss, smoothed_accuracy, text, tokens_per_s,
+                    eta);
+    }
+    if (step % config.eval_every == 0 || step == config.steps) {
+      const auto evaluation = evaluate(model, eval_batches, device);
+      const bool improved = evaluation.loss < state.best_loss;
+      if (improved)
+        state.best_loss = evaluation.loss;
+      save(improved);
+      metrics.write(step, evaluation, smoothed_loss, tokens_per_s, seconds_since(wall_start),
+                    /*final=*/false);
+      if (verbose) {
+        if (config.progress_bar)
+          out << "\n";
+        out << "step " << step << "/" << config.steps << " | train loss " << std::fixed
+            << std::setprecision(4) << smoothed_loss << " | " << format_eval(evaluation, text)
+            << " | " << std::setprecision(0) << tokens_per_s << " tok/s\n";
+      }
+    }
+  }
+  if (result.interrupted) {
+    save(/*improved=*/false);
+  }
+
+  result.final_evaluation = evaluate(model, eval_batches, device);
+  result.last_step = state.step;
+  result.train_seconds = train_seconds;
+  result.tokens_per_second = tokens / std::max(train_seconds, 1e-9);
+  result.wall_seconds = seconds_since(wall_start);
+  metrics.write(state.step, result.final_evaluation, smoothed_loss, result.tokens_per_second,
+                result.wall_seconds, /*final=*/true);
+
+  out << (result.interrupted ? "interrupted" : "done") << " after step " << state.step << ": "
+      << format_eval(result.final_evaluation, text) << " | " << std::fixed << std::setprecision(1)
+      << result.wall_seconds << " s wall, " << std::setprecision(0) << result.tokens_per_second
+      << " tokens/s\n";
+  if (text) {
+    out << std::setprecision(2) << "corpus baselines: unigram " << task->unigram_entropy()
+        << ", bigram " << task->bigram_entropy() << " bits/byte; model "
+        << result.final_evaluation.bits_per_byte << " ("
+        << task->bigram_entropy() - result.final_evaluation.bits_per_byte << " below bigram)\n";
+    if (config.sample > 0) {
+      out << "sample: " << sample_text(model, *task, device, config.sample) << "\n";
+    }
+  }
+  if (!config.dump_attention.empty()) {
+    dump_attention(config.dump_attention, model, *task, device);
+    if (verbose)
+      out << "attention heatmap written to " << config.dump_attention << "\n";
+  }
+  return result;
+}
+
+}  // namespace attnkit::train

@@ -1,0 +1,97 @@
+#pragma once
+
+// attnkit-train's engine: resolved configuration, the training loop, held-out evaluation,
+// checkpoints (atomic, resumable) and the metrics file. The CLI (apps/train.cpp) and the
+// tests drive it.
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "model.h"
+#include "tasks.h"
+
+namespace attnkit::train {
+
+/// Everything a run is made of. Zero means "the task's default" where noted.
+struct TrainConfig {
+  // task
+  std::string task = "copy";
+  std::string data = "data/the-verdict.txt";
+  int64_t seq_len = 0;  // 0: default_task_length(task)
+  int64_t sample = 0;   // text: bytes to generate after training
+  // model
+  std::string module = "mha";
+  int64_t d_model = 64;
+  int64_t heads = 4;
+  int64_t layers = 0;  // 0: 2 for recall and text, else 1
+  double dropout = 0.0;
+  bool ffn = false;
+  // optimisation
+  int64_t steps = 0;  // 0: the task's default
+  int64_t batch_size = 64;
+  double lr = 3e-3;
+  double weight_decay = 0.01;
+  double clip_norm = 1.0;
+  // run
+  uint64_t seed = 1;
+  std::string device = "auto";
+  int64_t threads = 0;     // 0: LibTorch's default
+  int64_t eval_every = 0;  // 0: steps / 10
+  std::string save;
+  std::string resume;
+  std::string metrics;
+  std::string dump_attention;
+  bool quiet = false;
+  /// Redraw a progress bar in place (the CLI sets this when stdout is a terminal);
+  /// otherwise print one plain line per evaluation.
+  bool progress_bar = false;
+};
+
+/// Fills the task defaults, checks every value (one-line c10::Error naming the flag) and
+/// resolves --device ("auto" picks CUDA when available).
+TrainConfig resolve(TrainConfig config);
+
+/// The device a resolved config runs on; fails for cuda without CUDA.
+torch::Device resolve_device(const std::string& device);
+
+/// `| Parameter | Value |` table of a resolved config.
+void print_config_table(std::ostream& out, const TrainConfig& config, const Task& task);
+
+/// Held-out metrics.
+struct Evaluation {
+  double loss = 0.0;           // mean cross-entropy (nats) over scored positions
+  double accuracy = 0.0;       // fraction of scored positions predicted exactly
+  double bits_per_byte = 0.0;  // text: loss / ln 2
+};
+
+struct TrainResult {
+  Evaluation final_evaluation;
+  int64_t last_step = 0;
+  double train_seconds = 0.0;  // training only, evaluation excluded
+  double wall_seconds = 0.0;
+  double tokens_per_second = 0.0;
+  std::vector<double> losses;  // training loss of every step run here
+  bool interrupted = false;
+};
+
+/// Raised when the loss becomes NaN or infinite; the last good checkpoint stays in place.
+struct NonFiniteLoss : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// Runs a resolved config. `stop` is polled between steps (SIGINT/SIGTERM): when set,
+/// the current step finishes, a checkpoint is saved (with --save) and the result says
+/// `interrupted`. Progress goes to `out`.
+TrainResult train(const TrainConfig& config, std::ostream& out,
+                  const std::atomic<bool>* stop = nullptr);
+
+/// The `.best` sibling of a --save path: "run.pt" -> "run.best.pt".
+std::string best_checkpoint_path(const std::string& save_path);
+
+}  // namespace attnkit::train
