@@ -288,6 +288,19 @@ void dump_attention(const std::string& path, AttentionModel& model, const Task& 
   write_attention_heatmap(path, maps, labels, model->config().module + " on " + task.name());
 }
 
+// `saved_step`: the step of the last checkpoint this run wrote (0: none).
+std::string non_finite_message(const char* what, double value, int64_t step,
+                               const TrainConfig& config, int64_t saved_step) {
+  std::string checkpoint = " (no --save given)";
+  if (!config.save.empty()) {
+    checkpoint = saved_step > 0 ? c10::str("; the last good checkpoint is ", config.save, " (step ",
+                                           saved_step, ")")
+                                : c10::str("; nothing was saved, ", config.save, " is unchanged");
+  }
+  return c10::str(what, " became ", std::isnan(value) ? "NaN" : "infinite", " at step ", step,
+                  "; training stopped", checkpoint, ". Try a smaller --lr (now ", config.lr, ")");
+}
+
 }  // namespace
 
 std::string best_checkpoint_path(const std::string& save_path) {
@@ -410,6 +423,10 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   TrainingState state;
   if (!config.resume.empty()) {
     state = load_checkpoint(config.resume, config, model, optimizer, data_generator, device);
+    for (auto& group : optimizer.param_groups()) {  // this run's --lr and --weight-decay
+      auto& options = static_cast<torch::optim::AdamWOptions&>(group.options());
+      options.lr(config.lr).weight_decay(config.weight_decay);
+    }
     if (verbose)
       out << "resumed from " << config.resume << " at step " << state.step << "\n";
   }
@@ -422,10 +439,12 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   int64_t tokens = 0;
   double smoothed_loss = 0.0;
   double smoothed_accuracy = 0.0;
+  int64_t saved_step = 0;  // the step of the last checkpoint this run wrote
   const auto save = [&](bool improved) {
     if (config.save.empty())
       return;
     save_checkpoint(config.save, config, model, optimizer, state, data_generator);
+    saved_step = state.step;
     if (improved) {
       save_checkpoint(best_checkpoint_path(config.save), config, model, optimizer, state,
                       data_generator);
@@ -444,12 +463,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
     const auto s = score(model, batch, device, /*count_correct=*/config.progress_bar);
     const double loss = s.loss.item<double>();
     if (!std::isfinite(loss)) {
-      throw NonFiniteLoss(c10::str(
-          "loss became ", loss, " at step ", step, "; training stopped",
-          config.save.empty()
-              ? std::string(" (no --save given)")
-              : c10::str("; the last good checkpoint is ", config.save, " (step ", state.step, ")"),
-          ". Try a smaller --lr (now ", config.lr, ")"));
+      throw NonFiniteLoss(non_finite_message("loss", loss, step, config, saved_step));
     }
     optimizer.zero_grad();
     s.loss.backward();
@@ -471,6 +485,11 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
     }
     if (step % config.eval_every == 0 || step == config.steps) {
       const auto evaluation = evaluate(model, eval_batches, device);
+      if (!std::isfinite(evaluation.loss)) {
+        // The update broke the weights: stop before they overwrite a good checkpoint.
+        throw NonFiniteLoss(
+            non_finite_message("held-out loss", evaluation.loss, step, config, saved_step));
+      }
       const bool improved = evaluation.loss < state.best_loss;
       if (improved)
         state.best_loss = evaluation.loss;

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Runs attnkit-train the way a user would and checks exit codes and messages:
+# every bad input is one line on stderr, exit 2, no stack dump; SIGINT saves and exits 130.
+# Usage: tests/cli_test.sh PATH/TO/attnkit-train SOURCE_DIR
+set -u
+train=$1
+source_dir=$2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+checks=0
+
+# expect CODE MESSAGE_PART -- ARGS...
+expect() {
+  local code=$1 part=$2
+  shift 3
+  checks=$((checks + 1))
+  "$train" "$@" >"$work/out" 2>"$work/err"
+  local got=$?
+  local lines
+  lines=$(wc -l <"$work/err")
+  if [ "$got" -ne "$code" ] || { [ -n "$part" ] && ! grep -qF -- "$part" "$work/err"; } ||
+     { [ "$code" -eq 2 ] && [ "$lines" -ne 1 ]; } || grep -q "Exception raised from" "$work/err"; then
+    echo "FAIL: attnkit-train $* -> exit $got (expected $code), stderr:"
+    sed 's/^/    /' "$work/err"
+    failures=$((failures + 1))
+  else
+    echo "ok: attnkit-train $* -> exit $got: $(head -c 160 "$work/err")"
+  fi
+}
+
+quick=(--steps 4 --eval-every 2 --d-model 16 --heads 2 --batch-size 8 --threads 1)
+expect 2 "Option ‘bogus’ does not exist" -- --bogus
+expect 2 "--task: unknown task 'nope'" -- --task nope
+expect 2 "--module: unknown module 'nope'" -- --module nope
+expect 2 "--data: cannot read '$work/missing.txt'" -- --task text --data "$work/missing.txt"
+: >"$work/empty.txt"
+expect 2 "--data: '$work/empty.txt' is empty" -- --task text --data "$work/empty.txt"
+expect 2 "--device cuda:99: " -- --device cuda:99
+expect 2 "--seq-len: expected 1..512 for task copy, got 600" -- --seq-len 600
+expect 2 "--module sa-v2 has no causal mask" -- --task copy --module sa-v2
+expect 2 "--module mha-wrapper always applies a causal mask" -- --task reverse --module mha-wrapper
+expect 2 "--d-model 30 must be divisible by --heads 4" -- --d-model 30
+expect 2 "--steps: expected >= 1" -- --steps -5
+expect 2 "Argument ‘many’ failed to parse" -- --steps many
+if "$train" --device cuda --steps 1 >/dev/null 2>&1; then :; else
+  expect 2 "--device cuda: CUDA is not available" -- --device cuda
+fi
+
+# Checkpoints: an incompatible or foreign one is refused.
+expect 0 "" -- "${quick[@]}" --save "$work/run.pt" --quiet
+expect 2 "incompatible checkpoint '$work/run.pt': it was trained with --module mha, this run has --module causal" \
+  -- "${quick[@]}" --module causal --resume "$work/run.pt"
+echo "garbage" >"$work/foreign.pt"
+expect 2 "is not an attnkit-train checkpoint" -- "${quick[@]}" --resume "$work/foreign.pt"
+
+# A loss that becomes NaN stops training with exit 1 and keeps the last good checkpoint.
+cp "$work/run.pt" "$work/nan.pt"
+expect 1 "became NaN at step 1; training stopped; nothing was saved" \
+  -- "${quick[@]}" --lr 1e30 --eval-every 1 --save "$work/nan.pt"
+cmp -s "$work/run.pt" "$work/nan.pt" || { echo "FAIL: the good checkpoint was overwritten"; failures=$((failures + 1)); }
+expect 0 "" -- "${quick[@]}" --steps 6 --resume "$work/nan.pt" --quiet
+
+# SIGINT: finishes the step, saves, exits 130.
+checks=$((checks + 1))
+"$train" --steps 1000000 --threads 1 --save "$work/sigint.pt" >"$work/out" 2>"$work/err" &
+pid=$!
+sleep 3
+kill -INT "$pid"
+wait "$pid"
+code=$?
+if [ "$code" -eq 130 ] && grep -q "interrupted at step" "$work/err" && [ -s "$work/sigint.pt" ] &&
+   "$train" --steps 1 --resume "$work/sigint.pt" --quiet >/dev/null 2>&1; then
+  echo "ok: SIGINT -> exit 130: $(cat "$work/err")"
+else
+  echo "FAIL: SIGINT -> exit $code (expected 130 and a resumable checkpoint), stderr:"
+  sed 's/^/    /' "$work/err"
+  failures=$((failures + 1))
+fi
+
+# --help and --version.
+checks=$((checks + 1))
+if "$train" --help | grep -q "Optimisation options" && "$train" --version | grep -q "attnkit-train "; then
+  echo "ok: --help and --version"
+else
+  echo "FAIL: --help or --version"
+  failures=$((failures + 1))
+fi
+
+echo "$((checks - failures)) passed, $failures failed"
+[ "$failures" -eq 0 ]

@@ -1,0 +1,287 @@
+// attnkit_train (src/train/): tasks, determinism, checkpoints and resume, faults, metrics.
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "source_paths.h"
+#include "test_support.h"
+#include "train/heatmap.h"
+#include "train/tasks.h"
+#include "train/trainer.h"
+
+namespace fs = std::filesystem;
+namespace T = attnkit::train;
+using namespace attnkit::testing;
+
+namespace {
+
+class TrainTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() /
+           ("attnkit_train_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  // A small, quick configuration; dropout on so that resuming must restore the RNG too.
+  static T::TrainConfig small_config() {
+    T::TrainConfig c;
+    c.task = "copy";
+    c.module = "mha";
+    c.d_model = 32;
+    c.heads = 2;
+    c.batch_size = 16;
+    c.steps = 40;
+    c.eval_every = 10;
+    c.dropout = 0.1;
+    c.device = "cpu";
+    c.threads = 1;
+    c.quiet = true;
+    return T::resolve(c);
+  }
+
+  std::vector<double> run(const T::TrainConfig& c) {
+    std::ostringstream out;
+    return T::train(c, out).losses;
+  }
+
+  fs::path dir_;
+};
+
+std::vector<std::string> lines_of(const std::string& file) {
+  std::ifstream in(file);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);)
+    lines.push_back(line);
+  return lines;
+}
+
+}  // namespace
+
+TEST(Tasks, CopyScoresOnlyTheCopiedHalf) {
+  auto task = T::make_task("copy", 8, 1, "");
+  auto generator = at::detail::createCPUGenerator(3);
+  const auto batch = task->train_batch(4, generator);
+  EXPECT_EQ(batch.inputs.sizes(), (std::vector<int64_t>{4, 16}));
+  EXPECT_TRUE(task->causal());
+  // Input: 8 symbols, separator 0, first 7 copies; targets shifted by one.
+  EXPECT_TRUE(batch.inputs.select(1, 8).eq(0).all().item<bool>());
+  EXPECT_TRUE(torch::equal(batch.targets.slice(1, 8), batch.inputs.slice(1, 0, 8)));
+  EXPECT_EQ(batch.loss_mask.sum().item<int64_t>(), 4 * 8);
+  EXPECT_FALSE(batch.loss_mask.slice(1, 0, 8).any().item<bool>());
+}
+
+TEST(Tasks, ReverseAndRecallTargets) {
+  auto generator = at::detail::createCPUGenerator(4);
+  const auto reverse = T::make_task("reverse", 6, 1, "")->train_batch(3, generator);
+  EXPECT_TRUE(torch::equal(reverse.targets, reverse.inputs.flip({1})));
+  EXPECT_FALSE(T::make_task("reverse", 6, 1, "")->causal());
+
+  const auto recall = T::make_task("recall", 4, 1, "")->train_batch(32, generator);
+  EXPECT_EQ(recall.inputs.sizes(), (std::vector<int64_t>{32, 9}));
+  for (int64_t b = 0; b < 32; ++b) {
+    const auto asked = recall.inputs[b][8].item<int64_t>();
+    int64_t expected = -1;
+    for (int64_t p = 0; p < 4; ++p) {
+      if (recall.inputs[b][2 * p].item<int64_t>() == asked) {
+        expected = recall.inputs[b][2 * p + 1].item<int64_t>();
+      }
+    }
+    EXPECT_EQ(recall.targets[b][8].item<int64_t>(), expected) << "row " << b;
+  }
+  EXPECT_EQ(recall.loss_mask.sum().item<int64_t>(), 32);
+}
+
+TEST(Tasks, TextEntropiesOfTheVerdict) {
+  // shared/data/README.md: unigram 4.49 and bigram (add-one) 3.56 bits/char on validation.
+  const auto task = T::make_task("text", 64, 1, std::string(kSourceDir) + "/data/the-verdict.txt");
+  EXPECT_NEAR(task->unigram_entropy(), 4.49, 0.005);
+  EXPECT_NEAR(task->bigram_entropy(), 3.56, 0.005);
+  const auto eval = task->eval_batches(8);
+  EXPECT_EQ(eval.front().inputs.sizes(), (std::vector<int64_t>{8, 64}));
+  EXPECT_TRUE(torch::equal(eval.front().targets.select(1, 0), eval.front().inputs.select(1, 1)));
+}
+
+TEST(Tasks, BadArgumentsAreNamed) {
+  expect_error_containing([] { T::make_task("nope", 8, 1, ""); }, "--task: unknown task 'nope'");
+  expect_error_containing([] { T::make_task("copy", 0, 1, ""); },
+                          "--seq-len: expected 1..512 for task copy, got 0");
+  expect_error_containing([] { T::make_task("recall", 20, 1, ""); },
+                          "--seq-len: expected 1..16 for task recall, got 20");
+  expect_error_containing([] { T::make_task("text", 64, 1, "/nonexistent/file.txt"); },
+                          "--data: cannot read '/nonexistent/file.txt'");
+}
+
+TEST_F(TrainTest, EmptyOrShortDataFileIsRefused) {
+  std::ofstream(path("empty.txt")).close();
+  expect_error_containing([&] { T::make_task("text", 64, 1, path("empty.txt")); }, "is empty");
+  std::ofstream(path("short.txt")) << "too short";
+  expect_error_containing([&] { T::make_task("text", 64, 1, path("short.txt")); },
+                          "has 9 bytes; the text task needs more than");
+}
+
+TEST_F(TrainTest, SameSeedGivesTheSameLossCurve) {
+  const auto config = small_config();
+  const auto first = run(config);
+  ASSERT_EQ(first.size(), 40u);
+  EXPECT_EQ(run(config), first);
+  auto other_seed = config;
+  other_seed.seed = 2;
+  EXPECT_NE(run(other_seed), first);
+}
+
+TEST_F(TrainTest, ResumeContinuesExactlyAsAnUninterruptedRun) {
+  const auto config = small_config();
+  const auto uninterrupted = run(config);
+
+  auto first_half = config;
+  first_half.steps = 20;
+  first_half.save = path("run.pt");
+  auto losses = run(first_half);
+  ASSERT_TRUE(fs::exists(path("run.pt")));
+  EXPECT_TRUE(fs::exists(path("run.best.pt")));
+
+  auto second_half = config;
+  second_half.resume = path("run.pt");
+  const auto rest = run(second_half);
+  losses.insert(losses.end(), rest.begin(), rest.end());
+  EXPECT_EQ(losses, uninterrupted);
+}
+
+TEST_F(TrainTest, IncompatibleOrForeignCheckpointIsRefused) {
+  auto config = small_config();
+  config.steps = 5;
+  config.save = path("run.pt");
+  run(config);
+  auto other = small_config();
+  other.module = "mha-combined";
+  other.resume = path("run.pt");
+  expect_error_containing([&] { run(other); },
+                          "--resume: incompatible checkpoint '" + path("run.pt") +
+                              "': it was trained with --module mha, this run has --module "
+                              "mha-combined");
+  std::ofstream(path("foreign.pt")) << "not a checkpoint";
+  auto foreign = small_config();
+  foreign.resume = path("foreign.pt");
+  expect_error_containing([&] { run(foreign); }, "is not an attnkit-train checkpoint");
+}
+
+TEST_F(TrainTest, StopRequestFinishesTheStepSavesAndResumes) {
+  auto config = small_config();
+  config.steps = 1000000;
+  config.save = path("run.pt");
+  std::atomic<bool> stop{false};
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    stop.store(true);
+  });
+  std::ostringstream out;
+  const auto result = T::train(config, out, &stop);
+  stopper.join();
+  EXPECT_TRUE(result.interrupted);
+  EXPECT_GT(result.last_step, 0);
+  EXPECT_LT(result.last_step, config.steps);
+  // The saved state resumes at the step it stopped after.
+  auto resumed = config;
+  resumed.steps = result.last_step + 2;
+  resumed.resume = path("run.pt");
+  resumed.save.clear();
+  EXPECT_EQ(run(resumed).size(), 2u);
+}
+
+TEST_F(TrainTest, NonFiniteLossStopsAndKeepsTheLastGoodCheckpoint) {
+  auto good = small_config();
+  good.steps = 10;
+  good.save = path("run.pt");
+  run(good);
+  const auto saved = lines_of(path("run.pt"));
+
+  auto diverging = small_config();
+  diverging.lr = 1e30;  // the first update throws the weights to overflow
+  diverging.eval_every = 1;
+  diverging.save = path("run.pt");
+  try {
+    run(diverging);
+    FAIL() << "expected NonFiniteLoss";
+  } catch (const T::NonFiniteLoss& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("became NaN at step 1; training stopped; nothing was saved"),
+              std::string::npos)
+        << message;
+  }
+  // The good checkpoint is untouched and resumes.
+  EXPECT_EQ(lines_of(path("run.pt")), saved);
+  auto resumed = small_config();
+  resumed.resume = path("run.pt");
+  resumed.steps = 13;
+  EXPECT_EQ(run(resumed).size(), 3u);
+}
+
+TEST_F(TrainTest, MetricsFilesJsonLinesAndCsv) {
+  auto config = small_config();
+  config.steps = 20;
+  config.metrics = path("metrics.jsonl");
+  run(config);
+  const auto json = lines_of(path("metrics.jsonl"));
+  ASSERT_EQ(json.size(), 3u);  // evaluations at 10 and 20, then the final one
+  for (const auto* field :
+       {"\"step\": ", "\"loss\": ", "\"accuracy\": ", "\"tokens_per_s\": ", "\"elapsed_s\": "}) {
+    EXPECT_NE(json[0].find(field), std::string::npos) << json[0];
+  }
+  EXPECT_NE(json.back().find("\"final\": true"), std::string::npos) << json.back();
+  EXPECT_NE(json[0].find("\"final\": false"), std::string::npos) << json[0];
+
+  config.metrics = path("metrics.csv");
+  run(config);
+  const auto csv = lines_of(path("metrics.csv"));
+  ASSERT_EQ(csv.size(), 4u);
+  EXPECT_EQ(csv[0], "step,loss,accuracy,train_loss,tokens_per_s,elapsed_s,final");
+  EXPECT_EQ(csv.back().substr(csv.back().rfind(',') + 1), "true");
+}
+
+TEST_F(TrainTest, ResolveNamesTheBadFlag) {
+  auto config = small_config();
+  config.batch_size = 0;
+  expect_error_containing([&] { T::resolve(config); }, "--batch-size: expected >= 1, got 0");
+  config = small_config();
+  config.dump_attention = path("map.jpg");
+  expect_error_containing([&] { T::resolve(config); }, "expected a file name ending in .png");
+  config = small_config();
+  config.device = "tpu";
+  expect_error_containing([&] { T::resolve(config); },
+                          "--device: expected auto, cpu, cuda or cuda:N, got 'tpu'");
+  config = small_config();
+  config.module = "sa-v2";
+  expect_error_containing([&] { run(config); }, "--module sa-v2 has no causal mask");
+  config = small_config();
+  config.task = "reverse";
+  config.module = "causal";
+  expect_error_containing([&] { run(config); }, "--module causal always applies a causal mask");
+  EXPECT_EQ(T::best_checkpoint_path("dir.v2/run.pt"), "dir.v2/run.best.pt");
+  EXPECT_EQ(T::best_checkpoint_path("dir.v2/run"), "dir.v2/run.best");
+}
+
+TEST_F(TrainTest, AttentionHeatmapIsAPng) {
+  auto config = small_config();
+  config.steps = 5;
+  config.dump_attention = path("attention.png");
+  run(config);
+  std::ifstream png(path("attention.png"), std::ios::binary);
+  std::string signature(8, '\0');
+  png.read(signature.data(), 8);
+  EXPECT_EQ(signature, std::string("\x89PNG\r\n\x1a\n", 8));
+  expect_error_containing(
+      [&] {
+        T::write_attention_heatmap(path("missing_dir/x.png"), {torch::rand({1, 3, 3})},
+                                   {"a", "b", "c"}, "t");
+      },
+      "cannot write");
+}
