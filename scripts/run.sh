@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds and runs attnkit-walkthrough: the chapter-3 computations step by step.
-# Usage: scripts/run.sh [walkthrough arguments, e.g. --section multihead, --help]
+# Builds and runs attnkit-train (default: the copy task with MultiHeadAttention): a model
+# learns, with a progress bar and a final report. Arguments go to attnkit-train (--help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/build.sh --target attnkit-walkthrough >/dev/null
-exec build/apps/attnkit-walkthrough "$@"
+scripts/build.sh --target attnkit-train >/dev/null
+exec build/apps/attnkit-train "$@"
