@@ -16,22 +16,11 @@ using namespace attnkit::testing;
 
 namespace {
 
-// A fresh directory per test, removed afterwards.
-class SerializeTest : public ::testing::Test {
+class SerializeTest : public TempDirTest {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("attnkit_serialize_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
   void write_file(const std::string& name, const std::string& bytes) const {
     std::ofstream(path(name), std::ios::binary) << bytes;
   }
-  fs::path dir_;
 };
 
 std::string file_bytes(const std::string& path) {

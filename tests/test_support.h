@@ -3,7 +3,10 @@
 // Shared by the test suites: the one tensor comparison, the notebooks' inputs, a
 // finite-difference gradient check, and the CPU/CUDA test parameter.
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -144,6 +147,23 @@ inline void expect_gradients_match_finite_differences(
     EXPECT_TRUE(tensors_close("grad of " + name, tensor.grad().view({-1}), numeric, kTolerance));
   }
 }
+
+/// A fresh temporary directory per test, removed afterwards.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = std::filesystem::temp_directory_path() /
+           ("attnkit_" + std::string(info->test_suite_name()) + "_" + info->name() + "_" +
+            std::to_string(::getpid()));
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  std::filesystem::path dir_;
+};
 
 /// Parameter for suites that run on every device; CUDA cases skip without a GPU.
 class DeviceTest : public ::testing::TestWithParam<torch::DeviceType> {

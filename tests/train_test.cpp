@@ -19,18 +19,8 @@ using namespace attnkit::testing;
 
 namespace {
 
-class TrainTest : public ::testing::Test {
+class TrainTest : public TempDirTest {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("attnkit_train_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
   // A small, quick configuration; dropout on so that resuming must restore the RNG too.
   static T::TrainConfig small_config() {
     T::TrainConfig c;
@@ -52,8 +42,6 @@ class TrainTest : public ::testing::Test {
     std::ostringstream out;
     return T::train(c, out).losses;
   }
-
-  fs::path dir_;
 };
 
 std::vector<std::string> lines_of(const std::string& file) {
