@@ -17,10 +17,12 @@ namespace attnkit {
 /// Example: `CausalAttention ca(/*d_in=*/3, /*d_out=*/2, /*context_length=*/6, /*dropout=*/0.0);`
 class CausalAttentionImpl : public torch::nn::Cloneable<CausalAttentionImpl> {
  public:
+  /// Positional arguments in the order of the Python constructor.
   CausalAttentionImpl(int64_t d_in, int64_t d_out, int64_t context_length, double dropout,
                       bool qkv_bias = false)
       : CausalAttentionImpl(
             CausalAttentionOptions(d_in, d_out, context_length, dropout).qkv_bias(qkv_bias)) {}
+  /// From options, e.g. with non-default fields set by their chained setters.
   explicit CausalAttentionImpl(const CausalAttentionOptions& options);
 
   /// Validates the options, registers the projections and the `mask` buffer.

@@ -18,11 +18,13 @@ namespace attnkit {
 /// Example: `MultiHeadAttentionWrapper mha(3, 2, 6, 0.0, /*num_heads=*/2);  // output width 4`
 class MultiHeadAttentionWrapperImpl : public torch::nn::Cloneable<MultiHeadAttentionWrapperImpl> {
  public:
+  /// Positional arguments in the order of the Python constructor.
   MultiHeadAttentionWrapperImpl(int64_t d_in, int64_t d_out, int64_t context_length, double dropout,
                                 int64_t num_heads, bool qkv_bias = false)
       : MultiHeadAttentionWrapperImpl(
             MultiHeadAttentionWrapperOptions(d_in, d_out, context_length, dropout, num_heads)
                 .qkv_bias(qkv_bias)) {}
+  /// From options, e.g. with non-default fields set by their chained setters.
   explicit MultiHeadAttentionWrapperImpl(const MultiHeadAttentionWrapperOptions& options);
 
   /// Validates the options and registers the heads.
@@ -56,11 +58,13 @@ TORCH_MODULE(MultiHeadAttentionWrapper);
 /// Example: `MultiHeadAttention mha(MultiHeadAttentionOptions(768, 768, 1024, 0.1, 12));`
 class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
  public:
+  /// Positional arguments in the order of the Python constructor.
   MultiHeadAttentionImpl(int64_t d_in, int64_t d_out, int64_t context_length, double dropout,
                          int64_t num_heads, bool qkv_bias = false)
       : MultiHeadAttentionImpl(
             MultiHeadAttentionOptions(d_in, d_out, context_length, dropout, num_heads)
                 .qkv_bias(qkv_bias)) {}
+  /// From options, e.g. with non-default fields set by their chained setters.
   explicit MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options);
 
   /// Validates the options, registers the projections and the `mask` buffer.
@@ -105,11 +109,13 @@ TORCH_MODULE(MultiHeadAttention);
 class MultiHeadAttentionCombinedQKVImpl
     : public torch::nn::Cloneable<MultiHeadAttentionCombinedQKVImpl> {
  public:
+  /// Positional arguments in the order of the Python constructor.
   MultiHeadAttentionCombinedQKVImpl(int64_t d_in, int64_t d_out, int64_t context_length,
                                     double dropout, int64_t num_heads, bool qkv_bias = false)
       : MultiHeadAttentionCombinedQKVImpl(
             MultiHeadAttentionOptions(d_in, d_out, context_length, dropout, num_heads)
                 .qkv_bias(qkv_bias)) {}
+  /// From options, e.g. with non-default fields set by their chained setters.
   explicit MultiHeadAttentionCombinedQKVImpl(const MultiHeadAttentionCombinedQKVOptions& options);
 
   /// Validates the options, registers the projections and the `mask` buffer.

@@ -18,8 +18,10 @@ class SelfAttentionV2Impl;
 /// Example: `torch::manual_seed(123); SelfAttentionV1 sa(3, 2); auto z = sa(inputs);`
 class SelfAttentionV1Impl : public torch::nn::Cloneable<SelfAttentionV1Impl> {
  public:
+  /// Positional arguments in the order of the Python constructor.
   SelfAttentionV1Impl(int64_t d_in, int64_t d_out)
       : SelfAttentionV1Impl(SelfAttentionV1Options(d_in, d_out)) {}
+  /// From options, e.g. with non-default fields set by their chained setters.
   explicit SelfAttentionV1Impl(const SelfAttentionV1Options& options);
 
   /// Registers the three weight matrices and initialises them.
@@ -58,8 +60,10 @@ TORCH_MODULE(SelfAttentionV1);
 /// Example: `torch::manual_seed(789); SelfAttentionV2 sa(3, 2); auto z = sa(inputs);`
 class SelfAttentionV2Impl : public torch::nn::Cloneable<SelfAttentionV2Impl> {
  public:
+  /// Positional arguments in the order of the Python constructor.
   SelfAttentionV2Impl(int64_t d_in, int64_t d_out, bool qkv_bias = false)
       : SelfAttentionV2Impl(SelfAttentionV2Options(d_in, d_out).qkv_bias(qkv_bias)) {}
+  /// From options, e.g. with non-default fields set by their chained setters.
   explicit SelfAttentionV2Impl(const SelfAttentionV2Options& options);
 
   /// Registers the three projections (each initialised as `torch::nn::Linear` does).
