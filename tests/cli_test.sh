@@ -43,6 +43,9 @@ expect 2 "--module mha-wrapper always applies a causal mask" -- --task reverse -
 expect 2 "--d-model 30 must be divisible by --heads 4" -- --d-model 30
 expect 2 "--steps: expected >= 1" -- --steps -5
 expect 2 "Argument ‘many’ failed to parse" -- --steps many
+expect 2 "--save: cannot write '$work/no/such/dir/run.pt' (does its directory exist?)" \
+  -- --save "$work/no/such/dir/run.pt"
+expect 2 "--metrics: cannot write" -- --metrics "$work/no/such/dir/m.jsonl"
 if "$train" --device cuda --steps 1 >/dev/null 2>&1; then :; else
   expect 2 "--device cuda: CUDA is not available" -- --device cuda
 fi

@@ -334,6 +334,22 @@ torch::Device resolve_device(const std::string& device) {
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
+namespace {
+
+// Fails now, not after minutes of training, when an output file cannot be created.
+void check_writable(const char* flag, const std::string& path) {
+  if (path.empty())
+    return;
+  const std::string probe = path + ".tmp";
+  const bool existed = std::ifstream(probe).good();
+  const bool writable = std::ofstream(probe, std::ios::app).good();
+  if (!existed)
+    std::remove(probe.c_str());
+  TORCH_CHECK(writable, flag, ": cannot write '", path, "' (does its directory exist?)");
+}
+
+}  // namespace
+
 TrainConfig resolve(TrainConfig c) {
   if (c.seq_len == 0)
     c.seq_len = default_task_length(c.task);
@@ -354,6 +370,9 @@ TrainConfig resolve(TrainConfig c) {
               "--dump-attention: expected a file name ending in .png, got '", c.dump_attention,
               "'");
   resolve_device(c.device);  // fails early for cuda without CUDA
+  check_writable("--save", c.save);
+  check_writable("--metrics", c.metrics);
+  check_writable("--dump-attention", c.dump_attention);
   return c;
 }
 
