@@ -2,6 +2,8 @@
 
 #include <vector>
 
+#include <torch/version.h>
+
 #include "checks.h"
 #include "module_helpers.h"
 
@@ -17,6 +19,7 @@ void check_multi_head_options(const char* name, const MultiHeadAttentionOptions&
   detail::check_positive_option(name, "context_length", options.context_length());
   detail::check_positive_option(name, "num_heads", options.num_heads());
   detail::check_dropout_option(name, options.dropout());
+  detail::check_positive_option(name, "chunk_size", options.chunk_size());
   TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", name,
               "] option d_out must be divisible by num_heads, got d_out = ", options.d_out(),
               ", num_heads = ", options.num_heads());
@@ -29,10 +32,13 @@ void print_multi_head_options(std::ostream& stream, const char* name,
          << ", dropout=" << detail::option_text(options.dropout())
          << ", num_heads=" << options.num_heads()
          << ", qkv_bias=" << detail::option_text(options.qkv_bias())
-         << ", causal=" << detail::option_text(options.causal()) << ")";
+         << ", causal=" << detail::option_text(options.causal())
+         << ", backend=" << backend_name(options.backend())
+         << ", chunk_size=" << options.chunk_size() << ")";
 }
 
-// Attention over already split heads (b, h, n, hd), then heads merged and projected.
+// The book's path: attention over split heads (b, h, n, hd) with the `mask` buffer, then
+// heads merged and projected; also returns the weights.
 F::AttentionOutput attend_heads(const torch::Tensor& queries, const torch::Tensor& keys,
                                 const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
                                 const torch::Tensor& mask_buffer, bool training,
@@ -45,7 +51,62 @@ F::AttentionOutput attend_heads(const torch::Tensor& queries, const torch::Tenso
   return {out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 
+// Seed 001's layout: (b, n, 3 * d_out) -> 3 x (b, h, n, hd).
+std::vector<torch::Tensor> split_combined_qkv(const torch::Tensor& qkv_out, int64_t num_heads) {
+  const auto b = qkv_out.size(0);
+  const auto n = qkv_out.size(1);
+  const auto head_width = qkv_out.size(2) / num_heads;  // 3 * hd
+  // (b, n, 3 * d_out) -> (b, n, h, 3 * hd) -> (b, h, n, 3 * hd)
+  return qkv_out.view({b, n, num_heads, head_width}).permute({0, 2, 1, 3}).chunk(3, -1);
+}
+
+// The fused and chunked backends' attention over split heads: (b, h, n, hd) -> (b, h, n, hd).
+torch::Tensor fast_attention(const torch::Tensor& queries, const torch::Tensor& keys,
+                             const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
+                             bool training) {
+  if (opt.backend() == AttentionBackend::kChunked) {
+    return F::chunked_attention(queries, keys, values,
+                                F::ChunkedOptions()
+                                    .is_causal(opt.causal())
+                                    .dropout_p(opt.dropout())
+                                    .training(training)
+                                    .block_size(opt.chunk_size()));
+  }
+#if TORCH_VERSION_MAJOR >= 2
+  // Flash / memory-efficient kernels on CUDA, a flash kernel on CPU from 2.1.
+  return at::scaled_dot_product_attention(queries, keys, values, /*attn_mask=*/{},
+                                          training ? opt.dropout() : 0.0, opt.causal());
+#else
+  // LibTorch 1.13 has no fused attention kernel: the math core, causal mask built in place.
+  return F::scaled_dot_product_attention(
+      queries, keys, values,
+      F::SdpaOptions().is_causal(opt.causal()).dropout_p(opt.dropout()).training(training));
+#endif
+}
+
 }  // namespace
+
+std::string backend_name(AttentionBackend backend) {
+  switch (backend) {
+    case AttentionBackend::kMath:
+      return "math";
+    case AttentionBackend::kFused:
+      return "fused";
+    case AttentionBackend::kChunked:
+      return "chunked";
+  }
+  return "unknown";
+}
+
+AttentionBackend parse_backend(const std::string& name) {
+  if (name == "math")
+    return AttentionBackend::kMath;
+  if (name == "fused")
+    return AttentionBackend::kFused;
+  TORCH_CHECK(name == "chunked", "[parse_backend] unknown backend '", name,
+              "'; expected math, fused or chunked");
+  return AttentionBackend::kChunked;
+}
 
 // ---- MultiHeadAttentionWrapper ------------------------------------------------------------
 
@@ -138,7 +199,29 @@ F::AttentionOutput MultiHeadAttentionImpl::forward_with_weights(const torch::Ten
 }
 
 torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& x) {
-  return forward_with_weights(x).context;
+  if (options.backend() == AttentionBackend::kMath) {
+    return forward_with_weights(x).context;
+  }
+  detail::check_forward_input("MultiHeadAttention", x, {options.d_in(), options.context_length()},
+                              W_query->weight);
+  const auto h = options.num_heads();
+  torch::Tensor queries, keys, values;
+  if (options.backend() == AttentionBackend::kFused) {
+    // One GEMM for Q, K and V: the three weights stacked into (3 * d_out, d_in).
+    const auto weight = torch::cat({W_query->weight, W_key->weight, W_value->weight});
+    const auto bias = options.qkv_bias() ? torch::cat({W_query->bias, W_key->bias, W_value->bias})
+                                         : torch::Tensor();
+    const auto qkv_parts = torch::nn::functional::linear(x, weight, bias).chunk(3, -1);
+    queries = detail::split_heads(qkv_parts[0], h);
+    keys = detail::split_heads(qkv_parts[1], h);
+    values = detail::split_heads(qkv_parts[2], h);
+  } else {
+    queries = detail::split_heads(W_query(x), h);
+    keys = detail::split_heads(W_key(x), h);
+    values = detail::split_heads(W_value(x), h);
+  }
+  const auto context = fast_attention(queries, keys, values, options, is_training());
+  return out_proj(detail::merge_heads(context));
 }
 
 // ---- MultiHeadAttentionCombinedQKV ------------------------------------------------------
@@ -171,18 +254,19 @@ void MultiHeadAttentionCombinedQKVImpl::pretty_print(std::ostream& stream) const
 F::AttentionOutput MultiHeadAttentionCombinedQKVImpl::forward_with_weights(const torch::Tensor& x) {
   detail::check_forward_input("MultiHeadAttentionCombinedQKV", x,
                               {options.d_in(), options.context_length()}, qkv->weight);
-  const auto b = x.size(0);
-  const auto n = x.size(1);
-  const auto h = options.num_heads();
-  const auto hd = options.d_out() / h;
-  // (b, n, 3 * d_out) -> (b, n, h, 3 * hd) -> (b, h, n, 3 * hd)
-  const auto qkv_heads = qkv(x).view({b, n, h, 3 * hd}).permute({0, 2, 1, 3});
-  const auto q_k_v = qkv_heads.chunk(3, -1);  // 3 x (b, h, n, hd)
+  const auto q_k_v = split_combined_qkv(qkv(x), options.num_heads());
   return attend_heads(q_k_v[0], q_k_v[1], q_k_v[2], options, mask, is_training(), out_proj);
 }
 
 torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward(const torch::Tensor& x) {
-  return forward_with_weights(x).context;
+  if (options.backend() == AttentionBackend::kMath) {
+    return forward_with_weights(x).context;
+  }
+  detail::check_forward_input("MultiHeadAttentionCombinedQKV", x,
+                              {options.d_in(), options.context_length()}, qkv->weight);
+  const auto q_k_v = split_combined_qkv(qkv(x), options.num_heads());
+  const auto context = fast_attention(q_k_v[0], q_k_v[1], q_k_v[2], options, is_training());
+  return out_proj(detail::merge_heads(context));
 }
 
 void MultiHeadAttentionCombinedQKVImpl::copy_weights_from(const MultiHeadAttentionImpl& mha) {

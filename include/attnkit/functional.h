@@ -92,4 +92,26 @@ torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const tor
                                            const torch::Tensor& value,
                                            const SdpaOptions& options = {});
 
+/// Options for `chunked_attention`.
+/// Example: `ChunkedOptions().is_causal(true).block_size(64)`.
+struct ChunkedOptions {
+  /// Causal mask, top-left aligned as `causal_mask(n, m)`; key blocks above it are skipped.
+  TORCH_ARG(bool, is_causal) = false;
+  /// Dropout probability on the attention weights, in [0, 1); used only when `training`.
+  /// Same distribution as the math path, not the same random draws.
+  TORCH_ARG(double, dropout_p) = 0.0;
+  /// Whether dropout is active.
+  TORCH_ARG(bool, training) = false;
+  /// Query and key tokens per block.
+  TORCH_ARG(int64_t, block_size) = 128;
+};
+
+/// Memory-efficient attention equal to `scaled_dot_product_attention` (scale 1/sqrt(hd)):
+/// queries and keys in blocks with an online softmax, and a backward pass that recomputes
+/// each block from the saved log-sum-exp, so memory grows linearly in num_tokens.
+/// q (..., n, hd), k (..., m, hd), v (..., m, hd_v) -> (..., n, hd_v).
+/// Example: `chunked_attention(q, k, v, ChunkedOptions().is_causal(true))`.
+torch::Tensor chunked_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                const torch::Tensor& value, const ChunkedOptions& options = {});
+
 }  // namespace attnkit::functional

@@ -75,10 +75,11 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// qkv_bias=false, causal=true)`
   void pretty_print(std::ostream& stream) const override;
 
-  /// (b, n, d_in) -> (b, n, d_out).
+  /// (b, n, d_in) -> (b, n, d_out), computed by `options.backend()`.
   torch::Tensor forward(const torch::Tensor& x);
 
-  /// Context (b, n, d_out) and attention weights (b, num_heads, n, n).
+  /// Context (b, n, d_out) and attention weights (b, num_heads, n, n); always the math
+  /// path, since the other backends never form the weights.
   functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
 
   /// The options this module was built with (reset() re-reads them).
@@ -125,10 +126,10 @@ class MultiHeadAttentionCombinedQKVImpl
   /// `attnkit::MultiHeadAttentionCombinedQKV(d_in=3, d_out=2, ..., causal=true)`
   void pretty_print(std::ostream& stream) const override;
 
-  /// (b, n, d_in) -> (b, n, d_out).
+  /// (b, n, d_in) -> (b, n, d_out), computed by `options.backend()`.
   torch::Tensor forward(const torch::Tensor& x);
 
-  /// Context (b, n, d_out) and attention weights (b, num_heads, n, n).
+  /// Context (b, n, d_out) and attention weights (b, num_heads, n, n); always the math path.
   functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
 
   /// Copies a MultiHeadAttention's weights into `qkv` (in the layout above) and `out_proj`;

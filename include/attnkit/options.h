@@ -7,6 +7,7 @@
 /// `CausalAttention(d_in=3, d_out=2, context_length=6, dropout=0.0, qkv_bias=True)`.
 
 #include <cstdint>
+#include <string>
 
 #include <torch/arg.h>
 
@@ -83,6 +84,27 @@ struct MultiHeadAttentionWrapperOptions {
   TORCH_ARG(bool, qkv_bias) = false;
 };
 
+/// How `MultiHeadAttention` and `MultiHeadAttentionCombinedQKV` compute attention. The
+/// parameters are the same for every backend, so a trained model switches without conversion.
+enum class AttentionBackend {
+  /// The book's computation (separate Q/K/V products, masked softmax); seed-exact.
+  kMath,
+  /// One GEMM for Q, K and V; LibTorch's fused scaled_dot_product_attention from 2.0 on,
+  /// the math core before.
+  kFused,
+  /// Memory-efficient blocks with an online softmax (`functional::chunked_attention`):
+  /// memory linear in num_tokens; dropout from its own random stream.
+  kChunked,
+};
+
+/// "math", "fused" or "chunked".
+/// Example: `attnkit::backend_name(AttentionBackend::kFused)`.
+std::string backend_name(AttentionBackend backend);
+
+/// Parses "math", "fused" or "chunked"; anything else is a c10::Error naming the choices.
+/// Example: `attnkit::parse_backend("chunked")`.
+AttentionBackend parse_backend(const std::string& name);
+
 /// Options for `MultiHeadAttention` and `MultiHeadAttentionCombinedQKV` (Python
 /// `MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads, qkv_bias=False)`).
 /// `d_out` must be divisible by `num_heads`; each head has width `d_out / num_heads`.
@@ -110,6 +132,10 @@ struct MultiHeadAttentionOptions {
   TORCH_ARG(bool, qkv_bias) = false;
   /// Apply the causal mask (decoder); `false` gives unmasked encoder self-attention.
   TORCH_ARG(bool, causal) = true;
+  /// How attention is computed; see `AttentionBackend`.
+  TORCH_ARG(AttentionBackend, backend) = AttentionBackend::kMath;
+  /// Tokens per query and key block of the chunked backend.
+  TORCH_ARG(int64_t, chunk_size) = 128;
 };
 
 /// Same options as `MultiHeadAttention`.

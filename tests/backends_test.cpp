@@ -1,0 +1,183 @@
+// The fused and chunked backends against the math path: outputs and every gradient.
+
+#include "attnkit/functional.h"
+#include "attnkit/multi_head_attention.h"
+#include "test_support.h"
+
+namespace F = attnkit::functional;
+using attnkit::AttentionBackend;
+using attnkit::MultiHeadAttentionOptions;
+using namespace attnkit::testing;
+
+namespace {
+
+// Agreement tolerances of the issue: blockwise summation reorders float32 sums (1e-5) and
+// float64 sums (1e-10); nothing else differs.
+double agreement(torch::ScalarType dtype) {
+  return dtype == torch::kFloat32 ? 1e-5 : 1e-10;
+}
+
+struct Shape {
+  int64_t batch, heads, num_queries, num_keys, head_dim, block;
+};
+
+// Output and gradients of q, k, v of sum(attention(q, k, v) * probe).
+std::vector<torch::Tensor> output_and_grads(
+    const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
+                                      const torch::Tensor&)>& attention,
+    const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
+    const torch::Tensor& probe) {
+  auto q = q_in.clone().requires_grad_(true);
+  auto k = k_in.clone().requires_grad_(true);
+  auto v = v_in.clone().requires_grad_(true);
+  const auto out = attention(q, k, v);
+  (out * probe).sum().backward();
+  return {out.detach(), q.grad(), k.grad(), v.grad()};
+}
+
+}  // namespace
+
+TEST(ChunkedAttention, MatchesMathOutputsAndGradients) {
+  // n = 1, n not a multiple of the block, head_dim 1, n != m, one block and many.
+  const std::vector<Shape> shapes{{2, 3, 1, 1, 4, 16},
+                                  {2, 2, 37, 37, 8, 16},
+                                  {1, 2, 64, 64, 1, 16},
+                                  {2, 1, 20, 33, 5, 7},
+                                  {1, 1, 9, 9, 3, 128}};
+  const std::vector<std::string> names{"q", "k", "v"};
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    for (const bool causal : {false, true}) {
+      for (const auto& s : shapes) {
+        SCOPED_TRACE(c10::str("dtype ", dtype, " causal ", causal, " n ", s.num_queries, " m ",
+                              s.num_keys, " hd ", s.head_dim, " block ", s.block));
+        torch::manual_seed(11);
+        const auto options = torch::dtype(dtype);
+        const auto q = torch::randn({s.batch, s.heads, s.num_queries, s.head_dim}, options);
+        const auto k = torch::randn({s.batch, s.heads, s.num_keys, s.head_dim}, options);
+        const auto v = torch::randn({s.batch, s.heads, s.num_keys, s.head_dim + 1}, options);
+        const auto probe = torch::randn({s.batch, s.heads, s.num_queries, s.head_dim + 1}, options);
+        const auto math = output_and_grads(
+            [&](auto& a, auto& b, auto& c) {
+              return F::scaled_dot_product_attention(a, b, c, F::SdpaOptions().is_causal(causal));
+            },
+            q, k, v, probe);
+        const auto chunked = output_and_grads(
+            [&](auto& a, auto& b, auto& c) {
+              return F::chunked_attention(
+                  a, b, c, F::ChunkedOptions().is_causal(causal).block_size(s.block));
+            },
+            q, k, v, probe);
+        EXPECT_TRUE(tensors_close("output", chunked[0], math[0], agreement(dtype)));
+        for (size_t i = 1; i < 4; ++i) {
+          EXPECT_TRUE(tensors_close("grad " + names[i - 1], chunked[i], math[i], agreement(dtype)));
+        }
+      }
+    }
+  }
+}
+
+TEST(ChunkedAttention, DropoutIsSeededDifferentiableAndOffInEval) {
+  torch::manual_seed(3);
+  const auto q = torch::randn({2, 2, 10, 4}, torch::kFloat64);
+  const auto k = torch::randn({2, 2, 10, 4}, torch::kFloat64);
+  const auto v = torch::randn({2, 2, 10, 4}, torch::kFloat64);
+  const auto train =
+      F::ChunkedOptions().is_causal(true).dropout_p(0.3).training(true).block_size(4);
+  // The masks come from the global generator: the same seed, the same output.
+  torch::manual_seed(5);
+  const auto first = F::chunked_attention(q, k, v, train);
+  torch::manual_seed(5);
+  EXPECT_TENSOR_NEAR(F::chunked_attention(q, k, v, train), first, 0.0);
+  const auto eval = F::chunked_attention(q, k, v, F::ChunkedOptions().is_causal(true));
+  EXPECT_FALSE(tensors_close("train vs eval", first, eval, 1e-6));
+  EXPECT_TENSOR_NEAR(
+      eval, F::scaled_dot_product_attention(q, k, v, F::SdpaOptions().is_causal(true)), 1e-10);
+
+  // With the seed fixed per call the masks repeat, so finite differences apply.
+  torch::nn::Module holder;
+  auto key = holder.register_parameter("key", k.clone());
+  auto value = holder.register_parameter("value", v.clone());
+  expect_gradients_match_finite_differences(
+      holder,
+      [&](const torch::Tensor& query) {
+        torch::manual_seed(5);
+        return F::chunked_attention(query, key, value, train);
+      },
+      q);
+}
+
+TEST(ChunkedAttention, BadArgumentsNameWhatIsWrong) {
+  const auto q = torch::randn({2, 5, 4});
+  expect_error_containing(
+      [&] {
+        F::chunked_attention(q, torch::randn({2, 5, 3}), q);
+      },
+      "[chunked_attention] expected query (..., n, hd), key (..., m, hd)");
+  expect_error_containing([&] { F::chunked_attention(q, q, q, F::ChunkedOptions().block_size(0)); },
+                          "block_size must be >= 1, got 0");
+  expect_error_containing(
+      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().dropout_p(1.0)); },
+      "dropout_p must be in [0, 1), got 1");
+  expect_error_containing([&] { F::chunked_attention(torch::randn({4}), q, q); },
+                          "must have the same rank >= 2");
+}
+
+TEST(AttentionBackends, EveryBackendComputesTheSameModule) {
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    for (const bool causal : {true, false}) {
+      for (const bool combined : {false, true}) {
+        SCOPED_TRACE(c10::str("dtype ", dtype, " causal ", causal, " combined ", combined));
+        torch::manual_seed(21);
+        const auto options =
+            MultiHeadAttentionOptions(6, 8, 12, 0.0, 2).qkv_bias(true).causal(causal).chunk_size(4);
+        std::shared_ptr<torch::nn::Module> reference;
+        if (combined) {
+          reference = attnkit::MultiHeadAttentionCombinedQKV(options).ptr();
+        } else {
+          reference = attnkit::MultiHeadAttention(options).ptr();
+        }
+        reference->to(dtype);
+        const auto x = torch::randn({3, 11, 6}, torch::dtype(dtype));
+        const auto probe = torch::randn({3, 11, 8}, torch::dtype(dtype));
+        // Same parameters, other backend: clone, then switch the option.
+        const auto run = [&](AttentionBackend backend) {
+          auto module = reference->clone();
+          torch::Tensor out;
+          if (combined) {
+            auto m = std::dynamic_pointer_cast<attnkit::MultiHeadAttentionCombinedQKVImpl>(module);
+            m->options.backend(backend);
+            out = m->forward(x);
+          } else {
+            auto m = std::dynamic_pointer_cast<attnkit::MultiHeadAttentionImpl>(module);
+            m->options.backend(backend);
+            out = m->forward(x);
+          }
+          (out * probe).sum().backward();
+          return std::make_pair(out.detach(), module->named_parameters());
+        };
+        const auto [math_out, math_params] = run(AttentionBackend::kMath);
+        for (const auto backend : {AttentionBackend::kFused, AttentionBackend::kChunked}) {
+          const auto [out, params] = run(backend);
+          const auto name = attnkit::backend_name(backend);
+          EXPECT_TRUE(tensors_close(name + " output", out, math_out, agreement(dtype)));
+          for (const auto& p : math_params) {
+            EXPECT_TRUE(tensors_close(name + " grad " + p.key(), params[p.key()].grad(),
+                                      p.value().grad(), agreement(dtype)));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(AttentionBackends, NamesParseAndBadOptionsAreNamed) {
+  for (const auto backend :
+       {AttentionBackend::kMath, AttentionBackend::kFused, AttentionBackend::kChunked}) {
+    EXPECT_EQ(attnkit::parse_backend(attnkit::backend_name(backend)), backend);
+  }
+  expect_error_containing([] { attnkit::parse_backend("flash"); },
+                          "unknown backend 'flash'; expected math, fused or chunked");
+  expect_error_containing(
+      [] { attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).chunk_size(0)); },
+      "[MultiHeadAttention] option chunk_size must be > 0, got 0");
+}
