@@ -1,0 +1,374 @@
+// attnkit-bench: how fast each multi-head attention implementation is, forward and
+// forward+backward, against the machine's own sgemm. The C++ counterpart of the
+// efficient-MHA comparison of the LLMs-from-scratch material.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+#include <cxxopts.hpp>
+
+#include "attnkit/attnkit.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct BenchConfig {
+  int64_t batch = 8;
+  int64_t tokens = 1024;
+  int64_t d_model = 768;
+  int64_t heads = 12;
+  bool causal = true;
+  std::string device = "cpu";
+  std::string dtype = "float32";
+  int64_t threads = 0;
+  int64_t repeats = 5;
+  int64_t warmup = 1;
+  std::vector<std::string> only;
+  std::string json;
+};
+
+const std::vector<std::string> kImplementations{
+    "wrapper", "mha", "combined", "einsum", "fused", "chunked", "torch-mha", "torch-mha-noweights"};
+
+// ---- memory: the process's peak RSS, reset before each measurement (Linux) ---------------
+
+void reset_peak_rss() {
+  std::ofstream("/proc/self/clear_refs") << "5";
+}
+
+double peak_rss_mb() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      return std::stod(line.substr(6)) / 1024.0;  // kB -> MB
+    }
+  }
+  return -1.0;
+}
+
+// ---- FLOP counts (see --help and README) ---------------------------------------------------
+
+struct Flops {
+  double forward;
+  double forward_backward;
+};
+
+Flops model_flops(const BenchConfig& c) {
+  const double b = c.batch, n = c.tokens, d = c.d_model;
+  const double gemms = 6 * b * n * d * d + 2 * b * n * d * d;  // QKV + out projection
+  const double core = 4 * b * n * n * d * (c.causal ? 0.5 : 1.0);
+  return {gemms + core, 3 * gemms + 3.5 * core};  // backward: 2x GEMMs, 2.5x the core
+}
+
+// What is executed: the math-style paths compute the full score matrix even when causal.
+Flops executed_flops(const BenchConfig& c, const std::string& name) {
+  const double b = c.batch, n = c.tokens, d = c.d_model;
+  const double gemms = 8 * b * n * d * d;
+  const bool skips_masked_half = name == "chunked";
+  const double core = 4 * b * n * n * d * (c.causal && skips_masked_half ? 0.5 : 1.0);
+  return {gemms + core, 3 * gemms + 3.5 * core};
+}
+
+double sgemm_gflops(const torch::TensorOptions& options) {
+  const int64_t size = 1024;
+  const auto a = torch::randn({size, size}, options);
+  const auto b = torch::randn({size, size}, options);
+  std::vector<double> seconds;
+  for (int i = 0; i < 7; ++i) {
+    const auto start = Clock::now();
+    auto c = torch::mm(a, b);
+    if (c.is_cuda())
+      torch::cuda::synchronize();
+    seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  std::sort(seconds.begin(), seconds.end());
+  return 2.0 * size * size * size / seconds[seconds.size() / 2] / 1e9;
+}
+
+// ---- implementations ------------------------------------------------------------------
+
+struct Implementation {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+};
+
+Implementation make_implementation(const std::string& name, const BenchConfig& c,
+                                   const torch::TensorOptions& options) {
+  const auto d = c.d_model, h = c.heads, n = c.tokens;
+  auto mha_options = attnkit::MultiHeadAttentionOptions(d, d, n, 0.0, h).causal(c.causal);
+  Implementation impl;
+  if (name == "wrapper") {
+    TORCH_CHECK(c.causal, "--only wrapper: the CausalAttention wrapper is always causal");
+    attnkit::MultiHeadAttentionWrapper m(d, d / h, n, 0.0, h);
+    impl = {m.ptr(), [m](const torch::Tensor& x) mutable { return m(x); }};
+  } else if (name == "mha" || name == "fused" || name == "chunked" || name == "einsum") {
+    mha_options.backend(name == "fused"     ? attnkit::AttentionBackend::kFused
+                        : name == "chunked" ? attnkit::AttentionBackend::kChunked
+                                            : attnkit::AttentionBackend::kMath);
+    attnkit::MultiHeadAttention m(mha_options);
+    if (name == "einsum") {
+      // The same parameters in einsum notation, as in the efficient-MHA comparison.
+      const bool causal = c.causal;
+      impl = {
+          m.ptr(), [m, h, causal](const torch::Tensor& x) mutable {
+            const auto project = [&](const torch::nn::Linear& linear) {
+              const auto y = torch::einsum("bnd,od->bno", {x, linear->weight});  // (b, n, d)
+              // (b, n, d) -> (b, n, h, hd) -> (b, h, n, hd)
+              return y.view({y.size(0), y.size(1), h, -1}).transpose(1, 2);
+            };
+            const auto q = project(m->W_query);
+            const auto k = project(m->W_key);
+            const auto v = project(m->W_value);
+            auto scores = torch::einsum("bhnd,bhmd->bhnm", {q, k}) / std::sqrt(double(q.size(-1)));
+            if (causal) {
+              scores = scores.masked_fill(
+                  attnkit::functional::causal_mask(q.size(2), k.size(2), x.device()),
+                  -std::numeric_limits<double>::infinity());
+            }
+            const auto context = torch::einsum("bhnm,bhmd->bhnd", {torch::softmax(scores, -1), v});
+            // (b, h, n, hd) -> (b, n, h * hd)
+            const auto merged = context.transpose(1, 2).reshape({x.size(0), x.size(1), -1});
+            return m->out_proj(merged);
+          }};
+    } else {
+      impl = {m.ptr(), [m](const torch::Tensor& x) mutable { return m(x); }};
+    }
+  } else if (name == "combined") {
+    attnkit::MultiHeadAttentionCombinedQKV m(mha_options);
+    impl = {m.ptr(), [m](const torch::Tensor& x) mutable { return m(x); }};
+  } else {
+    const bool need_weights = name == "torch-mha";
+    torch::nn::MultiheadAttention m(torch::nn::MultiheadAttentionOptions(d, h).bias(false));
+    const bool causal = c.causal;
+    impl = {m.ptr(), [m, need_weights, causal](const torch::Tensor& x) mutable {
+              const auto seq_first = x.transpose(0, 1);  // (b, n, d) -> (n, b, d)
+              torch::Tensor mask;
+              if (causal) {
+                mask = attnkit::functional::causal_mask(x.size(1), x.size(1), x.device());
+              }
+              const auto out = std::get<0>(m->forward(seq_first, seq_first, seq_first,
+                                                      /*key_padding_mask=*/{}, need_weights, mask));
+              return out.transpose(0, 1);  // (n, b, d) -> (b, n, d)
+            }};
+  }
+  impl.module->to(options.device(), options.dtype().toScalarType());
+  return impl;
+}
+
+struct Result {
+  std::string name;
+  std::string pass;
+  double median_ms, min_ms, max_ms;
+  double model_gflops, executed_gflops, sgemm_fraction, peak_memory_mb;
+};
+
+Result measure(const std::string& name, bool backward, const BenchConfig& c,
+               const torch::TensorOptions& options, double sgemm) {
+  auto impl = make_implementation(name, c, options);
+  impl.module->train(backward);  // dropout is 0 anyway; eval for the forward pass
+  const auto x = torch::randn({c.batch, c.tokens, c.d_model}, options).requires_grad_(backward);
+  const auto run_once = [&] {
+    if (backward) {
+      impl.module->zero_grad();
+      impl.forward(x).sum().backward();
+    } else {
+      torch::NoGradGuard no_grad;
+      impl.forward(x);
+    }
+    if (x.is_cuda())
+      torch::cuda::synchronize();
+  };
+  if (x.is_cuda())
+    torch::cuda::synchronize();
+  reset_peak_rss();
+  for (int64_t i = 0; i < c.warmup; ++i)
+    run_once();
+  std::vector<double> ms;
+  for (int64_t i = 0; i < c.repeats; ++i) {
+    const auto start = Clock::now();
+    run_once();
+    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  const double median =
+      ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
+  const auto model = model_flops(c);
+  const auto executed = executed_flops(c, name);
+  const double model_gflops = (backward ? model.forward_backward : model.forward) / median / 1e6;
+  const double executed_gflops =
+      (backward ? executed.forward_backward : executed.forward) / median / 1e6;
+  return {name,
+          backward ? "forward+backward" : "forward",
+          median,
+          ms.front(),
+          ms.back(),
+          model_gflops,
+          executed_gflops,
+          model_gflops / sgemm,
+          x.is_cuda() ? -1.0 : peak_rss_mb()};
+}
+
+void print_table(const std::vector<Result>& results) {
+  std::cout << std::left << std::setw(21) << "implementation" << std::setw(18) << "pass"
+            << std::right << std::setw(11) << "median ms" << std::setw(10) << "min ms"
+            << std::setw(10) << "max ms" << std::setw(12) << "model GF/s" << std::setw(11)
+            << "exec GF/s" << std::setw(9) << "% sgemm" << std::setw(11) << "peak MB"
+            << "\n";
+  for (const auto& r : results) {
+    std::cout << std::left << std::setw(21) << r.name << std::setw(18) << r.pass << std::right
+              << std::fixed << std::setprecision(1) << std::setw(11) << r.median_ms << std::setw(10)
+              << r.min_ms << std::setw(10) << r.max_ms << std::setw(12) << r.model_gflops
+              << std::setw(11) << r.executed_gflops << std::setw(9) << 100 * r.sgemm_fraction
+              << std::setw(11) << std::setprecision(0) << r.peak_memory_mb << "\n";
+  }
+}
+
+void write_json(const std::string& path, const BenchConfig& c, double sgemm,
+                const std::vector<Result>& results) {
+  std::ofstream out(path);
+  TORCH_CHECK(out.good(), "--json: cannot write '", path, "'");
+  out << std::setprecision(6) << "{\"config\": {\"batch\": " << c.batch
+      << ", \"tokens\": " << c.tokens << ", \"d_model\": " << c.d_model
+      << ", \"heads\": " << c.heads << ", \"causal\": " << (c.causal ? "true" : "false")
+      << ", \"device\": \"" << c.device << "\", \"dtype\": \"" << c.dtype
+      << "\", \"threads\": " << torch::get_num_threads() << ", \"repeats\": " << c.repeats
+      << "}, \"sgemm_gflops\": " << sgemm << ", \"results\": [";
+  for (size_t i = 0; i < results.size(); ++i) {
+    const auto& r = results[i];
+    out << (i ? ", " : "") << "{\"name\": \"" << r.name << "\", \"pass\": \"" << r.pass
+        << "\", \"median_ms\": " << r.median_ms << ", \"min_ms\": " << r.min_ms
+        << ", \"max_ms\": " << r.max_ms << ", \"model_gflops\": " << r.model_gflops
+        << ", \"executed_gflops\": " << r.executed_gflops
+        << ", \"sgemm_fraction\": " << r.sgemm_fraction
+        << ", \"peak_memory_mb\": " << r.peak_memory_mb << "}";
+  }
+  out << "]}\n";
+}
+
+int fail(const std::string& message) {
+  std::cerr << "attnkit-bench: " << message << "\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using cxxopts::value;
+  cxxopts::Options options(
+      "attnkit-bench",
+      "Time each multi-head attention implementation, forward and forward+backward.\n"
+      "FLOPs: QKV 6*b*n*d^2, out 2*b*n*d^2, core 4*b*n^2*d (halved when causal: model FLOPs; "
+      "not halved for paths that compute the masked half: executed FLOPs); backward 2x "
+      "forward for the GEMMs, 2.5x for the core.");
+  options.set_width(100);
+  std::string names;
+  for (const auto& n : kImplementations)
+    names += (names.empty() ? "" : ", ") + n;
+  options.add_options("Shape")("batch", "b", value<int64_t>()->default_value("8"))(
+      "tokens", "n", value<int64_t>()->default_value("1024"))(
+      "d-model", "d", value<int64_t>()->default_value("768"))(
+      "heads", "h", value<int64_t>()->default_value("12"))(
+      "causal", "causal mask (--causal=false for none)",
+      value<bool>()->default_value("true")->implicit_value("true"));
+  options.add_options("Run")("device", "cpu | cuda | cuda:N",
+                             value<std::string>()->default_value("cpu"))(
+      "dtype", "float32 | float64 | bfloat16 | float16",
+      value<std::string>()->default_value("float32"))(
+      "threads", "CPU threads; 0 = LibTorch's default", value<int64_t>()->default_value("0"))(
+      "repeats", "timed runs per measurement", value<int64_t>()->default_value("5"))(
+      "warmup", "untimed runs first", value<int64_t>()->default_value("1"))(
+      "only", "comma-separated subset of: " + names, value<std::string>()->default_value(""))(
+      "json", "also write the results as JSON to FILE", value<std::string>()->default_value(""))(
+      "h,help", "show this help");
+  BenchConfig c;
+  try {
+    const auto args = options.parse(argc, argv);
+    if (args.count("help")) {
+      std::cout << options.help({"Shape", "Run"}) << "\n";
+      return 0;
+    }
+    if (!args.unmatched().empty()) {
+      return fail("unexpected argument '" + args.unmatched().front() + "' (see --help)");
+    }
+    c.batch = args["batch"].as<int64_t>();
+    c.tokens = args["tokens"].as<int64_t>();
+    c.d_model = args["d-model"].as<int64_t>();
+    c.heads = args["heads"].as<int64_t>();
+    c.causal = args["causal"].as<bool>();
+    c.device = args["device"].as<std::string>();
+    c.dtype = args["dtype"].as<std::string>();
+    c.threads = args["threads"].as<int64_t>();
+    c.repeats = args["repeats"].as<int64_t>();
+    c.warmup = args["warmup"].as<int64_t>();
+    c.json = args["json"].as<std::string>();
+    std::stringstream only(args["only"].as<std::string>());
+    for (std::string item; std::getline(only, item, ',');) {
+      if (std::find(kImplementations.begin(), kImplementations.end(), item) ==
+          kImplementations.end()) {
+        return fail("--only: unknown implementation '" + item + "'; expected " + names);
+      }
+      c.only.push_back(item);
+    }
+  } catch (const cxxopts::exceptions::exception& e) {
+    return fail(std::string(e.what()) + " (see --help)");
+  }
+  if (c.batch < 1 || c.tokens < 1 || c.d_model < 1 || c.heads < 1 || c.repeats < 1 ||
+      c.warmup < 0 || c.threads < 0) {
+    return fail(
+        "--batch, --tokens, --d-model, --heads and --repeats must be >= 1, --warmup "
+        "and --threads >= 0");
+  }
+  if (c.d_model % c.heads != 0) {
+    return fail("--d-model " + std::to_string(c.d_model) + " must be divisible by --heads " +
+                std::to_string(c.heads));
+  }
+  const std::map<std::string, torch::ScalarType> dtypes{{"float32", torch::kFloat32},
+                                                        {"float64", torch::kFloat64},
+                                                        {"bfloat16", torch::kBFloat16},
+                                                        {"float16", torch::kFloat16}};
+  if (!dtypes.count(c.dtype)) {
+    return fail("--dtype: expected float32, float64, bfloat16 or float16, got '" + c.dtype + "'");
+  }
+  try {
+    const torch::Device device(c.device);
+    if (device.is_cuda() && !torch::cuda::is_available()) {
+      return fail("--device " + c.device + ": CUDA is not available; use --device cpu");
+    }
+    if (c.threads > 0)
+      torch::set_num_threads(static_cast<int>(c.threads));
+    const auto tensor_options = torch::dtype(dtypes.at(c.dtype)).device(device);
+    torch::manual_seed(0);
+    const double sgemm = sgemm_gflops(tensor_options);
+    std::cout << "attnkit-bench: b=" << c.batch << " n=" << c.tokens << " d=" << c.d_model
+              << " h=" << c.heads << (c.causal ? " causal" : " not causal") << ", " << c.dtype
+              << " on " << c.device << ", " << torch::get_num_threads() << " threads; " << c.repeats
+              << " timed runs after " << c.warmup << " warm-up\n"
+              << std::fixed << std::setprecision(1) << "matmul 1024x1024 on this machine: " << sgemm
+              << " GFLOP/s\n";
+    std::vector<Result> results;
+    for (const auto& name : c.only.empty() ? kImplementations : c.only) {
+      if (name == "wrapper" && !c.causal)
+        continue;  // the wrapper's heads are always causal
+      for (const bool backward : {false, true}) {
+        results.push_back(measure(name, backward, c, tensor_options, sgemm));
+      }
+    }
+    print_table(results);
+    if (!c.json.empty())
+      write_json(c.json, c, sgemm, results);
+  } catch (const c10::Error& e) {
+    return fail(e.what_without_backtrace());
+  }
+  return 0;
+}
