@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""The Python side of attnkit-bench: the same implementations in Python PyTorch.
+
+    python3 scripts/bench_reference.py --batch 8 --tokens 1024 --d-model 768 --heads 12 \
+        --json py.json                       # time them, same JSON as attnkit-bench --json
+    python3 scripts/bench_reference.py --compare cpp.json py.json   # side-by-side ratios
+
+Implementations (names as attnkit-bench --only): wrapper, mha, combined, einsum (the book's
+classes from reference_attention.py, and an einsum formulation), torch-mha and
+torch-mha-noweights (torch.nn.MultiheadAttention). fused and chunked are attnkit's own and
+have no Python counterpart on LibTorch 1.13.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reference_attention as ref  # noqa: E402
+
+
+class EinsumMHA(nn.Module):
+    """The book's MultiHeadAttention parameters, computed with einsum."""
+
+    def __init__(self, d, heads, context, causal):
+        super().__init__()
+        self.mha = ref.MultiHeadAttention(d, d, context, 0.0, heads, causal=causal)
+        self.heads, self.causal = heads, causal
+
+    def forward(self, x):
+        b, n, d = x.shape
+
+        def project(linear):  # (b, n, d) -> (b, h, n, hd)
+            return torch.einsum("bnd,od->bno", x, linear.weight).view(b, n, self.heads, -1).transpose(1, 2)
+
+        q, k, v = project(self.mha.W_query), project(self.mha.W_key), project(self.mha.W_value)
+        scores = torch.einsum("bhnd,bhmd->bhnm", q, k) / math.sqrt(q.shape[-1])
+        if self.causal:
+            scores = scores.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), -torch.inf)
+        context = torch.einsum("bhnm,bhmd->bhnd", torch.softmax(scores, -1), v)
+        return self.mha.out_proj(context.transpose(1, 2).reshape(b, n, d))
+
+
+class TorchMHA(nn.Module):
+    def __init__(self, d, heads, causal, need_weights):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(d, heads, bias=False, batch_first=True)
+        self.causal, self.need_weights = causal, need_weights
+
+    def forward(self, x):
+        n = x.shape[1]
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1) if self.causal else None
+        return self.attention(x, x, x, attn_mask=mask, need_weights=self.need_weights)[0]
+
+
+PYTHON_IMPLEMENTATIONS = ("wrapper", "mha", "combined", "einsum", "torch-mha", "torch-mha-noweights")
+
+
+def build(name, args):
+    d, h, n, causal = args.d_model, args.heads, args.tokens, args.causal
+    if name == "wrapper":
+        return ref.MultiHeadAttentionWrapper(d, d // h, n, 0.0, h)
+    if name == "mha":
+        return ref.MultiHeadAttention(d, d, n, 0.0, h, causal=causal)
+    if name == "combined":
+        return ref.MultiHeadAttentionCombinedQKV(d, d, n, 0.0, h, causal=causal)
+    if name == "einsum":
+        return EinsumMHA(d, h, n, causal)
+    return TorchMHA(d, h, causal, need_weights=name == "torch-mha")
+
+
+def peak_rss_mb():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return -1.0
+
+
+def measure(name, backward, args):
+    model = build(name, args)
+    x = torch.randn(args.batch, args.tokens, args.d_model, requires_grad=backward)
+
+    def run_once():
+        if backward:
+            model.zero_grad()
+            model(x).sum().backward()
+        else:
+            with torch.no_grad():
+                model(x)
+
+    with open("/proc/self/clear_refs", "w") as refs:  # reset the peak RSS
+        refs.write("5")
+    for _ in range(args.warmup):
+        run_once()
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        run_once()
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"name": name, "pass": "forward+backward" if backward else "forward",
+            "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+            "peak_memory_mb": peak_rss_mb()}
+
+
+def compare(cpp_file, py_file):
+    cpp = {(r["name"], r["pass"]): r for r in json.load(open(cpp_file))["results"]}
+    py = {(r["name"], r["pass"]): r for r in json.load(open(py_file))["results"]}
+    print(f"{'implementation':21}{'pass':18}{'C++ ms':>10}{'Python ms':>11}{'Python/C++':>12}")
+    for key, p in py.items():
+        if key in cpp:
+            c = cpp[key]["median_ms"]
+            print(f"{key[0]:21}{key[1]:18}{c:10.1f}{p['median_ms']:11.1f}{p['median_ms'] / c:11.2f}x")
+    book = py.get(("mha", "forward")), py.get(("mha", "forward+backward"))
+    for index, pass_name in enumerate(("forward", "forward+backward")):
+        if book[index] is None:
+            continue
+        ours = [r for k, r in cpp.items() if k[1] == pass_name and not k[0].startswith("torch-")]
+        best = min(ours, key=lambda r: r["median_ms"])
+        print(f"fastest attnkit {pass_name}: {best['name']} {best['median_ms']:.1f} ms, "
+              f"{book[index]['median_ms'] / best['median_ms']:.2f}x faster than the book's MHA in Python "
+              f"({book[index]['median_ms']:.1f} ms)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--d-model", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--causal", type=lambda s: s.lower() != "false", default=True)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--only", default=",".join(PYTHON_IMPLEMENTATIONS))
+    parser.add_argument("--json")
+    parser.add_argument("--compare", nargs=2, metavar=("CPP_JSON", "PY_JSON"))
+    args = parser.parse_args()
+    if args.compare:
+        compare(*args.compare)
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    results = []
+    for name in args.only.split(","):
+        if name not in PYTHON_IMPLEMENTATIONS:
+            print(f"{name}: attnkit only, no Python counterpart")
+            continue
+        if name == "wrapper" and not args.causal:
+            continue
+        for backward in (False, True):
+            results.append(measure(name, backward, args))
+            r = results[-1]
+            print(f"{r['name']:21}{r['pass']:18}{r['median_ms']:10.1f} ms  peak {r['peak_memory_mb']:.0f} MB")
+    if args.json:
+        config = {k: getattr(args, k) for k in ("batch", "tokens", "d_model", "heads", "causal", "repeats")}
+        config["threads"] = torch.get_num_threads()
+        json.dump({"config": config, "results": results}, open(args.json, "w"))
+
+
+if __name__ == "__main__":
+    main()
