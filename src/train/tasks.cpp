@@ -36,9 +36,22 @@ std::vector<Batch> fixed_eval_set(const Task& task, uint64_t seed, int64_t batch
   return batches;
 }
 
-class CopyTask : public Task {
+// Tasks drawn from a seed: `length` symbols (or pairs), held-out set from `seed`.
+class GeneratedTask : public Task {
  public:
-  CopyTask(int64_t length, uint64_t seed) : length_(length), seed_(seed) {}
+  GeneratedTask(int64_t length, uint64_t seed) : length_(length), seed_(seed) {}
+  std::vector<Batch> eval_batches(int64_t batch_size) const override {
+    return fixed_eval_set(*this, seed_, batch_size);
+  }
+
+ protected:
+  int64_t length_;
+  uint64_t seed_;
+};
+
+class CopyTask : public GeneratedTask {
+ public:
+  using GeneratedTask::GeneratedTask;
   std::string name() const override { return "copy"; }
   bool causal() const override { return true; }
   int64_t vocab_size() const override { return kSymbols + 1; }
@@ -53,21 +66,14 @@ class CopyTask : public Task {
     loss_mask.slice(1, length_).fill_(true);  // only the copied half is scored
     return {sequence.slice(1, 0, -1), sequence.slice(1, 1), loss_mask};
   }
-  std::vector<Batch> eval_batches(int64_t batch_size) const override {
-    return fixed_eval_set(*this, seed_, batch_size);
-  }
   std::string token_label(int64_t token) const override {
     return token == 0 ? "|" : std::to_string(token - 1);
   }
-
- private:
-  int64_t length_;
-  uint64_t seed_;
 };
 
-class ReverseTask : public Task {
+class ReverseTask : public GeneratedTask {
  public:
-  ReverseTask(int64_t length, uint64_t seed) : length_(length), seed_(seed) {}
+  using GeneratedTask::GeneratedTask;
   std::string name() const override { return "reverse"; }
   bool causal() const override { return false; }
   int64_t vocab_size() const override { return kSymbols + 1; }
@@ -78,56 +84,42 @@ class ReverseTask : public Task {
     // Output position i is input position n - 1 - i.
     return {symbols, symbols.flip({1}), torch::ones({batch_size, length_}, torch::kBool)};
   }
-  std::vector<Batch> eval_batches(int64_t batch_size) const override {
-    return fixed_eval_set(*this, seed_, batch_size);
-  }
   std::string token_label(int64_t token) const override { return std::to_string(token - 1); }
-
- private:
-  int64_t length_;
-  uint64_t seed_;
 };
 
-class RecallTask : public Task {
+class RecallTask : public GeneratedTask {
  public:
   // Keys are tokens 0..kKeys-1, values kKeys..kKeys+kValues-1.
   static constexpr int64_t kKeys = 16;
   static constexpr int64_t kValues = 16;
 
-  RecallTask(int64_t pairs, uint64_t seed) : pairs_(pairs), seed_(seed) {}
+  using GeneratedTask::GeneratedTask;
   std::string name() const override { return "recall"; }
   bool causal() const override { return true; }
   int64_t vocab_size() const override { return kKeys + kValues; }
-  int64_t input_length() const override { return 2 * pairs_ + 1; }
+  int64_t input_length() const override { return 2 * length_ + 1; }
 
   Batch train_batch(int64_t batch_size, at::Generator& generator) const override {
     // Distinct keys per sequence: the first `pairs` of a random permutation of the keys.
     const auto keys = torch::rand({batch_size, kKeys}, generator, torch::kFloat32)
                           .argsort(/*dim=*/1, /*descending=*/false)
-                          .slice(1, 0, pairs_);
+                          .slice(1, 0, length_);
     const auto values =
-        torch::randint(kKeys, kKeys + kValues, {batch_size, pairs_}, generator, torch::kInt64);
-    const auto asked = torch::randint(0, pairs_, {batch_size, 1}, generator, torch::kInt64);
+        torch::randint(kKeys, kKeys + kValues, {batch_size, length_}, generator, torch::kInt64);
+    const auto asked = torch::randint(0, length_, {batch_size, 1}, generator, torch::kInt64);
     // (b, pairs, 2) -> (b, 2 * pairs): k1 v1 k2 v2 ..., then the asked key.
-    const auto pairs = torch::stack({keys, values}, 2).reshape({batch_size, 2 * pairs_});
+    const auto pairs = torch::stack({keys, values}, 2).reshape({batch_size, 2 * length_});
     const auto inputs = torch::cat({pairs, keys.gather(1, asked)}, 1);
     auto targets = torch::zeros_like(inputs);
-    targets.select(1, 2 * pairs_).copy_(values.gather(1, asked).squeeze(1));
+    targets.select(1, 2 * length_).copy_(values.gather(1, asked).squeeze(1));
     auto loss_mask = torch::zeros_like(inputs, torch::kBool);
-    loss_mask.select(1, 2 * pairs_).fill_(true);  // only the answer is scored
+    loss_mask.select(1, 2 * length_).fill_(true);  // only the answer is scored
     return {inputs, targets, loss_mask};
-  }
-  std::vector<Batch> eval_batches(int64_t batch_size) const override {
-    return fixed_eval_set(*this, seed_, batch_size);
   }
   std::string token_label(int64_t token) const override {
     return token < kKeys ? std::string(1, static_cast<char>('a' + token))
                          : std::to_string(token - kKeys);
   }
-
- private:
-  int64_t pairs_;
-  uint64_t seed_;
 };
 
 class TextTask : public Task {
