@@ -20,6 +20,7 @@ void check_multi_head_options(const char* name, const MultiHeadAttentionOptions&
   detail::check_positive_option(name, "num_heads", options.num_heads());
   detail::check_dropout_option(name, options.dropout());
   detail::check_positive_option(name, "chunk_size", options.chunk_size());
+  detail::check_positive_option(name, "key_chunk_size", options.key_chunk_size());
   TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", name,
               "] option d_out must be divisible by num_heads, got d_out = ", options.d_out(),
               ", num_heads = ", options.num_heads());
@@ -34,7 +35,8 @@ void print_multi_head_options(std::ostream& stream, const char* name,
          << ", qkv_bias=" << detail::option_text(options.qkv_bias())
          << ", causal=" << detail::option_text(options.causal())
          << ", backend=" << backend_name(options.backend())
-         << ", chunk_size=" << options.chunk_size() << ")";
+         << ", chunk_size=" << options.chunk_size()
+         << ", key_chunk_size=" << options.key_chunk_size() << ")";
 }
 
 // The book's path: attention over split heads (b, h, n, hd) with the `mask` buffer, then
@@ -70,7 +72,8 @@ torch::Tensor fast_attention(const torch::Tensor& queries, const torch::Tensor& 
                                     .is_causal(opt.causal())
                                     .dropout_p(opt.dropout())
                                     .training(training)
-                                    .block_size(opt.chunk_size()));
+                                    .block_size(opt.chunk_size())
+                                    .key_block_size(opt.key_chunk_size()));
   }
 #if TORCH_VERSION_MAJOR >= 2
   // Flash / memory-efficient kernels on CUDA, a flash kernel on CPU from 2.1.

@@ -18,7 +18,7 @@ double agreement(torch::ScalarType dtype) {
 }
 
 struct Shape {
-  int64_t batch, heads, num_queries, num_keys, head_dim, block;
+  int64_t batch, heads, num_queries, num_keys, head_dim, block, key_block;
 };
 
 // Output and gradients of q, k, v of sum(attention(q, k, v) * probe).
@@ -38,18 +38,19 @@ std::vector<torch::Tensor> output_and_grads(
 }  // namespace
 
 TEST(ChunkedAttention, MatchesMathOutputsAndGradients) {
-  // n = 1, n not a multiple of the block, head_dim 1, n != m, one block and many.
-  const std::vector<Shape> shapes{{2, 3, 1, 1, 4, 16},
-                                  {2, 2, 37, 37, 8, 16},
-                                  {1, 2, 64, 64, 1, 16},
-                                  {2, 1, 20, 33, 5, 7},
-                                  {1, 1, 9, 9, 3, 128}};
+  // n = 1, n not a multiple of the block, head_dim 1, n != m, one block and many, key
+  // blocks smaller and larger than query blocks and not aligned with them.
+  const std::vector<Shape> shapes{{2, 3, 1, 1, 4, 16, 16},   {2, 2, 37, 37, 8, 16, 16},
+                                  {1, 2, 64, 64, 1, 16, 16}, {2, 1, 20, 33, 5, 7, 7},
+                                  {1, 1, 9, 9, 3, 128, 128}, {2, 3, 41, 41, 4, 8, 5},
+                                  {1, 2, 30, 23, 6, 4, 64},  {1, 1, 50, 50, 2, 16, 1}};
   const std::vector<std::string> names{"q", "k", "v"};
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
     for (const bool causal : {false, true}) {
       for (const auto& s : shapes) {
         SCOPED_TRACE(c10::str("dtype ", dtype, " causal ", causal, " n ", s.num_queries, " m ",
-                              s.num_keys, " hd ", s.head_dim, " block ", s.block));
+                              s.num_keys, " hd ", s.head_dim, " blocks ", s.block, " x ",
+                              s.key_block));
         torch::manual_seed(11);
         const auto options = torch::dtype(dtype);
         const auto q = torch::randn({s.batch, s.heads, s.num_queries, s.head_dim}, options);
@@ -64,7 +65,9 @@ TEST(ChunkedAttention, MatchesMathOutputsAndGradients) {
         const auto chunked = output_and_grads(
             [&](auto& a, auto& b, auto& c) {
               return F::chunked_attention(
-                  a, b, c, F::ChunkedOptions().is_causal(causal).block_size(s.block));
+                  a, b, c,
+                  F::ChunkedOptions().is_causal(causal).block_size(s.block).key_block_size(
+                      s.key_block));
             },
             q, k, v, probe);
         EXPECT_TRUE(tensors_close("output", chunked[0], math[0], agreement(dtype)));
@@ -81,8 +84,12 @@ TEST(ChunkedAttention, DropoutIsSeededDifferentiableAndOffInEval) {
   const auto q = torch::randn({2, 2, 10, 4}, torch::kFloat64);
   const auto k = torch::randn({2, 2, 10, 4}, torch::kFloat64);
   const auto v = torch::randn({2, 2, 10, 4}, torch::kFloat64);
-  const auto train =
-      F::ChunkedOptions().is_causal(true).dropout_p(0.3).training(true).block_size(4);
+  const auto train = F::ChunkedOptions()
+                         .is_causal(true)
+                         .dropout_p(0.3)
+                         .training(true)
+                         .block_size(4)
+                         .key_block_size(3);
   // The masks come from the global generator: the same seed, the same output.
   torch::manual_seed(5);
   const auto first = F::chunked_attention(q, k, v, train);
@@ -116,6 +123,14 @@ TEST(ChunkedAttention, BadArgumentsNameWhatIsWrong) {
   expect_error_containing([&] { F::chunked_attention(q, q, q, F::ChunkedOptions().block_size(0)); },
                           "block_size must be >= 1, got 0");
   expect_error_containing(
+      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().key_block_size(-2)); },
+      "key_block_size must be >= 1, got -2");
+  expect_error_containing(
+      [&] {
+        F::chunked_attention(q, torch::randn({3, 5, 4}), torch::randn({3, 5, 4}));
+      },
+      "[chunked_attention] expected query (..., n, hd), key (..., m, hd)");
+  expect_error_containing(
       [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().dropout_p(1.0)); },
       "dropout_p must be in [0, 1), got 1");
   expect_error_containing([&] { F::chunked_attention(torch::randn({4}), q, q); },
@@ -128,8 +143,11 @@ TEST(AttentionBackends, EveryBackendComputesTheSameModule) {
       for (const bool combined : {false, true}) {
         SCOPED_TRACE(c10::str("dtype ", dtype, " causal ", causal, " combined ", combined));
         torch::manual_seed(21);
-        const auto options =
-            MultiHeadAttentionOptions(6, 8, 12, 0.0, 2).qkv_bias(true).causal(causal).chunk_size(4);
+        const auto options = MultiHeadAttentionOptions(6, 8, 12, 0.0, 2)
+                                 .qkv_bias(true)
+                                 .causal(causal)
+                                 .chunk_size(4)
+                                 .key_chunk_size(3);
         std::shared_ptr<torch::nn::Module> reference;
         if (combined) {
           reference = attnkit::MultiHeadAttentionCombinedQKV(options).ptr();
@@ -180,4 +198,9 @@ TEST(AttentionBackends, NamesParseAndBadOptionsAreNamed) {
   expect_error_containing(
       [] { attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).chunk_size(0)); },
       "[MultiHeadAttention] option chunk_size must be > 0, got 0");
+  expect_error_containing(
+      [] {
+        attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).key_chunk_size(-1));
+      },
+      "[MultiHeadAttention] option key_chunk_size must be > 0, got -1");
 }

@@ -102,8 +102,11 @@ struct ChunkedOptions {
   TORCH_ARG(double, dropout_p) = 0.0;
   /// Whether dropout is active.
   TORCH_ARG(bool, training) = false;
-  /// Query and key tokens per block.
+  /// Query tokens per block.
   TORCH_ARG(int64_t, block_size) = 128;
+  /// Key tokens per block: the online softmax visits ceil(m / key_block_size) key blocks
+  /// per query block; memory per head grows with block_size * key_block_size.
+  TORCH_ARG(int64_t, key_block_size) = 1024;
 };
 
 /// Memory-efficient attention equal to `scaled_dot_product_attention` (scale 1/sqrt(hd)):

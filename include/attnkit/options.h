@@ -134,8 +134,10 @@ struct MultiHeadAttentionOptions {
   TORCH_ARG(bool, causal) = true;
   /// How attention is computed; see `AttentionBackend`.
   TORCH_ARG(AttentionBackend, backend) = AttentionBackend::kMath;
-  /// Tokens per query and key block of the chunked backend.
+  /// Query tokens per block of the chunked backend.
   TORCH_ARG(int64_t, chunk_size) = 128;
+  /// Key tokens per block of the chunked backend.
+  TORCH_ARG(int64_t, key_chunk_size) = 1024;
 };
 
 /// Same options as `MultiHeadAttention`.
