@@ -109,7 +109,9 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
     const BlockPlan plan(q, k, query_block, key_block, causal, dropout_p, dropout_seed);
     const int64_t heads = plan.num_heads, n = plan.num_queries;
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-    const auto q3 = flat_heads(q * scale, heads);  // (heads, n, hd), pre-scaled
+    auto q3 = torch::empty({heads, n, q.size(-1)}, q.options());  // (heads, n, hd), pre-scaled
+    auto q3_as_q = q3.view(q.sizes());  // one pass: scale and make contiguous together
+    torch::mul_out(q3_as_q, q, torch::scalar_tensor(scale, q.options()));
     const auto k3 = flat_heads(k, heads);          // (heads, m, hd)
     const auto v3 = flat_heads(v, heads);          // (heads, m, hd_v)
     auto out_shape = q.sizes().vec();

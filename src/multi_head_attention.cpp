@@ -207,22 +207,15 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& x) {
   }
   detail::check_forward_input("MultiHeadAttention", x, {options.d_in(), options.context_length()},
                               W_query->weight);
+  // One GEMM for Q, K and V: the three weights stacked into (3 * d_out, d_in).
+  const auto weight = torch::cat({W_query->weight, W_key->weight, W_value->weight});
+  const auto bias = options.qkv_bias() ? torch::cat({W_query->bias, W_key->bias, W_value->bias})
+                                       : torch::Tensor();
+  const auto qkv_parts = torch::nn::functional::linear(x, weight, bias).chunk(3, -1);
   const auto h = options.num_heads();
-  torch::Tensor queries, keys, values;
-  if (options.backend() == AttentionBackend::kFused) {
-    // One GEMM for Q, K and V: the three weights stacked into (3 * d_out, d_in).
-    const auto weight = torch::cat({W_query->weight, W_key->weight, W_value->weight});
-    const auto bias = options.qkv_bias() ? torch::cat({W_query->bias, W_key->bias, W_value->bias})
-                                         : torch::Tensor();
-    const auto qkv_parts = torch::nn::functional::linear(x, weight, bias).chunk(3, -1);
-    queries = detail::split_heads(qkv_parts[0], h);
-    keys = detail::split_heads(qkv_parts[1], h);
-    values = detail::split_heads(qkv_parts[2], h);
-  } else {
-    queries = detail::split_heads(W_query(x), h);
-    keys = detail::split_heads(W_key(x), h);
-    values = detail::split_heads(W_value(x), h);
-  }
+  const auto queries = detail::split_heads(qkv_parts[0], h);
+  const auto keys = detail::split_heads(qkv_parts[1], h);
+  const auto values = detail::split_heads(qkv_parts[2], h);
   const auto context = fast_attention(queries, keys, values, options, is_training());
   return out_proj(detail::merge_heads(context));
 }

@@ -92,8 +92,9 @@ enum class AttentionBackend {
   /// One GEMM for Q, K and V; LibTorch's fused scaled_dot_product_attention from 2.0 on,
   /// the math core before.
   kFused,
-  /// Memory-efficient blocks with an online softmax (`functional::chunked_attention`):
-  /// memory linear in num_tokens; dropout from its own random stream.
+  /// One GEMM for Q, K and V, then memory-efficient blocks with an online softmax
+  /// (`functional::chunked_attention`): memory linear in num_tokens; dropout from its own
+  /// random stream.
   kChunked,
 };
 
