@@ -123,18 +123,31 @@ AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& q
     mask = given_mask ? mask.logical_or(causal) : causal;
   }
 
-  auto attn_scores = attention_scores(query, key);  // (..., n, m)
+  // A fresh (..., n, m) product, so the mask and the scale go in place: two fewer passes
+  // and allocations of the largest tensor (autograd needs neither intermediate).
+  auto attn_scores = attention_scores(query, key);
   if (mask.defined()) {
-    attn_scores = attn_scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
+    constexpr double kMasked = -std::numeric_limits<double>::infinity();
+    if (at::infer_size(mask.sizes(), attn_scores.sizes()) == attn_scores.sizes()) {
+      attn_scores.masked_fill_(mask, kMasked);
+    } else {  // a mask with more leading dimensions broadcasts the scores up
+      attn_scores = attn_scores.masked_fill(mask, kMasked);
+    }
   }
   // Divide (not multiply by the reciprocal) so float32 results are bit-identical to the book.
-  attn_scores = options.scale().has_value()
-                    ? attn_scores * *options.scale()
-                    : attn_scores / std::sqrt(static_cast<double>(query.size(-1)));
+  if (options.scale().has_value()) {
+    attn_scores.mul_(*options.scale());
+  } else {
+    attn_scores.div_(std::sqrt(static_cast<double>(query.size(-1))));
+  }
   auto attn_weights = torch::softmax(attn_scores, -1);
   if (given_mask) {
     // A row whose keys are all masked is softmax(-inf, ...) = NaN; it attends to nothing.
-    attn_weights = attn_weights.masked_fill(mask.all(-1, /*keepdim=*/true), 0.0);
+    // Checked on the mask, which is small, so the weights are only rewritten when needed.
+    const auto fully_masked = mask.all(-1, /*keepdim=*/true);
+    if (fully_masked.any().item<bool>()) {
+      attn_weights = attn_weights.masked_fill(fully_masked, 0.0);
+    }
   }
   attn_weights = dropout_weights(attn_weights, options.dropout_p(), options.training());
   return {torch::matmul(attn_weights, value), attn_weights};

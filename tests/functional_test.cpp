@@ -234,6 +234,19 @@ TEST(ScaledDotProductAttention, FullyMaskedRowAttendsToNothing) {
   EXPECT_TENSOR_NEAR(out.weights.sum(-1), vec({1, 0, 1}), kFloat32);
 }
 
+TEST(ScaledDotProductAttention, MaskWithMoreLeadingDimsBroadcastsTheScores) {
+  // (n, hd) inputs with a (2, n, m) mask: one output per mask, as softmax over the mask's shape.
+  const auto q = torch::randn({3, 4});
+  const auto kv = torch::randn({5, 4});
+  auto mask = torch::zeros({2, 3, 5}, torch::kBool);
+  mask[1].slice(1, 2, 5).fill_(true);
+  const auto out = F::scaled_dot_product_attention(q, kv, kv, F::SdpaOptions().attn_mask(mask));
+  ASSERT_EQ(out.sizes(), (std::vector<int64_t>{2, 3, 4}));
+  EXPECT_TENSOR_NEAR(out[0], F::scaled_dot_product_attention(q, kv, kv), 1e-6);
+  EXPECT_TENSOR_NEAR(
+      out[1], F::scaled_dot_product_attention(q, kv.slice(0, 0, 2), kv.slice(0, 0, 2)), 1e-6);
+}
+
 TEST(ScaledDotProductAttention, ExplicitScale) {
   // Seed 003's variant divides by sqrt(HIDDEN_DIM = 256) = 16 and uses randn weights.
   torch::manual_seed(123);
