@@ -4,6 +4,7 @@
     python3 scripts/bench_reference.py --batch 8 --tokens 1024 --d-model 768 --heads 12 \
         --json py.json                       # time them, same JSON as attnkit-bench --json
     python3 scripts/bench_reference.py --compare cpp.json py.json   # side-by-side ratios
+    python3 scripts/bench_reference.py --compare a.json,b.json c.json,d.json   # merged first
 
 Implementations (names as attnkit-bench --only): wrapper, mha, combined, einsum (the book's
 classes from reference_attention.py, and an einsum formulation), torch-mha and
@@ -109,9 +110,15 @@ def measure(name, backward, args):
             "peak_memory_mb": peak_rss_mb()}
 
 
-def compare(cpp_file, py_file):
-    cpp = {(r["name"], r["pass"]): r for r in json.load(open(cpp_file))["results"]}
-    py = {(r["name"], r["pass"]): r for r in json.load(open(py_file))["results"]}
+def load_results(files):
+    """Results of one or more comma-separated JSON files, keyed by (name, pass)."""
+    return {(r["name"], r["pass"]): r
+            for path in files.split(",") for r in json.load(open(path))["results"]}
+
+
+def compare(cpp_files, py_files):
+    cpp = load_results(cpp_files)
+    py = load_results(py_files)
     print(f"{'implementation':21}{'pass':18}{'C++ ms':>10}{'Python ms':>11}{'Python/C++':>12}")
     for key, p in py.items():
         if key in cpp:
@@ -140,7 +147,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--only", default=",".join(PYTHON_IMPLEMENTATIONS))
     parser.add_argument("--json")
-    parser.add_argument("--compare", nargs=2, metavar=("CPP_JSON", "PY_JSON"))
+    parser.add_argument("--compare", nargs=2, metavar=("CPP_JSON", "PY_JSON"),
+                        help="print ratios; each argument may list files separated by commas")
     args = parser.parse_args()
     if args.compare:
         compare(*args.compare)
