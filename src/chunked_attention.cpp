@@ -3,10 +3,11 @@
 // each block's probabilities from the saved log-sum-exp. Memory is O(n * block) per head
 // instead of the O(n^2) score matrix of the math path.
 //
-// Speed (LibTorch 1.13 CPU): every tensor is flattened to (heads, tokens, features) and
-// made contiguous once, so each block is a strided view that bmm/baddbmm read and write
-// in place; the softmax scale is folded into the queries once; the block's elementwise
-// steps run in place; heads are processed in groups whose score block stays in cache.
+// Speed (LibTorch 1.13 CPU): the inputs are read in place through (outer, heads, n, f)
+// views, so the (b, h, n, hd) views of a QKV projection are not copied; the softmax scale
+// is applied to each query block (bq x hd), not to the scores (bq x bk); the block's
+// elementwise steps run in place; heads are processed in groups whose score block stays in
+// cache.
 
 #include <algorithm>
 #include <cmath>
@@ -26,61 +27,67 @@ constexpr double kInfinity = std::numeric_limits<double>::infinity();
 // Score bytes per (head group, query block, key block): about half of a core's L2 here.
 constexpr int64_t kScoreBlockBytes = int64_t{4} << 20;
 
+// (..., n, f) -> (outer, heads, n, f), where heads is the dimension before n (1 for 2-D
+// input) and outer the product of the rest: a view whenever the leading dimensions merge.
+torch::Tensor as_outer_heads(const torch::Tensor& t) {
+  const int64_t heads = t.dim() >= 3 ? t.size(-3) : 1;
+  int64_t outer = 1;
+  for (int64_t d = 0; d + 3 < t.dim(); ++d)
+    outer *= t.size(d);
+  return t.reshape({outer, heads, t.size(-2), t.size(-1)});
+}
+
 // Everything forward and backward must agree on to visit the same blocks the same way.
 struct BlockPlan {
-  int64_t num_heads;  // product of the leading dimensions
+  int64_t outer;
+  int64_t heads;
   int64_t num_queries;
   int64_t num_keys;
   int64_t query_block;
   int64_t key_block;
   int64_t head_group;  // heads per bmm
   bool causal;
+  double scale;
   double dropout_p;
   int64_t dropout_seed;  // < 0: no dropout
 
-  BlockPlan(const torch::Tensor& q, const torch::Tensor& k, int64_t query_block_size,
+  BlockPlan(const torch::Tensor& q4, const torch::Tensor& k4, int64_t query_block_size,
             int64_t key_block_size, bool causal, double dropout_p, int64_t dropout_seed)
-      : num_heads(leading_size(q)),
-        num_queries(q.size(-2)),
-        num_keys(k.size(-2)),
+      : outer(q4.size(0)),
+        heads(q4.size(1)),
+        num_queries(q4.size(2)),
+        num_keys(k4.size(2)),
         query_block(query_block_size),
         key_block(key_block_size),
         causal(causal),
+        scale(1.0 / std::sqrt(static_cast<double>(q4.size(3)))),
         dropout_p(dropout_p),
         dropout_seed(dropout_seed) {
-    const int64_t block_bytes = query_block * key_block * static_cast<int64_t>(q.element_size());
+    const int64_t block_bytes = query_block * key_block * static_cast<int64_t>(q4.element_size());
     head_group = std::clamp<int64_t>(kScoreBlockBytes / std::max<int64_t>(block_bytes, 1), 1,
-                                     std::max<int64_t>(num_heads, 1));
-  }
-
-  static int64_t leading_size(const torch::Tensor& t) {
-    int64_t size = 1;
-    for (int64_t d = 0; d + 2 < t.dim(); ++d)
-      size *= t.size(d);
-    return size;
+                                     std::max<int64_t>(heads, 1));
   }
 
   // Keys a query block ending at q1 can see: all, or (causal, top-left aligned) j < q1.
   int64_t key_end(int64_t q1) const { return causal ? std::min(num_keys, q1) : num_keys; }
 };
 
-// (..., n, f) -> (heads, n, f), contiguous.
-torch::Tensor flat_heads(const torch::Tensor& t, int64_t num_heads) {
-  return t.reshape({num_heads, t.size(-2), t.size(-1)}).contiguous();
+// Where a block sits: outer index o, heads [h0, h0 + g).
+struct HeadGroup {
+  int64_t o, h0, g;
+};
+
+// Rows [r0, r0 + rows) of a head group of an (outer, heads, n, f) tensor: a (g, rows, f) view.
+torch::Tensor block_of(const torch::Tensor& t4, const HeadGroup& at, int64_t r0, int64_t rows) {
+  return t4.select(0, at.o).narrow(0, at.h0, at.g).narrow(1, r0, rows);
 }
 
-// Rows [r0, r0 + rows) of heads [h0, h0 + heads) of a (heads, n, f) tensor: a view.
-torch::Tensor block_of(const torch::Tensor& t, int64_t h0, int64_t heads, int64_t r0,
-                       int64_t rows) {
-  return t.narrow(0, h0, heads).narrow(1, r0, rows);
-}
-
-// Scores of a (query block, key block) pair, (g, bq, bk), with -inf above the causal
-// diagonal. The queries are pre-scaled.
+// Scores of a (pre-scaled query block, key block) pair, (g, bq, bk), with -inf above the
+// causal diagonal.
 torch::Tensor block_scores(const torch::Tensor& q_block, const torch::Tensor& k_block, int64_t q0,
                            int64_t k0, const BlockPlan& plan) {
-  auto scores = torch::bmm(q_block, k_block.transpose(1, 2));
   const int64_t bq = q_block.size(1), bk = k_block.size(1);
+  auto scores = torch::bmm(q_block, k_block.transpose(1, 2));
   if (plan.causal && k0 + bk - 1 > q0) {  // the block reaches above the diagonal
     const auto index = torch::dtype(torch::kInt64);
     const auto rows = torch::arange(q0, q0 + bq, index).unsqueeze(1);
@@ -92,9 +99,10 @@ torch::Tensor block_scores(const torch::Tensor& q_block, const torch::Tensor& k_
 
 // The dropout keep-mask (scaled by 1 / (1 - p)) of one block, drawn from a generator
 // seeded by the call's seed and the block's position, so backward redraws the same mask.
-torch::Tensor dropout_scale(const torch::Tensor& like, int64_t h0, int64_t q0, int64_t k0,
+torch::Tensor dropout_scale(const torch::Tensor& like, const HeadGroup& at, int64_t q0, int64_t k0,
                             const BlockPlan& plan) {
-  const auto block_index = (h0 * plan.num_queries + q0) * plan.num_keys + k0;
+  const auto block_index =
+      ((at.o * plan.heads + at.h0) * plan.num_queries + q0) * plan.num_keys + k0;
   auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(plan.dropout_seed) +
                                                   static_cast<uint64_t>(block_index));
   const auto keep = torch::empty(like.sizes(), torch::dtype(like.scalar_type()))
@@ -102,62 +110,73 @@ torch::Tensor dropout_scale(const torch::Tensor& like, int64_t h0, int64_t q0, i
   return (keep / (1.0 - plan.dropout_p)).to(like.device());
 }
 
+// Calls visit(head group, q0, bq) for every query block, head groups outermost.
+template <typename Visit>
+void for_each_query_block(const BlockPlan& plan, Visit&& visit) {
+  for (int64_t o = 0; o < plan.outer; ++o) {
+    for (int64_t h0 = 0; h0 < plan.heads; h0 += plan.head_group) {
+      const HeadGroup at{o, h0, std::min(plan.head_group, plan.heads - h0)};
+      for (int64_t q0 = 0; q0 < plan.num_queries; q0 += plan.query_block) {
+        visit(at, q0, std::min(plan.query_block, plan.num_queries - q0));
+      }
+    }
+  }
+}
+
+// (outer, heads, n, f) contiguous -> the shape of `like` with n and f replaced.
+torch::Tensor shaped_like(const torch::Tensor& t4, const torch::Tensor& like) {
+  auto shape = like.sizes().vec();
+  shape[shape.size() - 2] = t4.size(2);
+  shape.back() = t4.size(3);
+  return t4.view(shape);
+}
+
 struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, bool causal, double dropout_p,
                                int64_t dropout_seed, int64_t query_block, int64_t key_block) {
-    const BlockPlan plan(q, k, query_block, key_block, causal, dropout_p, dropout_seed);
-    const int64_t heads = plan.num_heads, n = plan.num_queries;
-    const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-    auto q3 = torch::empty({heads, n, q.size(-1)}, q.options());  // (heads, n, hd), pre-scaled
-    auto q3_as_q = q3.view(q.sizes());  // one pass: scale and make contiguous together
-    torch::mul_out(q3_as_q, q, torch::scalar_tensor(scale, q.options()));
-    const auto k3 = flat_heads(k, heads);          // (heads, m, hd)
-    const auto v3 = flat_heads(v, heads);          // (heads, m, hd_v)
+    const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
+    const BlockPlan plan(q4, k4, query_block, key_block, causal, dropout_p, dropout_seed);
     auto out_shape = q.sizes().vec();
     out_shape.back() = v.size(-1);
     auto out = torch::empty(out_shape, q.options());
-    auto out3 = out.view({heads, n, v.size(-1)});
-    auto lse = torch::empty({heads, n, 1}, q.options());  // log-sum-exp per row
+    auto out4 = as_outer_heads(out);  // a view of the output, written block by block
+    auto lse4 = torch::empty({plan.outer, plan.heads, plan.num_queries, 1}, q.options());
 
-    for (int64_t h0 = 0; h0 < heads; h0 += plan.head_group) {
-      const int64_t g = std::min(plan.head_group, heads - h0);
-      for (int64_t q0 = 0; q0 < n; q0 += plan.query_block) {
-        const int64_t bq = std::min(plan.query_block, n - q0);
-        const auto q_block = block_of(q3, h0, g, q0, bq);
-        auto acc = block_of(out3, h0, g, q0, bq);  // written in place
-        torch::Tensor row_max, row_sum;
-        const int64_t key_end = plan.key_end(q0 + bq);
-        for (int64_t k0 = 0; k0 < key_end; k0 += plan.key_block) {
-          const int64_t bk = std::min(plan.key_block, key_end - k0);
-          auto p = block_scores(q_block, block_of(k3, h0, g, k0, bk), q0, k0, plan);
-          const auto block_max = p.amax(-1, /*keepdim=*/true);
-          torch::Tensor correction;
-          if (k0 == 0) {
-            row_max = block_max;  // key 0 is visible to every row: finite
-          } else {
-            const auto new_max = torch::maximum(row_max, block_max);
-            correction = (row_max - new_max).exp_();
-            row_max = new_max;
-          }
-          p.sub_(row_max).exp_();
-          const auto block_sum = p.sum(-1, /*keepdim=*/true);
-          if (plan.dropout_seed >= 0)
-            p.mul_(dropout_scale(p, h0, q0, k0, plan));
-          const auto v_block = block_of(v3, h0, g, k0, bk);
-          if (k0 == 0) {
-            row_sum = block_sum;
-            acc.copy_(torch::bmm(p, v_block));
-          } else {
-            row_sum.mul_(correction).add_(block_sum);
-            acc.mul_(correction).baddbmm_(p, v_block);
-          }
+    for_each_query_block(plan, [&](const HeadGroup& at, int64_t q0, int64_t bq) {
+      const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
+      auto acc = block_of(out4, at, q0, bq);                       // written in place
+      torch::Tensor row_max, row_sum;
+      const int64_t key_end = plan.key_end(q0 + bq);
+      for (int64_t k0 = 0; k0 < key_end; k0 += plan.key_block) {
+        const int64_t bk = std::min(plan.key_block, key_end - k0);
+        auto p = block_scores(q_block, block_of(k4, at, k0, bk), q0, k0, plan);
+        const auto block_max = p.amax(-1, /*keepdim=*/true);
+        torch::Tensor correction;
+        if (k0 == 0) {
+          row_max = block_max;  // key 0 is visible to every row: finite
+        } else {
+          const auto new_max = torch::maximum(row_max, block_max);
+          correction = (row_max - new_max).exp_();
+          row_max = new_max;
         }
-        acc.div_(row_sum);
-        block_of(lse, h0, g, q0, bq).copy_(row_max + row_sum.log());
+        p.sub_(row_max).exp_();
+        const auto block_sum = p.sum(-1, /*keepdim=*/true);
+        if (plan.dropout_seed >= 0)
+          p.mul_(dropout_scale(p, at, q0, k0, plan));
+        const auto v_block = block_of(v4, at, k0, bk);
+        if (k0 == 0) {
+          row_sum = block_sum;
+          acc.copy_(torch::bmm(p, v_block));
+        } else {
+          row_sum.mul_(correction).add_(block_sum);
+          acc.mul_(correction).baddbmm_(p, v_block);
+        }
       }
-    }
-    ctx->save_for_backward({q3, k3, v3, out, lse});
+      acc.div_(row_sum);
+      block_of(lse4, at, q0, bq).copy_(row_max + row_sum.log());
+    });
+    ctx->save_for_backward({q, k, v, out, lse4});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["dropout_seed"] = dropout_seed;
@@ -168,58 +187,47 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &q3 = saved[0], &k3 = saved[1], &v3 = saved[2], &out = saved[3], &lse = saved[4];
-    const BlockPlan plan(q3, k3, ctx->saved_data["query_block"].toInt(),
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &lse4 = saved[4];
+    const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
+    const auto out4 = as_outer_heads(saved[3]);
+    const BlockPlan plan(q4, k4, ctx->saved_data["query_block"].toInt(),
                          ctx->saved_data["key_block"].toInt(), ctx->saved_data["causal"].toBool(),
                          ctx->saved_data["dropout_p"].toDouble(),
                          ctx->saved_data["dropout_seed"].toInt());
-    const int64_t heads = plan.num_heads, n = plan.num_queries;
-    const double scale = 1.0 / std::sqrt(static_cast<double>(q3.size(-1)));
-    const auto grad_out = flat_heads(grads[0], heads);  // (heads, n, hd_v)
+    const auto grad_out4 = as_outer_heads(grads[0]);
     // D_i = sum_j P_ij dP_ij = dO_i . O_i (holds with dropout too, since O = P_dropped V).
-    const auto delta = (grad_out * out.view(grad_out.sizes())).sum(-1, /*keepdim=*/true);
-    auto grad_q = torch::zeros_like(q3);
-    auto grad_k = torch::zeros_like(k3);
-    auto grad_v = torch::zeros_like(v3);
-    for (int64_t h0 = 0; h0 < heads; h0 += plan.head_group) {
-      const int64_t g = std::min(plan.head_group, heads - h0);
-      for (int64_t q0 = 0; q0 < n; q0 += plan.query_block) {
-        const int64_t bq = std::min(plan.query_block, n - q0);
-        const auto q_block = block_of(q3, h0, g, q0, bq);
-        const auto grad_out_block = block_of(grad_out, h0, g, q0, bq);
-        const auto lse_block = block_of(lse, h0, g, q0, bq);
-        const auto delta_block = block_of(delta, h0, g, q0, bq);
-        auto grad_q_block = block_of(grad_q, h0, g, q0, bq);
-        const int64_t key_end = plan.key_end(q0 + bq);
-        for (int64_t k0 = 0; k0 < key_end; k0 += plan.key_block) {
-          const int64_t bk = std::min(plan.key_block, key_end - k0);
-          const auto k_block = block_of(k3, h0, g, k0, bk);
-          const auto v_block = block_of(v3, h0, g, k0, bk);
-          auto p = block_scores(q_block, k_block, q0, k0, plan).sub_(lse_block).exp_();
-          auto grad_p = torch::bmm(grad_out_block, v_block.transpose(1, 2));
-          torch::Tensor p_used = p;
-          if (plan.dropout_seed >= 0) {
-            const auto keep = dropout_scale(p, h0, q0, k0, plan);
-            p_used = p * keep;
-            grad_p.mul_(keep);
-          }
-          block_of(grad_v, h0, g, k0, bk).baddbmm_(p_used.transpose(1, 2), grad_out_block);
-          const auto grad_scores = grad_p.sub_(delta_block).mul_(p);  // w.r.t. scaled scores
-          grad_q_block.baddbmm_(grad_scores, k_block, /*beta=*/1, /*alpha=*/scale);
-          block_of(grad_k, h0, g, k0, bk).baddbmm_(grad_scores.transpose(1, 2), q_block);
+    const auto delta4 = (grad_out4 * out4).sum(-1, /*keepdim=*/true);
+    auto grad_q4 = torch::zeros(q4.sizes(), q4.options());
+    auto grad_k4 = torch::zeros(k4.sizes(), k4.options());
+    auto grad_v4 = torch::zeros(v4.sizes(), v4.options());
+    for_each_query_block(plan, [&](const HeadGroup& at, int64_t q0, int64_t bq) {
+      const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
+      const auto grad_out_block = block_of(grad_out4, at, q0, bq);
+      const auto lse_block = block_of(lse4, at, q0, bq);
+      const auto delta_block = block_of(delta4, at, q0, bq);
+      auto grad_q_block = block_of(grad_q4, at, q0, bq);
+      const int64_t key_end = plan.key_end(q0 + bq);
+      for (int64_t k0 = 0; k0 < key_end; k0 += plan.key_block) {
+        const int64_t bk = std::min(plan.key_block, key_end - k0);
+        const auto k_block = block_of(k4, at, k0, bk);
+        const auto v_block = block_of(v4, at, k0, bk);
+        auto p = block_scores(q_block, k_block, q0, k0, plan).sub_(lse_block).exp_();
+        auto grad_p = torch::bmm(grad_out_block, v_block.transpose(1, 2));
+        torch::Tensor p_used = p;
+        if (plan.dropout_seed >= 0) {
+          const auto keep = dropout_scale(p, at, q0, k0, plan);
+          p_used = p * keep;
+          grad_p.mul_(keep);
         }
+        block_of(grad_v4, at, k0, bk).baddbmm_(p_used.transpose(1, 2), grad_out_block);
+        const auto grad_scores = grad_p.sub_(delta_block).mul_(p);  // w.r.t. scaled scores
+        grad_q_block.baddbmm_(grad_scores, k_block, /*beta=*/1, /*alpha=*/plan.scale);
+        block_of(grad_k4, at, k0, bk).baddbmm_(grad_scores.transpose(1, 2), q_block);
       }
-    }
-    auto grad_q_shape = out.sizes().vec();
-    grad_q_shape.back() = q3.size(-1);
-    auto grad_kv_shape = grad_q_shape;
-    grad_kv_shape[grad_kv_shape.size() - 2] = plan.num_keys;
-    auto grad_v_shape = grad_kv_shape;
-    grad_v_shape.back() = v3.size(-1);
-    return {grad_q.view(grad_q_shape), grad_k.view(grad_kv_shape),
-            grad_v.view(grad_v_shape), torch::Tensor(),
-            torch::Tensor(),           torch::Tensor(),
-            torch::Tensor(),           torch::Tensor()};
+    });
+    return {shaped_like(grad_q4, q), shaped_like(grad_k4, k), shaped_like(grad_v4, v),
+            torch::Tensor(),         torch::Tensor(),         torch::Tensor(),
+            torch::Tensor(),         torch::Tensor()};
   }
 };
 
