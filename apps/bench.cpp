@@ -34,6 +34,9 @@ struct BenchConfig {
   int64_t threads = 0;
   int64_t repeats = 5;
   int64_t warmup = 1;
+  // Block sizes of the chunked backend (MultiHeadAttentionOptions' defaults).
+  int64_t chunk_size = attnkit::MultiHeadAttentionOptions(1, 1, 1, 0.0, 1).chunk_size();
+  int64_t key_chunk_size = attnkit::MultiHeadAttentionOptions(1, 1, 1, 0.0, 1).key_chunk_size();
   std::vector<std::string> only;
   std::string json;
 };
@@ -106,7 +109,10 @@ struct Implementation {
 Implementation make_implementation(const std::string& name, const BenchConfig& c,
                                    const torch::TensorOptions& options) {
   const auto d = c.d_model, h = c.heads, n = c.tokens;
-  auto mha_options = attnkit::MultiHeadAttentionOptions(d, d, n, 0.0, h).causal(c.causal);
+  auto mha_options = attnkit::MultiHeadAttentionOptions(d, d, n, 0.0, h)
+                         .causal(c.causal)
+                         .chunk_size(c.chunk_size)
+                         .key_chunk_size(c.key_chunk_size);
   Implementation impl;
   if (name == "wrapper") {
     TORCH_CHECK(c.causal, "--only wrapper: the CausalAttention wrapper is always causal");
@@ -243,6 +249,7 @@ void write_json(const std::string& path, const BenchConfig& c, double sgemm,
       << ", \"heads\": " << c.heads << ", \"causal\": " << (c.causal ? "true" : "false")
       << ", \"device\": \"" << c.device << "\", \"dtype\": \"" << c.dtype
       << "\", \"threads\": " << torch::get_num_threads() << ", \"repeats\": " << c.repeats
+      << ", \"chunk_size\": " << c.chunk_size << ", \"key_chunk_size\": " << c.key_chunk_size
       << "}, \"sgemm_gflops\": " << sgemm << ", \"results\": [";
   for (size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
@@ -265,6 +272,7 @@ int fail(const std::string& message) {
 
 int main(int argc, char** argv) {
   using cxxopts::value;
+  BenchConfig c;
   cxxopts::Options options(
       "attnkit-bench",
       "Time each multi-head attention implementation, forward and forward+backward.\n"
@@ -289,9 +297,12 @@ int main(int argc, char** argv) {
       "repeats", "timed runs per measurement", value<int64_t>()->default_value("5"))(
       "warmup", "untimed runs first", value<int64_t>()->default_value("1"))(
       "only", "comma-separated subset of: " + names, value<std::string>()->default_value(""))(
+      "chunk-size", "query tokens per block of chunked",
+      value<int64_t>()->default_value(std::to_string(c.chunk_size)))(
+      "key-chunk-size", "key tokens per block of chunked",
+      value<int64_t>()->default_value(std::to_string(c.key_chunk_size)))(
       "json", "also write the results as JSON to FILE", value<std::string>()->default_value(""))(
       "h,help", "show this help");
-  BenchConfig c;
   try {
     const auto args = options.parse(argc, argv);
     if (args.count("help")) {
@@ -311,6 +322,8 @@ int main(int argc, char** argv) {
     c.threads = args["threads"].as<int64_t>();
     c.repeats = args["repeats"].as<int64_t>();
     c.warmup = args["warmup"].as<int64_t>();
+    c.chunk_size = args["chunk-size"].as<int64_t>();
+    c.key_chunk_size = args["key-chunk-size"].as<int64_t>();
     c.json = args["json"].as<std::string>();
     std::stringstream only(args["only"].as<std::string>());
     for (std::string item; std::getline(only, item, ',');) {
@@ -324,10 +337,10 @@ int main(int argc, char** argv) {
     return fail(std::string(e.what()) + " (see --help)");
   }
   if (c.batch < 1 || c.tokens < 1 || c.d_model < 1 || c.heads < 1 || c.repeats < 1 ||
-      c.warmup < 0 || c.threads < 0) {
+      c.chunk_size < 1 || c.key_chunk_size < 1 || c.warmup < 0 || c.threads < 0) {
     return fail(
-        "--batch, --tokens, --d-model, --heads and --repeats must be >= 1, --warmup "
-        "and --threads >= 0");
+        "--batch, --tokens, --d-model, --heads, --repeats, --chunk-size and --key-chunk-size "
+        "must be >= 1, --warmup and --threads >= 0");
   }
   if (c.d_model % c.heads != 0) {
     return fail("--d-model " + std::to_string(c.d_model) + " must be divisible by --heads " +

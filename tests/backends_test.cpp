@@ -79,6 +79,40 @@ TEST(ChunkedAttention, MatchesMathOutputsAndGradients) {
   }
 }
 
+TEST(ChunkedAttention, AnyRankAndStridedInputsMatchMath) {
+  // 2-D (n, hd), 3-D (h, n, hd), 5-D inputs, and (b, h, n, hd) views of a (b, n, h * hd)
+  // projection, read in place rather than copied.
+  torch::manual_seed(13);
+  const auto projection = torch::randn({2, 9, 3 * 4}, torch::kFloat64);
+  const auto strided = projection.view({2, 9, 3, 4}).transpose(1, 2);  // (b, h, n, hd) view
+  ASSERT_FALSE(strided.is_contiguous());
+  const std::vector<torch::Tensor> inputs{torch::randn({7, 3}, torch::kFloat64),
+                                          torch::randn({2, 7, 3}, torch::kFloat64),
+                                          torch::randn({2, 1, 3, 7, 3}, torch::kFloat64), strided};
+  for (const auto& q : inputs) {
+    for (const bool causal : {false, true}) {
+      SCOPED_TRACE(c10::str("shape ", q.sizes(), " causal ", causal));
+      const auto k = q.flip(-2);
+      const auto v = q * 2;
+      const auto probe = torch::randn(q.sizes(), torch::kFloat64);
+      const auto math = output_and_grads(
+          [&](auto& a, auto& b, auto& c) {
+            return F::scaled_dot_product_attention(a, b, c, F::SdpaOptions().is_causal(causal));
+          },
+          q, k, v, probe);
+      const auto chunked = output_and_grads(
+          [&](auto& a, auto& b, auto& c) {
+            return F::chunked_attention(
+                a, b, c, F::ChunkedOptions().is_causal(causal).block_size(2).key_block_size(3));
+          },
+          q, k, v, probe);
+      for (size_t i = 0; i < 4; ++i) {
+        EXPECT_TRUE(tensors_close(c10::str("output/grad ", i), chunked[i], math[i], 1e-10));
+      }
+    }
+  }
+}
+
 TEST(ChunkedAttention, DropoutIsSeededDifferentiableAndOffInEval) {
   torch::manual_seed(3);
   const auto q = torch::randn({2, 2, 10, 4}, torch::kFloat64);
