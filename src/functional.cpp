@@ -143,9 +143,10 @@ AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& q
   auto attn_weights = torch::softmax(attn_scores, -1);
   if (given_mask) {
     // A row whose keys are all masked is softmax(-inf, ...) = NaN; it attends to nothing.
-    // Checked on the mask, which is small, so the weights are only rewritten when needed.
+    // On CPU the (small) mask is checked first so the weights are rewritten only when
+    // needed; on a GPU that check would be a device sync, so the fill always runs there.
     const auto fully_masked = mask.all(-1, /*keepdim=*/true);
-    if (fully_masked.any().item<bool>()) {
+    if (!mask.device().is_cpu() || fully_masked.any().item<bool>()) {
       attn_weights = attn_weights.masked_fill(fully_masked, 0.0);
     }
   }
