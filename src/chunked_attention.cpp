@@ -1,7 +1,8 @@
 // Memory-efficient attention: queries and keys in blocks, an online softmax (running max
 // and sum), blocks above the causal diagonal skipped, and a backward pass that recomputes
-// each block's probabilities from the saved log-sum-exp. Memory is O(n * block) per head
-// instead of the O(n^2) score matrix of the math path.
+// each block's probabilities from the saved log-sum-exp. Beyond inputs and outputs, memory
+// is one score tile (head group x query block x key block) instead of the O(n^2) score
+// matrix of the math path, so it grows linearly in n.
 //
 // Speed (LibTorch 1.13 CPU): the inputs are read in place through (outer, heads, n, f)
 // views, so the (b, h, n, hd) views of a QKV projection are not copied; the softmax scale
@@ -24,7 +25,8 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr double kInfinity = std::numeric_limits<double>::infinity();
-// Score bytes per (head group, query block, key block): about half of a core's L2 here.
+// Bytes of one score tile (head group x query block x key block): a few MiB, near the L2
+// size of the development machine (2 MiB per core); tuned by hand with attnkit-bench.
 constexpr int64_t kScoreBlockBytes = int64_t{4} << 20;
 
 // (..., n, f) -> (outer, heads, n, f), where heads is the dimension before n (1 for 2-D
