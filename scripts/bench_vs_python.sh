@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${ATTNKIT_PYTHON:-/usr/bin/python3}
 "$python" -c 'import torch' 2>/dev/null || { echo "needs $python with torch (Debian: python3-torch)" >&2; exit 2; }
-only=wrapper,mha,combined,einsum,fused,chunked,torch-mha,torch-mha-noweights
+only=wrapper,mha,combined,einsum,fused,chunked,torch-mha,torch-mha-noweights,math-core,chunked-core
 python_has=" wrapper mha combined einsum torch-mha torch-mha-noweights "
 args=()
 while (($#)); do
