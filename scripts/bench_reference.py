@@ -128,7 +128,9 @@ def compare(cpp_files, py_files):
     for index, pass_name in enumerate(("forward", "forward+backward")):
         if book[index] is None:
             continue
-        ours = [r for k, r in cpp.items() if k[1] == pass_name and not k[0].startswith("torch-")]
+        # attnkit's whole-module implementations (not LibTorch's, not the core-only entries)
+        ours = [r for k, r in cpp.items() if k[1] == pass_name and not k[0].startswith("torch-")
+                and not k[0].endswith("-core")]
         best = min(ours, key=lambda r: r["median_ms"])
         print(f"fastest attnkit {pass_name}: {best['name']} {best['median_ms']:.1f} ms, "
               f"{book[index]['median_ms'] / best['median_ms']:.2f}x faster than the book's MHA in Python "
