@@ -35,6 +35,29 @@ std::vector<torch::Tensor> output_and_grads(
   return {out.detach(), q.grad(), k.grad(), v.grad()};
 }
 
+// Chunked attention against the math path on (q, k, v): output and the gradients of q, k and
+// v of sum(out * probe), at the agreement tolerance of q's dtype.
+void expect_chunked_matches_math(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const torch::Tensor& probe, bool causal,
+                                 int64_t block, int64_t key_block) {
+  const auto math = output_and_grads(
+      [&](auto& a, auto& b, auto& c) {
+        return F::scaled_dot_product_attention(a, b, c, F::SdpaOptions().is_causal(causal));
+      },
+      q, k, v, probe);
+  const auto chunked = output_and_grads(
+      [&](auto& a, auto& b, auto& c) {
+        return F::chunked_attention(
+            a, b, c,
+            F::ChunkedOptions().is_causal(causal).block_size(block).key_block_size(key_block));
+      },
+      q, k, v, probe);
+  const std::vector<std::string> names{"output", "grad q", "grad k", "grad v"};
+  for (size_t i = 0; i < names.size(); ++i) {
+    EXPECT_TRUE(tensors_close(names[i], chunked[i], math[i], agreement(q.scalar_type())));
+  }
+}
+
 }  // namespace
 
 TEST(ChunkedAttention, MatchesMathOutputsAndGradients) {
@@ -44,7 +67,6 @@ TEST(ChunkedAttention, MatchesMathOutputsAndGradients) {
                                   {1, 2, 64, 64, 1, 16, 16}, {2, 1, 20, 33, 5, 7, 7},
                                   {1, 1, 9, 9, 3, 128, 128}, {2, 3, 41, 41, 4, 8, 5},
                                   {1, 2, 30, 23, 6, 4, 64},  {1, 1, 50, 50, 2, 16, 1}};
-  const std::vector<std::string> names{"q", "k", "v"};
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
     for (const bool causal : {false, true}) {
       for (const auto& s : shapes) {
@@ -57,23 +79,7 @@ TEST(ChunkedAttention, MatchesMathOutputsAndGradients) {
         const auto k = torch::randn({s.batch, s.heads, s.num_keys, s.head_dim}, options);
         const auto v = torch::randn({s.batch, s.heads, s.num_keys, s.head_dim + 1}, options);
         const auto probe = torch::randn({s.batch, s.heads, s.num_queries, s.head_dim + 1}, options);
-        const auto math = output_and_grads(
-            [&](auto& a, auto& b, auto& c) {
-              return F::scaled_dot_product_attention(a, b, c, F::SdpaOptions().is_causal(causal));
-            },
-            q, k, v, probe);
-        const auto chunked = output_and_grads(
-            [&](auto& a, auto& b, auto& c) {
-              return F::chunked_attention(
-                  a, b, c,
-                  F::ChunkedOptions().is_causal(causal).block_size(s.block).key_block_size(
-                      s.key_block));
-            },
-            q, k, v, probe);
-        EXPECT_TRUE(tensors_close("output", chunked[0], math[0], agreement(dtype)));
-        for (size_t i = 1; i < 4; ++i) {
-          EXPECT_TRUE(tensors_close("grad " + names[i - 1], chunked[i], math[i], agreement(dtype)));
-        }
+        expect_chunked_matches_math(q, k, v, probe, causal, s.block, s.key_block);
       }
     }
   }
@@ -95,20 +101,7 @@ TEST(ChunkedAttention, AnyRankAndStridedInputsMatchMath) {
       const auto k = q.flip(-2);
       const auto v = q * 2;
       const auto probe = torch::randn(q.sizes(), torch::kFloat64);
-      const auto math = output_and_grads(
-          [&](auto& a, auto& b, auto& c) {
-            return F::scaled_dot_product_attention(a, b, c, F::SdpaOptions().is_causal(causal));
-          },
-          q, k, v, probe);
-      const auto chunked = output_and_grads(
-          [&](auto& a, auto& b, auto& c) {
-            return F::chunked_attention(
-                a, b, c, F::ChunkedOptions().is_causal(causal).block_size(2).key_block_size(3));
-          },
-          q, k, v, probe);
-      for (size_t i = 0; i < 4; ++i) {
-        EXPECT_TRUE(tensors_close(c10::str("output/grad ", i), chunked[i], math[i], 1e-10));
-      }
+      expect_chunked_matches_math(q, k, v, probe, causal, /*block=*/2, /*key_block=*/3);
     }
   }
 }
