@@ -12,6 +12,8 @@
 #include <map>
 #include <sstream>
 #include <string>
+
+#include <torch/version.h>
 #include <vector>
 
 #include <torch/torch.h>
@@ -42,13 +44,24 @@ struct BenchConfig {
 };
 
 const std::vector<std::string> kImplementations{
-    "wrapper",   "mha",         "combined",  "einsum",
-    "fused",     "chunked",     "torch-mha", "torch-mha-noweights",
-    "math-core", "chunked-core"};
+    "wrapper",   "mha",          "combined",  "einsum",
+    "fused",     "chunked",      "torch-mha", "torch-mha-noweights",
+    "math-core", "chunked-core", "fused-core"};
 
 // The attention core alone (no projections): softmax(q k^T / sqrt(hd)) v on (b, h, n, hd).
 bool is_core_only(const std::string& name) {
-  return name == "math-core" || name == "chunked-core";
+  return name == "math-core" || name == "chunked-core" || name == "fused-core";
+}
+
+// Whether `name` runs functional::fused_attention, which skips the keys above the causal
+// diagonal: fused-core always, the fused backend where it picks that kernel (LibTorch 1.x).
+bool runs_fused_kernel(const BenchConfig& c, const std::string& name,
+                       const torch::TensorOptions& options) {
+  if (name == "fused-core")
+    return true;
+  const auto tokens = torch::empty({c.tokens, 1}, options);
+  return name == "fused" && TORCH_VERSION_MAJOR < 2 &&
+         attnkit::functional::fused_attention_fits(tokens, tokens);
 }
 
 // ---- memory: the process's peak RSS, reset before each measurement (Linux) ---------------
@@ -83,10 +96,12 @@ Flops model_flops(const BenchConfig& c, const std::string& name) {
 }
 
 // What is executed: the math-style paths compute the full score matrix even when causal.
-Flops executed_flops(const BenchConfig& c, const std::string& name) {
+Flops executed_flops(const BenchConfig& c, const std::string& name,
+                     const torch::TensorOptions& options) {
   const double b = c.batch, n = c.tokens, d = c.d_model;
   const double gemms = is_core_only(name) ? 0.0 : 8 * b * n * d * d;
-  const bool skips_masked_half = name == "chunked" || name == "chunked-core";
+  const bool skips_masked_half =
+      name == "chunked" || name == "chunked-core" || runs_fused_kernel(c, name, options);
   const double core = 4 * b * n * n * d * (c.causal && skips_masked_half ? 0.5 : 1.0);
   return {gemms + core, 3 * gemms + 3.5 * core};
 }
@@ -160,18 +175,21 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
     }
   } else if (is_core_only(name)) {
     // x (b, n, d) viewed as (b, h, n, hd) serves as query, key and value.
-    const bool causal = c.causal, chunked = name == "chunked-core";
-    const auto chunks = attnkit::functional::ChunkedOptions()
+    namespace F = attnkit::functional;
+    const bool causal = c.causal;
+    const auto chunks = F::ChunkedOptions()
                             .is_causal(causal)
                             .block_size(c.chunk_size)
                             .key_block_size(c.key_chunk_size);
     impl = {std::make_shared<torch::nn::Module>(), [=](const torch::Tensor& x) {
               // (b, n, d) -> (b, n, h, hd) -> (b, h, n, hd)
               const auto heads = x.view({x.size(0), x.size(1), h, -1}).transpose(1, 2);
-              return chunked ? attnkit::functional::chunked_attention(heads, heads, heads, chunks)
-                             : attnkit::functional::scaled_dot_product_attention(
-                                   heads, heads, heads,
-                                   attnkit::functional::SdpaOptions().is_causal(causal));
+              if (name == "chunked-core")
+                return F::chunked_attention(heads, heads, heads, chunks);
+              if (name == "fused-core")
+                return F::fused_attention(heads, heads, heads, F::FusedOptions().is_causal(causal));
+              return F::scaled_dot_product_attention(heads, heads, heads,
+                                                     F::SdpaOptions().is_causal(causal));
             }};
   } else if (name == "combined") {
     attnkit::MultiHeadAttentionCombinedQKV m(mha_options);
@@ -233,7 +251,7 @@ Result measure(const std::string& name, bool backward, const BenchConfig& c,
   const double median =
       ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
   const auto model = model_flops(c, name);
-  const auto executed = executed_flops(c, name);
+  const auto executed = executed_flops(c, name, options);
   const double model_gflops = (backward ? model.forward_backward : model.forward) / median / 1e6;
   const double executed_gflops =
       (backward ? executed.forward_backward : executed.forward) / median / 1e6;
@@ -301,9 +319,9 @@ int main(int argc, char** argv) {
       "Time each multi-head attention implementation, forward and forward+backward.\n"
       "FLOPs: QKV 6*b*n*d^2, out 2*b*n*d^2, core 4*b*n^2*d (halved when causal: model FLOPs; "
       "not halved for paths that compute the masked half: executed FLOPs); backward 2x "
-      "forward for the GEMMs, 2.5x for the core. math-core and chunked-core time the attention "
-      "core alone (functional::scaled_dot_product_attention, functional::chunked_attention) "
-      "on x viewed as (b, h, n, hd): no projections, core FLOPs only.");
+      "forward for the GEMMs, 2.5x for the core. math-core, chunked-core and fused-core time the "
+      "attention core alone (functional::scaled_dot_product_attention, chunked_attention, "
+      "fused_attention) on x viewed as (b, h, n, hd): no projections, core FLOPs only.");
   options.set_width(100);
   std::string names;
   for (const auto& n : kImplementations)

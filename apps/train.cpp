@@ -48,7 +48,11 @@ cxxopts::Options make_options() {
                                "attention: sa-v1 | sa-v2 (no mask: bidirectional tasks) | causal | "
                                "mha-wrapper (causal tasks) | mha | mha-combined (either)",
                                value<std::string>()->default_value("mha"))(
-      "d-model", "embedding width", value<int64_t>()->default_value("64"))(
+      "backend",
+      "mha and mha-combined: math (the book's path) | fused (one kernel per head on CPU for "
+      "short sequences) | chunked (memory-efficient); default fused",
+      value<std::string>()->default_value(""))("d-model", "embedding width",
+                                               value<int64_t>()->default_value("64"))(
       "heads", "attention heads (mha-wrapper, mha, mha-combined)",
       value<int64_t>()->default_value("4"))(
       "layers", "attention blocks; 0 = 2 for recall and text, 1 otherwise",
@@ -113,6 +117,7 @@ int main(int argc, char** argv) {
     config.data = args["data"].as<std::string>();
     config.sample = args["sample"].as<int64_t>();
     config.module = args["module"].as<std::string>();
+    config.backend = args["backend"].as<std::string>();
     config.d_model = args["d-model"].as<int64_t>();
     config.heads = args["heads"].as<int64_t>();
     config.layers = args["layers"].as<int64_t>();

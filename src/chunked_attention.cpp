@@ -14,13 +14,15 @@
 #include <cmath>
 #include <limits>
 
+#include "attention_layout.h"
 #include "attnkit/functional.h"
-#include "checks.h"
 
 namespace attnkit::functional {
 
 namespace {
 
+using detail::as_outer_heads;
+using detail::shaped_like;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -28,16 +30,6 @@ constexpr double kInfinity = std::numeric_limits<double>::infinity();
 // Bytes of one score tile (head group x query block x key block): a few MiB, near the L2
 // size of the development machine (2 MiB per core); tuned by hand with attnkit-bench.
 constexpr int64_t kScoreBlockBytes = int64_t{4} << 20;
-
-// (..., n, f) -> (outer, heads, n, f), where heads is the dimension before n (1 for 2-D
-// input) and outer the product of the rest: a view whenever the leading dimensions merge.
-torch::Tensor as_outer_heads(const torch::Tensor& t) {
-  const int64_t heads = t.dim() >= 3 ? t.size(-3) : 1;
-  int64_t outer = 1;
-  for (int64_t d = 0; d + 3 < t.dim(); ++d)
-    outer *= t.size(d);
-  return t.reshape({outer, heads, t.size(-2), t.size(-1)});
-}
 
 // Everything forward and backward must agree on to visit the same blocks the same way.
 struct BlockPlan {
@@ -123,14 +115,6 @@ void for_each_query_block(const BlockPlan& plan, Visit&& visit) {
       }
     }
   }
-}
-
-// (outer, heads, n, f) contiguous -> the shape of `like` with n and f replaced.
-torch::Tensor shaped_like(const torch::Tensor& t4, const torch::Tensor& like) {
-  auto shape = like.sizes().vec();
-  shape[shape.size() - 2] = t4.size(2);
-  shape.back() = t4.size(3);
-  return t4.view(shape);
 }
 
 struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
@@ -238,17 +222,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
 torch::Tensor chunked_attention(const torch::Tensor& query, const torch::Tensor& key,
                                 const torch::Tensor& value, const ChunkedOptions& options) {
   const char* fn = "[chunked_attention]";
-  TORCH_CHECK(query.dim() >= 2 && key.dim() == query.dim() && value.dim() == query.dim(), fn,
-              " query, key and value must have the same rank >= 2, got ",
-              detail::shape_string(query), ", ", detail::shape_string(key), ", ",
-              detail::shape_string(value));
-  TORCH_CHECK(query.size(-1) == key.size(-1) && key.size(-2) == value.size(-2) &&
-                  query.sizes().slice(0, query.dim() - 2) == key.sizes().slice(0, key.dim() - 2) &&
-                  key.sizes().slice(0, key.dim() - 2) == value.sizes().slice(0, value.dim() - 2),
-              fn, " expected query (..., n, hd), key (..., m, hd), value (..., m, hd_v); got ",
-              detail::shape_string(query), ", ", detail::shape_string(key), ", ",
-              detail::shape_string(value));
-  TORCH_CHECK(key.size(-2) >= 1, fn, " key must hold at least one token");
+  detail::check_qkv_layout(fn, query, key, value);
   TORCH_CHECK(options.block_size() >= 1, fn, " block_size must be >= 1, got ",
               options.block_size());
   TORCH_CHECK(options.key_block_size() >= 1, fn, " key_block_size must be >= 1, got ",

@@ -80,7 +80,13 @@ torch::Tensor fast_attention(const torch::Tensor& queries, const torch::Tensor& 
   return at::scaled_dot_product_attention(queries, keys, values, /*attn_mask=*/{},
                                           training ? opt.dropout() : 0.0, opt.causal());
 #else
-  // LibTorch 1.13 has no fused attention kernel: the math core, causal mask built in place.
+  // LibTorch 1.13 has no fused attention kernel: attnkit's own for short sequences on CPU,
+  // else the math core with the causal mask built in place.
+  if (F::fused_attention_fits(queries, keys)) {
+    return F::fused_attention(
+        queries, keys, values,
+        F::FusedOptions().is_causal(opt.causal()).dropout_p(opt.dropout()).training(training));
+  }
   return F::scaled_dot_product_attention(
       queries, keys, values,
       F::SdpaOptions().is_causal(opt.causal()).dropout_p(opt.dropout()).training(training));

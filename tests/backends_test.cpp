@@ -1,4 +1,5 @@
-// The fused and chunked backends against the math path: outputs and every gradient.
+// The fused and chunked kernels and backends against the math path: outputs and every
+// gradient.
 
 #include "attnkit/functional.h"
 #include "attnkit/multi_head_attention.h"
@@ -35,27 +36,48 @@ std::vector<torch::Tensor> output_and_grads(
   return {out.detach(), q.grad(), k.grad(), v.grad()};
 }
 
-// Chunked attention against the math path on (q, k, v): output and the gradients of q, k and
-// v of sum(out * probe), at the agreement tolerance of q's dtype.
-void expect_chunked_matches_math(const torch::Tensor& q, const torch::Tensor& k,
-                                 const torch::Tensor& v, const torch::Tensor& probe, bool causal,
-                                 int64_t block, int64_t key_block) {
+using AttentionFn =
+    std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
+
+// `attention` against the math path on (q, k, v): output and the gradients of q, k and v of
+// sum(out * probe), at the agreement tolerance of q's dtype.
+void expect_matches_math(const AttentionFn& attention, const torch::Tensor& q,
+                         const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& probe,
+                         bool causal) {
   const auto math = output_and_grads(
       [&](auto& a, auto& b, auto& c) {
         return F::scaled_dot_product_attention(a, b, c, F::SdpaOptions().is_causal(causal));
       },
       q, k, v, probe);
-  const auto chunked = output_and_grads(
-      [&](auto& a, auto& b, auto& c) {
-        return F::chunked_attention(
-            a, b, c,
-            F::ChunkedOptions().is_causal(causal).block_size(block).key_block_size(key_block));
-      },
-      q, k, v, probe);
+  const auto other = output_and_grads(attention, q, k, v, probe);
   const std::vector<std::string> names{"output", "grad q", "grad k", "grad v"};
   for (size_t i = 0; i < names.size(); ++i) {
-    EXPECT_TRUE(tensors_close(names[i], chunked[i], math[i], agreement(q.scalar_type())));
+    EXPECT_TRUE(tensors_close(names[i], other[i], math[i], agreement(q.scalar_type())));
   }
+}
+
+AttentionFn chunked(bool causal, int64_t block, int64_t key_block) {
+  return [=](auto& q, auto& k, auto& v) {
+    return F::chunked_attention(
+        q, k, v, F::ChunkedOptions().is_causal(causal).block_size(block).key_block_size(key_block));
+  };
+}
+
+AttentionFn fused(bool causal) {
+  return [=](auto& q, auto& k, auto& v) {
+    return F::fused_attention(q, k, v, F::FusedOptions().is_causal(causal));
+  };
+}
+
+// 2-D (n, hd), 3-D (h, n, hd), 5-D inputs, and (b, h, n, hd) views of a (b, n, h * hd)
+// projection, which the kernels read in place rather than copy.
+std::vector<torch::Tensor> inputs_of_any_rank_and_strides() {
+  torch::manual_seed(13);
+  const auto projection = torch::randn({2, 9, 3 * 4}, torch::kFloat64);
+  const auto strided = projection.view({2, 9, 3, 4}).transpose(1, 2);  // (b, h, n, hd) view
+  EXPECT_FALSE(strided.is_contiguous());
+  return {torch::randn({7, 3}, torch::kFloat64), torch::randn({2, 7, 3}, torch::kFloat64),
+          torch::randn({2, 1, 3, 7, 3}, torch::kFloat64), strided};
 }
 
 }  // namespace
@@ -79,29 +101,19 @@ TEST(ChunkedAttention, MatchesMathOutputsAndGradients) {
         const auto k = torch::randn({s.batch, s.heads, s.num_keys, s.head_dim}, options);
         const auto v = torch::randn({s.batch, s.heads, s.num_keys, s.head_dim + 1}, options);
         const auto probe = torch::randn({s.batch, s.heads, s.num_queries, s.head_dim + 1}, options);
-        expect_chunked_matches_math(q, k, v, probe, causal, s.block, s.key_block);
+        expect_matches_math(chunked(causal, s.block, s.key_block), q, k, v, probe, causal);
       }
     }
   }
 }
 
 TEST(ChunkedAttention, AnyRankAndStridedInputsMatchMath) {
-  // 2-D (n, hd), 3-D (h, n, hd), 5-D inputs, and (b, h, n, hd) views of a (b, n, h * hd)
-  // projection, read in place rather than copied.
-  torch::manual_seed(13);
-  const auto projection = torch::randn({2, 9, 3 * 4}, torch::kFloat64);
-  const auto strided = projection.view({2, 9, 3, 4}).transpose(1, 2);  // (b, h, n, hd) view
-  ASSERT_FALSE(strided.is_contiguous());
-  const std::vector<torch::Tensor> inputs{torch::randn({7, 3}, torch::kFloat64),
-                                          torch::randn({2, 7, 3}, torch::kFloat64),
-                                          torch::randn({2, 1, 3, 7, 3}, torch::kFloat64), strided};
-  for (const auto& q : inputs) {
+  for (const auto& q : inputs_of_any_rank_and_strides()) {
     for (const bool causal : {false, true}) {
       SCOPED_TRACE(c10::str("shape ", q.sizes(), " causal ", causal));
-      const auto k = q.flip(-2);
-      const auto v = q * 2;
       const auto probe = torch::randn(q.sizes(), torch::kFloat64);
-      expect_chunked_matches_math(q, k, v, probe, causal, /*block=*/2, /*key_block=*/3);
+      expect_matches_math(chunked(causal, /*block=*/2, /*key_block=*/3), q, q.flip(-2), q * 2,
+                          probe, causal);
     }
   }
 }
@@ -162,6 +174,99 @@ TEST(ChunkedAttention, BadArgumentsNameWhatIsWrong) {
       "dropout_p must be in [0, 1), got 1");
   expect_error_containing([&] { F::chunked_attention(torch::randn({4}), q, q); },
                           "must have the same rank >= 2");
+}
+
+TEST(FusedAttention, MatchesMathOutputsAndGradients) {
+  // n = 1, n != m both ways, head_dim 1, widths below, at and past the 8-column register
+  // block, and the toy size of attnkit-train (n = 16, hd = 16).
+  const std::vector<Shape> shapes{{2, 3, 1, 1, 4, 0, 0},    {2, 2, 37, 37, 8, 0, 0},
+                                  {1, 2, 64, 64, 1, 0, 0},  {2, 1, 20, 33, 5, 0, 0},
+                                  {1, 2, 30, 23, 16, 0, 0}, {4, 4, 16, 16, 16, 0, 0},
+                                  {1, 1, 9, 8, 17, 0, 0}};
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    for (const bool causal : {false, true}) {
+      for (const auto& s : shapes) {
+        SCOPED_TRACE(c10::str("dtype ", dtype, " causal ", causal, " n ", s.num_queries, " m ",
+                              s.num_keys, " hd ", s.head_dim));
+        torch::manual_seed(17);
+        const auto options = torch::dtype(dtype);
+        const auto q = torch::randn({s.batch, s.heads, s.num_queries, s.head_dim}, options);
+        const auto k = torch::randn({s.batch, s.heads, s.num_keys, s.head_dim}, options);
+        const auto v = torch::randn({s.batch, s.heads, s.num_keys, s.head_dim + 1}, options);
+        const auto probe = torch::randn({s.batch, s.heads, s.num_queries, s.head_dim + 1}, options);
+        expect_matches_math(fused(causal), q, k, v, probe, causal);
+      }
+    }
+  }
+}
+
+TEST(FusedAttention, AnyRankAndStridedInputsMatchMath) {
+  for (const auto& q : inputs_of_any_rank_and_strides()) {
+    for (const bool causal : {false, true}) {
+      SCOPED_TRACE(c10::str("shape ", q.sizes(), " causal ", causal));
+      const auto probe = torch::randn(q.sizes(), torch::kFloat64);
+      expect_matches_math(fused(causal), q, q.flip(-2), q * 2, probe, causal);
+    }
+  }
+}
+
+TEST(FusedAttention, DropoutDrawsTheMathPathsMaskAndIsDifferentiable) {
+  torch::manual_seed(3);
+  const auto q = torch::randn({2, 2, 10, 4}, torch::kFloat64);
+  const auto k = torch::randn({2, 2, 10, 4}, torch::kFloat64);
+  const auto v = torch::randn({2, 2, 10, 4}, torch::kFloat64);
+  const auto train = F::FusedOptions().is_causal(true).dropout_p(0.3).training(true);
+  // Drawn from the global generator as torch::dropout draws: the math path's mask.
+  torch::manual_seed(5);
+  const auto out = F::fused_attention(q, k, v, train);
+  torch::manual_seed(5);
+  const auto math = F::scaled_dot_product_attention(
+      q, k, v, F::SdpaOptions().is_causal(true).dropout_p(0.3).training(true));
+  EXPECT_TENSOR_NEAR(out, math, 1e-10);
+  const auto eval = F::fused_attention(q, k, v, F::FusedOptions().is_causal(true).dropout_p(0.3));
+  EXPECT_FALSE(tensors_close("train vs eval", out, eval, 1e-6));
+  EXPECT_TENSOR_NEAR(
+      eval, F::scaled_dot_product_attention(q, k, v, F::SdpaOptions().is_causal(true)), 1e-10);
+
+  torch::nn::Module holder;
+  auto key = holder.register_parameter("key", k.clone());
+  auto value = holder.register_parameter("value", v.clone());
+  expect_gradients_match_finite_differences(
+      holder,
+      [&](const torch::Tensor& query) {
+        torch::manual_seed(5);
+        return F::fused_attention(query, key, value, train);
+      },
+      q);
+}
+
+TEST(FusedAttention, BadArgumentsNameWhatIsWrong) {
+  const auto q = torch::randn({2, 5, 4});
+  expect_error_containing(
+      [&] {
+        F::fused_attention(q, torch::randn({2, 5, 3}), q);
+      },
+      "[fused_attention] expected query (..., n, hd), key (..., m, hd)");
+  expect_error_containing([&] { F::fused_attention(torch::randn({4}), q, q); },
+                          "must have the same rank >= 2");
+  expect_error_containing(
+      [&] {
+        F::fused_attention(q, torch::randn({2, 0, 4}), q.narrow(1, 0, 0));
+      },
+      "[fused_attention] key must hold at least one token");
+  const auto half = q.to(torch::kHalf);
+  expect_error_containing(
+      [&] { F::fused_attention(half, half, half); },
+      "[fused_attention] expected query, key and value all float32 or all float64, got Half");
+  expect_error_containing([&] { F::fused_attention(q, q.to(torch::kDouble), q); },
+                          "all float32 or all float64, got Float, Double, Float");
+  expect_error_containing([&] { F::fused_attention(q, q, q, F::FusedOptions().dropout_p(-0.1)); },
+                          "[fused_attention] dropout_p must be in [0, 1), got -0.1");
+  // The modules' fused backend takes the kernel only where it is fast.
+  EXPECT_TRUE(F::fused_attention_fits(q, q));
+  const auto long_sequence = torch::empty({1, F::kFusedAttentionMaxTile + 1, 4});
+  EXPECT_FALSE(F::fused_attention_fits(long_sequence, q));
+  EXPECT_FALSE(F::fused_attention_fits(half, half));
 }
 
 TEST(AttentionBackends, EveryBackendComputesTheSameModule) {

@@ -117,4 +117,33 @@ struct ChunkedOptions {
 torch::Tensor chunked_attention(const torch::Tensor& query, const torch::Tensor& key,
                                 const torch::Tensor& value, const ChunkedOptions& options = {});
 
+/// Options for `fused_attention`.
+/// Example: `FusedOptions().is_causal(true).dropout_p(0.1).training(true)`.
+struct FusedOptions {
+  /// Causal mask, top-left aligned as `causal_mask(n, m)`.
+  TORCH_ARG(bool, is_causal) = false;
+  /// Dropout probability on the attention weights, in [0, 1); used only when `training`.
+  /// The mask is drawn as the math path draws it, so a seed gives the same mask.
+  TORCH_ARG(double, dropout_p) = 0.0;
+  /// Whether dropout is active.
+  TORCH_ARG(bool, training) = false;
+};
+
+/// Attention equal to `scaled_dot_product_attention` (scale 1/sqrt(hd)) computed on CPU in
+/// one loop nest per (batch, head) slice, forward and backward, with no intermediate tensor
+/// but the (..., n, m) weights that backward needs. Fast while a slice's weights stay in
+/// cache (the toy sizes of attnkit-train); for long sequences the BLAS-based paths win.
+/// CPU, float32 or float64. q (..., n, hd), k (..., m, hd), v (..., m, hd_v) -> (..., n, hd_v).
+/// Example: `fused_attention(q, k, v, FusedOptions().is_causal(true))`.
+torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, const FusedOptions& options = {});
+
+/// Largest n * m for which the fused backend of the modules uses `fused_attention`
+/// (measured with attnkit-bench's fused-core and math-core on a 2-core x86 machine).
+constexpr int64_t kFusedAttentionMaxTile = 128 * 128;
+
+/// Whether the modules' fused backend takes `fused_attention` for these inputs: CPU,
+/// float32 or float64, and n * m <= kFusedAttentionMaxTile.
+bool fused_attention_fits(const torch::Tensor& query, const torch::Tensor& key);
+
 }  // namespace attnkit::functional

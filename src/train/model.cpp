@@ -32,13 +32,26 @@ void check_model_config(const ModelConfig& c) {
               " must be divisible by --heads ", c.heads, " for --module ", c.module);
   TORCH_CHECK(c.dropout >= 0.0 && c.dropout < 1.0, "--dropout: expected a value in [0, 1), got ",
               c.dropout);
+  const bool has_backends = c.module == "mha" || c.module == "mha-combined";
+  TORCH_CHECK(has_backends || c.backend.empty(), "--backend ", c.backend,
+              ": only mha and mha-combined have backends; --module ", c.module,
+              " has one implementation");
+  TORCH_CHECK(
+      !has_backends || c.backend == "math" || c.backend == "fused" || c.backend == "chunked",
+      "--backend: unknown backend '", c.backend, "'; expected math, fused or chunked");
 }
 
 namespace {
 
+// Binds the module's forward_with_weights and forward to the block's two callables.
 template <typename Holder>
-std::function<functional::AttentionOutput(const torch::Tensor&)> weights_of(Holder holder) {
-  return [holder](const torch::Tensor& x) mutable { return holder->forward_with_weights(x); };
+void bind(Holder holder,
+          std::function<functional::AttentionOutput(const torch::Tensor&)>& attend_with_weights,
+          std::function<torch::Tensor(const torch::Tensor&)>& attend) {
+  attend_with_weights = [holder](const torch::Tensor& x) mutable {
+    return holder->forward_with_weights(x);
+  };
+  attend = [holder](const torch::Tensor& x) mutable { return holder->forward(x); };
 }
 
 }  // namespace
@@ -47,33 +60,35 @@ BlockImpl::BlockImpl(const ModelConfig& c) {
   const auto d = c.d_model;
   attention_norm_ =
       register_module("attention_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-  const auto mha_options =
+  auto mha_options =
       MultiHeadAttentionOptions(d, d, c.context_length, c.dropout, c.heads).causal(c.causal);
+  if (!c.backend.empty())
+    mha_options.backend(parse_backend(c.backend));
   if (c.module == "sa-v1") {
     SelfAttentionV1 attention(d, d);
     attention_ = register_module("attention", attention);
-    attend_ = weights_of(attention);
+    bind(attention, attend_with_weights_, attend_);
   } else if (c.module == "sa-v2") {
     SelfAttentionV2 attention(d, d);
     attention_ = register_module("attention", attention);
-    attend_ = weights_of(attention);
+    bind(attention, attend_with_weights_, attend_);
   } else if (c.module == "causal") {
     CausalAttention attention(d, d, c.context_length, c.dropout);
     attention_ = register_module("attention", attention);
-    attend_ = weights_of(attention);
+    bind(attention, attend_with_weights_, attend_);
   } else if (c.module == "mha-wrapper") {
     // Each head d_model / heads wide, so the concatenation is d_model wide.
     MultiHeadAttentionWrapper attention(d, d / c.heads, c.context_length, c.dropout, c.heads);
     attention_ = register_module("attention", attention);
-    attend_ = weights_of(attention);
+    bind(attention, attend_with_weights_, attend_);
   } else if (c.module == "mha") {
     MultiHeadAttention attention(mha_options);
     attention_ = register_module("attention", attention);
-    attend_ = weights_of(attention);
+    bind(attention, attend_with_weights_, attend_);
   } else {
     MultiHeadAttentionCombinedQKV attention(mha_options);
     attention_ = register_module("attention", attention);
-    attend_ = weights_of(attention);
+    bind(attention, attend_with_weights_, attend_);
   }
   if (c.ffn) {
     feed_forward_norm_ = register_module("feed_forward_norm",
@@ -86,12 +101,14 @@ BlockImpl::BlockImpl(const ModelConfig& c) {
 }
 
 torch::Tensor BlockImpl::forward(torch::Tensor x, torch::Tensor* weights) {
-  auto attended = attend_(attention_norm_(x));
   if (weights != nullptr) {
+    auto attended = attend_with_weights_(attention_norm_(x));
     // Single-head modules give (b, n, n): add the head dimension.
     *weights = attended.weights.dim() == 3 ? attended.weights.unsqueeze(1) : attended.weights;
+    x = x + attended.context;
+  } else {
+    x = x + attend_(attention_norm_(x));
   }
-  x = x + attended.context;
   if (feed_forward_) {
     x = x + feed_forward_->forward(feed_forward_norm_(x));
   }

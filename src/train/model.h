@@ -19,6 +19,9 @@ const std::vector<std::string>& module_names();
 
 struct ModelConfig {
   std::string module = "mha";
+  /// Attention backend of mha and mha-combined (math | fused | chunked); empty for the
+  /// other modules, which have one implementation.
+  std::string backend;
   int64_t vocab_size = 0;
   int64_t context_length = 0;
   int64_t d_model = 64;
@@ -43,7 +46,9 @@ class BlockImpl : public torch::nn::Module {
  private:
   torch::nn::LayerNorm attention_norm_{nullptr};
   std::shared_ptr<torch::nn::Module> attention_;
-  std::function<functional::AttentionOutput(const torch::Tensor&)> attend_;
+  // forward_with_weights (the book's path, for attention maps) and forward (the backend's).
+  std::function<functional::AttentionOutput(const torch::Tensor&)> attend_with_weights_;
+  std::function<torch::Tensor(const torch::Tensor&)> attend_;
   torch::nn::LayerNorm feed_forward_norm_{nullptr};
   torch::nn::Sequential feed_forward_{nullptr};
 };

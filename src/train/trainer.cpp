@@ -351,6 +351,8 @@ void check_writable(const char* flag, const std::string& path) {
 }  // namespace
 
 TrainConfig resolve(TrainConfig c) {
+  if (c.backend.empty() && (c.module == "mha" || c.module == "mha-combined"))
+    c.backend = "fused";
   if (c.seq_len == 0)
     c.seq_len = default_task_length(c.task);
   if (c.layers == 0)
@@ -381,7 +383,7 @@ void print_config_table(std::ostream& out, const TrainConfig& c, const Task& tas
       {"task", c.task + (task.causal() ? " (causal)" : " (bidirectional)")},
       {"seq-len", std::to_string(c.seq_len) + " (" + std::to_string(task.input_length()) +
                       " tokens per sequence, vocab " + std::to_string(task.vocab_size()) + ")"},
-      {"module", c.module},
+      {"module", c.module + (c.backend.empty() ? "" : " (" + c.backend + " backend)")},
       {"d-model / heads / layers", std::to_string(c.d_model) + " / " + std::to_string(c.heads) +
                                        " / " + std::to_string(c.layers)},
       {"ffn / dropout", std::string(c.ffn ? "yes" : "no") + " / " + c10::str(c.dropout)},
@@ -420,6 +422,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   const auto task = make_task(config.task, config.seq_len, config.seed, config.data);
   ModelConfig model_config;
   model_config.module = config.module;
+  model_config.backend = config.backend;
   model_config.vocab_size = task->vocab_size();
   model_config.context_length = task->input_length();
   model_config.d_model = config.d_model;

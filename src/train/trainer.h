@@ -27,6 +27,7 @@ struct TrainConfig {
   int64_t sample = 0;   // text: bytes to generate after training
   // model
   std::string module = "mha";
+  std::string backend;  // empty: fused for mha and mha-combined (the others have none)
   int64_t d_model = 64;
   int64_t heads = 4;
   int64_t layers = 0;  // 0: 2 for recall and text, else 1
