@@ -12,11 +12,10 @@
 #include <map>
 #include <sstream>
 #include <string>
-
-#include <torch/version.h>
 #include <vector>
 
 #include <torch/torch.h>
+#include <torch/version.h>
 #include <cxxopts.hpp>
 
 #include "attnkit/attnkit.h"

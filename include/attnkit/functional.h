@@ -138,9 +138,11 @@ struct FusedOptions {
 torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& key,
                               const torch::Tensor& value, const FusedOptions& options = {});
 
-/// Largest n * m for which the fused backend of the modules uses `fused_attention`
-/// (measured with attnkit-bench's fused-core and math-core on a 2-core x86 machine).
-constexpr int64_t kFusedAttentionMaxTile = 128 * 128;
+/// Largest n * m for which the fused backend of the modules uses `fused_attention`. Measured
+/// with attnkit-bench (fused-core against math-core, forward+backward, 2-core x86): at
+/// head_dim 64 the kernel wins at n = 32 and 64 and loses from n = 128; at head_dim 16 it
+/// still wins at n = 128.
+constexpr int64_t kFusedAttentionMaxTile = 64 * 64;
 
 /// Whether the modules' fused backend takes `fused_attention` for these inputs: CPU,
 /// float32 or float64, and n * m <= kFusedAttentionMaxTile.
