@@ -5,6 +5,9 @@
 // 130 interrupted by SIGINT/SIGTERM (after saving with --save).
 
 #include <unistd.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include <atomic>
 #include <csignal>
@@ -88,6 +91,17 @@ cxxopts::Options make_options() {
   return options;
 }
 
+// Every training step frees and reallocates the same few hundred KB tensors. By default glibc
+// serves blocks that size with mmap or hands freed heap back to the system, so each step
+// page-faults about a thousand fresh pages (perf stat: ~1000 page faults per step of the
+// default copy run). Keeping freed memory in the heap for reuse removes those faults.
+void keep_freed_memory_for_reuse() {
+#ifdef __GLIBC__
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);  // blocks below 256 MiB come from the heap
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);    // and up to 1 GiB of freed heap is kept
+#endif
+}
+
 int fail(const std::string& message, int code = 2) {
   std::cerr << "attnkit-train: " << message << "\n";
   return code;
@@ -143,6 +157,7 @@ int main(int argc, char** argv) {
 
   std::signal(SIGINT, request_stop);
   std::signal(SIGTERM, request_stop);
+  keep_freed_memory_for_reuse();
   try {
     config = T::resolve(config);
     const auto result = T::train(config, std::cout, &g_stop_requested);
