@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <ATen/Dispatch.h>
@@ -255,34 +257,71 @@ void backward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<cons
 // Slices per task of at::parallel_for: a slice is a few microseconds of work.
 constexpr int64_t kSlicesPerTask = 16;
 
+// Runs the forward kernel on (outer, heads, n, f) views with unit-stride rows, writing out4
+// (n, dv per slice); returns the weights (outer, heads, n, m) and the scaled dropout mask
+// (undefined without dropout) that backward needs.
+std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
+                                                    const torch::Tensor& k4,
+                                                    const torch::Tensor& v4, torch::Tensor& out4,
+                                                    bool causal, double dropout_p) {
+  const int64_t outer = q4.size(0), heads = q4.size(1);
+  const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal};
+  auto weights = torch::empty({outer, heads, z.n, z.m}, q4.options());
+  torch::Tensor keep;
+  if (dropout_p > 0.0) {
+    // Drawn as torch::dropout draws its mask for (..., n, m) weights, so a seed gives the
+    // math path's mask.
+    keep = torch::empty_like(weights).bernoulli_(1.0 - dropout_p).div_(1.0 - dropout_p);
+  }
+  AT_DISPATCH_FLOATING_TYPES(q4.scalar_type(), "fused_attention_forward", [&] {
+    const Slices<const scalar_t> qs(q4), ks(k4), vs(v4);
+    const Slices<scalar_t> os(out4);
+    scalar_t* w = weights.data_ptr<scalar_t>();
+    const scalar_t* kp = keep.defined() ? keep.data_ptr<scalar_t>() : nullptr;
+    const auto scale = static_cast<scalar_t>(1.0 / std::sqrt(static_cast<double>(z.d)));
+    at::parallel_for(0, outer * heads, kSlicesPerTask, [&](int64_t begin, int64_t end) {
+      Scratch<scalar_t> scratch(z, z.d, /*backward=*/false, kp != nullptr);
+      for (int64_t s = begin; s < end; ++s) {
+        forward_slice(qs[s], ks[s], vs[s], os[s], w + s * z.n * z.m,
+                      kp ? kp + s * z.n * z.m : nullptr, z, scale, scratch);
+      }
+    });
+  });
+  return {weights, keep};
+}
+
+// Runs the backward kernel: fills grad_q4, grad_k4 and grad_v4 ((outer, heads, rows, f)
+// views with unit-stride rows) from grad_out4 and what run_forward returned.
+void run_backward(const torch::Tensor& q4, const torch::Tensor& k4, const torch::Tensor& v4,
+                  const torch::Tensor& grad_out4, const torch::Tensor& weights,
+                  const torch::Tensor& keep, bool causal, torch::Tensor& grad_q4,
+                  torch::Tensor& grad_k4, torch::Tensor& grad_v4) {
+  const int64_t outer = q4.size(0), heads = q4.size(1);
+  const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal};
+  AT_DISPATCH_FLOATING_TYPES(q4.scalar_type(), "fused_attention_backward", [&] {
+    const Slices<const scalar_t> qs(q4), ks(k4), vs(v4), gos(grad_out4);
+    const Slices<scalar_t> gqs(grad_q4), gks(grad_k4), gvs(grad_v4);
+    const scalar_t* w = weights.data_ptr<scalar_t>();
+    const scalar_t* kp = keep.defined() ? keep.data_ptr<scalar_t>() : nullptr;
+    const auto scale = static_cast<scalar_t>(1.0 / std::sqrt(static_cast<double>(z.d)));
+    at::parallel_for(0, outer * heads, kSlicesPerTask, [&](int64_t begin, int64_t end) {
+      Scratch<scalar_t> scratch(z, z.dv, /*backward=*/true, kp != nullptr);
+      for (int64_t s = begin; s < end; ++s) {
+        backward_slice(qs[s], ks[s], vs[s], gos[s], w + s * z.n * z.m,
+                       kp ? kp + s * z.n * z.m : nullptr, gqs[s], gks[s], gvs[s], z, scale,
+                       scratch);
+      }
+    });
+  });
+}
+
 struct FusedAttention : public torch::autograd::Function<FusedAttention> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, bool causal, double dropout_p) {
     const auto q4 = unit_stride_slices(q), k4 = unit_stride_slices(k), v4 = unit_stride_slices(v);
-    const int64_t outer = q4.size(0), heads = q4.size(1);
-    const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal};
-    auto out4 = empty_heads_interleaved(outer, heads, z.n, z.dv, q.options());
-    auto weights = torch::empty({outer, heads, z.n, z.m}, q.options());
-    torch::Tensor keep;
-    if (dropout_p > 0.0) {
-      // Drawn as torch::dropout draws its mask for (..., n, m) weights, so a seed gives the
-      // math path's mask.
-      keep = torch::empty_like(weights).bernoulli_(1.0 - dropout_p).div_(1.0 - dropout_p);
-    }
-    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "fused_attention_forward", [&] {
-      const Slices<const scalar_t> qs(q4), ks(k4), vs(v4);
-      const Slices<scalar_t> os(out4);
-      scalar_t* w = weights.data_ptr<scalar_t>();
-      const scalar_t* kp = keep.defined() ? keep.data_ptr<scalar_t>() : nullptr;
-      const auto scale = static_cast<scalar_t>(1.0 / std::sqrt(static_cast<double>(z.d)));
-      at::parallel_for(0, outer * heads, kSlicesPerTask, [&](int64_t begin, int64_t end) {
-        Scratch<scalar_t> scratch(z, z.d, /*backward=*/false, kp != nullptr);
-        for (int64_t s = begin; s < end; ++s) {
-          forward_slice(qs[s], ks[s], vs[s], os[s], w + s * z.n * z.m,
-                        kp ? kp + s * z.n * z.m : nullptr, z, scale, scratch);
-        }
-      });
-    });
+    auto out4 =
+        empty_heads_interleaved(q4.size(0), q4.size(1), q4.size(2), v4.size(3), q.options());
+    const auto [weights, keep] = run_forward(q4, k4, v4, out4, causal, dropout_p);
     ctx->save_for_backward({q, k, v, weights, keep});
     ctx->saved_data["causal"] = causal;
     return shaped_like(out4, q);
@@ -292,33 +331,80 @@ struct FusedAttention : public torch::autograd::Function<FusedAttention> {
     const auto saved = ctx->get_saved_variables();
     const auto q4 = unit_stride_slices(saved[0]), k4 = unit_stride_slices(saved[1]),
                v4 = unit_stride_slices(saved[2]);
-    const auto &weights = saved[3], &keep = saved[4];
-    const auto grad_out4 = unit_stride_slices(grads[0]);
     const int64_t outer = q4.size(0), heads = q4.size(1);
-    const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3),
-                       ctx->saved_data["causal"].toBool()};
-    auto grad_q4 = empty_heads_interleaved(outer, heads, z.n, z.d, q4.options());
-    auto grad_k4 = empty_heads_interleaved(outer, heads, z.m, z.d, k4.options());
-    auto grad_v4 = empty_heads_interleaved(outer, heads, z.m, z.dv, v4.options());
-    AT_DISPATCH_FLOATING_TYPES(q4.scalar_type(), "fused_attention_backward", [&] {
-      const Slices<const scalar_t> qs(q4), ks(k4), vs(v4), gos(grad_out4);
-      const Slices<scalar_t> gqs(grad_q4), gks(grad_k4), gvs(grad_v4);
-      const scalar_t* w = weights.data_ptr<scalar_t>();
-      const scalar_t* kp = keep.defined() ? keep.data_ptr<scalar_t>() : nullptr;
-      const auto scale = static_cast<scalar_t>(1.0 / std::sqrt(static_cast<double>(z.d)));
-      at::parallel_for(0, outer * heads, kSlicesPerTask, [&](int64_t begin, int64_t end) {
-        Scratch<scalar_t> scratch(z, z.dv, /*backward=*/true, kp != nullptr);
-        for (int64_t s = begin; s < end; ++s) {
-          backward_slice(qs[s], ks[s], vs[s], gos[s], w + s * z.n * z.m,
-                         kp ? kp + s * z.n * z.m : nullptr, gqs[s], gks[s], gvs[s], z, scale,
-                         scratch);
-        }
-      });
-    });
+    auto grad_q4 = empty_heads_interleaved(outer, heads, q4.size(2), q4.size(3), q4.options());
+    auto grad_k4 = empty_heads_interleaved(outer, heads, k4.size(2), k4.size(3), k4.options());
+    auto grad_v4 = empty_heads_interleaved(outer, heads, v4.size(2), v4.size(3), v4.options());
+    run_backward(q4, k4, v4, unit_stride_slices(grads[0]), saved[3], saved[4],
+                 ctx->saved_data["causal"].toBool(), grad_q4, grad_k4, grad_v4);
     return {shaped_like(grad_q4, saved[0]), shaped_like(grad_k4, saved[1]),
             shaped_like(grad_v4, saved[2]), torch::Tensor(), torch::Tensor()};
   }
 };
+
+// The (b, h, n, hd) views of part `index` (0 queries, 1 keys, 2 values) of a packed
+// (b, n, 3 * h * hd) tensor: no copy.
+torch::Tensor packed_part(const torch::Tensor& packed, int64_t index, int64_t heads) {
+  const int64_t b = packed.size(0), n = packed.size(1), width = packed.size(2) / 3;
+  // (b, n, width) -> (b, n, h, hd) -> (b, h, n, hd)
+  return packed.narrow(2, index * width, width).view({b, n, heads, width / heads}).transpose(1, 2);
+}
+
+// Attention on packed projections: one input, so backward writes the three gradients into
+// one (b, n, 3 * d) tensor instead of autograd concatenating three.
+struct FusedPackedAttention : public torch::autograd::Function<FusedPackedAttention> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& qkv, int64_t heads,
+                               bool causal, double dropout_p) {
+    const int64_t b = qkv.size(0), n = qkv.size(1), width = qkv.size(2) / 3;
+    auto out4 = empty_heads_interleaved(b, heads, n, width / heads, qkv.options());
+    const auto [weights, keep] = run_forward(packed_part(qkv, 0, heads), packed_part(qkv, 1, heads),
+                                             packed_part(qkv, 2, heads), out4, causal, dropout_p);
+    ctx->save_for_backward({qkv, weights, keep});
+    ctx->saved_data["heads"] = heads;
+    ctx->saved_data["causal"] = causal;
+    // (b, h, n, hd) laid out as (b, n, h, hd) -> (b, n, h * hd): a view
+    return out4.transpose(1, 2).view({b, n, width});
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& qkv = saved[0];
+    const int64_t heads = ctx->saved_data["heads"].toInt();
+    auto grad_qkv = torch::empty_like(qkv, torch::MemoryFormat::Contiguous);
+    auto grad_q4 = packed_part(grad_qkv, 0, heads), grad_k4 = packed_part(grad_qkv, 1, heads),
+         grad_v4 = packed_part(grad_qkv, 2, heads);
+    const auto& grad_out = grads[0];  // (b, n, h * hd)
+    // (b, n, h * hd) -> (b, n, h, hd) -> (b, h, n, hd)
+    const auto grad_out4 = unit_stride_slices(
+        grad_out.reshape({grad_out.size(0), grad_out.size(1), heads, -1}).transpose(1, 2));
+    run_backward(packed_part(qkv, 0, heads), packed_part(qkv, 1, heads), packed_part(qkv, 2, heads),
+                 grad_out4, saved[1], saved[2], ctx->saved_data["causal"].toBool(), grad_q4,
+                 grad_k4, grad_v4);
+    return {grad_qkv, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// Fails unless the tensors (`what` names them) are on CPU and all float32 or all float64.
+void check_cpu_floating(const char* fn, const char* what,
+                        const std::vector<torch::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu(), fn, " runs on CPU only, got a tensor on ", t.device(),
+                "; use scaled_dot_product_attention elsewhere");
+  }
+  const auto dtype = tensors.front().scalar_type();
+  bool same = dtype == torch::kFloat || dtype == torch::kDouble;
+  std::string got;
+  for (const auto& t : tensors) {
+    same = same && t.scalar_type() == dtype;
+    got += (got.empty() ? "" : ", ") + std::string(c10::toString(t.scalar_type()));
+  }
+  TORCH_CHECK(same, fn, " expected ", what, " to be float32 or float64 (one dtype), got ", got);
+}
+
+void check_dropout(const char* fn, const FusedOptions& options) {
+  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
+              " dropout_p must be in [0, 1), got ", options.dropout_p());
+}
 
 }  // namespace
 
@@ -326,18 +412,24 @@ torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& k
                               const torch::Tensor& value, const FusedOptions& options) {
   const char* fn = "[fused_attention]";
   detail::check_qkv_layout(fn, query, key, value);
-  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), fn,
-              " runs on CPU only, got query on ", query.device(), ", key on ", key.device(),
-              ", value on ", value.device(), "; use scaled_dot_product_attention elsewhere");
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kDouble) && key.scalar_type() == dtype &&
-                  value.scalar_type() == dtype,
-              fn, " expected query, key and value all float32 or all float64, got ", dtype, ", ",
-              key.scalar_type(), ", ", value.scalar_type());
-  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
-              " dropout_p must be in [0, 1), got ", options.dropout_p());
+  check_cpu_floating(fn, "query, key and value", {query, key, value});
+  check_dropout(fn, options);
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
   return FusedAttention::apply(query, key, value, options.is_causal(), dropout_p);
+}
+
+torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
+                                     const FusedOptions& options) {
+  const char* fn = "[fused_packed_attention]";
+  TORCH_CHECK(qkv.defined() && qkv.dim() == 3, fn, " qkv: expected (b, n, 3 * d), got ",
+              qkv.defined() ? detail::shape_string(qkv) : "an undefined tensor");
+  TORCH_CHECK(num_heads >= 1 && qkv.size(2) % (3 * num_heads) == 0, fn, " qkv's last dimension ",
+              qkv.size(2), " must be 3 * num_heads * head_dim, with num_heads = ", num_heads);
+  TORCH_CHECK(qkv.size(1) >= 1, fn, " qkv must hold at least one token");
+  check_cpu_floating(fn, "qkv", {qkv});
+  check_dropout(fn, options);
+  const double dropout_p = options.training() ? options.dropout_p() : 0.0;
+  return FusedPackedAttention::apply(qkv, num_heads, options.is_causal(), dropout_p);
 }
 
 bool fused_attention_fits(const torch::Tensor& query, const torch::Tensor& key) {

@@ -217,8 +217,19 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& x) {
   const auto weight = torch::cat({W_query->weight, W_key->weight, W_value->weight});
   const auto bias = options.qkv_bias() ? torch::cat({W_query->bias, W_key->bias, W_value->bias})
                                        : torch::Tensor();
-  const auto qkv_parts = torch::nn::functional::linear(x, weight, bias).chunk(3, -1);
+  const auto qkv = torch::nn::functional::linear(x, weight, bias);  // (b, n, 3 * d_out)
   const auto h = options.num_heads();
+#if TORCH_VERSION_MAJOR < 2
+  if (options.backend() == AttentionBackend::kFused && F::fused_attention_fits(qkv, qkv)) {
+    // The kernel reads the packed projection in place and returns the heads merged.
+    return out_proj(F::fused_packed_attention(qkv, h,
+                                              F::FusedOptions()
+                                                  .is_causal(options.causal())
+                                                  .dropout_p(options.dropout())
+                                                  .training(is_training())));
+  }
+#endif
+  const auto qkv_parts = qkv.chunk(3, -1);
   const auto queries = detail::split_heads(qkv_parts[0], h);
   const auto keys = detail::split_heads(qkv_parts[1], h);
   const auto values = detail::split_heads(qkv_parts[2], h);

@@ -240,6 +240,43 @@ TEST(FusedAttention, DropoutDrawsTheMathPathsMaskAndIsDifferentiable) {
       q);
 }
 
+TEST(FusedAttention, PackedProjectionsMatchMathOnTheirHeads) {
+  const int64_t b = 3, n = 13, heads = 2, hd = 5;
+  for (const bool causal : {false, true}) {
+    for (const double dropout : {0.0, 0.2}) {
+      SCOPED_TRACE(c10::str("causal ", causal, " dropout ", dropout));
+      torch::manual_seed(19);
+      const auto qkv_in = torch::randn({b, n, 3 * heads * hd}, torch::kFloat64);
+      const auto probe = torch::randn({b, n, heads * hd}, torch::kFloat64);
+      // Both sides draw their dropout mask after the same seed.
+      const auto run = [&](bool packed) {
+        auto qkv = qkv_in.clone().requires_grad_(true);
+        torch::manual_seed(23);
+        torch::Tensor out;
+        if (packed) {
+          out = F::fused_packed_attention(
+              qkv, heads, F::FusedOptions().is_causal(causal).dropout_p(dropout).training(true));
+        } else {
+          const auto parts = qkv.chunk(3, -1);
+          const auto split = [&](const torch::Tensor& t) {
+            return t.view({b, n, heads, hd}).transpose(1, 2);  // (b, n, d) -> (b, h, n, hd)
+          };
+          const auto context = F::scaled_dot_product_attention(
+              split(parts[0]), split(parts[1]), split(parts[2]),
+              F::SdpaOptions().is_causal(causal).dropout_p(dropout).training(true));
+          out = context.transpose(1, 2).reshape({b, n, heads * hd});  // heads merged
+        }
+        (out * probe).sum().backward();
+        return std::make_pair(out.detach(), qkv.grad());
+      };
+      const auto [math_out, math_grad] = run(false);
+      const auto [packed_out, packed_grad] = run(true);
+      EXPECT_TRUE(tensors_close("output", packed_out, math_out, agreement(torch::kFloat64)));
+      EXPECT_TRUE(tensors_close("grad qkv", packed_grad, math_grad, agreement(torch::kFloat64)));
+    }
+  }
+}
+
 TEST(FusedAttention, BadArgumentsNameWhatIsWrong) {
   const auto q = torch::randn({2, 5, 4});
   expect_error_containing(
@@ -257,11 +294,37 @@ TEST(FusedAttention, BadArgumentsNameWhatIsWrong) {
   const auto half = q.to(torch::kHalf);
   expect_error_containing(
       [&] { F::fused_attention(half, half, half); },
-      "[fused_attention] expected query, key and value all float32 or all float64, got Half");
+      "[fused_attention] expected query, key and value to be float32 or float64 (one dtype), "
+      "got Half, Half, Half");
   expect_error_containing([&] { F::fused_attention(q, q.to(torch::kDouble), q); },
-                          "all float32 or all float64, got Float, Double, Float");
+                          "float32 or float64 (one dtype), got Float, Double, Float");
   expect_error_containing([&] { F::fused_attention(q, q, q, F::FusedOptions().dropout_p(-0.1)); },
                           "[fused_attention] dropout_p must be in [0, 1), got -0.1");
+  expect_error_containing(
+      [] {
+        F::fused_packed_attention(torch::randn({2, 5}), 1);
+      },
+      "[fused_packed_attention] qkv: expected (b, n, 3 * d), got [2, 5]");
+  expect_error_containing(
+      [] {
+        F::fused_packed_attention(torch::randn({2, 5, 12}), 3);
+      },
+      "qkv's last dimension 12 must be 3 * num_heads * head_dim, with num_heads = 3");
+  expect_error_containing(
+      [] {
+        F::fused_packed_attention(torch::randn({2, 5, 12}), 0);
+      },
+      "with num_heads = 0");
+  expect_error_containing(
+      [] {
+        F::fused_packed_attention(torch::randn({2, 0, 12}), 2);
+      },
+      "[fused_packed_attention] qkv must hold at least one token");
+  expect_error_containing(
+      [] {
+        F::fused_packed_attention(torch::randn({2, 5, 12}).to(torch::kHalf), 2);
+      },
+      "[fused_packed_attention] expected qkv to be float32 or float64 (one dtype), got Half");
   // The modules' fused backend takes the kernel only where it is fast.
   EXPECT_TRUE(F::fused_attention_fits(q, q));
   const auto long_sequence = torch::empty({1, F::kFusedAttentionMaxTile + 1, 4});

@@ -138,6 +138,14 @@ struct FusedOptions {
 torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& key,
                               const torch::Tensor& value, const FusedOptions& options = {});
 
+/// `fused_attention` on packed projections, the output of one QKV GEMM:
+/// qkv (b, n, 3 * h * hd), queries then keys then values, each (b, n, h * hd) with heads
+/// side by side -> context (b, n, h * hd), heads merged. Backward writes the gradient of qkv
+/// in one piece instead of three that autograd would concatenate.
+/// Example: `fused_packed_attention(qkv_projection(x), 12, FusedOptions().is_causal(true))`.
+torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
+                                     const FusedOptions& options = {});
+
 /// Largest n * m for which the fused backend of the modules uses `fused_attention`. Measured
 /// with attnkit-bench (fused-core against math-core, forward+backward, 2-core x86): at
 /// head_dim 64 the kernel wins at n = 32 and 64 and loses from n = 128; at head_dim 16 it
