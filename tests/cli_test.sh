@@ -41,6 +41,10 @@ expect 2 "--seq-len: expected 1..512 for task copy, got 600" -- --seq-len 600
 expect 2 "--module sa-v2 has no causal mask" -- --task copy --module sa-v2
 expect 2 "--module mha-wrapper always applies a causal mask" -- --task reverse --module mha-wrapper
 expect 2 "--d-model 30 must be divisible by --heads 4" -- --d-model 30
+expect 2 "--backend: unknown backend 'flash'; expected math, fused or chunked" -- --backend flash
+expect 2 "--backend fused: only mha and mha-combined have backends; --module causal has one implementation" \
+  -- --module causal --backend fused
+expect 0 "" -- "${quick[@]}" --module mha-combined --backend chunked --quiet
 expect 2 "--steps: expected >= 1" -- --steps -5
 expect 2 "Argument ‘many’ failed to parse" -- --steps many
 expect 2 "--save: cannot write '$work/no/such/dir/run.pt' (does its directory exist?)" \

@@ -126,6 +126,25 @@ TEST_F(TrainTest, SameSeedGivesTheSameLossCurve) {
   EXPECT_NE(run(other_seed), first);
 }
 
+TEST_F(TrainTest, EveryBackendFollowsTheMathLossCurve) {
+  // Fused draws the math path's dropout masks, so it follows math with dropout on; chunked
+  // draws its own, so it is compared without dropout. Only float32 summation order differs.
+  const auto curve = [&](const std::string& backend, double dropout) {
+    auto config = small_config();
+    config.backend = backend;
+    config.dropout = dropout;
+    return run(config);
+  };
+  const auto expect_close = [](const std::vector<double>& got, const std::vector<double>& want) {
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_NEAR(got[i], want[i], 1e-4) << "step " << i + 1;
+  };
+  expect_close(curve("fused", 0.1), curve("math", 0.1));
+  expect_close(curve("chunked", 0.0), curve("math", 0.0));
+  EXPECT_NE(curve("fused", 0.1), curve("fused", 0.0));
+}
+
 TEST_F(TrainTest, ResumeContinuesExactlyAsAnUninterruptedRun) {
   const auto config = small_config();
   const auto uninterrupted = run(config);
@@ -253,6 +272,14 @@ TEST_F(TrainTest, ResolveNamesTheBadFlag) {
   config.task = "reverse";
   config.module = "causal";
   expect_error_containing([&] { run(config); }, "--module causal always applies a causal mask");
+  config = small_config();
+  config.backend = "flash";
+  expect_error_containing([&] { run(config); },
+                          "--backend: unknown backend 'flash'; expected math, fused or chunked");
+  config = small_config();
+  config.module = "causal";
+  config.backend = "fused";
+  expect_error_containing([&] { run(config); }, "--backend fused: only mha and mha-combined");
   EXPECT_EQ(T::best_checkpoint_path("dir.v2/run.pt"), "dir.v2/run.best.pt");
   EXPECT_EQ(T::best_checkpoint_path("dir.v2/run"), "dir.v2/run.best");
 }
