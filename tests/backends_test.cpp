@@ -69,6 +69,30 @@ AttentionFn fused(bool causal) {
   };
 }
 
+// `train` (causal, dropout on, masks drawn from the global generator) against `eval` (the
+// same kernel with dropout off): they differ, eval equals the causal math path, and with the
+// seed fixed per call the masks repeat, so train's gradients match finite differences.
+void expect_dropout_off_in_eval_and_differentiable(const AttentionFn& train,
+                                                   const AttentionFn& eval, const torch::Tensor& q,
+                                                   const torch::Tensor& k, const torch::Tensor& v) {
+  torch::manual_seed(5);
+  const auto with_dropout = train(q, k, v);
+  const auto without = eval(q, k, v);
+  EXPECT_FALSE(tensors_close("train vs eval", with_dropout, without, 1e-6));
+  EXPECT_TENSOR_NEAR(
+      without, F::scaled_dot_product_attention(q, k, v, F::SdpaOptions().is_causal(true)), 1e-10);
+  torch::nn::Module holder;
+  auto key = holder.register_parameter("key", k.clone());
+  auto value = holder.register_parameter("value", v.clone());
+  expect_gradients_match_finite_differences(
+      holder,
+      [&](const torch::Tensor& query) {
+        torch::manual_seed(5);
+        return train(query, key, value);
+      },
+      q);
+}
+
 // 2-D (n, hd), 3-D (h, n, hd), 5-D inputs, and (b, h, n, hd) views of a (b, n, h * hd)
 // projection, which the kernels read in place rather than copy.
 std::vector<torch::Tensor> inputs_of_any_rank_and_strides() {
@@ -134,22 +158,12 @@ TEST(ChunkedAttention, DropoutIsSeededDifferentiableAndOffInEval) {
   const auto first = F::chunked_attention(q, k, v, train);
   torch::manual_seed(5);
   EXPECT_TENSOR_NEAR(F::chunked_attention(q, k, v, train), first, 0.0);
-  const auto eval = F::chunked_attention(q, k, v, F::ChunkedOptions().is_causal(true));
-  EXPECT_FALSE(tensors_close("train vs eval", first, eval, 1e-6));
-  EXPECT_TENSOR_NEAR(
-      eval, F::scaled_dot_product_attention(q, k, v, F::SdpaOptions().is_causal(true)), 1e-10);
-
-  // With the seed fixed per call the masks repeat, so finite differences apply.
-  torch::nn::Module holder;
-  auto key = holder.register_parameter("key", k.clone());
-  auto value = holder.register_parameter("value", v.clone());
-  expect_gradients_match_finite_differences(
-      holder,
-      [&](const torch::Tensor& query) {
-        torch::manual_seed(5);
-        return F::chunked_attention(query, key, value, train);
+  expect_dropout_off_in_eval_and_differentiable(
+      [&](auto& a, auto& b, auto& c) { return F::chunked_attention(a, b, c, train); },
+      [&](auto& a, auto& b, auto& c) {
+        return F::chunked_attention(a, b, c, F::ChunkedOptions().is_causal(true));
       },
-      q);
+      q, k, v);
 }
 
 TEST(ChunkedAttention, BadArgumentsNameWhatIsWrong) {
@@ -223,21 +237,12 @@ TEST(FusedAttention, DropoutDrawsTheMathPathsMaskAndIsDifferentiable) {
   const auto math = F::scaled_dot_product_attention(
       q, k, v, F::SdpaOptions().is_causal(true).dropout_p(0.3).training(true));
   EXPECT_TENSOR_NEAR(out, math, 1e-10);
-  const auto eval = F::fused_attention(q, k, v, F::FusedOptions().is_causal(true).dropout_p(0.3));
-  EXPECT_FALSE(tensors_close("train vs eval", out, eval, 1e-6));
-  EXPECT_TENSOR_NEAR(
-      eval, F::scaled_dot_product_attention(q, k, v, F::SdpaOptions().is_causal(true)), 1e-10);
-
-  torch::nn::Module holder;
-  auto key = holder.register_parameter("key", k.clone());
-  auto value = holder.register_parameter("value", v.clone());
-  expect_gradients_match_finite_differences(
-      holder,
-      [&](const torch::Tensor& query) {
-        torch::manual_seed(5);
-        return F::fused_attention(query, key, value, train);
+  expect_dropout_off_in_eval_and_differentiable(
+      [&](auto& a, auto& b, auto& c) { return F::fused_attention(a, b, c, train); },
+      [&](auto& a, auto& b, auto& c) {
+        return F::fused_attention(a, b, c, F::FusedOptions().is_causal(true).dropout_p(0.3));
       },
-      q);
+      q, k, v);
 }
 
 TEST(FusedAttention, PackedProjectionsMatchMathOnTheirHeads) {
