@@ -53,9 +53,9 @@ cxxopts::Options make_options() {
                                value<std::string>()->default_value("mha"))(
       "backend",
       "mha and mha-combined: math (the book's path) | fused (one kernel per head on CPU for "
-      "short sequences) | chunked (memory-efficient); default fused",
-      value<std::string>()->default_value(""))("d-model", "embedding width",
-                                               value<int64_t>()->default_value("64"))(
+      "short sequences) | chunked (memory-efficient)",
+      value<std::string>()->default_value("fused"))("d-model", "embedding width",
+                                                    value<int64_t>()->default_value("64"))(
       "heads", "attention heads (mha-wrapper, mha, mha-combined)",
       value<int64_t>()->default_value("4"))(
       "layers", "attention blocks; 0 = 2 for recall and text, 1 otherwise",
@@ -63,9 +63,7 @@ cxxopts::Options make_options() {
       "dropout", "dropout on attention weights (and the feed-forward block)",
       value<double>()->default_value("0"));
   options.add_options("Optimisation")(
-      "steps",
-      "training steps; 0 = the task's default (copy/reverse 600, recall 3000, "
-      "text 1500)",
+      "steps", "training steps; 0 = the task's default (text 500, the others 600)",
       value<int64_t>()->default_value("0"))("batch-size", "sequences per step",
                                             value<int64_t>()->default_value("64"))(
       "lr", "AdamW learning rate", value<double>()->default_value("0.003"))(
@@ -131,7 +129,9 @@ int main(int argc, char** argv) {
     config.data = args["data"].as<std::string>();
     config.sample = args["sample"].as<int64_t>();
     config.module = args["module"].as<std::string>();
-    config.backend = args["backend"].as<std::string>();
+    // Given explicitly only: the other modules have no backend, so the default is not theirs.
+    if (args.count("backend"))
+      config.backend = args["backend"].as<std::string>();
     config.d_model = args["d-model"].as<int64_t>();
     config.heads = args["heads"].as<int64_t>();
     config.layers = args["layers"].as<int64_t>();
