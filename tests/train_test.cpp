@@ -9,6 +9,7 @@
 
 #include "source_paths.h"
 #include "test_support.h"
+#include "train/flat_adamw.h"
 #include "train/heatmap.h"
 #include "train/tasks.h"
 #include "train/trainer.h"
@@ -143,6 +144,34 @@ TEST_F(TrainTest, EveryBackendFollowsTheMathLossCurve) {
   expect_close(curve("fused", 0.1), curve("math", 0.1));
   expect_close(curve("chunked", 0.0), curve("math", 0.0));
   EXPECT_NE(curve("fused", 0.1), curve("fused", 0.0));
+}
+
+TEST(FlatAdamW, FollowsLibTorchAdamWWithClipping) {
+  // Two copies of a small model: LibTorch's AdamW + clip_grad_norm_ on one, FlatAdamW on the
+  // other, the same batches; a max norm the gradients exceed, so clipping acts.
+  torch::manual_seed(7);
+  torch::nn::Sequential reference(torch::nn::Embedding(5, 4), torch::nn::Linear(4, 3));
+  auto flat_model = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(reference->clone());
+  torch::optim::AdamW adamw(reference->parameters(),
+                            torch::optim::AdamWOptions(0.05).weight_decay(0.1));
+  T::FlatAdamW flat(flat_model->parameters(), 0.05, 0.1);
+  for (int step = 0; step < 6; ++step) {
+    const auto tokens = torch::randint(0, 5, {8});
+    const auto targets = torch::randint(0, 3, {8});
+    adamw.zero_grad();
+    torch::nn::functional::cross_entropy(reference->forward(tokens), targets).backward();
+    const double want_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.1);
+    adamw.step();
+    flat.zero_grad();
+    torch::nn::functional::cross_entropy(flat_model->forward(tokens), targets).backward();
+    EXPECT_NEAR(flat.clip_grad_norm(0.1), want_norm, 1e-6);
+    flat.step();
+  }
+  const auto want = reference->named_parameters();
+  for (const auto& p : flat_model->named_parameters()) {
+    EXPECT_TRUE(tensors_close(p.key(), p.value(), want[p.key()], 1e-6));
+  }
+  expect_error_containing([] { T::FlatAdamW({}, 0.1, 0.0); }, "expected at least one parameter");
 }
 
 TEST_F(TrainTest, ResumeContinuesExactlyAsAnUninterruptedRun) {

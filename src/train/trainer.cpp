@@ -10,6 +10,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "flat_adamw.h"
 #include "heatmap.h"
 
 namespace attnkit::train {
@@ -18,7 +19,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t kCheckpointFormat = 1;
+constexpr int64_t kCheckpointFormat = 2;  // 2: FlatAdamW state
 constexpr int64_t kMaxContext = 1024;
 
 int64_t default_steps(const std::string& task) {
@@ -117,7 +118,7 @@ void sync_file(const std::string& path) {
 }
 
 void save_checkpoint(const std::string& path, const TrainConfig& config, AttentionModel& model,
-                     torch::optim::AdamW& optimizer, const TrainingState& state,
+                     FlatAdamW& optimizer, const TrainingState& state,
                      const at::Generator& data_generator) {
   torch::serialize::OutputArchive archive;
   archive.write("format", c10::IValue(kCheckpointFormat));
@@ -140,7 +141,7 @@ void save_checkpoint(const std::string& path, const TrainConfig& config, Attenti
 }
 
 TrainingState load_checkpoint(const std::string& path, const TrainConfig& config,
-                              AttentionModel& model, torch::optim::AdamW& optimizer,
+                              AttentionModel& model, FlatAdamW& optimizer,
                               at::Generator& data_generator, const torch::Device& device) {
   TORCH_CHECK(std::ifstream(path).good(), "--resume: cannot read '", path, "'");
   torch::serialize::InputArchive archive;
@@ -178,6 +179,7 @@ TrainingState load_checkpoint(const std::string& path, const TrainConfig& config
     archive.read("model", model_archive);
     archive.read("optimizer", optimizer_archive);
     model->load(model_archive);
+    optimizer.reattach();  // Module::load gave the parameters new storage
     optimizer.load(optimizer_archive);
     data_generator.set_state(data_rng.cpu());
     auto default_generator = at::detail::getDefaultCPUGenerator();
@@ -441,8 +443,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
               kMaxContext, " attnkit-train allows");
   AttentionModel model(model_config);
   model->to(device);
-  torch::optim::AdamW optimizer(
-      model->parameters(), torch::optim::AdamWOptions(config.lr).weight_decay(config.weight_decay));
+  FlatAdamW optimizer(model->parameters(), config.lr, config.weight_decay);
   const auto eval_batches = task->eval_batches(256);
   const bool text = config.task == "text";
   const bool verbose = !config.quiet;
@@ -450,10 +451,8 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   TrainingState state;
   if (!config.resume.empty()) {
     state = load_checkpoint(config.resume, config, model, optimizer, data_generator, device);
-    for (auto& group : optimizer.param_groups()) {  // this run's --lr and --weight-decay
-      auto& options = static_cast<torch::optim::AdamWOptions&>(group.options());
-      options.lr(config.lr).weight_decay(config.weight_decay);
-    }
+    optimizer.set_lr(config.lr);  // this run's --lr and --weight-decay
+    optimizer.set_weight_decay(config.weight_decay);
     if (verbose)
       out << "resumed from " << config.resume << " at step " << state.step << "\n";
   }
@@ -494,7 +493,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
     }
     optimizer.zero_grad();
     s.loss.backward();
-    torch::nn::utils::clip_grad_norm_(model->parameters(), config.clip_norm);
+    optimizer.clip_grad_norm(config.clip_norm);
     optimizer.step();
     state.step = step;
     train_seconds += seconds_since(step_start);
