@@ -58,9 +58,8 @@ bool runs_fused_kernel(const BenchConfig& c, const std::string& name,
                        const torch::TensorOptions& options) {
   if (name == "fused-core")
     return true;
-  const auto tokens = torch::empty({c.tokens, 1}, options);
   return name == "fused" && TORCH_VERSION_MAJOR < 2 &&
-         attnkit::functional::fused_attention_fits(tokens, tokens);
+         attnkit::functional::fused_attention_fits(c.tokens, c.tokens, options);
 }
 
 // ---- memory: the process's peak RSS, reset before each measurement (Linux) ---------------

@@ -432,10 +432,11 @@ torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads
   return FusedPackedAttention::apply(qkv, num_heads, options.is_causal(), dropout_p);
 }
 
-bool fused_attention_fits(const torch::Tensor& query, const torch::Tensor& key) {
-  const auto dtype = query.scalar_type();
-  return query.device().is_cpu() && (dtype == torch::kFloat || dtype == torch::kDouble) &&
-         query.size(-2) * key.size(-2) <= kFusedAttentionMaxTile;
+bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
+                          const torch::TensorOptions& options) {
+  const auto dtype = options.dtype();
+  return options.device().is_cpu() && (dtype == torch::kFloat || dtype == torch::kDouble) &&
+         num_queries * num_keys <= kFusedAttentionMaxTile;
 }
 
 }  // namespace attnkit::functional

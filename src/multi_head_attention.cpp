@@ -62,6 +62,13 @@ std::vector<torch::Tensor> split_combined_qkv(const torch::Tensor& qkv_out, int6
   return qkv_out.view({b, n, num_heads, head_width}).permute({0, 2, 1, 3}).chunk(3, -1);
 }
 
+#if TORCH_VERSION_MAJOR < 2
+// The module's causal and dropout options for attnkit's fused kernel.
+F::FusedOptions fused_options(const MultiHeadAttentionOptions& opt, bool training) {
+  return F::FusedOptions().is_causal(opt.causal()).dropout_p(opt.dropout()).training(training);
+}
+#endif
+
 // The fused and chunked backends' attention over split heads: (b, h, n, hd) -> (b, h, n, hd).
 torch::Tensor fast_attention(const torch::Tensor& queries, const torch::Tensor& keys,
                              const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
@@ -82,10 +89,8 @@ torch::Tensor fast_attention(const torch::Tensor& queries, const torch::Tensor& 
 #else
   // LibTorch 1.13 has no fused attention kernel: attnkit's own for short sequences on CPU,
   // else the math core with the causal mask built in place.
-  if (F::fused_attention_fits(queries, keys)) {
-    return F::fused_attention(
-        queries, keys, values,
-        F::FusedOptions().is_causal(opt.causal()).dropout_p(opt.dropout()).training(training));
+  if (F::fused_attention_fits(queries.size(-2), keys.size(-2), queries.options())) {
+    return F::fused_attention(queries, keys, values, fused_options(opt, training));
   }
   return F::scaled_dot_product_attention(
       queries, keys, values,
@@ -220,13 +225,11 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& x) {
   const auto qkv = torch::nn::functional::linear(x, weight, bias);  // (b, n, 3 * d_out)
   const auto h = options.num_heads();
 #if TORCH_VERSION_MAJOR < 2
-  if (options.backend() == AttentionBackend::kFused && F::fused_attention_fits(qkv, qkv)) {
+  const auto n = x.size(1);
+  if (options.backend() == AttentionBackend::kFused &&
+      F::fused_attention_fits(n, n, qkv.options())) {
     // The kernel reads the packed projection in place and returns the heads merged.
-    return out_proj(F::fused_packed_attention(qkv, h,
-                                              F::FusedOptions()
-                                                  .is_causal(options.causal())
-                                                  .dropout_p(options.dropout())
-                                                  .training(is_training())));
+    return out_proj(F::fused_packed_attention(qkv, h, fused_options(options, is_training())));
   }
 #endif
   const auto qkv_parts = qkv.chunk(3, -1);

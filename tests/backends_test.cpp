@@ -331,10 +331,10 @@ TEST(FusedAttention, BadArgumentsNameWhatIsWrong) {
       },
       "[fused_packed_attention] expected qkv to be float32 or float64 (one dtype), got Half");
   // The modules' fused backend takes the kernel only where it is fast.
-  EXPECT_TRUE(F::fused_attention_fits(q, q));
-  const auto long_sequence = torch::empty({1, F::kFusedAttentionMaxTile + 1, 4});
-  EXPECT_FALSE(F::fused_attention_fits(long_sequence, q));
-  EXPECT_FALSE(F::fused_attention_fits(half, half));
+  EXPECT_TRUE(F::fused_attention_fits(5, 5, q.options()));
+  EXPECT_TRUE(F::fused_attention_fits(64, 64, q.options().dtype(torch::kDouble)));
+  EXPECT_FALSE(F::fused_attention_fits(64, 65, q.options()));
+  EXPECT_FALSE(F::fused_attention_fits(5, 5, half.options()));
 }
 
 TEST(AttentionBackends, EveryBackendComputesTheSameModule) {

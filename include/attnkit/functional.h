@@ -152,8 +152,9 @@ torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads
 /// still wins at n = 128.
 constexpr int64_t kFusedAttentionMaxTile = 64 * 64;
 
-/// Whether the modules' fused backend takes `fused_attention` for these inputs: CPU,
-/// float32 or float64, and n * m <= kFusedAttentionMaxTile.
-bool fused_attention_fits(const torch::Tensor& query, const torch::Tensor& key);
+/// Whether the modules' fused backend takes `fused_attention` for n queries and m keys of
+/// tensors with `options`: CPU, float32 or float64, and n * m <= kFusedAttentionMaxTile.
+bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
+                          const torch::TensorOptions& options);
 
 }  // namespace attnkit::functional
