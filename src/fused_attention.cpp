@@ -160,14 +160,14 @@ struct Scratch {
   std::vector<T> transposed;   // (f, padded_keys): k^T or v^T, zero beyond the keys
   std::vector<T> row;          // (padded_keys)
   std::vector<T> grad_scores;  // backward: (n, m) dS
-  std::vector<T> dropped;      // (n, m) weights * keep, when dropout is on
+  std::vector<T> dropped;      // backward with dropout: (n, m) weights * keep
   int64_t padded_keys;
 
   Scratch(const SliceSizes& z, int64_t f, bool backward, bool dropout)
       : transposed(f * round_up_to_block(z.m), T(0)),
         row(round_up_to_block(z.m)),
         grad_scores(backward ? z.n * z.m : 0),
-        dropped(dropout ? z.n * z.m : 0),
+        dropped(backward && dropout ? z.n * z.m : 0),
         padded_keys(round_up_to_block(z.m)) {}
 
   // transposed (f, padded_keys) = rows (m, f) transposed; returns it as rows.
