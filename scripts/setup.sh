@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what attnkit needs to build and test, from Debian 12's archive.
+# Installs what attnkit needs to build and test, from Debian's archive (12 on the host; 13
+# inside the root of scripts/debian13.sh, where the same names give LibTorch 2.6).
 # Idempotent: prints nothing and changes nothing when everything is already installed.
 set -euo pipefail
 
@@ -10,6 +11,7 @@ packages=(
   libgtest-dev                   # tests
   libcxxopts-dev                 # command-line parsing in the programs
   libstb-dev                     # PNG writing and a bitmap font for attention heatmaps
+  python3-torch                  # PyTorch of the same version: the cross-language tests
 )
 
 missing=()

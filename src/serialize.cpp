@@ -7,6 +7,9 @@
 
 #include <unistd.h>
 
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+
 #include "checks.h"
 
 namespace attnkit {
@@ -37,6 +40,48 @@ std::vector<char> read_bytes(const std::string& path) {
   return bytes;
 }
 
+// torch.save's format for a dict of tensors: a zip archive with the pickled dict in data.pkl
+// and each tensor's storage in data/<index>. LibTorch's own torch::pickle_save wraps every dict
+// in a `torch.jit._pickle.restore_type_tag` call, a global that PyTorch >= 2.6's default
+// weights-only torch.load refuses; the pickle written here names only what torch.save itself
+// names (torch._utils._rebuild_tensor_v2, torch.<Type>Storage, collections.OrderedDict).
+std::vector<char> torch_save_bytes(const StateDict& dict) {
+  c10::Dict<std::string, torch::Tensor> tensors;
+  for (const auto& item : dict) {
+    // Python reads CPU tensors on any machine. A view (a parameter inside a flat buffer)
+    // is copied, so that only its own elements are stored and not the whole storage.
+    auto tensor = item.value().detach().to(torch::kCPU).contiguous();
+    if (tensor.storage_offset() != 0 ||
+        tensor.storage().nbytes() != static_cast<size_t>(tensor.numel() * tensor.element_size())) {
+      tensor = tensor.clone();
+    }
+    tensors.insert(item.key(), tensor);
+  }
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler(
+      [&](const char* data, size_t size) { pickle.insert(pickle.end(), data, data + size); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(c10::IValue(tensors));
+  pickler.stop();
+
+  std::vector<char> bytes;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
+    const auto* begin = static_cast<const char*>(data);
+    bytes.insert(bytes.end(), begin, begin + size);
+    return size;
+  });
+  const auto& storages = pickler.tensorData();  // in the order of the pickle's storage keys
+  for (size_t index = 0; index < storages.size(); ++index) {
+    const auto storage = torch::jit::getWriteableTensorData(storages[index]);
+    writer.writeRecord("data/" + std::to_string(index), storage.data(), storage.sizeInBytes());
+  }
+  writer.writeRecord("data.pkl", pickle.data(), pickle.size());
+  writer.writeEndOfFile();
+  return bytes;
+}
+
 }  // namespace
 
 StateDict state_dict(const torch::nn::Module& module) {
@@ -51,12 +96,7 @@ StateDict state_dict(const torch::nn::Module& module) {
 }
 
 void write_state_dict(const StateDict& dict, const std::string& path) {
-  c10::Dict<std::string, torch::Tensor> pickled;
-  for (const auto& item : dict) {
-    // Python reads CPU tensors on any machine; contiguous keeps the stored bytes minimal.
-    pickled.insert(item.key(), item.value().detach().to(torch::kCPU).contiguous());
-  }
-  const std::vector<char> bytes = torch::pickle_save(c10::IValue(pickled));
+  const std::vector<char> bytes = torch_save_bytes(dict);
 
   const std::string temporary = path + ".tmp." + std::to_string(::getpid());
   {

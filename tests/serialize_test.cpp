@@ -145,16 +145,30 @@ TEST_F(SerializeTest, WritingWhereItCannotFails) {
                           "[write_state_dict] cannot open");
 }
 
-TEST_F(SerializeTest, PythonLoadsWhatCppWrote) {
+// Both directions against the Python of this LibTorch leg (1.13 on Debian 12, 2.6 in the
+// Debian 13 root): PyTorch loads attnkit's files with its weights-only unpickler (2.6's
+// default) into the Python classes, and attnkit reads what that PyTorch's torch.save wrote.
+// A missing Python is a failure, not a skip: scripts/setup.sh installs python3-torch.
+TEST_F(SerializeTest, PythonLoadsWhatCppWroteAndCppLoadsWhatPythonWrote) {
   const char* configured = std::getenv("ATTNKIT_PYTHON");
   const std::string python = configured ? configured : "/usr/bin/python3";
-  if (std::system((python + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
-    GTEST_SKIP() << python << " cannot import torch (install python3-torch, or set ATTNKIT_PYTHON)"
-                 << ": C++ -> Python state-dict check skipped";
+  const std::string version_file = path("python_torch_version");
+  ASSERT_EQ(std::system((python + " -c 'import torch; print(torch.__version__)' >" + version_file +
+                         " 2>&1")
+                            .c_str()),
+            0)
+      << python << " cannot import torch (run scripts/setup.sh, which installs python3-torch, "
+      << "or set ATTNKIT_PYTHON): " << file_bytes(version_file);
+  const std::string python_version = file_bytes(version_file);
+  if (configured == nullptr) {
+    // The default Python must be this leg's PyTorch, or the other version goes unchecked.
+    const std::string libtorch_version = c10::str(TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR, ".");
+    EXPECT_EQ(python_version.rfind(libtorch_version, 0), 0u)
+        << python << " has torch " << python_version << ", this LibTorch is " << libtorch_version;
   }
   const auto x = torch::randn({2, 7, 6});
   for (const auto& name : kModules) {
-    SCOPED_TRACE(name);
+    SCOPED_TRACE(name + " with torch " + python_version);
     auto attention = make_attention(name, kConfig);
     attention.module->eval();
     attnkit::save_state_dict(*attention.module, path(name + ".pt"));
@@ -164,7 +178,16 @@ TEST_F(SerializeTest, PythonLoadsWhatCppWrote) {
     attnkit::write_state_dict(io, path(name + "_io.pt"));
     const auto command = python + " " + kSourceDir + "/scripts/check_python_interop.py --module " +
                          name + " --config '" + kConfig.json() + "' --state " + path(name + ".pt") +
-                         " --io " + path(name + "_io.pt");
-    EXPECT_EQ(std::system(command.c_str()), 0) << command;
+                         " --io " + path(name + "_io.pt") + " --write-back " +
+                         path(name + "_python.pt");
+    ASSERT_EQ(std::system(command.c_str()), 0) << command;
+
+    const auto from_python = attnkit::read_state_dict(path(name + "_python.pt"));
+    const auto ours = attnkit::state_dict(*attention.module);
+    ASSERT_EQ(from_python.size(), ours.size());
+    for (const auto& item : ours) {
+      ASSERT_NE(from_python.find(item.key()), nullptr) << item.key();
+      EXPECT_TRUE(tensors_close(item.key(), from_python[item.key()], item.value(), 0.0));
+    }
   }
 }
