@@ -16,9 +16,9 @@
 
 #include <torch/torch.h>
 #include <torch/version.h>
-#include <cxxopts.hpp>
 
 #include "attnkit/attnkit.h"
+#include "command_line.h"
 
 namespace {
 
@@ -310,9 +310,8 @@ int fail(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  using cxxopts::value;
   BenchConfig c;
-  cxxopts::Options options(
+  attnkit::cli::CommandLine cli(
       "attnkit-bench",
       "Time each multi-head attention implementation, forward and forward+backward.\n"
       "FLOPs: QKV 6*b*n*d^2, out 2*b*n*d^2, core 4*b*n^2*d (halved when causal: model FLOPs; "
@@ -320,53 +319,45 @@ int main(int argc, char** argv) {
       "forward for the GEMMs, 2.5x for the core. math-core, chunked-core and fused-core time the "
       "attention core alone (functional::scaled_dot_product_attention, chunked_attention, "
       "fused_attention) on x viewed as (b, h, n, hd): no projections, core FLOPs only.");
-  options.set_width(100);
   std::string names;
   for (const auto& n : kImplementations)
     names += (names.empty() ? "" : ", ") + n;
-  options.add_options("Shape")("batch", "b", value<int64_t>()->default_value("8"))(
-      "tokens", "n", value<int64_t>()->default_value("1024"))(
-      "d-model", "d", value<int64_t>()->default_value("768"))(
-      "heads", "h", value<int64_t>()->default_value("12"))(
-      "causal", "causal mask (--causal=false for none)",
-      value<bool>()->default_value("true")->implicit_value("true"));
-  options.add_options("Run")("device", "cpu | cuda | cuda:N",
-                             value<std::string>()->default_value("cpu"))(
-      "dtype", "float32 | float64 | bfloat16 | float16",
-      value<std::string>()->default_value("float32"))(
-      "threads", "CPU threads; 0 = LibTorch's default", value<int64_t>()->default_value("0"))(
-      "repeats", "timed runs per measurement", value<int64_t>()->default_value("5"))(
-      "warmup", "untimed runs first", value<int64_t>()->default_value("1"))(
-      "only", "comma-separated subset of: " + names, value<std::string>()->default_value(""))(
-      "chunk-size", "query tokens per block of chunked",
-      value<int64_t>()->default_value(std::to_string(c.chunk_size)))(
-      "key-chunk-size", "key tokens per block of chunked",
-      value<int64_t>()->default_value(std::to_string(c.key_chunk_size)))(
-      "json", "also write the results as JSON to FILE", value<std::string>()->default_value(""))(
-      "h,help", "show this help");
+  cli.value("Shape", "batch", "b", "8")
+      .value("Shape", "tokens", "n", "1024")
+      .value("Shape", "d-model", "d", "768")
+      .value("Shape", "heads", "h", "12")
+      .value("Shape", "causal", "causal mask (--causal=false for none)", "true", "true");
+  cli.value("Run", "device", "cpu | cuda | cuda:N", "cpu")
+      .value("Run", "dtype", "float32 | float64 | bfloat16 | float16", "float32")
+      .value("Run", "threads", "CPU threads; 0 = LibTorch's default", "0")
+      .value("Run", "repeats", "timed runs per measurement", "5")
+      .value("Run", "warmup", "untimed runs first", "1")
+      .value("Run", "only", "comma-separated subset of: " + names)
+      .value("Run", "chunk-size", "query tokens per block of chunked", std::to_string(c.chunk_size))
+      .value("Run", "key-chunk-size", "key tokens per block of chunked",
+             std::to_string(c.key_chunk_size))
+      .value("Run", "json", "also write the results as JSON to FILE")
+      .flag("Run", "h,help", "show this help");
   try {
-    const auto args = options.parse(argc, argv);
-    if (args.count("help")) {
-      std::cout << options.help({"Shape", "Run"}) << "\n";
+    cli.parse(argc, argv);
+    if (cli.given("help")) {
+      std::cout << cli.help() << "\n";
       return 0;
     }
-    if (!args.unmatched().empty()) {
-      return fail("unexpected argument '" + args.unmatched().front() + "' (see --help)");
-    }
-    c.batch = args["batch"].as<int64_t>();
-    c.tokens = args["tokens"].as<int64_t>();
-    c.d_model = args["d-model"].as<int64_t>();
-    c.heads = args["heads"].as<int64_t>();
-    c.causal = args["causal"].as<bool>();
-    c.device = args["device"].as<std::string>();
-    c.dtype = args["dtype"].as<std::string>();
-    c.threads = args["threads"].as<int64_t>();
-    c.repeats = args["repeats"].as<int64_t>();
-    c.warmup = args["warmup"].as<int64_t>();
-    c.chunk_size = args["chunk-size"].as<int64_t>();
-    c.key_chunk_size = args["key-chunk-size"].as<int64_t>();
-    c.json = args["json"].as<std::string>();
-    std::stringstream only(args["only"].as<std::string>());
+    c.batch = cli.integer("batch");
+    c.tokens = cli.integer("tokens");
+    c.d_model = cli.integer("d-model");
+    c.heads = cli.integer("heads");
+    c.causal = cli.boolean("causal");
+    c.device = cli.text("device");
+    c.dtype = cli.text("dtype");
+    c.threads = cli.integer("threads");
+    c.repeats = cli.integer("repeats");
+    c.warmup = cli.integer("warmup");
+    c.chunk_size = cli.integer("chunk-size");
+    c.key_chunk_size = cli.integer("key-chunk-size");
+    c.json = cli.text("json");
+    std::stringstream only(cli.text("only"));
     for (std::string item; std::getline(only, item, ',');) {
       if (std::find(kImplementations.begin(), kImplementations.end(), item) ==
           kImplementations.end()) {
@@ -374,8 +365,8 @@ int main(int argc, char** argv) {
       }
       c.only.push_back(item);
     }
-  } catch (const cxxopts::exceptions::exception& e) {
-    return fail(std::string(e.what()) + " (see --help)");
+  } catch (const attnkit::cli::UsageError& e) {
+    return fail(e.what());
   }
   if (c.batch < 1 || c.tokens < 1 || c.d_model < 1 || c.heads < 1 || c.repeats < 1 ||
       c.chunk_size < 1 || c.key_chunk_size < 1 || c.warmup < 0 || c.threads < 0) {

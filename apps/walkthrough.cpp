@@ -11,9 +11,9 @@
 #include <vector>
 
 #include <torch/torch.h>
-#include <cxxopts.hpp>
 
 #include "attnkit/attnkit.h"
+#include "command_line.h"
 
 namespace F = attnkit::functional;
 
@@ -229,27 +229,23 @@ int main(int argc, char** argv) {
   for (const auto& s : sections()) {
     section_help += std::string("\n  ") + s.name + ": " + s.what;
   }
-  cxxopts::Options options("attnkit-walkthrough",
-                           "The chapter-3 attention computations of \"LLMs from scratch\", step "
-                           "by step, with attnkit (LibTorch).");
-  options.add_options()("s,section", section_help, cxxopts::value<std::string>())(
-      "h,help", "Show this help")("version", "Print the attnkit version");
+  attnkit::cli::CommandLine cli("attnkit-walkthrough",
+                                "The chapter-3 attention computations of \"LLMs from scratch\", "
+                                "step by step, with attnkit (LibTorch).");
+  cli.value("", "s,section", section_help)
+      .flag("", "h,help", "Show this help")
+      .flag("", "version", "Print the attnkit version");
   try {
-    const auto args = options.parse(argc, argv);
-    if (args.count("help")) {
-      std::cout << options.help() << "\n";
+    cli.parse(argc, argv);
+    if (cli.given("help")) {
+      std::cout << cli.help() << "\n";
       return 0;
     }
-    if (args.count("version")) {
+    if (cli.given("version")) {
       std::cout << "attnkit-walkthrough " << ATTNKIT_VERSION << "\n";
       return 0;
     }
-    if (!args.unmatched().empty()) {
-      std::cerr << "attnkit-walkthrough: unexpected argument '" << args.unmatched()[0]
-                << "' (see --help)\n";
-      return 2;
-    }
-    const std::string only = args.count("section") ? args["section"].as<std::string>() : "";
+    const std::string only = cli.text("section");
     bool found = only.empty();
     for (const auto& s : sections()) {
       if (only.empty() || only == s.name) {
@@ -265,8 +261,8 @@ int main(int argc, char** argv) {
       std::cerr << "\n";
       return 2;
     }
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "attnkit-walkthrough: " << e.what() << " (see --help)\n";
+  } catch (const attnkit::cli::UsageError& e) {
+    std::cerr << "attnkit-walkthrough: " << e.what() << "\n";
     return 2;
   }
   return 0;

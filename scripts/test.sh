@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
 # Builds attnkit and runs every test (installs what is missing first).
-# Usage: scripts/test.sh [--asan] [ctest arguments, e.g. -R MultiHead]
-#   --asan   build in build-asan/ with AddressSanitizer + UndefinedBehaviorSanitizer and
-#            run the tests there (any sanitizer report fails the run); the package test is
-#            left out, since its outside project is built without the sanitizers.
+# Usage: scripts/test.sh [--asan | --libtorch2] [ctest arguments, e.g. -R MultiHead]
+#   (none)       Debian 12's LibTorch 1.13 on this machine, in build/.
+#   --asan       build in build-asan/ with AddressSanitizer + UndefinedBehaviorSanitizer and
+#                run the tests there (any sanitizer report fails the run); the package test is
+#                left out, since its outside project is built without the sanitizers.
+#   --libtorch2  the whole suite against Debian 13's LibTorch 2.6 and PyTorch 2.6, in
+#                build-libtorch2/, inside the Debian 13 root of scripts/debian13.sh (made with
+#                debootstrap on first use, a few minutes; reused after that).
+#   --preset P   any preset of CMakePresets.json, with this machine's LibTorch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=default
 extra=()
-if [ "${1:-}" = "--asan" ]; then
-  preset=asan
-  extra=(-E '^package\.')
-  shift
-fi
+case "${1:-}" in
+  --asan)
+    preset=asan
+    extra=(-E '^package\.')
+    shift
+    ;;
+  --libtorch2)
+    shift
+    exec scripts/debian13.sh scripts/test.sh --preset libtorch2 "$@"
+    ;;
+  --preset)
+    preset=${2:?--preset needs a name: default, debug, asan or libtorch2}
+    shift 2
+    ;;
+esac
 scripts/build.sh --preset "$preset"
 ctest --preset "$preset" "${extra[@]}" "$@"

@@ -1,0 +1,156 @@
+#include "command_line.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+
+namespace attnkit::cli {
+
+namespace {
+
+std::string see_help(const std::string& message) {
+  return message + " (see --help)";
+}
+
+}  // namespace
+
+CommandLine::CommandLine(const std::string& program, const std::string& description)
+    : options_(program, description) {
+  options_.set_width(100);
+}
+
+std::string CommandLine::add(const std::string& group, const std::string& names, Flag flag) {
+  const auto comma = names.find(',');
+  flag.long_name = comma == std::string::npos ? names : names.substr(comma + 1);
+  if (comma == 1) {
+    short_names_[names[0]] = flag.long_name;
+  }
+  if (std::find(groups_.begin(), groups_.end(), group) == groups_.end()) {
+    groups_.push_back(group);
+  }
+  const auto long_name = flag.long_name;
+  flags_[long_name] = std::move(flag);
+  return long_name;
+}
+
+CommandLine& CommandLine::value(const std::string& group, const std::string& names,
+                                const std::string& help, const std::string& default_value,
+                                const std::string& implicit_value) {
+  add(group, names, Flag{"", /*takes_value=*/true, default_value, implicit_value});
+  auto kind = cxxopts::value<std::string>();
+  if (!default_value.empty())
+    kind->default_value(default_value);
+  if (!implicit_value.empty())
+    kind->implicit_value(implicit_value);
+  options_.add_options(group)(names, help, kind);
+  return *this;
+}
+
+CommandLine& CommandLine::flag(const std::string& group, const std::string& names,
+                               const std::string& help) {
+  add(group, names, Flag{"", /*takes_value=*/false, "", ""});
+  options_.add_options(group)(names, help);
+  return *this;
+}
+
+void CommandLine::parse(int argc, const char* const* argv) {
+  given_.clear();
+  for (int i = 1; i < argc; ++i) {
+    const std::string argument = argv[i];
+    std::string name, value;
+    bool has_value = false;
+    if (argument.rfind("--", 0) == 0 && argument.size() > 2) {
+      const auto equals = argument.find('=');
+      name = argument.substr(2, equals == std::string::npos ? std::string::npos : equals - 2);
+      if (equals != std::string::npos) {
+        value = argument.substr(equals + 1);
+        has_value = true;
+      }
+      if (flags_.count(name) == 0)
+        throw UsageError(see_help("unknown flag '--" + name + "'"));
+    } else if (argument.size() == 2 && argument[0] == '-' && argument[1] != '-') {
+      const auto found = short_names_.find(argument[1]);
+      if (found == short_names_.end())
+        throw UsageError(see_help("unknown flag '" + argument + "'"));
+      name = found->second;
+    } else {
+      throw UsageError(see_help("unexpected argument '" + argument + "'"));
+    }
+    const Flag& flag = flags_.at(name);
+    if (!flag.takes_value) {
+      if (has_value)
+        throw UsageError("--" + name + " takes no value, got '" + argument + "'");
+    } else if (!has_value) {
+      if (!flag.implicit_value.empty()) {
+        value = flag.implicit_value;  // --causal alone; another value needs --causal=VALUE
+      } else if (i + 1 < argc) {
+        value = argv[++i];  // taken as it is, even "-5": the checks of the value name the flag
+      } else {
+        throw UsageError(see_help("--" + name + ": expected a value after it"));
+      }
+    }
+    given_[name] = value;
+  }
+}
+
+std::string CommandLine::help() const {
+  return options_.help(groups_);
+}
+
+const CommandLine::Flag& CommandLine::declared(const std::string& name) const {
+  const auto found = flags_.find(name);
+  if (found == flags_.end())
+    throw std::logic_error("CommandLine: no flag --" + name + " was declared");
+  return found->second;
+}
+
+bool CommandLine::given(const std::string& name) const {
+  declared(name);
+  return given_.count(name) > 0;
+}
+
+std::string CommandLine::text(const std::string& name) const {
+  const auto found = given_.find(name);
+  return found != given_.end() ? found->second : declared(name).default_value;
+}
+
+int64_t CommandLine::integer(const std::string& name) const {
+  const auto value = text(name);
+  char* end = nullptr;
+  errno = 0;
+  const long long parsed = std::strtoll(value.c_str(), &end, 10);
+  if (value.empty() || *end != '\0' || errno == ERANGE)
+    throw UsageError("--" + name + ": expected an integer, got '" + value + "'");
+  return parsed;
+}
+
+uint64_t CommandLine::unsigned_integer(const std::string& name) const {
+  const auto value = text(name);
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long parsed = std::strtoull(value.c_str(), &end, 10);
+  if (value.empty() || value[0] == '-' || *end != '\0' || errno == ERANGE)
+    throw UsageError("--" + name + ": expected an integer >= 0, got '" + value + "'");
+  return parsed;
+}
+
+double CommandLine::number(const std::string& name) const {
+  const auto value = text(name);
+  char* end = nullptr;
+  errno = 0;
+  const double parsed = std::strtod(value.c_str(), &end);
+  if (value.empty() || *end != '\0' || errno == ERANGE)
+    throw UsageError("--" + name + ": expected a number, got '" + value + "'");
+  return parsed;
+}
+
+bool CommandLine::boolean(const std::string& name) const {
+  const auto value = text(name);
+  if (value == "true")
+    return true;
+  if (value == "false")
+    return false;
+  throw UsageError("--" + name + ": expected true or false, got '" + value + "'");
+}
+
+}  // namespace attnkit::cli
