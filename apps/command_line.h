@@ -66,9 +66,9 @@ class CommandLine {
 
   cxxopts::Options options_;
   std::vector<std::string> groups_;
-  std::map<std::string, Flag> flags_;             // by long name
-  std::map<char, std::string> short_names_;       // short name -> long name
-  std::map<std::string, std::string> given_;      // long name -> value given ("" for a flag)
+  std::map<std::string, Flag> flags_;         // by long name
+  std::map<char, std::string> short_names_;   // short name -> long name
+  std::map<std::string, std::string> given_;  // long name -> value given ("" for a flag)
 };
 
 }  // namespace attnkit::cli

@@ -20,6 +20,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <torch/version.h>
 
 #include "attention_layout.h"
 #include "attnkit/functional.h"
@@ -430,6 +431,29 @@ torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads
   check_dropout(fn, options);
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
   return FusedPackedAttention::apply(qkv, num_heads, options.is_causal(), dropout_p);
+}
+
+torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                      const torch::Tensor& value, const FusedOptions& options) {
+  const char* fn = "[fused_backend_attention]";
+  detail::check_qkv_layout(fn, query, key, value);
+  check_dropout(fn, options);
+  const double dropout_p = options.training() ? options.dropout_p() : 0.0;
+#if TORCH_VERSION_MAJOR >= 2
+  // Flash / memory-efficient kernels on CUDA, a flash kernel on CPU (from 2.1). Its causal
+  // mask is top-left aligned, as causal_mask(n, m).
+  return at::scaled_dot_product_attention(query, key, value, /*attn_mask=*/{}, dropout_p,
+                                          options.is_causal());
+#else
+  // LibTorch 1.13 has no fused attention kernel: attnkit's own for short sequences on CPU,
+  // else the math core.
+  if (fused_attention_fits(query.size(-2), key.size(-2), query.options())) {
+    return fused_attention(query, key, value, options);
+  }
+  return scaled_dot_product_attention(
+      query, key, value,
+      SdpaOptions().is_causal(options.is_causal()).dropout_p(dropout_p).training(dropout_p > 0));
+#endif
 }
 
 bool fused_attention_fits(int64_t num_queries, int64_t num_keys,

@@ -62,12 +62,10 @@ std::vector<torch::Tensor> split_combined_qkv(const torch::Tensor& qkv_out, int6
   return qkv_out.view({b, n, num_heads, head_width}).permute({0, 2, 1, 3}).chunk(3, -1);
 }
 
-#if TORCH_VERSION_MAJOR < 2
-// The module's causal and dropout options for attnkit's fused kernel.
+// The module's causal and dropout options for the fused backend.
 F::FusedOptions fused_options(const MultiHeadAttentionOptions& opt, bool training) {
   return F::FusedOptions().is_causal(opt.causal()).dropout_p(opt.dropout()).training(training);
 }
-#endif
 
 // The fused and chunked backends' attention over split heads: (b, h, n, hd) -> (b, h, n, hd).
 torch::Tensor fast_attention(const torch::Tensor& queries, const torch::Tensor& keys,
@@ -82,20 +80,7 @@ torch::Tensor fast_attention(const torch::Tensor& queries, const torch::Tensor& 
                                     .block_size(opt.chunk_size())
                                     .key_block_size(opt.key_chunk_size()));
   }
-#if TORCH_VERSION_MAJOR >= 2
-  // Flash / memory-efficient kernels on CUDA, a flash kernel on CPU from 2.1.
-  return at::scaled_dot_product_attention(queries, keys, values, /*attn_mask=*/{},
-                                          training ? opt.dropout() : 0.0, opt.causal());
-#else
-  // LibTorch 1.13 has no fused attention kernel: attnkit's own for short sequences on CPU,
-  // else the math core with the causal mask built in place.
-  if (F::fused_attention_fits(queries.size(-2), keys.size(-2), queries.options())) {
-    return F::fused_attention(queries, keys, values, fused_options(opt, training));
-  }
-  return F::scaled_dot_product_attention(
-      queries, keys, values,
-      F::SdpaOptions().is_causal(opt.causal()).dropout_p(opt.dropout()).training(training));
-#endif
+  return F::fused_backend_attention(queries, keys, values, fused_options(opt, training));
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 #include "attnkit/multi_head_attention.h"
 #include "test_support.h"
 
+#include <torch/version.h>
+
 namespace F = attnkit::functional;
 using attnkit::AttentionBackend;
 using attnkit::MultiHeadAttentionOptions;
@@ -190,9 +192,10 @@ TEST(ChunkedAttention, BadArgumentsNameWhatIsWrong) {
                           "must have the same rank >= 2");
 }
 
-TEST(FusedAttention, MatchesMathOutputsAndGradients) {
-  // n = 1, n != m both ways, head_dim 1, widths below, at and past the 8-column register
-  // block, and the toy size of attnkit-train (n = 16, hd = 16).
+// `attention(causal)` against the math path, float32 and float64, causal and not, over
+// n = 1, n != m both ways, head_dim 1, widths below, at and past the fused kernel's 8-column
+// register block, and the toy size of attnkit-train (n = 16, hd = 16).
+void expect_matches_math_on_kernel_shapes(const std::function<AttentionFn(bool)>& attention) {
   const std::vector<Shape> shapes{{2, 3, 1, 1, 4, 0, 0},    {2, 2, 37, 37, 8, 0, 0},
                                   {1, 2, 64, 64, 1, 0, 0},  {2, 1, 20, 33, 5, 0, 0},
                                   {1, 2, 30, 23, 16, 0, 0}, {4, 4, 16, 16, 16, 0, 0},
@@ -208,10 +211,14 @@ TEST(FusedAttention, MatchesMathOutputsAndGradients) {
         const auto k = torch::randn({s.batch, s.heads, s.num_keys, s.head_dim}, options);
         const auto v = torch::randn({s.batch, s.heads, s.num_keys, s.head_dim + 1}, options);
         const auto probe = torch::randn({s.batch, s.heads, s.num_queries, s.head_dim + 1}, options);
-        expect_matches_math(fused(causal), q, k, v, probe, causal);
+        expect_matches_math(attention(causal), q, k, v, probe, causal);
       }
     }
   }
+}
+
+TEST(FusedAttention, MatchesMathOutputsAndGradients) {
+  expect_matches_math_on_kernel_shapes(fused);
 }
 
 TEST(FusedAttention, AnyRankAndStridedInputsMatchMath) {
@@ -335,6 +342,57 @@ TEST(FusedAttention, BadArgumentsNameWhatIsWrong) {
   EXPECT_TRUE(F::fused_attention_fits(64, 64, q.options().dtype(torch::kDouble)));
   EXPECT_FALSE(F::fused_attention_fits(64, 65, q.options()));
   EXPECT_FALSE(F::fused_attention_fits(5, 5, half.options()));
+}
+
+// The fused backend's attention on this LibTorch: LibTorch's own SDPA on >= 2.0, attnkit's
+// kernel or the math core on 1.13 (each CI leg tests its own).
+AttentionFn fused_backend(bool causal, double dropout_p = 0.0, bool training = false) {
+  return [=](auto& q, auto& k, auto& v) {
+    return F::fused_backend_attention(
+        q, k, v, F::FusedOptions().is_causal(causal).dropout_p(dropout_p).training(training));
+  };
+}
+
+TEST(FusedBackend, MatchesMathOutputsAndGradients) {
+  SCOPED_TRACE(c10::str("LibTorch ", TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR));
+  expect_matches_math_on_kernel_shapes([](bool causal) { return fused_backend(causal); });
+  // Past the 1.13 kernel's 64 x 64 limit too (the math core there).
+  torch::manual_seed(19);
+  const auto q = torch::randn({1, 2, 80, 8}, torch::kFloat64);
+  expect_matches_math(fused_backend(true), q, q.flip(-2), q * 2, torch::randn_like(q), true);
+}
+
+TEST(FusedBackend, DropoutHasTheRightDistributionAndIsOffInEval) {
+  // Equal scores give weights 1/m; with v = I, out[i][j] is row i's weight j after dropout:
+  // 0 with probability p, else (1/m) / (1 - p).
+  const int64_t m = 64;
+  const double p = 0.3;
+  const auto q = torch::zeros({4, 4, m, 8}, torch::kFloat64);
+  const auto v = torch::eye(m, torch::kFloat64).expand({4, 4, m, m});
+  torch::manual_seed(7);
+  const auto out = fused_backend(false, p, /*training=*/true)(q, q, v);
+  const double kept = 1.0 / m / (1.0 - p);
+  const auto zero = out.eq(0);
+  EXPECT_TRUE(torch::logical_or(zero, (out - kept).abs().lt(1e-12)).all().item<bool>())
+      << "elements other than 0 and " << kept;
+  // 65,536 draws: the dropped fraction's standard deviation is 0.0018; 0.02 is 11 of them.
+  EXPECT_NEAR(zero.to(torch::kFloat64).mean().item<double>(), p, 0.02);
+  EXPECT_TENSOR_NEAR(fused_backend(false, p, /*training=*/false)(q, q, v),
+                     torch::full_like(out, 1.0 / m), 1e-12);
+  torch::manual_seed(3);
+  const auto a = torch::randn({2, 2, 10, 4}, torch::kFloat64);
+  expect_dropout_off_in_eval_and_differentiable(
+      fused_backend(true, p, true), fused_backend(true, p, false), a, a.flip(-2), a * 2);
+}
+
+TEST(FusedBackend, BadArgumentsNameWhatIsWrong) {
+  const auto q = torch::randn({2, 2, 5, 4});
+  expect_error_containing(
+      [&] { F::fused_backend_attention(q, q, q, F::FusedOptions().dropout_p(1.0)); },
+      "[fused_backend_attention] dropout_p must be in [0, 1), got 1");
+  expect_error_containing(
+      [&] { F::fused_backend_attention(q, q.narrow(-1, 0, 3), q); },
+      "[fused_backend_attention] expected query (..., n, hd), key (..., m, hd)");
 }
 
 TEST(AttentionBackends, EveryBackendComputesTheSameModule) {

@@ -153,16 +153,17 @@ TEST_F(SerializeTest, PythonLoadsWhatCppWroteAndCppLoadsWhatPythonWrote) {
   const char* configured = std::getenv("ATTNKIT_PYTHON");
   const std::string python = configured ? configured : "/usr/bin/python3";
   const std::string version_file = path("python_torch_version");
-  ASSERT_EQ(std::system((python + " -c 'import torch; print(torch.__version__)' >" + version_file +
-                         " 2>&1")
-                            .c_str()),
+  ASSERT_EQ(std::system(
+                (python + " -c 'import torch; print(torch.__version__)' >" + version_file + " 2>&1")
+                    .c_str()),
             0)
       << python << " cannot import torch (run scripts/setup.sh, which installs python3-torch, "
       << "or set ATTNKIT_PYTHON): " << file_bytes(version_file);
   const std::string python_version = file_bytes(version_file);
   if (configured == nullptr) {
     // The default Python must be this leg's PyTorch, or the other version goes unchecked.
-    const std::string libtorch_version = c10::str(TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR, ".");
+    const std::string libtorch_version =
+        c10::str(TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR, ".");
     EXPECT_EQ(python_version.rfind(libtorch_version, 0), 0u)
         << python << " has torch " << python_version << ", this LibTorch is " << libtorch_version;
   }
