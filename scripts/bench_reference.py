@@ -3,13 +3,18 @@
 
     python3 scripts/bench_reference.py --batch 8 --tokens 1024 --d-model 768 --heads 12 \
         --json py.json                       # time them, same JSON as attnkit-bench --json
-    python3 scripts/bench_reference.py --compare cpp.json py.json   # side-by-side ratios
-    python3 scripts/bench_reference.py --compare a.json,b.json c.json,d.json   # merged first
+    python3 scripts/bench_reference.py --compare a.json b.json ...   # side by side
 
 Implementations (names as attnkit-bench --only): wrapper, mha, combined, einsum (the book's
 classes from reference_attention.py, and an einsum formulation), torch-mha and
-torch-mha-noweights (torch.nn.MultiheadAttention). fused and chunked are attnkit's own and
-have no Python counterpart on LibTorch 1.13.
+torch-mha-noweights (torch.nn.MultiheadAttention), and on PyTorch >= 2.0 sdpa: what a
+PyTorch 2.x user would write (one QKV Linear, F.scaled_dot_product_attention, out_proj).
+fused and chunked are attnkit's own.
+
+--compare reads JSON files of attnkit-bench and of this script, from any LibTorch / PyTorch
+version (each file says which), and prints one column per language and version, then the
+fastest attnkit implementation of each LibTorch version against the book's MHA in Python
+and against PyTorch 2.x sdpa.
 """
 import argparse
 import json
@@ -21,6 +26,7 @@ import time
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference_attention as ref  # noqa: E402
@@ -48,6 +54,23 @@ class EinsumMHA(nn.Module):
         return self.mha.out_proj(context.transpose(1, 2).reshape(b, n, d))
 
 
+class SdpaMHA(nn.Module):
+    """Multi-head attention as a PyTorch 2.x user writes it: one QKV Linear, SDPA, out_proj."""
+
+    def __init__(self, d, heads, causal):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.out_proj = nn.Linear(d, d)
+        self.heads, self.causal = heads, causal
+
+    def forward(self, x):
+        b, n, d = x.shape
+        # (b, n, 3 * d) -> (b, n, 3, h, hd) -> (3, b, h, n, hd)
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        context = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.out_proj(context.transpose(1, 2).reshape(b, n, d))  # (b, h, n, hd) -> (b, n, d)
+
+
 class TorchMHA(nn.Module):
     def __init__(self, d, heads, causal, need_weights):
         super().__init__()
@@ -60,7 +83,9 @@ class TorchMHA(nn.Module):
         return self.attention(x, x, x, attn_mask=mask, need_weights=self.need_weights)[0]
 
 
-PYTHON_IMPLEMENTATIONS = ("wrapper", "mha", "combined", "einsum", "torch-mha", "torch-mha-noweights")
+PYTHON_IMPLEMENTATIONS = ("wrapper", "mha", "combined", "einsum", "torch-mha", "torch-mha-noweights",
+                          "sdpa")
+HAS_SDPA = hasattr(F, "scaled_dot_product_attention")  # PyTorch >= 2.0
 
 
 def build(name, args):
@@ -73,6 +98,8 @@ def build(name, args):
         return ref.MultiHeadAttentionCombinedQKV(d, d, n, 0.0, h, causal=causal)
     if name == "einsum":
         return EinsumMHA(d, h, n, causal)
+    if name == "sdpa":
+        return SdpaMHA(d, h, causal)
     return TorchMHA(d, h, causal, need_weights=name == "torch-mha")
 
 
@@ -110,31 +137,55 @@ def measure(name, backward, args):
             "peak_memory_mb": peak_rss_mb()}
 
 
-def load_results(files):
-    """Results of one or more comma-separated JSON files, keyed by (name, pass)."""
-    return {(r["name"], r["pass"]): r
-            for path in files.split(",") for r in json.load(open(path))["results"]}
+def ms(value):
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 
-def compare(cpp_files, py_files):
-    cpp = load_results(cpp_files)
-    py = load_results(py_files)
-    print(f"{'implementation':21}{'pass':18}{'C++ ms':>10}{'Python ms':>11}{'Python/C++':>12}")
-    for key, p in py.items():
-        if key in cpp:
-            c = cpp[key]["median_ms"]
-            print(f"{key[0]:21}{key[1]:18}{c:10.1f}{p['median_ms']:11.1f}{p['median_ms'] / c:11.2f}x")
-    book = py.get(("mha", "forward")), py.get(("mha", "forward+backward"))
-    for index, pass_name in enumerate(("forward", "forward+backward")):
-        if book[index] is None:
+def label(config):
+    """'C++ 1.13' or 'Python 2.6': the language and the LibTorch / PyTorch version."""
+    major_minor = ".".join(config.get("torch", "?").split("+")[0].split(".")[:2])
+    return f"{config.get('language', '?')} {major_minor}"
+
+
+def compare(files):
+    """One column per language and version; rows are (implementation, pass) medians in ms."""
+    columns = {}  # label -> {(name, pass): result}
+    for path in files:
+        data = json.load(open(path))
+        columns.setdefault(label(data["config"]), {}).update(
+            {(r["name"], r["pass"]): r for r in data["results"]})
+    labels = sorted(columns, key=lambda l: (not l.startswith("C++"), l))
+    rows = []
+    for results in columns.values():
+        rows += [key for key in results if key not in rows]
+    print(f"{'implementation':21}{'pass':18}" + "".join(f"{l:>13}" for l in labels) + "   (median ms)")
+    for key in rows:
+        cells = [columns[l].get(key) for l in labels]
+        print(f"{key[0]:21}{key[1]:18}" + "".join(f"{ms(c['median_ms']):>13}" if c else f"{'':13}"
+                                                  for c in cells))
+
+    def python(name, pass_name):
+        found = [(l, columns[l][(name, pass_name)]) for l in labels
+                 if l.startswith("Python") and (name, pass_name) in columns[l]]
+        return found[-1] if found else None  # the newest PyTorch that has it
+
+    for l in labels:
+        if not l.startswith("C++"):
             continue
-        # attnkit's whole-module implementations (not LibTorch's, not the core-only entries)
-        ours = [r for k, r in cpp.items() if k[1] == pass_name and not k[0].startswith("torch-")
-                and not k[0].endswith("-core")]
-        best = min(ours, key=lambda r: r["median_ms"])
-        print(f"fastest attnkit {pass_name}: {best['name']} {best['median_ms']:.1f} ms, "
-              f"{book[index]['median_ms'] / best['median_ms']:.2f}x faster than the book's MHA in Python "
-              f"({book[index]['median_ms']:.1f} ms)")
+        for pass_name in ("forward", "forward+backward"):
+            # attnkit's whole-module implementations (not LibTorch's, not the core-only entries)
+            ours = [r for k, r in columns[l].items() if k[1] == pass_name
+                    and not k[0].startswith("torch-") and not k[0].endswith("-core")]
+            if not ours:
+                continue
+            best = min(ours, key=lambda r: r["median_ms"])
+            line = f"fastest attnkit on {l.split()[1]} {pass_name}: {best['name']} {ms(best['median_ms'])} ms"
+            for name, what in (("sdpa", "sdpa"), ("mha", "the book's MHA")):
+                reference = python(name, pass_name)
+                if reference:
+                    ratio = reference[1]["median_ms"] / best["median_ms"]
+                    line += f"; {ratio:.2f}x {reference[0]} {what} ({ms(reference[1]['median_ms'])} ms)"
+            print(line)
 
 
 def main():
@@ -149,11 +200,11 @@ def main():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--only", default=",".join(PYTHON_IMPLEMENTATIONS))
     parser.add_argument("--json")
-    parser.add_argument("--compare", nargs=2, metavar=("CPP_JSON", "PY_JSON"),
-                        help="print ratios; each argument may list files separated by commas")
+    parser.add_argument("--compare", nargs="+", metavar="JSON",
+                        help="print the results of these files side by side, with ratios")
     args = parser.parse_args()
     if args.compare:
-        compare(*args.compare)
+        compare(args.compare)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -163,6 +214,9 @@ def main():
         if name not in PYTHON_IMPLEMENTATIONS:
             print(f"{name}: attnkit only, no Python counterpart")
             continue
+        if name == "sdpa" and not HAS_SDPA:
+            print(f"sdpa: needs PyTorch >= 2.0 (this is {torch.__version__})")
+            continue
         if name == "wrapper" and not args.causal:
             continue
         for backward in (False, True):
@@ -171,7 +225,7 @@ def main():
             print(f"{r['name']:21}{r['pass']:18}{r['median_ms']:10.1f} ms  peak {r['peak_memory_mb']:.0f} MB")
     if args.json:
         config = {k: getattr(args, k) for k in ("batch", "tokens", "d_model", "heads", "causal", "repeats")}
-        config["threads"] = torch.get_num_threads()
+        config.update(threads=torch.get_num_threads(), language="Python", torch=torch.__version__)
         json.dump({"config": config, "results": results}, open(args.json, "w"))
 
 
