@@ -290,7 +290,8 @@ void write_json(const std::string& path, const BenchConfig& c, double sgemm,
       << "\", \"threads\": " << torch::get_num_threads() << ", \"repeats\": " << c.repeats
       << ", \"chunk_size\": " << c.chunk_size << ", \"key_chunk_size\": " << c.key_chunk_size
       << ", \"language\": \"C++\", \"torch\": \"" << TORCH_VERSION_MAJOR << "."
-      << TORCH_VERSION_MINOR << "." << TORCH_VERSION_PATCH << "\"}, \"sgemm_gflops\": " << sgemm << ", \"results\": [";
+      << TORCH_VERSION_MINOR << "." << TORCH_VERSION_PATCH << "\"}, \"sgemm_gflops\": " << sgemm
+      << ", \"results\": [";
   for (size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
     out << (i ? ", " : "") << "{\"name\": \"" << r.name << "\", \"pass\": \"" << r.pass

@@ -6,8 +6,8 @@
 /// tensors), naming only what `torch.save` names, so that Python's `torch.load(path)` returns
 /// the dict with the weights-only unpickler too (PyTorch 2.6's default; `weights_only=True`
 /// on 1.13), and the Python class's `load_state_dict` accepts it as is. Reading uses
-/// LibTorch's `torch::pickle_load`. From Python, save with `torch.save(dict(model.state_dict()), path)`:
-/// LibTorch reads plain dicts, not the OrderedDict that `state_dict()` returns.
+/// LibTorch's `torch::pickle_load`. From Python, save with `torch.save(dict(model.state_dict()),
+/// path)`: LibTorch reads plain dicts, not the OrderedDict that `state_dict()` returns.
 
 #include <string>
 #include <vector>
