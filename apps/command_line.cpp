@@ -114,34 +114,41 @@ std::string CommandLine::text(const std::string& name) const {
   return found != given_.end() ? found->second : declared(name).default_value;
 }
 
-int64_t CommandLine::integer(const std::string& name) const {
-  const auto value = text(name);
+namespace {
+
+// `value` as a number by `convert` (strtoll, strtoull, strtod), which must use all of it.
+template <typename Convert>
+auto convert_all(const std::string& name, const std::string& value, const char* expected,
+                 Convert convert) {
   char* end = nullptr;
   errno = 0;
-  const long long parsed = std::strtoll(value.c_str(), &end, 10);
+  const auto parsed = convert(value.c_str(), &end);
   if (value.empty() || *end != '\0' || errno == ERANGE)
-    throw UsageError("--" + name + ": expected an integer, got '" + value + "'");
+    throw UsageError("--" + name + ": expected " + expected + ", got '" + value + "'");
   return parsed;
+}
+
+}  // namespace
+
+int64_t CommandLine::integer(const std::string& name) const {
+  return convert_all(name, text(name), "an integer",
+                     [](const char* s, char** end) { return std::strtoll(s, end, 10); });
 }
 
 uint64_t CommandLine::unsigned_integer(const std::string& name) const {
-  const auto value = text(name);
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long parsed = std::strtoull(value.c_str(), &end, 10);
-  if (value.empty() || value[0] == '-' || *end != '\0' || errno == ERANGE)
-    throw UsageError("--" + name + ": expected an integer >= 0, got '" + value + "'");
-  return parsed;
+  // strtoull would wrap "-1" around; a leading '-' is left unread, so it fails.
+  return convert_all(name, text(name), "an integer >= 0", [](const char* s, char** end) {
+    if (*s == '-') {
+      *end = const_cast<char*>(s);
+      return 0ULL;
+    }
+    return std::strtoull(s, end, 10);
+  });
 }
 
 double CommandLine::number(const std::string& name) const {
-  const auto value = text(name);
-  char* end = nullptr;
-  errno = 0;
-  const double parsed = std::strtod(value.c_str(), &end);
-  if (value.empty() || *end != '\0' || errno == ERANGE)
-    throw UsageError("--" + name + ": expected a number, got '" + value + "'");
-  return parsed;
+  return convert_all(name, text(name), "a number",
+                     [](const char* s, char** end) { return std::strtod(s, end); });
 }
 
 bool CommandLine::boolean(const std::string& name) const {
