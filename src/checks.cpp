@@ -13,6 +13,11 @@ void check_dropout_option(const char* module, double dropout) {
               "] option dropout must be in [0, 1), got ", dropout);
 }
 
+void check_query_offset(const char* fn, int64_t query_offset) {
+  TORCH_CHECK(query_offset >= 0, fn,
+              " query_offset must be >= 0 (the key position of query 0), got ", query_offset);
+}
+
 std::string shape_string(const torch::Tensor& t) {
   std::ostringstream out;
   out << t.sizes();

@@ -15,6 +15,9 @@ void check_positive_option(const char* module, const char* name, int64_t value);
 /// Fails unless `0 <= dropout < 1`.
 void check_dropout_option(const char* module, double dropout);
 
+/// Fails unless `query_offset >= 0`; `fn` names the caller ("[chunked_attention]").
+void check_query_offset(const char* fn, int64_t query_offset);
+
 /// What a module's forward accepts.
 struct InputSpec {
   int64_t d_in;

@@ -41,12 +41,14 @@ struct BlockPlan {
   int64_t key_block;
   int64_t head_group;  // heads per bmm
   bool causal;
+  int64_t query_offset;  // key position of query 0 (causal only)
   double scale;
   double dropout_p;
   int64_t dropout_seed;  // < 0: no dropout
 
   BlockPlan(const torch::Tensor& q4, const torch::Tensor& k4, int64_t query_block_size,
-            int64_t key_block_size, bool causal, double dropout_p, int64_t dropout_seed)
+            int64_t key_block_size, bool causal, int64_t query_offset, double dropout_p,
+            int64_t dropout_seed)
       : outer(q4.size(0)),
         heads(q4.size(1)),
         num_queries(q4.size(2)),
@@ -54,6 +56,7 @@ struct BlockPlan {
         query_block(query_block_size),
         key_block(key_block_size),
         causal(causal),
+        query_offset(query_offset),
         scale(1.0 / std::sqrt(static_cast<double>(q4.size(3)))),
         dropout_p(dropout_p),
         dropout_seed(dropout_seed) {
@@ -62,8 +65,10 @@ struct BlockPlan {
                                      std::max<int64_t>(heads, 1));
   }
 
-  // Keys a query block ending at q1 can see: all, or (causal, top-left aligned) j < q1.
-  int64_t key_end(int64_t q1) const { return causal ? std::min(num_keys, q1) : num_keys; }
+  // Keys a query block ending at q1 can see: all, or (causal) j < query_offset + q1.
+  int64_t key_end(int64_t q1) const {
+    return causal ? std::min(num_keys, query_offset + q1) : num_keys;
+  }
 };
 
 // Where a block sits: outer index o, heads [h0, h0 + g).
@@ -76,15 +81,16 @@ torch::Tensor block_of(const torch::Tensor& t4, const HeadGroup& at, int64_t r0,
   return t4.select(0, at.o).narrow(0, at.h0, at.g).narrow(1, r0, rows);
 }
 
-// Scores of a (pre-scaled query block, key block) pair, (g, bq, bk), with -inf above the
-// causal diagonal.
+// Scores of a (pre-scaled query block, key block) pair, (g, bq, bk), with -inf where key j
+// lies after query i's position query_offset + i.
 torch::Tensor block_scores(const torch::Tensor& q_block, const torch::Tensor& k_block, int64_t q0,
                            int64_t k0, const BlockPlan& plan) {
   const int64_t bq = q_block.size(1), bk = k_block.size(1);
   auto scores = torch::bmm(q_block, k_block.transpose(1, 2));
-  if (plan.causal && k0 + bk - 1 > q0) {  // the block reaches above the diagonal
+  const int64_t position = plan.query_offset + q0;  // of the block's first query
+  if (plan.causal && k0 + bk - 1 > position) {      // the block reaches above the diagonal
     const auto index = torch::dtype(torch::kInt64);
-    const auto rows = torch::arange(q0, q0 + bq, index).unsqueeze(1);
+    const auto rows = torch::arange(position, position + bq, index).unsqueeze(1);
     const auto cols = torch::arange(k0, k0 + bk, index).unsqueeze(0);
     scores.masked_fill_((cols > rows).to(scores.device()), -kInfinity);
   }
@@ -119,10 +125,12 @@ void for_each_query_block(const BlockPlan& plan, Visit&& visit) {
 
 struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, bool causal, double dropout_p,
-                               int64_t dropout_seed, int64_t query_block, int64_t key_block) {
+                               const torch::Tensor& v, bool causal, int64_t query_offset,
+                               double dropout_p, int64_t dropout_seed, int64_t query_block,
+                               int64_t key_block) {
     const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
-    const BlockPlan plan(q4, k4, query_block, key_block, causal, dropout_p, dropout_seed);
+    const BlockPlan plan(q4, k4, query_block, key_block, causal, query_offset, dropout_p,
+                         dropout_seed);
     auto out_shape = q.sizes().vec();
     out_shape.back() = v.size(-1);
     auto out = torch::empty(out_shape, q.options());
@@ -164,6 +172,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
     });
     ctx->save_for_backward({q, k, v, out, lse4});
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["query_offset"] = query_offset;
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["dropout_seed"] = dropout_seed;
     ctx->saved_data["query_block"] = query_block;
@@ -176,10 +185,10 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &lse4 = saved[4];
     const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
     const auto out4 = as_outer_heads(saved[3]);
-    const BlockPlan plan(q4, k4, ctx->saved_data["query_block"].toInt(),
-                         ctx->saved_data["key_block"].toInt(), ctx->saved_data["causal"].toBool(),
-                         ctx->saved_data["dropout_p"].toDouble(),
-                         ctx->saved_data["dropout_seed"].toInt());
+    const BlockPlan plan(
+        q4, k4, ctx->saved_data["query_block"].toInt(), ctx->saved_data["key_block"].toInt(),
+        ctx->saved_data["causal"].toBool(), ctx->saved_data["query_offset"].toInt(),
+        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["dropout_seed"].toInt());
     const auto grad_out4 = as_outer_heads(grads[0]);
     // D_i = sum_j P_ij dP_ij = dO_i . O_i (holds with dropout too, since O = P_dropped V).
     const auto delta4 = (grad_out4 * out4).sum(-1, /*keepdim=*/true);
@@ -213,7 +222,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
     });
     return {shaped_like(grad_q4, q), shaped_like(grad_k4, k), shaped_like(grad_v4, v),
             torch::Tensor(),         torch::Tensor(),         torch::Tensor(),
-            torch::Tensor(),         torch::Tensor()};
+            torch::Tensor(),         torch::Tensor(),         torch::Tensor()};
   }
 };
 
@@ -229,12 +238,14 @@ torch::Tensor chunked_attention(const torch::Tensor& query, const torch::Tensor&
               options.key_block_size());
   TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
               " dropout_p must be in [0, 1), got ", options.dropout_p());
+  detail::check_query_offset(fn, options.query_offset());
   const bool dropout = options.training() && options.dropout_p() > 0.0;
   // The seed comes from the global generator, so torch::manual_seed fixes the masks.
   const int64_t seed =
       dropout ? torch::randint(0, int64_t{1} << 62, {1}, torch::kInt64).item<int64_t>() : -1;
-  return ChunkedAttention::apply(query, key, value, options.is_causal(), options.dropout_p(), seed,
-                                 options.block_size(), options.key_block_size());
+  return ChunkedAttention::apply(query, key, value, options.is_causal(), options.query_offset(),
+                                 options.dropout_p(), seed, options.block_size(),
+                                 options.key_block_size());
 }
 
 }  // namespace attnkit::functional

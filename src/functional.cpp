@@ -44,12 +44,15 @@ torch::Tensor simple_self_attention(const torch::Tensor& x) {
   return context_vectors(softmax_weights(attention_scores(x, x)), x);
 }
 
-torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::Device& device) {
+torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::Device& device,
+                          int64_t query_offset) {
   TORCH_CHECK(num_queries >= 0 && num_keys >= 0,
               "[causal_mask] sizes must be >= 0, got num_queries = ", num_queries,
               ", num_keys = ", num_keys);
+  detail::check_query_offset("[causal_mask]", query_offset);
+  // Row i is masked from column query_offset + i + 1 on.
   return torch::ones({num_queries, num_keys}, torch::dtype(torch::kBool).device(device))
-      .triu(/*diagonal=*/1);
+      .triu(/*diagonal=*/1 + query_offset);
 }
 
 torch::Tensor causal_weights_by_renormalizing(const torch::Tensor& attn_weights) {
@@ -96,6 +99,7 @@ void check_sdpa_arguments(const torch::Tensor& q, const torch::Tensor& k, const 
               ", ", v.device());
   TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
               " dropout_p must be in [0, 1), got ", options.dropout_p());
+  detail::check_query_offset(fn, options.query_offset());
   const auto& mask = options.attn_mask();
   if (mask.defined()) {
     TORCH_CHECK(mask.scalar_type() == torch::kBool, fn,
@@ -119,7 +123,7 @@ AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& q
   auto mask = options.attn_mask();
   const bool given_mask = mask.defined();
   if (options.is_causal()) {
-    const auto causal = causal_mask(num_queries, num_keys, query.device());
+    const auto causal = causal_mask(num_queries, num_keys, query.device(), options.query_offset());
     mask = given_mask ? mask.logical_or(causal) : causal;
   }
 

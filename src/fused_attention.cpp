@@ -77,8 +77,13 @@ torch::Tensor empty_heads_interleaved(int64_t outer, int64_t heads, int64_t n, i
 struct SliceSizes {
   int64_t n, m, d, dv;
   bool causal;
-  // Keys query row i sees: all, or (causal, top-left aligned as causal_mask) j <= i.
-  int64_t key_end(int64_t i) const { return causal ? std::min(m, i + 1) : m; }
+  int64_t query_offset;  // key position of query row 0 (causal only)
+  // Keys query row i sees: all, or (causal, as causal_mask) j <= query_offset + i.
+  int64_t key_end(int64_t i) const { return causal ? std::min(m, query_offset + i + 1) : m; }
+  // First query row that sees key j: 0, or (causal) the row at position j, within [0, n].
+  int64_t first_row(int64_t j) const {
+    return causal ? std::clamp<int64_t>(j - query_offset, 0, n) : 0;
+  }
 };
 
 // Columns per register block of weighted_row_sum: one AVX register of floats.
@@ -246,9 +251,9 @@ void backward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<cons
       scratch.dropped[x] = weights[x] * keep[x];
     dropped = scratch.dropped.data();
   }
-  // Column j of dS and D is zero above the diagonal: rows i >= j only, when causal.
+  // Column j of dS and D is zero above the diagonal: rows from first_row(j) only.
   for (int64_t j = 0; j < z.m; ++j) {
-    const int64_t first = z.causal ? std::min(j, z.n) : 0;
+    const int64_t first = z.first_row(j);
     const Rows<const T> q_from{q[first], q.stride}, grad_out_from{grad_out[first], grad_out.stride};
     weighted_row_sum(z.n - first, grad_scores + first * z.m + j, z.m, q_from, z.d, grad_k[j]);
     weighted_row_sum(z.n - first, dropped + first * z.m + j, z.m, grad_out_from, z.dv, grad_v[j]);
@@ -264,9 +269,10 @@ constexpr int64_t kSlicesPerTask = 16;
 std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
                                                     const torch::Tensor& k4,
                                                     const torch::Tensor& v4, torch::Tensor& out4,
-                                                    bool causal, double dropout_p) {
+                                                    bool causal, int64_t query_offset,
+                                                    double dropout_p) {
   const int64_t outer = q4.size(0), heads = q4.size(1);
-  const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal};
+  const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal, query_offset};
   auto weights = torch::empty({outer, heads, z.n, z.m}, q4.options());
   torch::Tensor keep;
   if (dropout_p > 0.0) {
@@ -295,10 +301,10 @@ std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
 // views with unit-stride rows) from grad_out4 and what run_forward returned.
 void run_backward(const torch::Tensor& q4, const torch::Tensor& k4, const torch::Tensor& v4,
                   const torch::Tensor& grad_out4, const torch::Tensor& weights,
-                  const torch::Tensor& keep, bool causal, torch::Tensor& grad_q4,
-                  torch::Tensor& grad_k4, torch::Tensor& grad_v4) {
+                  const torch::Tensor& keep, bool causal, int64_t query_offset,
+                  torch::Tensor& grad_q4, torch::Tensor& grad_k4, torch::Tensor& grad_v4) {
   const int64_t outer = q4.size(0), heads = q4.size(1);
-  const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal};
+  const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal, query_offset};
   AT_DISPATCH_FLOATING_TYPES(q4.scalar_type(), "fused_attention_backward", [&] {
     const Slices<const scalar_t> qs(q4), ks(k4), vs(v4), gos(grad_out4);
     const Slices<scalar_t> gqs(grad_q4), gks(grad_k4), gvs(grad_v4);
@@ -318,13 +324,15 @@ void run_backward(const torch::Tensor& q4, const torch::Tensor& k4, const torch:
 
 struct FusedAttention : public torch::autograd::Function<FusedAttention> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, bool causal, double dropout_p) {
+                               const torch::Tensor& v, bool causal, int64_t query_offset,
+                               double dropout_p) {
     const auto q4 = unit_stride_slices(q), k4 = unit_stride_slices(k), v4 = unit_stride_slices(v);
     auto out4 =
         empty_heads_interleaved(q4.size(0), q4.size(1), q4.size(2), v4.size(3), q.options());
-    const auto [weights, keep] = run_forward(q4, k4, v4, out4, causal, dropout_p);
+    const auto [weights, keep] = run_forward(q4, k4, v4, out4, causal, query_offset, dropout_p);
     ctx->save_for_backward({q, k, v, weights, keep});
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["query_offset"] = query_offset;
     return shaped_like(out4, q);
   }
 
@@ -337,9 +345,14 @@ struct FusedAttention : public torch::autograd::Function<FusedAttention> {
     auto grad_k4 = empty_heads_interleaved(outer, heads, k4.size(2), k4.size(3), k4.options());
     auto grad_v4 = empty_heads_interleaved(outer, heads, v4.size(2), v4.size(3), v4.options());
     run_backward(q4, k4, v4, unit_stride_slices(grads[0]), saved[3], saved[4],
-                 ctx->saved_data["causal"].toBool(), grad_q4, grad_k4, grad_v4);
-    return {shaped_like(grad_q4, saved[0]), shaped_like(grad_k4, saved[1]),
-            shaped_like(grad_v4, saved[2]), torch::Tensor(), torch::Tensor()};
+                 ctx->saved_data["causal"].toBool(), ctx->saved_data["query_offset"].toInt(),
+                 grad_q4, grad_k4, grad_v4);
+    return {shaped_like(grad_q4, saved[0]),
+            shaped_like(grad_k4, saved[1]),
+            shaped_like(grad_v4, saved[2]),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
@@ -359,7 +372,8 @@ struct FusedPackedAttention : public torch::autograd::Function<FusedPackedAttent
     const int64_t b = qkv.size(0), n = qkv.size(1), width = qkv.size(2) / 3;
     auto out4 = empty_heads_interleaved(b, heads, n, width / heads, qkv.options());
     const auto [weights, keep] = run_forward(packed_part(qkv, 0, heads), packed_part(qkv, 1, heads),
-                                             packed_part(qkv, 2, heads), out4, causal, dropout_p);
+                                             packed_part(qkv, 2, heads), out4, causal,
+                                             /*query_offset=*/0, dropout_p);
     ctx->save_for_backward({qkv, weights, keep});
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["causal"] = causal;
@@ -379,8 +393,8 @@ struct FusedPackedAttention : public torch::autograd::Function<FusedPackedAttent
     const auto grad_out4 = unit_stride_slices(
         grad_out.reshape({grad_out.size(0), grad_out.size(1), heads, -1}).transpose(1, 2));
     run_backward(packed_part(qkv, 0, heads), packed_part(qkv, 1, heads), packed_part(qkv, 2, heads),
-                 grad_out4, saved[1], saved[2], ctx->saved_data["causal"].toBool(), grad_q4,
-                 grad_k4, grad_v4);
+                 grad_out4, saved[1], saved[2], ctx->saved_data["causal"].toBool(),
+                 /*query_offset=*/0, grad_q4, grad_k4, grad_v4);
     return {grad_qkv, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -402,9 +416,10 @@ void check_cpu_floating(const char* fn, const char* what,
   TORCH_CHECK(same, fn, " expected ", what, " to be float32 or float64 (one dtype), got ", got);
 }
 
-void check_dropout(const char* fn, const FusedOptions& options) {
+void check_dropout_and_offset(const char* fn, const FusedOptions& options) {
   TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
               " dropout_p must be in [0, 1), got ", options.dropout_p());
+  detail::check_query_offset(fn, options.query_offset());
 }
 
 }  // namespace
@@ -414,9 +429,10 @@ torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& k
   const char* fn = "[fused_attention]";
   detail::check_qkv_layout(fn, query, key, value);
   check_cpu_floating(fn, "query, key and value", {query, key, value});
-  check_dropout(fn, options);
+  check_dropout_and_offset(fn, options);
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-  return FusedAttention::apply(query, key, value, options.is_causal(), dropout_p);
+  return FusedAttention::apply(query, key, value, options.is_causal(), options.query_offset(),
+                               dropout_p);
 }
 
 torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
@@ -428,7 +444,10 @@ torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads
               qkv.size(2), " must be 3 * num_heads * head_dim, with num_heads = ", num_heads);
   TORCH_CHECK(qkv.size(1) >= 1, fn, " qkv must hold at least one token");
   check_cpu_floating(fn, "qkv", {qkv});
-  check_dropout(fn, options);
+  check_dropout_and_offset(fn, options);
+  TORCH_CHECK(options.query_offset() == 0, fn,
+              " queries and keys are the same tokens, so query_offset must be 0, got ",
+              options.query_offset());
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
   return FusedPackedAttention::apply(qkv, num_heads, options.is_causal(), dropout_p);
 }
@@ -437,22 +456,38 @@ torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::T
                                       const torch::Tensor& value, const FusedOptions& options) {
   const char* fn = "[fused_backend_attention]";
   detail::check_qkv_layout(fn, query, key, value);
-  check_dropout(fn, options);
+  check_dropout_and_offset(fn, options);
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
 #if TORCH_VERSION_MAJOR >= 2
-  // Flash / memory-efficient kernels on CUDA, a flash kernel on CPU (from 2.1). Its causal
-  // mask is top-left aligned, as causal_mask(n, m).
-  return at::scaled_dot_product_attention(query, key, value, /*attn_mask=*/{}, dropout_p,
-                                          options.is_causal());
+  // Flash / memory-efficient kernels on CUDA, a flash kernel on CPU (from 2.1). LibTorch's
+  // is_causal aligns the mask top-left whatever n and m are, so it serves only offset 0.
+  const int64_t num_keys = key.size(-2);
+  if (!options.is_causal() || options.query_offset() == 0) {
+    return at::scaled_dot_product_attention(query, key, value, /*attn_mask=*/{}, dropout_p,
+                                            options.is_causal());
+  }
+  if (options.query_offset() >= num_keys - 1) {
+    // Query 0 already sees every key (a one-token decode step): nothing to mask.
+    return at::scaled_dot_product_attention(query, key, value, /*attn_mask=*/{}, dropout_p,
+                                            /*is_causal=*/false);
+  }
+  // Queries in the middle of the keys (chunked prefill): an explicit mask, true = attend.
+  const auto visible =
+      causal_mask(query.size(-2), num_keys, query.device(), options.query_offset()).logical_not();
+  return at::scaled_dot_product_attention(query, key, value, visible, dropout_p,
+                                          /*is_causal=*/false);
 #else
   // LibTorch 1.13 has no fused attention kernel: attnkit's own for short sequences on CPU,
   // else the math core.
   if (fused_attention_fits(query.size(-2), key.size(-2), query.options())) {
     return fused_attention(query, key, value, options);
   }
-  return scaled_dot_product_attention(
-      query, key, value,
-      SdpaOptions().is_causal(options.is_causal()).dropout_p(dropout_p).training(dropout_p > 0));
+  return scaled_dot_product_attention(query, key, value,
+                                      SdpaOptions()
+                                          .is_causal(options.is_causal())
+                                          .query_offset(options.query_offset())
+                                          .dropout_p(dropout_p)
+                                          .training(dropout_p > 0));
 #endif
 }
 

@@ -45,10 +45,11 @@ using AttentionFn =
 // sum(out * probe), at the agreement tolerance of q's dtype.
 void expect_matches_math(const AttentionFn& attention, const torch::Tensor& q,
                          const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& probe,
-                         bool causal) {
+                         bool causal, int64_t query_offset = 0) {
   const auto math = output_and_grads(
       [&](auto& a, auto& b, auto& c) {
-        return F::scaled_dot_product_attention(a, b, c, F::SdpaOptions().is_causal(causal));
+        return F::scaled_dot_product_attention(
+            a, b, c, F::SdpaOptions().is_causal(causal).query_offset(query_offset));
       },
       q, k, v, probe);
   const auto other = output_and_grads(attention, q, k, v, probe);
@@ -393,6 +394,102 @@ TEST(FusedBackend, BadArgumentsNameWhatIsWrong) {
   expect_error_containing(
       [&] { F::fused_backend_attention(q, q.narrow(-1, 0, 3), q); },
       "[fused_backend_attention] expected query (..., n, hd), key (..., m, hd)");
+}
+
+// Queries at the end of a longer key sequence, as decoding with a KV cache has them: the
+// causal mask aligned bottom-right (query i at key position m - n + i).
+TEST(DecodeShapedAttention, MathWithAnOffsetIsTheLastRowsOfFullCausalAttention) {
+  torch::manual_seed(23);
+  const auto q = torch::randn({2, 3, 9, 4}, torch::kFloat64);
+  const auto k = torch::randn({2, 3, 9, 4}, torch::kFloat64);
+  const auto v = torch::randn({2, 3, 9, 5}, torch::kFloat64);
+  const auto full = F::scaled_dot_product_attention(q, k, v, F::SdpaOptions().is_causal(true));
+  for (const int64_t n : {1, 4, 9}) {
+    SCOPED_TRACE(c10::str("n ", n));
+    const auto last = F::scaled_dot_product_attention(
+        q.narrow(2, 9 - n, n), k, v, F::SdpaOptions().is_causal(true).query_offset(9 - n));
+    EXPECT_TENSOR_NEAR(last, full.narrow(2, 9 - n, n), 1e-12);
+  }
+  EXPECT_TRUE(F::causal_mask(1, 10, torch::kCPU, 9).logical_not().all().item<bool>());
+  EXPECT_TRUE(F::causal_mask(3, 5, torch::kCPU, 2)
+                  .equal(torch::tensor({0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0})
+                             .to(torch::kBool)
+                             .view({3, 5})));
+}
+
+TEST(DecodeShapedAttention, EveryBackendMatchesMathWithAQueryOffset) {
+  struct Case {
+    int64_t num_queries, num_keys, query_offset;
+  };
+  // One-token decode (n = 1), chunked prefill (1 < n < m), a whole prompt (n = m), offsets
+  // short of bottom-right, and lengths past the chunked blocks (5 x 4) and the 1.13 kernel.
+  const std::vector<Case> cases{{1, 1, 0}, {1, 17, 16}, {4, 17, 13}, {6, 11, 2},
+                                {9, 9, 0}, {3, 40, 37}, {1, 80, 79}, {20, 90, 70}};
+  const std::vector<std::pair<std::string, std::function<AttentionFn(int64_t)>>> backends{
+      {"chunked",
+       [](int64_t offset) {
+         return [=](auto& q, auto& k, auto& v) {
+           return F::chunked_attention(q, k, v,
+                                       F::ChunkedOptions()
+                                           .is_causal(true)
+                                           .query_offset(offset)
+                                           .block_size(5)
+                                           .key_block_size(4));
+         };
+       }},
+      {"fused kernel",
+       [](int64_t offset) {
+         return [=](auto& q, auto& k, auto& v) {
+           return F::fused_attention(q, k, v,
+                                     F::FusedOptions().is_causal(true).query_offset(offset));
+         };
+       }},
+      {"fused backend", [](int64_t offset) {
+         return [=](auto& q, auto& k, auto& v) {
+           return F::fused_backend_attention(
+               q, k, v, F::FusedOptions().is_causal(true).query_offset(offset));
+         };
+       }}};
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    for (const auto& c : cases) {
+      for (const auto& [name, backend] : backends) {
+        SCOPED_TRACE(c10::str(name, " ", dtype, " n ", c.num_queries, " m ", c.num_keys, " offset ",
+                              c.query_offset));
+        torch::manual_seed(29);
+        const auto options = torch::dtype(dtype);
+        const auto q = torch::randn({2, 3, c.num_queries, 8}, options);
+        const auto k = torch::randn({2, 3, c.num_keys, 8}, options);
+        const auto v = torch::randn({2, 3, c.num_keys, 8}, options);
+        const auto probe = torch::randn({2, 3, c.num_queries, 8}, options);
+        expect_matches_math(backend(c.query_offset), q, k, v, probe, /*causal=*/true,
+                            c.query_offset);
+      }
+    }
+  }
+}
+
+TEST(DecodeShapedAttention, NegativeOffsetsAreRefusedEverywhere) {
+  const auto q = torch::randn({1, 2, 3, 4});
+  const char* expected = "query_offset must be >= 0 (the key position of query 0), got -1";
+  expect_error_containing(
+      [&] { F::scaled_dot_product_attention(q, q, q, F::SdpaOptions().query_offset(-1)); },
+      std::string("[scaled_dot_product_attention] ") + expected);
+  expect_error_containing(
+      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().query_offset(-1)); },
+      std::string("[chunked_attention] ") + expected);
+  expect_error_containing([&] { F::fused_attention(q, q, q, F::FusedOptions().query_offset(-1)); },
+                          std::string("[fused_attention] ") + expected);
+  expect_error_containing(
+      [&] { F::fused_backend_attention(q, q, q, F::FusedOptions().query_offset(-1)); },
+      std::string("[fused_backend_attention] ") + expected);
+  expect_error_containing([&] { F::causal_mask(2, 2, torch::kCPU, -1); },
+                          std::string("[causal_mask] ") + expected);
+  expect_error_containing(
+      [&] {
+        F::fused_packed_attention(torch::randn({1, 3, 12}), 2, F::FusedOptions().query_offset(1));
+      },
+      "[fused_packed_attention] queries and keys are the same tokens, so query_offset must be "
+      "0, got 1");
 }
 
 TEST(AttentionBackends, EveryBackendComputesTheSameModule) {

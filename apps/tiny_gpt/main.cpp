@@ -1,5 +1,6 @@
 // tiny_gpt: a small byte-level GPT whose decoder blocks use attnkit::MultiHeadAttention,
-// trained for a few hundred steps on a text file and then sampled.
+// trained for a few hundred steps on a text file and then sampled with attnkit::generate
+// and the attention layers' KV caches.
 //
 //   tiny_gpt --data the-verdict.txt [--steps 300] [--sample 200] [--seed 1]
 //
@@ -9,6 +10,7 @@
 #include <attnkit/attnkit.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -46,6 +48,12 @@ struct DecoderBlockImpl : torch::nn::Module {
     return x + feed_forward->forward(feed_forward_norm(x));
   }
 
+  // The same for the next tokens of a sequence whose earlier keys and values are in `cache`.
+  torch::Tensor forward_with_cache(torch::Tensor x, attnkit::KVCache& cache) {
+    x = x + attention->forward_with_cache(attention_norm(x), cache);
+    return x + feed_forward->forward(feed_forward_norm(x));
+  }
+
   torch::nn::LayerNorm attention_norm;
   attnkit::MultiHeadAttention attention;
   torch::nn::LayerNorm feed_forward_norm;
@@ -53,7 +61,8 @@ struct DecoderBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(DecoderBlock);
 
-struct TinyGptImpl : torch::nn::Module {
+// A torch::nn::Module and an attnkit::CausalLanguageModel, so attnkit::generate can decode it.
+struct TinyGptImpl : torch::nn::Module, attnkit::CausalLanguageModel {
   explicit TinyGptImpl(double dropout)
       : token_embedding(
             register_module("token_embedding", torch::nn::Embedding(kVocab, kModelWidth))),
@@ -69,12 +78,36 @@ struct TinyGptImpl : torch::nn::Module {
   }
 
   torch::Tensor forward(const torch::Tensor& tokens) {  // (b, n) -> logits (b, n, vocab)
-    const auto positions = torch::arange(tokens.size(1), tokens.options());
-    auto x = token_embedding(tokens) + position_embedding(positions);
+    auto x = embed(tokens, 0);
     for (auto& block : *blocks) {
       x = block->as<DecoderBlockImpl>()->forward(x);
     }
     return head(final_norm(x));
+  }
+
+  // attnkit::CausalLanguageModel
+  torch::Tensor logits(const torch::Tensor& tokens) override { return forward(tokens); }
+  torch::Tensor logits_with_cache(const torch::Tensor& tokens,
+                                  std::vector<attnkit::KVCache>& caches) override {
+    auto x = embed(tokens, caches.front().size());  // positions continue where the cache is
+    for (size_t i = 0; i < caches.size(); ++i) {
+      x = blocks[i]->as<DecoderBlockImpl>()->forward_with_cache(x, caches[i]);
+    }
+    return head(final_norm(x));
+  }
+  std::vector<attnkit::KVCache> make_kv_caches(int64_t batch, int64_t capacity) override {
+    std::vector<attnkit::KVCache> caches;
+    for (auto& block : *blocks) {
+      caches.push_back(block->as<DecoderBlockImpl>()->attention->make_kv_cache(batch, capacity));
+    }
+    return caches;
+  }
+  int64_t context_length() const override { return kContext; }
+
+  // Token plus position embeddings of tokens (b, n) at positions [start, start + n).
+  torch::Tensor embed(const torch::Tensor& tokens, int64_t start) {
+    const auto positions = torch::arange(start, start + tokens.size(1), tokens.options());
+    return token_embedding(tokens) + position_embedding(positions);
   }
 
   torch::nn::Embedding token_embedding, position_embedding;
@@ -97,21 +130,20 @@ torch::Tensor loss_of(TinyGpt& model, const torch::Tensor& inputs, const torch::
   return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), targets.reshape(-1));
 }
 
-std::string sample(TinyGpt& model, const std::string& prompt, int64_t length) {
-  torch::NoGradGuard no_grad;
+// `length` bytes after `prompt`, temperature 0.8, decoded with the KV caches; prints the
+// speed to stderr.
+std::string sample(TinyGpt& model, const std::string& prompt, int64_t length, uint64_t seed) {
   model->eval();
-  std::vector<int64_t> tokens(prompt.begin(), prompt.end());
-  std::string text = prompt;
-  for (int64_t i = 0; i < length; ++i) {
-    const auto start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - kContext);
-    const auto context =
-        torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end())).unsqueeze(0);
-    const auto logits = model(context).select(1, -1) / 0.8;  // temperature 0.8
-    const auto next = torch::multinomial(torch::softmax(logits, -1), 1).item<int64_t>();
-    tokens.push_back(next);
-    text.push_back(static_cast<char>(next));
-  }
-  return text;
+  const auto prompt_ids =
+      torch::tensor(std::vector<int64_t>(prompt.begin(), prompt.end())).unsqueeze(0);  // (1, n)
+  const auto start = std::chrono::steady_clock::now();
+  const auto ids = attnkit::generate(*model, prompt_ids,
+                                     attnkit::GenerateOptions(length).temperature(0.8).seed(seed));
+  const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
+  std::cerr << "tiny_gpt: sampled " << length << " bytes with the KV cache, "
+            << static_cast<int64_t>(length / std::max(seconds.count(), 1e-9)) << " tokens/s\n";
+  const auto* data = ids.data_ptr<int64_t>();
+  return std::string(data, data + ids.size(1));
 }
 
 constexpr const char* kUsage = "usage: tiny_gpt --data FILE [--steps N] [--sample N] [--seed N]";
@@ -204,7 +236,7 @@ int main(int argc, char** argv) {
             << validation_loss / std::log(2.0) << " bits/byte); first training loss " << first_loss
             << "\n";
   if (sample_length > 0) {
-    std::cout << "sample: " << sample(model, "The ", sample_length) << "\n";
+    std::cout << "sample: " << sample(model, "The ", sample_length, seed) << "\n";
   }
   // A model that learns drops well below the uniform loss ln(256) = 5.55 it starts near.
   if (steps > 0 && !(validation_loss < first_loss - 1.0)) {

@@ -5,6 +5,8 @@
 
 #include "attnkit/causal_attention.h"
 #include "attnkit/functional.h"
+#include "attnkit/generate.h"
+#include "attnkit/kv_cache.h"
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/options.h"
 #include "attnkit/self_attention.h"

@@ -30,12 +30,14 @@ torch::Tensor context_vectors(const torch::Tensor& attn_weights, const torch::Te
 /// Example: `simple_self_attention(inputs)[1]` is the notebooks' context vector z_2.
 torch::Tensor simple_self_attention(const torch::Tensor& x);
 
-/// Causal mask as a bool tensor of shape (num_queries, num_keys): `true` above the
-/// diagonal, i.e. where a query would see a later key. Same as
-/// `torch.triu(torch.ones(n, m), diagonal=1).bool()`.
-/// Example: `causal_mask(6, 6)`.
+/// Causal mask as a bool tensor of shape (num_queries, num_keys): `true` where a query would
+/// see a later key. Query i sits at key position `query_offset + i` and sees keys
+/// j <= query_offset + i: offset 0 aligns the mask top-left, as
+/// `torch.triu(torch.ones(n, m), diagonal=1).bool()`; offset m - n aligns it bottom-right,
+/// as queries at the end of a longer key sequence (a decode step against a KV cache) need.
+/// Example: `causal_mask(6, 6)`; `causal_mask(1, 10, torch::kCPU, 9)` masks nothing.
 torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys,
-                          const torch::Device& device = torch::kCPU);
+                          const torch::Device& device = torch::kCPU, int64_t query_offset = 0);
 
 /// First causal recipe of the notebooks: zero the weights above the diagonal of
 /// already-normalised attention weights (..., n, n) and renormalise each row to sum 1.
@@ -58,8 +60,12 @@ struct SdpaOptions {
   /// Bool mask broadcastable to (..., n, m); `true` marks a key a query must not see.
   /// A row that masks every key gets all-zero weights (never NaN).
   TORCH_ARG(torch::Tensor, attn_mask) = {};
-  /// Apply the causal mask `causal_mask(n, m)` (in addition to `attn_mask`, if any).
+  /// Apply the causal mask `causal_mask(n, m, device, query_offset)` (in addition to
+  /// `attn_mask`, if any).
   TORCH_ARG(bool, is_causal) = false;
+  /// With `is_causal`: the key position of query 0 (see `causal_mask`); 0 aligns the mask
+  /// top-left, m - n bottom-right (decoding). Must be >= 0.
+  TORCH_ARG(int64_t, query_offset) = 0;
   /// Dropout probability on the attention weights, in [0, 1); used only when `training`.
   TORCH_ARG(double, dropout_p) = 0.0;
   /// Whether dropout is active.
@@ -95,8 +101,11 @@ torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const tor
 /// Options for `chunked_attention`.
 /// Example: `ChunkedOptions().is_causal(true).block_size(64)`.
 struct ChunkedOptions {
-  /// Causal mask, top-left aligned as `causal_mask(n, m)`; key blocks above it are skipped.
+  /// Causal mask `causal_mask(n, m, device, query_offset)`; key blocks above it are skipped.
   TORCH_ARG(bool, is_causal) = false;
+  /// With `is_causal`: the key position of query 0 (see `causal_mask`); 0 aligns the mask
+  /// top-left, m - n bottom-right (decoding). Must be >= 0.
+  TORCH_ARG(int64_t, query_offset) = 0;
   /// Dropout probability on the attention weights, in [0, 1); used only when `training`.
   /// Same distribution as the math path, not the same random draws.
   TORCH_ARG(double, dropout_p) = 0.0;
@@ -120,8 +129,11 @@ torch::Tensor chunked_attention(const torch::Tensor& query, const torch::Tensor&
 /// Options for `fused_attention`.
 /// Example: `FusedOptions().is_causal(true).dropout_p(0.1).training(true)`.
 struct FusedOptions {
-  /// Causal mask, top-left aligned as `causal_mask(n, m)`.
+  /// Causal mask `causal_mask(n, m, device, query_offset)`.
   TORCH_ARG(bool, is_causal) = false;
+  /// With `is_causal`: the key position of query 0 (see `causal_mask`); 0 aligns the mask
+  /// top-left, m - n bottom-right (decoding). Must be >= 0.
+  TORCH_ARG(int64_t, query_offset) = 0;
   /// Dropout probability on the attention weights, in [0, 1); used only when `training`.
   /// The mask is drawn as the math path draws it, so a seed gives the same mask.
   TORCH_ARG(double, dropout_p) = 0.0;
@@ -141,7 +153,8 @@ torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& k
 /// `fused_attention` on packed projections, the output of one QKV GEMM:
 /// qkv (b, n, 3 * h * hd), queries then keys then values, each (b, n, h * hd) with heads
 /// side by side -> context (b, n, h * hd), heads merged. Backward writes the gradient of qkv
-/// in one piece instead of three that autograd would concatenate.
+/// in one piece instead of three that autograd would concatenate. n queries see n keys, so
+/// `query_offset` must be 0.
 /// Example: `fused_packed_attention(qkv_projection(x), 12, FusedOptions().is_causal(true))`.
 torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
                                      const FusedOptions& options = {});
@@ -158,7 +171,7 @@ bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
                           const torch::TensorOptions& options);
 
 /// The attention of the modules' `kFused` backend on this LibTorch, equal to
-/// `scaled_dot_product_attention` (scale 1/sqrt(hd), causal mask top-left aligned):
+/// `scaled_dot_product_attention` (scale 1/sqrt(hd), causal mask with `query_offset`):
 /// LibTorch's own `at::scaled_dot_product_attention` on LibTorch >= 2.0 (flash or
 /// memory-efficient kernels on CUDA, a flash kernel on CPU); on 1.13, which has none,
 /// `fused_attention` where `fused_attention_fits`, else the math core. Any device and

@@ -8,6 +8,7 @@
 
 #include "attnkit/causal_attention.h"
 #include "attnkit/functional.h"
+#include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
 
 namespace attnkit {
@@ -82,6 +83,20 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// path, since the other backends never form the weights.
   functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
 
+  /// A KV cache for `forward_with_cache`: `batch` sequences of up to `capacity` positions
+  /// (0: context_length, the most the module accepts), num_heads heads of
+  /// d_out / num_heads, in the parameters' dtype and on their device.
+  KVCache make_kv_cache(int64_t batch, int64_t capacity = 0) const;
+
+  /// Inference with a KV cache: x (b, n, d_in) holds the next n tokens of b sequences, at
+  /// positions [cache.size(), cache.size() + n). Their keys and values are appended to the
+  /// cache and their queries attend to every position held, with the causal mask aligned
+  /// bottom-right. Returns (b, n, d_out): the rows of forward() over the whole sequence, for
+  /// a prompt at once (prefill), in pieces, or a token at a time; computed by
+  /// `options.backend()`. Runs without autograd. Fails (c10::Error) in training mode, with
+  /// causal(false), and when the positions would pass context_length or the capacity.
+  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache);
+
   /// The options this module was built with (reset() re-reads them).
   MultiHeadAttentionOptions options;
   /// Query projection, d_in -> d_out.
@@ -131,6 +146,20 @@ class MultiHeadAttentionCombinedQKVImpl
 
   /// Context (b, n, d_out) and attention weights (b, num_heads, n, n); always the math path.
   functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
+
+  /// A KV cache for `forward_with_cache`: `batch` sequences of up to `capacity` positions
+  /// (0: context_length, the most the module accepts), num_heads heads of
+  /// d_out / num_heads, in the parameters' dtype and on their device.
+  KVCache make_kv_cache(int64_t batch, int64_t capacity = 0) const;
+
+  /// Inference with a KV cache, as MultiHeadAttention's: x (b, n, d_in) holds the next n tokens of b sequences, at
+  /// positions [cache.size(), cache.size() + n). Their keys and values are appended to the
+  /// cache and their queries attend to every position held, with the causal mask aligned
+  /// bottom-right. Returns (b, n, d_out): the rows of forward() over the whole sequence, for
+  /// a prompt at once (prefill), in pieces, or a token at a time; computed by
+  /// `options.backend()`. Runs without autograd. Fails (c10::Error) in training mode, with
+  /// causal(false), and when the positions would pass context_length or the capacity.
+  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache);
 
   /// Copies a MultiHeadAttention's weights into `qkv` (in the layout above) and `out_proj`;
   /// both modules then compute the same function. Fails when the options differ.

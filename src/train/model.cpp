@@ -54,9 +54,22 @@ void bind(Holder holder,
   attend = [holder](const torch::Tensor& x) mutable { return holder->forward(x); };
 }
 
+// Binds the KV-cache methods of a module that has them.
+template <typename Holder>
+void bind_cache(Holder holder,
+                std::function<torch::Tensor(const torch::Tensor&, KVCache&)>& attend_with_cache,
+                std::function<KVCache(int64_t, int64_t)>& make_kv_cache) {
+  attend_with_cache = [holder](const torch::Tensor& x, KVCache& cache) mutable {
+    return holder->forward_with_cache(x, cache);
+  };
+  make_kv_cache = [holder](int64_t batch, int64_t capacity) {
+    return holder->make_kv_cache(batch, capacity);
+  };
+}
+
 }  // namespace
 
-BlockImpl::BlockImpl(const ModelConfig& c) {
+BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
   const auto d = c.d_model;
   attention_norm_ =
       register_module("attention_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
@@ -85,10 +98,12 @@ BlockImpl::BlockImpl(const ModelConfig& c) {
     MultiHeadAttention attention(mha_options);
     attention_ = register_module("attention", attention);
     bind(attention, attend_with_weights_, attend_);
+    bind_cache(attention, attend_with_cache_, make_kv_cache_);
   } else {
     MultiHeadAttentionCombinedQKV attention(mha_options);
     attention_ = register_module("attention", attention);
     bind(attention, attend_with_weights_, attend_);
+    bind_cache(attention, attend_with_cache_, make_kv_cache_);
   }
   if (c.ffn) {
     feed_forward_norm_ = register_module("feed_forward_norm",
@@ -115,6 +130,21 @@ torch::Tensor BlockImpl::forward(torch::Tensor x, torch::Tensor* weights) {
   return x;
 }
 
+torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache) {
+  TORCH_CHECK(attend_with_cache_, "--module ", module_name_, " has no KV cache");
+  x = x + attend_with_cache_(attention_norm_(x), cache);
+  if (feed_forward_) {
+    x = x + feed_forward_->forward(feed_forward_norm_(x));
+  }
+  return x;
+}
+
+KVCache BlockImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
+  TORCH_CHECK(make_kv_cache_, "--module ", module_name_,
+              " has no KV cache (mha and mha-combined have one); generate with --no-kv-cache");
+  return make_kv_cache_(batch, capacity);
+}
+
 AttentionModelImpl::AttentionModelImpl(const ModelConfig& config) : config_(config) {
   check_model_config(config_);
   token_embedding_ =
@@ -130,10 +160,14 @@ AttentionModelImpl::AttentionModelImpl(const ModelConfig& config) : config_(conf
   head_ = register_module("head", torch::nn::Linear(config_.d_model, config_.vocab_size));
 }
 
+torch::Tensor AttentionModelImpl::embed(const torch::Tensor& tokens, int64_t start) {
+  const auto positions = torch::arange(start, start + tokens.size(1), tokens.options());
+  return token_embedding_(tokens) + position_embedding_(positions);  // (b, n, d_model)
+}
+
 torch::Tensor AttentionModelImpl::run(const torch::Tensor& tokens,
                                       std::vector<torch::Tensor>* maps) {
-  const auto positions = torch::arange(tokens.size(1), tokens.options());
-  auto x = token_embedding_(tokens) + position_embedding_(positions);  // (b, n, d_model)
+  auto x = embed(tokens, 0);
   for (auto& block : *blocks_) {
     torch::Tensor weights;
     x = block->as<BlockImpl>()->forward(x, maps ? &weights : nullptr);
@@ -145,6 +179,30 @@ torch::Tensor AttentionModelImpl::run(const torch::Tensor& tokens,
 
 torch::Tensor AttentionModelImpl::forward(const torch::Tensor& tokens) {
   return run(tokens, nullptr);
+}
+
+torch::Tensor AttentionModelImpl::logits_with_cache(const torch::Tensor& tokens,
+                                                    std::vector<KVCache>& caches) {
+  TORCH_CHECK(static_cast<int64_t>(caches.size()) == config_.layers,
+              "[AttentionModel::logits_with_cache] expected one cache per layer (", config_.layers,
+              "), got ", caches.size());
+  const int64_t start = caches.front().size();
+  TORCH_CHECK(start + tokens.size(1) <= config_.context_length,
+              "[AttentionModel::logits_with_cache] ", tokens.size(1), " tokens after the ", start,
+              " cached would pass context_length ", config_.context_length);
+  auto x = embed(tokens, start);
+  for (size_t i = 0; i < caches.size(); ++i) {
+    x = blocks_[i]->as<BlockImpl>()->forward_with_cache(x, caches[i]);
+  }
+  return head_(final_norm_(x));
+}
+
+std::vector<KVCache> AttentionModelImpl::make_kv_caches(int64_t batch, int64_t capacity) {
+  std::vector<KVCache> caches;
+  for (auto& block : *blocks_) {
+    caches.push_back(block->as<BlockImpl>()->make_kv_cache(batch, capacity));
+  }
+  return caches;
 }
 
 std::vector<torch::Tensor> AttentionModelImpl::attention_maps(const torch::Tensor& tokens) {

@@ -11,6 +11,8 @@
 #include <torch/torch.h>
 
 #include "attnkit/functional.h"
+#include "attnkit/generate.h"
+#include "attnkit/kv_cache.h"
 
 namespace attnkit::train {
 
@@ -42,6 +44,10 @@ class BlockImpl : public torch::nn::Module {
   explicit BlockImpl(const ModelConfig& config);
   /// (b, n, d_model) -> (b, n, d_model); `weights` gets (b, h, n, n) when not null.
   torch::Tensor forward(torch::Tensor x, torch::Tensor* weights = nullptr);
+  /// forward for the next n tokens, the attention reading and extending `cache`.
+  torch::Tensor forward_with_cache(torch::Tensor x, KVCache& cache);
+  /// A cache for this block's attention; fails for modules without one.
+  KVCache make_kv_cache(int64_t batch, int64_t capacity) const;
 
  private:
   torch::nn::LayerNorm attention_norm_{nullptr};
@@ -49,22 +55,35 @@ class BlockImpl : public torch::nn::Module {
   // forward_with_weights (the book's path, for attention maps) and forward (the backend's).
   std::function<functional::AttentionOutput(const torch::Tensor&)> attend_with_weights_;
   std::function<torch::Tensor(const torch::Tensor&)> attend_;
+  // mha and mha-combined only: their forward_with_cache and make_kv_cache.
+  std::function<torch::Tensor(const torch::Tensor&, KVCache&)> attend_with_cache_;
+  std::function<KVCache(int64_t, int64_t)> make_kv_cache_;
+  std::string module_name_;
   torch::nn::LayerNorm feed_forward_norm_{nullptr};
   torch::nn::Sequential feed_forward_{nullptr};
 };
 TORCH_MODULE(Block);
 
-class AttentionModelImpl : public torch::nn::Module {
+/// Also an attnkit::CausalLanguageModel, so attnkit::generate decodes with it (with KV
+/// caches for mha and mha-combined).
+class AttentionModelImpl : public torch::nn::Module, public CausalLanguageModel {
  public:
   explicit AttentionModelImpl(const ModelConfig& config);
   /// (b, n) token ids -> (b, n, vocab_size) logits.
   torch::Tensor forward(const torch::Tensor& tokens);
+  torch::Tensor logits(const torch::Tensor& tokens) override { return forward(tokens); }
+  torch::Tensor logits_with_cache(const torch::Tensor& tokens,
+                                  std::vector<KVCache>& caches) override;
+  std::vector<KVCache> make_kv_caches(int64_t batch, int64_t capacity) override;
+  int64_t context_length() const override { return config_.context_length; }
   /// Attention weights of every layer on `tokens`: layers x (b, h, n, n).
   std::vector<torch::Tensor> attention_maps(const torch::Tensor& tokens);
   const ModelConfig& config() const { return config_; }
 
  private:
   torch::Tensor run(const torch::Tensor& tokens, std::vector<torch::Tensor>* maps);
+  // Token plus position embeddings of tokens (b, n) at positions [start, start + n).
+  torch::Tensor embed(const torch::Tensor& tokens, int64_t start);
 
   ModelConfig config_;
   torch::nn::Embedding token_embedding_{nullptr};

@@ -259,24 +259,28 @@ void draw_progress(std::ostream& out, int64_t step, int64_t steps, double loss, 
       << std::flush;
 }
 
+// "sample (N bytes, KV cache, T tokens/s): [prompt]continuation": `length` bytes after the
+// first 16 of a held-out sequence, temperature 0.8, seeded by --seed.
 std::string sample_text(AttentionModel& model, const Task& task, const torch::Device& device,
-                        int64_t length) {
-  torch::NoGradGuard no_grad;
+                        const TrainConfig& config) {
   model->eval();
-  const auto prompt = task.eval_batches(1).front().inputs[0];
-  const int64_t prompt_length = std::min<int64_t>(16, prompt.size(0));
-  std::vector<int64_t> tokens(prompt.data_ptr<int64_t>(),
-                              prompt.data_ptr<int64_t>() + prompt_length);
-  for (int64_t i = 0; i < length; ++i) {
-    const auto start =
-        std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - task.input_length());
-    const auto context =
-        torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end())).unsqueeze(0);
-    const auto logits = model(context.to(device)).select(1, -1).squeeze(0);
-    tokens.push_back(torch::multinomial(torch::softmax(logits / 0.8, -1), 1).item<int64_t>());
-  }
-  std::string text(tokens.begin(), tokens.end());
-  return "[" + text.substr(0, prompt_length) + "]" + text.substr(prompt_length);
+  const auto sequence = task.eval_batches(1).front().inputs[0];
+  const int64_t prompt_length = std::min<int64_t>(16, sequence.size(0));
+  const auto prompt = sequence.slice(0, 0, prompt_length).unsqueeze(0).to(device);  // (1, n)
+  const auto start = Clock::now();
+  const auto tokens = generate(*model, prompt,
+                               GenerateOptions(config.sample)
+                                   .temperature(0.8)
+                                   .seed(config.seed)
+                                   .use_kv_cache(config.kv_cache))
+                          .to(torch::kCPU);
+  const double seconds = seconds_since(start);
+  const auto* ids = tokens.data_ptr<int64_t>();
+  const std::string text(ids, ids + tokens.size(1));
+  return c10::str("sample (", config.sample, " bytes, ",
+                  config.kv_cache ? "KV cache" : "no KV cache", ", ",
+                  static_cast<int64_t>(config.sample / std::max(seconds, 1e-9)), " tokens/s): [",
+                  text.substr(0, prompt_length), "]", text.substr(prompt_length));
 }
 
 void dump_attention(const std::string& path, AttentionModel& model, const Task& task,
@@ -375,6 +379,11 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(c.threads >= 0, "--threads: expected >= 0 (0 = LibTorch's default), got ", c.threads);
   TORCH_CHECK(c.eval_every >= 1, "--eval-every: expected >= 1, got ", c.eval_every);
   TORCH_CHECK(c.sample >= 0, "--sample: expected >= 0, got ", c.sample);
+  TORCH_CHECK(c.sample == 0 || c.task == "text",
+              "--sample: only the text task generates, got --task ", c.task);
+  TORCH_CHECK(c.sample == 0 || !c.kv_cache || c.module == "mha" || c.module == "mha-combined",
+              "--sample with --module ", c.module,
+              ": only mha and mha-combined have a KV cache; add --no-kv-cache");
   TORCH_CHECK(c.dump_attention.empty() || ends_with(c.dump_attention, ".png"),
               "--dump-attention: expected a file name ending in .png, got '", c.dump_attention,
               "'");
@@ -553,7 +562,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
         << result.final_evaluation.bits_per_byte << " ("
         << task->bigram_entropy() - result.final_evaluation.bits_per_byte << " below bigram)\n";
     if (config.sample > 0) {
-      out << "sample: " << sample_text(model, *task, device, config.sample) << "\n";
+      out << sample_text(model, *task, device, config) << "\n";
     }
   }
   if (!config.dump_attention.empty()) {

@@ -25,6 +25,7 @@ struct TrainConfig {
   std::string data = "data/the-verdict.txt";
   int64_t seq_len = 0;  // 0: default_task_length(task)
   int64_t sample = 0;   // text: bytes to generate after training
+  bool kv_cache = true;  // generate the sample with KV caches (mha, mha-combined)
   // model
   std::string module = "mha";
   std::string backend;  // empty: fused for mha and mha-combined (the others have none)

@@ -1,0 +1,207 @@
+// attnkit-decode-bench: tokens/s of attnkit::generate with and without KV caches over
+// attnkit-train's model (token + position embeddings, pre-LayerNorm blocks of attention and
+// a GELU feed-forward, final LayerNorm, vocabulary head), untrained, at any shape: the
+// GPT-2-small shape of the chapter-4 bonus material by default. scripts/bench_generate.sh
+// runs it next to the Python reference (scripts/bench_generate.py).
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include "command_line.h"
+#include "train/model.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+// Bytes of the parameters one decode step reads: all but the embedding tables, of which a
+// step reads one row each.
+int64_t weight_bytes_per_token(attnkit::train::AttentionModel& model) {
+  int64_t bytes = 0;
+  for (const auto& p : model->named_parameters()) {
+    const bool embedding = p.key().find("embedding") != std::string::npos;
+    const auto& t = p.value();
+    bytes += (embedding ? t.size(-1) : t.numel()) * static_cast<int64_t>(t.element_size());
+  }
+  return bytes;
+}
+
+// Read bandwidth of this machine in GB/s: the median of summing a 512 MiB float tensor.
+double read_bandwidth_gbs() {
+  const auto big = torch::ones({int64_t{128} << 20});
+  std::vector<double> rates;
+  for (int i = 0; i < 5; ++i) {
+    const auto start = Clock::now();
+    const auto sum = big.sum().item<double>();
+    rates.push_back(static_cast<double>(big.nbytes()) / seconds_since(start) / 1e9);
+    TORCH_CHECK(sum > 0);
+  }
+  return median(rates);
+}
+
+struct Run {
+  std::string mode;  // "cached" or "uncached"
+  double tokens_per_second;
+  torch::Tensor tokens;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  attnkit::cli::CommandLine cli(
+      "attnkit-decode-bench",
+      "Tokens/s of greedy generation with and without KV caches over attnkit-train's model "
+      "(untrained), and the bytes and bandwidth it needs.");
+  cli.value("Model", "vocab", "vocabulary size", "50257")
+      .value("Model", "context", "context length (position embedding)", "1024")
+      .value("Model", "d-model", "embedding width", "768")
+      .value("Model", "heads", "attention heads", "12")
+      .value("Model", "layers", "blocks", "12")
+      .value("Model", "module", "mha | mha-combined", "mha")
+      .value("Model", "backend", "math | fused | chunked", "fused");
+  cli.value("Run", "prompt", "prompt tokens", "4")
+      .value("Run", "new-tokens", "tokens to generate", "200")
+      .value("Run", "repeats", "timed runs of each mode (the median is reported)", "3")
+      .value("Run", "threads", "CPU threads; 0 = LibTorch's default", "1")
+      .value("Run", "seed", "seed of the weights and the prompt", "123")
+      .flag("Run", "no-uncached", "time only the cached mode")
+      .value("Run", "json", "also write the results as JSON to FILE")
+      .flag("Run", "h,help", "show this help");
+  attnkit::train::ModelConfig config;
+  int64_t prompt_length = 0, new_tokens = 0, repeats = 0, threads = 0;
+  uint64_t seed = 0;
+  bool uncached = true;
+  std::string json;
+  try {
+    cli.parse(argc, argv);
+    if (cli.given("help")) {
+      std::cout << cli.help() << "\n";
+      return 0;
+    }
+    config.vocab_size = cli.integer("vocab");
+    config.context_length = cli.integer("context");
+    config.d_model = cli.integer("d-model");
+    config.heads = cli.integer("heads");
+    config.layers = cli.integer("layers");
+    config.module = cli.text("module");
+    config.backend = cli.text("backend");
+    config.ffn = true;
+    prompt_length = cli.integer("prompt");
+    new_tokens = cli.integer("new-tokens");
+    repeats = cli.integer("repeats");
+    threads = cli.integer("threads");
+    seed = cli.unsigned_integer("seed");
+    uncached = !cli.given("no-uncached");
+    json = cli.text("json");
+  } catch (const attnkit::cli::UsageError& e) {
+    std::cerr << "attnkit-decode-bench: " << e.what() << "\n";
+    return 2;
+  }
+  try {
+    TORCH_CHECK(config.module == "mha" || config.module == "mha-combined",
+                "--module: expected mha or mha-combined (the modules with a KV cache), got '",
+                config.module, "'");
+    TORCH_CHECK(config.vocab_size >= 1 && config.context_length >= 1,
+                "--vocab and --context must be >= 1, got ", config.vocab_size, " and ",
+                config.context_length);
+    TORCH_CHECK(prompt_length >= 1 && new_tokens >= 1 &&
+                    prompt_length + new_tokens <= config.context_length,
+                "--prompt and --new-tokens: expected >= 1 each and prompt + new tokens <= "
+                "--context ",
+                config.context_length, ", got ", prompt_length, " + ", new_tokens);
+    TORCH_CHECK(repeats >= 1, "--repeats: expected >= 1, got ", repeats);
+    TORCH_CHECK(threads >= 0, "--threads: expected >= 0, got ", threads);
+    if (threads > 0)
+      torch::set_num_threads(static_cast<int>(threads));
+
+    torch::manual_seed(seed);
+    attnkit::train::AttentionModel model(config);  // validates the sizes
+    model->eval();
+    const auto prompt = torch::randint(0, config.vocab_size, {1, prompt_length}, torch::kInt64);
+    const auto options = attnkit::GenerateOptions(new_tokens);
+    attnkit::generate(*model, prompt, attnkit::GenerateOptions(2));  // warm-up
+
+    std::vector<Run> runs;
+    for (const bool cache : {true, false}) {
+      if (!cache && !uncached)
+        continue;
+      std::vector<double> rates;
+      torch::Tensor tokens;
+      for (int64_t r = 0; r < repeats; ++r) {
+        const auto start = Clock::now();
+        tokens = attnkit::generate(*model, prompt,
+                                   attnkit::GenerateOptions(options).use_kv_cache(cache));
+        rates.push_back(static_cast<double>(new_tokens) / seconds_since(start));
+      }
+      runs.push_back({cache ? "cached" : "uncached", median(rates), tokens});
+    }
+
+    const auto caches = model->make_kv_caches(1, prompt_length + new_tokens);
+    int64_t cache_bytes = 0;
+    for (const auto& c : caches)
+      cache_bytes += c.nbytes();
+    const int64_t weights = weight_bytes_per_token(model);
+    const double bandwidth = read_bandwidth_gbs();
+    const double needed = static_cast<double>(weights) * runs.front().tokens_per_second / 1e9;
+
+    std::cout << std::fixed << std::setprecision(1) << "attnkit-decode-bench: " << config.module
+              << " (" << config.backend << "), vocab " << config.vocab_size << ", context "
+              << config.context_length << ", d " << config.d_model << ", " << config.heads
+              << " heads, " << config.layers << " layers, LibTorch " << TORCH_VERSION_MAJOR << "."
+              << TORCH_VERSION_MINOR << ", " << torch::get_num_threads() << " thread(s)\n"
+              << "prompt " << prompt_length << ", " << new_tokens
+              << " new tokens, greedy, median of " << repeats << "\n";
+    for (const auto& run : runs) {
+      std::cout << "  " << std::left << std::setw(9) << run.mode << std::right << std::setw(10)
+                << run.tokens_per_second << " tokens/s\n";
+    }
+    if (runs.size() == 2) {
+      std::cout << "  cached / uncached: " << std::setprecision(2)
+                << runs[0].tokens_per_second / runs[1].tokens_per_second << "x; tokens "
+                << (runs[0].tokens.equal(runs[1].tokens) ? "identical" : "DIFFER") << "\n";
+    }
+    std::cout << std::setprecision(1) << "  KV cache " << cache_bytes / 1048576.0 << " MiB ("
+              << cache_bytes / (prompt_length + new_tokens) / 1024.0 << " KiB per token); weights "
+              << weights / 1048576.0 << " MiB read per token -> " << needed
+              << " GB/s at the cached rate, " << std::setprecision(0) << 100.0 * needed / bandwidth
+              << "% of this machine's " << std::setprecision(1) << bandwidth
+              << " GB/s read bandwidth\n";
+    if (!json.empty()) {
+      std::ofstream out(json);
+      TORCH_CHECK(out.good(), "--json: cannot write '", json, "'");
+      out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \"" << TORCH_VERSION_MAJOR
+          << "." << TORCH_VERSION_MINOR << "\", \"threads\": " << torch::get_num_threads()
+          << ", \"module\": \"" << config.module << "\", \"backend\": \"" << config.backend
+          << "\", \"cache_bytes\": " << cache_bytes << ", \"weight_bytes_per_token\": " << weights
+          << ", \"read_bandwidth_gbs\": " << bandwidth;
+      for (const auto& run : runs)
+        out << ", \"" << run.mode << "_tokens_per_s\": " << run.tokens_per_second;
+      if (runs.size() == 2)
+        out << ", \"identical_tokens\": "
+            << (runs[0].tokens.equal(runs[1].tokens) ? "true" : "false");
+      out << "}\n";
+    }
+    return runs.size() == 2 && !runs[0].tokens.equal(runs[1].tokens) ? 1 : 0;
+  } catch (const c10::Error& e) {
+    std::cerr << "attnkit-decode-bench: " << e.what_without_backtrace() << "\n";
+    return 2;
+  }
+}

@@ -1,0 +1,65 @@
+#pragma once
+
+/// Text generation over any causal language model whose attention layers use attnkit's
+/// KV caches: greedy or sampled (temperature, top-k) decoding, with or without the caches.
+
+#include <cstdint>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "attnkit/kv_cache.h"
+
+namespace attnkit {
+
+/// What `generate` needs of a model. Implement it next to your `torch::nn::Module` (see
+/// apps/tiny_gpt): one cache per attention layer, positions taken from the caches.
+class CausalLanguageModel {
+ public:
+  virtual ~CausalLanguageModel() = default;
+  /// Logits (b, n, vocab) of tokens (b, n) at positions [0, n), no cache: the training forward.
+  virtual torch::Tensor logits(const torch::Tensor& tokens) = 0;
+  /// Logits (b, n, vocab) of the next n tokens (b, n) at positions
+  /// [caches.front().size(), ... + n): each attention layer appends to and reads its cache.
+  virtual torch::Tensor logits_with_cache(const torch::Tensor& tokens,
+                                          std::vector<KVCache>& caches) = 0;
+  /// One empty cache per attention layer for `batch` sequences of up to `capacity` positions.
+  virtual std::vector<KVCache> make_kv_caches(int64_t batch, int64_t capacity) = 0;
+  /// Longest sequence the model takes (the size of its position embedding).
+  virtual int64_t context_length() const = 0;
+};
+
+/// Options for `generate`.
+/// Example: `GenerateOptions(200).temperature(0.8).top_k(40).seed(123)`.
+struct GenerateOptions {
+  explicit GenerateOptions(int64_t max_new_tokens) : max_new_tokens_(max_new_tokens) {}
+
+  /// Tokens to append to each prompt, >= 0.
+  TORCH_ARG(int64_t, max_new_tokens);
+  /// 0 decodes greedily (argmax); > 0 samples from softmax(logits / temperature).
+  TORCH_ARG(double, temperature) = 0.0;
+  /// When sampling, only the top_k most likely tokens are drawn from (0: all).
+  TORCH_ARG(int64_t, top_k) = 0;
+  /// Seed of the sampler's own generator: a seed repeats the samples, and the global
+  /// generator (dropout, initialisation) is left alone.
+  TORCH_ARG(uint64_t, seed) = 0;
+  /// Decode one token per step against the KV caches (the prompt in one prefill). Without
+  /// them every step recomputes the last context_length tokens, as the book's
+  /// generate_text_simple does.
+  TORCH_ARG(bool, use_kv_cache) = true;
+};
+
+/// Continues each row of `prompt` (b, n) int64 token ids by `max_new_tokens` tokens and
+/// returns (b, n + max_new_tokens). Runs without autograd; put the model in eval mode first
+/// (the cached path refuses training mode).
+///
+/// Greedy decoding gives the same tokens with and without the caches while prompt and
+/// output fit in context_length. Past it the uncached path slides its window by one token
+/// per step, as the book's does, while the cached path refills its caches from the last
+/// context_length / 2 tokens whenever they are full (so the two see different contexts
+/// there), keeping the cost per token constant.
+/// Example: `auto out = attnkit::generate(model, prompt, GenerateOptions(50));`
+torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
+                       const GenerateOptions& options);
+
+}  // namespace attnkit

@@ -1,0 +1,379 @@
+// Inference: the KV cache of the multi-head modules (prefill, chunked prefill and decode
+// against the uncached forward, on every backend; the Python reference's cached outputs;
+// every refusal) and attnkit::generate over attnkit-train's model.
+
+#include <fstream>
+#include <iterator>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "attnkit/attnkit.h"
+#include "source_paths.h"
+#include "test_support.h"
+#include "train/model.h"
+
+using namespace attnkit;
+using namespace attnkit::testing;
+
+namespace {
+
+// The agreement: float32 1e-5, float64 1e-10.
+double agreement(torch::ScalarType dtype) {
+  return dtype == torch::kFloat32 ? 1e-5 : 1e-10;
+}
+
+// Either multi-head module behind one interface.
+struct CachedModule {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::function<torch::Tensor(const torch::Tensor&, KVCache&)> forward_with_cache;
+  std::function<KVCache(int64_t, int64_t)> make_kv_cache;
+  std::function<void(AttentionBackend)> set_backend;
+};
+
+template <typename Holder>
+CachedModule erase(Holder holder) {
+  return {
+      holder.ptr(), [holder](const torch::Tensor& x) mutable { return holder(x); },
+      [holder](const torch::Tensor& x, KVCache& cache) mutable {
+        return holder->forward_with_cache(x, cache);
+      },
+      [holder](int64_t batch, int64_t capacity) { return holder->make_kv_cache(batch, capacity); },
+      [holder](AttentionBackend backend) mutable { holder->options.backend(backend); }};
+}
+
+CachedModule make_module(const std::string& name, const MultiHeadAttentionOptions& options) {
+  if (name == "MultiHeadAttention")
+    return erase(MultiHeadAttention(options));
+  TORCH_CHECK(name == "MultiHeadAttentionCombinedQKV", "unknown module ", name);
+  return erase(MultiHeadAttentionCombinedQKV(options));
+}
+
+// x (b, n, d_in) fed in pieces of `splits` tokens through one cache -> (b, n, d_out).
+torch::Tensor forward_in_pieces(CachedModule& m, const torch::Tensor& x,
+                                const std::vector<int64_t>& splits, KVCache& cache) {
+  std::vector<torch::Tensor> outputs;
+  int64_t start = 0;
+  for (const auto length : splits) {
+    outputs.push_back(m.forward_with_cache(x.narrow(1, start, length), cache));
+    start += length;
+  }
+  EXPECT_EQ(start, x.size(1)) << "the splits must cover x";
+  return torch::cat(outputs, 1);
+}
+
+const std::vector<std::string> kModules{"MultiHeadAttention", "MultiHeadAttentionCombinedQKV"};
+const std::vector<AttentionBackend> kBackends{AttentionBackend::kMath, AttentionBackend::kFused,
+                                              AttentionBackend::kChunked};
+
+}  // namespace
+
+TEST(KVCache, PrefillChunkedPrefillAndDecodeEqualTheUncachedForward) {
+  // Whole prompt, pieces of every size, one token at a time; 11 tokens against chunked blocks
+  // of 3 x 4, so pieces cross block edges.
+  const std::vector<std::vector<int64_t>> splits{
+      {11}, {4, 1, 1, 5}, {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, {3, 8}, {10, 1}};
+  for (const auto& name : kModules) {
+    for (const auto backend : kBackends) {
+      for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+        torch::manual_seed(31);
+        auto m = make_module(name, MultiHeadAttentionOptions(6, 12, 16, 0.1, 3)
+                                       .qkv_bias(true)
+                                       .backend(backend)
+                                       .chunk_size(3)
+                                       .key_chunk_size(4));
+        m.module->to(dtype);
+        m.module->eval();
+        const auto x = torch::randn({2, 11, 6}, torch::dtype(dtype));
+        const auto full = m.forward(x);
+        auto cache = m.make_kv_cache(2, 0);
+        for (const auto& pieces : splits) {
+          SCOPED_TRACE(c10::str(name, " ", backend_name(backend), " ", dtype, " pieces ",
+                                c10::IntArrayRef(pieces)));
+          cache.reset();
+          EXPECT_TRUE(tensors_close("cached", forward_in_pieces(m, x, pieces, cache), full,
+                                    agreement(dtype)));
+          EXPECT_EQ(cache.size(), 11);
+        }
+      }
+    }
+  }
+}
+
+TEST(KVCache, StorageIsAllocatedOnceAndItsBytesAreKnown) {
+  torch::manual_seed(37);
+  MultiHeadAttention mha(MultiHeadAttentionOptions(8, 12, 10, 0.0, 3));
+  mha->eval();
+  auto cache = mha->make_kv_cache(/*batch=*/2, /*capacity=*/7);
+  EXPECT_EQ(cache.capacity(), 7);
+  EXPECT_EQ(cache.batch(), 2);
+  EXPECT_EQ(cache.num_heads(), 3);
+  EXPECT_EQ(cache.head_dim(), 4);
+  EXPECT_EQ(cache.nbytes(), 2 * 2 * 3 * 7 * 4 * 4);  // keys and values, float32
+  EXPECT_EQ(mha->make_kv_cache(1).capacity(), 10) << "capacity 0 means context_length";
+  const auto* storage = cache.keys().data_ptr<float>();
+  const auto x = torch::randn({2, 7, 8});
+  for (int64_t i = 0; i < 7; ++i) {
+    mha->forward_with_cache(x.narrow(1, i, 1), cache);
+    EXPECT_EQ(cache.keys().data_ptr<float>(), storage) << "reallocated at step " << i;
+  }
+  EXPECT_EQ(cache.keys().sizes(), (std::vector<int64_t>{2, 3, 7, 4}));
+  // What the cache holds is what the module's key projection gives, split into heads.
+  torch::NoGradGuard no_grad;
+  EXPECT_TENSOR_NEAR(cache.keys(), mha->W_key(x).view({2, 7, 3, 4}).transpose(1, 2), 1e-6);
+  cache.reset();
+  EXPECT_EQ(cache.size(), 0);
+  EXPECT_TENSOR_NEAR(mha->forward_with_cache(x, cache), mha(x), 1e-5);
+  EXPECT_EQ(cache.keys().data_ptr<float>(), storage);
+}
+
+TEST(KVCache, NeverTakesPartInAutograd) {
+  MultiHeadAttention mha(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2));
+  mha->eval();
+  auto cache = mha->make_kv_cache(1);
+  const auto x = torch::randn({1, 3, 4}, torch::requires_grad());
+  const auto out = mha->forward_with_cache(x, cache);
+  EXPECT_FALSE(out.requires_grad());
+  EXPECT_FALSE(cache.keys().requires_grad());
+  EXPECT_FALSE(cache.values().requires_grad());
+}
+
+TEST(KVCache, RefusalsNameWhatIsWrongAndLeaveTheCacheAsItWas) {
+  MultiHeadAttention mha(MultiHeadAttentionOptions(4, 6, 8, 0.0, 2));
+  mha->eval();
+  auto cache = mha->make_kv_cache(2, 5);
+  mha->forward_with_cache(torch::randn({2, 4, 4}), cache);
+  const auto held = cache.keys().clone();
+  const auto expect_refused = [&](const std::function<void()>& call, const std::string& message) {
+    expect_error_containing(call, message);
+    EXPECT_EQ(cache.size(), 4) << "a refused call changed the cache";
+    EXPECT_TRUE(cache.keys().equal(held));
+  };
+  expect_refused(
+      [&] {
+        mha->forward_with_cache(torch::randn({2, 2, 4}), cache);
+      },
+      "[MultiHeadAttention::forward_with_cache] x: 2 tokens after the 4 the cache "
+      "holds would pass its capacity 5; make a larger one with make_kv_cache");
+  expect_refused(
+      [&] {
+        mha->forward_with_cache(torch::randn({3, 1, 4}), cache);
+      },
+      "cache: expected (batch, num_heads, head_dim) = (3, 2, 3), got (2, 2, 3)");
+  expect_refused(
+      [&] {
+        mha->forward_with_cache(torch::randn({2, 1, 5}), cache);
+      },
+      "x: expected last dimension d_in = 4, got 5");
+  expect_refused(
+      [&] {
+        mha->forward_with_cache(torch::randn({2, 1, 4}, torch::kFloat64), cache);
+      },
+      "x: expected dtype Float (the module's parameters), got Double");
+  mha->train();
+  expect_refused(
+      [&] {
+        mha->forward_with_cache(torch::randn({2, 1, 4}), cache);
+      },
+      "[MultiHeadAttention::forward_with_cache] the KV cache is for inference, but "
+      "the module is in training mode: call eval() first");
+  mha->eval();
+
+  auto full = mha->make_kv_cache(1, 8);
+  mha->forward_with_cache(torch::randn({1, 8, 4}), full);
+  expect_error_containing(
+      [&] {
+        mha->forward_with_cache(torch::randn({1, 1, 4}), full);
+      },
+      "x: 1 tokens after the 8 the cache holds would reach position 9, past "
+      "context_length = 8");
+  expect_error_containing([&] { mha->make_kv_cache(1, 9); },
+                          "[MultiHeadAttention::make_kv_cache] capacity must be in [1, "
+                          "context_length = 8] (0: context_length), got 9");
+  expect_error_containing([&] { mha->make_kv_cache(0); },
+                          "[MultiHeadAttention::make_kv_cache] batch must be >= 1, got 0");
+
+  MultiHeadAttentionCombinedQKV encoder(MultiHeadAttentionOptions(4, 6, 8, 0.0, 2).causal(false));
+  encoder->eval();
+  auto encoder_cache = encoder->make_kv_cache(1);
+  expect_error_containing(
+      [&] {
+        encoder->forward_with_cache(torch::randn({1, 2, 4}), encoder_cache);
+      },
+      "[MultiHeadAttentionCombinedQKV::forward_with_cache] needs causal attention");
+
+  KVCache empty;
+  expect_error_containing(
+      [&] {
+        mha->forward_with_cache(torch::randn({1, 1, 4}), empty);
+      },
+      "the cache has no storage; make one with make_kv_cache");
+  expect_error_containing(
+      [&] {
+        empty.append(torch::zeros({1, 1, 1, 1}), torch::zeros({1, 1, 1, 1}));
+      },
+      "[KVCache::append] this cache has no storage");
+  expect_error_containing([] { KVCache(1, 2, 3, 0); }, "[KVCache] capacity must be >= 1, got 0");
+  expect_error_containing([] { KVCache(1, 2, 3, 4, torch::kInt64); },
+                          "[KVCache] keys and values need a floating dtype");
+  KVCache small(1, 2, 3, 4);
+  expect_error_containing(
+      [&] {
+        small.append(torch::zeros({1, 2, 5, 3}), torch::zeros({1, 2, 5, 3}));
+      },
+      "[KVCache::append] 5 more positions do not fit: the cache holds 0 of its capacity 4");
+  expect_error_containing(
+      [&] {
+        small.append(torch::zeros({1, 3, 1, 3}), torch::zeros({1, 3, 1, 3}));
+      },
+      "[KVCache::append] keys and values: expected (batch, num_heads, n, head_dim) = (1, 2, n, "
+      "3) each, got [1, 3, 1, 3]");
+}
+
+// data/golden/kv/: the Python reference classes (the bonus material's cache inside the
+// module) fed the same pieces.
+TEST(KVCache, PythonReferenceCachedOutputsMatch) {
+  const std::string dir = std::string(kSourceDir) + "/data/golden/kv";
+  std::ifstream manifest(dir + "/MANIFEST");
+  ASSERT_TRUE(manifest.good()) << dir
+                               << "/MANIFEST is missing; regenerate with: python3 "
+                                  "scripts/make_golden.py";
+  int cases = 0;
+  for (std::string name; std::getline(manifest, name);) {
+    if (name.empty() || name[0] == '#')
+      continue;
+    SCOPED_TRACE(name);
+    std::ifstream file(dir + "/" + name + ".pt", std::ios::binary);
+    ASSERT_TRUE(file.good()) << name << ".pt is missing";
+    const std::vector<char> bytes((std::istreambuf_iterator<char>(file)),
+                                  std::istreambuf_iterator<char>());
+    const auto golden = torch::pickle_load(bytes).toGenericDict();
+    const auto meta = golden.at("meta").toGenericDict();
+    const auto config = meta.at("config").toGenericDict();
+    const auto dtype =
+        meta.at("dtype").toStringRef() == "float32" ? torch::kFloat32 : torch::kFloat64;
+    auto m = make_module(
+        meta.at("module").toStringRef(),
+        MultiHeadAttentionOptions(config.at("d_in").toInt(), config.at("d_out").toInt(),
+                                  config.at("context_length").toInt(),
+                                  config.at("dropout").toDouble(), config.at("num_heads").toInt())
+            .qkv_bias(config.at("qkv_bias").toBool()));
+    m.module->to(dtype);
+    m.module->eval();
+    load_state_dict(*m.module, dir + "/" + name + ".state.pt");
+    const auto x = golden.at("input").toTensor();
+    const auto split_tensor = golden.at("splits").toTensor();
+    const std::vector<int64_t> splits(split_tensor.data_ptr<int64_t>(),
+                                      split_tensor.data_ptr<int64_t>() + split_tensor.numel());
+    // Same LibTorch kernels as Python: rounding only (the golden tests' 1e-6 / 1e-12).
+    const double atol = dtype == torch::kFloat32 ? 1e-6 : 1e-12;
+    for (const auto backend : kBackends) {
+      m.set_backend(backend);
+      auto cache = m.make_kv_cache(x.size(0), 0);
+      EXPECT_TRUE(tensors_close(name + " " + backend_name(backend),
+                                forward_in_pieces(m, x, splits, cache),
+                                golden.at("output").toTensor(),
+                                backend == AttentionBackend::kMath ? atol : agreement(dtype)));
+    }
+    ++cases;
+  }
+  EXPECT_EQ(cases, 16) << "data/golden/kv/MANIFEST lists fewer cases than make_golden.py writes";
+}
+
+namespace {
+
+train::ModelConfig text_model_config(const std::string& module, const std::string& backend) {
+  train::ModelConfig c;
+  c.module = module;
+  c.backend = backend;
+  c.vocab_size = 40;
+  c.context_length = 24;
+  c.d_model = 16;
+  c.heads = 2;
+  c.layers = 2;
+  c.ffn = true;
+  return c;
+}
+
+}  // namespace
+
+TEST(Generate, GreedyTokensAreTheSameWithAndWithoutTheCache) {
+  for (const std::string module : {"mha", "mha-combined"}) {
+    for (const std::string backend : {"math", "fused", "chunked"}) {
+      SCOPED_TRACE(module + " " + backend);
+      torch::manual_seed(41);
+      train::AttentionModel model(text_model_config(module, backend));
+      model->eval();
+      const auto prompt = torch::randint(0, 40, {3, 5}, torch::kInt64);
+      // 5 + 19 = the whole context of 24.
+      const auto cached = generate(*model, prompt, GenerateOptions(19));
+      const auto uncached = generate(*model, prompt, GenerateOptions(19).use_kv_cache(false));
+      EXPECT_EQ(cached.sizes(), (std::vector<int64_t>{3, 24}));
+      EXPECT_TRUE(cached.narrow(1, 0, 5).equal(prompt));
+      EXPECT_TRUE(cached.equal(uncached)) << "cached\n" << cached << "\nuncached\n" << uncached;
+      // An untrained model still picks several tokens, so equality is not trivial.
+      const auto generated = cached.narrow(1, 5, 19).contiguous();
+      const std::set<int64_t> distinct(generated.data_ptr<int64_t>(),
+                                       generated.data_ptr<int64_t>() + generated.numel());
+      EXPECT_GT(distinct.size(), 2u);
+    }
+  }
+}
+
+TEST(Generate, SamplingIsSeededAndTopKOneIsGreedy) {
+  torch::manual_seed(43);
+  train::AttentionModel model(text_model_config("mha", "fused"));
+  model->eval();
+  const auto prompt = torch::randint(0, 40, {2, 4}, torch::kInt64);
+  const auto sampled = [&](uint64_t seed, bool cache) {
+    return generate(*model, prompt,
+                    GenerateOptions(12).temperature(1.5).top_k(10).seed(seed).use_kv_cache(cache));
+  };
+  EXPECT_TRUE(sampled(7, true).equal(sampled(7, true)));
+  EXPECT_FALSE(sampled(7, true).equal(sampled(8, true)));
+  EXPECT_TRUE(sampled(7, true).equal(sampled(7, false)));
+  EXPECT_TRUE(generate(*model, prompt, GenerateOptions(12).temperature(1.0).top_k(1))
+                  .equal(generate(*model, prompt, GenerateOptions(12))));
+}
+
+TEST(Generate, PastTheContextTheCacheIsRefilled) {
+  torch::manual_seed(47);
+  train::AttentionModel model(text_model_config("mha", "fused"));
+  model->eval();
+  // A prompt longer than the context and 60 new tokens: the uncached path crops, the cached
+  // one prefills the last 24 tokens and refills from the last 12 whenever full.
+  const auto prompt = torch::randint(0, 40, {1, 30}, torch::kInt64);
+  const auto cached = generate(*model, prompt, GenerateOptions(60));
+  const auto uncached = generate(*model, prompt, GenerateOptions(60).use_kv_cache(false));
+  EXPECT_EQ(cached.size(1), 90);
+  EXPECT_EQ(uncached.size(1), 90);
+  EXPECT_TRUE(cached.narrow(1, 0, 30).equal(prompt));
+  // Until the first refill both see the same context.
+  EXPECT_TRUE(cached.narrow(1, 30, 1).equal(uncached.narrow(1, 30, 1)));
+}
+
+TEST(Generate, BadArgumentsNameWhatIsWrong) {
+  train::AttentionModel model(text_model_config("mha", "math"));
+  model->eval();
+  const auto prompt = torch::zeros({1, 3}, torch::kInt64);
+  expect_error_containing([&] { generate(*model, prompt.to(torch::kFloat), GenerateOptions(1)); },
+                          "[generate] prompt: expected (batch, num_tokens) int64 token ids, got "
+                          "[1, 3] Float");
+  expect_error_containing([&] { generate(*model, prompt.view({3}), GenerateOptions(1)); },
+                          "[generate] prompt: expected (batch, num_tokens) int64 token ids");
+  expect_error_containing([&] { generate(*model, prompt, GenerateOptions(-1)); },
+                          "[generate] max_new_tokens must be >= 0, got -1");
+  expect_error_containing([&] { generate(*model, prompt, GenerateOptions(1).temperature(-1)); },
+                          "[generate] temperature must be >= 0 (0: greedy), got -1");
+  expect_error_containing([&] { generate(*model, prompt, GenerateOptions(1).top_k(-2)); },
+                          "[generate] top_k must be >= 0 (0: all tokens), got -2");
+  model->train();
+  expect_error_containing([&] { generate(*model, prompt, GenerateOptions(1)); },
+                          "the KV cache is for inference, but the module is in training mode");
+  train::AttentionModel causal(text_model_config("causal", ""));
+  causal->eval();
+  expect_error_containing([&] { generate(*causal, prompt, GenerateOptions(1)); },
+                          "--module causal has no KV cache (mha and mha-combined have one)");
+  EXPECT_EQ(generate(*causal, prompt, GenerateOptions(2).use_kv_cache(false)).size(1), 5);
+}
