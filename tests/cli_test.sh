@@ -62,6 +62,26 @@ if "$train" --device cuda --steps 1 >/dev/null 2>&1; then :; else
   expect 2 "--device cuda: CUDA is not available" -- --device cuda
 fi
 
+# --sample: generated with attnkit::generate, KV caches by default; refusals name the fix.
+text=(--task text --data "$source_dir/data/the-verdict.txt")
+expect 2 "--sample: only the text task generates, got --task copy" -- --sample 10
+expect 2 "--sample with --module causal: only mha and mha-combined have a KV cache; add --no-kv-cache" \
+  -- "${text[@]}" --module causal --sample 10
+for cache in "" --no-kv-cache; do
+  checks=$((checks + 1))
+  label=$([ -z "$cache" ] && echo "KV cache" || echo "no KV cache")
+  # 16 prompt bytes + 100 pass the 64-byte context: the cached run refills its caches.
+  if "$train" "${quick[@]}" "${text[@]}" --sample 100 $cache >"$work/out" 2>"$work/err" &&
+     grep -qE "^sample \(100 bytes, $label, [0-9]+ tokens/s\): \[" "$work/out"; then
+    echo "ok: --sample 100 $cache: $(grep -o '^sample ([^)]*)' "$work/out")"
+  else
+    echo "FAIL: --sample 100 $cache, stdout and stderr:"
+    sed 's/^/    /' "$work/out" "$work/err"
+    failures=$((failures + 1))
+  fi
+done
+expect 0 "" -- "${quick[@]}" "${text[@]}" --module causal --sample 20 --no-kv-cache --quiet
+
 # Checkpoints: an incompatible or foreign one is refused.
 expect 0 "" -- "${quick[@]}" --save "$work/run.pt" --quiet
 expect 2 "incompatible checkpoint '$work/run.pt': it was trained with --module mha, this run has --module causal" \
