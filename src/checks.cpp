@@ -13,9 +13,39 @@ void check_dropout_option(const char* module, double dropout) {
               "] option dropout must be in [0, 1), got ", dropout);
 }
 
+void check_window_option(const char* module, const c10::optional<int64_t>& window, bool causal) {
+  if (!window.has_value())
+    return;
+  TORCH_CHECK(*window >= 1, "[", module, "] option sliding_window_size must be >= 1, got ",
+              *window);
+  TORCH_CHECK(causal, "[", module, "] option sliding_window_size (", *window,
+              ") limits how far back a token attends, so it needs causal = true");
+}
+
 void check_query_offset(const char* fn, int64_t query_offset) {
   TORCH_CHECK(query_offset >= 0, fn,
               " query_offset must be >= 0 (the key position of query 0), got ", query_offset);
+}
+
+void check_window_size(const char* fn, const c10::optional<int64_t>& window_size, bool is_causal) {
+  if (!window_size.has_value())
+    return;
+  TORCH_CHECK(*window_size >= 1, fn, " window_size must be >= 1, got ", *window_size);
+  TORCH_CHECK(is_causal, fn, " window_size (", *window_size,
+              ") restricts the causal mask, so it needs is_causal = true");
+}
+
+int64_t query_heads_per_kv_head(const char* fn, const torch::Tensor& query,
+                                const torch::Tensor& key) {
+  if (query.dim() < 4 || key.dim() < 4 || query.size(-3) == key.size(-3))
+    return 1;
+  const int64_t heads = query.size(-3), kv_heads = key.size(-3);
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, fn,
+              " key and value heads (dim -3) must divide the query heads (grouped-query "
+              "attention), got ",
+              kv_heads, " key/value heads for ", heads, " query heads (query ", shape_string(query),
+              ", key ", shape_string(key), ")");
+  return heads / kv_heads;
 }
 
 std::string shape_string(const torch::Tensor& t) {

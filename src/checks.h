@@ -15,8 +15,21 @@ void check_positive_option(const char* module, const char* name, int64_t value);
 /// Fails unless `0 <= dropout < 1`.
 void check_dropout_option(const char* module, double dropout);
 
+/// Fails unless an option sliding_window_size is unset, or >= 1 on a causal module.
+void check_window_option(const char* module, const c10::optional<int64_t>& window, bool causal);
+
 /// Fails unless `query_offset >= 0`; `fn` names the caller ("[chunked_attention]").
 void check_query_offset(const char* fn, int64_t query_offset);
+
+/// Fails unless an unset `window_size`, or one >= 1 together with `is_causal` (a sliding
+/// window is a restriction of the causal mask).
+void check_window_size(const char* fn, const c10::optional<int64_t>& window_size, bool is_causal);
+
+/// Query heads per key/value head of query (b, ..., H, n, hd) against key (b, ..., G, m, hd):
+/// 1 for tensors below 4-D (no head dimension) or with equal head counts; fails unless G
+/// divides H.
+int64_t query_heads_per_kv_head(const char* fn, const torch::Tensor& query,
+                                const torch::Tensor& key);
 
 /// What a module's forward accepts.
 struct InputSpec {

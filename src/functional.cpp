@@ -45,14 +45,20 @@ torch::Tensor simple_self_attention(const torch::Tensor& x) {
 }
 
 torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::Device& device,
-                          int64_t query_offset) {
+                          int64_t query_offset, c10::optional<int64_t> window_size) {
   TORCH_CHECK(num_queries >= 0 && num_keys >= 0,
               "[causal_mask] sizes must be >= 0, got num_queries = ", num_queries,
               ", num_keys = ", num_keys);
   detail::check_query_offset("[causal_mask]", query_offset);
+  detail::check_window_size("[causal_mask]", window_size, /*is_causal=*/true);
+  const auto ones = torch::ones({num_queries, num_keys}, torch::dtype(torch::kBool).device(device));
   // Row i is masked from column query_offset + i + 1 on.
-  return torch::ones({num_queries, num_keys}, torch::dtype(torch::kBool).device(device))
-      .triu(/*diagonal=*/1 + query_offset);
+  auto mask = ones.triu(/*diagonal=*/1 + query_offset);
+  if (window_size.has_value()) {
+    // ... and up to column query_offset + i - window_size.
+    mask.logical_or_(ones.tril(/*diagonal=*/query_offset - *window_size));
+  }
+  return mask;
 }
 
 torch::Tensor causal_weights_by_renormalizing(const torch::Tensor& attn_weights) {
@@ -100,6 +106,7 @@ void check_sdpa_arguments(const torch::Tensor& q, const torch::Tensor& k, const 
   TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
               " dropout_p must be in [0, 1), got ", options.dropout_p());
   detail::check_query_offset(fn, options.query_offset());
+  detail::check_window_size(fn, options.window_size(), options.is_causal());
   const auto& mask = options.attn_mask();
   if (mask.defined()) {
     TORCH_CHECK(mask.scalar_type() == torch::kBool, fn,
@@ -117,13 +124,22 @@ AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& q
                                                           const torch::Tensor& value,
                                                           const SdpaOptions& options) {
   check_sdpa_arguments(query, key, value, options);
+  if (query.dim() >= 4 && key.dim() >= 4 && key.size(-3) < query.size(-3)) {
+    // Grouped-query attention, the reference way: each key/value head repeated for the
+    // query heads of its group, (..., G, m, hd) -> (..., H, m, hd).
+    const auto group =
+        detail::query_heads_per_kv_head("[scaled_dot_product_attention]", query, key);
+    return scaled_dot_product_attention_with_weights(query, key.repeat_interleave(group, -3),
+                                                     value.repeat_interleave(group, -3), options);
+  }
   const auto num_queries = query.size(-2);
   const auto num_keys = key.size(-2);
 
   auto mask = options.attn_mask();
   const bool given_mask = mask.defined();
   if (options.is_causal()) {
-    const auto causal = causal_mask(num_queries, num_keys, query.device(), options.query_offset());
+    const auto causal = causal_mask(num_queries, num_keys, query.device(), options.query_offset(),
+                                    options.window_size());
     mask = given_mask ? mask.logical_or(causal) : causal;
   }
 

@@ -9,6 +9,11 @@
 // only tensors are the inputs, the outputs and the weights autograd keeps for backward.
 // The inner loops are unit-stride multiply-adds that the compiler vectorizes; the key and
 // value slices are transposed into a small buffer so that score rows are such loops too.
+//
+// Grouped-query attention reads each key/value slice for every query head of its group;
+// backward gives each query head its own key and value gradients, summed per group at the
+// end (the kernel's tensors are small). A sliding window limits each row's softmax, context
+// and gradient sums to the keys in its window.
 
 #include <algorithm>
 #include <cmath>
@@ -78,11 +83,28 @@ struct SliceSizes {
   int64_t n, m, d, dv;
   bool causal;
   int64_t query_offset;  // key position of query row 0 (causal only)
-  // Keys query row i sees: all, or (causal, as causal_mask) j <= query_offset + i.
+  int64_t window;        // sliding window (causal only); 0: none
+  // Keys query row i sees: [key_begin(i), key_end(i)); all, or (causal, as causal_mask)
+  // j <= query_offset + i, and (window) j > query_offset + i - window.
   int64_t key_end(int64_t i) const { return causal ? std::min(m, query_offset + i + 1) : m; }
-  // First query row that sees key j: 0, or (causal) the row at position j, within [0, n].
+  int64_t key_begin(int64_t i) const {
+    return window > 0 ? std::clamp<int64_t>(query_offset + i - window + 1, 0, m) : 0;
+  }
+  // Query rows that see key j: [first_row(j), row_end(j)), within [0, n].
   int64_t first_row(int64_t j) const {
     return causal ? std::clamp<int64_t>(j - query_offset, 0, n) : 0;
+  }
+  int64_t row_end(int64_t j) const {
+    return window > 0 ? std::clamp<int64_t>(j - query_offset + window, 0, n) : n;
+  }
+};
+
+// Where a slice's keys and values are: query slice s of (outer, heads) uses key/value slice
+// kv_slice(s) of (outer, heads / group_size).
+struct HeadGroups {
+  int64_t heads, group_size;
+  int64_t kv_slice(int64_t s) const {
+    return (s / heads) * (heads / group_size) + (s % heads) / group_size;
   }
 };
 
@@ -185,38 +207,40 @@ struct Scratch {
   }
 };
 
-// `weights` (n, m) receives softmax(q k^T * scale) with zeros above the causal diagonal;
-// out (n, dv) = (weights * keep) v, where `keep` (n, m) is the scaled dropout mask or null.
+// `weights` (n, m) receives softmax(q k^T * scale) with zeros outside the keys each row
+// sees; out (n, dv) = (weights * keep) v, where `keep` (n, m) is the scaled dropout mask or
+// null.
 template <typename T>
 void forward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> out, T* weights,
                    const T* keep, const SliceSizes& z, T scale, Scratch<T>& scratch) {
   const auto keys_t = scratch.transpose(k, z.m, z.d);  // (d, padded m)
   T* scores = scratch.row.data();
   for (int64_t i = 0; i < z.n; ++i) {
-    const int64_t end = z.key_end(i);
+    const int64_t begin = z.key_begin(i), end = z.key_end(i);
     // Whole blocks of keys: the padding columns of keys_t are zero.
     weighted_row_sum(z.d, q[i], 1, keys_t, round_up_to_block(end), scores);
     T* p = weights + i * z.m;
-    T row_max = scores[0];
-    for (int64_t j = 1; j < end; ++j)
+    T row_max = scores[begin];
+    for (int64_t j = begin + 1; j < end; ++j)
       row_max = std::max(row_max, scores[j]);
     T sum = 0;
-    for (int64_t j = 0; j < end; ++j) {
+    for (int64_t j = begin; j < end; ++j) {
       p[j] = std::exp((scores[j] - row_max) * scale);
       sum += p[j];
     }
     const T inverse = T(1) / sum;
-    for (int64_t j = 0; j < end; ++j)
+    for (int64_t j = begin; j < end; ++j)
       p[j] *= inverse;
+    std::fill(p, p + begin, T(0));
     std::fill(p + end, p + z.m, T(0));
     const T* used = p;
     if (keep) {
       T* dropped = scratch.row.data();
-      for (int64_t j = 0; j < end; ++j)
+      for (int64_t j = begin; j < end; ++j)
         dropped[j] = p[j] * keep[i * z.m + j];
       used = dropped;
     }
-    weighted_row_sum(end, used, 1, v, z.dv, out[i]);
+    weighted_row_sum(end - begin, used + begin, 1, {v[begin], v.stride}, z.dv, out[i]);
   }
 }
 
@@ -231,19 +255,20 @@ void backward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<cons
   T* grad_dropped = scratch.row.data();
   T* grad_scores = scratch.grad_scores.data();
   for (int64_t i = 0; i < z.n; ++i) {
-    const int64_t end = z.key_end(i);
+    const int64_t begin = z.key_begin(i), end = z.key_end(i);
     const T* p = weights + i * z.m;
     weighted_row_sum(z.dv, grad_out[i], 1, values_t, round_up_to_block(end), grad_dropped);
     T* ds = grad_scores + i * z.m;
     T row_dot = 0;
-    for (int64_t j = 0; j < end; ++j) {
+    for (int64_t j = begin; j < end; ++j) {
       ds[j] = keep ? grad_dropped[j] * keep[i * z.m + j] : grad_dropped[j];  // dP
       row_dot += ds[j] * p[j];
     }
-    for (int64_t j = 0; j < end; ++j)
+    for (int64_t j = begin; j < end; ++j)
       ds[j] = p[j] * (ds[j] - row_dot) * scale;
+    std::fill(ds, ds + begin, T(0));
     std::fill(ds + end, ds + z.m, T(0));
-    weighted_row_sum(end, ds, 1, k, z.d, grad_q[i]);
+    weighted_row_sum(end - begin, ds + begin, 1, {k[begin], k.stride}, z.d, grad_q[i]);
   }
   const T* dropped = weights;
   if (keep) {
@@ -251,12 +276,13 @@ void backward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<cons
       scratch.dropped[x] = weights[x] * keep[x];
     dropped = scratch.dropped.data();
   }
-  // Column j of dS and D is zero above the diagonal: rows from first_row(j) only.
+  // Column j of dS and D is zero outside the rows that see key j.
   for (int64_t j = 0; j < z.m; ++j) {
     const int64_t first = z.first_row(j);
+    const int64_t rows = std::max<int64_t>(z.row_end(j) - first, 0);
     const Rows<const T> q_from{q[first], q.stride}, grad_out_from{grad_out[first], grad_out.stride};
-    weighted_row_sum(z.n - first, grad_scores + first * z.m + j, z.m, q_from, z.d, grad_k[j]);
-    weighted_row_sum(z.n - first, dropped + first * z.m + j, z.m, grad_out_from, z.dv, grad_v[j]);
+    weighted_row_sum(rows, grad_scores + first * z.m + j, z.m, q_from, z.d, grad_k[j]);
+    weighted_row_sum(rows, dropped + first * z.m + j, z.m, grad_out_from, z.dv, grad_v[j]);
   }
 }
 
@@ -270,9 +296,10 @@ std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
                                                     const torch::Tensor& k4,
                                                     const torch::Tensor& v4, torch::Tensor& out4,
                                                     bool causal, int64_t query_offset,
-                                                    double dropout_p) {
+                                                    int64_t window, double dropout_p) {
   const int64_t outer = q4.size(0), heads = q4.size(1);
-  const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal, query_offset};
+  const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal, query_offset, window};
+  const HeadGroups groups{heads, heads / k4.size(1)};
   auto weights = torch::empty({outer, heads, z.n, z.m}, q4.options());
   torch::Tensor keep;
   if (dropout_p > 0.0) {
@@ -289,7 +316,8 @@ std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
     at::parallel_for(0, outer * heads, kSlicesPerTask, [&](int64_t begin, int64_t end) {
       Scratch<scalar_t> scratch(z, z.d, /*backward=*/false, kp != nullptr);
       for (int64_t s = begin; s < end; ++s) {
-        forward_slice(qs[s], ks[s], vs[s], os[s], w + s * z.n * z.m,
+        const int64_t kv = groups.kv_slice(s);
+        forward_slice(qs[s], ks[kv], vs[kv], os[s], w + s * z.n * z.m,
                       kp ? kp + s * z.n * z.m : nullptr, z, scale, scratch);
       }
     });
@@ -298,13 +326,15 @@ std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
 }
 
 // Runs the backward kernel: fills grad_q4, grad_k4 and grad_v4 ((outer, heads, rows, f)
-// views with unit-stride rows) from grad_out4 and what run_forward returned.
+// views with unit-stride rows, all three with the query heads) from grad_out4 and what
+// run_forward returned.
 void run_backward(const torch::Tensor& q4, const torch::Tensor& k4, const torch::Tensor& v4,
                   const torch::Tensor& grad_out4, const torch::Tensor& weights,
-                  const torch::Tensor& keep, bool causal, int64_t query_offset,
+                  const torch::Tensor& keep, bool causal, int64_t query_offset, int64_t window,
                   torch::Tensor& grad_q4, torch::Tensor& grad_k4, torch::Tensor& grad_v4) {
   const int64_t outer = q4.size(0), heads = q4.size(1);
-  const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal, query_offset};
+  const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal, query_offset, window};
+  const HeadGroups groups{heads, heads / k4.size(1)};
   AT_DISPATCH_FLOATING_TYPES(q4.scalar_type(), "fused_attention_backward", [&] {
     const Slices<const scalar_t> qs(q4), ks(k4), vs(v4), gos(grad_out4);
     const Slices<scalar_t> gqs(grad_q4), gks(grad_k4), gvs(grad_v4);
@@ -314,7 +344,8 @@ void run_backward(const torch::Tensor& q4, const torch::Tensor& k4, const torch:
     at::parallel_for(0, outer * heads, kSlicesPerTask, [&](int64_t begin, int64_t end) {
       Scratch<scalar_t> scratch(z, z.dv, /*backward=*/true, kp != nullptr);
       for (int64_t s = begin; s < end; ++s) {
-        backward_slice(qs[s], ks[s], vs[s], gos[s], w + s * z.n * z.m,
+        const int64_t kv = groups.kv_slice(s);
+        backward_slice(qs[s], ks[kv], vs[kv], gos[s], w + s * z.n * z.m,
                        kp ? kp + s * z.n * z.m : nullptr, gqs[s], gks[s], gvs[s], z, scale,
                        scratch);
       }
@@ -322,17 +353,29 @@ void run_backward(const torch::Tensor& q4, const torch::Tensor& k4, const torch:
   });
 }
 
+// Per-query-head key or value gradients (outer, heads, m, f) -> (outer, kv_heads, m, f),
+// summed over each group's query heads.
+torch::Tensor sum_over_groups(const torch::Tensor& grad4, int64_t kv_heads) {
+  const int64_t heads = grad4.size(1);
+  if (heads == kv_heads)
+    return grad4;
+  // (outer, heads, m, f) -> (outer, kv_heads, heads / kv_heads, m, f)
+  return grad4.unflatten(1, {kv_heads, heads / kv_heads}).sum(2);
+}
+
 struct FusedAttention : public torch::autograd::Function<FusedAttention> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, bool causal, int64_t query_offset,
-                               double dropout_p) {
+                               int64_t window, double dropout_p) {
     const auto q4 = unit_stride_slices(q), k4 = unit_stride_slices(k), v4 = unit_stride_slices(v);
     auto out4 =
         empty_heads_interleaved(q4.size(0), q4.size(1), q4.size(2), v4.size(3), q.options());
-    const auto [weights, keep] = run_forward(q4, k4, v4, out4, causal, query_offset, dropout_p);
+    const auto [weights, keep] =
+        run_forward(q4, k4, v4, out4, causal, query_offset, window, dropout_p);
     ctx->save_for_backward({q, k, v, weights, keep});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["query_offset"] = query_offset;
+    ctx->saved_data["window"] = window;
     return shaped_like(out4, q);
   }
 
@@ -346,13 +389,13 @@ struct FusedAttention : public torch::autograd::Function<FusedAttention> {
     auto grad_v4 = empty_heads_interleaved(outer, heads, v4.size(2), v4.size(3), v4.options());
     run_backward(q4, k4, v4, unit_stride_slices(grads[0]), saved[3], saved[4],
                  ctx->saved_data["causal"].toBool(), ctx->saved_data["query_offset"].toInt(),
-                 grad_q4, grad_k4, grad_v4);
-    return {shaped_like(grad_q4, saved[0]),
-            shaped_like(grad_k4, saved[1]),
-            shaped_like(grad_v4, saved[2]),
-            torch::Tensor(),
-            torch::Tensor(),
-            torch::Tensor()};
+                 ctx->saved_data["window"].toInt(), grad_q4, grad_k4, grad_v4);
+    const int64_t kv_heads = k4.size(1);
+    variable_list grads_in{shaped_like(grad_q4, saved[0]),
+                           shaped_like(sum_over_groups(grad_k4, kv_heads), saved[1]),
+                           shaped_like(sum_over_groups(grad_v4, kv_heads), saved[2])};
+    grads_in.resize(7);  // none for the four non-tensor arguments
+    return grads_in;
   }
 };
 
@@ -368,15 +411,16 @@ torch::Tensor packed_part(const torch::Tensor& packed, int64_t index, int64_t he
 // one (b, n, 3 * d) tensor instead of autograd concatenating three.
 struct FusedPackedAttention : public torch::autograd::Function<FusedPackedAttention> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& qkv, int64_t heads,
-                               bool causal, double dropout_p) {
+                               bool causal, int64_t window, double dropout_p) {
     const int64_t b = qkv.size(0), n = qkv.size(1), width = qkv.size(2) / 3;
     auto out4 = empty_heads_interleaved(b, heads, n, width / heads, qkv.options());
     const auto [weights, keep] = run_forward(packed_part(qkv, 0, heads), packed_part(qkv, 1, heads),
                                              packed_part(qkv, 2, heads), out4, causal,
-                                             /*query_offset=*/0, dropout_p);
+                                             /*query_offset=*/0, window, dropout_p);
     ctx->save_for_backward({qkv, weights, keep});
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window;
     // (b, h, n, hd) laid out as (b, n, h, hd) -> (b, n, h * hd): a view
     return out4.transpose(1, 2).view({b, n, width});
   }
@@ -394,8 +438,8 @@ struct FusedPackedAttention : public torch::autograd::Function<FusedPackedAttent
         grad_out.reshape({grad_out.size(0), grad_out.size(1), heads, -1}).transpose(1, 2));
     run_backward(packed_part(qkv, 0, heads), packed_part(qkv, 1, heads), packed_part(qkv, 2, heads),
                  grad_out4, saved[1], saved[2], ctx->saved_data["causal"].toBool(),
-                 /*query_offset=*/0, grad_q4, grad_k4, grad_v4);
-    return {grad_qkv, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+                 /*query_offset=*/0, ctx->saved_data["window"].toInt(), grad_q4, grad_k4, grad_v4);
+    return {grad_qkv, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -416,10 +460,11 @@ void check_cpu_floating(const char* fn, const char* what,
   TORCH_CHECK(same, fn, " expected ", what, " to be float32 or float64 (one dtype), got ", got);
 }
 
-void check_dropout_and_offset(const char* fn, const FusedOptions& options) {
+void check_fused_options(const char* fn, const FusedOptions& options) {
   TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
               " dropout_p must be in [0, 1), got ", options.dropout_p());
   detail::check_query_offset(fn, options.query_offset());
+  detail::check_window_size(fn, options.window_size(), options.is_causal());
 }
 
 }  // namespace
@@ -429,10 +474,10 @@ torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& k
   const char* fn = "[fused_attention]";
   detail::check_qkv_layout(fn, query, key, value);
   check_cpu_floating(fn, "query, key and value", {query, key, value});
-  check_dropout_and_offset(fn, options);
+  check_fused_options(fn, options);
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
   return FusedAttention::apply(query, key, value, options.is_causal(), options.query_offset(),
-                               dropout_p);
+                               options.window_size().value_or(0), dropout_p);
 }
 
 torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
@@ -444,41 +489,54 @@ torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads
               qkv.size(2), " must be 3 * num_heads * head_dim, with num_heads = ", num_heads);
   TORCH_CHECK(qkv.size(1) >= 1, fn, " qkv must hold at least one token");
   check_cpu_floating(fn, "qkv", {qkv});
-  check_dropout_and_offset(fn, options);
+  check_fused_options(fn, options);
   TORCH_CHECK(options.query_offset() == 0, fn,
               " queries and keys are the same tokens, so query_offset must be 0, got ",
               options.query_offset());
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-  return FusedPackedAttention::apply(qkv, num_heads, options.is_causal(), dropout_p);
+  return FusedPackedAttention::apply(qkv, num_heads, options.is_causal(),
+                                     options.window_size().value_or(0), dropout_p);
 }
 
 torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::Tensor& key,
                                       const torch::Tensor& value, const FusedOptions& options) {
   const char* fn = "[fused_backend_attention]";
-  detail::check_qkv_layout(fn, query, key, value);
-  check_dropout_and_offset(fn, options);
+  const int64_t group_size = detail::check_qkv_layout(fn, query, key, value);
+  check_fused_options(fn, options);
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
 #if TORCH_VERSION_MAJOR >= 2
   // Flash / memory-efficient kernels on CUDA, a flash kernel on CPU (from 2.1). LibTorch's
-  // is_causal aligns the mask top-left whatever n and m are, so it serves only offset 0.
-  const int64_t num_keys = key.size(-2);
-  if (!options.is_causal() || options.query_offset() == 0) {
-    return at::scaled_dot_product_attention(query, key, value, /*attn_mask=*/{}, dropout_p,
-                                            options.is_causal());
+  // is_causal aligns the mask top-left whatever n and m are, and knows no window, so it
+  // serves offset 0 without a window; a one-token decode step (query 0 sees every key)
+  // needs no mask, and anything else an explicit one.
+  const int64_t num_queries = query.size(-2), num_keys = key.size(-2);
+  const int64_t offset = options.query_offset();
+  const auto& window = options.window_size();
+  // Whether the window hides a key from some query: the last query's distance to key 0.
+  const bool window_masks = window.has_value() && offset + num_queries - 1 >= *window;
+  bool is_causal = false;
+  c10::optional<at::Tensor> visible;  // true = attend
+  if (options.is_causal()) {
+    if (offset == 0 && !window_masks) {
+      is_causal = true;
+    } else if (offset < num_keys - 1 || window_masks) {
+      visible = causal_mask(num_queries, num_keys, query.device(), offset, window).logical_not();
+    }
   }
-  if (options.query_offset() >= num_keys - 1) {
-    // Query 0 already sees every key (a one-token decode step): nothing to mask.
-    return at::scaled_dot_product_attention(query, key, value, /*attn_mask=*/{}, dropout_p,
-                                            /*is_causal=*/false);
-  }
-  // Queries in the middle of the keys (chunked prefill): an explicit mask, true = attend.
-  const auto visible =
-      causal_mask(query.size(-2), num_keys, query.device(), options.query_offset()).logical_not();
-  return at::scaled_dot_product_attention(query, key, value, visible, dropout_p,
-                                          /*is_causal=*/false);
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5
+  return at::scaled_dot_product_attention(query, key, value, visible, dropout_p, is_causal,
+                                          /*scale=*/c10::nullopt,
+                                          /*enable_gqa=*/group_size > 1);
+#else
+  // No grouped-query support before 2.5: the key/value heads repeated for their groups.
+  return at::scaled_dot_product_attention(query, key.repeat_interleave(group_size, -3),
+                                          value.repeat_interleave(group_size, -3), visible,
+                                          dropout_p, is_causal);
+#endif
 #else
   // LibTorch 1.13 has no fused attention kernel: attnkit's own for short sequences on CPU,
   // else the math core.
+  (void)group_size;
   if (fused_attention_fits(query.size(-2), key.size(-2), query.options())) {
     return fused_attention(query, key, value, options);
   }
@@ -486,6 +544,7 @@ torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::T
                                       SdpaOptions()
                                           .is_causal(options.is_causal())
                                           .query_offset(options.query_offset())
+                                          .window_size(options.window_size())
                                           .dropout_p(dropout_p)
                                           .training(dropout_p > 0));
 #endif

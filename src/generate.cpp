@@ -80,7 +80,9 @@ torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
   // Just the positions this call can use; one prefill of the prompt's last `context` tokens.
   auto caches = model.make_kv_caches(batch, std::min(total, context));
   TORCH_CHECK(!caches.empty(), "[generate] make_kv_caches returned no cache");
-  const int64_t capacity = caches.front().capacity();
+  // Positions the caches take before a refill: their capacity, or for rolling caches
+  // (sliding-window attention) the model's context.
+  const int64_t capacity = std::min(caches.front().max_positions(), context);
   auto logits =
       model.logits_with_cache(window(prompt_length, std::min(prompt_length, capacity)), caches)
           .select(1, -1);

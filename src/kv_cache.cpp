@@ -1,5 +1,7 @@
 #include "attnkit/kv_cache.h"
 
+#include <limits>
+
 #include "checks.h"
 
 namespace attnkit {
@@ -17,51 +19,128 @@ KVCache::KVCache(int64_t batch, int64_t num_heads, int64_t head_dim, int64_t cap
   values_ = torch::zeros_like(keys_);
 }
 
+KVCache KVCache::sliding_window(int64_t batch, int64_t num_heads, int64_t head_dim,
+                                int64_t window_size, const torch::TensorOptions& options) {
+  TORCH_CHECK(window_size >= 1, "[KVCache::sliding_window] window_size must be >= 1, got ",
+              window_size);
+  KVCache cache(batch, num_heads, head_dim, window_size, options);
+  cache.window_size_ = window_size;
+  return cache;
+}
+
+KVCache KVCache::latent(int64_t batch, int64_t latent_dim, int64_t capacity,
+                        const torch::TensorOptions& options) {
+  TORCH_CHECK(latent_dim >= 1, "[KVCache::latent] latent_dim must be >= 1, got ", latent_dim);
+  KVCache cache(batch, /*num_heads=*/1, latent_dim, capacity, options);
+  cache.values_ = torch::Tensor();
+  return cache;
+}
+
+int64_t KVCache::max_positions() const {
+  return window_size_ > 0 ? std::numeric_limits<int64_t>::max() : capacity();
+}
+
 int64_t KVCache::nbytes() const {
-  return keys_.defined() ? 2 * keys_.numel() * static_cast<int64_t>(keys_.element_size()) : 0;
+  const auto bytes = [](const torch::Tensor& t) {
+    return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+  };
+  return bytes(keys_) + bytes(values_);
+}
+
+int64_t KVCache::bytes_per_token() const {
+  return keys_.defined() ? nbytes() / (batch() * capacity()) : 0;
 }
 
 torch::TensorOptions KVCache::options() const {
   return keys_.defined() ? keys_.options() : torch::TensorOptions();
 }
 
-std::pair<torch::Tensor, torch::Tensor> KVCache::append(const torch::Tensor& keys,
-                                                        const torch::Tensor& values) {
-  const char* fn = "[KVCache::append]";
+void KVCache::check_appended(const char* fn, const char* what, const torch::Tensor& t) const {
   TORCH_CHECK(keys_.defined(), fn,
               " this cache has no storage (default-constructed); make one with "
               "KVCache(batch, num_heads, head_dim, capacity) or a module's make_kv_cache");
-  TORCH_CHECK(keys.defined() && values.defined() && keys.dim() == 4 &&
-                  keys.sizes() == values.sizes() && keys.size(0) == batch() &&
-                  keys.size(1) == num_heads() && keys.size(3) == head_dim(),
-              fn, " keys and values: expected (batch, num_heads, n, head_dim) = (", batch(), ", ",
-              num_heads(), ", n, ", head_dim(), ") each, got ",
-              keys.defined() ? detail::shape_string(keys) : "undefined", " and ",
-              values.defined() ? detail::shape_string(values) : "undefined");
-  TORCH_CHECK(keys.scalar_type() == keys_.scalar_type() &&
-                  values.scalar_type() == keys_.scalar_type() && keys.device() == keys_.device() &&
-                  values.device() == keys_.device(),
-              fn, " keys and values must match the cache's dtype and device (", keys_.scalar_type(),
-              " on ", keys_.device(), "), got ", keys.scalar_type(), " on ", keys.device(), " and ",
-              values.scalar_type(), " on ", values.device());
-  const int64_t n = keys.size(2);
-  TORCH_CHECK(size_ + n <= capacity(), fn, " ", n, " more positions do not fit: the cache holds ",
-              size_, " of its capacity ", capacity());
+  TORCH_CHECK(t.defined() && t.dim() == 4 && t.size(0) == batch() && t.size(1) == num_heads() &&
+                  t.size(3) == head_dim(),
+              fn, " ", what, ": expected (", batch(), ", ", num_heads(), ", n, ", head_dim(),
+              "), got ", t.defined() ? detail::shape_string(t) : "undefined");
+  TORCH_CHECK(t.scalar_type() == keys_.scalar_type() && t.device() == keys_.device(), fn, " ", what,
+              " must match the cache's dtype and device (", keys_.scalar_type(), " on ",
+              keys_.device(), "), got ", t.scalar_type(), " on ", t.device());
+  const int64_t n = t.size(2);
+  TORCH_CHECK(n <= max_positions() - size_, fn, " ", n,
+              " more positions do not fit: the cache holds ", size_, " of its capacity ",
+              capacity());
+}
+
+KVCache::Span KVCache::append(const torch::Tensor& keys, const torch::Tensor& values) {
+  const char* fn = "[KVCache::append]";
+  TORCH_CHECK(!is_latent(), fn, " this is a latent cache; use append_latent");
+  check_appended(fn, "keys", keys);
+  check_appended(fn, "values", values);
+  TORCH_CHECK(keys.sizes() == values.sizes(), fn, " keys and values must have the same shape, got ",
+              detail::shape_string(keys), " and ", detail::shape_string(values));
   torch::NoGradGuard no_grad;
-  keys_.narrow(2, size_, n).copy_(keys);
-  values_.narrow(2, size_, n).copy_(values);
+  const int64_t n = keys.size(2);
+  const int64_t start = size_;
+  if (window_size_ == 0) {
+    keys_.narrow(2, start, n).copy_(keys);
+    values_.narrow(2, start, n).copy_(values);
+    size_ += n;
+    return {this->keys(), this->values(), start};
+  }
+  const int64_t window = window_size_;
+  if (n == 1) {
+    // Position p lives in slot p % window. The one query sees every position held, so
+    // the storage order will do.
+    keys_.narrow(2, start % window, 1).copy_(keys);
+    values_.narrow(2, start % window, 1).copy_(values);
+    size_ += 1;
+    return {this->keys(), this->values(), held() - 1};
+  }
+  // Several queries need their keys in order: the positions held, oldest first (slot
+  // start % window once the buffer has wrapped), then the new ones.
+  const int64_t held_before = held();
+  const int64_t oldest = start > window ? start % window : 0;
+  const auto in_order = [&](const torch::Tensor& storage, const torch::Tensor& appended) {
+    const auto held_part = storage.narrow(2, 0, held_before);
+    return torch::cat({held_part.roll(-oldest, 2), appended}, 2);
+  };
+  Span span{in_order(keys_, keys), in_order(values_, values), held_before};
+  // Keep the last `window` positions: position p to slot p % window.
+  const int64_t keep = std::min(window, n);
+  const auto slots =
+      torch::arange(start + n - keep, start + n, torch::dtype(torch::kInt64).device(keys_.device()))
+          .remainder_(window);
+  keys_.index_copy_(2, slots, keys.narrow(2, n - keep, keep));
+  values_.index_copy_(2, slots, values.narrow(2, n - keep, keep));
   size_ += n;
-  return {this->keys(), this->values()};
+  return span;
+}
+
+torch::Tensor KVCache::append_latent(const torch::Tensor& latents) {
+  const char* fn = "[KVCache::append_latent]";
+  TORCH_CHECK(is_latent(), fn, " this cache holds keys and values; use append");
+  TORCH_CHECK(latents.defined() && latents.dim() == 3, fn,
+              " latents: expected (batch, n, latent_dim), got ",
+              latents.defined() ? detail::shape_string(latents) : "undefined");
+  // (b, n, latent_dim) -> (b, 1, n, latent_dim), the storage's layout
+  const auto as_heads = latents.unsqueeze(1);
+  check_appended(fn, "latents", as_heads);
+  torch::NoGradGuard no_grad;
+  keys_.narrow(2, size_, latents.size(1)).copy_(as_heads);
+  size_ += latents.size(1);
+  return keys().select(1, 0);
 }
 
 torch::Tensor KVCache::keys() const {
   TORCH_CHECK(keys_.defined(), "[KVCache::keys] this cache has no storage");
-  return keys_.narrow(2, 0, size_);
+  return keys_.narrow(2, 0, held());
 }
 
 torch::Tensor KVCache::values() const {
-  TORCH_CHECK(values_.defined(), "[KVCache::values] this cache has no storage");
-  return values_.narrow(2, 0, size_);
+  TORCH_CHECK(values_.defined(), "[KVCache::values] this cache has no values (",
+              keys_.defined() ? "a latent cache" : "no storage", ")");
+  return values_.narrow(2, 0, held());
 }
 
 }  // namespace attnkit

@@ -19,6 +19,9 @@ inline std::string option_text(double value) {
 inline const char* option_text(bool value) {
   return value ? "true" : "false";
 }
+inline std::string option_text(const c10::optional<int64_t>& value) {
+  return value.has_value() ? std::to_string(*value) : "none";
+}
 
 /// The book's buffer: `torch.triu(torch.ones(L, L), diagonal=1)`, float, 1 above the diagonal.
 inline torch::Tensor causal_mask_buffer(int64_t context_length) {

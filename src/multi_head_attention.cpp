@@ -5,6 +5,7 @@
 #include <torch/version.h>
 
 #include "checks.h"
+#include "module_attention.h"
 #include "module_helpers.h"
 
 namespace attnkit {
@@ -24,6 +25,7 @@ void check_multi_head_options(const char* name, const MultiHeadAttentionOptions&
   TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", name,
               "] option d_out must be divisible by num_heads, got d_out = ", options.d_out(),
               ", num_heads = ", options.num_heads());
+  detail::check_window_option(name, options.sliding_window_size(), options.causal());
 }
 
 void print_multi_head_options(std::ostream& stream, const char* name,
@@ -34,23 +36,16 @@ void print_multi_head_options(std::ostream& stream, const char* name,
          << ", num_heads=" << options.num_heads()
          << ", qkv_bias=" << detail::option_text(options.qkv_bias())
          << ", causal=" << detail::option_text(options.causal())
+         << ", sliding_window_size=" << detail::option_text(options.sliding_window_size())
          << ", backend=" << backend_name(options.backend())
          << ", chunk_size=" << options.chunk_size()
          << ", key_chunk_size=" << options.key_chunk_size() << ")";
 }
 
-// The book's path: attention over split heads (b, h, n, hd) with the `mask` buffer, then
-// heads merged and projected; also returns the weights.
-F::AttentionOutput attend_heads(const torch::Tensor& queries, const torch::Tensor& keys,
-                                const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
-                                const torch::Tensor& mask_buffer, bool training,
-                                torch::nn::Linear& out_proj) {
-  auto sdpa = F::SdpaOptions().dropout_p(opt.dropout()).training(training);
-  if (opt.causal()) {
-    sdpa.attn_mask(detail::mask_for(mask_buffer, queries.size(2)));
-  }
-  auto attended = F::scaled_dot_product_attention_with_weights(queries, keys, values, sdpa);
-  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
+// The settings the attention core gets from the module's options.
+detail::AttentionSettings settings_of(const MultiHeadAttentionOptions& opt) {
+  return {opt.causal(),  opt.sliding_window_size(), opt.dropout(),
+          opt.backend(), opt.chunk_size(),          opt.key_chunk_size()};
 }
 
 // Seed 001's layout: (b, n, 3 * d_out) -> 3 x (b, h, n, hd).
@@ -62,97 +57,41 @@ std::vector<torch::Tensor> split_combined_qkv(const torch::Tensor& qkv_out, int6
   return qkv_out.view({b, n, num_heads, head_width}).permute({0, 2, 1, 3}).chunk(3, -1);
 }
 
-// The module's causal and dropout options for the fused backend.
-F::FusedOptions fused_options(const MultiHeadAttentionOptions& opt, bool training) {
-  return F::FusedOptions().is_causal(opt.causal()).dropout_p(opt.dropout()).training(training);
-}
-
-// The fused and chunked backends' attention over split heads: (b, h, n, hd) x (b, h, m, hd)
-// -> (b, h, n, hd); query i at key position query_offset + i.
-torch::Tensor fast_attention(const torch::Tensor& queries, const torch::Tensor& keys,
-                             const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
-                             bool training, int64_t query_offset = 0) {
-  if (opt.backend() == AttentionBackend::kChunked) {
-    return F::chunked_attention(queries, keys, values,
-                                F::ChunkedOptions()
-                                    .is_causal(opt.causal())
-                                    .query_offset(query_offset)
-                                    .dropout_p(opt.dropout())
-                                    .training(training)
-                                    .block_size(opt.chunk_size())
-                                    .key_block_size(opt.key_chunk_size()));
-  }
-  return F::fused_backend_attention(queries, keys, values,
-                                    fused_options(opt, training).query_offset(query_offset));
-}
-
-KVCache make_cache_for(const char* name, const MultiHeadAttentionOptions& opt,
-                       const torch::Tensor& parameter, int64_t batch, int64_t capacity) {
-  TORCH_CHECK(batch >= 1, "[", name, "::make_kv_cache] batch must be >= 1, got ", batch);
-  TORCH_CHECK(capacity >= 0 && capacity <= opt.context_length(), "[", name,
-              "::make_kv_cache] capacity must be in [1, context_length = ", opt.context_length(),
-              "] (0: context_length), got ", capacity);
+detail::CacheLayout cache_layout_of(const MultiHeadAttentionOptions& opt) {
   const auto h = opt.num_heads();
-  return KVCache(batch, h, opt.d_out() / h, capacity == 0 ? opt.context_length() : capacity,
-                 parameter.options());
+  return {h, opt.d_out() / h, opt.sliding_window_size().value_or(0), /*latent=*/false};
 }
 
-// Everything that can be wrong with a forward_with_cache call, checked before anything is
-// computed or written to the cache.
-void check_cached_call(const char* name, const MultiHeadAttentionOptions& opt, bool training,
-                       const torch::Tensor& x, const KVCache& cache,
-                       const torch::Tensor& parameter) {
-  TORCH_CHECK(!training, "[", name,
-              "::forward_with_cache] the KV cache is for inference, but the module is in "
-              "training mode: call eval() first (training runs forward over whole sequences)");
+// forward_with_cache's checks, then its step after the projections: keys and values
+// (b, h, n, hd) appended, queries (b, h, n, hd) against what the cache returns, heads merged
+// and projected -> (b, n, d_out).
+void check_cached_mha_call(const char* name, const MultiHeadAttentionOptions& opt, bool training,
+                           const torch::Tensor& x, const KVCache& cache,
+                           const torch::Tensor& parameter) {
   TORCH_CHECK(opt.causal(), "[", name,
               "::forward_with_cache] needs causal attention: with causal = false every token "
               "also attends to later ones, which a cache of earlier tokens cannot give");
-  detail::check_forward_input(name, x, {opt.d_in()}, parameter);
-  const auto h = opt.num_heads();
-  const auto hd = opt.d_out() / h;
-  TORCH_CHECK(cache.capacity() > 0, "[", name,
-              "::forward_with_cache] the cache has no storage; make one with make_kv_cache");
-  TORCH_CHECK(cache.batch() == x.size(0) && cache.num_heads() == h && cache.head_dim() == hd, "[",
-              name, "::forward_with_cache] cache: expected (batch, num_heads, head_dim) = (",
-              x.size(0), ", ", h, ", ", hd, "), got (", cache.batch(), ", ", cache.num_heads(),
-              ", ", cache.head_dim(), ")");
-  TORCH_CHECK(cache.options().dtype() == parameter.dtype() &&
-                  cache.options().device() == parameter.device(),
-              "[", name, "::forward_with_cache] cache: expected dtype ", parameter.scalar_type(),
-              " on ", parameter.device(), " (the module's parameters), got ",
-              cache.options().dtype(), " on ", cache.options().device());
-  const int64_t n = x.size(1);
-  const int64_t end = cache.size() + n;
-  TORCH_CHECK(end <= opt.context_length(), "[", name, "::forward_with_cache] x: ", n,
-              " tokens after the ", cache.size(), " the cache holds would reach position ", end,
-              ", past context_length = ", opt.context_length());
-  TORCH_CHECK(end <= cache.capacity(), "[", name, "::forward_with_cache] x: ", n,
-              " tokens after the ", cache.size(), " the cache holds would pass its capacity ",
-              cache.capacity(), "; make a larger one with make_kv_cache(batch, capacity)");
+  detail::check_cached_call(name, training, x, opt.d_in(), opt.context_length(), cache,
+                            cache_layout_of(opt), parameter);
 }
 
-// The cached step after the projections: keys and values (b, h, n, hd) appended, queries
-// (b, h, n, hd) at positions [start, start + n) against all keys held, heads merged and
-// projected -> (b, n, d_out).
 torch::Tensor attend_with_cache(const torch::Tensor& queries, const torch::Tensor& keys,
                                 const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
-                                const torch::Tensor& mask_buffer, KVCache& cache,
-                                torch::nn::Linear& out_proj) {
-  const int64_t start = cache.size();
-  const int64_t n = queries.size(2);
-  const auto [all_keys, all_values] = cache.append(keys, values);
-  torch::Tensor context;
-  if (opt.backend() == AttentionBackend::kMath) {
-    // As the book's bonus code: rows [start, start + n) and keys [0, start + n) of `mask`.
-    const auto mask =
-        mask_buffer.slice(0, start, start + n).slice(1, 0, start + n).to(torch::kBool);
-    context = F::scaled_dot_product_attention(queries, all_keys, all_values,
-                                              F::SdpaOptions().attn_mask(mask));
-  } else {
-    context = fast_attention(queries, all_keys, all_values, opt, /*training=*/false, start);
-  }
+                                KVCache& cache, torch::nn::Linear& out_proj) {
+  const auto span = cache.append(keys, values);
+  const auto context = detail::attend(queries, span.keys, span.values, settings_of(opt),
+                                      /*training=*/false, span.query_offset)
+                           .context;
   return out_proj(detail::merge_heads(context));
+}
+
+// Heads (b, h, n, hd) attended with the weights (the book's math path), merged and projected.
+F::AttentionOutput attend_heads(const torch::Tensor& queries, const torch::Tensor& keys,
+                                const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
+                                bool training, torch::nn::Linear& out_proj) {
+  auto attended = detail::attend(queries, keys, values, settings_of(opt), training,
+                                 /*query_offset=*/0, /*with_weights=*/true);
+  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 
 }  // namespace
@@ -266,21 +205,22 @@ F::AttentionOutput MultiHeadAttentionImpl::forward_with_weights(const torch::Ten
                               W_query->weight);
   const auto h = options.num_heads();
   return attend_heads(detail::split_heads(W_query(x), h), detail::split_heads(W_key(x), h),
-                      detail::split_heads(W_value(x), h), options, mask, is_training(), out_proj);
+                      detail::split_heads(W_value(x), h), options, is_training(), out_proj);
 }
 
 KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
-  return make_cache_for("MultiHeadAttention", options, W_query->weight, batch, capacity);
+  return detail::make_module_cache("MultiHeadAttention", cache_layout_of(options),
+                                   options.context_length(), W_query->weight, batch, capacity);
 }
 
 torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache) {
-  check_cached_call("MultiHeadAttention", options, is_training(), x, cache, W_query->weight);
+  check_cached_mha_call("MultiHeadAttention", options, is_training(), x, cache, W_query->weight);
   torch::NoGradGuard no_grad;
   // Three projections, not forward()'s one GEMM over concatenated weights: per decoded
   // token that concatenation would copy all three weight matrices.
   const auto h = options.num_heads();
   return attend_with_cache(detail::split_heads(W_query(x), h), detail::split_heads(W_key(x), h),
-                           detail::split_heads(W_value(x), h), options, mask, cache, out_proj);
+                           detail::split_heads(W_value(x), h), options, cache, out_proj);
 }
 
 torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& x) {
@@ -300,14 +240,20 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& x) {
   if (options.backend() == AttentionBackend::kFused &&
       F::fused_attention_fits(n, n, qkv.options())) {
     // The kernel reads the packed projection in place and returns the heads merged.
-    return out_proj(F::fused_packed_attention(qkv, h, fused_options(options, is_training())));
+    return out_proj(F::fused_packed_attention(qkv, h,
+                                              F::FusedOptions()
+                                                  .is_causal(options.causal())
+                                                  .window_size(options.sliding_window_size())
+                                                  .dropout_p(options.dropout())
+                                                  .training(is_training())));
   }
 #endif
   const auto qkv_parts = qkv.chunk(3, -1);
   const auto queries = detail::split_heads(qkv_parts[0], h);
   const auto keys = detail::split_heads(qkv_parts[1], h);
   const auto values = detail::split_heads(qkv_parts[2], h);
-  const auto context = fast_attention(queries, keys, values, options, is_training());
+  const auto context =
+      detail::attend(queries, keys, values, settings_of(options), is_training()).context;
   return out_proj(detail::merge_heads(context));
 }
 
@@ -342,19 +288,21 @@ F::AttentionOutput MultiHeadAttentionCombinedQKVImpl::forward_with_weights(const
   detail::check_forward_input("MultiHeadAttentionCombinedQKV", x,
                               {options.d_in(), options.context_length()}, qkv->weight);
   const auto q_k_v = split_combined_qkv(qkv(x), options.num_heads());
-  return attend_heads(q_k_v[0], q_k_v[1], q_k_v[2], options, mask, is_training(), out_proj);
+  return attend_heads(q_k_v[0], q_k_v[1], q_k_v[2], options, is_training(), out_proj);
 }
 
 KVCache MultiHeadAttentionCombinedQKVImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
-  return make_cache_for("MultiHeadAttentionCombinedQKV", options, qkv->weight, batch, capacity);
+  return detail::make_module_cache("MultiHeadAttentionCombinedQKV", cache_layout_of(options),
+                                   options.context_length(), qkv->weight, batch, capacity);
 }
 
 torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward_with_cache(const torch::Tensor& x,
                                                                     KVCache& cache) {
-  check_cached_call("MultiHeadAttentionCombinedQKV", options, is_training(), x, cache, qkv->weight);
+  check_cached_mha_call("MultiHeadAttentionCombinedQKV", options, is_training(), x, cache,
+                        qkv->weight);
   torch::NoGradGuard no_grad;
   const auto q_k_v = split_combined_qkv(qkv(x), options.num_heads());
-  return attend_with_cache(q_k_v[0], q_k_v[1], q_k_v[2], options, mask, cache, out_proj);
+  return attend_with_cache(q_k_v[0], q_k_v[1], q_k_v[2], options, cache, out_proj);
 }
 
 torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward(const torch::Tensor& x) {
@@ -364,7 +312,8 @@ torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward(const torch::Tensor& x)
   detail::check_forward_input("MultiHeadAttentionCombinedQKV", x,
                               {options.d_in(), options.context_length()}, qkv->weight);
   const auto q_k_v = split_combined_qkv(qkv(x), options.num_heads());
-  const auto context = fast_attention(q_k_v[0], q_k_v[1], q_k_v[2], options, is_training());
+  const auto context =
+      detail::attend(q_k_v[0], q_k_v[1], q_k_v[2], settings_of(options), is_training()).context;
   return out_proj(detail::merge_heads(context));
 }
 

@@ -45,11 +45,13 @@ using AttentionFn =
 // sum(out * probe), at the agreement tolerance of q's dtype.
 void expect_matches_math(const AttentionFn& attention, const torch::Tensor& q,
                          const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& probe,
-                         bool causal, int64_t query_offset = 0) {
+                         bool causal, int64_t query_offset = 0,
+                         c10::optional<int64_t> window_size = c10::nullopt) {
   const auto math = output_and_grads(
       [&](auto& a, auto& b, auto& c) {
         return F::scaled_dot_product_attention(
-            a, b, c, F::SdpaOptions().is_causal(causal).query_offset(query_offset));
+            a, b, c,
+            F::SdpaOptions().is_causal(causal).query_offset(query_offset).window_size(window_size));
       },
       q, k, v, probe);
   const auto other = output_and_grads(attention, q, k, v, probe);
@@ -558,4 +560,128 @@ TEST(AttentionBackends, NamesParseAndBadOptionsAreNamed) {
         attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).key_chunk_size(-1));
       },
       "[MultiHeadAttention] option key_chunk_size must be > 0, got -1");
+}
+
+// ---- Grouped-query and sliding-window attention -----------------------------------------
+
+TEST(GroupedAndWindowedAttention, MathMatchesItsDefinition) {
+  // Windows: key j visible to query i iff 0 <= offset + i - j < W, element by element.
+  for (const int64_t window : {1, 2, 5}) {
+    for (const int64_t offset : {0, 3}) {
+      const auto mask = F::causal_mask(4, 9, torch::kCPU, offset, window);
+      for (int64_t i = 0; i < 4; ++i) {
+        for (int64_t j = 0; j < 9; ++j) {
+          const int64_t distance = offset + i - j;
+          EXPECT_EQ(mask[i][j].item<bool>(), !(distance >= 0 && distance < window))
+              << "W " << window << " offset " << offset << " (" << i << ", " << j << ")";
+        }
+      }
+    }
+  }
+  // Groups: query head h attends with key/value head h / (H / G), computed head by head.
+  torch::manual_seed(41);
+  const auto q = torch::randn({2, 6, 5, 4}, torch::kFloat64);
+  const auto k = torch::randn({2, 3, 7, 4}, torch::kFloat64);
+  const auto v = torch::randn({2, 3, 7, 3}, torch::kFloat64);
+  const auto options = F::SdpaOptions().is_causal(true).query_offset(2).window_size(3);
+  const auto grouped = F::scaled_dot_product_attention_with_weights(q, k, v, options);
+  for (int64_t h = 0; h < 6; ++h) {
+    const auto one = F::scaled_dot_product_attention_with_weights(
+        q.narrow(1, h, 1), k.narrow(1, h / 2, 1), v.narrow(1, h / 2, 1), options);
+    EXPECT_TENSOR_NEAR(grouped.context.narrow(1, h, 1), one.context, 1e-14);
+    EXPECT_TENSOR_NEAR(grouped.weights.narrow(1, h, 1), one.weights, 1e-14);
+  }
+}
+
+TEST(GroupedAndWindowedAttention, EveryBackendMatchesMath) {
+  struct Case {
+    int64_t num_queries, num_keys, query_offset;
+  };
+  // One-token decode, chunked prefill, whole prompts not a multiple of the blocks (5 x 4),
+  // and a long one past the 1.13 kernel's tile.
+  const std::vector<Case> cases{{1, 1, 0},   {1, 17, 16},  {4, 17, 13},
+                                {13, 13, 0}, {20, 90, 70}, {70, 70, 0}};
+  const std::vector<c10::optional<int64_t>> windows{c10::nullopt, 1, 3, 100};
+  using Backend =
+      std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                  int64_t, c10::optional<int64_t>)>;
+  const std::vector<std::pair<std::string, Backend>> backends{
+      {"chunked",
+       [](auto& q, auto& k, auto& v, int64_t offset, c10::optional<int64_t> window) {
+         return F::chunked_attention(q, k, v,
+                                     F::ChunkedOptions()
+                                         .is_causal(true)
+                                         .query_offset(offset)
+                                         .window_size(window)
+                                         .block_size(5)
+                                         .key_block_size(4));
+       }},
+      {"fused kernel",
+       [](auto& q, auto& k, auto& v, int64_t offset, c10::optional<int64_t> window) {
+         return F::fused_attention(
+             q, k, v, F::FusedOptions().is_causal(true).query_offset(offset).window_size(window));
+       }},
+      {"fused backend",
+       [](auto& q, auto& k, auto& v, int64_t offset, c10::optional<int64_t> window) {
+         return F::fused_backend_attention(
+             q, k, v, F::FusedOptions().is_causal(true).query_offset(offset).window_size(window));
+       }}};
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    for (const int64_t kv_heads : {1, 2, 6}) {  // 6 query heads: MQA, GQA, MHA
+      for (const auto& window : windows) {
+        for (const auto& c : cases) {
+          torch::manual_seed(43);
+          const auto options = torch::dtype(dtype);
+          const auto q = torch::randn({2, 6, c.num_queries, 8}, options);
+          const auto k = torch::randn({2, kv_heads, c.num_keys, 8}, options);
+          const auto v = torch::randn({2, kv_heads, c.num_keys, 8}, options);
+          const auto probe = torch::randn({2, 6, c.num_queries, 8}, options);
+          for (const auto& [name, backend] : backends) {
+            SCOPED_TRACE(c10::str(name, " ", dtype, " kv heads ", kv_heads, " window ",
+                                  window.has_value() ? *window : 0, " n ", c.num_queries, " m ",
+                                  c.num_keys, " offset ", c.query_offset));
+            expect_matches_math(
+                [&, offset = c.query_offset](auto& a, auto& b, auto& d) {
+                  return backend(a, b, d, offset, window);
+                },
+                q, k, v, probe, /*causal=*/true, c.query_offset, window);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(GroupedAndWindowedAttention, BadArgumentsNameWhatIsWrong) {
+  const auto q = torch::randn({1, 6, 3, 4});
+  const auto k4 = torch::randn({1, 4, 3, 4});
+  const auto k8 = torch::randn({1, 8, 3, 4});
+  expect_error_containing([&] { F::scaled_dot_product_attention(q, k4, k4); },
+                          "[scaled_dot_product_attention] key and value heads (dim -3) must "
+                          "divide the query heads (grouped-query attention), got 4 key/value "
+                          "heads for 6 query heads");
+  expect_error_containing([&] { F::chunked_attention(q, k4, k4); },
+                          "[chunked_attention] key and value heads (dim -3) must divide");
+  expect_error_containing([&] { F::fused_attention(q, k4, k4); },
+                          "[fused_attention] key and value heads (dim -3) must divide");
+  expect_error_containing([&] { F::fused_backend_attention(q, k8, k8); },
+                          "[fused_backend_attention] key and value may have fewer heads (dim -3) "
+                          "than query, not more");
+  const auto window_zero = [](auto options) { return options.is_causal(true).window_size(0); };
+  expect_error_containing(
+      [&] { F::scaled_dot_product_attention(q, q, q, window_zero(F::SdpaOptions())); },
+      "[scaled_dot_product_attention] window_size must be >= 1, got 0");
+  expect_error_containing([&] { F::chunked_attention(q, q, q, window_zero(F::ChunkedOptions())); },
+                          "[chunked_attention] window_size must be >= 1, got 0");
+  expect_error_containing([&] { F::fused_attention(q, q, q, window_zero(F::FusedOptions())); },
+                          "[fused_attention] window_size must be >= 1, got 0");
+  expect_error_containing(
+      [&] { F::fused_backend_attention(q, q, q, window_zero(F::FusedOptions())); },
+      "[fused_backend_attention] window_size must be >= 1, got 0");
+  expect_error_containing(
+      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().window_size(2)); },
+      "[chunked_attention] window_size (2) restricts the causal mask, so it needs is_causal = "
+      "true");
+  expect_error_containing([&] { F::causal_mask(2, 2, torch::kCPU, 0, -3); },
+                          "[causal_mask] window_size must be >= 1, got -3");
 }

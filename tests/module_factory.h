@@ -6,6 +6,9 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
 
 #include <torch/torch.h>
 
@@ -21,13 +24,20 @@ struct ModuleConfig {
   int64_t num_heads = 1;
   bool qkv_bias = false;
   bool causal = true;
+  // GroupedQueryAttention; MultiHeadAttention and GroupedQueryAttention (0: none);
+  // MultiHeadLatentAttention (0: its default).
+  int64_t num_kv_groups = 1;
+  int64_t sliding_window_size = 0;
+  int64_t latent_dim = 0;
 
   /// The same arguments as JSON, for scripts/check_python_interop.py --config.
   std::string json() const {
-    return c10::str("{\"d_in\": ", d_in, ", \"d_out\": ", d_out,
-                    ", \"context_length\": ", context_length, ", \"dropout\": ", dropout,
-                    ", \"num_heads\": ", num_heads, ", \"qkv_bias\": ", qkv_bias ? "true" : "false",
-                    ", \"causal\": ", causal ? "true" : "false", "}");
+    return c10::str(
+        "{\"d_in\": ", d_in, ", \"d_out\": ", d_out, ", \"context_length\": ", context_length,
+        ", \"dropout\": ", dropout, ", \"num_heads\": ", num_heads,
+        ", \"qkv_bias\": ", qkv_bias ? "true" : "false",
+        ", \"causal\": ", causal ? "true" : "false", ", \"num_kv_groups\": ", num_kv_groups,
+        ", \"sliding_window_size\": ", sliding_window_size, ", \"latent_dim\": ", latent_dim, "}");
   }
 };
 
@@ -58,11 +68,56 @@ inline AnyAttention make_attention(const std::string& name, const ModuleConfig& 
     return erase(MultiHeadAttentionWrapper(c.d_in, c.d_out, c.context_length, c.dropout,
                                            c.num_heads, c.qkv_bias));
   }
+  const auto window =
+      c.sliding_window_size > 0 ? c10::optional<int64_t>(c.sliding_window_size) : c10::nullopt;
   if (name == "MultiHeadAttention")
-    return erase(MultiHeadAttention(mha));
+    return erase(MultiHeadAttention(MultiHeadAttentionOptions(mha).sliding_window_size(window)));
+  if (name == "GroupedQueryAttention") {
+    return erase(GroupedQueryAttention(
+        GroupedQueryAttentionOptions(c.d_in, c.d_out, c.dropout, c.num_heads, c.num_kv_groups)
+            .qkv_bias(c.qkv_bias)
+            .sliding_window_size(window)));
+  }
+  if (name == "MultiHeadLatentAttention") {
+    return erase(MultiHeadLatentAttention(c.d_in, c.d_out, c.dropout, c.num_heads, c.qkv_bias,
+                                          c.latent_dim));
+  }
   if (name == "MultiHeadAttentionCombinedQKV")
     return erase(MultiHeadAttentionCombinedQKV(mha));
   TORCH_CHECK(false, "[make_attention] unknown module '", name, "'");
+}
+
+/// A module with a KV cache, behind one interface.
+struct CachedAttention {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::function<torch::Tensor(const torch::Tensor&, KVCache&)> forward_with_cache;
+  std::function<KVCache(int64_t, int64_t)> make_kv_cache;
+  std::function<void(AttentionBackend)> set_backend;
+};
+
+template <typename Holder>
+CachedAttention erase_cached(Holder holder) {
+  return {
+      holder.ptr(), [holder](const torch::Tensor& x) mutable { return holder(x); },
+      [holder](const torch::Tensor& x, KVCache& cache) mutable {
+        return holder->forward_with_cache(x, cache);
+      },
+      [holder](int64_t batch, int64_t capacity) { return holder->make_kv_cache(batch, capacity); },
+      [holder](AttentionBackend backend) mutable { holder->options.backend(backend); }};
+}
+
+/// x (b, n, d_in) fed in pieces of `splits` tokens through one cache -> (b, n, d_out).
+inline torch::Tensor forward_in_pieces(CachedAttention& m, const torch::Tensor& x,
+                                       const std::vector<int64_t>& splits, KVCache& cache) {
+  std::vector<torch::Tensor> outputs;
+  int64_t start = 0;
+  for (const auto length : splits) {
+    outputs.push_back(m.forward_with_cache(x.narrow(1, start, length), cache));
+    start += length;
+  }
+  EXPECT_EQ(start, x.size(1)) << "the splits must cover x";
+  return torch::cat(outputs, 1);
 }
 
 }  // namespace attnkit::testing

@@ -35,9 +35,13 @@ torch::Tensor simple_self_attention(const torch::Tensor& x);
 /// j <= query_offset + i: offset 0 aligns the mask top-left, as
 /// `torch.triu(torch.ones(n, m), diagonal=1).bool()`; offset m - n aligns it bottom-right,
 /// as queries at the end of a longer key sequence (a decode step against a KV cache) need.
-/// Example: `causal_mask(6, 6)`; `causal_mask(1, 10, torch::kCPU, 9)` masks nothing.
+/// With `window_size` W (sliding-window attention) query i also does not see keys more than
+/// W - 1 positions before it: it sees keys j with 0 <= query_offset + i - j < W.
+/// Example: `causal_mask(6, 6)`; `causal_mask(1, 10, torch::kCPU, 9)` masks nothing;
+/// `causal_mask(6, 6, torch::kCPU, 0, 2)` lets each query see itself and its predecessor.
 torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys,
-                          const torch::Device& device = torch::kCPU, int64_t query_offset = 0);
+                          const torch::Device& device = torch::kCPU, int64_t query_offset = 0,
+                          c10::optional<int64_t> window_size = c10::nullopt);
 
 /// First causal recipe of the notebooks: zero the weights above the diagonal of
 /// already-normalised attention weights (..., n, n) and renormalise each row to sum 1.
@@ -66,6 +70,10 @@ struct SdpaOptions {
   /// With `is_causal`: the key position of query 0 (see `causal_mask`); 0 aligns the mask
   /// top-left, m - n bottom-right (decoding). Must be >= 0.
   TORCH_ARG(int64_t, query_offset) = 0;
+  /// With `is_causal`: sliding-window attention, query i sees only keys j with
+  /// 0 <= query_offset + i - j < window_size (see `causal_mask`). Unset: every earlier key.
+  /// Must be >= 1, and needs `is_causal`.
+  TORCH_ARG(c10::optional<int64_t>, window_size) = c10::nullopt;
   /// Dropout probability on the attention weights, in [0, 1); used only when `training`.
   TORCH_ARG(double, dropout_p) = 0.0;
   /// Whether dropout is active.
@@ -86,7 +94,13 @@ struct AttentionOutput {
 /// The one attention core of attnkit, the book's computation:
 /// `dropout(softmax(masked_fill(q k^T, mask, -inf) / sqrt(hd))) @ v`
 /// for q (..., n, hd), k (..., m, hd), v (..., m, hd_v). Returns the context and the weights.
-/// Example: `scaled_dot_product_attention_with_weights(q, k, v, SdpaOptions().is_causal(true))`.
+///
+/// Grouped-query attention: 4-D (b, heads, n, hd) and larger keys and values may have fewer
+/// heads (dimension -3) than the queries, G dividing the queries' H; query head h then uses
+/// key/value head h / (H / G), the order of `repeat_interleave` (G = 1 is multi-query attention).
+/// Every attention function of this header accepts that layout; the fast ones never materialise the
+/// repeated heads. Example: `scaled_dot_product_attention_with_weights(q, k, v,
+/// SdpaOptions().is_causal(true))`.
 AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& query,
                                                           const torch::Tensor& key,
                                                           const torch::Tensor& value,
@@ -106,6 +120,10 @@ struct ChunkedOptions {
   /// With `is_causal`: the key position of query 0 (see `causal_mask`); 0 aligns the mask
   /// top-left, m - n bottom-right (decoding). Must be >= 0.
   TORCH_ARG(int64_t, query_offset) = 0;
+  /// With `is_causal`: sliding-window attention, query i sees only keys j with
+  /// 0 <= query_offset + i - j < window_size (see `causal_mask`). Unset: every earlier key.
+  /// Must be >= 1, and needs `is_causal`.
+  TORCH_ARG(c10::optional<int64_t>, window_size) = c10::nullopt;
   /// Dropout probability on the attention weights, in [0, 1); used only when `training`.
   /// Same distribution as the math path, not the same random draws.
   TORCH_ARG(double, dropout_p) = 0.0;
@@ -134,6 +152,10 @@ struct FusedOptions {
   /// With `is_causal`: the key position of query 0 (see `causal_mask`); 0 aligns the mask
   /// top-left, m - n bottom-right (decoding). Must be >= 0.
   TORCH_ARG(int64_t, query_offset) = 0;
+  /// With `is_causal`: sliding-window attention, query i sees only keys j with
+  /// 0 <= query_offset + i - j < window_size (see `causal_mask`). Unset: every earlier key.
+  /// Must be >= 1, and needs `is_causal`.
+  TORCH_ARG(c10::optional<int64_t>, window_size) = c10::nullopt;
   /// Dropout probability on the attention weights, in [0, 1); used only when `training`.
   /// The mask is drawn as the math path draws it, so a seed gives the same mask.
   TORCH_ARG(double, dropout_p) = 0.0;

@@ -10,6 +10,7 @@
 /// touching the model, and its memory is visible (`nbytes`). The storage is allocated once,
 /// at its capacity; appending writes in place and never reallocates or concatenates.
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 
@@ -17,7 +18,10 @@
 
 namespace attnkit {
 
-/// Keys and values (batch, num_heads, capacity, head_dim) of `size()` positions.
+/// Keys and values (batch, num_heads, capacity, head_dim) of `size()` positions; or, made by
+/// `sliding_window`, a rolling buffer of the last window_size positions; or, made by
+/// `latent`, the compressed (batch, capacity, latent_dim) latents of multi-head latent
+/// attention, from which keys and values are recomputed.
 /// Example:
 /// ```
 /// auto cache = mha->make_kv_cache(/*batch=*/1);       // capacity: context_length
@@ -32,6 +36,17 @@ class KVCache {
   KVCache(int64_t batch, int64_t num_heads, int64_t head_dim, int64_t capacity,
           const torch::TensorOptions& options = {});
 
+  /// A rolling cache for sliding-window attention: storage for `window_size` positions, each
+  /// new position overwriting the oldest, so it never holds more than window_size positions
+  /// however many are appended (size() keeps counting them).
+  static KVCache sliding_window(int64_t batch, int64_t num_heads, int64_t head_dim,
+                                int64_t window_size, const torch::TensorOptions& options = {});
+
+  /// A latent cache for multi-head latent attention: one (batch, capacity, latent_dim)
+  /// tensor, appended with `append_latent`.
+  static KVCache latent(int64_t batch, int64_t latent_dim, int64_t capacity,
+                        const torch::TensorOptions& options = {});
+
   // Move-only: a copy would share the storage but not the position, and the two would
   // overwrite each other's keys.
   KVCache(KVCache&&) = default;
@@ -39,38 +54,73 @@ class KVCache {
   KVCache(const KVCache&) = delete;
   KVCache& operator=(const KVCache&) = delete;
 
-  /// Positions held: the position of the next token appended.
+  /// Positions appended since construction or reset(): the position of the next token.
   int64_t size() const { return size_; }
   /// Positions the storage holds at most.
   int64_t capacity() const { return keys_.defined() ? keys_.size(2) : 0; }
+  /// Positions held now: size(), or for a rolling cache at most its window.
+  int64_t held() const { return std::min(size_, capacity()); }
+  /// Most positions that can be appended in all: capacity(), unbounded for a rolling cache.
+  int64_t max_positions() const;
+  /// The window of a rolling cache (0 for the others).
+  int64_t window_size() const { return window_size_; }
+  /// Whether this is a latent cache.
+  bool is_latent() const { return keys_.defined() && !values_.defined(); }
   int64_t batch() const { return keys_.defined() ? keys_.size(0) : 0; }
+  /// Key/value heads (1 for a latent cache).
   int64_t num_heads() const { return keys_.defined() ? keys_.size(1) : 0; }
+  /// Width of a key or value head, or of a latent.
   int64_t head_dim() const { return keys_.defined() ? keys_.size(3) : 0; }
-  /// Bytes of the storage, keys and values at full capacity:
-  /// 2 * batch * num_heads * capacity * head_dim * element size.
+  /// Bytes of the storage at full capacity: for keys and values
+  /// 2 * batch * num_heads * capacity * head_dim * element size; for latents
+  /// batch * capacity * latent_dim * element size.
   int64_t nbytes() const;
+  /// Bytes per position and sequence: nbytes() / (batch * capacity).
+  int64_t bytes_per_token() const;
   /// The storage's dtype and device.
   torch::TensorOptions options() const;
 
   /// Forgets every position (the storage is kept): the next append starts a new sequence.
   void reset() { size_ = 0; }
 
-  /// Writes `keys` and `values` (batch, num_heads, n, head_dim) at positions
-  /// [size(), size() + n) and returns every position held, (batch, num_heads, size(), head_dim)
-  /// views of the storage. Outside autograd: nothing appended records history. Fails
-  /// (c10::Error) when the shapes, dtype or device differ from the cache's or when
-  /// size() + n > capacity(); nothing is written then.
-  std::pair<torch::Tensor, torch::Tensor> append(const torch::Tensor& keys,
-                                                 const torch::Tensor& values);
+  /// What the queries of appended tokens attend to.
+  struct Span {
+    /// (batch, num_heads, m, head_dim) keys and values, m >= the tokens appended.
+    torch::Tensor keys, values;
+    /// The key index of the first appended token's own key: query i of the appended tokens
+    /// sits at key position query_offset + i (see functional::causal_mask).
+    int64_t query_offset;
+  };
 
-  /// (batch, num_heads, size(), head_dim) views of the keys and values held.
+  /// Writes `keys` and `values` (batch, num_heads, n, head_dim) at positions
+  /// [size(), size() + n) and returns what their queries attend to: every position held, in
+  /// order, with query_offset = size() before the call. A rolling cache returns the positions
+  /// it held plus the new ones in order (one-token steps: the positions held in storage
+  /// order, which a query that sees all of them does not mind, with query_offset = held() - 1),
+  /// then keeps the last window_size. Outside autograd: nothing appended records history.
+  /// Fails (c10::Error) when the shapes, dtype or device differ from the cache's, on a
+  /// latent cache, or when size() + n > max_positions(); nothing is written then.
+  Span append(const torch::Tensor& keys, const torch::Tensor& values);
+
+  /// A latent cache's append: writes `latents` (batch, n, latent_dim) at positions
+  /// [size(), size() + n) and returns every latent held, (batch, size(), latent_dim). Fails
+  /// like append, and on a cache that is not a latent cache.
+  torch::Tensor append_latent(const torch::Tensor& latents);
+
+  /// (batch, num_heads, held(), head_dim) views of the keys and values held, in storage order
+  /// (a rolling cache that has wrapped around starts at its oldest slot elsewhere). A latent
+  /// cache has keys() (batch, 1, held(), latent_dim) and no values().
   torch::Tensor keys() const;
   torch::Tensor values() const;
 
  private:
-  torch::Tensor keys_;    // (batch, num_heads, capacity, head_dim)
-  torch::Tensor values_;  // (batch, num_heads, capacity, head_dim)
+  // Checks `t` (batch, heads, n, width) against the storage; `what` names it.
+  void check_appended(const char* fn, const char* what, const torch::Tensor& t) const;
+
+  torch::Tensor keys_;    // (batch, num_heads, capacity, head_dim); latents: (batch, 1, ., .)
+  torch::Tensor values_;  // (batch, num_heads, capacity, head_dim); latents: undefined
   int64_t size_ = 0;
+  int64_t window_size_ = 0;
 };
 
 }  // namespace attnkit

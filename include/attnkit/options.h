@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include <c10/util/Optional.h>
 #include <torch/arg.h>
 
 namespace attnkit {
@@ -133,6 +134,10 @@ struct MultiHeadAttentionOptions {
   TORCH_ARG(bool, qkv_bias) = false;
   /// Apply the causal mask (decoder); `false` gives unmasked encoder self-attention.
   TORCH_ARG(bool, causal) = true;
+  /// Sliding-window attention (Mistral, Gemma 3): token i attends to tokens j with
+  /// 0 <= i - j < sliding_window_size; its KV cache is a rolling buffer of that many
+  /// positions. Unset: full causal attention. Must be >= 1 and needs `causal`.
+  TORCH_ARG(c10::optional<int64_t>, sliding_window_size) = c10::nullopt;
   /// How attention is computed; see `AttentionBackend`.
   TORCH_ARG(AttentionBackend, backend) = AttentionBackend::kMath;
   /// Query tokens per block of the chunked backend.
@@ -143,5 +148,71 @@ struct MultiHeadAttentionOptions {
 
 /// Same options as `MultiHeadAttention`.
 using MultiHeadAttentionCombinedQKVOptions = MultiHeadAttentionOptions;
+
+/// Options for `GroupedQueryAttention` (the bonus material's Python
+/// `GroupedQueryAttention(d_in, d_out, dropout, num_heads, num_kv_groups, qkv_bias=False)`).
+/// `num_heads` query heads of width d_out / num_heads share `num_kv_groups` key/value heads;
+/// num_kv_groups = 1 is multi-query attention, num_kv_groups = num_heads multi-head
+/// attention. Always causal; no length limit (no mask buffer).
+/// Example: `GroupedQueryAttentionOptions(768, 768, 0.0, 12, /*num_kv_groups=*/4)`.
+struct GroupedQueryAttentionOptions {
+  GroupedQueryAttentionOptions(int64_t d_in, int64_t d_out, double dropout, int64_t num_heads,
+                               int64_t num_kv_groups)
+      : d_in_(d_in),
+        d_out_(d_out),
+        dropout_(dropout),
+        num_heads_(num_heads),
+        num_kv_groups_(num_kv_groups) {}
+
+  /// Width of each input token embedding.
+  TORCH_ARG(int64_t, d_in);
+  /// Width of the output (and of all query heads together).
+  TORCH_ARG(int64_t, d_out);
+  /// Probability of zeroing an attention weight in training mode, in [0, 1).
+  TORCH_ARG(double, dropout);
+  /// Number of query heads; must divide `d_out`.
+  TORCH_ARG(int64_t, num_heads);
+  /// Number of key/value heads; must divide `num_heads`.
+  TORCH_ARG(int64_t, num_kv_groups);
+  /// Whether the query, key and value projections have a bias (`out_proj` never has one).
+  TORCH_ARG(bool, qkv_bias) = false;
+  /// Sliding-window attention, as in `MultiHeadAttentionOptions`. Unset: full causal.
+  TORCH_ARG(c10::optional<int64_t>, sliding_window_size) = c10::nullopt;
+  /// How attention is computed; see `AttentionBackend`.
+  TORCH_ARG(AttentionBackend, backend) = AttentionBackend::kMath;
+  /// Query tokens per block of the chunked backend.
+  TORCH_ARG(int64_t, chunk_size) = 128;
+  /// Key tokens per block of the chunked backend.
+  TORCH_ARG(int64_t, key_chunk_size) = 1024;
+};
+
+/// Options for `MultiHeadLatentAttention` (the bonus material's Python
+/// `MultiHeadLatentAttention(d_in, d_out, dropout, num_heads, qkv_bias=False, latent_dim=None)`).
+/// Keys and values are up-projected from a `latent_dim`-wide latent of each token, and the
+/// KV cache holds only the latents. Always causal; no length limit.
+/// Example: `MultiHeadLatentAttentionOptions(768, 768, 0.0, 12).latent_dim(96)`.
+struct MultiHeadLatentAttentionOptions {
+  MultiHeadLatentAttentionOptions(int64_t d_in, int64_t d_out, double dropout, int64_t num_heads)
+      : d_in_(d_in), d_out_(d_out), dropout_(dropout), num_heads_(num_heads) {}
+
+  /// Width of each input token embedding.
+  TORCH_ARG(int64_t, d_in);
+  /// Width of the output (and of all heads together).
+  TORCH_ARG(int64_t, d_out);
+  /// Probability of zeroing an attention weight in training mode, in [0, 1).
+  TORCH_ARG(double, dropout);
+  /// Number of heads; must divide `d_out`.
+  TORCH_ARG(int64_t, num_heads);
+  /// Whether W_query, W_DKV, W_UK and W_UV have a bias (`out_proj` always has one).
+  TORCH_ARG(bool, qkv_bias) = false;
+  /// Width of the per-token latent; unset: max(16, d_out / 8), as in Python.
+  TORCH_ARG(c10::optional<int64_t>, latent_dim) = c10::nullopt;
+  /// How attention is computed; see `AttentionBackend`.
+  TORCH_ARG(AttentionBackend, backend) = AttentionBackend::kMath;
+  /// Query tokens per block of the chunked backend.
+  TORCH_ARG(int64_t, chunk_size) = 128;
+  /// Key tokens per block of the chunked backend.
+  TORCH_ARG(int64_t, key_chunk_size) = 1024;
+};
 
 }  // namespace attnkit

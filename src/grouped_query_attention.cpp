@@ -1,0 +1,121 @@
+#include "attnkit/grouped_query_attention.h"
+
+#include "checks.h"
+#include "module_attention.h"
+#include "module_helpers.h"
+
+namespace attnkit {
+
+namespace {
+
+constexpr const char* kName = "GroupedQueryAttention";
+
+detail::AttentionSettings settings_of(const GroupedQueryAttentionOptions& opt) {
+  return {/*causal=*/true, opt.sliding_window_size(), opt.dropout(),
+          opt.backend(),   opt.chunk_size(),          opt.key_chunk_size()};
+}
+
+detail::CacheLayout cache_layout_of(const GroupedQueryAttentionOptions& opt) {
+  return {opt.num_kv_groups(), opt.d_out() / opt.num_heads(), opt.sliding_window_size().value_or(0),
+          /*latent=*/false};
+}
+
+}  // namespace
+
+GroupedQueryAttentionImpl::GroupedQueryAttentionImpl(const GroupedQueryAttentionOptions& options)
+    : options(options) {
+  reset();
+}
+
+void GroupedQueryAttentionImpl::reset() {
+  detail::check_positive_option(kName, "d_in", options.d_in());
+  detail::check_positive_option(kName, "d_out", options.d_out());
+  detail::check_positive_option(kName, "num_heads", options.num_heads());
+  detail::check_positive_option(kName, "num_kv_groups", options.num_kv_groups());
+  detail::check_dropout_option(kName, options.dropout());
+  detail::check_positive_option(kName, "chunk_size", options.chunk_size());
+  detail::check_positive_option(kName, "key_chunk_size", options.key_chunk_size());
+  TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", kName,
+              "] option d_out must be divisible by num_heads, got d_out = ", options.d_out(),
+              ", num_heads = ", options.num_heads());
+  TORCH_CHECK(options.num_heads() % options.num_kv_groups() == 0, "[", kName,
+              "] option num_heads must be divisible by num_kv_groups, got num_heads = ",
+              options.num_heads(), ", num_kv_groups = ", options.num_kv_groups());
+  detail::check_window_option(kName, options.sliding_window_size(), /*causal=*/true);
+  const auto d_in = options.d_in();
+  const auto d_out = options.d_out();
+  const auto kv_width = options.num_kv_groups() * (d_out / options.num_heads());
+  const auto bias = options.qkv_bias();
+  // Creation order fixes the random draws: key, value, query, out_proj, as in Python.
+  W_key = register_module("W_key",
+                          torch::nn::Linear(torch::nn::LinearOptions(d_in, kv_width).bias(bias)));
+  W_value = register_module("W_value",
+                            torch::nn::Linear(torch::nn::LinearOptions(d_in, kv_width).bias(bias)));
+  W_query = register_module("W_query",
+                            torch::nn::Linear(torch::nn::LinearOptions(d_in, d_out).bias(bias)));
+  out_proj = register_module("out_proj",
+                             torch::nn::Linear(torch::nn::LinearOptions(d_out, d_out).bias(false)));
+}
+
+void GroupedQueryAttentionImpl::reset_parameters() {
+  W_key->reset_parameters();
+  W_value->reset_parameters();
+  W_query->reset_parameters();
+  out_proj->reset_parameters();
+}
+
+void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
+  stream << "attnkit::GroupedQueryAttention(d_in=" << options.d_in()
+         << ", d_out=" << options.d_out() << ", dropout=" << detail::option_text(options.dropout())
+         << ", num_heads=" << options.num_heads() << ", num_kv_groups=" << options.num_kv_groups()
+         << ", qkv_bias=" << detail::option_text(options.qkv_bias())
+         << ", sliding_window_size=" << detail::option_text(options.sliding_window_size())
+         << ", backend=" << backend_name(options.backend())
+         << ", chunk_size=" << options.chunk_size()
+         << ", key_chunk_size=" << options.key_chunk_size() << ")";
+}
+
+functional::AttentionOutput GroupedQueryAttentionImpl::forward_with_weights(
+    const torch::Tensor& x) {
+  detail::check_forward_input(kName, x, {options.d_in()}, W_query->weight);
+  const auto g = options.num_kv_groups();
+  auto attended = detail::attend(detail::split_heads(W_query(x), options.num_heads()),
+                                 detail::split_heads(W_key(x), g),
+                                 detail::split_heads(W_value(x), g), settings_of(options),
+                                 is_training(), /*query_offset=*/0, /*with_weights=*/true);
+  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
+}
+
+torch::Tensor GroupedQueryAttentionImpl::forward(const torch::Tensor& x) {
+  detail::check_forward_input(kName, x, {options.d_in()}, W_query->weight);
+  const auto g = options.num_kv_groups();
+  // (b, n, d) -> (b, h, n, hd) queries; (b, g, n, hd) keys and values, never repeated.
+  const auto context =
+      detail::attend(detail::split_heads(W_query(x), options.num_heads()),
+                     detail::split_heads(W_key(x), g), detail::split_heads(W_value(x), g),
+                     settings_of(options), is_training())
+          .context;
+  return out_proj(detail::merge_heads(context));
+}
+
+KVCache GroupedQueryAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
+  return detail::make_module_cache(kName, cache_layout_of(options), /*context_length=*/0,
+                                   W_query->weight, batch, capacity);
+}
+
+torch::Tensor GroupedQueryAttentionImpl::forward_with_cache(const torch::Tensor& x,
+                                                            KVCache& cache) {
+  detail::check_cached_call(kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
+                            cache_layout_of(options), W_query->weight);
+  torch::NoGradGuard no_grad;
+  const auto g = options.num_kv_groups();
+  const auto span =
+      cache.append(detail::split_heads(W_key(x), g), detail::split_heads(W_value(x), g));
+  const auto context = detail::attend(detail::split_heads(W_query(x), options.num_heads()),
+                                      span.keys, span.values, settings_of(options),
+                                      /*training=*/false, span.query_offset)
+                           .context;
+  return out_proj(detail::merge_heads(context));
+}
+
+}  // namespace attnkit

@@ -1,0 +1,120 @@
+#include "attnkit/latent_attention.h"
+
+#include <algorithm>
+
+#include "checks.h"
+#include "module_attention.h"
+#include "module_helpers.h"
+
+namespace attnkit {
+
+namespace {
+
+constexpr const char* kName = "MultiHeadLatentAttention";
+
+detail::AttentionSettings settings_of(const MultiHeadLatentAttentionOptions& opt) {
+  return {/*causal=*/true,  /*window_size=*/c10::nullopt, opt.dropout(), opt.backend(),
+          opt.chunk_size(), opt.key_chunk_size()};
+}
+
+}  // namespace
+
+MultiHeadLatentAttentionImpl::MultiHeadLatentAttentionImpl(
+    const MultiHeadLatentAttentionOptions& options)
+    : options(options) {
+  reset();
+}
+
+int64_t MultiHeadLatentAttentionImpl::latent_dim() const {
+  return options.latent_dim().value_or(std::max<int64_t>(16, options.d_out() / 8));
+}
+
+void MultiHeadLatentAttentionImpl::reset() {
+  detail::check_positive_option(kName, "d_in", options.d_in());
+  detail::check_positive_option(kName, "d_out", options.d_out());
+  detail::check_positive_option(kName, "num_heads", options.num_heads());
+  detail::check_dropout_option(kName, options.dropout());
+  detail::check_positive_option(kName, "chunk_size", options.chunk_size());
+  detail::check_positive_option(kName, "key_chunk_size", options.key_chunk_size());
+  if (options.latent_dim().has_value())
+    detail::check_positive_option(kName, "latent_dim", *options.latent_dim());
+  TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", kName,
+              "] option d_out must be divisible by num_heads, got d_out = ", options.d_out(),
+              ", num_heads = ", options.num_heads());
+  const auto d_in = options.d_in();
+  const auto d_out = options.d_out();
+  const auto latent = latent_dim();
+  const auto linear = [bias = options.qkv_bias()](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+  };
+  // Creation order fixes the random draws: as in Python.
+  W_query = register_module("W_query", linear(d_in, d_out));
+  W_DKV = register_module("W_DKV", linear(d_in, latent));
+  W_UK = register_module("W_UK", linear(latent, d_out));
+  W_UV = register_module("W_UV", linear(latent, d_out));
+  out_proj = register_module("out_proj", torch::nn::Linear(d_out, d_out));
+}
+
+void MultiHeadLatentAttentionImpl::reset_parameters() {
+  W_query->reset_parameters();
+  W_DKV->reset_parameters();
+  W_UK->reset_parameters();
+  W_UV->reset_parameters();
+  out_proj->reset_parameters();
+}
+
+void MultiHeadLatentAttentionImpl::pretty_print(std::ostream& stream) const {
+  stream << "attnkit::MultiHeadLatentAttention(d_in=" << options.d_in()
+         << ", d_out=" << options.d_out() << ", dropout=" << detail::option_text(options.dropout())
+         << ", num_heads=" << options.num_heads()
+         << ", qkv_bias=" << detail::option_text(options.qkv_bias())
+         << ", latent_dim=" << latent_dim() << ", backend=" << backend_name(options.backend())
+         << ", chunk_size=" << options.chunk_size()
+         << ", key_chunk_size=" << options.key_chunk_size() << ")";
+}
+
+functional::AttentionOutput MultiHeadLatentAttentionImpl::forward_with_weights(
+    const torch::Tensor& x) {
+  detail::check_forward_input(kName, x, {options.d_in()}, W_query->weight);
+  const auto h = options.num_heads();
+  const auto latents = W_DKV(x);  // (b, n, latent_dim)
+  auto attended =
+      detail::attend(detail::split_heads(W_query(x), h), detail::split_heads(W_UK(latents), h),
+                     detail::split_heads(W_UV(latents), h), settings_of(options), is_training(),
+                     /*query_offset=*/0, /*with_weights=*/true);
+  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
+}
+
+torch::Tensor MultiHeadLatentAttentionImpl::forward(const torch::Tensor& x) {
+  detail::check_forward_input(kName, x, {options.d_in()}, W_query->weight);
+  const auto h = options.num_heads();
+  const auto latents = W_DKV(x);  // (b, n, latent_dim)
+  const auto context =
+      detail::attend(detail::split_heads(W_query(x), h), detail::split_heads(W_UK(latents), h),
+                     detail::split_heads(W_UV(latents), h), settings_of(options), is_training())
+          .context;
+  return out_proj(detail::merge_heads(context));
+}
+
+KVCache MultiHeadLatentAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
+  return detail::make_module_cache(kName, {1, latent_dim(), 0, /*latent=*/true},
+                                   /*context_length=*/0, W_query->weight, batch, capacity);
+}
+
+torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tensor& x,
+                                                               KVCache& cache) {
+  detail::check_cached_call(kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
+                            {1, latent_dim(), 0, /*latent=*/true}, W_query->weight);
+  torch::NoGradGuard no_grad;
+  const auto h = options.num_heads();
+  const int64_t start = cache.size();
+  const auto latents = cache.append_latent(W_DKV(x));  // (b, start + n, latent_dim)
+  const auto context =
+      detail::attend(detail::split_heads(W_query(x), h), detail::split_heads(W_UK(latents), h),
+                     detail::split_heads(W_UV(latents), h), settings_of(options),
+                     /*training=*/false, start)
+          .context;
+  return out_proj(detail::merge_heads(context));
+}
+
+}  // namespace attnkit

@@ -1,0 +1,109 @@
+#include "module_attention.h"
+
+#include "checks.h"
+
+namespace attnkit::detail {
+
+namespace F = attnkit::functional;
+
+F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& keys,
+                          const torch::Tensor& values, const AttentionSettings& settings,
+                          bool training, int64_t query_offset, bool with_weights) {
+  if (with_weights || settings.backend == AttentionBackend::kMath) {
+    return F::scaled_dot_product_attention_with_weights(queries, keys, values,
+                                                        F::SdpaOptions()
+                                                            .is_causal(settings.causal)
+                                                            .query_offset(query_offset)
+                                                            .window_size(settings.window_size)
+                                                            .dropout_p(settings.dropout)
+                                                            .training(training));
+  }
+  if (settings.backend == AttentionBackend::kChunked) {
+    return {F::chunked_attention(queries, keys, values,
+                                 F::ChunkedOptions()
+                                     .is_causal(settings.causal)
+                                     .query_offset(query_offset)
+                                     .window_size(settings.window_size)
+                                     .dropout_p(settings.dropout)
+                                     .training(training)
+                                     .block_size(settings.chunk_size)
+                                     .key_block_size(settings.key_chunk_size)),
+            {}};
+  }
+  return {F::fused_backend_attention(queries, keys, values,
+                                     F::FusedOptions()
+                                         .is_causal(settings.causal)
+                                         .query_offset(query_offset)
+                                         .window_size(settings.window_size)
+                                         .dropout_p(settings.dropout)
+                                         .training(training)),
+          {}};
+}
+
+KVCache make_module_cache(const char* module, const CacheLayout& layout, int64_t context_length,
+                          const torch::Tensor& parameter, int64_t batch, int64_t capacity) {
+  TORCH_CHECK(batch >= 1, "[", module, "::make_kv_cache] batch must be >= 1, got ", batch);
+  const auto options = parameter.options();
+  if (layout.window_size > 0) {
+    TORCH_CHECK(capacity >= 0, "[", module, "::make_kv_cache] capacity must be >= 0, got ",
+                capacity);
+    return KVCache::sliding_window(batch, layout.heads, layout.head_dim, layout.window_size,
+                                   options);
+  }
+  if (context_length > 0) {
+    TORCH_CHECK(capacity >= 0 && capacity <= context_length, "[", module,
+                "::make_kv_cache] capacity must be in [1, context_length = ", context_length,
+                "] (0: context_length), got ", capacity);
+    capacity = capacity == 0 ? context_length : capacity;
+  } else {
+    TORCH_CHECK(capacity >= 1, "[", module,
+                "::make_kv_cache] capacity (the most positions the cache will hold) must be "
+                ">= 1, got ",
+                capacity);
+  }
+  return layout.latent ? KVCache::latent(batch, layout.head_dim, capacity, options)
+                       : KVCache(batch, layout.heads, layout.head_dim, capacity, options);
+}
+
+void check_cached_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
+                       int64_t context_length, const KVCache& cache, const CacheLayout& layout,
+                       const torch::Tensor& parameter) {
+  TORCH_CHECK(!training, "[", module,
+              "::forward_with_cache] the KV cache is for inference, but the module is in "
+              "training mode: call eval() first (training runs forward over whole sequences)");
+  detail::check_forward_input(module, x, {d_in}, parameter);
+  TORCH_CHECK(cache.capacity() > 0, "[", module,
+              "::forward_with_cache] the cache has no storage; make one with make_kv_cache");
+  const auto kind = [](bool latent, int64_t window) {
+    return latent       ? std::string("a latent cache")
+           : window > 0 ? c10::str("a rolling cache of window_size ", window)
+                        : std::string("a key/value cache");
+  };
+  TORCH_CHECK(cache.is_latent() == layout.latent && cache.window_size() == layout.window_size, "[",
+              module, "::forward_with_cache] cache: expected ",
+              kind(layout.latent, layout.window_size), ", got ",
+              kind(cache.is_latent(), cache.window_size()), "; make it with make_kv_cache");
+  TORCH_CHECK(cache.batch() == x.size(0) && cache.num_heads() == layout.heads &&
+                  cache.head_dim() == layout.head_dim,
+              "[", module, "::forward_with_cache] cache: expected (batch, ",
+              layout.latent ? "1, latent_dim" : "num_heads, head_dim", ") = (", x.size(0), ", ",
+              layout.heads, ", ", layout.head_dim, "), got (", cache.batch(), ", ",
+              cache.num_heads(), ", ", cache.head_dim(), ")");
+  TORCH_CHECK(cache.options().dtype() == parameter.dtype() &&
+                  cache.options().device() == parameter.device(),
+              "[", module, "::forward_with_cache] cache: expected dtype ", parameter.scalar_type(),
+              " on ", parameter.device(), " (the module's parameters), got ",
+              cache.options().dtype(), " on ", cache.options().device());
+  const int64_t n = x.size(1);
+  const int64_t end = cache.size() + n;
+  TORCH_CHECK(context_length == 0 || end <= context_length, "[", module,
+              "::forward_with_cache] x: ", n, " tokens after the ", cache.size(),
+              " the cache holds would reach position ", end,
+              ", past context_length = ", context_length);
+  TORCH_CHECK(n <= cache.max_positions() - cache.size(), "[", module,
+              "::forward_with_cache] x: ", n, " tokens after the ", cache.size(),
+              " the cache holds would pass its capacity ", cache.capacity(),
+              "; make a larger one with make_kv_cache(batch, capacity)");
+}
+
+}  // namespace attnkit::detail

@@ -1,0 +1,329 @@
+// The modern attention family: GroupedQueryAttention (and multi-query attention),
+// sliding windows on MultiHeadAttention and GroupedQueryAttention, MultiHeadLatentAttention.
+// Their layout, every backend against math, their KV caches against the uncached forward
+// (with the rolling window and the latent cache), their cache sizes, and every refusal.
+
+#include <string>
+#include <vector>
+
+#include "attnkit/attnkit.h"
+#include "module_factory.h"
+#include "test_support.h"
+
+using namespace attnkit;
+using namespace attnkit::testing;
+
+namespace {
+
+double agreement(torch::ScalarType dtype) {
+  return dtype == torch::kFloat32 ? 1e-5 : 1e-10;
+}
+
+const std::vector<AttentionBackend> kBackends{AttentionBackend::kMath, AttentionBackend::kFused,
+                                              AttentionBackend::kChunked};
+
+// The modules under test, by a short label, each with small blocks for the chunked backend
+// so that 11 tokens cross block edges.
+CachedAttention make_family_module(const std::string& label) {
+  const int64_t d_in = 6, d_out = 12, heads = 4;
+  const auto gqa = [&](int64_t groups) {
+    return GroupedQueryAttentionOptions(d_in, d_out, 0.1, heads, groups)
+        .qkv_bias(true)
+        .chunk_size(3)
+        .key_chunk_size(4);
+  };
+  if (label == "gqa")
+    return erase_cached(GroupedQueryAttention(gqa(2)));
+  if (label == "mqa")
+    return erase_cached(GroupedQueryAttention(gqa(1)));
+  if (label == "gqa window 3")
+    return erase_cached(GroupedQueryAttention(gqa(2).sliding_window_size(3)));
+  const auto mha = MultiHeadAttentionOptions(d_in, d_out, 16, 0.1, heads)
+                       .qkv_bias(true)
+                       .chunk_size(3)
+                       .key_chunk_size(4);
+  if (label == "mha window 4")
+    return erase_cached(MultiHeadAttention(MultiHeadAttentionOptions(mha).sliding_window_size(4)));
+  if (label == "mha-combined window 1")
+    return erase_cached(
+        MultiHeadAttentionCombinedQKV(MultiHeadAttentionOptions(mha).sliding_window_size(1)));
+  TORCH_CHECK(label == "mla", "unknown module ", label);
+  return erase_cached(
+      MultiHeadLatentAttention(MultiHeadLatentAttentionOptions(d_in, d_out, 0.1, heads)
+                                   .qkv_bias(true)
+                                   .latent_dim(5)
+                                   .chunk_size(3)
+                                   .key_chunk_size(4)));
+}
+
+const std::vector<std::string> kFamily{
+    "gqa", "mqa", "gqa window 3", "mha window 4", "mha-combined window 1", "mla"};
+
+// Output and the gradient of every parameter and of x for sum(forward(x) * probe).
+std::vector<torch::Tensor> output_and_grads(CachedAttention& m, const torch::Tensor& x_in,
+                                            const torch::Tensor& probe) {
+  m.module->zero_grad();
+  auto x = x_in.clone().requires_grad_(true);
+  const auto out = m.forward(x);
+  (out * probe).sum().backward();
+  std::vector<torch::Tensor> result{out.detach(), x.grad()};
+  for (const auto& p : m.module->parameters())
+    result.push_back(p.grad().clone());
+  return result;
+}
+
+}  // namespace
+
+TEST(AttentionFamily, ParametersHaveThePythonNamesOrderAndShapes) {
+  GroupedQueryAttention gqa(8, 12, 0.0, 6, 2);
+  EXPECT_EQ(gqa->named_parameters().keys(),
+            (std::vector<std::string>{"W_key.weight", "W_value.weight", "W_query.weight",
+                                      "out_proj.weight"}));
+  EXPECT_EQ(gqa->W_key->weight.sizes(), (std::vector<int64_t>{4, 8}));  // 2 groups x head_dim 2
+  EXPECT_EQ(gqa->W_query->weight.sizes(), (std::vector<int64_t>{12, 8}));
+  EXPECT_TRUE(gqa->named_buffers().is_empty());
+  MultiHeadLatentAttention mla(8, 64, 0.0, 4, /*qkv_bias=*/true);
+  EXPECT_EQ(mla->latent_dim(), 16);  // max(16, 64 / 8)
+  EXPECT_EQ(MultiHeadLatentAttention(8, 256, 0.0, 4)->latent_dim(), 32);
+  EXPECT_EQ(mla->named_parameters().keys(),
+            (std::vector<std::string>{"W_query.weight", "W_query.bias", "W_DKV.weight",
+                                      "W_DKV.bias", "W_UK.weight", "W_UK.bias", "W_UV.weight",
+                                      "W_UV.bias", "out_proj.weight", "out_proj.bias"}));
+  EXPECT_EQ(mla->W_DKV->weight.sizes(), (std::vector<int64_t>{16, 8}));
+  EXPECT_EQ(mla->W_UK->weight.sizes(), (std::vector<int64_t>{64, 16}));
+}
+
+TEST(AttentionFamily, PrettyPrintShowsEveryOption) {
+  std::ostringstream gqa, mla, mha;
+  GroupedQueryAttention(GroupedQueryAttentionOptions(8, 12, 0.1, 6, 2).sliding_window_size(5))
+      ->pretty_print(gqa);
+  EXPECT_EQ(gqa.str(),
+            "attnkit::GroupedQueryAttention(d_in=8, d_out=12, dropout=0.1, num_heads=6, "
+            "num_kv_groups=2, qkv_bias=false, sliding_window_size=5, backend=math, "
+            "chunk_size=128, key_chunk_size=1024)");
+  MultiHeadLatentAttention(8, 12, 0.0, 2, true, 7)->pretty_print(mla);
+  EXPECT_EQ(mla.str(),
+            "attnkit::MultiHeadLatentAttention(d_in=8, d_out=12, dropout=0, num_heads=2, "
+            "qkv_bias=true, latent_dim=7, backend=math, chunk_size=128, key_chunk_size=1024)");
+  MultiHeadAttention(8, 12, 4, 0.0, 2)->pretty_print(mha);
+  EXPECT_NE(mha.str().find("causal=true, sliding_window_size=none, backend=math"),
+            std::string::npos)
+      << mha.str();
+}
+
+TEST(AttentionFamily, OneGroupPerHeadIsMultiHeadAttention) {
+  torch::manual_seed(51);
+  MultiHeadAttention mha(MultiHeadAttentionOptions(6, 12, 10, 0.0, 3).qkv_bias(true));
+  GroupedQueryAttention gqa(6, 12, 0.0, 3, /*num_kv_groups=*/3, /*qkv_bias=*/true);
+  {
+    torch::NoGradGuard no_grad;
+    gqa->W_query->weight.copy_(mha->W_query->weight);
+    gqa->W_query->bias.copy_(mha->W_query->bias);
+    gqa->W_key->weight.copy_(mha->W_key->weight);
+    gqa->W_key->bias.copy_(mha->W_key->bias);
+    gqa->W_value->weight.copy_(mha->W_value->weight);
+    gqa->W_value->bias.copy_(mha->W_value->bias);
+    gqa->out_proj->weight.copy_(mha->out_proj->weight);
+    mha->out_proj->bias.zero_();  // GQA's out_proj has none
+  }
+  const auto x = torch::randn({2, 10, 6});
+  EXPECT_TENSOR_NEAR(gqa(x), mha(x), 1e-6);
+  EXPECT_TENSOR_NEAR(gqa->forward_with_weights(x).weights, mha->forward_with_weights(x).weights,
+                     1e-6);
+}
+
+TEST(AttentionFamily, EveryBackendMatchesMathOutputsAndGradients) {
+  for (const auto& label : kFamily) {
+    for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+      for (const int64_t n : {1, 7, 11}) {
+        torch::manual_seed(53);
+        auto m = make_family_module(label);
+        m.module->to(dtype);
+        m.module->eval();
+        const auto x = torch::randn({2, n, 6}, torch::dtype(dtype));
+        const auto probe = torch::randn({2, n, 12}, torch::dtype(dtype));
+        m.set_backend(AttentionBackend::kMath);
+        const auto math = output_and_grads(m, x, probe);
+        for (const auto backend : {AttentionBackend::kFused, AttentionBackend::kChunked}) {
+          SCOPED_TRACE(c10::str(label, " ", backend_name(backend), " ", dtype, " n ", n));
+          m.set_backend(backend);
+          const auto other = output_and_grads(m, x, probe);
+          ASSERT_EQ(other.size(), math.size());
+          for (size_t i = 0; i < math.size(); ++i) {
+            EXPECT_TRUE(tensors_close(i == 0 ? "output" : c10::str("grad ", i), other[i], math[i],
+                                      agreement(dtype)));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(AttentionFamily, WindowedModulesAttendOnlyInsideTheWindow) {
+  torch::manual_seed(55);
+  GroupedQueryAttention gqa(GroupedQueryAttentionOptions(4, 8, 0.0, 4, 2).sliding_window_size(3));
+  const auto weights = gqa->forward_with_weights(torch::randn({1, 9, 4})).weights;  // (1, 4, 9, 9)
+  // Query i sees keys i - 2 .. i.
+  const auto outside = functional::causal_mask(9, 9, torch::kCPU, 0, 3);
+  EXPECT_TRUE(weights.masked_select(outside.expand_as(weights)).eq(0).all().item<bool>());
+  EXPECT_TRUE(
+      weights.masked_select(outside.logical_not().expand_as(weights)).gt(0).all().item<bool>());
+}
+
+TEST(AttentionFamily, CachedPiecesEqualTheUncachedForward) {
+  // Whole prompt, pieces of every size (some longer than the windows), one token at a time.
+  const std::vector<std::vector<int64_t>> splits{
+      {11}, {4, 1, 1, 5}, {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, {3, 8}, {10, 1}, {2, 2, 5, 2}};
+  for (const auto& label : kFamily) {
+    for (const auto backend : kBackends) {
+      for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+        torch::manual_seed(57);
+        auto m = make_family_module(label);
+        m.set_backend(backend);
+        m.module->to(dtype);
+        m.module->eval();
+        const auto x = torch::randn({2, 11, 6}, torch::dtype(dtype));
+        const auto full = m.forward(x);
+        auto cache = m.make_kv_cache(2, 11);
+        const auto bytes = cache.nbytes();
+        for (const auto& pieces : splits) {
+          SCOPED_TRACE(c10::str(label, " ", backend_name(backend), " ", dtype, " pieces ",
+                                c10::IntArrayRef(pieces)));
+          cache.reset();
+          EXPECT_TRUE(tensors_close("cached", forward_in_pieces(m, x, pieces, cache), full,
+                                    agreement(dtype)));
+          EXPECT_EQ(cache.size(), 11);
+          EXPECT_EQ(cache.nbytes(), bytes);
+        }
+      }
+    }
+  }
+}
+
+TEST(AttentionFamily, TheRollingCacheHoldsAtMostTheWindowHoweverLong) {
+  torch::manual_seed(59);
+  GroupedQueryAttention gqa(GroupedQueryAttentionOptions(4, 8, 0.0, 4, 2)
+                                .sliding_window_size(5)
+                                .backend(AttentionBackend::kFused));
+  gqa->eval();
+  const auto x = torch::randn({1, 40, 4});
+  const auto full = gqa(x);
+  auto cache = gqa->make_kv_cache(1, /*capacity, ignored by a rolling cache=*/0);
+  EXPECT_EQ(cache.capacity(), 5);
+  EXPECT_EQ(cache.window_size(), 5);
+  const auto* storage = cache.keys().data_ptr<float>();
+  std::vector<torch::Tensor> outputs;
+  for (int64_t t = 0; t < 40; ++t) {
+    outputs.push_back(gqa->forward_with_cache(x.narrow(1, t, 1), cache));
+    EXPECT_EQ(cache.held(), std::min<int64_t>(t + 1, 5));
+    EXPECT_EQ(cache.keys().data_ptr<float>(), storage) << "reallocated at step " << t;
+  }
+  EXPECT_EQ(cache.size(), 40);
+  EXPECT_TENSOR_NEAR(torch::cat(outputs, 1), full, 1e-5);
+  // The slots hold positions 35..39, position p in slot p % 5.
+  const auto keys = gqa->W_key(x).view({1, 40, 2, 2}).transpose(1, 2);  // (1, 2, 40, 2)
+  for (int64_t p = 35; p < 40; ++p) {
+    EXPECT_TENSOR_NEAR(cache.keys().select(2, p % 5), keys.select(2, p), 1e-6);
+  }
+}
+
+TEST(AttentionFamily, CacheBytesPerTokenFollowTheLayout) {
+  // d 768, 12 heads (head_dim 64), float32: MHA keeps 2 x 768 values per token.
+  const auto mha = MultiHeadAttention(768, 768, 8, 0.0, 12)->make_kv_cache(1);
+  const auto gqa = GroupedQueryAttention(768, 768, 0.0, 12, 4)->make_kv_cache(1, 8);
+  const auto mqa = GroupedQueryAttention(768, 768, 0.0, 12, 1)->make_kv_cache(1, 8);
+  const auto mla = MultiHeadLatentAttention(768, 768, 0.0, 12, false, 96)->make_kv_cache(1, 8);
+  EXPECT_EQ(mha.bytes_per_token(), 2 * 768 * 4);
+  EXPECT_EQ(3 * gqa.bytes_per_token(), mha.bytes_per_token());
+  EXPECT_EQ(12 * mqa.bytes_per_token(), mha.bytes_per_token());
+  EXPECT_EQ(16 * mla.bytes_per_token(), mha.bytes_per_token());
+  EXPECT_TRUE(mla.is_latent());
+}
+
+TEST(AttentionFamily, RefusalsNameWhatIsWrong) {
+  expect_error_containing([] { GroupedQueryAttention(8, 12, 0.0, 6, 4); },
+                          "[GroupedQueryAttention] option num_heads must be divisible by "
+                          "num_kv_groups, got num_heads = 6, num_kv_groups = 4");
+  expect_error_containing([] { GroupedQueryAttention(8, 12, 0.0, 5, 5); },
+                          "[GroupedQueryAttention] option d_out must be divisible by num_heads");
+  expect_error_containing([] { GroupedQueryAttention(8, 12, 0.0, 6, 0); },
+                          "[GroupedQueryAttention] option num_kv_groups must be > 0, got 0");
+  expect_error_containing(
+      [] {
+        GroupedQueryAttention(
+            GroupedQueryAttentionOptions(8, 12, 0.0, 6, 2).sliding_window_size(0));
+      },
+      "[GroupedQueryAttention] option sliding_window_size must be >= 1, got 0");
+  expect_error_containing(
+      [] {
+        MultiHeadAttention(
+            MultiHeadAttentionOptions(8, 12, 4, 0.0, 2).causal(false).sliding_window_size(2));
+      },
+      "[MultiHeadAttention] option sliding_window_size (2) limits how far back a token "
+      "attends, so it needs causal = true");
+  expect_error_containing([] { MultiHeadLatentAttention(8, 12, 0.0, 2, false, -1); },
+                          "[MultiHeadLatentAttention] option latent_dim must be > 0, got -1");
+  expect_error_containing([] { MultiHeadLatentAttention(8, 12, 0.0, 5); },
+                          "[MultiHeadLatentAttention] option d_out must be divisible by num_heads");
+
+  GroupedQueryAttention gqa(4, 8, 0.0, 4, 2);
+  gqa->eval();
+  expect_error_containing([&] { gqa->make_kv_cache(1, 0); },
+                          "[GroupedQueryAttention::make_kv_cache] capacity (the most positions the "
+                          "cache will hold) must be >= 1, got 0");
+  auto cache = gqa->make_kv_cache(1, 4);
+  expect_error_containing(
+      [&] {
+        gqa->forward_with_cache(torch::randn({1, 5, 4}), cache);
+      },
+      "[GroupedQueryAttention::forward_with_cache] x: 5 tokens after the 0 the cache holds would "
+      "pass its capacity 4");
+  auto mha_cache = MultiHeadAttention(4, 8, 8, 0.0, 4)->make_kv_cache(1);
+  expect_error_containing(
+      [&] {
+        gqa->forward_with_cache(torch::randn({1, 1, 4}), mha_cache);
+      },
+      "cache: expected (batch, num_heads, head_dim) = (1, 2, 2), got (1, 4, 2)");
+  auto rolling =
+      GroupedQueryAttention(GroupedQueryAttentionOptions(4, 8, 0.0, 4, 2).sliding_window_size(3))
+          ->make_kv_cache(1, 0);
+  expect_error_containing(
+      [&] {
+        gqa->forward_with_cache(torch::randn({1, 1, 4}), rolling);
+      },
+      "cache: expected a key/value cache, got a rolling cache of "
+      "window_size 3; make it with make_kv_cache");
+  MultiHeadLatentAttention mla(4, 8, 0.0, 2, false, 3);
+  mla->eval();
+  expect_error_containing(
+      [&] {
+        mla->forward_with_cache(torch::randn({1, 1, 4}), cache);
+      },
+      "[MultiHeadLatentAttention::forward_with_cache] cache: expected a latent "
+      "cache, got a key/value cache");
+  auto latent = mla->make_kv_cache(1, 4);
+  expect_error_containing(
+      [&] {
+        latent.append(torch::zeros({1, 1, 1, 3}), torch::zeros({1, 1, 1, 3}));
+      },
+      "[KVCache::append] this is a latent cache; use append_latent");
+  expect_error_containing(
+      [&] {
+        cache.append_latent(torch::zeros({1, 1, 2}));
+      },
+      "[KVCache::append_latent] this cache holds keys and values; use append");
+  expect_error_containing(
+      [&] {
+        latent.append_latent(torch::zeros({1, 1, 2}));
+      },
+      "[KVCache::append_latent] latents: expected (1, 1, n, 3), got [1, 1, 1, 2]");
+  expect_error_containing([] { KVCache::sliding_window(1, 2, 3, 0); },
+                          "[KVCache::sliding_window] window_size must be >= 1, got 0");
+  mla->train();
+  expect_error_containing(
+      [&] {
+        mla->forward_with_cache(torch::randn({1, 1, 4}), latent);
+      },
+      "the KV cache is for inference, but the module is in training mode");
+  EXPECT_EQ(latent.size(), 0) << "a refused call changed the cache";
+}
