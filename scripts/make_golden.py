@@ -16,7 +16,13 @@ the sequence fed in pieces: prefill, chunked prefill, one-token decode steps):
                    output (the cached pieces' outputs, concatenated), uncached_output
   <case>.state.pt  the state dict, as above
 with its own MANIFEST; tests/kv_cache_test.cpp reads them.
+
+data/golden/family/ holds the same two kinds for the attention family (GroupedQueryAttention,
+multi-query, sliding windows on the multi-head classes, MultiHeadLatentAttention): golden
+cases in family/ and cached ones in family/kv/, each directory with its MANIFEST. The older
+directories are written only with --all, so adding a family case leaves their files alone.
 """
+import argparse
 import os
 import sys
 
@@ -28,11 +34,25 @@ from reference_attention import build  # noqa: E402
 FORMAT_VERSION = 1
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "golden")
 KV_DIR = os.path.join(OUT_DIR, "kv")
+FAMILY_DIR = os.path.join(OUT_DIR, "family")
+FAMILY_KV_DIR = os.path.join(FAMILY_DIR, "kv")
 
 
-def config(d_in, d_out, context_length=0, dropout=0.0, num_heads=1, qkv_bias=False, causal=True):
+def config(d_in, d_out, context_length=0, dropout=0.0, num_heads=1, qkv_bias=False, causal=True,
+           **family):
+    """The chapter-3 arguments; family modules add num_kv_groups, sliding_window_size and
+    latent_dim (None: the module's default)."""
     return dict(d_in=d_in, d_out=d_out, context_length=context_length, dropout=dropout,
-                num_heads=num_heads, qkv_bias=qkv_bias, causal=causal)
+                num_heads=num_heads, qkv_bias=qkv_bias, causal=causal, **family)
+
+
+def gqa(d_in, d_out, num_heads, num_kv_groups, window=None, **rest):
+    return config(d_in, d_out, num_heads=num_heads, num_kv_groups=num_kv_groups,
+                  sliding_window_size=window, **rest)
+
+
+def mla(d_in, d_out, num_heads, latent_dim=None, **rest):
+    return config(d_in, d_out, num_heads=num_heads, latent_dim=latent_dim, **rest)
 
 
 def grid():
@@ -62,6 +82,33 @@ def kv_grid():
         yield module, config(4, 12, context_length=8, num_heads=3), 1, [1] * 8
         yield module, config(6, 8, context_length=12, num_heads=4), 3, [7, 1, 2]
         yield module, config(3, 2, context_length=6, num_heads=2), 2, [6]
+
+
+def family_grid():
+    """As grid(), for the attention family; windows smaller and larger than n, n = 1."""
+    yield "GroupedQueryAttention", gqa(6, 8, 4, 2), 2, 7
+    yield "GroupedQueryAttention", gqa(8, 12, 3, 1, qkv_bias=True), 3, 5  # multi-query
+    yield "GroupedQueryAttention", gqa(6, 8, 4, 2, window=3, qkv_bias=True), 2, 9
+    yield "GroupedQueryAttention", gqa(4, 8, 2, 2, dropout=0.1), 1, 1
+    yield "GroupedQueryAttention", gqa(6, 12, 6, 3, window=16), 2, 6
+    yield "MultiHeadAttention", config(6, 8, context_length=10, num_heads=2, qkv_bias=True,
+                                       sliding_window_size=2), 2, 8
+    yield "MultiHeadAttentionCombinedQKV", config(12, 12, context_length=9, num_heads=3,
+                                                  sliding_window_size=4), 1, 9
+    yield "MultiHeadLatentAttention", mla(8, 12, 3, latent_dim=5, qkv_bias=True), 2, 6
+    yield "MultiHeadLatentAttention", mla(16, 32, 4, dropout=0.1), 1, 5  # default latent 16
+
+
+def family_kv_grid():
+    """As kv_grid(), for the attention family; windowed caches roll past their window."""
+    yield "GroupedQueryAttention", gqa(6, 8, 4, 2, qkv_bias=True), 2, [5, 1, 1, 3, 1]
+    yield "GroupedQueryAttention", gqa(4, 12, 3, 1), 1, [1] * 6
+    yield "GroupedQueryAttention", gqa(6, 8, 4, 2, window=3), 2, [4, 1, 1, 1, 3, 1]
+    yield "MultiHeadAttention", config(6, 8, context_length=12, num_heads=2,
+                                       sliding_window_size=2), 2, [3, 1, 1, 1, 2]
+    yield "MultiHeadAttentionCombinedQKV", config(6, 6, context_length=8, num_heads=3,
+                                                  sliding_window_size=3), 1, [1] * 7
+    yield "MultiHeadLatentAttention", mla(6, 8, 2, latent_dim=5, qkv_bias=True), 2, [5, 1, 2, 1]
 
 
 def make_kv_case(seed, module_name, cfg, batch, splits, dtype):
@@ -128,21 +175,29 @@ def make_case(seed, module_name, cfg, batch, num_tokens, dtype):
     return case, dict(model.state_dict())
 
 
-def main():
-    cases, kv_cases = [], []
-    seed, kv_seed = 0, 100  # the seed is also the case's number
+def make_cases(grid_of, make, first_seed, width):
+    """Every case of grid_of() in float32 and float64: (name, case, state); the seed is also
+    the case's number."""
+    cases, seed = [], first_seed
     for dtype in (torch.float32, torch.float64):
         dtype_name = str(dtype).replace("torch.", "")
-        for module_name, cfg, batch, num_tokens in grid():
-            case, state = make_case(seed, module_name, cfg, batch, num_tokens, dtype)
-            cases.append((f"{seed:02d}_{module_name}_{dtype_name}", case, state))
+        for module_name, cfg, batch, shape in grid_of():
+            case, state = make(seed, module_name, cfg, batch, shape, dtype)
+            cases.append((f"{seed:0{width}d}_{module_name}_{dtype_name}", case, state))
             seed += 1
-        for module_name, cfg, batch, splits in kv_grid():
-            case, state = make_kv_case(kv_seed, module_name, cfg, batch, splits, dtype)
-            kv_cases.append((f"{kv_seed}_{module_name}_{dtype_name}", case, state))
-            kv_seed += 1
-    write_cases(OUT_DIR, cases)
-    write_cases(KV_DIR, kv_cases)
+    return cases
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Writes attnkit's golden files (data/golden/).")
+    parser.add_argument("--all", action="store_true",
+                        help="also rewrite the chapter-3 and KV-cache cases (default: family only)")
+    args = parser.parse_args()
+    if args.all:
+        write_cases(OUT_DIR, make_cases(grid, make_case, 0, 2))
+        write_cases(KV_DIR, make_cases(kv_grid, make_kv_case, 100, 3))
+    write_cases(FAMILY_DIR, make_cases(family_grid, make_case, 200, 3))
+    write_cases(FAMILY_KV_DIR, make_cases(family_kv_grid, make_kv_case, 300, 3))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ MultiHeadAttentionCombinedQKV uses seed 001's per-head [q | k | v] layout of its
 projection. Both multi-head classes carry the KV cache of the book's chapter-4 bonus
 material: `forward(x, use_cache=True)` appends the keys and values of x to the module's
 cache (concatenation, as the bonus code does) and attends from the cached position on;
-`reset_cache()` starts over. Used by make_golden.py, check_python_interop.py and
-bench_generate.py.
+`reset_cache()` starts over. Both take `sliding_window_size` (query p sees keys j with
+0 <= p - j < W). The bonus material's GroupedQueryAttention (multi-query with one group) and
+MultiHeadLatentAttention follow, with the same cache interface. Used by make_golden.py,
+check_python_interop.py and bench_generate.py.
 """
 import torch
 import torch.nn as nn
@@ -76,14 +78,19 @@ class MultiHeadAttentionWrapper(nn.Module):
         return torch.cat([head(x) for head in self.heads], dim=-1)
 
 
-def _attend(queries, keys, values, mask, causal, dropout, start=0):
+def _attend(queries, keys, values, mask, causal, dropout, start=0, window=None):
     """queries (b, h, n, hd) at positions [start, start + n), keys and values (b, h, start + n, hd)
-    -> (b, n, h * hd); the book's masked, scaled softmax."""
+    -> (b, n, h * hd); the book's masked, scaled softmax. With a window W, query position p also
+    skips keys j with p - j >= W (sliding-window attention)."""
     b, h, num_tokens, hd = queries.shape
     attn_scores = queries @ keys.transpose(2, 3)
     if causal:
         num_keys = keys.shape[2]
-        attn_scores.masked_fill_(mask.bool()[start:start + num_tokens, :num_keys], -torch.inf)
+        blocked = mask.bool()[start:start + num_tokens, :num_keys]
+        if window is not None:
+            positions = torch.arange(start, start + num_tokens).unsqueeze(1)
+            blocked = blocked | (positions - torch.arange(num_keys).unsqueeze(0) >= window)
+        attn_scores.masked_fill_(blocked, -torch.inf)
     attn_weights = torch.softmax(attn_scores / hd ** 0.5, dim=-1)
     attn_weights = dropout(attn_weights)
     # (b, h, n, hd) -> (b, n, h, hd) -> (b, n, h * hd)
@@ -109,10 +116,12 @@ class _KVCacheMixin:
 
 
 class MultiHeadAttention(_KVCacheMixin, nn.Module):
-    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, causal=True):
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, causal=True,
+                 sliding_window_size=None):
         super().__init__()
         assert d_out % num_heads == 0, "d_out must be divisible by num_heads"
         self.d_out, self.num_heads, self.causal = d_out, num_heads, causal
+        self.window = sliding_window_size
         self.head_dim = d_out // num_heads
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -132,15 +141,17 @@ class MultiHeadAttention(_KVCacheMixin, nn.Module):
         if use_cache:
             keys, values, start = self._cached(keys, values)
         context = _attend(split(self.W_query(x)), keys, values, self.mask, self.causal, self.dropout,
-                          start)
+                          start, self.window)
         return self.out_proj(context)
 
 
 class MultiHeadAttentionCombinedQKV(_KVCacheMixin, nn.Module):
-    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, causal=True):
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, causal=True,
+                 sliding_window_size=None):
         super().__init__()
         assert d_out % num_heads == 0, "d_out must be divisible by num_heads"
         self.num_heads, self.causal = num_heads, causal
+        self.window = sliding_window_size
         self.head_dim = d_out // num_heads
         self.qkv = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out)
@@ -157,12 +168,95 @@ class MultiHeadAttentionCombinedQKV(_KVCacheMixin, nn.Module):
         if use_cache:
             keys, values, start = self._cached(keys, values)
         return self.out_proj(_attend(queries, keys, values, self.mask, self.causal, self.dropout,
-                                     start))
+                                     start, self.window))
+
+
+class GroupedQueryAttention(_KVCacheMixin, nn.Module):
+    """The bonus material's GQA: num_kv_groups key/value heads shared by num_heads query heads
+    (query head h reads group h // (num_heads // num_kv_groups)); always causal. The cache holds
+    the num_kv_groups heads."""
+
+    def __init__(self, d_in, d_out, dropout, num_heads, num_kv_groups, qkv_bias=False,
+                 sliding_window_size=None):
+        super().__init__()
+        assert d_out % num_heads == 0, "d_out must be divisible by num_heads"
+        assert num_heads % num_kv_groups == 0, "num_heads must be divisible by num_kv_groups"
+        self.num_heads, self.num_kv_groups = num_heads, num_kv_groups
+        self.head_dim = d_out // num_heads
+        self.group_size = num_heads // num_kv_groups
+        self.window = sliding_window_size
+        self.W_key = nn.Linear(d_in, num_kv_groups * self.head_dim, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, num_kv_groups * self.head_dim, bias=qkv_bias)
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out, bias=False)
+        self.dropout = nn.Dropout(dropout)
+        self.reset_cache()
+
+    def forward(self, x, use_cache=False):
+        b, num_tokens, d_in = x.shape
+
+        def split(t, heads):  # (b, n, heads * hd) -> (b, n, heads, hd) -> (b, heads, n, hd)
+            return t.view(b, num_tokens, heads, self.head_dim).transpose(1, 2)
+
+        keys = split(self.W_key(x), self.num_kv_groups)
+        values = split(self.W_value(x), self.num_kv_groups)
+        start = 0
+        if use_cache:
+            keys, values, start = self._cached(keys, values)
+        # (b, g, m, hd) -> (b, h, m, hd): each group once per query head that reads it
+        keys = keys.repeat_interleave(self.group_size, dim=1)
+        values = values.repeat_interleave(self.group_size, dim=1)
+        num_keys = keys.shape[2]
+        mask = torch.triu(torch.ones(num_keys, num_keys), diagonal=1)
+        context = _attend(split(self.W_query(x), self.num_heads), keys, values, mask, True,
+                          self.dropout, start, self.window)
+        return self.out_proj(context)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """The bonus material's MLA: keys and values up-projected from a shared latent of latent_dim
+    per token (W_DKV down, W_UK / W_UV up); the cache holds the latent only. Always causal."""
+
+    def __init__(self, d_in, d_out, dropout, num_heads, qkv_bias=False, latent_dim=None):
+        super().__init__()
+        assert d_out % num_heads == 0, "d_out must be divisible by num_heads"
+        self.num_heads, self.head_dim = num_heads, d_out // num_heads
+        self.latent_dim = latent_dim if latent_dim is not None else max(16, d_out // 8)
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_DKV = nn.Linear(d_in, self.latent_dim, bias=qkv_bias)
+        self.W_UK = nn.Linear(self.latent_dim, d_out, bias=qkv_bias)
+        self.W_UV = nn.Linear(self.latent_dim, d_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout = nn.Dropout(dropout)
+        self.reset_cache()
+
+    def reset_cache(self):
+        self.cache_latent, self.ptr_current_pos = None, 0
+
+    def forward(self, x, use_cache=False):
+        b, num_tokens, d_in = x.shape
+        latents, start = self.W_DKV(x), 0  # (b, n, latent_dim)
+        if use_cache:
+            start = self.ptr_current_pos
+            if self.cache_latent is not None:
+                latents = torch.cat([self.cache_latent, latents], dim=1)
+            self.cache_latent = latents
+            self.ptr_current_pos += num_tokens
+
+        def split(t):  # (b, m, d_out) -> (b, m, h, hd) -> (b, h, m, hd)
+            return t.view(b, t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+
+        num_keys = latents.shape[1]
+        mask = torch.triu(torch.ones(num_keys, num_keys), diagonal=1)
+        context = _attend(split(self.W_query(x)), split(self.W_UK(latents)),
+                          split(self.W_UV(latents)), mask, True, self.dropout, start)
+        return self.out_proj(context)
 
 
 def build(module, config):
     """The reference module named `module` (attnkit's C++ class name) for a config dict."""
     c = config
+    window = c.get("sliding_window_size") or None  # absent, None or 0 (C++ tests): no window
     if module == "SelfAttentionV1":
         return SelfAttention_v1(c["d_in"], c["d_out"])
     if module == "SelfAttentionV2":
@@ -174,8 +268,16 @@ def build(module, config):
                                          c["num_heads"], c["qkv_bias"])
     if module == "MultiHeadAttention":
         return MultiHeadAttention(c["d_in"], c["d_out"], c["context_length"], c["dropout"],
-                                  c["num_heads"], c["qkv_bias"], c["causal"])
+                                  c["num_heads"], c["qkv_bias"], c["causal"],
+                                  window)
     if module == "MultiHeadAttentionCombinedQKV":
         return MultiHeadAttentionCombinedQKV(c["d_in"], c["d_out"], c["context_length"], c["dropout"],
-                                             c["num_heads"], c["qkv_bias"], c["causal"])
+                                             c["num_heads"], c["qkv_bias"], c["causal"],
+                                             window)
+    if module == "GroupedQueryAttention":
+        return GroupedQueryAttention(c["d_in"], c["d_out"], c["dropout"], c["num_heads"],
+                                     c["num_kv_groups"], c["qkv_bias"], window)
+    if module == "MultiHeadLatentAttention":
+        return MultiHeadLatentAttention(c["d_in"], c["d_out"], c["dropout"], c["num_heads"],
+                                        c["qkv_bias"], c.get("latent_dim") or None)
     raise ValueError(f"unknown module {module!r}")

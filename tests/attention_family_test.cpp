@@ -15,13 +15,6 @@ using namespace attnkit::testing;
 
 namespace {
 
-double agreement(torch::ScalarType dtype) {
-  return dtype == torch::kFloat32 ? 1e-5 : 1e-10;
-}
-
-const std::vector<AttentionBackend> kBackends{AttentionBackend::kMath, AttentionBackend::kFused,
-                                              AttentionBackend::kChunked};
-
 // The modules under test, by a short label, each with small blocks for the chunked backend
 // so that 11 tokens cross block edges.
 CachedAttention make_family_module(const std::string& label) {

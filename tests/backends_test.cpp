@@ -16,10 +16,6 @@ namespace {
 
 // Agreement tolerances of the issue: blockwise summation reorders float32 sums (1e-5) and
 // float64 sums (1e-10); nothing else differs.
-double agreement(torch::ScalarType dtype) {
-  return dtype == torch::kFloat32 ? 1e-5 : 1e-10;
-}
-
 struct Shape {
   int64_t batch, heads, num_queries, num_keys, head_dim, block, key_block;
 };

@@ -1,5 +1,6 @@
-// Golden parity: every case of data/golden/ (written by scripts/make_golden.py from the
-// Python reference classes) must give the same output and gradients in C++.
+// Golden parity: every case of data/golden/ and data/golden/family/ (written by
+// scripts/make_golden.py from the Python reference classes) must give the same output and
+// gradients in C++.
 
 #include <algorithm>
 #include <fstream>
@@ -30,20 +31,23 @@ std::string golden_dir() {
   return std::string(kSourceDir) + "/data/golden";
 }
 
-// Case names from data/golden/MANIFEST; a missing manifest yields one case that fails
-// with the hint, rather than silently testing nothing.
+// Case paths below data/golden/ from the MANIFEST of each golden directory; a missing
+// manifest yields one case that fails with the hint, rather than silently testing nothing.
 std::vector<std::string> golden_cases() {
-  std::ifstream manifest(golden_dir() + "/MANIFEST");
-  if (!manifest) {
-    return {"MANIFEST_missing"};
-  }
-  std::vector<std::string> names;
-  for (std::string line; std::getline(manifest, line);) {
-    if (!line.empty() && line[0] != '#') {
-      names.push_back(line);
+  std::vector<std::string> paths;
+  for (const std::string directory : {"", "family/"}) {
+    std::ifstream manifest(golden_dir() + "/" + directory + "MANIFEST");
+    if (!manifest) {
+      paths.push_back(directory + "MANIFEST_missing");
+      continue;
+    }
+    for (std::string line; std::getline(manifest, line);) {
+      if (!line.empty() && line[0] != '#') {
+        paths.push_back(directory + line);
+      }
     }
   }
-  return names;
+  return paths;
 }
 
 c10::IValue at(const c10::IValue& dict, const std::string& key, const std::string& file) {
@@ -61,23 +65,12 @@ c10::IValue read_case(const std::string& file) {
   return torch::pickle_load(bytes);
 }
 
-ModuleConfig config_of(const c10::IValue& config, const std::string& file) {
-  ModuleConfig c;
-  c.d_in = at(config, "d_in", file).toInt();
-  c.d_out = at(config, "d_out", file).toInt();
-  c.context_length = at(config, "context_length", file).toInt();
-  c.dropout = at(config, "dropout", file).toDouble();
-  c.num_heads = at(config, "num_heads", file).toInt();
-  c.qkv_bias = at(config, "qkv_bias", file).toBool();
-  c.causal = at(config, "causal", file).toBool();
-  return c;
-}
-
 class GoldenTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GoldenTest, OutputAndEveryGradientMatchPython) {
   const auto name = GetParam();
-  ASSERT_NE(name, "MANIFEST_missing") << golden_dir() << "/MANIFEST is missing; " << kRegenerate;
+  ASSERT_EQ(name.find("MANIFEST_missing"), std::string::npos)
+      << golden_dir() << "/" << name << ": the manifest is missing; " << kRegenerate;
   const auto file = golden_dir() + "/" + name + ".pt";
   const auto golden = read_case(file);
   const auto meta = at(golden, "meta", file);
@@ -90,7 +83,7 @@ TEST_P(GoldenTest, OutputAndEveryGradientMatchPython) {
   const auto dtype = dtype_name == "float32" ? torch::kFloat32 : torch::kFloat64;
   const double atol = dtype == torch::kFloat32 ? kGoldenFloat32 : kGoldenFloat64;
 
-  auto attention = make_attention(module_name, config_of(at(meta, "config", file), file));
+  auto attention = make_attention(module_name, module_config_of(at(meta, "config", file)));
   attention.module->to(dtype);
   attention.module->eval();
   // The state dict file is exactly what Python's torch.save(dict(model.state_dict())) wrote.
@@ -121,7 +114,9 @@ TEST_P(GoldenTest, OutputAndEveryGradientMatchPython) {
 
 INSTANTIATE_TEST_SUITE_P(Python, GoldenTest, ::testing::ValuesIn(golden_cases()),
                          [](const ::testing::TestParamInfo<std::string>& case_info) {
-                           return case_info.param;
+                           auto name = case_info.param;  // family/200_X -> family_200_X
+                           std::replace(name.begin(), name.end(), '/', '_');
+                           return name;
                          });
 
 }  // namespace

@@ -19,11 +19,6 @@ using namespace attnkit::testing;
 
 namespace {
 
-// The agreement: float32 1e-5, float64 1e-10.
-double agreement(torch::ScalarType dtype) {
-  return dtype == torch::kFloat32 ? 1e-5 : 1e-10;
-}
-
 CachedAttention make_module(const std::string& name, const MultiHeadAttentionOptions& options) {
   if (name == "MultiHeadAttention")
     return erase_cached(MultiHeadAttention(options));
@@ -32,8 +27,6 @@ CachedAttention make_module(const std::string& name, const MultiHeadAttentionOpt
 }
 
 const std::vector<std::string> kModules{"MultiHeadAttention", "MultiHeadAttentionCombinedQKV"};
-const std::vector<AttentionBackend> kBackends{AttentionBackend::kMath, AttentionBackend::kFused,
-                                              AttentionBackend::kChunked};
 
 }  // namespace
 
@@ -198,10 +191,13 @@ TEST(KVCache, RefusalsNameWhatIsWrongAndLeaveTheCacheAsItWas) {
       "[KVCache::append] keys: expected (1, 2, n, 3), got [1, 3, 1, 3]");
 }
 
-// data/golden/kv/: the Python reference classes (the bonus material's cache inside the
-// module) fed the same pieces.
-TEST(KVCache, PythonReferenceCachedOutputsMatch) {
-  const std::string dir = std::string(kSourceDir) + "/data/golden/kv";
+namespace {
+
+// data/golden/kv/ and data/golden/family/kv/: the Python reference classes (the bonus
+// material's cache inside the module, kept whole: windows are masked, never rolled) fed the
+// same pieces; `expected_cases` is what make_golden.py writes there.
+void expect_python_cached_outputs(const std::string& directory, int expected_cases) {
+  const std::string dir = std::string(kSourceDir) + "/data/golden/" + directory;
   std::ifstream manifest(dir + "/MANIFEST");
   ASSERT_TRUE(manifest.good()) << dir
                                << "/MANIFEST is missing; regenerate with: python3 "
@@ -217,15 +213,10 @@ TEST(KVCache, PythonReferenceCachedOutputsMatch) {
                                   std::istreambuf_iterator<char>());
     const auto golden = torch::pickle_load(bytes).toGenericDict();
     const auto meta = golden.at("meta").toGenericDict();
-    const auto config = meta.at("config").toGenericDict();
     const auto dtype =
         meta.at("dtype").toStringRef() == "float32" ? torch::kFloat32 : torch::kFloat64;
-    auto m = make_module(
-        meta.at("module").toStringRef(),
-        MultiHeadAttentionOptions(config.at("d_in").toInt(), config.at("d_out").toInt(),
-                                  config.at("context_length").toInt(),
-                                  config.at("dropout").toDouble(), config.at("num_heads").toInt())
-            .qkv_bias(config.at("qkv_bias").toBool()));
+    auto m =
+        make_cached_attention(meta.at("module").toStringRef(), module_config_of(meta.at("config")));
     m.module->to(dtype);
     m.module->eval();
     load_state_dict(*m.module, dir + "/" + name + ".state.pt");
@@ -237,7 +228,7 @@ TEST(KVCache, PythonReferenceCachedOutputsMatch) {
     const double atol = dtype == torch::kFloat32 ? 1e-6 : 1e-12;
     for (const auto backend : kBackends) {
       m.set_backend(backend);
-      auto cache = m.make_kv_cache(x.size(0), 0);
+      auto cache = m.make_kv_cache(x.size(0), /*capacity=*/x.size(1));
       EXPECT_TRUE(tensors_close(name + " " + backend_name(backend),
                                 forward_in_pieces(m, x, splits, cache),
                                 golden.at("output").toTensor(),
@@ -245,7 +236,18 @@ TEST(KVCache, PythonReferenceCachedOutputsMatch) {
     }
     ++cases;
   }
-  EXPECT_EQ(cases, 16) << "data/golden/kv/MANIFEST lists fewer cases than make_golden.py writes";
+  EXPECT_EQ(cases, expected_cases)
+      << dir << "/MANIFEST lists another number of cases than make_golden.py writes";
+}
+
+}  // namespace
+
+TEST(KVCache, PythonReferenceCachedOutputsMatch) {
+  expect_python_cached_outputs("kv", 16);
+}
+
+TEST(KVCache, PythonReferenceCachedOutputsMatchForTheAttentionFamily) {
+  expect_python_cached_outputs("family/kv", 12);
 }
 
 namespace {

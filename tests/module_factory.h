@@ -41,50 +41,29 @@ struct ModuleConfig {
   }
 };
 
-/// A module of any attnkit class with a type-erased forward.
-struct AnyAttention {
-  std::shared_ptr<torch::nn::Module> module;
-  std::function<torch::Tensor(const torch::Tensor&)> forward;
-};
+const std::vector<AttentionBackend> kBackends{AttentionBackend::kMath, AttentionBackend::kFused,
+                                              AttentionBackend::kChunked};
 
-template <typename Holder>
-AnyAttention erase(Holder holder) {
-  return {holder.ptr(), [holder](const torch::Tensor& x) mutable { return holder(x); }};
-}
-
-inline AnyAttention make_attention(const std::string& name, const ModuleConfig& c) {
-  const auto mha =
-      MultiHeadAttentionOptions(c.d_in, c.d_out, c.context_length, c.dropout, c.num_heads)
-          .qkv_bias(c.qkv_bias)
-          .causal(c.causal);
-  if (name == "SelfAttentionV1")
-    return erase(SelfAttentionV1(c.d_in, c.d_out));
-  if (name == "SelfAttentionV2")
-    return erase(SelfAttentionV2(c.d_in, c.d_out, c.qkv_bias));
-  if (name == "CausalAttention") {
-    return erase(CausalAttention(c.d_in, c.d_out, c.context_length, c.dropout, c.qkv_bias));
-  }
-  if (name == "MultiHeadAttentionWrapper") {
-    return erase(MultiHeadAttentionWrapper(c.d_in, c.d_out, c.context_length, c.dropout,
-                                           c.num_heads, c.qkv_bias));
-  }
-  const auto window =
-      c.sliding_window_size > 0 ? c10::optional<int64_t>(c.sliding_window_size) : c10::nullopt;
-  if (name == "MultiHeadAttention")
-    return erase(MultiHeadAttention(MultiHeadAttentionOptions(mha).sliding_window_size(window)));
-  if (name == "GroupedQueryAttention") {
-    return erase(GroupedQueryAttention(
-        GroupedQueryAttentionOptions(c.d_in, c.d_out, c.dropout, c.num_heads, c.num_kv_groups)
-            .qkv_bias(c.qkv_bias)
-            .sliding_window_size(window)));
-  }
-  if (name == "MultiHeadLatentAttention") {
-    return erase(MultiHeadLatentAttention(c.d_in, c.d_out, c.dropout, c.num_heads, c.qkv_bias,
-                                          c.latent_dim));
-  }
-  if (name == "MultiHeadAttentionCombinedQKV")
-    return erase(MultiHeadAttentionCombinedQKV(mha));
-  TORCH_CHECK(false, "[make_attention] unknown module '", name, "'");
+/// The constructor arguments in a Python config dict (make_golden.py's config()); the
+/// family's keys may be absent or None (then: no window, the default latent).
+inline ModuleConfig module_config_of(const c10::IValue& config) {
+  const auto dict = config.toGenericDict();
+  const auto optional_int = [&](const char* key, int64_t none) {
+    const auto found = dict.find(key);
+    return found == dict.end() || found->value().isNone() ? none : found->value().toInt();
+  };
+  ModuleConfig c;
+  c.d_in = dict.at("d_in").toInt();
+  c.d_out = dict.at("d_out").toInt();
+  c.context_length = dict.at("context_length").toInt();
+  c.dropout = dict.at("dropout").toDouble();
+  c.num_heads = dict.at("num_heads").toInt();
+  c.qkv_bias = dict.at("qkv_bias").toBool();
+  c.causal = dict.at("causal").toBool();
+  c.num_kv_groups = optional_int("num_kv_groups", 1);
+  c.sliding_window_size = optional_int("sliding_window_size", 0);
+  c.latent_dim = optional_int("latent_dim", 0);
+  return c;
 }
 
 /// A module with a KV cache, behind one interface.
@@ -105,6 +84,60 @@ CachedAttention erase_cached(Holder holder) {
       },
       [holder](int64_t batch, int64_t capacity) { return holder->make_kv_cache(batch, capacity); },
       [holder](AttentionBackend backend) mutable { holder->options.backend(backend); }};
+}
+
+/// The classes with a KV cache: the multi-head ones and the attention family.
+inline CachedAttention make_cached_attention(const std::string& name, const ModuleConfig& c) {
+  const auto window =
+      c.sliding_window_size > 0 ? c10::optional<int64_t>(c.sliding_window_size) : c10::nullopt;
+  const auto latent = c.latent_dim > 0 ? c10::optional<int64_t>(c.latent_dim) : c10::nullopt;
+  const auto mha =
+      MultiHeadAttentionOptions(c.d_in, c.d_out, c.context_length, c.dropout, c.num_heads)
+          .qkv_bias(c.qkv_bias)
+          .causal(c.causal)
+          .sliding_window_size(window);
+  if (name == "MultiHeadAttention")
+    return erase_cached(MultiHeadAttention(mha));
+  if (name == "MultiHeadAttentionCombinedQKV")
+    return erase_cached(MultiHeadAttentionCombinedQKV(mha));
+  if (name == "GroupedQueryAttention") {
+    return erase_cached(GroupedQueryAttention(
+        GroupedQueryAttentionOptions(c.d_in, c.d_out, c.dropout, c.num_heads, c.num_kv_groups)
+            .qkv_bias(c.qkv_bias)
+            .sliding_window_size(window)));
+  }
+  TORCH_CHECK(name == "MultiHeadLatentAttention", "[make_attention] unknown module '", name, "'");
+  return erase_cached(MultiHeadLatentAttention(
+      MultiHeadLatentAttentionOptions(c.d_in, c.d_out, c.dropout, c.num_heads)
+          .qkv_bias(c.qkv_bias)
+          .latent_dim(latent)));
+}
+
+/// A module of any attnkit class with a type-erased forward.
+struct AnyAttention {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+};
+
+template <typename Holder>
+AnyAttention erase(Holder holder) {
+  return {holder.ptr(), [holder](const torch::Tensor& x) mutable { return holder(x); }};
+}
+
+inline AnyAttention make_attention(const std::string& name, const ModuleConfig& c) {
+  if (name == "SelfAttentionV1")
+    return erase(SelfAttentionV1(c.d_in, c.d_out));
+  if (name == "SelfAttentionV2")
+    return erase(SelfAttentionV2(c.d_in, c.d_out, c.qkv_bias));
+  if (name == "CausalAttention") {
+    return erase(CausalAttention(c.d_in, c.d_out, c.context_length, c.dropout, c.qkv_bias));
+  }
+  if (name == "MultiHeadAttentionWrapper") {
+    return erase(MultiHeadAttentionWrapper(c.d_in, c.d_out, c.context_length, c.dropout,
+                                           c.num_heads, c.qkv_bias));
+  }
+  auto cached = make_cached_attention(name, c);
+  return {cached.module, cached.forward};
 }
 
 /// x (b, n, d_in) fed in pieces of `splits` tokens through one cache -> (b, n, d_out).

@@ -31,20 +31,37 @@ std::string file_bytes(const std::string& path) {
 const ModuleConfig kConfig{/*d_in=*/6,      /*d_out=*/8,       /*context_length=*/7,
                            /*dropout=*/0.0,
                            /*num_heads=*/2, /*qkv_bias=*/true, /*causal=*/true};
-const std::vector<std::string> kModules{"SelfAttentionV1",    "SelfAttentionV2",
-                                        "CausalAttention",    "MultiHeadAttentionWrapper",
-                                        "MultiHeadAttention", "MultiHeadAttentionCombinedQKV"};
+
+ModuleConfig with_family(int64_t num_kv_groups, int64_t window, int64_t latent_dim) {
+  auto config = kConfig;
+  config.num_kv_groups = num_kv_groups;
+  config.sliding_window_size = window;
+  config.latent_dim = latent_dim;
+  return config;
+}
+
+// Every class, by its name, with its constructor arguments (the family's options set).
+const std::vector<std::pair<std::string, ModuleConfig>> kModules{
+    {"SelfAttentionV1", kConfig},
+    {"SelfAttentionV2", kConfig},
+    {"CausalAttention", kConfig},
+    {"MultiHeadAttentionWrapper", kConfig},
+    {"MultiHeadAttention", kConfig},
+    {"MultiHeadAttentionCombinedQKV", kConfig},
+    {"MultiHeadAttention", with_family(1, /*window=*/3, 0)},
+    {"GroupedQueryAttention", with_family(/*num_kv_groups=*/1, /*window=*/3, 0)},
+    {"MultiHeadLatentAttention", with_family(1, 0, /*latent_dim=*/5)}};
 
 }  // namespace
 
 TEST_F(SerializeTest, RoundTripGivesIdenticalOutputsForEveryModule) {
   const auto x = torch::randn({2, 7, 6});
-  for (const auto& name : kModules) {
+  for (const auto& [name, config] : kModules) {
     torch::manual_seed(1);
-    auto saved = make_attention(name, kConfig);
+    auto saved = make_attention(name, config);
     attnkit::save_state_dict(*saved.module, path(name + ".pt"));
     torch::manual_seed(2);
-    auto loaded = make_attention(name, kConfig);
+    auto loaded = make_attention(name, config);
     EXPECT_FALSE(tensors_close(name + " before", loaded.forward(x), saved.forward(x), kFloat32));
     const auto result = attnkit::load_state_dict(*loaded.module, path(name + ".pt"));
     EXPECT_TRUE(result.missing_keys.empty() && result.unexpected_keys.empty()) << name;
@@ -168,9 +185,9 @@ TEST_F(SerializeTest, PythonLoadsWhatCppWroteAndCppLoadsWhatPythonWrote) {
         << python << " has torch " << python_version << ", this LibTorch is " << libtorch_version;
   }
   const auto x = torch::randn({2, 7, 6});
-  for (const auto& name : kModules) {
-    SCOPED_TRACE(name + " with torch " + python_version);
-    auto attention = make_attention(name, kConfig);
+  for (const auto& [name, config] : kModules) {
+    SCOPED_TRACE(name + " " + config.json() + " with torch " + python_version);
+    auto attention = make_attention(name, config);
     attention.module->eval();
     attnkit::save_state_dict(*attention.module, path(name + ".pt"));
     attnkit::StateDict io;
@@ -178,7 +195,7 @@ TEST_F(SerializeTest, PythonLoadsWhatCppWroteAndCppLoadsWhatPythonWrote) {
     io.insert("output", attention.forward(x));
     attnkit::write_state_dict(io, path(name + "_io.pt"));
     const auto command = python + " " + kSourceDir + "/scripts/check_python_interop.py --module " +
-                         name + " --config '" + kConfig.json() + "' --state " + path(name + ".pt") +
+                         name + " --config '" + config.json() + "' --state " + path(name + ".pt") +
                          " --io " + path(name + "_io.pt") + " --write-back " +
                          path(name + "_python.pt");
     ASSERT_EQ(std::system(command.c_str()), 0) << command;

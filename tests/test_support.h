@@ -28,6 +28,11 @@ constexpr double kFloat32 = 1e-5;
 // Two float64 computations of the same function in a different order of operations.
 constexpr double kFloat64 = 1e-12;
 
+/// Backends agree with math to float32 1e-5 and float64 1e-10 (outputs and gradients).
+inline double agreement(torch::ScalarType dtype) {
+  return dtype == torch::kFloat32 ? 1e-5 : 1e-10;
+}
+
 /// Compares shape first, then values: passes when |actual - expected| <= atol + rtol*|expected|
 /// everywhere; otherwise reports the label, the max difference and the first differing index.
 inline ::testing::AssertionResult tensors_close(const std::string& label,
