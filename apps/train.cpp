@@ -47,17 +47,26 @@ attnkit::cli::CommandLine make_command_line() {
              "0")
       .flag("Task", "no-kv-cache",
             "generate --sample by recomputing the sequence for every byte, not with KV "
-            "caches (needed for modules other than mha and mha-combined)");
+            "caches (needed for modules without one: sa-v1, sa-v2, causal, mha-wrapper)");
   cli.value("Model", "module",
             "attention: sa-v1 | sa-v2 (no mask: bidirectional tasks) | causal | "
-            "mha-wrapper (causal tasks) | mha | mha-combined (either)",
+            "mha-wrapper (causal tasks) | mha | mha-combined (either) | gqa (grouped-query) | "
+            "mqa (multi-query) | mla (multi-head latent; the last three causal tasks)",
             "mha")
       .value("Model", "backend",
-             "mha and mha-combined: math (the book's path) | fused (one kernel per head on CPU "
-             "for short sequences) | chunked (memory-efficient)",
+             "mha, mha-combined, gqa, mqa, mla: math (the book's path) | fused (one kernel per "
+             "head on CPU for short sequences) | chunked (memory-efficient)",
              "fused")
+      .value("Model", "kv-groups",
+             "gqa: key/value heads, shared by heads / kv-groups query heads each; 0 = 2", "0")
+      .value("Model", "window",
+             "mha, mha-combined, gqa, mqa: sliding window, each token attends to itself and "
+             "the W - 1 before it; 0 = full causal attention",
+             "0")
+      .value("Model", "latent-dim",
+             "mla: width of the latent that the KV cache holds; 0 = max(16, d-model / 8)", "0")
       .value("Model", "d-model", "embedding width", "64")
-      .value("Model", "heads", "attention heads (mha-wrapper, mha, mha-combined)", "4")
+      .value("Model", "heads", "attention heads (every module but sa-v1, sa-v2, causal)", "4")
       .value("Model", "layers", "attention blocks; 0 = 2 for recall and text, 1 otherwise", "0")
       .flag("Model", "ffn", "add a feed-forward block after each attention")
       .value("Model", "dropout", "dropout on attention weights (and the feed-forward block)", "0");
@@ -126,6 +135,9 @@ int main(int argc, char** argv) {
     // Given explicitly only: the other modules have no backend, so the default is not theirs.
     if (cli.given("backend"))
       config.backend = cli.text("backend");
+    config.kv_groups = cli.integer("kv-groups");
+    config.window = cli.integer("window");
+    config.latent_dim = cli.integer("latent-dim");
     config.d_model = cli.integer("d-model");
     config.heads = cli.integer("heads");
     config.layers = cli.integer("layers");

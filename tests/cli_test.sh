@@ -51,9 +51,24 @@ expect 2 "--module sa-v2 has no causal mask" -- --task copy --module sa-v2
 expect 2 "--module mha-wrapper always applies a causal mask" -- --task reverse --module mha-wrapper
 expect 2 "--d-model 30 must be divisible by --heads 4" -- --d-model 30
 expect 2 "--backend: unknown backend 'flash'; expected math, fused or chunked" -- --backend flash
-expect 2 "--backend fused: only mha and mha-combined have backends; --module causal has one implementation" \
+expect 2 "--backend fused: only mha, mha-combined, gqa, mqa and mla have backends; --module causal has one implementation" \
   -- --module causal --backend fused
 expect 0 "" -- "${quick[@]}" --module mha-combined --backend chunked --quiet
+
+# The attention family: each size flag only where the module has that size.
+expect 0 "" -- "${quick[@]}" --module gqa --kv-groups 2 --window 3 --backend chunked --quiet
+expect 0 "" -- "${quick[@]}" --module mqa --quiet
+expect 0 "" -- "${quick[@]}" --module mla --latent-dim 8 --quiet
+expect 2 "--kv-groups 3 must divide --heads 4 for --module gqa" -- --module gqa --kv-groups 3
+expect 2 "--kv-groups 2: only --module gqa has a choice of key/value groups (mqa has 1), got --module mqa" \
+  -- --module mqa --kv-groups 2
+expect 2 "--window: expected >= 1 (0 = no window), got -2" -- --window -2
+expect 2 "--window 4: only mha, mha-combined, gqa and mqa have a sliding window, got --module mla" \
+  -- --module mla --window 4
+expect 2 "--window 4 limits how far back a token looks, so it needs a causal task" \
+  -- --task reverse --window 4
+expect 2 "--module gqa always applies a causal mask" -- --task reverse --module gqa
+expect 2 "--latent-dim 8: only --module mla has a latent, got --module mha" -- --latent-dim 8
 expect 2 "--steps: expected >= 1" -- --steps -5
 expect 2 "--save: cannot write '$work/no/such/dir/run.pt' (does its directory exist?)" \
   -- --save "$work/no/such/dir/run.pt"
@@ -65,7 +80,7 @@ fi
 # --sample: generated with attnkit::generate, KV caches by default; refusals name the fix.
 text=(--task text --data "$source_dir/data/the-verdict.txt")
 expect 2 "--sample: only the text task generates, got --task copy" -- --sample 10
-expect 2 "--sample with --module causal: only mha and mha-combined have a KV cache; add --no-kv-cache" \
+expect 2 "--sample with --module causal: only mha, mha-combined, gqa, mqa and mla have a KV cache; add --no-kv-cache" \
   -- "${text[@]}" --module causal --sample 10
 for cache in "" --no-kv-cache; do
   checks=$((checks + 1))
@@ -81,11 +96,16 @@ for cache in "" --no-kv-cache; do
   fi
 done
 expect 0 "" -- "${quick[@]}" "${text[@]}" --module causal --sample 20 --no-kv-cache --quiet
+# Rolling (window) and latent caches, past the 64-byte context too.
+expect 0 "" -- "${quick[@]}" "${text[@]}" --module gqa --window 8 --sample 80 --quiet
+expect 0 "" -- "${quick[@]}" "${text[@]}" --module mla --sample 80 --quiet
 
 # Checkpoints: an incompatible or foreign one is refused.
 expect 0 "" -- "${quick[@]}" --save "$work/run.pt" --quiet
 expect 2 "incompatible checkpoint '$work/run.pt': it was trained with --module mha, this run has --module causal" \
   -- "${quick[@]}" --module causal --resume "$work/run.pt"
+expect 2 "incompatible checkpoint '$work/run.pt': it was trained with --window 0, this run has --window 4" \
+  -- "${quick[@]}" --window 4 --resume "$work/run.pt"
 echo "garbage" >"$work/foreign.pt"
 expect 2 "is not an attnkit-train checkpoint" -- "${quick[@]}" --resume "$work/foreign.pt"
 

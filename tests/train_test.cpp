@@ -308,7 +308,9 @@ TEST_F(TrainTest, ResolveNamesTheBadFlag) {
   config = small_config();
   config.module = "causal";
   config.backend = "fused";
-  expect_error_containing([&] { run(config); }, "--backend fused: only mha and mha-combined");
+  expect_error_containing(
+      [&] { run(config); },
+      "--backend fused: only mha, mha-combined, gqa, mqa and mla have backends");
   EXPECT_EQ(T::best_checkpoint_path("dir.v2/run.pt"), "dir.v2/run.best.pt");
   EXPECT_EQ(T::best_checkpoint_path("dir.v2/run"), "dir.v2/run.best");
 }

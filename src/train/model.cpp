@@ -5,21 +5,35 @@
 namespace attnkit::train {
 
 const std::vector<std::string>& module_names() {
-  static const std::vector<std::string> names{"sa-v1",       "sa-v2", "causal",
-                                              "mha-wrapper", "mha",   "mha-combined"};
+  static const std::vector<std::string> names{
+      "sa-v1", "sa-v2", "causal", "mha-wrapper", "mha", "mha-combined", "gqa", "mqa", "mla"};
   return names;
 }
+
+bool has_backends_and_kv_cache(const std::string& module) {
+  return module == "mha" || module == "mha-combined" || module == "gqa" || module == "mqa" ||
+         module == "mla";
+}
+
+namespace {
+
+int64_t kv_groups_of(const ModelConfig& c) {
+  return c.module == "mqa" ? 1 : (c.kv_groups > 0 ? c.kv_groups : 2);
+}
+
+}  // namespace
 
 void check_model_config(const ModelConfig& c) {
   const auto& names = module_names();
   TORCH_CHECK(std::find(names.begin(), names.end(), c.module) != names.end(),
               "--module: unknown module '", c.module,
-              "'; expected sa-v1, sa-v2, causal, mha-wrapper, mha or mha-combined");
+              "'; expected sa-v1, sa-v2, causal, mha-wrapper, mha, mha-combined, gqa, mqa or mla");
   const bool unmasked = c.module == "sa-v1" || c.module == "sa-v2";
-  const bool always_causal = c.module == "causal" || c.module == "mha-wrapper";
+  const bool family = c.module == "gqa" || c.module == "mqa" || c.module == "mla";
+  const bool always_causal = c.module == "causal" || c.module == "mha-wrapper" || family;
   TORCH_CHECK(!(unmasked && c.causal), "--module ", c.module,
               " has no causal mask, so on a causal task it would see the tokens it must "
-              "predict; use causal, mha-wrapper, mha or mha-combined");
+              "predict; use causal, mha-wrapper, mha, mha-combined, gqa, mqa or mla");
   TORCH_CHECK(!(always_causal && !c.causal), "--module ", c.module,
               " always applies a causal mask, but this task needs every token to see every "
               "other (bidirectional); use sa-v1, sa-v2, mha or mha-combined");
@@ -27,18 +41,37 @@ void check_model_config(const ModelConfig& c) {
   TORCH_CHECK(c.heads >= 1, "--heads: expected >= 1, got ", c.heads);
   TORCH_CHECK(c.layers >= 1, "--layers: expected >= 1, got ", c.layers);
   const bool multi_head =
-      c.module == "mha-wrapper" || c.module == "mha" || c.module == "mha-combined";
+      c.module == "mha-wrapper" || c.module == "mha" || c.module == "mha-combined" || family;
   TORCH_CHECK(!multi_head || c.d_model % c.heads == 0, "--d-model ", c.d_model,
               " must be divisible by --heads ", c.heads, " for --module ", c.module);
   TORCH_CHECK(c.dropout >= 0.0 && c.dropout < 1.0, "--dropout: expected a value in [0, 1), got ",
               c.dropout);
-  const bool has_backends = c.module == "mha" || c.module == "mha-combined";
+  const bool has_backends = has_backends_and_kv_cache(c.module);
   TORCH_CHECK(has_backends || c.backend.empty(), "--backend ", c.backend,
-              ": only mha and mha-combined have backends; --module ", c.module,
+              ": only mha, mha-combined, gqa, mqa and mla have backends; --module ", c.module,
               " has one implementation");
   TORCH_CHECK(
       !has_backends || c.backend == "math" || c.backend == "fused" || c.backend == "chunked",
       "--backend: unknown backend '", c.backend, "'; expected math, fused or chunked");
+  // The family's sizes: each flag only where the module has that size.
+  TORCH_CHECK(c.kv_groups >= 0, "--kv-groups: expected >= 1, got ", c.kv_groups);
+  TORCH_CHECK(c.kv_groups == 0 || c.module == "gqa", "--kv-groups ", c.kv_groups,
+              ": only --module gqa has a choice of key/value groups (mqa has 1), got --module ",
+              c.module);
+  TORCH_CHECK(c.module != "gqa" || c.heads % kv_groups_of(c) == 0, "--kv-groups ", kv_groups_of(c),
+              " must divide --heads ", c.heads, " for --module gqa");
+  TORCH_CHECK(c.window >= 0, "--window: expected >= 1 (0 = no window), got ", c.window);
+  const bool windowed =
+      c.module == "mha" || c.module == "mha-combined" || c.module == "gqa" || c.module == "mqa";
+  TORCH_CHECK(c.window == 0 || windowed, "--window ", c.window,
+              ": only mha, mha-combined, gqa and mqa have a sliding window, got --module ",
+              c.module);
+  TORCH_CHECK(c.window == 0 || c.causal, "--window ", c.window,
+              " limits how far back a token looks, so it needs a causal task");
+  TORCH_CHECK(c.latent_dim >= 0, "--latent-dim: expected >= 1 (0 = the default), got ",
+              c.latent_dim);
+  TORCH_CHECK(c.latent_dim == 0 || c.module == "mla", "--latent-dim ", c.latent_dim,
+              ": only --module mla has a latent, got --module ", c.module);
 }
 
 namespace {
@@ -73,10 +106,13 @@ BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
   const auto d = c.d_model;
   attention_norm_ =
       register_module("attention_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-  auto mha_options =
-      MultiHeadAttentionOptions(d, d, c.context_length, c.dropout, c.heads).causal(c.causal);
-  if (!c.backend.empty())
-    mha_options.backend(parse_backend(c.backend));
+  // Empty: the modules' own default (math); attnkit-train resolves it to fused first.
+  const auto backend = c.backend.empty() ? AttentionBackend::kMath : parse_backend(c.backend);
+  const auto window = c.window > 0 ? c10::optional<int64_t>(c.window) : c10::nullopt;
+  const auto mha_options = MultiHeadAttentionOptions(d, d, c.context_length, c.dropout, c.heads)
+                               .causal(c.causal)
+                               .backend(backend)
+                               .sliding_window_size(window);
   if (c.module == "sa-v1") {
     SelfAttentionV1 attention(d, d);
     attention_ = register_module("attention", attention);
@@ -99,8 +135,24 @@ BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
     attention_ = register_module("attention", attention);
     bind(attention, attend_with_weights_, attend_);
     bind_cache(attention, attend_with_cache_, make_kv_cache_);
-  } else {
+  } else if (c.module == "mha-combined") {
     MultiHeadAttentionCombinedQKV attention(mha_options);
+    attention_ = register_module("attention", attention);
+    bind(attention, attend_with_weights_, attend_);
+    bind_cache(attention, attend_with_cache_, make_kv_cache_);
+  } else if (c.module == "gqa" || c.module == "mqa") {
+    GroupedQueryAttention attention(
+        GroupedQueryAttentionOptions(d, d, c.dropout, c.heads, kv_groups_of(c))
+            .backend(backend)
+            .sliding_window_size(window));
+    attention_ = register_module("attention", attention);
+    bind(attention, attend_with_weights_, attend_);
+    bind_cache(attention, attend_with_cache_, make_kv_cache_);
+  } else {
+    MultiHeadLatentAttention attention(
+        MultiHeadLatentAttentionOptions(d, d, c.dropout, c.heads)
+            .backend(backend)
+            .latent_dim(c.latent_dim > 0 ? c10::optional<int64_t>(c.latent_dim) : c10::nullopt));
     attention_ = register_module("attention", attention);
     bind(attention, attend_with_weights_, attend_);
     bind_cache(attention, attend_with_cache_, make_kv_cache_);
@@ -141,7 +193,8 @@ torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache) {
 
 KVCache BlockImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
   TORCH_CHECK(make_kv_cache_, "--module ", module_name_,
-              " has no KV cache (mha and mha-combined have one); generate with --no-kv-cache");
+              " has no KV cache (mha, mha-combined, gqa, mqa and mla have one); generate with "
+              "--no-kv-cache");
   return make_kv_cache_(batch, capacity);
 }
 

@@ -19,11 +19,21 @@ namespace attnkit::train {
 /// The --module names, in the order --help lists them.
 const std::vector<std::string>& module_names();
 
+/// Whether --module has attention backends and a KV cache: mha, mha-combined and the
+/// attention family (gqa, mqa, mla).
+bool has_backends_and_kv_cache(const std::string& module);
+
 struct ModelConfig {
   std::string module = "mha";
-  /// Attention backend of mha and mha-combined (math | fused | chunked); empty for the
-  /// other modules, which have one implementation.
+  /// Attention backend (math | fused | chunked) of the modules that have them; empty for
+  /// the others, which have one implementation.
   std::string backend;
+  /// gqa: key/value groups (0: 2); 0 for every other module (mqa has one).
+  int64_t kv_groups = 0;
+  /// mha, mha-combined, gqa, mqa: sliding window (0: full causal attention).
+  int64_t window = 0;
+  /// mla: the latent width (0: the module's default, max(16, d_model / 8)).
+  int64_t latent_dim = 0;
   int64_t vocab_size = 0;
   int64_t context_length = 0;
   int64_t d_model = 64;
@@ -55,7 +65,7 @@ class BlockImpl : public torch::nn::Module {
   // forward_with_weights (the book's path, for attention maps) and forward (the backend's).
   std::function<functional::AttentionOutput(const torch::Tensor&)> attend_with_weights_;
   std::function<torch::Tensor(const torch::Tensor&)> attend_;
-  // mha and mha-combined only: their forward_with_cache and make_kv_cache.
+  // Modules with a KV cache only: their forward_with_cache and make_kv_cache.
   std::function<torch::Tensor(const torch::Tensor&, KVCache&)> attend_with_cache_;
   std::function<KVCache(int64_t, int64_t)> make_kv_cache_;
   std::string module_name_;
@@ -65,7 +75,7 @@ class BlockImpl : public torch::nn::Module {
 TORCH_MODULE(Block);
 
 /// Also an attnkit::CausalLanguageModel, so attnkit::generate decodes with it (with KV
-/// caches for mha and mha-combined).
+/// caches for the modules that have them).
 class AttentionModelImpl : public torch::nn::Module, public CausalLanguageModel {
  public:
   explicit AttentionModelImpl(const ModelConfig& config);

@@ -39,13 +39,17 @@ double seconds_since(Clock::time_point start) {
 
 // The settings a checkpoint must share with the run that resumes it.
 std::vector<std::pair<std::string, std::string>> compatibility_fields(const TrainConfig& c) {
+  // Checkpoints from before the attention family lack its three sizes: they read as 0 (unset).
   return {{"task", c.task},
           {"seq-len", std::to_string(c.seq_len)},
           {"module", c.module},
           {"d-model", std::to_string(c.d_model)},
           {"heads", std::to_string(c.heads)},
           {"layers", std::to_string(c.layers)},
-          {"ffn", c.ffn ? "true" : "false"}};
+          {"ffn", c.ffn ? "true" : "false"},
+          {"kv-groups", std::to_string(c.kv_groups)},
+          {"window", std::to_string(c.window)},
+          {"latent-dim", std::to_string(c.latent_dim)}};
 }
 
 std::string compatibility_text(const TrainConfig& c) {
@@ -162,7 +166,7 @@ TrainingState load_checkpoint(const std::string& path, const TrainConfig& config
     const auto at = saved.find(key + "=");
     const auto end = saved.find(';', at);
     const auto saved_value = at == std::string::npos
-                                 ? "?"
+                                 ? "0"
                                  : saved.substr(at + key.size() + 1, end - at - key.size() - 1);
     TORCH_CHECK(saved_value == value, "--resume: incompatible checkpoint '", path,
                 "': it was trained with --", key, " ", saved_value, ", this run has --", key, " ",
@@ -362,7 +366,7 @@ void check_writable(const char* flag, const std::string& path) {
 }  // namespace
 
 TrainConfig resolve(TrainConfig c) {
-  if (c.backend.empty() && (c.module == "mha" || c.module == "mha-combined"))
+  if (c.backend.empty() && has_backends_and_kv_cache(c.module))
     c.backend = "fused";
   if (c.seq_len == 0)
     c.seq_len = default_task_length(c.task);
@@ -381,9 +385,9 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(c.sample >= 0, "--sample: expected >= 0, got ", c.sample);
   TORCH_CHECK(c.sample == 0 || c.task == "text",
               "--sample: only the text task generates, got --task ", c.task);
-  TORCH_CHECK(c.sample == 0 || !c.kv_cache || c.module == "mha" || c.module == "mha-combined",
+  TORCH_CHECK(c.sample == 0 || !c.kv_cache || has_backends_and_kv_cache(c.module),
               "--sample with --module ", c.module,
-              ": only mha and mha-combined have a KV cache; add --no-kv-cache");
+              ": only mha, mha-combined, gqa, mqa and mla have a KV cache; add --no-kv-cache");
   TORCH_CHECK(c.dump_attention.empty() || ends_with(c.dump_attention, ".png"),
               "--dump-attention: expected a file name ending in .png, got '", c.dump_attention,
               "'");
@@ -399,7 +403,10 @@ void print_config_table(std::ostream& out, const TrainConfig& c, const Task& tas
       {"task", c.task + (task.causal() ? " (causal)" : " (bidirectional)")},
       {"seq-len", std::to_string(c.seq_len) + " (" + std::to_string(task.input_length()) +
                       " tokens per sequence, vocab " + std::to_string(task.vocab_size()) + ")"},
-      {"module", c.module + (c.backend.empty() ? "" : " (" + c.backend + " backend)")},
+      {"module", c.module + (c.backend.empty() ? "" : " (" + c.backend + " backend)") +
+                     (c.kv_groups > 0 ? ", kv-groups " + std::to_string(c.kv_groups) : "") +
+                     (c.window > 0 ? ", window " + std::to_string(c.window) : "") +
+                     (c.latent_dim > 0 ? ", latent-dim " + std::to_string(c.latent_dim) : "")},
       {"d-model / heads / layers", std::to_string(c.d_model) + " / " + std::to_string(c.heads) +
                                        " / " + std::to_string(c.layers)},
       {"ffn / dropout", std::string(c.ffn ? "yes" : "no") + " / " + c10::str(c.dropout)},
@@ -439,6 +446,9 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   ModelConfig model_config;
   model_config.module = config.module;
   model_config.backend = config.backend;
+  model_config.kv_groups = config.kv_groups;
+  model_config.window = config.window;
+  model_config.latent_dim = config.latent_dim;
   model_config.vocab_size = task->vocab_size();
   model_config.context_length = task->input_length();
   model_config.d_model = config.d_model;

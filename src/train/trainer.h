@@ -23,12 +23,15 @@ struct TrainConfig {
   // task
   std::string task = "copy";
   std::string data = "data/the-verdict.txt";
-  int64_t seq_len = 0;  // 0: default_task_length(task)
-  int64_t sample = 0;   // text: bytes to generate after training
+  int64_t seq_len = 0;   // 0: default_task_length(task)
+  int64_t sample = 0;    // text: bytes to generate after training
   bool kv_cache = true;  // generate the sample with KV caches (mha, mha-combined)
   // model
   std::string module = "mha";
-  std::string backend;  // empty: fused for mha and mha-combined (the others have none)
+  std::string backend;     // empty: fused where the module has backends (the others have none)
+  int64_t kv_groups = 0;   // gqa (0: 2)
+  int64_t window = 0;      // mha, mha-combined, gqa, mqa (0: no sliding window)
+  int64_t latent_dim = 0;  // mla (0: max(16, d_model / 8))
   int64_t d_model = 64;
   int64_t heads = 4;
   int64_t layers = 0;  // 0: 2 for recall and text, else 1
