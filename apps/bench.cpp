@@ -30,6 +30,7 @@ struct BenchConfig {
   int64_t d_model = 768;
   int64_t heads = 12;
   bool causal = true;
+  int64_t window = 0;  // sliding window (0: none)
   std::string device = "cpu";
   std::string dtype = "float32";
   int64_t threads = 0;
@@ -46,6 +47,14 @@ const std::vector<std::string> kImplementations{
     "wrapper",   "mha",          "combined",  "einsum",
     "fused",     "chunked",      "torch-mha", "torch-mha-noweights",
     "math-core", "chunked-core", "fused-core"};
+
+// The implementations that take a sliding window (--window).
+const std::vector<std::string> kWindowed{"mha",       "combined",     "fused",     "chunked",
+                                         "math-core", "chunked-core", "fused-core"};
+
+c10::optional<int64_t> window_of(const BenchConfig& c) {
+  return c.window > 0 ? c10::optional<int64_t>(c.window) : c10::nullopt;
+}
 
 // The attention core alone (no projections): softmax(q k^T / sqrt(hd)) v on (b, h, n, hd).
 bool is_core_only(const std::string& name) {
@@ -85,11 +94,23 @@ struct Flops {
   double forward_backward;
 };
 
+// Keys each query sees on average: n (none masked), about n / 2 (causal), or, with a sliding
+// window W, (W (W + 1) / 2 + (n - W) W) / n.
+double keys_per_query(const BenchConfig& c) {
+  const double n = c.tokens;
+  if (!c.causal)
+    return n;
+  if (c.window == 0 || c.window >= c.tokens)
+    return 0.5 * n;
+  const double w = c.window;
+  return (w * (w + 1) / 2 + (n - w) * w) / n;
+}
+
 Flops model_flops(const BenchConfig& c, const std::string& name) {
   const double b = c.batch, n = c.tokens, d = c.d_model;
   // QKV + out projection
   const double gemms = is_core_only(name) ? 0.0 : 6 * b * n * d * d + 2 * b * n * d * d;
-  const double core = 4 * b * n * n * d * (c.causal ? 0.5 : 1.0);
+  const double core = 4 * b * n * keys_per_query(c) * d;
   return {gemms + core, 3 * gemms + 3.5 * core};  // backward: 2x GEMMs, 2.5x the core
 }
 
@@ -98,9 +119,10 @@ Flops executed_flops(const BenchConfig& c, const std::string& name,
                      const torch::TensorOptions& options) {
   const double b = c.batch, n = c.tokens, d = c.d_model;
   const double gemms = is_core_only(name) ? 0.0 : 8 * b * n * d * d;
-  const bool skips_masked_half =
+  const bool skips_masked_keys =
       name == "chunked" || name == "chunked-core" || runs_fused_kernel(c, name, options);
-  const double core = 4 * b * n * n * d * (c.causal && skips_masked_half ? 0.5 : 1.0);
+  // Those skip the masked keys (to block granularity: counted as exact), the others do not.
+  const double core = 4 * b * n * d * (skips_masked_keys ? keys_per_query(c) : n);
   return {gemms + core, 3 * gemms + 3.5 * core};
 }
 
@@ -132,6 +154,7 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
   const auto d = c.d_model, h = c.heads, n = c.tokens;
   auto mha_options = attnkit::MultiHeadAttentionOptions(d, d, n, 0.0, h)
                          .causal(c.causal)
+                         .sliding_window_size(window_of(c))
                          .chunk_size(c.chunk_size)
                          .key_chunk_size(c.key_chunk_size);
   Implementation impl;
@@ -175,8 +198,10 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
     // x (b, n, d) viewed as (b, h, n, hd) serves as query, key and value.
     namespace F = attnkit::functional;
     const bool causal = c.causal;
+    const auto window = window_of(c);
     const auto chunks = F::ChunkedOptions()
                             .is_causal(causal)
+                            .window_size(window)
                             .block_size(c.chunk_size)
                             .key_block_size(c.key_chunk_size);
     impl = {std::make_shared<torch::nn::Module>(), [=](const torch::Tensor& x) {
@@ -185,9 +210,10 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
               if (name == "chunked-core")
                 return F::chunked_attention(heads, heads, heads, chunks);
               if (name == "fused-core")
-                return F::fused_attention(heads, heads, heads, F::FusedOptions().is_causal(causal));
-              return F::scaled_dot_product_attention(heads, heads, heads,
-                                                     F::SdpaOptions().is_causal(causal));
+                return F::fused_attention(heads, heads, heads,
+                                          F::FusedOptions().is_causal(causal).window_size(window));
+              return F::scaled_dot_product_attention(
+                  heads, heads, heads, F::SdpaOptions().is_causal(causal).window_size(window));
             }};
   } else if (name == "combined") {
     attnkit::MultiHeadAttentionCombinedQKV m(mha_options);
@@ -286,12 +312,12 @@ void write_json(const std::string& path, const BenchConfig& c, double sgemm,
   out << std::setprecision(6) << "{\"config\": {\"batch\": " << c.batch
       << ", \"tokens\": " << c.tokens << ", \"d_model\": " << c.d_model
       << ", \"heads\": " << c.heads << ", \"causal\": " << (c.causal ? "true" : "false")
-      << ", \"device\": \"" << c.device << "\", \"dtype\": \"" << c.dtype
-      << "\", \"threads\": " << torch::get_num_threads() << ", \"repeats\": " << c.repeats
-      << ", \"chunk_size\": " << c.chunk_size << ", \"key_chunk_size\": " << c.key_chunk_size
-      << ", \"language\": \"C++\", \"torch\": \"" << TORCH_VERSION_MAJOR << "."
-      << TORCH_VERSION_MINOR << "." << TORCH_VERSION_PATCH << "\"}, \"sgemm_gflops\": " << sgemm
-      << ", \"results\": [";
+      << ", \"window\": " << c.window << ", \"device\": \"" << c.device << "\", \"dtype\": \""
+      << c.dtype << "\", \"threads\": " << torch::get_num_threads()
+      << ", \"repeats\": " << c.repeats << ", \"chunk_size\": " << c.chunk_size
+      << ", \"key_chunk_size\": " << c.key_chunk_size << ", \"language\": \"C++\", \"torch\": \""
+      << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << "." << TORCH_VERSION_PATCH
+      << "\"}, \"sgemm_gflops\": " << sgemm << ", \"results\": [";
   for (size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
     out << (i ? ", " : "") << "{\"name\": \"" << r.name << "\", \"pass\": \"" << r.pass
@@ -320,7 +346,9 @@ int main(int argc, char** argv) {
       "not halved for paths that compute the masked half: executed FLOPs); backward 2x "
       "forward for the GEMMs, 2.5x for the core. math-core, chunked-core and fused-core time the "
       "attention core alone (functional::scaled_dot_product_attention, chunked_attention, "
-      "fused_attention) on x viewed as (b, h, n, hd): no projections, core FLOPs only.");
+      "fused_attention) on x viewed as (b, h, n, hd): no projections, core FLOPs only. With "
+      "--window W the core counts the keys each query sees (about W each; executed FLOPs "
+      "only for chunked and the fused kernel, which skip the keys outside the window).");
   std::string names;
   for (const auto& n : kImplementations)
     names += (names.empty() ? "" : ", ") + n;
@@ -328,7 +356,11 @@ int main(int argc, char** argv) {
       .value("Shape", "tokens", "n", "1024")
       .value("Shape", "d-model", "d", "768")
       .value("Shape", "heads", "h", "12")
-      .value("Shape", "causal", "causal mask (--causal=false for none)", "true", "true");
+      .value("Shape", "causal", "causal mask (--causal=false for none)", "true", "true")
+      .value("Shape", "window",
+             "sliding window W: each query sees itself and the W - 1 keys before it (causal; "
+             "mha, combined, fused, chunked and the cores); 0 = none",
+             "0");
   cli.value("Run", "device", "cpu | cuda | cuda:N", "cpu")
       .value("Run", "dtype", "float32 | float64 | bfloat16 | float16", "float32")
       .value("Run", "threads", "CPU threads; 0 = LibTorch's default", "0")
@@ -351,6 +383,7 @@ int main(int argc, char** argv) {
     c.d_model = cli.integer("d-model");
     c.heads = cli.integer("heads");
     c.causal = cli.boolean("causal");
+    c.window = cli.integer("window");
     c.device = cli.text("device");
     c.dtype = cli.text("dtype");
     c.threads = cli.integer("threads");
@@ -376,6 +409,21 @@ int main(int argc, char** argv) {
         "--batch, --tokens, --d-model, --heads, --repeats, --chunk-size and --key-chunk-size "
         "must be >= 1, --warmup and --threads >= 0");
   }
+  if (c.window < 0 || (c.window > 0 && !c.causal)) {
+    return fail("--window: expected >= 1 with --causal=true (0 = no window), got " +
+                std::to_string(c.window) + (c.causal ? "" : " with --causal=false"));
+  }
+  if (c.window > 0) {
+    if (c.only.empty())
+      c.only = kWindowed;
+    for (const auto& name : c.only) {
+      if (std::find(kWindowed.begin(), kWindowed.end(), name) == kWindowed.end()) {
+        return fail("--window: implementation '" + name +
+                    "' has no sliding window; expected mha, combined, fused, chunked, math-core, "
+                    "chunked-core or fused-core");
+      }
+    }
+  }
   if (c.d_model % c.heads != 0) {
     return fail("--d-model " + std::to_string(c.d_model) + " must be divisible by --heads " +
                 std::to_string(c.heads));
@@ -398,7 +446,8 @@ int main(int argc, char** argv) {
     torch::manual_seed(0);
     const double sgemm = sgemm_gflops(tensor_options);
     std::cout << "attnkit-bench: b=" << c.batch << " n=" << c.tokens << " d=" << c.d_model
-              << " h=" << c.heads << (c.causal ? " causal" : " not causal") << ", " << c.dtype
+              << " h=" << c.heads << (c.causal ? " causal" : " not causal")
+              << (c.window > 0 ? " window=" + std::to_string(c.window) : "") << ", " << c.dtype
               << " on " << c.device << ", " << torch::get_num_threads() << " threads; " << c.repeats
               << " timed runs after " << c.warmup << " warm-up\n"
               << std::fixed << std::setprecision(1) << "matmul 1024x1024 on this machine: " << sgemm

@@ -57,6 +57,31 @@ double read_bandwidth_gbs() {
   return median(rates);
 }
 
+// Feeds `tokens` (1, n) through fresh caches one token at a time, as decoding does, and
+// reports the most positions a cache held and whether any cache's storage moved.
+struct CacheTrace {
+  int64_t max_held = 0;
+  bool storage_moved = false;
+};
+
+CacheTrace trace_caches(attnkit::train::AttentionModel& model, const torch::Tensor& tokens) {
+  torch::NoGradGuard no_grad;
+  auto caches = model->make_kv_caches(1, tokens.size(1));
+  std::vector<const void*> storage;
+  CacheTrace trace;
+  for (int64_t t = 0; t < tokens.size(1); ++t) {
+    model->logits_with_cache(tokens.narrow(1, t, 1), caches);
+    for (size_t i = 0; i < caches.size(); ++i) {
+      trace.max_held = std::max(trace.max_held, caches[i].held());
+      const void* data = caches[i].keys().data_ptr();
+      if (storage.size() <= i)
+        storage.push_back(data);
+      trace.storage_moved = trace.storage_moved || storage[i] != data;
+    }
+  }
+  return trace;
+}
+
 struct Run {
   std::string mode;  // "cached" or "uncached"
   double tokens_per_second;
@@ -75,20 +100,27 @@ int main(int argc, char** argv) {
       .value("Model", "d-model", "embedding width", "768")
       .value("Model", "heads", "attention heads", "12")
       .value("Model", "layers", "blocks", "12")
-      .value("Model", "module", "mha | mha-combined", "mha")
-      .value("Model", "backend", "math | fused | chunked", "fused");
+      .value("Model", "module",
+             "mha | mha-combined | gqa | mqa | mla (the modules with a KV cache)", "mha")
+      .value("Model", "backend", "math | fused | chunked", "fused")
+      .value("Model", "kv-groups", "gqa: key/value groups; 0 = 2", "0")
+      .value("Model", "window", "mha, mha-combined, gqa, mqa: sliding window; 0 = none", "0")
+      .value("Model", "latent-dim", "mla: latent width; 0 = max(16, d-model / 8)", "0");
   cli.value("Run", "prompt", "prompt tokens", "4")
       .value("Run", "new-tokens", "tokens to generate", "200")
       .value("Run", "repeats", "timed runs of each mode (the median is reported)", "3")
       .value("Run", "threads", "CPU threads; 0 = LibTorch's default", "1")
       .value("Run", "seed", "seed of the weights and the prompt", "123")
       .flag("Run", "no-uncached", "time only the cached mode")
+      .flag("Run", "trace-cache",
+            "feed the generated sequence again one token at a time through fresh caches and "
+            "report the most positions a cache held and whether its storage moved")
       .value("Run", "json", "also write the results as JSON to FILE")
       .flag("Run", "h,help", "show this help");
   attnkit::train::ModelConfig config;
   int64_t prompt_length = 0, new_tokens = 0, repeats = 0, threads = 0;
   uint64_t seed = 0;
-  bool uncached = true;
+  bool uncached = true, trace = false;
   std::string json;
   try {
     cli.parse(argc, argv);
@@ -103,6 +135,9 @@ int main(int argc, char** argv) {
     config.layers = cli.integer("layers");
     config.module = cli.text("module");
     config.backend = cli.text("backend");
+    config.kv_groups = cli.integer("kv-groups");
+    config.window = cli.integer("window");
+    config.latent_dim = cli.integer("latent-dim");
     config.ffn = true;
     prompt_length = cli.integer("prompt");
     new_tokens = cli.integer("new-tokens");
@@ -110,14 +145,16 @@ int main(int argc, char** argv) {
     threads = cli.integer("threads");
     seed = cli.unsigned_integer("seed");
     uncached = !cli.given("no-uncached");
+    trace = cli.given("trace-cache");
     json = cli.text("json");
   } catch (const attnkit::cli::UsageError& e) {
     std::cerr << "attnkit-decode-bench: " << e.what() << "\n";
     return 2;
   }
   try {
-    TORCH_CHECK(config.module == "mha" || config.module == "mha-combined",
-                "--module: expected mha or mha-combined (the modules with a KV cache), got '",
+    TORCH_CHECK(attnkit::train::has_backends_and_kv_cache(config.module),
+                "--module: expected mha, mha-combined, gqa, mqa or mla (the modules with a KV "
+                "cache), got '",
                 config.module, "'");
     TORCH_CHECK(config.vocab_size >= 1 && config.context_length >= 1,
                 "--vocab and --context must be >= 1, got ", config.vocab_size, " and ",
@@ -154,19 +191,25 @@ int main(int argc, char** argv) {
       runs.push_back({cache ? "cached" : "uncached", median(rates), tokens});
     }
 
-    const auto caches = model->make_kv_caches(1, prompt_length + new_tokens);
+    const int64_t positions = prompt_length + new_tokens;
+    const auto caches = model->make_kv_caches(1, positions);
     int64_t cache_bytes = 0;
     for (const auto& c : caches)
       cache_bytes += c.nbytes();
+    const int64_t cache_bytes_per_token = caches.front().bytes_per_token();  // one layer
     const int64_t weights = weight_bytes_per_token(model);
     const double bandwidth = read_bandwidth_gbs();
     const double needed = static_cast<double>(weights) * runs.front().tokens_per_second / 1e9;
 
     std::cout << std::fixed << std::setprecision(1) << "attnkit-decode-bench: " << config.module
-              << " (" << config.backend << "), vocab " << config.vocab_size << ", context "
-              << config.context_length << ", d " << config.d_model << ", " << config.heads
-              << " heads, " << config.layers << " layers, LibTorch " << TORCH_VERSION_MAJOR << "."
-              << TORCH_VERSION_MINOR << ", " << torch::get_num_threads() << " thread(s)\n"
+              << " (" << config.backend << ")"
+              << (config.kv_groups > 0 ? ", kv-groups " + std::to_string(config.kv_groups) : "")
+              << (config.window > 0 ? ", window " + std::to_string(config.window) : "")
+              << (config.latent_dim > 0 ? ", latent-dim " + std::to_string(config.latent_dim) : "")
+              << ", vocab " << config.vocab_size << ", context " << config.context_length << ", d "
+              << config.d_model << ", " << config.heads << " heads, " << config.layers
+              << " layers, LibTorch " << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << ", "
+              << torch::get_num_threads() << " thread(s)\n"
               << "prompt " << prompt_length << ", " << new_tokens
               << " new tokens, greedy, median of " << repeats << "\n";
     for (const auto& run : runs) {
@@ -178,28 +221,44 @@ int main(int argc, char** argv) {
                 << runs[0].tokens_per_second / runs[1].tokens_per_second << "x; tokens "
                 << (runs[0].tokens.equal(runs[1].tokens) ? "identical" : "DIFFER") << "\n";
     }
-    std::cout << std::setprecision(1) << "  KV cache " << cache_bytes / 1048576.0 << " MiB ("
-              << cache_bytes / (prompt_length + new_tokens) / 1024.0 << " KiB per token); weights "
-              << weights / 1048576.0 << " MiB read per token -> " << needed
-              << " GB/s at the cached rate, " << std::setprecision(0) << 100.0 * needed / bandwidth
-              << "% of this machine's " << std::setprecision(1) << bandwidth
-              << " GB/s read bandwidth\n";
+    std::cout << "  KV cache " << cache_bytes_per_token << " bytes per token per layer; "
+              << std::setprecision(2) << cache_bytes / 1048576.0 << " MiB in all for " << positions
+              << " positions (" << caches.front().capacity() << " held at most per layer)\n"
+              << std::setprecision(1) << "  weights " << weights / 1048576.0
+              << " MiB read per token -> " << needed << " GB/s at the cached rate, "
+              << std::setprecision(0) << 100.0 * needed / bandwidth << "% of this machine's "
+              << std::setprecision(1) << bandwidth << " GB/s read bandwidth\n";
+    CacheTrace traced;
+    if (trace) {
+      traced = trace_caches(model, runs.front().tokens);
+      std::cout << "  traced " << runs.front().tokens.size(1)
+                << " one-token steps: a cache held at most " << traced.max_held
+                << " positions; storage " << (traced.storage_moved ? "MOVED" : "never moved")
+                << "\n";
+    }
     if (!json.empty()) {
       std::ofstream out(json);
       TORCH_CHECK(out.good(), "--json: cannot write '", json, "'");
       out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \"" << TORCH_VERSION_MAJOR
           << "." << TORCH_VERSION_MINOR << "\", \"threads\": " << torch::get_num_threads()
           << ", \"module\": \"" << config.module << "\", \"backend\": \"" << config.backend
-          << "\", \"cache_bytes\": " << cache_bytes << ", \"weight_bytes_per_token\": " << weights
+          << "\", \"kv_groups\": " << config.kv_groups << ", \"window\": " << config.window
+          << ", \"latent_dim\": " << config.latent_dim << ", \"cache_bytes\": " << cache_bytes
+          << ", \"cache_bytes_per_token_per_layer\": " << cache_bytes_per_token
+          << ", \"weight_bytes_per_token\": " << weights
           << ", \"read_bandwidth_gbs\": " << bandwidth;
       for (const auto& run : runs)
         out << ", \"" << run.mode << "_tokens_per_s\": " << run.tokens_per_second;
+      if (trace)
+        out << ", \"traced_max_held\": " << traced.max_held
+            << ", \"traced_storage_moved\": " << (traced.storage_moved ? "true" : "false");
       if (runs.size() == 2)
         out << ", \"identical_tokens\": "
             << (runs[0].tokens.equal(runs[1].tokens) ? "true" : "false");
       out << "}\n";
     }
-    return runs.size() == 2 && !runs[0].tokens.equal(runs[1].tokens) ? 1 : 0;
+    const bool differ = runs.size() == 2 && !runs[0].tokens.equal(runs[1].tokens);
+    return differ || traced.storage_moved ? 1 : 0;
   } catch (const c10::Error& e) {
     std::cerr << "attnkit-decode-bench: " << e.what_without_backtrace() << "\n";
     return 2;
