@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "attention_layout.h"
 #include "attnkit/functional.h"
@@ -83,6 +85,28 @@ struct BlockPlan {
   // First key a query block starting at q0 can see: 0, or (window) that of its first query.
   int64_t key_begin(int64_t q0) const {
     return window > 0 ? std::clamp<int64_t>(query_offset + q0 - window + 1, 0, num_keys) : 0;
+  }
+  // The key blocks (k0, bk) that query block [q0, q0 + bq) visits, at most key_block wide.
+  // Without a window: from key 0 in steps of key_block. With one, the keys every query of the
+  // block sees get blocks of their own, so that only the two edges of the band (about bq
+  // keys each) pay for a mask, not the whole window.
+  std::vector<std::pair<int64_t, int64_t>> key_blocks(int64_t q0, int64_t bq) const {
+    const int64_t begin = key_begin(q0), end = key_end(q0 + bq);
+    std::vector<int64_t> cuts{begin};
+    if (window > 0) {
+      const int64_t first = query_offset + q0, last = first + bq - 1;  // query positions
+      for (const int64_t cut : {last - window + 1, first + 1}) {
+        if (cut > cuts.back() && cut < end)
+          cuts.push_back(cut);
+      }
+    }
+    cuts.push_back(end);
+    std::vector<std::pair<int64_t, int64_t>> blocks;
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      for (int64_t k0 = cuts[i]; k0 < cuts[i + 1]; k0 += key_block)
+        blocks.emplace_back(k0, std::min(key_block, cuts[i + 1] - k0));
+    }
+    return blocks;
   }
 };
 
@@ -189,10 +213,9 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
       const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
       auto acc = block_of(out4, at, q0, bq);                       // written in place
       torch::Tensor row_max, row_sum;
-      const int64_t key_begin = plan.key_begin(q0), key_end = plan.key_end(q0 + bq);
-      for (int64_t k0 = key_begin; k0 < key_end; k0 += plan.key_block) {
-        const int64_t bk = std::min(plan.key_block, key_end - k0);
-        const bool first = k0 == key_begin;
+      const auto key_blocks = plan.key_blocks(q0, bq);
+      for (const auto& [k0, bk] : key_blocks) {
+        const bool first = k0 == key_blocks.front().first;
         auto p = block_scores(q_block, kv_block_of(k4, at, k0, bk, plan), q0, k0, plan);
         const auto block_max = p.amax(-1, /*keepdim=*/true);
         torch::Tensor correction;
@@ -261,9 +284,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
       // products against the shared key/value heads.
       const auto grad_out_rows = fold_groups(grad_out_block, gs);
       const auto q_rows = fold_groups(q_block, gs);
-      const int64_t key_begin = plan.key_begin(q0), key_end = plan.key_end(q0 + bq);
-      for (int64_t k0 = key_begin; k0 < key_end; k0 += plan.key_block) {
-        const int64_t bk = std::min(plan.key_block, key_end - k0);
+      for (const auto& [k0, bk] : plan.key_blocks(q0, bq)) {
         const auto k_block = kv_block_of(k4, at, k0, bk, plan);
         const auto v_block = kv_block_of(v4, at, k0, bk, plan);
         auto p = block_scores(q_block, k_block, q0, k0, plan).sub_(lse_block).exp_();
