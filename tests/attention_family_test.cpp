@@ -176,18 +176,9 @@ TEST(AttentionFamily, CachedPiecesEqualTheUncachedForward) {
         m.module->to(dtype);
         m.module->eval();
         const auto x = torch::randn({2, 11, 6}, torch::dtype(dtype));
-        const auto full = m.forward(x);
         auto cache = m.make_kv_cache(2, 11);
-        const auto bytes = cache.nbytes();
-        for (const auto& pieces : splits) {
-          SCOPED_TRACE(c10::str(label, " ", backend_name(backend), " ", dtype, " pieces ",
-                                c10::IntArrayRef(pieces)));
-          cache.reset();
-          EXPECT_TRUE(tensors_close("cached", forward_in_pieces(m, x, pieces, cache), full,
-                                    agreement(dtype)));
-          EXPECT_EQ(cache.size(), 11);
-          EXPECT_EQ(cache.nbytes(), bytes);
-        }
+        expect_cached_pieces_match_forward(m, x, splits, cache,
+                                           label + " " + backend_name(backend));
       }
     }
   }

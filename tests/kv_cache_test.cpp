@@ -47,16 +47,8 @@ TEST(KVCache, PrefillChunkedPrefillAndDecodeEqualTheUncachedForward) {
         m.module->to(dtype);
         m.module->eval();
         const auto x = torch::randn({2, 11, 6}, torch::dtype(dtype));
-        const auto full = m.forward(x);
         auto cache = m.make_kv_cache(2, 0);
-        for (const auto& pieces : splits) {
-          SCOPED_TRACE(c10::str(name, " ", backend_name(backend), " ", dtype, " pieces ",
-                                c10::IntArrayRef(pieces)));
-          cache.reset();
-          EXPECT_TRUE(tensors_close("cached", forward_in_pieces(m, x, pieces, cache), full,
-                                    agreement(dtype)));
-          EXPECT_EQ(cache.size(), 11);
-        }
+        expect_cached_pieces_match_forward(m, x, splits, cache, name + " " + backend_name(backend));
       }
     }
   }

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include "attnkit/attnkit.h"
+#include "test_support.h"
 
 namespace attnkit::testing {
 
@@ -151,6 +152,24 @@ inline torch::Tensor forward_in_pieces(CachedAttention& m, const torch::Tensor& 
   }
   EXPECT_EQ(start, x.size(1)) << "the splits must cover x";
   return torch::cat(outputs, 1);
+}
+
+/// Feeds x (b, n, d_in) through one cache in each way of `splits` (resetting it between) and
+/// expects the rows of the uncached forward, the cache's count of positions and its storage
+/// size unchanged; `label` names the module in failures.
+inline void expect_cached_pieces_match_forward(CachedAttention& m, const torch::Tensor& x,
+                                               const std::vector<std::vector<int64_t>>& splits,
+                                               KVCache& cache, const std::string& label) {
+  const auto full = m.forward(x);
+  const auto bytes = cache.nbytes();
+  for (const auto& pieces : splits) {
+    SCOPED_TRACE(c10::str(label, " ", x.scalar_type(), " pieces ", c10::IntArrayRef(pieces)));
+    cache.reset();
+    EXPECT_TRUE(tensors_close("cached", forward_in_pieces(m, x, pieces, cache), full,
+                              agreement(x.scalar_type())));
+    EXPECT_EQ(cache.size(), x.size(1));
+    EXPECT_EQ(cache.nbytes(), bytes);
+  }
 }
 
 }  // namespace attnkit::testing
