@@ -60,7 +60,7 @@ attnkit::cli::CommandLine make_command_line() {
       .value("Model", "kv-groups",
              "gqa: key/value heads, shared by heads / kv-groups query heads each; 0 = 2", "0")
       .value("Model", "window",
-             "mha, mha-combined, gqa, mqa: sliding window, each token attends to itself and "
+             "mha, mha-combined, gqa, mqa: sliding window W, each token attends to itself and "
              "the W - 1 before it; 0 = full causal attention",
              "0")
       .value("Model", "latent-dim",
