@@ -334,7 +334,8 @@ TEST(Generate, BadArgumentsNameWhatIsWrong) {
                           "the KV cache is for inference, but the module is in training mode");
   train::AttentionModel causal(text_model_config("causal", ""));
   causal->eval();
-  expect_error_containing([&] { generate(*causal, prompt, GenerateOptions(1)); },
-                          "--module causal has no KV cache (mha and mha-combined have one)");
+  expect_error_containing(
+      [&] { generate(*causal, prompt, GenerateOptions(1)); },
+      "--module causal has no KV cache (mha, mha-combined, gqa, mqa and mla have one)");
   EXPECT_EQ(generate(*causal, prompt, GenerateOptions(2).use_kv_cache(false)).size(1), 5);
 }
