@@ -313,7 +313,9 @@ void write_json(const std::string& path, const BenchConfig& c, double sgemm,
       << ", \"tokens\": " << c.tokens << ", \"d_model\": " << c.d_model
       << ", \"heads\": " << c.heads << ", \"causal\": " << (c.causal ? "true" : "false")
       << ", \"window\": " << c.window << ", \"device\": \"" << c.device << "\", \"dtype\": \""
-      << c.dtype << "\", \"threads\": " << torch::get_num_threads()
+      << c.dtype << "\", \"threads\": " << torch::get_num_threads() << ", \"blas\": \""
+      << attnkit::blas_threads().name
+      << "\", \"blas_threads\": " << attnkit::blas_threads().num_threads
       << ", \"repeats\": " << c.repeats << ", \"chunk_size\": " << c.chunk_size
       << ", \"key_chunk_size\": " << c.key_chunk_size << ", \"language\": \"C++\", \"torch\": \""
       << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << "." << TORCH_VERSION_PATCH
@@ -363,7 +365,7 @@ int main(int argc, char** argv) {
              "0");
   cli.value("Run", "device", "cpu | cuda | cuda:N", "cpu")
       .value("Run", "dtype", "float32 | float64 | bfloat16 | float16", "float32")
-      .value("Run", "threads", "CPU threads; 0 = LibTorch's default", "0")
+      .value("Run", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults", "0")
       .value("Run", "repeats", "timed runs per measurement", "5")
       .value("Run", "warmup", "untimed runs first", "1")
       .value("Run", "only", "comma-separated subset of: " + names)
@@ -441,15 +443,16 @@ int main(int argc, char** argv) {
       return fail("--device " + c.device + ": CUDA is not available; use --device cpu");
     }
     if (c.threads > 0)
-      torch::set_num_threads(static_cast<int>(c.threads));
+      attnkit::set_num_threads(static_cast<int>(c.threads));
     const auto tensor_options = torch::dtype(dtypes.at(c.dtype)).device(device);
     torch::manual_seed(0);
     const double sgemm = sgemm_gflops(tensor_options);
     std::cout << "attnkit-bench: b=" << c.batch << " n=" << c.tokens << " d=" << c.d_model
               << " h=" << c.heads << (c.causal ? " causal" : " not causal")
               << (c.window > 0 ? " window=" + std::to_string(c.window) : "") << ", " << c.dtype
-              << " on " << c.device << ", " << torch::get_num_threads() << " threads; " << c.repeats
-              << " timed runs after " << c.warmup << " warm-up\n"
+              << " on " << c.device << ", " << torch::get_num_threads() << " threads ("
+              << attnkit::blas_threads() << "); " << c.repeats << " timed runs after " << c.warmup
+              << " warm-up\n"
               << std::fixed << std::setprecision(1) << "matmul 1024x1024 on this machine: " << sgemm
               << " GFLOP/s\n";
     std::vector<Result> results;

@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include "attnkit/threads.h"
 #include "command_line.h"
 #include "train/model.h"
 
@@ -109,7 +110,7 @@ int main(int argc, char** argv) {
   cli.value("Run", "prompt", "prompt tokens", "4")
       .value("Run", "new-tokens", "tokens to generate", "200")
       .value("Run", "repeats", "timed runs of each mode (the median is reported)", "3")
-      .value("Run", "threads", "CPU threads; 0 = LibTorch's default", "1")
+      .value("Run", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults", "1")
       .value("Run", "seed", "seed of the weights and the prompt", "123")
       .flag("Run", "no-uncached", "time only the cached mode")
       .flag("Run", "trace-cache",
@@ -167,7 +168,7 @@ int main(int argc, char** argv) {
     TORCH_CHECK(repeats >= 1, "--repeats: expected >= 1, got ", repeats);
     TORCH_CHECK(threads >= 0, "--threads: expected >= 0, got ", threads);
     if (threads > 0)
-      torch::set_num_threads(static_cast<int>(threads));
+      attnkit::set_num_threads(static_cast<int>(threads));
 
     torch::manual_seed(seed);
     attnkit::train::AttentionModel model(config);  // validates the sizes
@@ -209,7 +210,7 @@ int main(int argc, char** argv) {
               << ", vocab " << config.vocab_size << ", context " << config.context_length << ", d "
               << config.d_model << ", " << config.heads << " heads, " << config.layers
               << " layers, LibTorch " << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << ", "
-              << torch::get_num_threads() << " thread(s)\n"
+              << torch::get_num_threads() << " thread(s) (" << attnkit::blas_threads() << ")\n"
               << "prompt " << prompt_length << ", " << new_tokens
               << " new tokens, greedy, median of " << repeats << "\n";
     for (const auto& run : runs) {
@@ -241,7 +242,9 @@ int main(int argc, char** argv) {
       TORCH_CHECK(out.good(), "--json: cannot write '", json, "'");
       out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \"" << TORCH_VERSION_MAJOR
           << "." << TORCH_VERSION_MINOR << "\", \"threads\": " << torch::get_num_threads()
-          << ", \"module\": \"" << config.module << "\", \"backend\": \"" << config.backend
+          << ", \"blas\": \"" << attnkit::blas_threads().name
+          << "\", \"blas_threads\": " << attnkit::blas_threads().num_threads << ", \"module\": \""
+          << config.module << "\", \"backend\": \"" << config.backend
           << "\", \"kv_groups\": " << config.kv_groups << ", \"window\": " << config.window
           << ", \"latent_dim\": " << config.latent_dim << ", \"cache_bytes\": " << cache_bytes
           << ", \"cache_bytes_per_token_per_layer\": " << cache_bytes_per_token

@@ -77,7 +77,7 @@ attnkit::cli::CommandLine make_command_line() {
       .value("Optimisation", "weight-decay", "AdamW weight decay", "0.01");
   cli.value("Run", "seed", "seed for weights, data and dropout", "1")
       .value("Run", "device", "auto | cpu | cuda | cuda:N (auto = CUDA when available)", "auto")
-      .value("Run", "threads", "CPU threads; 0 = LibTorch's default", "0")
+      .value("Run", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults", "0")
       .value("Run", "eval-every", "steps between held-out evaluations; 0 = steps / 10", "0")
       .value("Run", "save",
              "checkpoint path: latest state there, best held-out loss at NAME.best.EXT")

@@ -24,6 +24,7 @@
 
 #include "attention_layout.h"
 #include "attnkit/functional.h"
+#include "parallel.h"
 
 namespace attnkit::functional {
 
@@ -72,11 +73,21 @@ struct BlockPlan {
         scale(1.0 / std::sqrt(static_cast<double>(q4.size(3)))),
         dropout_p(dropout_p),
         dropout_seed(dropout_seed) {
+    // Head groups of equal size (a multiple of group_size) whose score tile fits
+    // kScoreBlockBytes, and at least as many (outer, head group) pairs as there are workers
+    // where the heads allow it: backward's tasks are those pairs.
     const int64_t block_bytes = query_block * key_block * static_cast<int64_t>(q4.element_size());
-    head_group = std::clamp<int64_t>(kScoreBlockBytes / std::max<int64_t>(block_bytes, 1), 1,
-                                     std::max<int64_t>(heads, 1));
-    head_group = std::max(head_group / group_size, int64_t{1}) * group_size;
+    const int64_t kv_heads = std::max<int64_t>(heads / group_size, 1);
+    const int64_t fitting_heads = kScoreBlockBytes / std::max<int64_t>(block_bytes, 1);
+    int64_t groups = std::max<int64_t>(fitting_heads / group_size, 1);
+    groups = (kv_heads + groups - 1) / groups;  // kv heads per group -> number of groups
+    const int64_t workers = detail::worker_count(outer * kv_heads, q4.device());
+    groups = std::min(std::max(groups, (workers + outer - 1) / outer), kv_heads);
+    head_group = (kv_heads + groups - 1) / groups * group_size;
   }
+
+  int64_t num_head_groups() const { return (heads + head_group - 1) / head_group; }
+  int64_t num_query_blocks() const { return (num_queries + query_block - 1) / query_block; }
 
   // Keys a query block ending at q1 can see: all, or (causal) j < query_offset + q1.
   int64_t key_end(int64_t q1) const {
@@ -168,30 +179,46 @@ torch::Tensor finite_max(const torch::Tensor& row_max, const BlockPlan& plan) {
   return plan.window > 0 ? row_max.masked_fill(row_max == -kInfinity, 0.0) : row_max;
 }
 
-// The dropout keep-mask (scaled by 1 / (1 - p)) of one block, drawn from a generator
-// seeded by the call's seed and the block's position, so backward redraws the same mask.
+// The dropout keep-mask (scaled by 1 / (1 - p)) of one block, each head's drawn from a
+// generator seeded by the call's seed and the head's block position, so backward redraws the
+// same mask however the heads are grouped and whichever worker draws it.
 torch::Tensor dropout_scale(const torch::Tensor& like, const HeadGroup& at, int64_t q0, int64_t k0,
                             const BlockPlan& plan) {
-  const auto block_index =
-      ((at.o * plan.heads + at.h0) * plan.num_queries + q0) * plan.num_keys + k0;
-  auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(plan.dropout_seed) +
-                                                  static_cast<uint64_t>(block_index));
-  const auto keep = torch::empty(like.sizes(), torch::dtype(like.scalar_type()))
-                        .bernoulli_(1.0 - plan.dropout_p, generator);
-  return (keep / (1.0 - plan.dropout_p)).to(like.device());
+  auto keep = torch::empty(like.sizes(), torch::dtype(like.scalar_type()));
+  for (int64_t i = 0; i < at.g; ++i) {
+    const auto block_index =
+        ((at.o * plan.heads + at.h0 + i) * plan.num_queries + q0) * plan.num_keys + k0;
+    auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(plan.dropout_seed) +
+                                                    static_cast<uint64_t>(block_index));
+    keep[i].bernoulli_(1.0 - plan.dropout_p, generator);
+  }
+  return keep.div_(1.0 - plan.dropout_p).to(like.device());
 }
 
-// Calls visit(head group, q0, bq) for every query block, head groups outermost.
+HeadGroup head_group_of(const BlockPlan& plan, int64_t index) {
+  const int64_t o = index / plan.num_head_groups();
+  const int64_t h0 = index % plan.num_head_groups() * plan.head_group;
+  return {o, h0, std::min(plan.head_group, plan.heads - h0)};
+}
+
+// Calls visit(head group, q0, bq) for every query block, in parallel (src/parallel.h): the
+// tasks are (outer, head group, query block), the last query blocks (which see the most keys
+// when causal) first.
 template <typename Visit>
-void for_each_query_block(const BlockPlan& plan, Visit&& visit) {
-  for (int64_t o = 0; o < plan.outer; ++o) {
-    for (int64_t h0 = 0; h0 < plan.heads; h0 += plan.head_group) {
-      const HeadGroup at{o, h0, std::min(plan.head_group, plan.heads - h0)};
-      for (int64_t q0 = 0; q0 < plan.num_queries; q0 += plan.query_block) {
-        visit(at, q0, std::min(plan.query_block, plan.num_queries - q0));
-      }
-    }
-  }
+void for_each_query_block(const BlockPlan& plan, const torch::Device& device, Visit&& visit) {
+  const int64_t pairs = plan.outer * plan.num_head_groups(), blocks = plan.num_query_blocks();
+  detail::run_tasks(pairs * blocks, device, [&](int64_t task) {
+    const int64_t q0 = (blocks - 1 - task / pairs) * plan.query_block;
+    visit(head_group_of(plan, task % pairs), q0, std::min(plan.query_block, plan.num_queries - q0));
+  });
+}
+
+// Calls visit(head group) for every (outer, head group) pair, in parallel: backward's tasks,
+// as each pair's key and value gradients gather from all of its query blocks.
+template <typename Visit>
+void for_each_head_group(const BlockPlan& plan, const torch::Device& device, Visit&& visit) {
+  detail::run_tasks(plan.outer * plan.num_head_groups(), device,
+                    [&](int64_t task) { visit(head_group_of(plan, task)); });
 }
 
 struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
@@ -209,7 +236,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
     auto out4 = as_outer_heads(out);  // a view of the output, written block by block
     auto lse4 = torch::empty({plan.outer, plan.heads, plan.num_queries, 1}, q.options());
 
-    for_each_query_block(plan, [&](const HeadGroup& at, int64_t q0, int64_t bq) {
+    for_each_query_block(plan, q.device(), [&](const HeadGroup& at, int64_t q0, int64_t bq) {
       const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
       auto acc = block_of(out4, at, q0, bq);                       // written in place
       torch::Tensor row_max, row_sum;
@@ -274,7 +301,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
     auto grad_q4 = torch::zeros(q4.sizes(), q4.options());
     auto grad_k4 = torch::zeros(k4.sizes(), k4.options());
     auto grad_v4 = torch::zeros(v4.sizes(), v4.options());
-    for_each_query_block(plan, [&](const HeadGroup& at, int64_t q0, int64_t bq) {
+    const auto visit_query_block = [&](const HeadGroup& at, int64_t q0, int64_t bq) {
       const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
       const auto grad_out_block = block_of(grad_out4, at, q0, bq);
       const auto lse_block = block_of(lse4, at, q0, bq);
@@ -307,6 +334,10 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
         kv_block_of(grad_k4, at, k0, bk, plan)
             .baddbmm_(fold_groups(grad_scores, gs).transpose(1, 2), q_rows);
       }
+    };
+    for_each_head_group(plan, q.device(), [&](const HeadGroup& at) {
+      for (int64_t q0 = 0; q0 < plan.num_queries; q0 += plan.query_block)
+        visit_query_block(at, q0, std::min(plan.query_block, plan.num_queries - q0));
     });
     variable_list grads_in{shaped_like(grad_q4, q), shaped_like(grad_k4, k),
                            shaped_like(grad_v4, v)};

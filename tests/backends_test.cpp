@@ -3,6 +3,7 @@
 
 #include "attnkit/functional.h"
 #include "attnkit/multi_head_attention.h"
+#include "attnkit/threads.h"
 #include "test_support.h"
 
 #include <torch/version.h>
@@ -165,6 +166,64 @@ TEST(ChunkedAttention, DropoutIsSeededDifferentiableAndOffInEval) {
         return F::chunked_attention(a, b, c, F::ChunkedOptions().is_causal(true));
       },
       q, k, v);
+}
+
+// Restores LibTorch's and the BLAS's thread counts when a test that changes them ends.
+struct ThreadCountsRestorer {
+  int torch_threads = torch::get_num_threads();
+  int blas_threads = attnkit::blas_threads().num_threads;
+  ~ThreadCountsRestorer() {
+    attnkit::set_num_threads(blas_threads > 0 ? blas_threads : torch_threads);
+    torch::set_num_threads(torch_threads);
+  }
+};
+
+TEST(ChunkedAttention, ThreadCountChangesNeitherResultsNorTheBlasSetting) {
+  const ThreadCountsRestorer restore;
+  torch::manual_seed(11);
+  // Grouped heads, a window, dropout and ragged blocks: every path the workers split.
+  const auto q = torch::randn({2, 4, 37, 8}, torch::kFloat64);
+  const auto k = torch::randn({2, 2, 37, 8}, torch::kFloat64);
+  const auto v = torch::randn({2, 2, 37, 8}, torch::kFloat64);
+  const auto probe = torch::randn({2, 4, 37, 8}, torch::kFloat64);
+  const auto options = F::ChunkedOptions()
+                           .is_causal(true)
+                           .window_size(9)
+                           .dropout_p(0.2)
+                           .training(true)
+                           .block_size(8)
+                           .key_block_size(16);
+  const auto run = [&](int threads) {
+    attnkit::set_num_threads(threads);
+    torch::manual_seed(5);
+    return output_and_grads(
+        [&](auto& a, auto& b, auto& c) { return F::chunked_attention(a, b, c, options); }, q, k, v,
+        probe);
+  };
+  const auto serial = run(1);
+  const auto parallel = run(3);
+  for (size_t i = 0; i < serial.size(); ++i)
+    EXPECT_TENSOR_NEAR(parallel[i], serial[i], 1e-12);
+  // The kernel ran its BLAS calls single-threaded and gave the BLAS its count back.
+  EXPECT_EQ(torch::get_num_threads(), 3);
+  if (attnkit::blas_threads().name != "unknown")
+    EXPECT_EQ(attnkit::blas_threads().num_threads, 3);
+}
+
+TEST(Threads, BadCountsAreRefusedAndChangeNothing) {
+  const ThreadCountsRestorer restore;
+  attnkit::set_num_threads(2);
+  for (const int bad : {0, -3}) {
+    expect_error_containing(
+        [&] { attnkit::set_num_threads(bad); },
+        "[attnkit::set_num_threads] num_threads must be >= 1, got " + std::to_string(bad));
+  }
+  EXPECT_EQ(torch::get_num_threads(), 2);
+  std::ostringstream text;
+  text << attnkit::blas_threads();
+  EXPECT_EQ(text.str(), attnkit::blas_threads().name == "unknown"
+                            ? "BLAS threads unknown"
+                            : attnkit::blas_threads().name + ", 2 threads");
 }
 
 TEST(ChunkedAttention, BadArgumentsNameWhatIsWrong) {

@@ -13,4 +13,5 @@
 #include "attnkit/options.h"
 #include "attnkit/self_attention.h"
 #include "attnkit/serialize.h"
+#include "attnkit/threads.h"
 #include "attnkit/version.h"

@@ -10,6 +10,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "attnkit/threads.h"
 #include "flat_adamw.h"
 #include "heatmap.h"
 
@@ -438,7 +439,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   const auto wall_start = Clock::now();
   const auto device = resolve_device(config.device);
   if (config.threads > 0)
-    torch::set_num_threads(static_cast<int>(config.threads));
+    attnkit::set_num_threads(static_cast<int>(config.threads));
   torch::manual_seed(config.seed);
   auto data_generator = at::detail::createCPUGenerator(config.seed);
 

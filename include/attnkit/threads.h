@@ -1,0 +1,37 @@
+#pragma once
+
+/// Thread counts: LibTorch's intra-op threads and the BLAS its matrix products call.
+///
+/// `torch::set_num_threads` sets LibTorch's OpenMP pool (and MKL, where LibTorch has it), but
+/// not OpenBLAS or BLIS, which Debian's LibTorch calls through libblas.so.3 and which start
+/// one thread per core by default. `attnkit::set_num_threads` sets both, so that "N threads"
+/// means N threads. attnkit's kernels take their parallelism from `at::get_num_threads()`
+/// (see docs/threads.md).
+///
+/// Example: `attnkit::set_num_threads(4); std::cout << attnkit::blas_threads().name;`
+
+#include <ostream>
+#include <string>
+
+namespace attnkit {
+
+/// The BLAS that LibTorch's matrix products reach, as found in the running process.
+struct BlasThreads {
+  /// "OpenBLAS", "BLIS", or "unknown" (for example the reference BLAS, or MKL linked into
+  /// LibTorch, whose threads torch::set_num_threads already sets).
+  std::string name;
+  /// Its thread count; -1 when `name` is "unknown".
+  int num_threads = -1;
+};
+
+/// "OpenBLAS, 2 threads", or "BLAS threads unknown".
+std::ostream& operator<<(std::ostream& out, const BlasThreads& blas);
+
+/// Which BLAS the process calls and how many threads it uses.
+BlasThreads blas_threads();
+
+/// Sets LibTorch's intra-op threads (torch::set_num_threads) and, where the BLAS is one of
+/// those blas_threads() knows, the BLAS's threads, both to `num_threads` (>= 1).
+void set_num_threads(int num_threads);
+
+}  // namespace attnkit

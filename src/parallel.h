@@ -1,0 +1,59 @@
+#pragma once
+
+// attnkit's threading model (docs/threads.md): a kernel splits its work into independent
+// tasks (a head group, or a head group's query block) and runs them on at::get_num_threads()
+// workers, one level of parallelism only. Inside a task every LibTorch op runs serially
+// (ATen does not nest parallel regions) and the BLAS runs on one thread, so that the OpenMP
+// workers and OpenBLAS's own threads never compete for the same cores.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+namespace attnkit::detail {
+
+// While one is alive, the BLAS (OpenBLAS or BLIS; see attnkit/threads.h) runs on one
+// thread; the last one to go restores the count it found. Holders may nest and overlap
+// across threads; BLAS calls that other threads of the process make meanwhile also run
+// single-threaded.
+class SingleThreadedBlas {
+ public:
+  SingleThreadedBlas();
+  ~SingleThreadedBlas();
+  SingleThreadedBlas(const SingleThreadedBlas&) = delete;
+  SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
+};
+
+// Workers for num_tasks tasks on `device`: at::get_num_threads() capped by num_tasks; 1 on
+// a GPU (CUDA's current device and stream are per thread, and the host side is not the
+// bottleneck there) and inside a parallel region (ATen does not nest them).
+inline int64_t worker_count(int64_t num_tasks, const torch::Device& device) {
+  if (!device.is_cpu() || at::in_parallel_region())
+    return 1;
+  return std::clamp<int64_t>(at::get_num_threads(), 1, std::max<int64_t>(num_tasks, 1));
+}
+
+// Runs task(t) for every t in [0, num_tasks) on worker_count() workers. Workers take the
+// next task as they finish one, so list the costly tasks first. With several workers, grad
+// mode is off in them (it is per thread) and the BLAS is single-threaded.
+template <typename Task>
+void run_tasks(int64_t num_tasks, const torch::Device& device, const Task& task) {
+  const int64_t workers = worker_count(num_tasks, device);
+  if (workers == 1) {
+    for (int64_t t = 0; t < num_tasks; ++t)
+      task(t);
+    return;
+  }
+  SingleThreadedBlas single_threaded_blas;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, /*grain_size=*/1, [&](int64_t, int64_t) {
+    torch::NoGradGuard no_grad;
+    for (int64_t t = next++; t < num_tasks; t = next++)
+      task(t);
+  });
+}
+
+}  // namespace attnkit::detail
