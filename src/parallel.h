@@ -10,8 +10,16 @@
 #include <atomic>
 #include <cstdint>
 
+#include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
+
+// With an OpenMP LibTorch, at::parallel_for (inline) runs its body serially in code compiled
+// without OpenMP: attnkit's tasks would then run one by one while every op inside them
+// spreads over the threads, the nested pattern this file exists to avoid.
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#error "LibTorch uses OpenMP: compile attnkit with OpenMP (CMake: OpenMP::OpenMP_CXX)"
+#endif
 
 namespace attnkit::detail {
 

@@ -206,8 +206,9 @@ TEST(ChunkedAttention, ThreadCountChangesNeitherResultsNorTheBlasSetting) {
     EXPECT_TENSOR_NEAR(parallel[i], serial[i], 1e-12);
   // The kernel ran its BLAS calls single-threaded and gave the BLAS its count back.
   EXPECT_EQ(torch::get_num_threads(), 3);
-  if (attnkit::blas_threads().name != "unknown")
+  if (attnkit::blas_threads().name != "unknown") {
     EXPECT_EQ(attnkit::blas_threads().num_threads, 3);
+  }
 }
 
 TEST(Threads, BadCountsAreRefusedAndChangeNothing) {
