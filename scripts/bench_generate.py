@@ -21,6 +21,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference_attention import MultiHeadAttention  # noqa: E402
+import threads  # noqa: E402
 
 
 class Block(nn.Module):
@@ -100,7 +101,7 @@ def main():
     if a.prompt + a.new_tokens > a.context:
         parser.error(f"--prompt + --new-tokens must be <= --context {a.context}")
     if a.threads > 0:
-        torch.set_num_threads(a.threads)
+        threads.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     model = Model(a.vocab, a.context, a.d_model, a.heads, a.layers).eval()
     prompt = torch.randint(0, a.vocab, (1, a.prompt))

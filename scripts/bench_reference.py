@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference_attention as ref  # noqa: E402
+import threads  # noqa: E402
 
 
 class EinsumMHA(nn.Module):
@@ -195,7 +196,8 @@ def main():
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--causal", type=lambda s: s.lower() != "false", default=True)
-    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="threads for torch and its BLAS; 0: their defaults")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--only", default=",".join(PYTHON_IMPLEMENTATIONS))
@@ -207,7 +209,7 @@ def main():
         compare(args.compare)
         return
     if args.threads:
-        torch.set_num_threads(args.threads)
+        threads.set_num_threads(args.threads)  # and the BLAS's, as attnkit-bench does
     torch.manual_seed(0)
     results = []
     for name in args.only.split(","):
@@ -225,7 +227,9 @@ def main():
             print(f"{r['name']:21}{r['pass']:18}{r['median_ms']:10.1f} ms  peak {r['peak_memory_mb']:.0f} MB")
     if args.json:
         config = {k: getattr(args, k) for k in ("batch", "tokens", "d_model", "heads", "causal", "repeats")}
-        config.update(threads=torch.get_num_threads(), language="Python", torch=torch.__version__)
+        blas, blas_threads = threads.blas_threads()
+        config.update(threads=torch.get_num_threads(), blas=blas, blas_threads=blas_threads,
+                      language="Python", torch=torch.__version__)
         json.dump({"config": config, "results": results}, open(args.json, "w"))
 
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference_attention import MultiHeadAttention  # noqa: E402
+import threads  # noqa: E402
 
 SYMBOLS = 10
 
@@ -55,7 +56,7 @@ def main():
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    threads.set_num_threads(args.threads)
     torch.manual_seed(1)
     generator = torch.Generator().manual_seed(1)
     model = Model(SYMBOLS + 1, 2 * args.seq_len, args.d_model, args.heads)
