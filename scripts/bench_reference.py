@@ -189,6 +189,32 @@ def compare(files):
             print(line)
 
 
+def scaling(files):
+    """Per language and version: each (implementation, pass) median at each thread count, and
+    its speed-up over the fewest threads; 'SLOWER' marks a speed-up below 1."""
+    tables = {}  # label -> {(name, pass): {threads: result}}
+    for path in files:
+        data = json.load(open(path))
+        threads = data["config"]["threads"]
+        table = tables.setdefault(label(data["config"]), {})
+        for r in data["results"]:
+            table.setdefault((r["name"], r["pass"]), {})[threads] = r
+    for l, table in tables.items():
+        counts = sorted({t for by_threads in table.values() for t in by_threads})
+        print(f"-- {l}: median ms at {', '.join(map(str, counts))} threads, speed-up over {counts[0]} --")
+        print(f"{'implementation':21}{'pass':18}" + "".join(f"{str(t) + ' thr':>11}" for t in counts)
+              + "".join(f"{'x' + str(t):>8}" for t in counts[1:]))
+        for (name, pass_name), by_threads in table.items():
+            cells = "".join(f"{ms(by_threads[t]['median_ms']):>11}" if t in by_threads else f"{'':11}"
+                            for t in counts)
+            ratios = ""
+            for t in counts[1:]:
+                if t in by_threads and counts[0] in by_threads:
+                    ratio = by_threads[counts[0]]["median_ms"] / by_threads[t]["median_ms"]
+                    ratios += f"{ratio:8.2f}" + (" SLOWER" if ratio < 1 else "")
+            print(f"{name:21}{pass_name:18}{cells}{ratios}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -204,9 +230,14 @@ def main():
     parser.add_argument("--json")
     parser.add_argument("--compare", nargs="+", metavar="JSON",
                         help="print the results of these files side by side, with ratios")
+    parser.add_argument("--scaling", nargs="+", metavar="JSON",
+                        help="print the results of these files by thread count, with speed-ups")
     args = parser.parse_args()
     if args.compare:
         compare(args.compare)
+        return
+    if args.scaling:
+        scaling(args.scaling)
         return
     if args.threads:
         threads.set_num_threads(args.threads)  # and the BLAS's, as attnkit-bench does
