@@ -9,6 +9,7 @@
 #                scripts/debian13.sh (build-libtorch2/ is built there first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/bench_setup.sh
 python=${ATTNKIT_PYTHON:-/usr/bin/python3}
 only=wrapper,mha,combined,einsum,fused,chunked,torch-mha,torch-mha-noweights,math-core,chunked-core
 thread_counts=1,2
@@ -22,14 +23,7 @@ while (($#)); do
     *) args+=("$1"); shift ;;
   esac
 done
-scripts/build.sh --target attnkit-bench >/dev/null
-if $libtorch2; then
-  scripts/debian13.sh bash -c 'cmake --preset libtorch2 >/dev/null && cmake --build --preset libtorch2 --target attnkit-bench >/dev/null'
-fi
-# Inside the repository, so that the Debian 13 root (which has its own /tmp) sees it too.
-mkdir -p build
-work=$(mktemp -d "$PWD/build/bench-threads.XXXXXX")
-trap 'rm -rf "$work"' EXIT
+bench_setup "$libtorch2" bench-threads
 files=()
 for name in ${only//,/ }; do
   for threads in ${thread_counts//,/ }; do

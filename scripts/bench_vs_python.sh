@@ -9,6 +9,7 @@
 #                Debian 13 root of scripts/debian13.sh (build-libtorch2/ is built there first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/bench_setup.sh
 python=${ATTNKIT_PYTHON:-/usr/bin/python3}
 "$python" -c 'import torch' 2>/dev/null || { echo "needs $python with torch (Debian: python3-torch)" >&2; exit 2; }
 only=wrapper,mha,combined,einsum,fused,chunked,torch-mha,torch-mha-noweights,sdpa,math-core,chunked-core
@@ -24,14 +25,7 @@ while (($#)); do
     *) args+=("$1"); shift ;;
   esac
 done
-scripts/build.sh --target attnkit-bench >/dev/null
-if $libtorch2; then
-  scripts/debian13.sh bash -c 'cmake --preset libtorch2 >/dev/null && cmake --build --preset libtorch2 --target attnkit-bench >/dev/null'
-fi
-# Inside the repository, so that the Debian 13 root (which has its own /tmp) sees it too.
-mkdir -p build
-work=$(mktemp -d "$PWD/build/bench-vs-python.XXXXXX")
-trap 'rm -rf "$work"' EXIT
+bench_setup "$libtorch2" bench-vs-python
 files=()
 for name in ${only//,/ }; do
   if [[ $cpp_has == *" $name "* ]]; then
