@@ -61,14 +61,13 @@ bool is_core_only(const std::string& name) {
   return name == "math-core" || name == "chunked-core" || name == "fused-core";
 }
 
-// Whether `name` runs functional::fused_attention, which skips the keys above the causal
-// diagonal: fused-core always, the fused backend where it picks that kernel (LibTorch 1.x).
-bool runs_fused_kernel(const BenchConfig& c, const std::string& name,
-                       const torch::TensorOptions& options) {
+// Whether `name` runs one of attnkit's CPU kernels, which skip the keys above the causal
+// diagonal: fused-core always, the fused backend on LibTorch 1.x on CPU (its loop-nest kernel
+// or, past that kernel's tile, the chunked one).
+bool runs_attnkit_fused_kernel(const std::string& name, const torch::TensorOptions& options) {
   if (name == "fused-core")
     return true;
-  return name == "fused" && TORCH_VERSION_MAJOR < 2 &&
-         attnkit::functional::fused_attention_fits(c.tokens, c.tokens, options);
+  return name == "fused" && TORCH_VERSION_MAJOR < 2 && options.device().is_cpu();
 }
 
 // ---- memory: the process's peak RSS, reset before each measurement (Linux) ---------------
@@ -120,7 +119,7 @@ Flops executed_flops(const BenchConfig& c, const std::string& name,
   const double b = c.batch, n = c.tokens, d = c.d_model;
   const double gemms = is_core_only(name) ? 0.0 : 8 * b * n * d * d;
   const bool skips_masked_keys =
-      name == "chunked" || name == "chunked-core" || runs_fused_kernel(c, name, options);
+      name == "chunked" || name == "chunked-core" || runs_attnkit_fused_kernel(name, options);
   // Those skip the masked keys (to block granularity: counted as exact), the others do not.
   const double core = 4 * b * n * d * (skips_masked_keys ? keys_per_query(c) : n);
   return {gemms + core, 3 * gemms + 3.5 * core};

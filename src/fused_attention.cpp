@@ -16,6 +16,7 @@
 // and gradient sums to the keys in its window.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -29,6 +30,11 @@
 
 #include "attention_layout.h"
 #include "attnkit/functional.h"
+#include "parallel.h"
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+#include <ATen/SDPBackend.h>
+#endif
 
 namespace attnkit::functional {
 
@@ -467,6 +473,66 @@ void check_fused_options(const char* fn, const FusedOptions& options) {
   detail::check_window_size(fn, options.window_size(), options.is_causal());
 }
 
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+// LibTorch's CPU flash kernel runs its (batch, head, query block) tasks in a parallel loop
+// and calls the BLAS inside them, where OpenBLAS, keeping one thread per core of its own,
+// oversubscribes the cores: at 2 threads its forward+backward ran slower than at 1
+// (docs/threads.md). This runs the kernel with the BLAS single-threaded, forward and
+// backward, as attnkit's own kernels run theirs. Backward goes through the kernel's own
+// autograd graph, built in forward on detached inputs and kept in the node.
+struct SingleThreadedBlasSdpa : public torch::autograd::Function<SingleThreadedBlasSdpa> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& query,
+                               const torch::Tensor& key, const torch::Tensor& value,
+                               const c10::optional<at::Tensor>& visible, bool is_causal,
+                               bool enable_gqa) {
+    const detail::SingleThreadedBlas single_threaded_blas;
+    const torch::AutoGradMode grad_mode(true);
+    std::vector<torch::Tensor> graph{torch::Tensor(), query.detach(), key.detach(), value.detach()};
+    for (size_t i = 1; i < graph.size(); ++i)
+      graph[i].requires_grad_(std::array{query, key, value}[i - 1].requires_grad());
+    graph[0] = at::scaled_dot_product_attention(graph[1], graph[2], graph[3], visible,
+                                                /*dropout_p=*/0.0, is_causal,
+                                                /*scale=*/c10::nullopt, enable_gqa);
+    auto output = graph[0].detach();
+    ctx->saved_data["graph"] = graph;  // output, query, key, value
+    return output;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto graph = ctx->saved_data["graph"].toTensorVector();
+    std::vector<torch::Tensor> inputs;
+    for (size_t i = 1; i < graph.size(); ++i) {
+      if (graph[i].requires_grad())
+        inputs.push_back(graph[i]);
+    }
+    variable_list result(6);  // one per forward argument
+    if (!grads[0].defined() || inputs.empty())
+      return result;
+    const detail::SingleThreadedBlas single_threaded_blas;
+    // Kept for a second backward through the outer graph (retain_graph); freed with the node.
+    const auto input_grads = torch::autograd::grad({graph[0]}, inputs, {grads[0]},
+                                                   /*retain_graph=*/true);
+    for (size_t i = 1, next = 0; i < graph.size(); ++i) {
+      if (graph[i].requires_grad())
+        result[i - 1] = input_grads[next++];
+    }
+    return result;
+  }
+};
+
+// Whether LibTorch would run its CPU flash kernel on more than one thread, where the BLAS
+// needs pinning (dropout, which the flash kernel lacks, sends it to the math path).
+bool sdpa_runs_parallel_flash(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, const c10::optional<at::Tensor>& visible,
+                              double dropout_p, bool is_causal, bool enable_gqa) {
+  if (!query.device().is_cpu() || detail::worker_count(2, query.device()) < 2)
+    return false;
+  const auto backend = at::_fused_sdp_choice(query, key, value, visible, dropout_p, is_causal,
+                                             /*scale=*/c10::nullopt, enable_gqa);
+  return backend == static_cast<int64_t>(at::SDPBackend::flash_attention);
+}
+#endif
+
 }  // namespace
 
 torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& key,
@@ -523,10 +589,18 @@ torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::T
       visible = causal_mask(num_queries, num_keys, query.device(), offset, window).logical_not();
     }
   }
-#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  const bool enable_gqa = group_size > 1;
+  if (sdpa_runs_parallel_flash(query, key, value, visible, dropout_p, is_causal, enable_gqa)) {
+    const bool any_grad = query.requires_grad() || key.requires_grad() || value.requires_grad();
+    if (torch::GradMode::is_enabled() && any_grad)
+      return SingleThreadedBlasSdpa::apply(query, key, value, visible, is_causal, enable_gqa);
+    const detail::SingleThreadedBlas single_threaded_blas;
+    return at::scaled_dot_product_attention(query, key, value, visible, dropout_p, is_causal,
+                                            /*scale=*/c10::nullopt, enable_gqa);
+  }
   return at::scaled_dot_product_attention(query, key, value, visible, dropout_p, is_causal,
-                                          /*scale=*/c10::nullopt,
-                                          /*enable_gqa=*/group_size > 1);
+                                          /*scale=*/c10::nullopt, enable_gqa);
 #else
   // No grouped-query support before 2.5: the key/value heads repeated for their groups.
   return at::scaled_dot_product_attention(query, key.repeat_interleave(group_size, -3),
@@ -534,11 +608,20 @@ torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::T
                                           dropout_p, is_causal);
 #endif
 #else
-  // LibTorch 1.13 has no fused attention kernel: attnkit's own for short sequences on CPU,
-  // else the math core.
+  // LibTorch 1.13 has no fused attention kernel: attnkit's own on CPU, the loop-nest kernel
+  // for short sequences and the blocked one past it (faster than the math core, memory linear
+  // in n, and parallel over heads and blocks); the math core elsewhere.
   (void)group_size;
-  if (fused_attention_fits(query.size(-2), key.size(-2), query.options())) {
+  if (fused_attention_fits(query.size(-2), key.size(-2), query.options()))
     return fused_attention(query, key, value, options);
+  if (query.device().is_cpu()) {
+    return chunked_attention(query, key, value,
+                             ChunkedOptions()
+                                 .is_causal(options.is_causal())
+                                 .query_offset(options.query_offset())
+                                 .window_size(options.window_size())
+                                 .dropout_p(dropout_p)
+                                 .training(dropout_p > 0));
   }
   return scaled_dot_product_attention(query, key, value,
                                       SdpaOptions()

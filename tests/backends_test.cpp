@@ -421,6 +421,46 @@ TEST(FusedBackend, MatchesMathOutputsAndGradients) {
   expect_matches_math(fused_backend(true), q, q.flip(-2), q * 2, torch::randn_like(q), true);
 }
 
+TEST(FusedBackend, MoreThreadsChangeNeitherResultsNorTheBlasSetting) {
+  // On >= 2.5 LibTorch's flash kernel then runs with the BLAS pinned to one thread (forward,
+  // and backward through a graph kept in its node); on 1.13 past 64 x 64, the chunked kernel.
+  const ThreadCountsRestorer restore;
+  attnkit::set_num_threads(2);
+  torch::manual_seed(23);
+  const auto q = torch::randn({2, 4, 80, 8}, torch::kFloat64);
+  const auto k = torch::randn({2, 4, 80, 8}, torch::kFloat64);
+  const auto probe = torch::randn_like(q);
+  expect_matches_math(fused_backend(true), q, k, k * 2, probe, /*causal=*/true);
+  // A window sends an explicit mask; grouped heads share key/value heads.
+  const auto windowed = [](auto& a, auto& b, auto& c) {
+    return F::fused_backend_attention(a, b, c, F::FusedOptions().is_causal(true).window_size(7));
+  };
+  expect_matches_math(windowed, q, k, k * 2, probe, true, /*query_offset=*/0, /*window_size=*/7);
+  const auto k2 = k.narrow(1, 0, 2).contiguous();
+  expect_matches_math(fused_backend(true), q, k2, k2 * 2, probe, true);
+  // Gradients for some inputs only, and none at all.
+  auto v = (k * 2).requires_grad_(true);
+  (fused_backend(true)(q, k, v) * probe).sum().backward();
+  auto v_math = (k * 2).requires_grad_(true);
+  (F::scaled_dot_product_attention(q, k, v_math, F::SdpaOptions().is_causal(true)) * probe)
+      .sum()
+      .backward();
+  EXPECT_TRUE(tensors_close("grad v", v.grad(), v_math.grad(), agreement(torch::kFloat64)));
+  {
+    const torch::NoGradGuard no_grad;
+    const auto out = fused_backend(true)(q, k, v);
+    EXPECT_FALSE(out.requires_grad());
+    EXPECT_TRUE(
+        tensors_close("no-grad output", out,
+                      F::scaled_dot_product_attention(q, k, v, F::SdpaOptions().is_causal(true)),
+                      agreement(torch::kFloat64)));
+  }
+  EXPECT_EQ(torch::get_num_threads(), 2);
+  if (attnkit::blas_threads().name != "unknown") {
+    EXPECT_EQ(attnkit::blas_threads().num_threads, 2);
+  }
+}
+
 TEST(FusedBackend, DropoutHasTheRightDistributionAndIsOffInEval) {
   // Equal scores give weights 1/m; with v = I, out[i][j] is row i's weight j after dropout:
   // 0 with probability p, else (1/m) / (1 - p).
