@@ -193,12 +193,14 @@ bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
                           const torch::TensorOptions& options);
 
 /// The attention of the modules' `kFused` backend on this LibTorch, equal to
-/// `scaled_dot_product_attention` (scale 1/sqrt(hd), causal mask with `query_offset`):
-/// LibTorch's own `at::scaled_dot_product_attention` on LibTorch >= 2.0 (flash or
-/// memory-efficient kernels on CUDA, a flash kernel on CPU); on 1.13, which has none,
-/// `fused_attention` where `fused_attention_fits`, else the math core. Any device and
-/// floating dtype. Dropout masks come from the global generator, so a seed repeats them (on
-/// >= 2.0 they are not the math path's masks; same distribution).
+/// `scaled_dot_product_attention` (scale 1/sqrt(hd), causal mask with `query_offset`).
+/// LibTorch >= 2.0: LibTorch's own `at::scaled_dot_product_attention` (flash or
+/// memory-efficient kernels on CUDA, a flash kernel on CPU, which from 2.5 on runs with the
+/// BLAS on one thread when LibTorch has several: docs/threads.md). LibTorch 1.13, which has
+/// none: `fused_attention` where `fused_attention_fits`, else `chunked_attention` (default
+/// blocks) on CPU and the math core elsewhere. Any device and floating dtype. Dropout masks
+/// come from the global generator, so a seed repeats them; only `fused_attention` and the
+/// math core draw the math path's masks, the others the same distribution.
 /// q (..., n, hd), k (..., m, hd), v (..., m, hd_v) -> (..., n, hd_v).
 /// Example: `fused_backend_attention(q, k, v, FusedOptions().is_causal(true))`.
 torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::Tensor& key,

@@ -91,7 +91,7 @@ enum class AttentionBackend {
   /// The book's computation (separate Q/K/V products, masked softmax); seed-exact.
   kMath,
   /// One GEMM for Q, K and V; LibTorch's fused scaled_dot_product_attention from 2.0 on,
-  /// the math core before.
+  /// attnkit's CPU kernels on 1.13 (`functional::fused_backend_attention`).
   kFused,
   /// One GEMM for Q, K and V, then memory-efficient blocks with an online softmax
   /// (`functional::chunked_attention`): memory linear in num_tokens; dropout from its own
