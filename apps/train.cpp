@@ -1,8 +1,9 @@
 // attnkit-train: fits an attnkit attention module on a toy sequence task, on CPU or CUDA.
 // A thin front on the attnkit_train library (src/train/): flags, signals, exit codes.
 //
-// Exit codes: 0 done, 1 training failed (loss became NaN/Inf), 2 bad usage or input,
-// 130 interrupted by SIGINT/SIGTERM (after saving with --save).
+// Exit codes: 0 done, 1 training failed (loss became NaN/Inf, or a rank of a data-parallel
+// run was lost), 2 bad usage or input, 130 interrupted by SIGINT/SIGTERM (after saving with
+// --save).
 
 #include <unistd.h>
 #ifdef __GLIBC__
@@ -11,11 +12,15 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "attnkit/version.h"
 #include "command_line.h"
+#include "train/launcher.h"
 #include "train/trainer.h"
 
 namespace {
@@ -91,6 +96,14 @@ attnkit::cli::CommandLine make_command_line() {
       .flag("Run", "quiet", "print only the final report")
       .flag("Run", "h,help", "show this help")
       .flag("Run", "version", "print the version");
+  cli.value("Data-parallel", "nproc",
+            "start N ranks of one data-parallel run on this machine (c10d over loopback); "
+            "--batch-size stays the global batch. Processes started by another launcher "
+            "(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set) join that run "
+            "without it",
+            "1")
+      .value("Data-parallel", "dist-backend",
+             "gloo (CPU) | nccl (CUDA); default: nccl on CUDA, gloo on CPU");
   return cli;
 }
 
@@ -105,9 +118,25 @@ void keep_freed_memory_for_reuse() {
 #endif
 }
 
+std::string g_error_prefix = "attnkit-train: ";  // "attnkit-train: rank R: " in a group
+
 int fail(const std::string& message, int code = 2) {
-  std::cerr << "attnkit-train: " << message << "\n";
+  std::cerr << g_error_prefix << message << "\n";
   return code;
+}
+
+// The arguments for the ranks that --nproc starts: these, without --nproc.
+std::vector<std::string> rank_arguments(int argc, char** argv) {
+  std::vector<std::string> arguments;
+  for (int i = 1; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (word == "--nproc") {
+      ++i;  // and its value
+    } else if (word.rfind("--nproc=", 0) != 0) {
+      arguments.push_back(word);
+    }
+  }
+  return arguments;
 }
 
 }  // namespace
@@ -116,6 +145,7 @@ int main(int argc, char** argv) {
   namespace T = attnkit::train;
   auto cli = make_command_line();
   T::TrainConfig config;
+  int64_t nproc = 1;
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
@@ -155,27 +185,56 @@ int main(int argc, char** argv) {
     config.resume = cli.text("resume");
     config.metrics = cli.text("metrics");
     config.dump_attention = cli.text("dump-attention");
+    config.dist_backend = cli.text("dist-backend");
+    nproc = cli.integer("nproc");
     config.quiet = cli.given("quiet");
     config.progress_bar = ::isatty(STDOUT_FILENO) == 1;
   } catch (const attnkit::cli::UsageError& e) {
     return fail(e.what());
   }
 
+  // From here a stop request lets the step finish (a rank also while it joins its group).
   std::signal(SIGINT, request_stop);
   std::signal(SIGTERM, request_stop);
-  keep_freed_memory_for_reuse();
+  std::unique_ptr<T::Collectives> ranks;
   try {
     config = T::resolve(config);
-    const auto result = T::train(config, std::cout, &g_stop_requested);
+    TORCH_CHECK(nproc >= 1, "--nproc: expected >= 1, got ", nproc);
+    if (nproc > 1) {
+      const char* world_size = std::getenv("WORLD_SIZE");
+      TORCH_CHECK(world_size == nullptr, "--nproc ", nproc, " with WORLD_SIZE set (", world_size,
+                  "): this process is a rank of another launcher's run; drop one of them");
+      T::check_global_batch(config.batch_size, static_cast<int>(nproc));
+      return T::launch_local_ranks(static_cast<int>(nproc), rank_arguments(argc, argv), std::cerr);
+    }
+    const auto environment = T::read_rank_environment();
+    if (environment.world_size > 1) {
+      g_error_prefix = c10::str("attnkit-train: rank ", environment.rank, ": ");
+      const auto backend = !config.dist_backend.empty()                 ? config.dist_backend
+                           : T::resolve_device(config.device).is_cuda() ? "nccl"
+                                                                        : "gloo";
+      ranks = T::join_process_group(environment, backend, /*timeout_s=*/60);
+    }
+  } catch (const c10::Error& e) {
+    return fail(e.what_without_backtrace());
+  }
+
+  keep_freed_memory_for_reuse();
+  try {
+    const auto result = T::train(config, std::cout, &g_stop_requested, ranks.get());
     if (result.interrupted) {
-      std::cerr << "attnkit-train: interrupted at step " << result.last_step
-                << (config.save.empty() ? " (no --save given, nothing saved)"
-                                        : "; saved to " + config.save)
-                << "\n";
+      if (ranks == nullptr || ranks->is_main()) {
+        std::cerr << "attnkit-train: interrupted at step " << result.last_step
+                  << (config.save.empty() ? " (no --save given, nothing saved)"
+                                          : "; saved to " + config.save)
+                  << "\n";
+      }
       return 130;
     }
     return 0;
   } catch (const T::NonFiniteLoss& e) {
+    return fail(e.what(), 1);
+  } catch (const T::RankLost& e) {
     return fail(e.what(), 1);
   } catch (const c10::Error& e) {
     return fail(e.what_without_backtrace());

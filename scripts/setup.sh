@@ -11,6 +11,7 @@ packages=(
   libgtest-dev                   # tests
   libcxxopts-dev                 # command-line parsing in the programs
   libstb-dev                     # PNG writing and a bitmap font for attention heatmaps
+  libgloo-dev                    # Gloo's headers: attnkit-train's data-parallel runs (c10d)
   python3-torch                  # PyTorch of the same version: the cross-language tests
 )
 

@@ -28,6 +28,11 @@ class FlatAdamW {
   double clip_grad_norm(double max_norm);
   void step();
 
+  /// Every parameter, back to back, and their gradients in the same layout: data-parallel
+  /// training broadcasts the one and sums the other in a single collective each.
+  torch::Tensor& flat_values() { return values_; }
+  torch::Tensor& flat_gradients() { return gradients_; }
+
   /// Moments and step count (the parameters are saved with the model).
   void save(torch::serialize::OutputArchive& archive) const;
   void load(torch::serialize::InputArchive& archive);

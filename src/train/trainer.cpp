@@ -122,9 +122,11 @@ void sync_file(const std::string& path) {
   }
 }
 
+// `cpu_rng_by_rank`: (world size, state bytes), every rank's dropout stream; undefined for
+// one process.
 void save_checkpoint(const std::string& path, const TrainConfig& config, AttentionModel& model,
                      FlatAdamW& optimizer, const TrainingState& state,
-                     const at::Generator& data_generator) {
+                     const at::Generator& data_generator, const torch::Tensor& cpu_rng_by_rank) {
   torch::serialize::OutputArchive archive;
   archive.write("format", c10::IValue(kCheckpointFormat));
   archive.write("config", c10::IValue(compatibility_text(config)));
@@ -132,6 +134,8 @@ void save_checkpoint(const std::string& path, const TrainConfig& config, Attenti
   archive.write("best_loss", c10::IValue(state.best_loss));
   archive.write("data_rng", data_generator.get_state());
   archive.write("cpu_rng", at::detail::getDefaultCPUGenerator().get_state());
+  if (cpu_rng_by_rank.defined())
+    archive.write("cpu_rng_by_rank", cpu_rng_by_rank);
   torch::serialize::OutputArchive model_archive, optimizer_archive;
   model->save(model_archive);
   optimizer.save(optimizer_archive);
@@ -145,9 +149,13 @@ void save_checkpoint(const std::string& path, const TrainConfig& config, Attenti
               temporary, "' to '", path, "'");
 }
 
+// Every rank reads the same checkpoint: the model, the optimizer and the data stream are the
+// same on all of them; rank r takes its own dropout stream where the checkpoint has one
+// (written by a run of at least r + 1 ranks) and keeps its fresh one otherwise.
 TrainingState load_checkpoint(const std::string& path, const TrainConfig& config,
                               AttentionModel& model, FlatAdamW& optimizer,
-                              at::Generator& data_generator, const torch::Device& device) {
+                              at::Generator& data_generator, const torch::Device& device,
+                              int rank) {
   TORCH_CHECK(std::ifstream(path).good(), "--resume: cannot read '", path, "'");
   torch::serialize::InputArchive archive;
   c10::IValue format, saved_config, step, best_loss;
@@ -187,8 +195,16 @@ TrainingState load_checkpoint(const std::string& path, const TrainConfig& config
     optimizer.reattach();  // Module::load gave the parameters new storage
     optimizer.load(optimizer_archive);
     data_generator.set_state(data_rng.cpu());
-    auto default_generator = at::detail::getDefaultCPUGenerator();
-    default_generator.set_state(cpu_rng.cpu());
+    auto own_rng = rank == 0 ? cpu_rng : torch::Tensor();
+    c10::IValue by_rank;
+    if (rank > 0 && archive.try_read("cpu_rng_by_rank", by_rank) && by_rank.isTensor() &&
+        by_rank.toTensor().size(0) > rank) {
+      own_rng = by_rank.toTensor()[rank];
+    }
+    if (own_rng.defined()) {
+      auto default_generator = at::detail::getDefaultCPUGenerator();
+      default_generator.set_state(own_rng.cpu().contiguous());
+    }
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "--resume: '", path, "' is damaged or incomplete (",
                 std::string(e.what_without_backtrace()).substr(0, 120), ")");
@@ -392,6 +408,8 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(c.dump_attention.empty() || ends_with(c.dump_attention, ".png"),
               "--dump-attention: expected a file name ending in .png, got '", c.dump_attention,
               "'");
+  TORCH_CHECK(c.dist_backend.empty() || c.dist_backend == "gloo" || c.dist_backend == "nccl",
+              "--dist-backend: expected gloo or nccl, got '", c.dist_backend, "'");
   resolve_device(c.device);  // fails early for cuda without CUDA
   check_writable("--save", c.save);
   check_writable("--metrics", c.metrics);
@@ -435,9 +453,63 @@ void print_config_table(std::ostream& out, const TrainConfig& c, const Task& tas
   }
 }
 
-TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomic<bool>* stop) {
+std::string rank_agreement_text(const TrainConfig& c) {
+  // Everything that changes what a rank computes or writes; not --device (a rank's own GPU),
+  // --threads (its machine's cores), nor how it prints.
+  auto fields = compatibility_fields(c);
+  const std::vector<std::pair<std::string, std::string>> run{
+      {"backend", c.backend},
+      {"dropout", c10::str(c.dropout)},
+      {"data", c.data},
+      {"sample", std::to_string(c.sample)},
+      {"kv-cache", c.kv_cache ? "true" : "false"},
+      {"steps", std::to_string(c.steps)},
+      {"batch-size", std::to_string(c.batch_size)},
+      {"lr", c10::str(c.lr)},
+      {"weight-decay", c10::str(c.weight_decay)},
+      {"seed", std::to_string(c.seed)},
+      {"eval-every", std::to_string(c.eval_every)},
+      {"save", c.save},
+      {"resume", c.resume},
+      {"metrics", c.metrics},
+      {"dump-attention", c.dump_attention},
+      {"dist-backend", c.dist_backend}};
+  fields.insert(fields.end(), run.begin(), run.end());
+  std::string text;
+  for (const auto& [key, value] : fields)
+    text += "--" + key + " " + value + "\n";
+  return text;
+}
+
+void check_global_batch(int64_t batch_size, int world_size) {
+  TORCH_CHECK(batch_size >= world_size, "--batch-size ", batch_size,
+              " is the global batch and must give each of the ", world_size,
+              " ranks at least one sequence");
+}
+
+namespace {
+
+// Rank `rank`'s rows of a global batch: contiguous, sizes differing by at most one.
+Batch share_of(const Batch& batch, int rank, int world_size) {
+  if (world_size == 1)
+    return batch;
+  const int64_t rows = batch.inputs.size(0);
+  const int64_t begin = rows * rank / world_size, end = rows * (rank + 1) / world_size;
+  return {batch.inputs.slice(0, begin, end), batch.targets.slice(0, begin, end),
+          batch.loss_mask.slice(0, begin, end)};
+}
+
+}  // namespace
+
+TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomic<bool>* stop,
+                  Collectives* ranks) {
   const auto wall_start = Clock::now();
   const auto device = resolve_device(config.device);
+  const auto one_process = single_process();
+  Collectives& group = ranks != nullptr ? *ranks : *one_process;
+  const int rank = group.rank(), world_size = group.world_size();
+  group.check_same_on_every_rank("flags", rank_agreement_text(config));
+  check_global_batch(config.batch_size, world_size);
   if (config.threads > 0)
     attnkit::set_num_threads(static_cast<int>(config.threads));
   torch::manual_seed(config.seed);
@@ -464,23 +536,34 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   AttentionModel model(model_config);
   model->to(device);
   FlatAdamW optimizer(model->parameters(), config.lr, config.weight_decay);
+  // Each rank its own dropout stream; rank 0 keeps the one a single process has.
+  if (rank > 0)
+    torch::manual_seed(config.seed + static_cast<uint64_t>(rank));
   const auto eval_batches = task->eval_batches(256);
   const bool text = config.task == "text";
-  const bool verbose = !config.quiet;
+  const bool main_rank = group.is_main();
+  const bool verbose = !config.quiet && main_rank;
 
   TrainingState state;
   if (!config.resume.empty()) {
-    state = load_checkpoint(config.resume, config, model, optimizer, data_generator, device);
+    state = load_checkpoint(config.resume, config, model, optimizer, data_generator, device, rank);
     optimizer.set_lr(config.lr);  // this run's --lr and --weight-decay
     optimizer.set_weight_decay(config.weight_decay);
     if (verbose)
       out << "resumed from " << config.resume << " at step " << state.step << "\n";
   }
-  if (verbose)
+  group.broadcast_from_main(optimizer.flat_values());  // the same start on every rank
+  if (verbose) {
     print_config_table(out, config, *task);
-  MetricsWriter metrics(config.metrics, text);
+    if (world_size > 1) {
+      out << "data-parallel: " << world_size << " ranks (" << group.backend() << "), "
+          << config.batch_size << " sequences per step in all\n";
+    }
+  }
+  MetricsWriter metrics(main_rank ? config.metrics : std::string(), text);
 
   TrainResult result;
+  result.world_size = world_size;
   double train_seconds = 0.0;
   int64_t tokens = 0;
   double smoothed_loss = 0.0;
@@ -489,30 +572,63 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   const auto save = [&](bool improved) {
     if (config.save.empty())
       return;
-    save_checkpoint(config.save, config, model, optimizer, state, data_generator);
-    saved_step = state.step;
-    if (improved) {
-      save_checkpoint(best_checkpoint_path(config.save), config, model, optimizer, state,
-                      data_generator);
+    // Every rank takes part in gathering the dropout streams; rank 0 writes.
+    torch::Tensor cpu_rng_by_rank;
+    if (world_size > 1) {
+      cpu_rng_by_rank =
+          torch::stack(group.gather_all(at::detail::getDefaultCPUGenerator().get_state()));
     }
+    if (main_rank) {
+      save_checkpoint(config.save, config, model, optimizer, state, data_generator,
+                      cpu_rng_by_rank);
+      if (improved) {
+        save_checkpoint(best_checkpoint_path(config.save), config, model, optimizer, state,
+                        data_generator, cpu_rng_by_rank);
+      }
+    }
+    saved_step = state.step;
   };
 
   model->train();
   const int64_t first_step = state.step + 1;
+  bool stop_agreed = false;  // some rank was asked to stop during the last step
+  const auto stop_requested = [&] { return stop != nullptr && stop->load(); };
   for (int64_t step = first_step; step <= config.steps; ++step) {
-    if (stop != nullptr && stop->load()) {
+    if (world_size == 1 ? stop_requested() : stop_agreed) {
       result.interrupted = true;
       break;
     }
     const auto step_start = Clock::now();
+    // Every rank draws the whole global batch from the shared stream and keeps its share.
     const auto batch = task->train_batch(config.batch_size, data_generator);
-    const auto s = score(model, batch, device, /*count_correct=*/config.progress_bar);
-    const double loss = s.loss.item<double>();
+    const auto share = share_of(batch, rank, world_size);
+    const auto s = score(model, share, device, /*count_correct=*/config.progress_bar);
+    // This rank's part of the mean over the whole batch's scored positions: the parts'
+    // gradients then sum to the whole batch's.
+    const auto scored = world_size == 1 ? s.scored : batch.loss_mask.sum().item<int64_t>();
+    const auto loss_part =
+        world_size == 1 ? s.loss
+                        : s.loss * (static_cast<double>(s.scored) / std::max<int64_t>(scored, 1));
+    double loss = loss_part.item<double>();
+    double correct = static_cast<double>(s.correct);
+    if (world_size > 1) {
+      // One small collective: the batch's loss and correct count, and whether to stop.
+      auto totals = torch::tensor({loss, correct, stop_requested() ? 1.0 : 0.0}, torch::kDouble);
+      group.sum(totals);
+      loss = totals[0].item<double>();
+      correct = totals[1].item<double>();
+      stop_agreed = totals[2].item<double>() > 0;
+    }
     if (!std::isfinite(loss)) {
       throw NonFiniteLoss(non_finite_message("loss", loss, step, config, saved_step));
     }
     optimizer.zero_grad();
-    s.loss.backward();
+    loss_part.backward();
+    if (world_size > 1) {
+      const auto reduce_start = Clock::now();
+      group.sum(optimizer.flat_gradients());
+      result.allreduce_seconds += seconds_since(reduce_start);
+    }
     optimizer.clip_grad_norm(config.clip_norm);
     optimizer.step();
     state.step = step;
@@ -520,7 +636,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
     tokens += batch.inputs.numel();
     result.losses.push_back(loss);
     smoothed_loss = step == first_step ? loss : 0.95 * smoothed_loss + 0.05 * loss;
-    const double accuracy = s.scored ? static_cast<double>(s.correct) / s.scored : 0.0;
+    const double accuracy = scored ? correct / static_cast<double>(scored) : 0.0;
     smoothed_accuracy = step == first_step ? accuracy : 0.95 * smoothed_accuracy + 0.05 * accuracy;
     const double tokens_per_s = tokens / std::max(train_seconds, 1e-9);
 
@@ -530,35 +646,40 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
                     eta);
     }
     if (step % config.eval_every == 0 || step == config.steps) {
-      const auto evaluation = evaluate(model, eval_batches, device);
-      if (!std::isfinite(evaluation.loss)) {
-        // The update broke the weights: stop before they overwrite a good checkpoint.
-        throw NonFiniteLoss(
-            non_finite_message("held-out loss", evaluation.loss, step, config, saved_step));
+      bool improved = false;
+      if (main_rank) {
+        const auto evaluation = evaluate(model, eval_batches, device);
+        if (!std::isfinite(evaluation.loss)) {
+          // The update broke the weights: stop before they overwrite a good checkpoint.
+          throw NonFiniteLoss(
+              non_finite_message("held-out loss", evaluation.loss, step, config, saved_step));
+        }
+        improved = evaluation.loss < state.best_loss;
+        if (improved)
+          state.best_loss = evaluation.loss;
+        metrics.write(step, evaluation, smoothed_loss, tokens_per_s, seconds_since(wall_start),
+                      /*final=*/false);
+        if (verbose) {
+          if (config.progress_bar)
+            out << "\n";
+          out << "step " << step << "/" << config.steps << " | train loss " << std::fixed
+              << std::setprecision(4) << smoothed_loss << " | " << format_eval(evaluation, text)
+              << " | " << std::setprecision(0) << tokens_per_s << " tok/s\n";
+        }
       }
-      const bool improved = evaluation.loss < state.best_loss;
-      if (improved)
-        state.best_loss = evaluation.loss;
       save(improved);
-      metrics.write(step, evaluation, smoothed_loss, tokens_per_s, seconds_since(wall_start),
-                    /*final=*/false);
-      if (verbose) {
-        if (config.progress_bar)
-          out << "\n";
-        out << "step " << step << "/" << config.steps << " | train loss " << std::fixed
-            << std::setprecision(4) << smoothed_loss << " | " << format_eval(evaluation, text)
-            << " | " << std::setprecision(0) << tokens_per_s << " tok/s\n";
-      }
     }
   }
   if (result.interrupted) {
     save(/*improved=*/false);
   }
 
-  result.final_evaluation = evaluate(model, eval_batches, device);
   result.last_step = state.step;
   result.train_seconds = train_seconds;
   result.tokens_per_second = tokens / std::max(train_seconds, 1e-9);
+  if (!main_rank)
+    return result;
+  result.final_evaluation = evaluate(model, eval_batches, device);
   result.wall_seconds = seconds_since(wall_start);
   metrics.write(state.step, result.final_evaluation, smoothed_loss, result.tokens_per_second,
                 result.wall_seconds, /*final=*/true);
@@ -566,7 +687,12 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   out << (result.interrupted ? "interrupted" : "done") << " after step " << state.step << ": "
       << format_eval(result.final_evaluation, text) << " | " << std::fixed << std::setprecision(1)
       << result.wall_seconds << " s wall, " << std::setprecision(0) << result.tokens_per_second
-      << " tokens/s\n";
+      << " tokens/s";
+  if (world_size > 1) {
+    out << " on " << world_size << " ranks, gradient allreduce " << std::setprecision(1)
+        << 100.0 * result.allreduce_seconds / std::max(train_seconds, 1e-9) << "% of the steps";
+  }
+  out << "\n";
   if (text) {
     out << std::setprecision(2) << "corpus baselines: unigram " << task->unigram_entropy()
         << ", bigram " << task->bigram_entropy() << " bits/byte; model "

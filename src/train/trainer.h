@@ -13,6 +13,7 @@
 
 #include <torch/torch.h>
 
+#include "distributed.h"
 #include "model.h"
 #include "tasks.h"
 
@@ -52,6 +53,8 @@ struct TrainConfig {
   std::string resume;
   std::string metrics;
   std::string dump_attention;
+  /// Data-parallel runs: gloo | nccl; empty: nccl on CUDA, gloo on CPU.
+  std::string dist_backend;
   bool quiet = false;
   /// Redraw a progress bar in place (the CLI sets this when stdout is a terminal);
   /// otherwise print one plain line per evaluation.
@@ -81,8 +84,10 @@ struct TrainResult {
   double train_seconds = 0.0;  // training only, evaluation excluded
   double wall_seconds = 0.0;
   double tokens_per_second = 0.0;
-  std::vector<double> losses;  // training loss of every step run here
+  std::vector<double> losses;  // training loss of every step run here (over every rank)
   bool interrupted = false;
+  int world_size = 1;
+  double allreduce_seconds = 0.0;  // of train_seconds: summing the gradients over the ranks
 };
 
 /// Raised when the loss becomes NaN or infinite; the last good checkpoint stays in place.
@@ -93,8 +98,22 @@ struct NonFiniteLoss : std::runtime_error {
 /// Runs a resolved config. `stop` is polled between steps (SIGINT/SIGTERM): when set,
 /// the current step finishes, a checkpoint is saved (with --save) and the result says
 /// `interrupted`. Progress goes to `out`.
+///
+/// With `ranks` of a data-parallel group (see distributed.h), every rank draws the same
+/// global batch of --batch-size sequences from the shared data stream and trains on its own
+/// contiguous share of it; the gradients are summed over the ranks, so each update is the
+/// one a single process makes on the whole batch. Rank 0 broadcasts the initial weights,
+/// evaluates, prints, writes metrics and checkpoints (with every rank's dropout stream);
+/// a stop seen by any rank stops all of them after the same step. The ranks must be started
+/// with the same flags (checked first).
 TrainResult train(const TrainConfig& config, std::ostream& out,
-                  const std::atomic<bool>* stop = nullptr);
+                  const std::atomic<bool>* stop = nullptr, Collectives* ranks = nullptr);
+
+/// Fails unless a global batch of `batch_size` sequences gives each rank at least one.
+void check_global_batch(int64_t batch_size, int world_size);
+
+/// The flags that every rank of a data-parallel run must share, one "name=value" per line.
+std::string rank_agreement_text(const TrainConfig& config);
 
 /// The `.best` sibling of a --save path: "run.pt" -> "run.best.pt".
 std::string best_checkpoint_path(const std::string& save_path);

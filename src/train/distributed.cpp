@@ -1,0 +1,275 @@
+#include "distributed.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <sstream>
+#include <utility>
+
+// ProcessGroupGloo.hpp declares its class only for builds that say Gloo is there.
+#ifndef USE_C10D_GLOO
+#define USE_C10D_GLOO
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace attnkit::train {
+
+namespace {
+
+// `name`'s value as an integer in [low, high]; fails naming the variable otherwise.
+int integer_variable(const char* name, const char* text, int low, int high) {
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  TORCH_CHECK(*text != '\0' && *end == '\0' && value >= low && value <= high, "environment ", name,
+              ": expected an integer in ", low, "..", high, ", got '", text, "'");
+  return static_cast<int>(value);
+}
+
+// Whether something already listens on TCP `port` (binding as the store's server would).
+// Checked first so that the error is attnkit's one line, not c10d's log lines about it.
+bool port_in_use(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0)
+    return false;
+  const int yes = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_ANY);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  const bool in_use = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 &&
+                      errno == EADDRINUSE;
+  ::close(fd);
+  return in_use;
+}
+
+// The store's classic socket server, on every LibTorch: from 2.4 the options default to a
+// libuv server, which builds without libuv (Debian's 2.6) refuse; 1.13 has no such option.
+template <typename Options>
+auto use_classic_store_server(Options& options, int) -> decltype(options.useLibUV = false, void()) {
+  options.useLibUV = false;
+}
+template <typename Options>
+void use_classic_store_server(Options&, long) {}
+
+class SingleProcess : public Collectives {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  std::string backend() const override { return "none"; }
+  void broadcast_from_main(torch::Tensor&) override {}
+  void sum(torch::Tensor&) override {}
+  std::vector<torch::Tensor> gather_all(const torch::Tensor& tensor) override { return {tensor}; }
+  void check_same_on_every_rank(const std::string&, const std::string&) override {}
+};
+
+// The first line where `a` and `b` differ ("" for the end of the text).
+std::pair<std::string, std::string> first_difference(const std::string& a, const std::string& b) {
+  std::istringstream in_a(a), in_b(b);
+  std::string line_a, line_b;
+  while (true) {
+    const bool more_a = static_cast<bool>(std::getline(in_a, line_a));
+    const bool more_b = static_cast<bool>(std::getline(in_b, line_b));
+    if (!more_a && !more_b)
+      return {"", ""};
+    if (!more_a)
+      line_a.clear();
+    if (!more_b)
+      line_b.clear();
+    if (line_a != line_b)
+      return {line_a, line_b};
+  }
+}
+
+class GlooCollectives : public Collectives {
+ public:
+  GlooCollectives(const RankEnvironment& env, int timeout_s)
+      : rank_(env.rank), world_size_(env.world_size) {
+    const std::chrono::milliseconds timeout(1000LL * timeout_s);
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<std::uint16_t>(env.master_port);
+    store_options.isServer = env.rank == 0;
+    store_options.numWorkers = static_cast<std::size_t>(env.world_size);
+    store_options.waitWorkers = true;
+    store_options.timeout = timeout;
+    use_classic_store_server(store_options, 0);
+    TORCH_CHECK(env.rank != 0 || !port_in_use(env.master_port),
+                "cannot open the rendezvous store on ", env.master_addr, ":", env.master_port,
+                ": the port is already in use; choose another MASTER_PORT");
+    try {
+      store_ = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(
+          false, "cannot ",
+          env.rank == 0 ? "open the rendezvous store on " : "reach the rendezvous store at ",
+          env.master_addr, ":", env.master_port,
+          env.rank == 0 ? " (is the port already in use? choose another MASTER_PORT)"
+                        : c10::str(" within ", timeout_s, " s (did rank 0 start?)"),
+          ": ", first_line(e.what()));
+    }
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    // Gloo talks over the interface that reaches MASTER_ADDR: loopback for a local run.
+    const bool local = env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0;
+    options->devices.push_back(local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                     : c10d::ProcessGroupGloo::createDefaultDevice());
+    group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, env.rank, env.world_size, options);
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+  std::string backend() const override { return "gloo"; }
+
+  void broadcast_from_main(torch::Tensor& tensor) override {
+    on_cpu(tensor, "broadcast", [&](std::vector<at::Tensor>& tensors) {
+      return group_->broadcast(tensors, c10d::BroadcastOptions());
+    });
+  }
+
+  void sum(torch::Tensor& tensor) override {
+    on_cpu(tensor, "allreduce", [&](std::vector<at::Tensor>& tensors) {
+      return group_->allreduce(tensors, c10d::AllreduceOptions());
+    });
+  }
+
+  std::vector<torch::Tensor> gather_all(const torch::Tensor& tensor) override {
+    std::vector<at::Tensor> input{tensor.cpu().contiguous()};
+    std::vector<std::vector<at::Tensor>> output(1);
+    for (int r = 0; r < world_size_; ++r)
+      output[0].push_back(torch::empty_like(input[0]));
+    wait("allgather", group_->allgather(output, input));
+    return output[0];
+  }
+
+  void check_same_on_every_rank(const std::string& what, const std::string& text) override {
+    const std::string prefix = "attnkit/" + what + "/";
+    store_->set(prefix + std::to_string(rank_), std::vector<uint8_t>(text.begin(), text.end()));
+    std::vector<std::string> texts, read_keys;
+    for (int r = 0; r < world_size_; ++r) {
+      const auto bytes = store_->get(prefix + std::to_string(r));  // waits for rank r
+      texts.emplace_back(bytes.begin(), bytes.end());
+      read_keys.push_back(prefix + "read/" + std::to_string(r));
+    }
+    // Rank 0 holds the store: it must not leave (on a mismatch) before every rank has read
+    // every text, nor before each has had the answer to its wait.
+    store_->set(read_keys[rank_], std::vector<uint8_t>{1});
+    store_->wait(read_keys);
+    if (rank_ > 0) {
+      store_->set(prefix + "done/" + std::to_string(rank_), std::vector<uint8_t>{1});
+    } else {
+      std::vector<std::string> done_keys;
+      for (int r = 1; r < world_size_; ++r)
+        done_keys.push_back(prefix + "done/" + std::to_string(r));
+      store_->wait(done_keys);
+    }
+    for (int r = 0; r < world_size_; ++r) {
+      if (texts[r] == text)
+        continue;
+      const auto [mine, theirs] = first_difference(text, texts[r]);
+      TORCH_CHECK(false, "ranks started with different ", what, ": rank ", rank_, " has '", mine,
+                  "', rank ", r, " has '", theirs, "'");
+    }
+  }
+
+ private:
+  static std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+  // Waits for a collective; a failure (a rank died or stopped answering) names this rank.
+  void wait(const char* what, const c10::intrusive_ptr<c10d::Work>& work) {
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      const std::string other =
+          world_size_ == 2 ? c10::str("rank ", 1 - rank_) : std::string("another rank");
+      throw RankLost(c10::str("lost ", other, " during ", what, " (", first_line(e.what()), ")"));
+    }
+  }
+
+  // Gloo reduces CPU tensors: others go through a CPU copy.
+  template <typename Start>
+  void on_cpu(torch::Tensor& tensor, const char* what, const Start& start) {
+    std::vector<at::Tensor> tensors{
+        tensor.device().is_cpu() && tensor.is_contiguous() ? tensor : tensor.cpu().contiguous()};
+    wait(what, start(tensors));
+    if (!tensors[0].is_same(tensor))
+      tensor.copy_(tensors[0]);
+  }
+
+  int rank_, world_size_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+};
+
+}  // namespace
+
+RankEnvironment read_rank_environment(const std::function<const char*(const char*)>& lookup) {
+  const auto get = [&](const char* name) -> const char* {
+    return lookup ? lookup(name) : std::getenv(name);
+  };
+  RankEnvironment env;
+  const char* world_size = get("WORLD_SIZE");
+  const char* rank = get("RANK");
+  if (world_size == nullptr) {
+    TORCH_CHECK(rank == nullptr, "environment RANK is set (", rank,
+                ") but WORLD_SIZE is not: set both, or neither for one process");
+    return env;
+  }
+  env.launched = true;
+  env.world_size = integer_variable("WORLD_SIZE", world_size, 1, 65536);
+  TORCH_CHECK(rank != nullptr, "environment WORLD_SIZE is set (", world_size,
+              ") but RANK is not: every process needs its RANK, 0..", env.world_size - 1);
+  env.rank = integer_variable("RANK", rank, 0, env.world_size - 1);
+  const char* local_rank = get("LOCAL_RANK");
+  env.local_rank =
+      local_rank ? integer_variable("LOCAL_RANK", local_rank, 0, env.world_size - 1) : env.rank;
+  if (const char* addr = get("MASTER_ADDR"); addr != nullptr) {
+    TORCH_CHECK(*addr != '\0', "environment MASTER_ADDR: expected a host name or address, got ''");
+    env.master_addr = addr;
+  } else {
+    TORCH_CHECK(env.world_size == 1, "environment MASTER_ADDR is not set: ranks of a ",
+                env.world_size, "-process run need rank 0's address");
+  }
+  if (const char* port = get("MASTER_PORT"); port != nullptr) {
+    env.master_port = integer_variable("MASTER_PORT", port, 1, 65535);
+  } else {
+    TORCH_CHECK(env.world_size == 1, "environment MASTER_PORT is not set: ranks of a ",
+                env.world_size, "-process run need rank 0's port");
+  }
+  return env;
+}
+
+std::unique_ptr<Collectives> single_process() {
+  return std::make_unique<SingleProcess>();
+}
+
+std::unique_ptr<Collectives> join_process_group(const RankEnvironment& environment,
+                                                const std::string& backend, int timeout_s) {
+  TORCH_CHECK(backend == "gloo" || backend == "nccl",
+              "--dist-backend: expected gloo or nccl, got '", backend, "'");
+  TORCH_CHECK(backend != "nccl",
+              "--dist-backend nccl: this attnkit-train is built without NCCL (its LibTorch has "
+              "no CUDA); use --dist-backend gloo");
+  return std::make_unique<GlooCollectives>(environment, timeout_s);
+}
+
+int free_local_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd >= 0, "--nproc: cannot open a socket to find a free port");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;  // the kernel picks
+  socklen_t length = sizeof(address);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  ::close(fd);
+  TORCH_CHECK(ok, "--nproc: cannot find a free port on 127.0.0.1");
+  return ntohs(address.sin_port);
+}
+
+}  // namespace attnkit::train

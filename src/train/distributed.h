@@ -1,0 +1,75 @@
+#pragma once
+
+// Data-parallel attnkit-train: the ranks' process group on LibTorch's c10d (Gloo on CPU),
+// rendezvous through a c10d TCPStore at MASTER_ADDR:MASTER_PORT, as torchrun sets it up.
+// The trainer sees only `Collectives`; a single process gets one whose operations do
+// nothing, so its path has no communication in it. The library `attnkit` knows nothing of
+// this: only attnkit_train (src/train/) links c10d.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace attnkit::train {
+
+/// Where this process sits in a run: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+struct RankEnvironment {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  /// Whether WORLD_SIZE was set at all (a launcher started this process).
+  bool launched = false;
+};
+
+/// Reads the launcher's variables through `lookup` (getenv by default). No WORLD_SIZE: one
+/// process. A bad or incomplete set (WORLD_SIZE without RANK, RANK out of range, a port
+/// that is not 1..65535, ...) is a c10::Error naming the variable and the value.
+RankEnvironment read_rank_environment(
+    const std::function<const char*(const char*)>& lookup = nullptr);
+
+/// A collective failed: a rank died, or stopped answering for longer than the timeout.
+struct RankLost : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// The collective operations the trainer needs, over all ranks, in place.
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  bool is_main() const { return rank() == 0; }
+  /// "none" for one process, else the c10d backend ("gloo").
+  virtual std::string backend() const = 0;
+  /// Every rank's `tensor` becomes rank 0's.
+  virtual void broadcast_from_main(torch::Tensor& tensor) = 0;
+  /// Every rank's `tensor` becomes the element-wise sum over the ranks.
+  virtual void sum(torch::Tensor& tensor) = 0;
+  /// Every rank's tensor of the same shape, in rank order (for one process: {tensor}).
+  virtual std::vector<torch::Tensor> gather_all(const torch::Tensor& tensor) = 0;
+  /// Fails (c10::Error) on every rank unless every rank passed the same `text`; the message
+  /// names `what` and the first rank and line that differ.
+  virtual void check_same_on_every_rank(const std::string& what, const std::string& text) = 0;
+};
+
+/// One process: every operation leaves its arguments as they are.
+std::unique_ptr<Collectives> single_process();
+
+/// Joins the group of `environment` (world_size >= 2) with `backend`: "gloo" (CPU tensors),
+/// or "nccl" (CUDA), which fails where this build has no NCCL. Rank 0 opens the store at
+/// MASTER_ADDR:MASTER_PORT, the others connect, within `timeout_s`; a collective waiting
+/// longer than `timeout_s` for a rank fails instead of hanging.
+std::unique_ptr<Collectives> join_process_group(const RankEnvironment& environment,
+                                                const std::string& backend, int timeout_s);
+
+/// A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice).
+int free_local_port();
+
+}  // namespace attnkit::train
