@@ -103,7 +103,7 @@ attnkit::cli::CommandLine make_command_line() {
             "without it",
             "1")
       .value("Data-parallel", "dist-backend",
-             "gloo (CPU) | nccl (CUDA); default: nccl on CUDA, gloo on CPU");
+             "gloo (CPU; CUDA tensors through host copies) | nccl (not supported yet)", "gloo");
   return cli;
 }
 
@@ -210,10 +210,7 @@ int main(int argc, char** argv) {
     const auto environment = T::read_rank_environment();
     if (environment.world_size > 1) {
       g_error_prefix = c10::str("attnkit-train: rank ", environment.rank, ": ");
-      const auto backend = !config.dist_backend.empty()                 ? config.dist_backend
-                           : T::resolve_device(config.device).is_cuda() ? "nccl"
-                                                                        : "gloo";
-      ranks = T::join_process_group(environment, backend, /*timeout_s=*/60);
+      ranks = T::join_process_group(environment, config.dist_backend, /*timeout_s=*/60);
     }
   } catch (const c10::Error& e) {
     return fail(e.what_without_backtrace());

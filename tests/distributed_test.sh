@@ -139,8 +139,9 @@ expect_error 2 "environment MASTER_PORT: expected an integer in 1..65535, got 'x
   WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=x -- --steps 1
 expect_error 2 "--nproc 2 with WORLD_SIZE set (2)" -- WORLD_SIZE=2 RANK=0 -- --nproc 2
 expect_error 2 "--nproc: expected >= 1, got 0" -- -- --nproc 0
+expect_error 2 "--nproc: expected 1..1024, got 2000" -- -- --nproc 2000 --batch-size 4096
 expect_error 2 "--dist-backend: expected gloo or nccl, got 'mpi'" -- -- --dist-backend mpi
-expect_error 2 "--dist-backend nccl: this attnkit-train is built without NCCL" -- \
+expect_error 2 "--dist-backend nccl: not supported by attnkit-train yet; use --dist-backend gloo" -- \
   WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 -- --dist-backend nccl --device cpu
 expect_error 2 "--batch-size 1 is the global batch and must give each of the 2 ranks" -- -- \
   --nproc 2 --batch-size 1 --steps 1

@@ -4,11 +4,13 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <thread>
 
 #include "source_paths.h"
 #include "test_support.h"
+#include "train/distributed.h"
 #include "train/flat_adamw.h"
 #include "train/heatmap.h"
 #include "train/tasks.h"
@@ -313,6 +315,79 @@ TEST_F(TrainTest, ResolveNamesTheBadFlag) {
       "--backend fused: only mha, mha-combined, gqa, mqa and mla have backends");
   EXPECT_EQ(T::best_checkpoint_path("dir.v2/run.pt"), "dir.v2/run.best.pt");
   EXPECT_EQ(T::best_checkpoint_path("dir.v2/run"), "dir.v2/run.best");
+}
+
+// ---- data-parallel pieces that need no second process (tests/distributed_test.sh runs two) --
+
+TEST(DataParallel, RankEnvironmentIsReadAndBadValuesAreNamed) {
+  const auto read = [](std::map<std::string, std::string> variables) {
+    return T::read_rank_environment([variables](const char* name) -> const char* {
+      const auto it = variables.find(name);
+      return it == variables.end() ? nullptr : it->second.c_str();
+    });
+  };
+  const auto none = read({});
+  EXPECT_FALSE(none.launched);
+  EXPECT_EQ(none.world_size, 1);
+  const auto env = read({{"RANK", "1"},
+                         {"WORLD_SIZE", "3"},
+                         {"LOCAL_RANK", "0"},
+                         {"MASTER_ADDR", "10.0.0.1"},
+                         {"MASTER_PORT", "29501"}});
+  EXPECT_TRUE(env.launched);
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.world_size, 3);
+  EXPECT_EQ(env.local_rank, 0);
+  EXPECT_EQ(env.master_addr, "10.0.0.1");
+  EXPECT_EQ(env.master_port, 29501);
+  const std::map<std::string, std::string> rank_one{
+      {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}};
+  const auto with = [&](std::string name, std::string value) {
+    auto variables = rank_one;
+    if (value.empty())
+      variables.erase(name);
+    else
+      variables[name] = value;
+    return variables;
+  };
+  expect_error_containing([&] { read(with("WORLD_SIZE", "0")); },
+                          "environment WORLD_SIZE: expected an integer in 1..65536, got '0'");
+  expect_error_containing([&] { read(with("LOCAL_RANK", "5")); },
+                          "environment LOCAL_RANK: expected an integer in 0..1, got '5'");
+  expect_error_containing([&] { read(with("MASTER_ADDR", "")); },
+                          "environment MASTER_ADDR is not set: ranks of a 2-process run need "
+                          "rank 0's address");
+  expect_error_containing([&] { read(with("MASTER_PORT", "")); },
+                          "environment MASTER_PORT is not set");
+  expect_error_containing([&] { read(with("MASTER_PORT", "70000")); },
+                          "environment MASTER_PORT: expected an integer in 1..65535, got '70000'");
+}
+
+TEST(DataParallel, OneProcessCollectivesChangeNothing) {
+  const auto group = T::single_process();
+  EXPECT_EQ(group->world_size(), 1);
+  EXPECT_TRUE(group->is_main());
+  auto t = torch::arange(4.0);
+  group->sum(t);
+  group->broadcast_from_main(t);
+  EXPECT_TRUE(t.equal(torch::arange(4.0)));
+  EXPECT_EQ(group->gather_all(t).size(), 1u);
+  group->check_same_on_every_rank("flags", "anything");
+  expect_error_containing([] { T::check_global_batch(3, 4); },
+                          "--batch-size 3 is the global batch and must give each of the 4 ranks "
+                          "at least one sequence");
+}
+
+TEST(DataParallel, ARankWithoutRankZeroGivesUpAfterTheTimeout) {
+  T::RankEnvironment env;
+  env.rank = 1;
+  env.world_size = 2;
+  env.master_port = T::free_local_port();
+  expect_error_containing([&] { T::join_process_group(env, "gloo", /*timeout_s=*/1); },
+                          c10::str("cannot reach the rendezvous store at 127.0.0.1:",
+                                   env.master_port, " within 1 s (did rank 0 start?)"));
+  expect_error_containing([&] { T::join_process_group(env, "mpi", 1); },
+                          "--dist-backend: expected gloo or nccl, got 'mpi'");
 }
 
 TEST_F(TrainTest, AttentionHeatmapIsAPng) {

@@ -114,10 +114,15 @@ class GlooCollectives : public Collectives {
           ": ", first_line(e.what()));
     }
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-    // Gloo talks over the interface that reaches MASTER_ADDR: loopback for a local run.
+    // Gloo's network interface: GLOO_SOCKET_IFNAME's, as PyTorch reads it; else loopback for
+    // a local run, else the one this host's name resolves to.
     const bool local = env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0;
-    options->devices.push_back(local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                     : c10d::ProcessGroupGloo::createDefaultDevice());
+    const char* interface = std::getenv("GLOO_SOCKET_IFNAME");
+    options->devices.push_back(interface != nullptr && *interface != '\0'
+                                   ? c10d::ProcessGroupGloo::createDeviceForInterface(interface)
+                               : local
+                                   ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                   : c10d::ProcessGroupGloo::createDefaultDevice());
     group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, env.rank, env.world_size, options);
   }
 
@@ -252,8 +257,8 @@ std::unique_ptr<Collectives> join_process_group(const RankEnvironment& environme
   TORCH_CHECK(backend == "gloo" || backend == "nccl",
               "--dist-backend: expected gloo or nccl, got '", backend, "'");
   TORCH_CHECK(backend != "nccl",
-              "--dist-backend nccl: this attnkit-train is built without NCCL (its LibTorch has "
-              "no CUDA); use --dist-backend gloo");
+              "--dist-backend nccl: not supported by attnkit-train yet; use --dist-backend gloo, "
+              "which also serves CUDA runs (through host copies)");
   return std::make_unique<GlooCollectives>(environment, timeout_s);
 }
 

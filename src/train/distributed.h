@@ -62,8 +62,9 @@ class Collectives {
 /// One process: every operation leaves its arguments as they are.
 std::unique_ptr<Collectives> single_process();
 
-/// Joins the group of `environment` (world_size >= 2) with `backend`: "gloo" (CPU tensors),
-/// or "nccl" (CUDA), which fails where this build has no NCCL. Rank 0 opens the store at
+/// Joins the group of `environment` (world_size >= 2) with `backend`: "gloo" (tensors on
+/// another device go through host copies); "nccl" is refused for now (not built nor tested:
+/// no GPU was at hand). Rank 0 opens the store at
 /// MASTER_ADDR:MASTER_PORT, the others connect, within `timeout_s`; a collective waiting
 /// longer than `timeout_s` for a rank fails instead of hanging.
 std::unique_ptr<Collectives> join_process_group(const RankEnvironment& environment,

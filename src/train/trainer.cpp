@@ -408,7 +408,7 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(c.dump_attention.empty() || ends_with(c.dump_attention, ".png"),
               "--dump-attention: expected a file name ending in .png, got '", c.dump_attention,
               "'");
-  TORCH_CHECK(c.dist_backend.empty() || c.dist_backend == "gloo" || c.dist_backend == "nccl",
+  TORCH_CHECK(c.dist_backend == "gloo" || c.dist_backend == "nccl",
               "--dist-backend: expected gloo or nccl, got '", c.dist_backend, "'");
   resolve_device(c.device);  // fails early for cuda without CUDA
   check_writable("--save", c.save);

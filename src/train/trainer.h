@@ -53,8 +53,8 @@ struct TrainConfig {
   std::string resume;
   std::string metrics;
   std::string dump_attention;
-  /// Data-parallel runs: gloo | nccl; empty: nccl on CUDA, gloo on CPU.
-  std::string dist_backend;
+  /// Data-parallel runs: the c10d backend (gloo; nccl is refused for now).
+  std::string dist_backend = "gloo";
   bool quiet = false;
   /// Redraw a progress bar in place (the CLI sets this when stdout is a terminal);
   /// otherwise print one plain line per evaluation.
