@@ -103,7 +103,10 @@ attnkit::cli::CommandLine make_command_line() {
             "without it",
             "1")
       .value("Data-parallel", "dist-backend",
-             "gloo (CPU; CUDA tensors through host copies) | nccl (not supported yet)", "gloo");
+             "auto | gloo | nccl: gloo reduces in host memory (any device; CUDA tensors are "
+             "copied), nccl on the GPUs (CUDA builds with NCCL; one GPU per rank); auto = nccl "
+             "for --device cuda where built with it, else gloo",
+             "auto");
   return cli;
 }
 
@@ -210,7 +213,11 @@ int main(int argc, char** argv) {
     const auto environment = T::read_rank_environment();
     if (environment.world_size > 1) {
       g_error_prefix = c10::str("attnkit-train: rank ", environment.rank, ": ");
-      ranks = T::join_process_group(environment, config.dist_backend, /*timeout_s=*/60);
+      // Plain `cuda`: this rank's own GPU, LOCAL_RANK.
+      const auto device =
+          T::rank_device(T::resolve_device(config.device), environment, config.dist_backend);
+      config.device = device.str();
+      ranks = T::join_process_group(environment, config.dist_backend, /*timeout_s=*/60, device);
     }
   } catch (const c10::Error& e) {
     return fail(e.what_without_backtrace());

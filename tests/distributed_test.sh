@@ -140,9 +140,9 @@ expect_error 2 "environment MASTER_PORT: expected an integer in 1..65535, got 'x
 expect_error 2 "--nproc 2 with WORLD_SIZE set (2)" -- WORLD_SIZE=2 RANK=0 -- --nproc 2
 expect_error 2 "--nproc: expected >= 1, got 0" -- -- --nproc 0
 expect_error 2 "--nproc: expected 1..1024, got 2000" -- -- --nproc 2000 --batch-size 4096
-expect_error 2 "--dist-backend: expected gloo or nccl, got 'mpi'" -- -- --dist-backend mpi
-expect_error 2 "--dist-backend nccl: not supported by attnkit-train yet; use --dist-backend gloo" -- \
-  WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 -- --dist-backend nccl --device cpu
+expect_error 2 "--dist-backend: expected auto, gloo or nccl, got 'mpi'" -- -- --dist-backend mpi
+expect_error 2 "--dist-backend nccl: NCCL reduces GPU tensors and needs --device cuda, got --device cpu" \
+  -- WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 -- --dist-backend nccl --device cpu
 expect_error 2 "--batch-size 1 is the global batch and must give each of the 2 ranks" -- -- \
   --nproc 2 --batch-size 1 --steps 1
 
@@ -169,6 +169,36 @@ if [ "$code" -eq 2 ] && grep -qF "rank 1: ranks started with different flags: ra
   pass "the other rank also refuses the mismatch, exit 2"
 else
   fail "rank 1 with a different --lr: exit $code, $(cat "$work/rank1.err")"
+fi
+
+# ---- on a GPU (skipped without one) -------------------------------------------------------
+if "$train" "${small[@]}" --device cuda --steps 1 >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  # Gloo serves CUDA runs through host copies: two ranks sharing the GPU = one process on it.
+  cuda=("${small[@]}" --device cuda --steps 50 --eval-every 1)
+  "$train" "${cuda[@]}" --metrics "$work/gpu1.csv" >/dev/null 2>"$work/err" ||
+    fail "one process on CUDA: $(cat "$work/err")"
+  "$train" "${cuda[@]}" --metrics "$work/gpu2.csv" --nproc 2 --dist-backend gloo \
+    >/dev/null 2>"$work/err" || fail "--nproc 2 --dist-backend gloo on CUDA: $(cat "$work/err")"
+  column "$work/gpu1.csv" 2 >"$work/gpu1.2"
+  column "$work/gpu2.csv" 2 >"$work/gpu2.2"
+  if [ "$(wc -l <"$work/gpu2.2")" -eq 50 ] && agree "$work/gpu1.2" "$work/gpu2.2" 1e-5; then
+    pass "CUDA: 2 ranks (gloo) match 1 process over 50 steps (held-out loss, 1e-5 relative)"
+  else
+    fail "CUDA: 2 ranks (gloo) differ from 1 process"
+  fi
+  if [ "$gpus" -eq 1 ]; then
+    # NCCL puts one rank on each GPU: with one GPU, a second local rank is refused plainly.
+    "$train" "${small[@]}" --device cuda --steps 2 --nproc 2 --dist-backend nccl \
+      >/dev/null 2>"$work/err"
+    if [ $? -ne 0 ] && grep -qF "LOCAL_RANK 1 needs GPU 1 but 1 GPU(s) are visible" "$work/err"; then
+      pass "NCCL with 2 ranks on 1 GPU refused: $(grep -F LOCAL_RANK "$work/err" | head -c 150)"
+    else
+      fail "NCCL with 2 ranks on 1 GPU: $(cat "$work/err")"
+    fi
+  fi
+else
+  echo "skip: no CUDA device, the GPU checks did not run"
 fi
 
 echo "$failures failure(s)"

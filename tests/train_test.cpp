@@ -390,6 +390,72 @@ TEST(DataParallel, ARankWithoutRankZeroGivesUpAfterTheTimeout) {
                           "--dist-backend: expected gloo or nccl, got 'mpi'");
 }
 
+TEST(DataParallel, BackendFollowsTheDevice) {
+  T::TrainConfig config;
+  config.device = "cpu";
+  EXPECT_EQ(T::resolve(config).dist_backend, "gloo");  // auto, on the CPU
+  config.dist_backend = "mpi";
+  expect_error_containing([&] { T::resolve(config); },
+                          "--dist-backend: expected auto, gloo or nccl, got 'mpi'");
+  config.dist_backend = "nccl";
+  expect_error_containing([&] { T::resolve(config); },
+                          "--dist-backend nccl: NCCL reduces GPU tensors and needs --device cuda, "
+                          "got --device cpu; use --dist-backend gloo");
+  // A device value needs no GPU: whether nccl can serve one is this build's property.
+  if (T::nccl_available()) {
+    EXPECT_NO_THROW(T::check_backend_serves("nccl", torch::kCUDA));
+  } else {
+    expect_error_containing([] { T::check_backend_serves("nccl", torch::kCUDA); },
+                            "--dist-backend nccl: this attnkit-train was built without NCCL");
+  }
+  EXPECT_NO_THROW(T::check_backend_serves("gloo", torch::kCUDA));
+}
+
+TEST(DataParallel, PlainCudaIsTheLocalRanksGpu) {
+  T::RankEnvironment env;
+  env.launched = true;
+  env.world_size = 4;
+  env.rank = env.local_rank = 3;
+  EXPECT_EQ(T::rank_device(torch::kCPU, env, "gloo"), torch::Device(torch::kCPU));
+  const torch::Device second_gpu(torch::kCUDA, 1);
+  EXPECT_EQ(T::rank_device(second_gpu, env, "nccl"), second_gpu);  // named: kept
+  if (!torch::cuda::is_available())
+    GTEST_SKIP() << "CUDA not available: plain cuda's rank device not checked";
+  const int gpus = static_cast<int>(torch::cuda::device_count());
+  EXPECT_EQ(T::rank_device(torch::kCUDA, env, "gloo"), torch::Device(torch::kCUDA, 3 % gpus));
+  env.local_rank = gpus;
+  expect_error_containing([&] { T::rank_device(torch::kCUDA, env, "nccl"); },
+                          c10::str("--dist-backend nccl: LOCAL_RANK ", gpus, " needs GPU ", gpus,
+                                   " but ", gpus, " GPU(s) are visible"));
+}
+
+// One rank is all a single GPU allows NCCL (two ranks on one GPU are refused); the
+// collectives run for real through NCCL on the GPU, and CPU tensors come back on the CPU.
+TEST(DataParallel, NcclGroupReducesOnTheGpu) {
+  if (!T::nccl_available() || !torch::cuda::is_available())
+    GTEST_SKIP() << "needs a CUDA build with NCCL and a GPU";
+  T::RankEnvironment env;
+  env.launched = true;
+  env.master_port = T::free_local_port();
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto group = T::join_process_group(env, "nccl", /*timeout_s=*/30, gpu);
+  EXPECT_EQ(group->backend(), "nccl");
+  auto on_gpu = torch::arange(6.0, torch::TensorOptions().device(gpu));
+  group->sum(on_gpu);
+  group->broadcast_from_main(on_gpu);
+  EXPECT_TRUE(on_gpu.cpu().equal(torch::arange(6.0)));
+  auto on_cpu = torch::tensor({1.5, 2.0, 0.0}, torch::kDouble);
+  group->sum(on_cpu);
+  EXPECT_TRUE(on_cpu.device().is_cpu());
+  EXPECT_TRUE(on_cpu.equal(torch::tensor({1.5, 2.0, 0.0}, torch::kDouble)));
+  const auto rng = at::detail::getDefaultCPUGenerator().get_state();
+  const auto gathered = group->gather_all(rng);
+  ASSERT_EQ(gathered.size(), 1u);
+  EXPECT_TRUE(gathered[0].device().is_cpu());
+  EXPECT_TRUE(gathered[0].equal(rng));
+  group->check_same_on_every_rank("flags", "--lr 0.1\n");
+}
+
 TEST_F(TrainTest, AttentionHeatmapIsAPng) {
   auto config = small_config();
   config.steps = 5;

@@ -17,6 +17,12 @@
 #endif
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef ATTNKIT_WITH_NCCL  // CMake found a CUDA LibTorch and nccl.h
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 namespace attnkit::train {
 
@@ -87,67 +93,101 @@ std::pair<std::string, std::string> first_difference(const std::string& a, const
   }
 }
 
-class GlooCollectives : public Collectives {
- public:
-  GlooCollectives(const RankEnvironment& env, int timeout_s)
-      : rank_(env.rank), world_size_(env.world_size) {
-    const std::chrono::milliseconds timeout(1000LL * timeout_s);
-    c10d::TCPStoreOptions store_options;
-    store_options.port = static_cast<std::uint16_t>(env.master_port);
-    store_options.isServer = env.rank == 0;
-    store_options.numWorkers = static_cast<std::size_t>(env.world_size);
-    store_options.waitWorkers = true;
-    store_options.timeout = timeout;
-    use_classic_store_server(store_options, 0);
-    TORCH_CHECK(env.rank != 0 || !port_in_use(env.master_port),
-                "cannot open the rendezvous store on ", env.master_addr, ":", env.master_port,
-                ": the port is already in use; choose another MASTER_PORT");
-    try {
-      store_ = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(
-          false, "cannot ",
-          env.rank == 0 ? "open the rendezvous store on " : "reach the rendezvous store at ",
-          env.master_addr, ":", env.master_port,
-          env.rank == 0 ? " (is the port already in use? choose another MASTER_PORT)"
-                        : c10::str(" within ", timeout_s, " s (did rank 0 start?)"),
-          ": ", first_line(e.what()));
-    }
-    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-    // Gloo's network interface: GLOO_SOCKET_IFNAME's, as PyTorch reads it; else loopback for
-    // a local run, else the one this host's name resolves to.
-    const bool local = env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0;
-    const char* interface = std::getenv("GLOO_SOCKET_IFNAME");
-    options->devices.push_back(interface != nullptr && *interface != '\0'
-                                   ? c10d::ProcessGroupGloo::createDeviceForInterface(interface)
-                               : local
-                                   ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                   : c10d::ProcessGroupGloo::createDefaultDevice());
-    group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, env.rank, env.world_size, options);
+std::string first_line(const std::string& text) {
+  return text.substr(0, text.find('\n'));
+}
+
+// The rendezvous: rank 0 opens the store at MASTER_ADDR:MASTER_PORT, the others connect.
+c10::intrusive_ptr<c10d::Store> open_store(const RankEnvironment& env, int timeout_s) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(env.master_port);
+  options.isServer = env.rank == 0;
+  options.numWorkers = static_cast<std::size_t>(env.world_size);
+  options.waitWorkers = true;
+  options.timeout = std::chrono::milliseconds(1000LL * timeout_s);
+  use_classic_store_server(options, 0);
+  TORCH_CHECK(env.rank != 0 || !port_in_use(env.master_port),
+              "cannot open the rendezvous store on ", env.master_addr, ":", env.master_port,
+              ": the port is already in use; choose another MASTER_PORT");
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "cannot ",
+                env.rank == 0 ? "open the rendezvous store on " : "reach the rendezvous store at ",
+                env.master_addr, ":", env.master_port,
+                env.rank == 0 ? " (is the port already in use? choose another MASTER_PORT)"
+                              : c10::str(" within ", timeout_s, " s (did rank 0 start?)"),
+                ": ", first_line(e.what()));
   }
+}
+
+c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                      const RankEnvironment& env, int timeout_s) {
+  auto options =
+      c10d::ProcessGroupGloo::Options::create(std::chrono::milliseconds(1000LL * timeout_s));
+  // Gloo's network interface: GLOO_SOCKET_IFNAME's, as PyTorch reads it; else loopback for
+  // a local run, else the one this host's name resolves to.
+  const bool local = env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0;
+  const char* interface = std::getenv("GLOO_SOCKET_IFNAME");
+  options->devices.push_back(interface != nullptr && *interface != '\0'
+                                 ? c10d::ProcessGroupGloo::createDeviceForInterface(interface)
+                             : local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                     : c10d::ProcessGroupGloo::createDefaultDevice());
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, options);
+}
+
+#ifdef ATTNKIT_WITH_NCCL
+c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                      const RankEnvironment& env, int timeout_s) {
+  // Blocking waits: a collective that waits longer than the timeout for a rank throws (and
+  // attnkit names the lost rank) instead of NCCL's watchdog aborting the process.
+  // TORCH_NCCL_BLOCKING_WAIT is 2.x's name, NCCL_BLOCKING_WAIT 1.13's; a user's setting wins.
+  setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
+  setenv("NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = std::chrono::milliseconds(1000LL * timeout_s);
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, options);
+}
+#endif
+
+// A c10d process group of either backend; tensors go through `device_` (the backend's:
+// host memory for Gloo, this rank's GPU for NCCL) when they are elsewhere.
+template <typename Group>
+class C10dCollectives : public Collectives {
+ public:
+  C10dCollectives(const RankEnvironment& env, c10::intrusive_ptr<c10d::Store> store,
+                  c10::intrusive_ptr<Group> group, std::string backend, torch::Device device)
+      : rank_(env.rank),
+        world_size_(env.world_size),
+        store_(std::move(store)),
+        group_(std::move(group)),
+        backend_(std::move(backend)),
+        device_(device) {}
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
-  std::string backend() const override { return "gloo"; }
+  std::string backend() const override { return backend_; }
 
   void broadcast_from_main(torch::Tensor& tensor) override {
-    on_cpu(tensor, "broadcast", [&](std::vector<at::Tensor>& tensors) {
+    on_device(tensor, "broadcast", [&](std::vector<at::Tensor>& tensors) {
       return group_->broadcast(tensors, c10d::BroadcastOptions());
     });
   }
 
   void sum(torch::Tensor& tensor) override {
-    on_cpu(tensor, "allreduce", [&](std::vector<at::Tensor>& tensors) {
+    on_device(tensor, "allreduce", [&](std::vector<at::Tensor>& tensors) {
       return group_->allreduce(tensors, c10d::AllreduceOptions());
     });
   }
 
   std::vector<torch::Tensor> gather_all(const torch::Tensor& tensor) override {
-    std::vector<at::Tensor> input{tensor.cpu().contiguous()};
+    std::vector<at::Tensor> input{tensor.to(device_).contiguous()};
     std::vector<std::vector<at::Tensor>> output(1);
     for (int r = 0; r < world_size_; ++r)
       output[0].push_back(torch::empty_like(input[0]));
     wait("allgather", group_->allgather(output, input));
+    for (auto& t : output[0])
+      t = t.to(tensor.device());
     return output[0];
   }
 
@@ -182,8 +222,6 @@ class GlooCollectives : public Collectives {
   }
 
  private:
-  static std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
-
   // Waits for a collective; a failure (a rank died or stopped answering) names this rank.
   void wait(const char* what, const c10::intrusive_ptr<c10d::Work>& work) {
     try {
@@ -195,11 +233,13 @@ class GlooCollectives : public Collectives {
     }
   }
 
-  // Gloo reduces CPU tensors: others go through a CPU copy.
+  // Runs a collective on `tensor`, through a contiguous copy on the backend's device if the
+  // tensor is elsewhere.
   template <typename Start>
-  void on_cpu(torch::Tensor& tensor, const char* what, const Start& start) {
-    std::vector<at::Tensor> tensors{
-        tensor.device().is_cpu() && tensor.is_contiguous() ? tensor : tensor.cpu().contiguous()};
+  void on_device(torch::Tensor& tensor, const char* what, const Start& start) {
+    std::vector<at::Tensor> tensors{tensor.device() == device_ && tensor.is_contiguous()
+                                        ? tensor
+                                        : tensor.to(device_).contiguous()};
     wait(what, start(tensors));
     if (!tensors[0].is_same(tensor))
       tensor.copy_(tensors[0]);
@@ -207,7 +247,9 @@ class GlooCollectives : public Collectives {
 
   int rank_, world_size_;
   c10::intrusive_ptr<c10d::Store> store_;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  c10::intrusive_ptr<Group> group_;
+  std::string backend_;
+  torch::Device device_;
 };
 
 }  // namespace
@@ -252,14 +294,55 @@ std::unique_ptr<Collectives> single_process() {
   return std::make_unique<SingleProcess>();
 }
 
+bool nccl_available() {
+#ifdef ATTNKIT_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::unique_ptr<Collectives> join_process_group(const RankEnvironment& environment,
-                                                const std::string& backend, int timeout_s) {
+                                                const std::string& backend, int timeout_s,
+                                                const torch::Device& device) {
   TORCH_CHECK(backend == "gloo" || backend == "nccl",
               "--dist-backend: expected gloo or nccl, got '", backend, "'");
-  TORCH_CHECK(backend != "nccl",
-              "--dist-backend nccl: not supported by attnkit-train yet; use --dist-backend gloo, "
-              "which also serves CUDA runs (through host copies)");
-  return std::make_unique<GlooCollectives>(environment, timeout_s);
+  check_backend_serves(backend, device);
+  auto store = open_store(environment, timeout_s);
+#ifdef ATTNKIT_WITH_NCCL
+  if (backend == "nccl") {
+    return std::make_unique<C10dCollectives<c10d::ProcessGroupNCCL>>(
+        environment, store, nccl_group(store, environment, timeout_s), backend, device);
+  }
+#endif
+  return std::make_unique<C10dCollectives<c10d::ProcessGroupGloo>>(
+      environment, store, gloo_group(store, environment, timeout_s), backend, torch::kCPU);
+}
+
+void check_backend_serves(const std::string& backend, const torch::Device& device) {
+  if (backend != "nccl")
+    return;
+  TORCH_CHECK(device.is_cuda(),
+              "--dist-backend nccl: NCCL reduces GPU tensors and needs "
+              "--device cuda, got --device ",
+              device.str(), "; use --dist-backend gloo");
+  TORCH_CHECK(nccl_available(),
+              "--dist-backend nccl: this attnkit-train was built without NCCL (that needs a "
+              "CUDA LibTorch and NCCL's nccl.h when configuring); use --dist-backend gloo");
+}
+
+torch::Device rank_device(const torch::Device& device, const RankEnvironment& environment,
+                          const std::string& backend) {
+  if (!device.is_cuda() || device.has_index() || !environment.launched)
+    return device;
+  const int visible = static_cast<int>(torch::cuda::device_count());
+  // NCCL cannot put two ranks of one group on one GPU.
+  TORCH_CHECK(backend != "nccl" || environment.local_rank < visible,
+              "--dist-backend nccl: LOCAL_RANK ", environment.local_rank, " needs GPU ",
+              environment.local_rank, " but ", visible, " GPU(s) are visible: start at most ",
+              visible, " ranks on this machine, or use --dist-backend gloo");
+  return torch::Device(torch::kCUDA,
+                       static_cast<c10::DeviceIndex>(environment.local_rank % visible));
 }
 
 int free_local_port() {

@@ -1,7 +1,8 @@
 #pragma once
 
-// Data-parallel attnkit-train: the ranks' process group on LibTorch's c10d (Gloo on CPU),
-// rendezvous through a c10d TCPStore at MASTER_ADDR:MASTER_PORT, as torchrun sets it up.
+// Data-parallel attnkit-train: the ranks' process group on LibTorch's c10d (Gloo, or NCCL on
+// GPUs where the build has it), rendezvous through a c10d TCPStore at
+// MASTER_ADDR:MASTER_PORT, as torchrun sets it up.
 // The trainer sees only `Collectives`; a single process gets one whose operations do
 // nothing, so its path has no communication in it. The library `attnkit` knows nothing of
 // this: only attnkit_train (src/train/) links c10d.
@@ -46,7 +47,7 @@ class Collectives {
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
   bool is_main() const { return rank() == 0; }
-  /// "none" for one process, else the c10d backend ("gloo").
+  /// "none" for one process, else the c10d backend ("gloo" or "nccl").
   virtual std::string backend() const = 0;
   /// Every rank's `tensor` becomes rank 0's.
   virtual void broadcast_from_main(torch::Tensor& tensor) = 0;
@@ -62,13 +63,27 @@ class Collectives {
 /// One process: every operation leaves its arguments as they are.
 std::unique_ptr<Collectives> single_process();
 
-/// Joins the group of `environment` (world_size >= 2) with `backend`: "gloo" (tensors on
-/// another device go through host copies); "nccl" is refused for now (not built nor tested:
-/// no GPU was at hand). Rank 0 opens the store at
-/// MASTER_ADDR:MASTER_PORT, the others connect, within `timeout_s`; a collective waiting
-/// longer than `timeout_s` for a rank fails instead of hanging.
+/// Whether this build has c10d's NCCL backend (a CUDA LibTorch, nccl.h found by CMake).
+bool nccl_available();
+
+/// Fails (c10::Error naming the flag) unless `backend` can serve tensors on `device`: "nccl"
+/// needs an NCCL build and a CUDA device; "gloo" serves every device (through host copies).
+void check_backend_serves(const std::string& backend, const torch::Device& device);
+
+/// The device a rank trains on: a plain `cuda` in a launched run means GPU LOCAL_RANK (for
+/// Gloo wrapping over the visible GPUs; NCCL fails when there are fewer GPUs than local
+/// ranks); anything else is kept.
+torch::Device rank_device(const torch::Device& device, const RankEnvironment& environment,
+                          const std::string& backend);
+
+/// Joins the group of `environment` with `backend`, "gloo" or "nccl" (see
+/// check_backend_serves); `device` is where this rank's tensors live (NCCL reduces there).
+/// Rank 0 opens the store at MASTER_ADDR:MASTER_PORT, the others connect, within
+/// `timeout_s`; a collective waiting longer than `timeout_s` for a rank fails (RankLost)
+/// instead of hanging.
 std::unique_ptr<Collectives> join_process_group(const RankEnvironment& environment,
-                                                const std::string& backend, int timeout_s);
+                                                const std::string& backend, int timeout_s,
+                                                const torch::Device& device = torch::kCPU);
 
 /// A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice).
 int free_local_port();

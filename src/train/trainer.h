@@ -53,8 +53,9 @@ struct TrainConfig {
   std::string resume;
   std::string metrics;
   std::string dump_attention;
-  /// Data-parallel runs: the c10d backend (gloo; nccl is refused for now).
-  std::string dist_backend = "gloo";
+  /// Data-parallel runs: the c10d backend, gloo or nccl; auto (resolve()) picks nccl for a
+  /// CUDA device where the build has it, else gloo.
+  std::string dist_backend = "auto";
   bool quiet = false;
   /// Redraw a progress bar in place (the CLI sets this when stdout is a terminal);
   /// otherwise print one plain line per evaluation.
