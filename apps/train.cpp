@@ -201,6 +201,7 @@ int main(int argc, char** argv) {
   std::signal(SIGTERM, request_stop);
   std::unique_ptr<T::Collectives> ranks;
   try {
+    const std::string requested_backend = config.dist_backend;
     config = T::resolve(config);
     TORCH_CHECK(nproc >= 1, "--nproc: expected >= 1, got ", nproc);
     if (nproc > 1) {
@@ -213,9 +214,11 @@ int main(int argc, char** argv) {
     const auto environment = T::read_rank_environment();
     if (environment.world_size > 1) {
       g_error_prefix = c10::str("attnkit-train: rank ", environment.rank, ": ");
+      const auto requested_device = T::resolve_device(config.device);
+      config.dist_backend =
+          T::choose_dist_backend(requested_backend, requested_device, environment);
       // Plain `cuda`: this rank's own GPU, LOCAL_RANK.
-      const auto device =
-          T::rank_device(T::resolve_device(config.device), environment, config.dist_backend);
+      const auto device = T::rank_device(requested_device, environment, config.dist_backend);
       config.device = device.str();
       ranks = T::join_process_group(environment, config.dist_backend, /*timeout_s=*/60, device);
     }

@@ -50,7 +50,8 @@ class EinsumMHA(nn.Module):
         q, k, v = project(self.mha.W_query), project(self.mha.W_key), project(self.mha.W_value)
         scores = torch.einsum("bhnd,bhmd->bhnm", q, k) / math.sqrt(q.shape[-1])
         if self.causal:
-            scores = scores.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), -torch.inf)
+            mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), 1)
+            scores = scores.masked_fill(mask, -torch.inf)
         context = torch.einsum("bhnm,bhmd->bhnd", torch.softmax(scores, -1), v)
         return self.mha.out_proj(context.transpose(1, 2).reshape(b, n, d))
 
@@ -80,7 +81,7 @@ class TorchMHA(nn.Module):
 
     def forward(self, x):
         n = x.shape[1]
-        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1) if self.causal else None
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), 1) if self.causal else None
         return self.attention(x, x, x, attn_mask=mask, need_weights=self.need_weights)[0]
 
 
@@ -113,8 +114,11 @@ def peak_rss_mb():
 
 
 def measure(name, backward, args):
-    model = build(name, args)
-    x = torch.randn(args.batch, args.tokens, args.d_model, requires_grad=backward)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model = build(name, args).to(device, dtype)
+    x = torch.randn(args.batch, args.tokens, args.d_model, device=device, dtype=dtype,
+                    requires_grad=backward)
+    cuda = device.type == "cuda"
 
     def run_once():
         if backward:
@@ -130,12 +134,16 @@ def measure(name, backward, args):
         run_once()
     times = []
     for _ in range(args.repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         run_once()
+        if cuda:  # the GPU's work, not only its launch
+            torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return {"name": name, "pass": "forward+backward" if backward else "forward",
             "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
-            "peak_memory_mb": peak_rss_mb()}
+            "peak_memory_mb": -1.0 if cuda else peak_rss_mb()}
 
 
 def ms(value):
@@ -224,6 +232,9 @@ def main():
     parser.add_argument("--causal", type=lambda s: s.lower() != "false", default=True)
     parser.add_argument("--threads", type=int, default=0,
                         help="threads for torch and its BLAS; 0: their defaults")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="float32",
+                        choices=("float32", "float64", "bfloat16", "float16"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--only", default=",".join(PYTHON_IMPLEMENTATIONS))
@@ -257,7 +268,8 @@ def main():
             r = results[-1]
             print(f"{r['name']:21}{r['pass']:18}{r['median_ms']:10.1f} ms  peak {r['peak_memory_mb']:.0f} MB")
     if args.json:
-        config = {k: getattr(args, k) for k in ("batch", "tokens", "d_model", "heads", "causal", "repeats")}
+        config = {k: getattr(args, k) for k in ("batch", "tokens", "d_model", "heads", "causal", "repeats",
+                                             "device", "dtype")}
         blas, blas_threads = threads.blas_threads()
         config.update(threads=torch.get_num_threads(), blas=blas, blas_threads=blas_threads,
                       language="Python", torch=torch.__version__)

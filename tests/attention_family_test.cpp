@@ -311,3 +311,71 @@ TEST(AttentionFamily, RefusalsNameWhatIsWrong) {
       "the KV cache is for inference, but the module is in training mode");
   EXPECT_EQ(latent.size(), 0) << "a refused call changed the cache";
 }
+
+// Every module with backends and a KV cache, with each backend, on each device: the CPU
+// math backend's outputs and gradients (float32, to 1e-4: other kernels, other summation
+// orders), and cached decoding on the device equal to its own full forward.
+class AttentionFamilyDevices : public DeviceTest {};
+
+TEST_P(AttentionFamilyDevices, EveryModuleAndBackendMatchesTheCpu) {
+  constexpr double kAcrossDevices = 1e-4;
+  ModuleConfig base;
+  base.d_in = 6;
+  base.d_out = 8;
+  base.context_length = 16;
+  base.num_heads = 4;
+  base.qkv_bias = true;
+  auto windowed = base, grouped = base, latent = base;
+  windowed.sliding_window_size = 5;
+  grouped.num_kv_groups = 2;
+  grouped.sliding_window_size = 5;
+  latent.latent_dim = 4;
+  const std::vector<std::pair<std::string, ModuleConfig>> cases{
+      {"MultiHeadAttention", base},
+      {"MultiHeadAttention", windowed},
+      {"MultiHeadAttentionCombinedQKV", base},
+      {"GroupedQueryAttention", grouped},
+      {"MultiHeadLatentAttention", latent}};
+  for (const auto& [name, config] : cases) {
+    for (const auto backend : kBackends) {
+      SCOPED_TRACE(name + " " + config.json() + " " + backend_name(backend));
+      torch::manual_seed(5);
+      auto reference = make_cached_attention(name, config);
+      torch::manual_seed(5);  // the same initial parameters
+      auto on_device = make_cached_attention(name, config);
+      on_device.module->to(device());
+      on_device.set_backend(backend);
+      const auto x = torch::randn({2, 13, 6});
+      const auto probe = torch::randn({2, 13, 8});
+      const auto run = [&](CachedAttention& m, const torch::Device& where) {
+        auto input = x.to(where).requires_grad_();
+        const auto out = m.forward(input);
+        EXPECT_EQ(out.device().type(), where.type());
+        (out * probe.to(where)).sum().backward();
+        return std::make_pair(out.detach(), input.grad());
+      };
+      const auto [expected, expected_grad] = run(reference, torch::kCPU);
+      const auto [out, grad] = run(on_device, device());
+      EXPECT_TRUE(tensors_close("output", out, expected, kAcrossDevices));
+      EXPECT_TRUE(tensors_close("input grad", grad, expected_grad, kAcrossDevices));
+      const auto expected_params = reference.module->named_parameters();
+      for (const auto& p : on_device.module->named_parameters()) {
+        EXPECT_TRUE(tensors_close("grad " + p.key(), p.value().grad(),
+                                  expected_params[p.key()].grad(), kAcrossDevices));
+      }
+      // Prefill 9 tokens, then one at a time: the full forward's rows.
+      on_device.module->eval();
+      torch::NoGradGuard no_grad;
+      const auto x_device = x.to(device());
+      auto cache = on_device.make_kv_cache(2, 16);
+      std::vector<torch::Tensor> pieces{
+          on_device.forward_with_cache(x_device.slice(1, 0, 9), cache)};
+      for (int64_t t = 9; t < 13; ++t)
+        pieces.push_back(on_device.forward_with_cache(x_device.slice(1, t, t + 1), cache));
+      EXPECT_TRUE(tensors_close("cached decoding", torch::cat(pieces, 1),
+                                on_device.forward(x_device), kAcrossDevices));
+    }
+  }
+}
+
+ATTNKIT_INSTANTIATE_DEVICE_TESTS(AttentionFamilyDevices);

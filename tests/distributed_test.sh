@@ -28,7 +28,8 @@ agree() {
     END { exit (n == 0 || bad > 0) }'
 }
 
-small=(--task copy --d-model 32 --heads 4 --threads 1 --quiet --batch-size 64)
+base=(--task copy --d-model 32 --heads 4 --threads 1 --quiet --batch-size 64)
+small=("${base[@]}" --device cpu)
 
 # ---- the same losses as one process on the same examples ---------------------------------
 "$train" "${small[@]}" --steps 50 --eval-every 1 --metrics "$work/one.csv" >/dev/null 2>"$work/err" ||
@@ -172,10 +173,10 @@ else
 fi
 
 # ---- on a GPU (skipped without one) -------------------------------------------------------
-if "$train" "${small[@]}" --device cuda --steps 1 >/dev/null 2>&1; then
+if "$train" "${base[@]}" --device cuda --steps 1 >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
   # Gloo serves CUDA runs through host copies: two ranks sharing the GPU = one process on it.
-  cuda=("${small[@]}" --device cuda --steps 50 --eval-every 1)
+  cuda=("${base[@]}" --device cuda --steps 50 --eval-every 1)
   "$train" "${cuda[@]}" --metrics "$work/gpu1.csv" >/dev/null 2>"$work/err" ||
     fail "one process on CUDA: $(cat "$work/err")"
   "$train" "${cuda[@]}" --metrics "$work/gpu2.csv" --nproc 2 --dist-backend gloo \
@@ -188,8 +189,16 @@ if "$train" "${small[@]}" --device cuda --steps 1 >/dev/null 2>&1; then
     fail "CUDA: 2 ranks (gloo) differ from 1 process"
   fi
   if [ "$gpus" -eq 1 ]; then
+    # The default backend: NCCL only where each local rank has a GPU, so gloo here.
+    "$train" --task copy --d-model 32 --heads 4 --batch-size 64 --steps 2 --device cuda \
+      --nproc 2 >"$work/out" 2>"$work/err"
+    if grep -qF "data-parallel: 2 ranks (gloo)" "$work/out"; then
+      pass "2 ranks on 1 GPU, no --dist-backend: gloo"
+    else
+      fail "2 ranks on 1 GPU, no --dist-backend: $(cat "$work/out" "$work/err")"
+    fi
     # NCCL puts one rank on each GPU: with one GPU, a second local rank is refused plainly.
-    "$train" "${small[@]}" --device cuda --steps 2 --nproc 2 --dist-backend nccl \
+    "$train" "${base[@]}" --device cuda --steps 2 --nproc 2 --dist-backend nccl \
       >/dev/null 2>"$work/err"
     if [ $? -ne 0 ] && grep -qF "LOCAL_RANK 1 needs GPU 1 but 1 GPU(s) are visible" "$work/err"; then
       pass "NCCL with 2 ranks on 1 GPU refused: $(grep -F LOCAL_RANK "$work/err" | head -c 150)"

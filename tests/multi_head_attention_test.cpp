@@ -238,7 +238,7 @@ TEST_P(MultiHeadAttentionDevices, SameOutputAsCpuAndCausal) {
       const auto expected = run(name, x_cpu);
       module->to(device());
       const auto out = run(name, x);
-      EXPECT_EQ(out.device(), device()) << name;
+      EXPECT_EQ(out.device().type(), device().type()) << name;
       EXPECT_TRUE(tensors_close(name, out, expected, tolerance));
       auto changed = x.clone();
       changed.select(1, 7).normal_();  // the last token only

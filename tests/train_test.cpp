@@ -338,6 +338,7 @@ TEST(DataParallel, RankEnvironmentIsReadAndBadValuesAreNamed) {
   EXPECT_EQ(env.rank, 1);
   EXPECT_EQ(env.world_size, 3);
   EXPECT_EQ(env.local_rank, 0);
+  EXPECT_EQ(env.local_world_size, 0);  // not said
   EXPECT_EQ(env.master_addr, "10.0.0.1");
   EXPECT_EQ(env.master_port, 29501);
   const std::map<std::string, std::string> rank_one{
@@ -354,6 +355,9 @@ TEST(DataParallel, RankEnvironmentIsReadAndBadValuesAreNamed) {
                           "environment WORLD_SIZE: expected an integer in 1..65536, got '0'");
   expect_error_containing([&] { read(with("LOCAL_RANK", "5")); },
                           "environment LOCAL_RANK: expected an integer in 0..1, got '5'");
+  EXPECT_EQ(read(with("LOCAL_WORLD_SIZE", "2")).local_world_size, 2);
+  expect_error_containing([&] { read(with("LOCAL_WORLD_SIZE", "3")); },
+                          "environment LOCAL_WORLD_SIZE: expected an integer in 2..2, got '3'");
   expect_error_containing([&] { read(with("MASTER_ADDR", "")); },
                           "environment MASTER_ADDR is not set: ranks of a 2-process run need "
                           "rank 0's address");
@@ -409,6 +413,12 @@ TEST(DataParallel, BackendFollowsTheDevice) {
                             "--dist-backend nccl: this attnkit-train was built without NCCL");
   }
   EXPECT_NO_THROW(T::check_backend_serves("gloo", torch::kCUDA));
+  const T::RankEnvironment one;
+  EXPECT_EQ(T::choose_dist_backend("auto", torch::kCPU, one), "gloo");
+  EXPECT_EQ(T::choose_dist_backend("nccl", torch::kCPU, one), "nccl");  // refused when served
+  EXPECT_EQ(T::choose_dist_backend("gloo", torch::kCUDA, one), "gloo");
+  expect_error_containing([&] { T::choose_dist_backend("mpi", torch::kCPU, one); },
+                          "--dist-backend: expected auto, gloo or nccl, got 'mpi'");
 }
 
 TEST(DataParallel, PlainCudaIsTheLocalRanksGpu) {
@@ -427,6 +437,13 @@ TEST(DataParallel, PlainCudaIsTheLocalRanksGpu) {
   expect_error_containing([&] { T::rank_device(torch::kCUDA, env, "nccl"); },
                           c10::str("--dist-backend nccl: LOCAL_RANK ", gpus, " needs GPU ", gpus,
                                    " but ", gpus, " GPU(s) are visible"));
+  // auto: NCCL only when every local rank has its own GPU.
+  const std::string nccl = T::nccl_available() ? "nccl" : "gloo";
+  env.local_world_size = gpus;
+  EXPECT_EQ(T::choose_dist_backend("auto", torch::kCUDA, env), nccl);
+  env.local_world_size = gpus + 1;
+  EXPECT_EQ(T::choose_dist_backend("auto", torch::kCUDA, env), "gloo");
+  EXPECT_EQ(T::choose_dist_backend("auto", torch::Device(torch::kCUDA, 0), env), nccl);
 }
 
 // One rank is all a single GPU allows NCCL (two ranks on one GPU are refused); the

@@ -274,6 +274,10 @@ RankEnvironment read_rank_environment(const std::function<const char*(const char
   const char* local_rank = get("LOCAL_RANK");
   env.local_rank =
       local_rank ? integer_variable("LOCAL_RANK", local_rank, 0, env.world_size - 1) : env.rank;
+  if (const char* local_world_size = get("LOCAL_WORLD_SIZE"); local_world_size != nullptr) {
+    env.local_world_size =
+        integer_variable("LOCAL_WORLD_SIZE", local_world_size, env.local_rank + 1, env.world_size);
+  }
   if (const char* addr = get("MASTER_ADDR"); addr != nullptr) {
     TORCH_CHECK(*addr != '\0', "environment MASTER_ADDR: expected a host name or address, got ''");
     env.master_addr = addr;
@@ -300,6 +304,20 @@ bool nccl_available() {
 #else
   return false;
 #endif
+}
+
+std::string choose_dist_backend(const std::string& requested, const torch::Device& device,
+                                const RankEnvironment& environment) {
+  TORCH_CHECK(requested == "auto" || requested == "gloo" || requested == "nccl",
+              "--dist-backend: expected auto, gloo or nccl, got '", requested, "'");
+  if (requested != "auto")
+    return requested;
+  if (!nccl_available() || !device.is_cuda())
+    return "gloo";
+  // Plain cuda puts local rank r on GPU r (rank_device): NCCL needs a GPU for each.
+  const bool gpu_each = device.has_index() || environment.local_world_size <=
+                                                  static_cast<int>(torch::cuda::device_count());
+  return gpu_each ? "nccl" : "gloo";
 }
 
 std::unique_ptr<Collectives> join_process_group(const RankEnvironment& environment,

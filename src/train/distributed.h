@@ -18,11 +18,14 @@
 
 namespace attnkit::train {
 
-/// Where this process sits in a run: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+/// Where this process sits in a run: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+/// MASTER_ADDR, MASTER_PORT.
 struct RankEnvironment {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
+  /// Ranks on this machine; 0 when the launcher does not say (torchrun and --nproc do).
+  int local_world_size = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   /// Whether WORLD_SIZE was set at all (a launcher started this process).
@@ -65,6 +68,12 @@ std::unique_ptr<Collectives> single_process();
 
 /// Whether this build has c10d's NCCL backend (a CUDA LibTorch, nccl.h found by CMake).
 bool nccl_available();
+
+/// --dist-backend's value for a rank training on `device`: "auto" is nccl where the build has
+/// it, the device is a GPU and this machine has a GPU for each of its ranks, else gloo;
+/// "gloo" and "nccl" are kept; anything else fails naming the flag.
+std::string choose_dist_backend(const std::string& requested, const torch::Device& device,
+                                const RankEnvironment& environment);
 
 /// Fails (c10::Error naming the flag) unless `backend` can serve tensors on `device`: "nccl"
 /// needs an NCCL build and a CUDA device; "gloo" serves every device (through host copies).

@@ -54,6 +54,7 @@ pid_t start_rank(int rank, int nproc, int port, const std::vector<std::string>& 
   ::setenv("RANK", rank_text.c_str(), 1);
   ::setenv("LOCAL_RANK", rank_text.c_str(), 1);
   ::setenv("WORLD_SIZE", world_text.c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", world_text.c_str(), 1);
   ::setenv("MASTER_ADDR", "127.0.0.1", 1);
   ::setenv("MASTER_PORT", port_text.c_str(), 1);
   ::execv("/proc/self/exe", argv.data());

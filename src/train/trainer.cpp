@@ -408,11 +408,9 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(c.dump_attention.empty() || ends_with(c.dump_attention, ".png"),
               "--dump-attention: expected a file name ending in .png, got '", c.dump_attention,
               "'");
-  TORCH_CHECK(c.dist_backend == "auto" || c.dist_backend == "gloo" || c.dist_backend == "nccl",
-              "--dist-backend: expected auto, gloo or nccl, got '", c.dist_backend, "'");
   const auto device = resolve_device(c.device);  // fails early for cuda without CUDA
-  if (c.dist_backend == "auto")
-    c.dist_backend = device.is_cuda() && nccl_available() ? "nccl" : "gloo";
+  // One process; a launched rank chooses again knowing its machine's ranks (apps/train.cpp).
+  c.dist_backend = choose_dist_backend(c.dist_backend, device, RankEnvironment{});
   check_backend_serves(c.dist_backend, device);
   check_writable("--save", c.save);
   check_writable("--metrics", c.metrics);
