@@ -348,7 +348,7 @@ TEST_P(AttentionFamilyDevices, EveryModuleAndBackendMatchesTheCpu) {
       const auto x = torch::randn({2, 13, 6});
       const auto probe = torch::randn({2, 13, 8});
       const auto run = [&](CachedAttention& m, const torch::Device& where) {
-        auto input = x.to(where).requires_grad_();
+        auto input = x.to(where).detach().requires_grad_();  // a leaf on each device
         const auto out = m.forward(input);
         EXPECT_EQ(out.device().type(), where.type());
         (out * probe.to(where)).sum().backward();
