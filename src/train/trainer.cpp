@@ -199,7 +199,9 @@ TrainingState load_checkpoint(const std::string& path, const TrainConfig& config
     c10::IValue by_rank;
     if (rank > 0 && archive.try_read("cpu_rng_by_rank", by_rank) && by_rank.isTensor() &&
         by_rank.toTensor().size(0) > rank) {
-      own_rng = by_rank.toTensor()[rank];
+      // A tensor of its own: LibTorch 2.11's CPUGeneratorImpl::set_state crashed (SIGSEGV)
+      // on this row as a view into the stacked states (1.13 and 2.6 did not).
+      own_rng = by_rank.toTensor()[rank].clone();
     }
     if (own_rng.defined()) {
       auto default_generator = at::detail::getDefaultCPUGenerator();
