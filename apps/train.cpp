@@ -106,7 +106,11 @@ attnkit::cli::CommandLine make_command_line() {
              "auto | gloo | nccl: gloo reduces in host memory (any device; CUDA tensors are "
              "copied), nccl on the GPUs (CUDA builds with NCCL; one GPU per rank); auto = nccl "
              "for --device cuda where built with it, else gloo",
-             "auto");
+             "auto")
+      .value("Data-parallel", "bucket-mb",
+             "0 = one allreduce of all gradients after backward; else buckets of this many MB "
+             "whose allreduce starts while backward still runs",
+             "0");
   return cli;
 }
 
@@ -189,6 +193,7 @@ int main(int argc, char** argv) {
     config.metrics = cli.text("metrics");
     config.dump_attention = cli.text("dump-attention");
     config.dist_backend = cli.text("dist-backend");
+    config.bucket_mb = cli.number("bucket-mb");
     nproc = cli.integer("nproc");
     config.quiet = cli.given("quiet");
     config.progress_bar = ::isatty(STDOUT_FILENO) == 1;

@@ -12,6 +12,7 @@
 #include "test_support.h"
 #include "train/distributed.h"
 #include "train/flat_adamw.h"
+#include "train/gradient_sync.h"
 #include "train/heatmap.h"
 #include "train/tasks.h"
 #include "train/trainer.h"
@@ -392,6 +393,87 @@ TEST(DataParallel, ARankWithoutRankZeroGivesUpAfterTheTimeout) {
                                    env.master_port, " within 1 s (did rank 0 start?)"));
   expect_error_containing([&] { T::join_process_group(env, "mpi", 1); },
                           "--dist-backend: expected gloo or nccl, got 'mpi'");
+}
+
+// Two identical ranks, as one: a sum doubles the tensor. Records when each sum starts and
+// whether it was waited for.
+class TwoIdenticalRanks : public T::Collectives {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 2; }
+  std::string backend() const override { return "test"; }
+  void broadcast_from_main(torch::Tensor&) override {}
+  std::function<void()> start_sum(torch::Tensor& tensor) override {
+    started.push_back({tensor.numel(), in_backward});
+    return [this, tensor]() mutable {
+      tensor.mul_(2);
+      ++waited;
+    };
+  }
+  std::vector<torch::Tensor> gather_all(const torch::Tensor& t) override { return {t, t}; }
+  void check_same_on_every_rank(const std::string&, const std::string&) override {}
+
+  struct Start {
+    int64_t numel;
+    bool during_backward;
+  };
+  std::vector<Start> started;
+  bool in_backward = false;
+  int waited = 0;
+};
+
+TEST(DataParallel, GradientBucketsStartDuringBackwardInOrderAndSumEveryGradient) {
+  torch::manual_seed(3);
+  auto first = torch::nn::Linear(8, 16), second = torch::nn::Linear(16, 4);
+  std::vector<torch::Tensor> parameters = first->parameters();
+  for (const auto& p : second->parameters())
+    parameters.push_back(p);
+  T::FlatAdamW optimizer(parameters, 0.1, 0.0);
+  const auto x = torch::randn({5, 8});
+  const auto loss = [&] { return second(torch::relu(first(x))).square().sum(); };
+  // The gradients one process computes, for comparison.
+  optimizer.zero_grad();
+  loss().backward();
+  const auto expected = optimizer.flat_gradients().clone() * 2;
+
+  for (const int64_t bucket_bytes : {int64_t{0}, int64_t{1}, int64_t{300}}) {
+    SCOPED_TRACE(c10::str("bucket_bytes ", bucket_bytes));
+    TwoIdenticalRanks ranks;
+    T::GradientSync sync(parameters, optimizer.flat_gradients(), ranks, bucket_bytes);
+    const auto sizes = sync.bucket_sizes();
+    int64_t total = 0;
+    for (const auto size : sizes)
+      total += size;
+    EXPECT_EQ(total, optimizer.flat_gradients().numel());
+    for (int step = 0; step < 2; ++step) {  // the hooks serve every step
+      ranks.started.clear();
+      ranks.waited = 0;
+      optimizer.zero_grad();
+      sync.before_backward();
+      ranks.in_backward = true;
+      loss().backward();
+      ranks.in_backward = false;
+      sync.after_backward();
+      EXPECT_TRUE(tensors_close("summed gradients", optimizer.flat_gradients(), expected, 0.0));
+      ASSERT_EQ(ranks.started.size(), sizes.size());
+      EXPECT_EQ(ranks.waited, static_cast<int>(sizes.size()));
+      for (size_t b = 0; b < sizes.size(); ++b) {
+        EXPECT_EQ(ranks.started[b].numel, sizes[b]) << "bucket " << b << " out of order";
+        // One bucket: after backward. Else every bucket but the first parameter's starts
+        // during backward (the one holding the first parameter is complete only at its end).
+        if (bucket_bytes > 0 && b + 1 < sizes.size()) {
+          EXPECT_TRUE(ranks.started[b].during_backward) << "bucket " << b;
+        }
+      }
+    }
+  }
+  // Buckets of 1 byte: one per parameter, the last parameter's first.
+  TwoIdenticalRanks ranks;
+  T::GradientSync per_parameter(parameters, optimizer.flat_gradients(), ranks, 1);
+  EXPECT_EQ(per_parameter.bucket_sizes(), (std::vector<int64_t>{4, 64, 16, 128}));
+  expect_error_containing(
+      [&] { T::GradientSync(parameters, optimizer.flat_gradients(), ranks, -1); },
+      "[GradientSync] bucket_bytes: expected >= 0, got -1");
 }
 
 TEST(DataParallel, BackendFollowsTheDevice) {

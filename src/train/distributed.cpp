@@ -70,7 +70,9 @@ class SingleProcess : public Collectives {
   int world_size() const override { return 1; }
   std::string backend() const override { return "none"; }
   void broadcast_from_main(torch::Tensor&) override {}
-  void sum(torch::Tensor&) override {}
+  std::function<void()> start_sum(torch::Tensor&) override {
+    return [] {};
+  }
   std::vector<torch::Tensor> gather_all(const torch::Tensor& tensor) override { return {tensor}; }
   void check_same_on_every_rank(const std::string&, const std::string&) override {}
 };
@@ -174,10 +176,16 @@ class C10dCollectives : public Collectives {
     });
   }
 
-  void sum(torch::Tensor& tensor) override {
-    on_device(tensor, "allreduce", [&](std::vector<at::Tensor>& tensors) {
+  std::function<void()> start_sum(torch::Tensor& tensor) override {
+    const auto allreduce = [&](std::vector<at::Tensor>& tensors) {
       return group_->allreduce(tensors, c10d::AllreduceOptions());
-    });
+    };
+    if (tensor.device() == device_ && tensor.is_contiguous()) {
+      std::vector<at::Tensor> tensors{tensor};
+      return [this, work = allreduce(tensors)] { wait("allreduce", work); };
+    }
+    on_device(tensor, "allreduce", allreduce);  // through a copy: done before returning
+    return [] {};
   }
 
   std::vector<torch::Tensor> gather_all(const torch::Tensor& tensor) override {

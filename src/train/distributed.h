@@ -55,7 +55,10 @@ class Collectives {
   /// Every rank's `tensor` becomes rank 0's.
   virtual void broadcast_from_main(torch::Tensor& tensor) = 0;
   /// Every rank's `tensor` becomes the element-wise sum over the ranks.
-  virtual void sum(torch::Tensor& tensor) = 0;
+  void sum(torch::Tensor& tensor) { start_sum(tensor)(); }
+  /// Starts that sum and returns at once; the sum is in `tensor` when the returned function
+  /// (which waits for it) returns. Every rank must start its collectives in the same order.
+  virtual std::function<void()> start_sum(torch::Tensor& tensor) = 0;
   /// Every rank's tensor of the same shape, in rank order (for one process: {tensor}).
   virtual std::vector<torch::Tensor> gather_all(const torch::Tensor& tensor) = 0;
   /// Fails (c10::Error) on every rank unless every rank passed the same `text`; the message

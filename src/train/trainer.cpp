@@ -12,6 +12,7 @@
 
 #include "attnkit/threads.h"
 #include "flat_adamw.h"
+#include "gradient_sync.h"
 #include "heatmap.h"
 
 namespace attnkit::train {
@@ -401,6 +402,8 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(c.weight_decay >= 0, "--weight-decay: expected >= 0, got ", c.weight_decay);
   TORCH_CHECK(c.threads >= 0, "--threads: expected >= 0 (0 = LibTorch's default), got ", c.threads);
   TORCH_CHECK(c.eval_every >= 1, "--eval-every: expected >= 1, got ", c.eval_every);
+  TORCH_CHECK(c.bucket_mb >= 0 && std::isfinite(c.bucket_mb),
+              "--bucket-mb: expected >= 0 (0 = one allreduce after backward), got ", c.bucket_mb);
   TORCH_CHECK(c.sample >= 0, "--sample: expected >= 0, got ", c.sample);
   TORCH_CHECK(c.sample == 0 || c.task == "text",
               "--sample: only the text task generates, got --task ", c.task);
@@ -476,7 +479,8 @@ std::string rank_agreement_text(const TrainConfig& c) {
       {"resume", c.resume},
       {"metrics", c.metrics},
       {"dump-attention", c.dump_attention},
-      {"dist-backend", c.dist_backend}};
+      {"dist-backend", c.dist_backend},
+      {"bucket-mb", c10::str(c.bucket_mb)}};
   fields.insert(fields.end(), run.begin(), run.end());
   std::string text;
   for (const auto& [key, value] : fields)
@@ -564,6 +568,12 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
     }
   }
   MetricsWriter metrics(main_rank ? config.metrics : std::string(), text);
+  std::unique_ptr<GradientSync> gradient_sync;
+  if (world_size > 1) {
+    gradient_sync = std::make_unique<GradientSync>(
+        model->parameters(), optimizer.flat_gradients(), group,
+        static_cast<int64_t>(std::llround(config.bucket_mb * (1 << 20))));
+  }
 
   TrainResult result;
   result.world_size = world_size;
@@ -626,12 +636,11 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
       throw NonFiniteLoss(non_finite_message("loss", loss, step, config, saved_step));
     }
     optimizer.zero_grad();
+    if (gradient_sync)
+      gradient_sync->before_backward();
     loss_part.backward();
-    if (world_size > 1) {
-      const auto reduce_start = Clock::now();
-      group.sum(optimizer.flat_gradients());
-      result.allreduce_seconds += seconds_since(reduce_start);
-    }
+    if (gradient_sync)
+      result.allreduce_seconds += gradient_sync->after_backward();  // what backward did not hide
     optimizer.clip_grad_norm(config.clip_norm);
     optimizer.step();
     state.step = step;

@@ -56,6 +56,9 @@ struct TrainConfig {
   /// Data-parallel runs: the c10d backend, gloo or nccl; auto (resolve()) picks nccl for a
   /// CUDA device where the build has it, else gloo.
   std::string dist_backend = "auto";
+  /// Data-parallel runs: 0 = one allreduce of every gradient after backward; else buckets of
+  /// this many MB whose allreduce starts during backward (gradient_sync.h).
+  double bucket_mb = 0.0;
   bool quiet = false;
   /// Redraw a progress bar in place (the CLI sets this when stdout is a terminal);
   /// otherwise print one plain line per evaluation.
