@@ -45,6 +45,15 @@ for c in 2 4; do  # held-out loss after every step, smoothed training loss
     fail "2 ranks differ from 1 process (metrics column $c)"
   fi
 done
+# Buckets started during backward (1 KB: several per layer) sum the same gradients.
+"$train" "${small[@]}" --steps 50 --eval-every 1 --metrics "$work/buckets.csv" --nproc 2 \
+  --bucket-mb 0.001 >/dev/null 2>"$work/err" || fail "--bucket-mb 0.001: $(cat "$work/err")"
+column "$work/buckets.csv" 2 >"$work/buckets.2"
+if [ "$(wc -l <"$work/buckets.2")" -eq 50 ] && agree "$work/one.2" "$work/buckets.2" 1e-5; then
+  pass "2 ranks with gradient buckets (--bucket-mb 0.001) match 1 process over 50 steps"
+else
+  fail "2 ranks with gradient buckets differ from 1 process"
+fi
 grep -q "on 2 ranks, gradient allreduce" "$work/out" &&
   pass "rank 0 reports the allreduce's share" || fail "no allreduce share in: $(cat "$work/out")"
 

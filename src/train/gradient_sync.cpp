@@ -87,6 +87,8 @@ GradientSync::GradientSync(const std::vector<torch::Tensor>& parameters,
 
 GradientSync::~GradientSync() {
   state_->active = false;
+  // The nodes own the hooks, which own the state: let go of the nodes to break the cycle.
+  state_->accumulators.clear();
 }
 
 void GradientSync::before_backward() {
