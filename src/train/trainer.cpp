@@ -560,20 +560,24 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
       out << "resumed from " << config.resume << " at step " << state.step << "\n";
   }
   group.broadcast_from_main(optimizer.flat_values());  // the same start on every rank
-  if (verbose) {
-    print_config_table(out, config, *task);
-    if (world_size > 1) {
-      out << "data-parallel: " << world_size << " ranks (" << group.backend() << "), "
-          << config.batch_size << " sequences per step in all\n";
-    }
-  }
-  MetricsWriter metrics(main_rank ? config.metrics : std::string(), text);
   std::unique_ptr<GradientSync> gradient_sync;
   if (world_size > 1) {
     gradient_sync = std::make_unique<GradientSync>(
         model->parameters(), optimizer.flat_gradients(), group,
         static_cast<int64_t>(std::llround(config.bucket_mb * (1 << 20))));
   }
+  if (verbose) {
+    print_config_table(out, config, *task);
+    if (world_size > 1) {
+      const auto buckets = gradient_sync->bucket_sizes();
+      out << "data-parallel: " << world_size << " ranks (" << group.backend() << "), "
+          << config.batch_size << " sequences per step in all, "
+          << optimizer.flat_gradients().numel() << " gradients summed in " << buckets.size()
+          << (buckets.size() == 1 ? " allreduce after backward\n"
+                                  : " buckets started during backward\n");
+    }
+  }
+  MetricsWriter metrics(main_rank ? config.metrics : std::string(), text);
 
   TrainResult result;
   result.world_size = world_size;
