@@ -19,6 +19,9 @@
 
 #include "attnkit/attnkit.h"
 #include "command_line.h"
+#include "train/line.h"
+
+using attnkit::train::Line;
 
 namespace {
 
@@ -290,17 +293,18 @@ Result measure(const std::string& name, bool backward, const BenchConfig& c,
 }
 
 void print_table(const std::vector<Result>& results) {
-  std::cout << std::left << std::setw(21) << "implementation" << std::setw(18) << "pass"
-            << std::right << std::setw(11) << "median ms" << std::setw(10) << "min ms"
-            << std::setw(10) << "max ms" << std::setw(12) << "model GF/s" << std::setw(11)
-            << "exec GF/s" << std::setw(9) << "% sgemm" << std::setw(11) << "peak MB"
-            << "\n";
+  Line(std::cout) << std::left << std::setw(21) << "implementation" << std::setw(18) << "pass"
+                  << std::right << std::setw(11) << "median ms" << std::setw(10) << "min ms"
+                  << std::setw(10) << "max ms" << std::setw(12) << "model GF/s" << std::setw(11)
+                  << "exec GF/s" << std::setw(9) << "% sgemm" << std::setw(11) << "peak MB"
+                  << "\n";
   for (const auto& r : results) {
-    std::cout << std::left << std::setw(21) << r.name << std::setw(18) << r.pass << std::right
-              << std::fixed << std::setprecision(1) << std::setw(11) << r.median_ms << std::setw(10)
-              << r.min_ms << std::setw(10) << r.max_ms << std::setw(12) << r.model_gflops
-              << std::setw(11) << r.executed_gflops << std::setw(9) << 100 * r.sgemm_fraction
-              << std::setw(11) << std::setprecision(0) << r.peak_memory_mb << "\n";
+    Line(std::cout) << std::left << std::setw(21) << r.name << std::setw(18) << r.pass << std::right
+                    << std::fixed << std::setprecision(1) << std::setw(11) << r.median_ms
+                    << std::setw(10) << r.min_ms << std::setw(10) << r.max_ms << std::setw(12)
+                    << r.model_gflops << std::setw(11) << r.executed_gflops << std::setw(9)
+                    << 100 * r.sgemm_fraction << std::setw(11) << std::setprecision(0)
+                    << r.peak_memory_mb << "\n";
   }
 }
 
@@ -332,7 +336,7 @@ void write_json(const std::string& path, const BenchConfig& c, double sgemm,
 }
 
 int fail(const std::string& message) {
-  std::cerr << "attnkit-bench: " << message << "\n";
+  Line(std::cerr) << "attnkit-bench: " << message << "\n";
   return 2;
 }
 
@@ -376,7 +380,7 @@ int main(int argc, char** argv) {
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
-      std::cout << cli.help() << "\n";
+      Line(std::cout) << cli.help() << "\n";
       return 0;
     }
     c.batch = cli.integer("batch");
@@ -446,14 +450,14 @@ int main(int argc, char** argv) {
     const auto tensor_options = torch::dtype(dtypes.at(c.dtype)).device(device);
     torch::manual_seed(0);
     const double sgemm = sgemm_gflops(tensor_options);
-    std::cout << "attnkit-bench: b=" << c.batch << " n=" << c.tokens << " d=" << c.d_model
-              << " h=" << c.heads << (c.causal ? " causal" : " not causal")
-              << (c.window > 0 ? " window=" + std::to_string(c.window) : "") << ", " << c.dtype
-              << " on " << c.device << ", " << torch::get_num_threads() << " threads ("
-              << attnkit::blas_threads() << "); " << c.repeats << " timed runs after " << c.warmup
-              << " warm-up\n"
-              << std::fixed << std::setprecision(1) << "matmul 1024x1024 on this machine: " << sgemm
-              << " GFLOP/s\n";
+    Line(std::cout) << "attnkit-bench: b=" << c.batch << " n=" << c.tokens << " d=" << c.d_model
+                    << " h=" << c.heads << (c.causal ? " causal" : " not causal")
+                    << (c.window > 0 ? " window=" + std::to_string(c.window) : "") << ", "
+                    << c.dtype << " on " << c.device << ", " << torch::get_num_threads()
+                    << " threads (" << attnkit::blas_threads() << "); " << c.repeats
+                    << " timed runs after " << c.warmup << " warm-up\n"
+                    << std::fixed << std::setprecision(1)
+                    << "matmul 1024x1024 on this machine: " << sgemm << " GFLOP/s\n";
     std::vector<Result> results;
     for (const auto& name : c.only.empty() ? kImplementations : c.only) {
       if (name == "wrapper" && !c.causal)

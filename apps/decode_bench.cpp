@@ -17,7 +17,10 @@
 
 #include "attnkit/threads.h"
 #include "command_line.h"
+#include "train/line.h"
 #include "train/model.h"
+
+using attnkit::train::Line;
 
 namespace {
 
@@ -126,7 +129,7 @@ int main(int argc, char** argv) {
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
-      std::cout << cli.help() << "\n";
+      Line(std::cout) << cli.help() << "\n";
       return 0;
     }
     config.vocab_size = cli.integer("vocab");
@@ -149,7 +152,7 @@ int main(int argc, char** argv) {
     trace = cli.given("trace-cache");
     json = cli.text("json");
   } catch (const attnkit::cli::UsageError& e) {
-    std::cerr << "attnkit-decode-bench: " << e.what() << "\n";
+    Line(std::cerr) << "attnkit-decode-bench: " << e.what() << "\n";
     return 2;
   }
   try {
@@ -202,40 +205,45 @@ int main(int argc, char** argv) {
     const double bandwidth = read_bandwidth_gbs();
     const double needed = static_cast<double>(weights) * runs.front().tokens_per_second / 1e9;
 
-    std::cout << std::fixed << std::setprecision(1) << "attnkit-decode-bench: " << config.module
-              << " (" << config.backend << ")"
-              << (config.kv_groups > 0 ? ", kv-groups " + std::to_string(config.kv_groups) : "")
-              << (config.window > 0 ? ", window " + std::to_string(config.window) : "")
-              << (config.latent_dim > 0 ? ", latent-dim " + std::to_string(config.latent_dim) : "")
-              << ", vocab " << config.vocab_size << ", context " << config.context_length << ", d "
-              << config.d_model << ", " << config.heads << " heads, " << config.layers
-              << " layers, LibTorch " << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << ", "
-              << torch::get_num_threads() << " thread(s) (" << attnkit::blas_threads() << ")\n"
-              << "prompt " << prompt_length << ", " << new_tokens
-              << " new tokens, greedy, median of " << repeats << "\n";
+    Line(std::cout) << std::fixed << std::setprecision(1)
+                    << "attnkit-decode-bench: " << config.module << " (" << config.backend << ")"
+                    << (config.kv_groups > 0 ? ", kv-groups " + std::to_string(config.kv_groups)
+                                             : "")
+                    << (config.window > 0 ? ", window " + std::to_string(config.window) : "")
+                    << (config.latent_dim > 0 ? ", latent-dim " + std::to_string(config.latent_dim)
+                                              : "")
+                    << ", vocab " << config.vocab_size << ", context " << config.context_length
+                    << ", d " << config.d_model << ", " << config.heads << " heads, "
+                    << config.layers << " layers, LibTorch " << TORCH_VERSION_MAJOR << "."
+                    << TORCH_VERSION_MINOR << ", " << torch::get_num_threads() << " thread(s) ("
+                    << attnkit::blas_threads() << ")\n"
+                    << "prompt " << prompt_length << ", " << new_tokens
+                    << " new tokens, greedy, median of " << repeats << "\n";
     for (const auto& run : runs) {
-      std::cout << "  " << std::left << std::setw(9) << run.mode << std::right << std::setw(10)
-                << run.tokens_per_second << " tokens/s\n";
+      Line(std::cout) << std::fixed << std::setprecision(1) << "  " << std::left << std::setw(9)
+                      << run.mode << std::right << std::setw(10) << run.tokens_per_second
+                      << " tokens/s\n";
     }
     if (runs.size() == 2) {
-      std::cout << "  cached / uncached: " << std::setprecision(2)
-                << runs[0].tokens_per_second / runs[1].tokens_per_second << "x; tokens "
-                << (runs[0].tokens.equal(runs[1].tokens) ? "identical" : "DIFFER") << "\n";
+      Line(std::cout) << std::fixed << "  cached / uncached: " << std::setprecision(2)
+                      << runs[0].tokens_per_second / runs[1].tokens_per_second << "x; tokens "
+                      << (runs[0].tokens.equal(runs[1].tokens) ? "identical" : "DIFFER") << "\n";
     }
-    std::cout << "  KV cache " << cache_bytes_per_token << " bytes per token per layer; "
-              << std::setprecision(2) << cache_bytes / 1048576.0 << " MiB in all for " << positions
-              << " positions (" << caches.front().capacity() << " held at most per layer)\n"
-              << std::setprecision(1) << "  weights " << weights / 1048576.0
-              << " MiB read per token -> " << needed << " GB/s at the cached rate, "
-              << std::setprecision(0) << 100.0 * needed / bandwidth << "% of this machine's "
-              << std::setprecision(1) << bandwidth << " GB/s read bandwidth\n";
+    Line(std::cout) << std::fixed << "  KV cache " << cache_bytes_per_token
+                    << " bytes per token per layer; " << std::setprecision(2)
+                    << cache_bytes / 1048576.0 << " MiB in all for " << positions << " positions ("
+                    << caches.front().capacity() << " held at most per layer)\n"
+                    << std::setprecision(1) << "  weights " << weights / 1048576.0
+                    << " MiB read per token -> " << needed << " GB/s at the cached rate, "
+                    << std::setprecision(0) << 100.0 * needed / bandwidth << "% of this machine's "
+                    << std::setprecision(1) << bandwidth << " GB/s read bandwidth\n";
     CacheTrace traced;
     if (trace) {
       traced = trace_caches(model, runs.front().tokens);
-      std::cout << "  traced " << runs.front().tokens.size(1)
-                << " one-token steps: a cache held at most " << traced.max_held
-                << " positions; storage " << (traced.storage_moved ? "MOVED" : "never moved")
-                << "\n";
+      Line(std::cout) << std::fixed << "  traced " << runs.front().tokens.size(1)
+                      << " one-token steps: a cache held at most " << traced.max_held
+                      << " positions; storage " << (traced.storage_moved ? "MOVED" : "never moved")
+                      << "\n";
     }
     if (!json.empty()) {
       std::ofstream out(json);
@@ -263,7 +271,7 @@ int main(int argc, char** argv) {
     const bool differ = runs.size() == 2 && !runs[0].tokens.equal(runs[1].tokens);
     return differ || traced.storage_moved ? 1 : 0;
   } catch (const c10::Error& e) {
-    std::cerr << "attnkit-decode-bench: " << e.what_without_backtrace() << "\n";
+    Line(std::cerr) << "attnkit-decode-bench: " << e.what_without_backtrace() << "\n";
     return 2;
   }
 }

@@ -21,6 +21,7 @@
 #include "attnkit/version.h"
 #include "command_line.h"
 #include "train/launcher.h"
+#include "train/line.h"
 #include "train/trainer.h"
 
 namespace {
@@ -128,7 +129,7 @@ void keep_freed_memory_for_reuse() {
 std::string g_error_prefix = "attnkit-train: ";  // "attnkit-train: rank R: " in a group
 
 int fail(const std::string& message, int code = 2) {
-  std::cerr << g_error_prefix << message << "\n";
+  attnkit::train::Line(std::cerr) << g_error_prefix << message << "\n";
   return code;
 }
 
@@ -156,11 +157,11 @@ int main(int argc, char** argv) {
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
-      std::cout << cli.help() << "\n";
+      T::Line(std::cout) << cli.help() << "\n";
       return 0;
     }
     if (cli.given("version")) {
-      std::cout << "attnkit-train " << ATTNKIT_VERSION << "\n";
+      T::Line(std::cout) << "attnkit-train " << ATTNKIT_VERSION << "\n";
       return 0;
     }
     config.task = cli.text("task");
@@ -236,10 +237,10 @@ int main(int argc, char** argv) {
     const auto result = T::train(config, std::cout, &g_stop_requested, ranks.get());
     if (result.interrupted) {
       if (ranks == nullptr || ranks->is_main()) {
-        std::cerr << "attnkit-train: interrupted at step " << result.last_step
-                  << (config.save.empty() ? " (no --save given, nothing saved)"
-                                          : "; saved to " + config.save)
-                  << "\n";
+        T::Line(std::cerr) << "attnkit-train: interrupted at step " << result.last_step
+                           << (config.save.empty() ? " (no --save given, nothing saved)"
+                                                   : "; saved to " + config.save)
+                           << "\n";
       }
       return 130;
     }

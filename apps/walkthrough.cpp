@@ -14,8 +14,11 @@
 
 #include "attnkit/attnkit.h"
 #include "command_line.h"
+#include "train/line.h"
 
 namespace F = attnkit::functional;
+
+using attnkit::train::Line;
 
 namespace {
 
@@ -52,12 +55,19 @@ std::string python_repr(const torch::Tensor& t) {
   return out.str();
 }
 
+// The module's own line, without its submodules (what `<<` would add).
+std::string pretty_printed(const torch::nn::Module& module) {
+  std::ostringstream text;
+  module.pretty_print(text);
+  return text.str();
+}
+
 void heading(const std::string& title) {
-  std::cout << "\n== " << title << " ==\n";
+  Line(std::cout) << "\n== " << title << " ==\n";
 }
 
 void show(const std::string& name, const torch::Tensor& t) {
-  std::cout << name << " =\n" << python_repr(t) << "\n";
+  Line(std::cout) << name << " =\n" << python_repr(t) << "\n";
 }
 
 torch::Tensor journey_inputs() {
@@ -85,7 +95,7 @@ void simplified_attention() {
   const auto hello =
       torch::tensor({{0.34, 0.22, 0.54}, {0.53, 0.34, 0.98}, {0.29, 0.54, 0.93}}, torch::kFloat32);
   show("'Hello shiny sun': context vector of 'shiny'", F::simple_self_attention(hello)[1]);
-  std::cout << "  (the page rounds its weights first and prints [0.3992, 0.3858, 0.8610])\n";
+  Line(std::cout) << "  (the page rounds its weights first and prints [0.3992, 0.3858, 0.8610])\n";
 }
 
 void trainable_weights() {
@@ -124,10 +134,10 @@ void why_scale() {
     const auto q = torch::randn({10000, 1, dim});
     const auto k = torch::randn({10000, 1, dim});
     const auto dots = F::attention_scores(q, k).flatten();
-    std::cout << std::fixed << std::setprecision(4) << "variance of q.k, dim " << dim << ": "
-              << dots.var(false).item<double>() << " before, "
-              << (dots / std::sqrt(double(dim))).var(false).item<double>()
-              << " after dividing by sqrt(dim)\n";
+    Line(std::cout) << std::fixed << std::setprecision(4) << "variance of q.k, dim " << dim << ": "
+                    << dots.var(false).item<double>() << " before, "
+                    << (dots / std::sqrt(double(dim))).var(false).item<double>()
+                    << " after dividing by sqrt(dim)\n";
   }
 }
 
@@ -137,12 +147,11 @@ void self_attention_classes() {
   const auto inputs = journey_inputs();
   torch::manual_seed(123);
   attnkit::SelfAttentionV1 sa_v1(3, 2);
-  std::cout << *sa_v1 << "\n";
+  Line(std::cout) << *sa_v1 << "\n";
   show("sa_v1(inputs)", sa_v1(inputs));
   torch::manual_seed(789);
   attnkit::SelfAttentionV2 sa_v2(3, 2);
-  sa_v2->pretty_print(std::cout);
-  std::cout << "\n";
+  Line(std::cout) << pretty_printed(*sa_v2) << "\n";
   show("sa_v2(inputs)", sa_v2(inputs));
   sa_v1->copy_weights_from(*sa_v2);
   show("sa_v1(inputs) after sa_v1->copy_weights_from(*sa_v2)", sa_v1(inputs));
@@ -170,10 +179,10 @@ void causal_attention() {
   const auto batch = torch::stack({inputs, inputs});  // (2, 6, 3)
   torch::manual_seed(123);
   attnkit::CausalAttention ca(/*d_in=*/3, /*d_out=*/2, /*context_length=*/6, /*dropout=*/0.0);
-  std::cout << *ca << "\n";
+  Line(std::cout) << *ca << "\n";
   const auto context_vecs = ca(batch);
   show("ca(batch)[0]", context_vecs[0]);
-  std::cout << "context_vecs.shape: " << context_vecs.sizes() << "\n";
+  Line(std::cout) << "context_vecs.shape: " << context_vecs.sizes() << "\n";
 }
 
 void multi_head() {
@@ -183,25 +192,23 @@ void multi_head() {
   const auto batch = torch::stack({inputs, inputs});
   torch::manual_seed(123);
   attnkit::MultiHeadAttentionWrapper wrapper(3, 2, 6, 0.0, /*num_heads=*/2);
-  wrapper->pretty_print(std::cout);
-  std::cout << "\n";
+  Line(std::cout) << pretty_printed(*wrapper) << "\n";
   const auto wrapped = wrapper(batch);
   show("wrapper(batch)[0]  (d_out * num_heads = 4 columns)", wrapped[0]);
-  std::cout << "context_vecs.shape: " << wrapped.sizes() << "\n";
+  Line(std::cout) << "context_vecs.shape: " << wrapped.sizes() << "\n";
 
   torch::manual_seed(123);
   attnkit::MultiHeadAttention mha(3, 2, 6, 0.0, /*num_heads=*/2);
-  mha->pretty_print(std::cout);
-  std::cout << "\n";
+  Line(std::cout) << pretty_printed(*mha) << "\n";
   const auto context_vecs = mha(batch);
   show("mha(batch)[0]", context_vecs[0]);
-  std::cout << "context_vecs.shape: " << context_vecs.sizes() << "\n";
+  Line(std::cout) << "context_vecs.shape: " << context_vecs.sizes() << "\n";
 
   attnkit::MultiHeadAttentionCombinedQKV combined(3, 2, 6, 0.0, 2);
   combined->copy_weights_from(*mha);
   const auto difference = (combined(batch) - context_vecs).abs().max().item<double>();
-  std::cout << "MultiHeadAttentionCombinedQKV with mha's weights: max difference "
-            << std::scientific << std::setprecision(1) << difference << "\n";
+  Line(std::cout) << "MultiHeadAttentionCombinedQKV with mha's weights: max difference "
+                  << std::scientific << std::setprecision(1) << difference << "\n";
 }
 
 struct Section {
@@ -238,11 +245,11 @@ int main(int argc, char** argv) {
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
-      std::cout << cli.help() << "\n";
+      Line(std::cout) << cli.help() << "\n";
       return 0;
     }
     if (cli.given("version")) {
-      std::cout << "attnkit-walkthrough " << ATTNKIT_VERSION << "\n";
+      Line(std::cout) << "attnkit-walkthrough " << ATTNKIT_VERSION << "\n";
       return 0;
     }
     const std::string only = cli.text("section");
@@ -254,15 +261,16 @@ int main(int argc, char** argv) {
       }
     }
     if (!found) {
-      std::cerr << "attnkit-walkthrough: unknown --section '" << only << "'; expected one of:";
+      Line error(std::cerr);
+      error << "attnkit-walkthrough: unknown --section '" << only << "'; expected one of:";
       for (const auto& s : sections()) {
-        std::cerr << " " << s.name;
+        error << " " << s.name;
       }
-      std::cerr << "\n";
+      error << "\n";
       return 2;
     }
   } catch (const attnkit::cli::UsageError& e) {
-    std::cerr << "attnkit-walkthrough: " << e.what() << "\n";
+    Line(std::cerr) << "attnkit-walkthrough: " << e.what() << "\n";
     return 2;
   }
   return 0;

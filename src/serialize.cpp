@@ -11,6 +11,7 @@
 #include <torch/csrc/jit/serialization/pickler.h>
 
 #include "checks.h"
+#include "state_dict_reader.h"
 
 namespace attnkit {
 
@@ -18,25 +19,20 @@ using detail::shape_string;
 
 namespace {
 
-// The hint every "cannot read" error carries: how a Python user writes a readable file.
-constexpr const char* kPythonHint =
-    "expected a dict of tensors saved by attnkit::save_state_dict or by Python's "
-    "torch.save(dict(model.state_dict()), path)";
-
-std::string first_line(const std::string& text) {
-  return text.substr(0, text.find('\n'));
-}
-
 std::string and_more(size_t count) {
   return count > 1 ? c10::str(" and ", count - 1, " more") : std::string();
 }
 
-std::vector<char> read_bytes(const std::string& path) {
+// The whole file: a state dict is read in one piece, and never more than the file's size is
+// allocated before its records have been checked.
+std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good(), "[read_state_dict] cannot open '", path, "' for reading");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   TORCH_CHECK(!in.bad(), "[read_state_dict] error while reading '", path, "'");
-  TORCH_CHECK(!bytes.empty(), "[read_state_dict] '", path, "' is empty; ", kPythonHint);
+  TORCH_CHECK(!bytes.empty(), "[read_state_dict] '", path,
+              "' is empty; expected a dict of tensors saved by attnkit::save_state_dict or by "
+              "Python's torch.save(model.state_dict(), path)");
   return bytes;
 }
 
@@ -116,28 +112,7 @@ void write_state_dict(const StateDict& dict, const std::string& path) {
 }
 
 StateDict read_state_dict(const std::string& path) {
-  const auto bytes = read_bytes(path);
-  c10::IValue value;
-  try {
-    value = torch::pickle_load(bytes);
-  } catch (const std::exception& e) {
-    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-    const std::string reason = c10_error ? c10_error->what_without_backtrace() : e.what();
-    TORCH_CHECK(false, "[read_state_dict] '", path, "' is not a readable state-dict file (",
-                first_line(reason), "); ", kPythonHint);
-  }
-  TORCH_CHECK(value.isGenericDict(), "[read_state_dict] '", path, "' holds a ", value.tagKind(),
-              ", not a dict; ", kPythonHint);
-  StateDict dict;
-  for (const auto& entry : value.toGenericDict()) {
-    TORCH_CHECK(entry.key().isString(), "[read_state_dict] '", path, "': a key is a ",
-                entry.key().tagKind(), ", expected strings; ", kPythonHint);
-    const auto& key = entry.key().toStringRef();
-    TORCH_CHECK(entry.value().isTensor(), "[read_state_dict] '", path, "': value of key '", key,
-                "' is a ", entry.value().tagKind(), ", expected a tensor; ", kPythonHint);
-    dict.insert(key, entry.value().toTensor());
-  }
-  return dict;
+  return detail::parse_state_dict(read_bytes(path), path);
 }
 
 void save_state_dict(const torch::nn::Module& module, const std::string& path) {

@@ -17,6 +17,9 @@ fail() {
   failures=$((failures + 1))
 }
 
+# Whether FILE has a line that is all of the extended regular expression LINE.
+has_line() { grep -qxE -- "$2" "$1"; }
+
 # Column `column` (1-based) of a metrics CSV without its header and final line.
 column() { awk -F, -v c="$2" 'NR > 1 && $7 == "false" { print $c }' "$1"; }
 
@@ -103,8 +106,11 @@ start_long_run
 rank1=$(pgrep -P "$launcher" | sed -n 2p)
 kill -9 "$rank1"
 wait_launcher 60
-if [ "$code" -ne 0 ] && [ "$code" -ne -1 ] && grep -q "rank 1 was killed by signal 9" "$work/long.err" &&
-   grep -q "rank 0: lost rank 1" "$work/long.err"; then
+# Whole lines: the launcher's and rank 0's messages, each on a line of its own (they once came
+# out cut into each other, each `<<` its own write()).
+if [ "$code" -ne 0 ] && [ "$code" -ne -1 ] &&
+   has_line "$work/long.err" "attnkit-train: rank 1 was killed by signal 9 \(Killed\); waiting up to 60 s for the other ranks to stop" &&
+   has_line "$work/long.err" "attnkit-train: rank 0: lost rank 1 .*"; then
   pass "rank 1 killed: exit $code, rank 0 names the lost rank"
 else
   fail "rank 1 killed: exit $code, stderr: $(cat "$work/long.err")"
@@ -119,7 +125,7 @@ fi
 start_long_run
 kill -INT "$launcher"
 wait_launcher 60
-if [ "$code" -eq 130 ] && grep -q "interrupted at step .*; saved to" "$work/long.err"; then
+if [ "$code" -eq 130 ] && has_line "$work/long.err" "attnkit-train: interrupted at step [0-9]+; saved to .*/long\.pt"; then
   pass "SIGINT: every rank finished its step, rank 0 saved, exit 130"
 else
   fail "SIGINT: exit $code, stderr: $(cat "$work/long.err")"

@@ -5,10 +5,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
+
+#include <caffe2/serialize/inline_container.h>
 
 #include "module_factory.h"
 #include "source_paths.h"
+#include "state_dict_reader.h"
 #include "test_support.h"
 
 namespace fs = std::filesystem;
@@ -135,11 +139,11 @@ TEST_F(SerializeTest, BadFilesGiveOneLineErrors) {
   const std::vector<std::pair<std::string, std::string>> cases{
       {"missing.pt", "cannot open"},
       {"empty.pt", "is empty; expected a dict of tensors"},
-      {"foreign.pt", "is not a readable state-dict file"},
-      {"half.pt", "is not a readable state-dict file"},
-      {"tail_cut.pt", "is not a readable state-dict file"},
-      {"head_cut.pt", "is not a readable state-dict file"},
-      {"tensor.pt", "holds a Tensor, not a dict"},
+      {"foreign.pt", "is not a zip archive (torch.save's format); expected a dict of tensors"},
+      {"half.pt", "is truncated or damaged: no zip end-of-directory record"},
+      {"tail_cut.pt", "is truncated or damaged: no zip end-of-directory record"},
+      {"head_cut.pt", "is not a zip archive"},
+      {"tensor.pt", "holds a tensor, not a dict"},
   };
   const auto snapshot = attnkit::state_dict(*mha);
   for (const auto& [name, message] : cases) {
@@ -154,6 +158,170 @@ TEST_F(SerializeTest, BadFilesGiveOneLineErrors) {
     }
   }
   EXPECT_TRUE(torch::equal(mha->W_key->weight, snapshot["W_key.weight"]));
+}
+
+// Flips one byte (all of its bits) at each of `positions` of every record of the file at
+// `path`, and expects `load` to refuse each damaged copy with an error naming the record.
+void expect_every_flip_reported(const std::string& path, const std::string& copy,
+                                const std::function<void(const std::string&)>& load,
+                                size_t max_positions_per_record) {
+  const std::string good = file_bytes(path);
+  const auto records = attnkit::detail::zip_records(good, path);
+  ASSERT_GE(records.size(), 3u);
+  size_t flips = 0;
+  for (const auto& record : records) {
+    const uint64_t step = std::max<uint64_t>(1, record.size / max_positions_per_record);
+    for (uint64_t at = 0; at < record.size; at += step) {
+      std::string damaged = good;
+      damaged[record.offset + at] = static_cast<char>(damaged[record.offset + at] ^ 0xFF);
+      std::ofstream(copy, std::ios::binary | std::ios::trunc) << damaged;
+      SCOPED_TRACE(record.name + " byte " + std::to_string(at));
+      expect_error_containing([&] { load(copy); },
+                              "record '" + record.name + "' does not match its CRC-32");
+      ++flips;
+    }
+  }
+  EXPECT_GT(flips, records.size());
+}
+
+TEST_F(SerializeTest, EveryByteFlippedInEveryRecordIsReported) {
+  attnkit::MultiHeadAttention mha(6, 8, 7, 0.0, 2);
+  attnkit::save_state_dict(*mha, path("mha.pt"));
+  const auto snapshot = attnkit::state_dict(*mha);
+  // Every byte of every record: a few hundred bytes of weights and the pickle.
+  expect_every_flip_reported(
+      path("mha.pt"), path("damaged.pt"),
+      [&](const std::string& file) { attnkit::load_state_dict(*mha, file); },
+      /*max_positions_per_record=*/1 << 20);
+  EXPECT_TRUE(torch::equal(mha->W_key->weight, snapshot["W_key.weight"]));
+}
+
+// A zip archive as torch.save writes it, holding `pickle` as data.pkl and `storage` as data/0.
+std::string archive_with(const std::string& pickle, const std::string& storage) {
+  std::string bytes;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
+    bytes.append(static_cast<const char*>(data), size);
+    return size;
+  });
+  writer.writeRecord("data/0", storage.data(), storage.size());
+  writer.writeRecord("data.pkl", pickle.data(), pickle.size());
+  writer.writeEndOfFile();
+  return bytes;
+}
+
+// Pickle pieces (protocol 2) for hand-made state dicts.
+std::string pickled_int(int64_t value) {  // LONG1 with 8 bytes
+  std::string bytes = "\x8a\x08";
+  for (int i = 0; i < 8; ++i)
+    bytes += static_cast<char>((static_cast<uint64_t>(value) >> (8 * i)) & 0xFF);
+  return bytes;
+}
+std::string pickled_ints(const std::vector<int64_t>& values) {
+  std::string bytes = "(";
+  for (const auto value : values)
+    bytes += pickled_int(value);
+  return bytes + "t";
+}
+std::string pickled_string(const std::string& text) {
+  std::string bytes = "X";
+  for (int i = 0; i < 4; ++i)
+    bytes += static_cast<char>((text.size() >> (8 * i)) & 0xFF);
+  return bytes + text;
+}
+// {"w": a float tensor of `sizes` and `strides` at `offset` in storage 0 of `numel` elements}.
+std::string tensor_dict_pickle(int64_t numel, int64_t offset, const std::vector<int64_t>& sizes,
+                               const std::vector<int64_t>& strides) {
+  return "\x80\x02}" + pickled_string("w") + "ctorch._utils\n_rebuild_tensor_v2\n((" +
+         pickled_string("storage") + "ctorch\nFloatStorage\n" + pickled_string("0") +
+         pickled_string("cpu") + pickled_int(numel) + "tQ" + pickled_int(offset) +
+         pickled_ints(sizes) + pickled_ints(strides) +
+         "\x89"  // NEWFALSE
+         "ccollections\nOrderedDict\n)RtRs.";
+}
+
+// Peak resident memory since the last reset, and the reset (Linux: /proc/self/clear_refs).
+int64_t resident_kib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0)
+      return std::stoll(line.substr(field.size() + 1));
+  }
+  return -1;
+}
+
+TEST_F(SerializeTest, HostileSizesGiveOneClearErrorWithoutAHugeAllocation) {
+  const std::string four_floats(16, '\0');
+  std::string directory_lies = archive_with(tensor_dict_pickle(4, 0, {4}, {1}), four_floats);
+  {
+    // The zip directory claims about 4 GiB for data/0 (both sizes, so the entry still reads
+    // as stored; 0xFFFFFFFF itself would mean "see the zip64 field").
+    ASSERT_GE(attnkit::detail::zip_records(directory_lies, "valid").size(), 2u);
+    const auto end = directory_lies.rfind("PK\x05\x06");
+    ASSERT_NE(end, std::string::npos);
+    const auto directory = directory_lies.find("PK\x01\x02");
+    ASSERT_NE(directory, std::string::npos);  // the first entry: data/0
+    for (size_t field : {20u, 24u})
+      for (int i = 0; i < 4; ++i)
+        directory_lies[directory + field + i] = static_cast<char>(i == 3 ? 0xFF : 0xF0);
+  }
+  std::string deep = "\x80\x02)";
+  for (int i = 0; i < 100000; ++i)
+    deep += "\x85";  // TUPLE1: a tuple in a tuple in a tuple ...
+  deep += ".";
+  std::string marks = "\x80\x02";
+  marks += std::string(100000, '(');
+  const std::vector<std::pair<std::string, std::pair<std::string, std::string>>> cases{
+      {"10^12 elements, 4 stored",
+       {archive_with(tensor_dict_pickle(4, 0, {1000000, 1000000}, {1000000, 1}), four_floats),
+        "that reaches past its storage of 4 elements"}},
+      {"storage claims 10^12 elements",
+       {archive_with(tensor_dict_pickle(1000000000000, 0, {4}, {1}), four_floats),
+        "says storage '0' holds 1000000000000 elements of 4 bytes, its record has 16 bytes"}},
+      {"storage shorter than its tensor",
+       {archive_with(tensor_dict_pickle(4, 2, {2, 2}, {2, 1}), four_floats),
+        "reaches past its storage of 4 elements"}},
+      {"negative stride",
+       {archive_with(tensor_dict_pickle(4, 3, {4}, {-1}), four_floats),
+        "a tensor's stride has a negative entry (-1)"}},
+      {"overflowing strides",
+       {archive_with(tensor_dict_pickle(4, 0, {int64_t{1} << 40, int64_t{1} << 40},
+                                        {int64_t{1} << 40, int64_t{1} << 40}),
+                     four_floats),
+        "reaches past its storage"}},
+      {"deeply nested tuples", {archive_with(deep, four_floats), "nests deeper than 32 levels"}},
+      {"deeply nested marks", {archive_with(marks, four_floats), "nests deeper than 32 levels"}},
+      {"a string longer than the file",
+       {archive_with("\x80\x02X\xf0\xff\xff\xff", four_floats), "ends in the middle of an item"}},
+      {"a memo entry never stored",
+       {archive_with(std::string("\x80\x02j\x00\x00\x00\xf0.", 8), four_floats),
+        "refers to memo entry 4026531840"}},
+      {"a foreign global",
+       {archive_with("\x80\x02"
+                     "cos\nsystem\n.",
+                     four_floats),
+        "names the global 'os.system'"}},
+      {"a record claiming 4 GiB", {directory_lies, "past the end of the file"}},
+  };
+  const int64_t resident_before = resident_kib("VmRSS");
+  std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to the current resident size
+  for (const auto& [what, file_and_message] : cases) {
+    SCOPED_TRACE(what);
+    write_file("hostile.pt", file_and_message.first);
+    expect_error_containing([&] { attnkit::read_state_dict(path("hostile.pt")); },
+                            file_and_message.second);
+  }
+  const int64_t peak = resident_kib("VmHWM");
+  ASSERT_GT(peak, 0);
+  EXPECT_LT(peak - resident_before, 256 * 1024)
+      << "rejecting the hostile files raised the peak resident memory by "
+      << (peak - resident_before) / 1024 << " MiB";
+  // The hand-made archive itself is good: the checks above fail for the reason named.
+  const auto valid = attnkit::read_state_dict([&] {
+    write_file("valid.pt", archive_with(tensor_dict_pickle(4, 1, {3}, {1}), four_floats));
+    return path("valid.pt");
+  }());
+  EXPECT_EQ(valid["w"].sizes(), torch::IntArrayRef({3}));
 }
 
 TEST_F(SerializeTest, WritingWhereItCannotFails) {

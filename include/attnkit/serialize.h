@@ -5,9 +5,14 @@
 /// The file format is the one `torch.save` writes (a zip archive holding a pickled dict of
 /// tensors), naming only what `torch.save` names, so that Python's `torch.load(path)` returns
 /// the dict with the weights-only unpickler too (PyTorch 2.6's default; `weights_only=True`
-/// on 1.13), and the Python class's `load_state_dict` accepts it as is. Reading uses
-/// LibTorch's `torch::pickle_load`. From Python, save with `torch.save(dict(model.state_dict()),
-/// path)`: LibTorch reads plain dicts, not the OrderedDict that `state_dict()` returns.
+/// on 1.13), and the Python class's `load_state_dict` accepts it as is.
+///
+/// Reading accepts only what a dict of tensors needs, like PyTorch's weights-only unpickler:
+/// every zip record must match its CRC-32, every tensor must lie inside its storage, and no
+/// global other than the tensor-rebuilding ones is called, so a damaged or hostile file is a
+/// `c10::Error` that names the file (and the record), never a crash or a huge allocation.
+/// From Python, `torch.save(model.state_dict(), path)` (an OrderedDict) and
+/// `torch.save(dict(model.state_dict()), path)` both work.
 
 #include <string>
 #include <vector>
@@ -29,7 +34,7 @@ StateDict state_dict(const torch::nn::Module& module);
 void write_state_dict(const StateDict& dict, const std::string& path);
 
 /// Reads a dict of tensors written by `write_state_dict` or by Python's
-/// `torch.save(dict(...), path)`. A missing, empty, truncated or foreign file is a
+/// `torch.save(state_dict, path)`. A missing, empty, truncated, damaged or foreign file is a
 /// `c10::Error` naming the path.
 /// Example: `auto dict = attnkit::read_state_dict("mha.pt");`
 StateDict read_state_dict(const std::string& path);

@@ -62,25 +62,31 @@ void FlatAdamW::step() {
   values_.addcdiv_(exp_avg_, denominator, -lr_ / bias_correction1);
 }
 
-void FlatAdamW::save(torch::serialize::OutputArchive& archive) const {
-  archive.write("exp_avg", exp_avg_);
-  archive.write("exp_avg_sq", exp_avg_sq_);
-  archive.write("step", c10::IValue(step_));
+void FlatAdamW::save(StateDict& dict, const std::string& prefix) const {
+  dict.insert(prefix + "exp_avg", exp_avg_);
+  dict.insert(prefix + "exp_avg_sq", exp_avg_sq_);
+  dict.insert(prefix + "step", torch::tensor(step_, torch::kLong));
 }
 
-void FlatAdamW::load(torch::serialize::InputArchive& archive) {
-  torch::Tensor exp_avg, exp_avg_sq;
-  c10::IValue step;
-  archive.read("exp_avg", exp_avg);
-  archive.read("exp_avg_sq", exp_avg_sq);
-  archive.read("step", step);
+void FlatAdamW::load(const StateDict& dict, const std::string& prefix) {
+  const auto entry = [&](const std::string& name) -> const torch::Tensor& {
+    const auto* tensor = dict.find(prefix + name);
+    TORCH_CHECK(tensor != nullptr, "[FlatAdamW] saved state has no '", prefix + name, "'");
+    return *tensor;
+  };
+  const auto& exp_avg = entry("exp_avg");
+  const auto& exp_avg_sq = entry("exp_avg_sq");
+  const auto& step = entry("step");
   TORCH_CHECK(exp_avg.sizes() == exp_avg_.sizes() && exp_avg_sq.sizes() == exp_avg_sq_.sizes(),
-              "[FlatAdamW] saved state holds ", exp_avg.numel(), " values, this model has ",
-              exp_avg_.numel());
+              "[FlatAdamW] saved state holds ", exp_avg.sizes(), " and ", exp_avg_sq.sizes(),
+              " values, this model has ", exp_avg_.sizes());
+  TORCH_CHECK(step.scalar_type() == torch::kLong && step.dim() == 0 && step.item<int64_t>() >= 0,
+              "[FlatAdamW] saved step: expected a non-negative int64 scalar, got a ",
+              step.scalar_type(), " tensor of shape ", step.sizes());
   torch::NoGradGuard no_grad;
   exp_avg_.copy_(exp_avg);
   exp_avg_sq_.copy_(exp_avg_sq);
-  step_ = step.toInt();
+  step_ = step.item<int64_t>();
 }
 
 }  // namespace attnkit::train

@@ -7,9 +7,12 @@
 // at 1). Why: at attnkit-train's toy sizes the per-parameter ops of torch::optim::AdamW
 // took about 9% of a training step.
 
+#include <string>
 #include <vector>
 
 #include <torch/torch.h>
+
+#include "attnkit/serialize.h"
 
 namespace attnkit::train {
 
@@ -34,13 +37,15 @@ class FlatAdamW {
   torch::Tensor& flat_gradients() { return gradients_; }
 
   /// Moments and step count (the parameters are saved with the model).
-  void save(torch::serialize::OutputArchive& archive) const;
-  void load(torch::serialize::InputArchive& archive);
-  /// Makes the parameters views of the flat buffer again, keeping their values: needed
-  /// after Module::load, which gives them new storage.
-  void reattach();
+  /// Under `prefix`: "exp_avg", "exp_avg_sq" (float tensors) and "step" (int64 scalar).
+  void save(attnkit::StateDict& dict, const std::string& prefix) const;
+  /// Checks every entry's shape and type before it changes anything.
+  void load(const attnkit::StateDict& dict, const std::string& prefix);
 
  private:
+  /// Makes the parameters views of the flat buffer, keeping their values.
+  void reattach();
+
   std::vector<torch::Tensor> parameters_;
   torch::Tensor values_;     // (numel) every parameter, back to back
   torch::Tensor gradients_;  // (numel) their gradients, the same layout

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "distributed.h"
+#include "line.h"
 
 namespace attnkit::train {
 
@@ -104,7 +105,7 @@ int launch_local_ranks(int nproc, const std::vector<std::string>& arguments, std
       break;
     if (pid <= 0) {
       if (failed && !terminated && Clock::now() > deadline) {
-        err << "attnkit-train: stopping the ranks still running after " << grace_s << " s\n";
+        Line(err) << "attnkit-train: stopping the ranks still running after " << grace_s << " s\n";
         for (int r = 0; r < nproc; ++r) {
           if (g_ranks[r] > 0)
             ::kill(g_ranks[r], SIGKILL);
@@ -129,10 +130,10 @@ int launch_local_ranks(int nproc, const std::vector<std::string>& arguments, std
       result = code;
       deadline = Clock::now() + std::chrono::seconds(grace_s);
       if (running > 0) {
-        err << "attnkit-train: rank " << rank << " " << describe(status) << "; waiting up to "
-            << grace_s << " s for the other ranks to stop\n";
+        Line(err) << "attnkit-train: rank " << rank << " " << describe(status) << "; waiting up to "
+                  << grace_s << " s for the other ranks to stop\n";
       } else if (nproc > 1 || WIFSIGNALED(status)) {
-        err << "attnkit-train: rank " << rank << " " << describe(status) << "\n";
+        Line(err) << "attnkit-train: rank " << rank << " " << describe(status) << "\n";
       }
     } else if (interrupted && !failed) {
       result = 130;

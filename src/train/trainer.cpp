@@ -11,9 +11,11 @@
 #include <sstream>
 
 #include "attnkit/threads.h"
+#include "checkpoint.h"
 #include "flat_adamw.h"
 #include "gradient_sync.h"
 #include "heatmap.h"
+#include "line.h"
 
 namespace attnkit::train {
 
@@ -21,7 +23,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t kCheckpointFormat = 2;  // 2: FlatAdamW state
 constexpr int64_t kMaxContext = 1024;
 
 int64_t default_steps(const std::string& task) {
@@ -40,8 +41,7 @@ double seconds_since(Clock::time_point start) {
 }
 
 // The settings a checkpoint must share with the run that resumes it.
-std::vector<std::pair<std::string, std::string>> compatibility_fields(const TrainConfig& c) {
-  // Checkpoints from before the attention family lack its three sizes: they read as 0 (unset).
+CheckpointSettings compatibility_fields(const TrainConfig& c) {
   return {{"task", c.task},
           {"seq-len", std::to_string(c.seq_len)},
           {"module", c.module},
@@ -52,14 +52,6 @@ std::vector<std::pair<std::string, std::string>> compatibility_fields(const Trai
           {"kv-groups", std::to_string(c.kv_groups)},
           {"window", std::to_string(c.window)},
           {"latent-dim", std::to_string(c.latent_dim)}};
-}
-
-std::string compatibility_text(const TrainConfig& c) {
-  std::string text;
-  for (const auto& [key, value] : compatibility_fields(c)) {
-    text += key + "=" + value + ";";
-  }
-  return text;
 }
 
 // Masked next-token cross-entropy and the number of correct predictions.
@@ -106,115 +98,6 @@ Evaluation evaluate(AttentionModel& model, const std::vector<Batch>& batches,
   e.accuracy = static_cast<double>(correct) / static_cast<double>(scored);
   e.bits_per_byte = e.loss / std::log(2.0);
   return e;
-}
-
-// ---- checkpoints ------------------------------------------------------------------------
-
-struct TrainingState {
-  int64_t step = 0;
-  double best_loss = std::numeric_limits<double>::infinity();
-};
-
-void sync_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
-// `cpu_rng_by_rank`: (world size, state bytes), every rank's dropout stream; undefined for
-// one process.
-void save_checkpoint(const std::string& path, const TrainConfig& config, AttentionModel& model,
-                     FlatAdamW& optimizer, const TrainingState& state,
-                     const at::Generator& data_generator, const torch::Tensor& cpu_rng_by_rank) {
-  torch::serialize::OutputArchive archive;
-  archive.write("format", c10::IValue(kCheckpointFormat));
-  archive.write("config", c10::IValue(compatibility_text(config)));
-  archive.write("step", c10::IValue(state.step));
-  archive.write("best_loss", c10::IValue(state.best_loss));
-  archive.write("data_rng", data_generator.get_state());
-  archive.write("cpu_rng", at::detail::getDefaultCPUGenerator().get_state());
-  if (cpu_rng_by_rank.defined())
-    archive.write("cpu_rng_by_rank", cpu_rng_by_rank);
-  torch::serialize::OutputArchive model_archive, optimizer_archive;
-  model->save(model_archive);
-  optimizer.save(optimizer_archive);
-  archive.write("model", model_archive);
-  archive.write("optimizer", optimizer_archive);
-  // Write beside the target, flush to disk, then rename: a crash leaves the old file intact.
-  const std::string temporary = path + ".tmp";
-  archive.save_to(temporary);
-  sync_file(temporary);
-  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "--save: cannot rename '",
-              temporary, "' to '", path, "'");
-}
-
-// Every rank reads the same checkpoint: the model, the optimizer and the data stream are the
-// same on all of them; rank r takes its own dropout stream where the checkpoint has one
-// (written by a run of at least r + 1 ranks) and keeps its fresh one otherwise.
-TrainingState load_checkpoint(const std::string& path, const TrainConfig& config,
-                              AttentionModel& model, FlatAdamW& optimizer,
-                              at::Generator& data_generator, const torch::Device& device,
-                              int rank) {
-  TORCH_CHECK(std::ifstream(path).good(), "--resume: cannot read '", path, "'");
-  torch::serialize::InputArchive archive;
-  c10::IValue format, saved_config, step, best_loss;
-  try {
-    archive.load_from(path, device);
-    archive.read("format", format);
-    archive.read("config", saved_config);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "--resume: '", path, "' is not an attnkit-train checkpoint");
-  }
-  TORCH_CHECK(format.isInt() && format.toInt() == kCheckpointFormat, "--resume: '", path,
-              "' has checkpoint format ", format.isInt() ? format.toInt() : -1, ", expected ",
-              kCheckpointFormat);
-  // Name the first setting that differs.
-  std::string saved = saved_config.toStringRef();
-  for (const auto& [key, value] : compatibility_fields(config)) {
-    const auto at = saved.find(key + "=");
-    const auto end = saved.find(';', at);
-    const auto saved_value = at == std::string::npos
-                                 ? "0"
-                                 : saved.substr(at + key.size() + 1, end - at - key.size() - 1);
-    TORCH_CHECK(saved_value == value, "--resume: incompatible checkpoint '", path,
-                "': it was trained with --", key, " ", saved_value, ", this run has --", key, " ",
-                value);
-  }
-  TrainingState state;
-  try {
-    archive.read("step", step);
-    archive.read("best_loss", best_loss);
-    torch::Tensor data_rng, cpu_rng;
-    archive.read("data_rng", data_rng);
-    archive.read("cpu_rng", cpu_rng);
-    torch::serialize::InputArchive model_archive, optimizer_archive;
-    archive.read("model", model_archive);
-    archive.read("optimizer", optimizer_archive);
-    model->load(model_archive);
-    optimizer.reattach();  // Module::load gave the parameters new storage
-    optimizer.load(optimizer_archive);
-    data_generator.set_state(data_rng.cpu());
-    auto own_rng = rank == 0 ? cpu_rng : torch::Tensor();
-    c10::IValue by_rank;
-    if (rank > 0 && archive.try_read("cpu_rng_by_rank", by_rank) && by_rank.isTensor() &&
-        by_rank.toTensor().size(0) > rank) {
-      // A tensor of its own: LibTorch 2.11's CPUGeneratorImpl::set_state crashed (SIGSEGV)
-      // on this row as a view into the stacked states (1.13 and 2.6 did not).
-      own_rng = by_rank.toTensor()[rank].clone();
-    }
-    if (own_rng.defined()) {
-      auto default_generator = at::detail::getDefaultCPUGenerator();
-      default_generator.set_state(own_rng.cpu().contiguous());
-    }
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "--resume: '", path, "' is damaged or incomplete (",
-                std::string(e.what_without_backtrace()).substr(0, 120), ")");
-  }
-  state.step = step.toInt();
-  state.best_loss = best_loss.toDouble();
-  return state;
 }
 
 // ---- metrics file -----------------------------------------------------------------------
@@ -275,12 +158,12 @@ void draw_progress(std::ostream& out, int64_t step, int64_t steps, double loss, 
                    bool text, double tokens_per_s, double eta_s) {
   constexpr int kWidth = 24;
   const int filled = static_cast<int>(kWidth * step / std::max<int64_t>(steps, 1));
-  out << "\r[" << std::string(filled, '#') << std::string(kWidth - filled, '.') << "] step " << step
-      << "/" << steps << std::fixed << std::setprecision(4) << " loss " << loss;
+  Line line(out);
+  line << "\r[" << std::string(filled, '#') << std::string(kWidth - filled, '.') << "] step "
+       << step << "/" << steps << std::fixed << std::setprecision(4) << " loss " << loss;
   if (!text)
-    out << std::setprecision(1) << " acc " << 100.0 * accuracy << "%";
-  out << std::setprecision(0) << " " << tokens_per_s << " tok/s ETA " << eta_s << "s   "
-      << std::flush;
+    line << std::setprecision(1) << " acc " << 100.0 * accuracy << "%";
+  line << std::setprecision(0) << " " << tokens_per_s << " tok/s ETA " << eta_s << "s   ";
 }
 
 // "sample (N bytes, KV cache, T tokens/s): [prompt]continuation": `length` bytes after the
@@ -445,17 +328,18 @@ void print_config_table(std::ostream& out, const TrainConfig& c, const Task& tas
   size_t width = 9;
   for (const auto& row : rows)
     width = std::max(width, row.first.size());
-  out << "| " << std::left << std::setw(static_cast<int>(width)) << "Parameter"
-      << " | Value\n"
-      << "|" << std::string(width + 2, '-') << "|" << std::string(40, '-') << "\n";
+  Line table(out);  // the whole table in one write
+  table << "| " << std::left << std::setw(static_cast<int>(width)) << "Parameter"
+        << " | Value\n"
+        << "|" << std::string(width + 2, '-') << "|" << std::string(40, '-') << "\n";
   for (const auto& [name, value] : rows) {
-    out << "| " << std::setw(static_cast<int>(width)) << name << " | " << value << "\n";
+    table << "| " << std::setw(static_cast<int>(width)) << name << " | " << value << "\n";
   }
-  out << std::right;
+  table << std::right;
   if (c.task == "text") {
-    out << std::fixed << std::setprecision(2) << "corpus " << c.data << ": unigram entropy "
-        << task.unigram_entropy() << ", bigram entropy " << task.bigram_entropy()
-        << " bits/byte on the held-out 10%\n";
+    table << std::fixed << std::setprecision(2) << "corpus " << c.data << ": unigram entropy "
+          << task.unigram_entropy() << ", bigram entropy " << task.bigram_entropy()
+          << " bits/byte on the held-out 10%\n";
   }
 }
 
@@ -553,11 +437,12 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
 
   TrainingState state;
   if (!config.resume.empty()) {
-    state = load_checkpoint(config.resume, config, model, optimizer, data_generator, device, rank);
+    state = load_checkpoint(config.resume, compatibility_fields(config), model, optimizer,
+                            data_generator, rank);
     optimizer.set_lr(config.lr);  // this run's --lr and --weight-decay
     optimizer.set_weight_decay(config.weight_decay);
     if (verbose)
-      out << "resumed from " << config.resume << " at step " << state.step << "\n";
+      Line(out) << "resumed from " << config.resume << " at step " << state.step << "\n";
   }
   group.broadcast_from_main(optimizer.flat_values());  // the same start on every rank
   std::unique_ptr<GradientSync> gradient_sync;
@@ -570,11 +455,11 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
     print_config_table(out, config, *task);
     if (world_size > 1) {
       const auto buckets = gradient_sync->bucket_sizes();
-      out << "data-parallel: " << world_size << " ranks (" << group.backend() << "), "
-          << config.batch_size << " sequences per step in all, "
-          << optimizer.flat_gradients().numel() << " gradients summed in " << buckets.size()
-          << (buckets.size() == 1 ? " allreduce after backward\n"
-                                  : " buckets started during backward\n");
+      Line(out) << "data-parallel: " << world_size << " ranks (" << group.backend() << "), "
+                << config.batch_size << " sequences per step in all, "
+                << optimizer.flat_gradients().numel() << " gradients summed in " << buckets.size()
+                << (buckets.size() == 1 ? " allreduce after backward\n"
+                                        : " buckets started during backward\n");
     }
   }
   MetricsWriter metrics(main_rank ? config.metrics : std::string(), text);
@@ -596,11 +481,11 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
           torch::stack(group.gather_all(at::detail::getDefaultCPUGenerator().get_state()));
     }
     if (main_rank) {
-      save_checkpoint(config.save, config, model, optimizer, state, data_generator,
-                      cpu_rng_by_rank);
+      save_checkpoint(config.save, compatibility_fields(config), model, optimizer, state,
+                      data_generator, cpu_rng_by_rank);
       if (improved) {
-        save_checkpoint(best_checkpoint_path(config.save), config, model, optimizer, state,
-                        data_generator, cpu_rng_by_rank);
+        save_checkpoint(best_checkpoint_path(config.save), compatibility_fields(config), model,
+                        optimizer, state, data_generator, cpu_rng_by_rank);
       }
     }
     saved_step = state.step;
@@ -676,11 +561,10 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
         metrics.write(step, evaluation, smoothed_loss, tokens_per_s, seconds_since(wall_start),
                       /*final=*/false);
         if (verbose) {
-          if (config.progress_bar)
-            out << "\n";
-          out << "step " << step << "/" << config.steps << " | train loss " << std::fixed
-              << std::setprecision(4) << smoothed_loss << " | " << format_eval(evaluation, text)
-              << " | " << std::setprecision(0) << tokens_per_s << " tok/s\n";
+          Line(out) << (config.progress_bar ? "\n" : "") << "step " << step << "/" << config.steps
+                    << " | train loss " << std::fixed << std::setprecision(4) << smoothed_loss
+                    << " | " << format_eval(evaluation, text) << " | " << std::setprecision(0)
+                    << tokens_per_s << " tok/s\n";
         }
       }
       save(improved);
@@ -700,28 +584,33 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   metrics.write(state.step, result.final_evaluation, smoothed_loss, result.tokens_per_second,
                 result.wall_seconds, /*final=*/true);
 
-  out << (result.interrupted ? "interrupted" : "done") << " after step " << state.step << ": "
-      << format_eval(result.final_evaluation, text) << " | " << std::fixed << std::setprecision(1)
-      << result.wall_seconds << " s wall, " << std::setprecision(0) << result.tokens_per_second
-      << " tokens/s";
-  if (world_size > 1) {
-    out << " on " << world_size << " ranks, gradient allreduce " << std::setprecision(1)
-        << 100.0 * result.allreduce_seconds / std::max(train_seconds, 1e-9) << "% of the steps";
-  }
-  out << "\n";
-  if (text) {
-    out << std::setprecision(2) << "corpus baselines: unigram " << task->unigram_entropy()
-        << ", bigram " << task->bigram_entropy() << " bits/byte; model "
-        << result.final_evaluation.bits_per_byte << " ("
-        << task->bigram_entropy() - result.final_evaluation.bits_per_byte << " below bigram)\n";
-    if (config.sample > 0) {
-      out << sample_text(model, *task, device, config) << "\n";
+  {
+    Line summary(out);  // the summary, baselines and sample in one write
+    summary << (result.interrupted ? "interrupted" : "done") << " after step " << state.step << ": "
+            << format_eval(result.final_evaluation, text) << " | " << std::fixed
+            << std::setprecision(1) << result.wall_seconds << " s wall, " << std::setprecision(0)
+            << result.tokens_per_second << " tokens/s";
+    if (world_size > 1) {
+      summary << " on " << world_size << " ranks, gradient allreduce " << std::setprecision(1)
+              << 100.0 * result.allreduce_seconds / std::max(train_seconds, 1e-9)
+              << "% of the steps";
+    }
+    summary << "\n";
+    if (text) {
+      summary << std::setprecision(2) << "corpus baselines: unigram " << task->unigram_entropy()
+              << ", bigram " << task->bigram_entropy() << " bits/byte; model "
+              << result.final_evaluation.bits_per_byte << " ("
+              << task->bigram_entropy() - result.final_evaluation.bits_per_byte
+              << " below bigram)\n";
+      if (config.sample > 0) {
+        summary << sample_text(model, *task, device, config) << "\n";
+      }
     }
   }
   if (!config.dump_attention.empty()) {
     dump_attention(config.dump_attention, model, *task, device);
     if (verbose)
-      out << "attention heatmap written to " << config.dump_attention << "\n";
+      Line(out) << "attention heatmap written to " << config.dump_attention << "\n";
   }
   return result;
 }

@@ -1,0 +1,158 @@
+#include "checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+namespace attnkit::train {
+
+namespace {
+
+torch::Tensor text_tensor(const std::string& text) {
+  auto tensor = torch::empty({static_cast<int64_t>(text.size())}, torch::kUInt8);
+  if (!text.empty())
+    std::memcpy(tensor.data_ptr(), text.data(), text.size());
+  return tensor;
+}
+
+void sync_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+std::string first_line(const std::string& text) {
+  return text.substr(0, text.find('\n'));
+}
+
+// Typed access to a checkpoint's entries: a missing key or a wrong dtype or shape is one
+// clear error naming the file and the key.
+class Entries {
+ public:
+  Entries(const StateDict& dict, const std::string& path) : dict_(dict), path_(path) {}
+
+  const torch::Tensor& get(const std::string& key, torch::ScalarType dtype, int64_t dim) const {
+    const auto* tensor = dict_.find(key);
+    TORCH_CHECK(tensor != nullptr, "--resume: '", path_,
+                "' is not an attnkit-train checkpoint (it has no '", key, "')");
+    TORCH_CHECK(tensor->scalar_type() == dtype && tensor->dim() == dim, "--resume: '", path_,
+                "' is damaged: '", key, "' is a ", tensor->scalar_type(), " tensor of shape ",
+                tensor->sizes(), ", expected ", dtype, " with ", dim, " dimension(s)");
+    return *tensor;
+  }
+  bool has(const std::string& key) const { return dict_.find(key) != nullptr; }
+  int64_t integer(const std::string& key) const {
+    return get(key, torch::kLong, 0).item<int64_t>();
+  }
+  std::string text(const std::string& key) const {
+    const auto tensor = get(key, torch::kUInt8, 1).contiguous();
+    return std::string(static_cast<const char*>(tensor.data_ptr()),
+                       static_cast<size_t>(tensor.numel()));
+  }
+  // Every entry under "prefix.", without the prefix.
+  StateDict under(const std::string& prefix) const {
+    StateDict part;
+    for (const auto& item : dict_) {
+      if (item.key().rfind(prefix, 0) == 0)
+        part.insert(item.key().substr(prefix.size()), item.value());
+    }
+    return part;
+  }
+
+ private:
+  const StateDict& dict_;
+  const std::string& path_;
+};
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, const CheckpointSettings& settings,
+                     AttentionModel& model, const FlatAdamW& optimizer, const TrainingState& state,
+                     const at::Generator& data_generator, const torch::Tensor& cpu_rng_by_rank) {
+  StateDict dict;
+  dict.insert("format", torch::tensor(kCheckpointFormat, torch::kLong));
+  for (const auto& [flag, value] : settings)
+    dict.insert("settings." + flag, text_tensor(value));
+  dict.insert("step", torch::tensor(state.step, torch::kLong));
+  dict.insert("best_loss", torch::tensor(state.best_loss, torch::kDouble));
+  dict.insert("data_rng", data_generator.get_state());
+  dict.insert("cpu_rng", at::detail::getDefaultCPUGenerator().get_state());
+  if (cpu_rng_by_rank.defined())
+    dict.insert("cpu_rng_by_rank", cpu_rng_by_rank);
+  for (const auto& item : state_dict(*model))
+    dict.insert("model." + item.key(), item.value());
+  optimizer.save(dict, "optimizer.");
+  // Write beside the target, flush to disk, then rename: a crash leaves the old file intact.
+  const std::string temporary = path + ".tmp";
+  write_state_dict(dict, temporary);
+  sync_file(temporary);
+  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "--save: cannot rename '",
+              temporary, "' to '", path, "'");
+}
+
+TrainingState restore_checkpoint(const StateDict& dict, const std::string& path,
+                                 const CheckpointSettings& settings, AttentionModel& model,
+                                 FlatAdamW& optimizer, at::Generator& data_generator, int rank) {
+  const Entries entries(dict, path);
+  const int64_t format = entries.integer("format");
+  TORCH_CHECK(format == kCheckpointFormat, "--resume: '", path, "' has checkpoint format ", format,
+              ", expected ", kCheckpointFormat);
+  // Name the first setting that differs.
+  for (const auto& [flag, value] : settings) {
+    const std::string saved = entries.text("settings." + flag);
+    TORCH_CHECK(saved == value, "--resume: incompatible checkpoint '", path,
+                "': it was trained with --", flag, " ", saved, ", this run has --", flag, " ",
+                value);
+  }
+  TrainingState state;
+  state.step = entries.integer("step");
+  TORCH_CHECK(state.step >= 0, "--resume: '", path, "' is damaged: step ", state.step);
+  state.best_loss = entries.get("best_loss", torch::kDouble, 0).item<double>();
+  const auto data_rng = entries.get("data_rng", torch::kUInt8, 1);
+  auto own_rng = rank == 0 ? entries.get("cpu_rng", torch::kUInt8, 1) : torch::Tensor();
+  if (rank > 0 && entries.has("cpu_rng_by_rank")) {
+    const auto& by_rank = entries.get("cpu_rng_by_rank", torch::kUInt8, 2);
+    // A tensor of its own: LibTorch 2.11's CPUGeneratorImpl::set_state crashed (SIGSEGV) on
+    // a row that is a view into the stacked states (1.13 and 2.6 did not).
+    if (by_rank.size(0) > rank)
+      own_rng = by_rank[rank].clone();
+  }
+  try {
+    load_state_dict(*model, entries.under("model."), /*strict=*/true);
+    optimizer.load(dict, "optimizer.");
+    // Generators check their state's size; a wrong one is a c10::Error.
+    data_generator.set_state(data_rng.contiguous());
+    if (own_rng.defined()) {
+      auto default_generator = at::detail::getDefaultCPUGenerator();  // shares the state
+      default_generator.set_state(own_rng.contiguous());
+    }
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "--resume: '", path, "' does not fit this run (",
+                first_line(e.what_without_backtrace()), ")");
+  }
+  return state;
+}
+
+TrainingState load_checkpoint(const std::string& path, const CheckpointSettings& settings,
+                              AttentionModel& model, FlatAdamW& optimizer,
+                              at::Generator& data_generator, int rank) {
+  TORCH_CHECK(std::ifstream(path).good(), "--resume: cannot read '", path, "'");
+  StateDict dict;
+  try {
+    dict = read_state_dict(path);
+  } catch (const c10::Error& e) {
+    std::string reason = first_line(e.what_without_backtrace());
+    const std::string prefix = "[read_state_dict] '" + path + "' ";
+    if (reason.rfind(prefix, 0) == 0)
+      reason = reason.substr(prefix.size());
+    TORCH_CHECK(false, "--resume: '", path, "' is not an attnkit-train checkpoint: ", reason);
+  }
+  return restore_checkpoint(dict, path, settings, model, optimizer, data_generator, rank);
+}
+
+}  // namespace attnkit::train

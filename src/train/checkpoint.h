@@ -1,0 +1,57 @@
+#pragma once
+
+// attnkit-train's checkpoints (--save, --resume): a dict of tensors in torch.save's format,
+// written and read by attnkit's own state-dict functions, so a checkpoint gets the same checks
+// as any state dict (CRC-32 per record, tensors inside their storages, no foreign globals) and
+// Python reads it with `torch.load(path)` (weights-only).
+//
+// Keys: "format" (int64), "settings.<flag>" (uint8 text, one per setting a resuming run must
+// share), "step" (int64), "best_loss" (float64), "data_rng" and "cpu_rng" (generator states),
+// "cpu_rng_by_rank" (world size x state bytes, data-parallel runs), "model.<state-dict key>",
+// "optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.step".
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "attnkit/serialize.h"
+#include "flat_adamw.h"
+#include "model.h"
+
+namespace attnkit::train {
+
+/// 3: a dict of tensors; 2 and before: a TorchScript archive (refused with a clear error).
+constexpr int64_t kCheckpointFormat = 3;
+
+/// The settings a checkpoint must share with the run that resumes it: (flag, value).
+using CheckpointSettings = std::vector<std::pair<std::string, std::string>>;
+
+struct TrainingState {
+  int64_t step = 0;
+  double best_loss = std::numeric_limits<double>::infinity();
+};
+
+/// Writes the checkpoint beside `path`, flushes it to disk and renames it: a crash leaves the
+/// old file intact. `cpu_rng_by_rank`: (world size, state bytes), every rank's dropout
+/// stream; undefined for one process.
+void save_checkpoint(const std::string& path, const CheckpointSettings& settings,
+                     AttentionModel& model, const FlatAdamW& optimizer, const TrainingState& state,
+                     const at::Generator& data_generator, const torch::Tensor& cpu_rng_by_rank);
+
+/// Restores model, optimizer, data stream and rank `rank`'s dropout stream (where the
+/// checkpoint has one for it) from `dict`, read from `path` (named in errors). Every key,
+/// dtype and shape is checked; errors start with "--resume: ".
+TrainingState restore_checkpoint(const StateDict& dict, const std::string& path,
+                                 const CheckpointSettings& settings, AttentionModel& model,
+                                 FlatAdamW& optimizer, at::Generator& data_generator, int rank);
+
+/// `restore_checkpoint(read_state_dict(path), ...)`, with the reader's errors as --resume's.
+TrainingState load_checkpoint(const std::string& path, const CheckpointSettings& settings,
+                              AttentionModel& model, FlatAdamW& optimizer,
+                              at::Generator& data_generator, int rank);
+
+}  // namespace attnkit::train
