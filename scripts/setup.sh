@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what attnkit needs to build and test, from Debian's archive (12 on the host; 13
 # inside the root of scripts/debian13.sh, where the same names give LibTorch 2.6).
-# Idempotent: prints nothing and changes nothing when everything is already installed.
+# scripts/setup.sh --fuzz also installs what scripts/fuzz.sh needs. Idempotent: prints nothing and changes nothing when everything is already installed.
 set -euo pipefail
 
 packages=(
@@ -14,6 +14,11 @@ packages=(
   libgloo-dev                    # Gloo's headers: attnkit-train's data-parallel runs (c10d)
   python3-torch                  # PyTorch of the same version: the cross-language tests
 )
+
+# scripts/fuzz.sh: clang's libFuzzer and its OpenMP runtime.
+if [ "${1:-}" = "--fuzz" ]; then
+  packages+=(clang libclang-rt-dev libomp-dev)
+fi
 
 missing=()
 for package in "${packages[@]}"; do

@@ -10,9 +10,6 @@
 #include <utility>
 #include <vector>
 
-#include <caffe2/serialize/inline_container.h>
-#include <caffe2/serialize/read_adapter_interface.h>
-
 namespace attnkit::detail {
 
 namespace {
@@ -103,23 +100,6 @@ Directory find_directory(const ByteReader& in, const std::string& name) {
          directory.size, " bytes at byte ", directory.offset, ", the file has ", in.size());
   return directory;
 }
-
-// LibTorch's archive reader over bytes already in memory (and already checked).
-class MemoryAdapter : public caffe2::serialize::ReadAdapterInterface {
- public:
-  explicit MemoryAdapter(const std::string& bytes) : bytes_(bytes) {}
-  size_t size() const override { return bytes_.size(); }
-  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
-    if (pos >= bytes_.size())
-      return 0;
-    n = std::min<uint64_t>(n, bytes_.size() - pos);
-    std::memcpy(buf, bytes_.data() + pos, n);
-    return n;
-  }
-
- private:
-  const std::string& bytes_;
-};
 
 // ---- the pickle --------------------------------------------------------------------------
 
@@ -559,10 +539,6 @@ class TensorUnpickler {
   std::unordered_map<std::string, Value*> storages_;
 };
 
-std::string first_line(const std::string& text) {
-  return text.substr(0, text.find('\n'));
-}
-
 }  // namespace
 
 std::vector<ZipRecord> zip_records(const std::string& bytes, const std::string& name) {
@@ -641,11 +617,9 @@ uint32_t crc32(const void* data, size_t size, uint32_t crc) {
 }
 
 StateDict parse_state_dict(const std::string& bytes, const std::string& name) {
-  // Every record is checked (bounds, CRC-32) before LibTorch's archive reader sees the file.
+  // Every record is checked (bounds, CRC-32) before anything reads it.
   const auto records = zip_records(bytes, name);
-  std::unordered_map<uint64_t, const ZipRecord*> by_offset;
   for (const auto& record : records) {
-    by_offset.emplace(record.offset, &record);
     if (record.name.size() > 13 &&
         record.name.compare(record.name.size() - 13, 13, "constants.pkl") == 0)
       fail(name,
@@ -653,30 +627,46 @@ StateDict parse_state_dict(const std::string& bytes, const std::string& name) {
            "older than format 3), not a dict of tensors; ",
            kPythonHint);
   }
-  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
-  // The record `key` as (pointer, size) into `bytes`; null when the archive has none.
-  auto find = [&](const std::string& key) -> const ZipRecord* {
-    if (!archive->hasRecord(key))
-      return nullptr;
-    const auto found = by_offset.find(archive->getRecordOffset(key));
-    return found == by_offset.end() ? nullptr : found->second;
-  };
-  const ZipRecord* pickle = nullptr;
-  try {
-    archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
-        std::make_shared<MemoryAdapter>(bytes));
-    pickle = find("data.pkl");
-    if (archive->hasRecord("byteorder")) {
-      const ZipRecord* order = find("byteorder");
-      if (order != nullptr && bytes.compare(order->offset, order->size, "little") != 0)
-        fail(name, "was written on a big-endian machine; attnkit reads little-endian files");
-    }
-  } catch (const c10::Error& e) {
-    const std::string reason = e.what_without_backtrace();
-    if (reason.rfind("[read_state_dict]", 0) == 0)
-      throw;
-    fail(name, "is not a readable torch.save archive (", first_line(reason), "); ", kPythonHint);
+  // One folder holds every record, and the format version is one torch.load reads. (Not
+  // LibTorch's PyTorchStreamReader: fuzzing found that it leaks its zip state when its
+  // constructor throws, and it throws std::invalid_argument for a version that is no number.)
+  const auto slash = records.empty() ? std::string::npos : records.front().name.find('/');
+  if (slash == std::string::npos || slash == 0)
+    fail(name, "is not a torch.save archive (its first record is not in a folder); ", kPythonHint);
+  const std::string folder = records.front().name.substr(0, slash + 1);
+  const ZipRecord* version = nullptr;
+  for (const auto& record : records) {
+    if (record.name.compare(0, folder.size(), folder) != 0)
+      fail(name, "is not a torch.save archive (record '", record.name, "' is outside '", folder,
+           "')");
+    if (record.name == folder + ".data/version" ||
+        (version == nullptr && record.name == folder + "version"))
+      version = &record;
   }
+  if (version == nullptr)
+    fail(name, "is not a torch.save archive (it has no version record); ", kPythonHint);
+  {
+    std::string text = bytes.substr(version->offset, std::min<uint64_t>(version->size, 16));
+    while (!text.empty() && (text.back() == '\n' || text.back() == '\r'))
+      text.pop_back();
+    const bool digits = !text.empty() && text.size() <= 3 &&
+                        text.find_first_not_of("0123456789") == std::string::npos;
+    const int number = digits ? std::stoi(text) : 0;
+    if (version->size > 16 || number < 1 || number > 6)
+      fail(name, "has archive format version '", text, "', expected 1 to 6 (torch.save writes 3)");
+  }
+  std::unordered_map<std::string, const ZipRecord*> by_name;
+  for (const auto& record : records)
+    by_name.emplace(record.name.substr(folder.size()), &record);
+  // The record `key` (without the folder); null when the archive has none.
+  auto find = [&](const std::string& key) -> const ZipRecord* {
+    const auto found = by_name.find(key);
+    return found == by_name.end() ? nullptr : found->second;
+  };
+  const ZipRecord* pickle = find("data.pkl");
+  const ZipRecord* order = find("byteorder");
+  if (order != nullptr && bytes.compare(order->offset, order->size, "little") != 0)
+    fail(name, "was written on a big-endian machine; attnkit reads little-endian files");
   if (pickle == nullptr)
     fail(name, "has no data.pkl record; ", kPythonHint);
 

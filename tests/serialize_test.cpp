@@ -5,14 +5,12 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <set>
 
 #include <caffe2/serialize/inline_container.h>
 
 #include "module_factory.h"
 #include "source_paths.h"
-#include "state_dict_reader.h"
 #include "test_support.h"
 
 namespace fs = std::filesystem;
@@ -158,30 +156,6 @@ TEST_F(SerializeTest, BadFilesGiveOneLineErrors) {
     }
   }
   EXPECT_TRUE(torch::equal(mha->W_key->weight, snapshot["W_key.weight"]));
-}
-
-// Flips one byte (all of its bits) at each of `positions` of every record of the file at
-// `path`, and expects `load` to refuse each damaged copy with an error naming the record.
-void expect_every_flip_reported(const std::string& path, const std::string& copy,
-                                const std::function<void(const std::string&)>& load,
-                                size_t max_positions_per_record) {
-  const std::string good = file_bytes(path);
-  const auto records = attnkit::detail::zip_records(good, path);
-  ASSERT_GE(records.size(), 3u);
-  size_t flips = 0;
-  for (const auto& record : records) {
-    const uint64_t step = std::max<uint64_t>(1, record.size / max_positions_per_record);
-    for (uint64_t at = 0; at < record.size; at += step) {
-      std::string damaged = good;
-      damaged[record.offset + at] = static_cast<char>(damaged[record.offset + at] ^ 0xFF);
-      std::ofstream(copy, std::ios::binary | std::ios::trunc) << damaged;
-      SCOPED_TRACE(record.name + " byte " + std::to_string(at));
-      expect_error_containing([&] { load(copy); },
-                              "record '" + record.name + "' does not match its CRC-32");
-      ++flips;
-    }
-  }
-  EXPECT_GT(flips, records.size());
 }
 
 TEST_F(SerializeTest, EveryByteFlippedInEveryRecordIsReported) {

@@ -6,7 +6,10 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -14,6 +17,8 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include "state_dict_reader.h"
 
 namespace attnkit::testing {
 
@@ -154,6 +159,31 @@ inline void expect_gradients_match_finite_differences(
 }
 
 /// A fresh temporary directory per test, removed afterwards.
+// Flips one byte (all of its bits) at each of `positions` of every record of the file at
+// `path`, and expects `load` to refuse each damaged copy with an error naming the record.
+inline void expect_every_flip_reported(const std::string& path, const std::string& copy,
+                                const std::function<void(const std::string&)>& load,
+                                size_t max_positions_per_record) {
+  std::ifstream in(path, std::ios::binary);
+  const std::string good{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  const auto records = attnkit::detail::zip_records(good, path);
+  ASSERT_GE(records.size(), 3u);
+  size_t flips = 0;
+  for (const auto& record : records) {
+    const uint64_t step = std::max<uint64_t>(1, record.size / max_positions_per_record);
+    for (uint64_t at = 0; at < record.size; at += step) {
+      std::string damaged = good;
+      damaged[record.offset + at] = static_cast<char>(damaged[record.offset + at] ^ 0xFF);
+      std::ofstream(copy, std::ios::binary | std::ios::trunc) << damaged;
+      SCOPED_TRACE(record.name + " byte " + std::to_string(at));
+      expect_error_containing([&] { load(copy); },
+                              "record '" + record.name + "' does not match its CRC-32");
+      ++flips;
+    }
+  }
+  EXPECT_GT(flips, records.size());
+}
+
 class TempDirTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -195,6 +195,20 @@ TEST_F(TrainTest, ResumeContinuesExactlyAsAnUninterruptedRun) {
   EXPECT_EQ(losses, uninterrupted);
 }
 
+TEST_F(TrainTest, EveryByteFlippedInACheckpointIsReported) {
+  auto config = small_config();
+  config.steps = 2;
+  config.save = path("run.pt");
+  run(config);
+  auto resumed = config;
+  resumed.save.clear();
+  resumed.resume = path("damaged.pt");
+  // Up to 24 bytes spread over each record (the model's weights are tens of kB).
+  expect_every_flip_reported(
+      path("run.pt"), path("damaged.pt"), [&](const std::string&) { run(resumed); },
+      /*max_positions_per_record=*/24);
+}
+
 TEST_F(TrainTest, IncompatibleOrForeignCheckpointIsRefused) {
   auto config = small_config();
   config.steps = 5;
