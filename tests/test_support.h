@@ -5,12 +5,12 @@
 
 #include <unistd.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <functional>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -162,8 +162,8 @@ inline void expect_gradients_match_finite_differences(
 // Flips one byte (all of its bits) at each of `positions` of every record of the file at
 // `path`, and expects `load` to refuse each damaged copy with an error naming the record.
 inline void expect_every_flip_reported(const std::string& path, const std::string& copy,
-                                const std::function<void(const std::string&)>& load,
-                                size_t max_positions_per_record) {
+                                       const std::function<void(const std::string&)>& load,
+                                       size_t max_positions_per_record) {
   std::ifstream in(path, std::ios::binary);
   const std::string good{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
   const auto records = attnkit::detail::zip_records(good, path);

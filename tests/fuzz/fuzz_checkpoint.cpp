@@ -24,8 +24,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }();
   static T::FlatAdamW optimizer(model->parameters(), /*lr=*/3e-3, /*weight_decay=*/0.0);
   static const T::CheckpointSettings settings{
-      {"task", "copy"}, {"seq-len", "8"},   {"module", "mha"},    {"d-model", "32"},
-      {"heads", "2"},   {"layers", "1"},    {"ffn", "false"},     {"kv-groups", "0"},
+      {"task", "copy"}, {"seq-len", "8"},   {"module", "mha"}, {"d-model", "32"},
+      {"heads", "2"},   {"layers", "1"},    {"ffn", "false"},  {"kv-groups", "0"},
       {"window", "0"},  {"latent-dim", "0"}};
   static at::Generator generator = at::detail::createCPUGenerator(0);
   try {

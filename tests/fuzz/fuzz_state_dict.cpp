@@ -13,9 +13,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static attnkit::MultiHeadAttention module(/*d_in=*/6, /*d_out=*/8, /*context_length=*/7,
                                             /*dropout=*/0.0, /*num_heads=*/2);
   try {
-    const auto dict =
-        attnkit::detail::parse_state_dict(std::string(reinterpret_cast<const char*>(data), size),
-                                          "fuzz-input.pt");
+    const auto dict = attnkit::detail::parse_state_dict(
+        std::string(reinterpret_cast<const char*>(data), size), "fuzz-input.pt");
     attnkit::load_state_dict(*module, dict, /*strict=*/false);
   } catch (const c10::Error&) {
   }
