@@ -170,7 +170,7 @@ class TensorUnpickler {
   Value* run() {
     while (true) {
       const uint64_t at = position_;
-      const auto opcode = static_cast<unsigned char>(take(1)[0]);
+      const auto opcode = next_byte();
       switch (opcode) {
         case 0x80:  // PROTO
           take(1);
@@ -185,13 +185,13 @@ class TensorUnpickler {
           break;
         }
         case 'q':  // BINPUT
-          memo_[static_cast<unsigned char>(take(1)[0])] = top(at);
+          memo_[next_byte()] = top(at);
           break;
         case 'r':  // LONG_BINPUT
           memo_[static_cast<uint32_t>(little_endian(4))] = top(at);
           break;
         case 'h':  // BINGET
-          push(memo(at, static_cast<unsigned char>(take(1)[0])));
+          push(memo(at, next_byte()));
           break;
         case 'j':  // LONG_BINGET
           push(memo(at, static_cast<uint32_t>(little_endian(4))));
@@ -224,12 +224,12 @@ class TensorUnpickler {
           break;
         }
         case 0x8c: {  // SHORT_BINUNICODE
-          const uint64_t length = static_cast<unsigned char>(take(1)[0]);
+          const uint64_t length = next_byte();
           push(string(take(length)));
           break;
         }
         case 'K':  // BININT1
-          push(integer(static_cast<unsigned char>(take(1)[0])));
+          push(integer(next_byte()));
           break;
         case 'M':  // BININT2
           push(integer(static_cast<int64_t>(little_endian(2))));
@@ -238,7 +238,7 @@ class TensorUnpickler {
           push(integer(static_cast<int32_t>(static_cast<uint32_t>(little_endian(4)))));
           break;
         case 0x8a: {  // LONG1
-          const int length = static_cast<unsigned char>(take(1)[0]);
+          const int length = next_byte();
           if (length > 8)
             bad(at, "has an integer of ", length, " bytes (at most 8 fit a tensor's sizes)");
           uint64_t value = length == 0 ? 0 : little_endian(length);
@@ -330,6 +330,7 @@ class TensorUnpickler {
     position_ += count;
     return bytes;
   }
+  unsigned char next_byte() { return static_cast<unsigned char>(take(1)[0]); }
   uint64_t little_endian(int width) {
     const std::string raw = take(width);
     uint64_t value = 0;

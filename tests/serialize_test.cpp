@@ -351,3 +351,38 @@ TEST_F(SerializeTest, PythonLoadsWhatCppWroteAndCppLoadsWhatPythonWrote) {
     }
   }
 }
+
+// The fuzz seeds written by PyTorch 1.13 and 2.6 (scripts/make_fuzz_seeds.py) on every leg:
+// the 2.6 files are also read on the 1.13 leg and the other way round.
+TEST_F(SerializeTest, FilesWrittenByPyTorch113And26Load) {
+  const std::string seeds = std::string(kSourceDir) + "/data/fuzz/";
+  const auto attnkit_checkpoint =
+      attnkit::read_state_dict(seeds + "checkpoint/attnkit_train_copy.pt");
+  for (const std::string version : {"113", "26"}) {
+    SCOPED_TRACE("PyTorch " + version);
+    attnkit::MultiHeadAttention mha(6, 8, 7, 0.0, 2);
+    attnkit::load_state_dict(
+        *mha, attnkit::read_state_dict(seeds + "state_dict/python" + version + "_ordereddict.pt"));
+
+    const auto views =
+        attnkit::read_state_dict(seeds + "state_dict/python" + version + "_views.pt");
+    const auto base = torch::arange(12, torch::kFloat32);
+    EXPECT_TRUE(torch::equal(views["a"], base.slice(0, 0, 6).view({2, 3}).t()));
+    EXPECT_EQ(views["a"].strides(), (std::vector<int64_t>{1, 3}));
+    EXPECT_EQ(views["b"].dim(), 0);
+    EXPECT_EQ(views["b"].item<float>(), 7.0f);
+    EXPECT_TRUE(torch::equal(views["v"], base.slice(0, 1, 3)));
+    EXPECT_EQ(views["h"].scalar_type(), torch::kHalf);
+    EXPECT_TRUE(torch::equal(views["h"].to(torch::kFloat32), torch::tensor({1.5f, -2.0f})));
+    EXPECT_TRUE(torch::equal(views["n"], torch::tensor({3, 4}, torch::kInt64)));
+
+    // attnkit-train's checkpoint after torch.load and torch.save in Python: the same entries.
+    const auto resaved =
+        attnkit::read_state_dict(seeds + "checkpoint/python" + version + "_resaved.pt");
+    ASSERT_EQ(resaved.size(), attnkit_checkpoint.size());
+    for (const auto& item : attnkit_checkpoint) {
+      ASSERT_NE(resaved.find(item.key()), nullptr) << item.key();
+      EXPECT_TRUE(torch::equal(resaved[item.key()], item.value())) << item.key();
+    }
+  }
+}
