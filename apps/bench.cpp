@@ -366,17 +366,23 @@ int main(int argc, char** argv) {
              "sliding window W: each query sees itself and the W - 1 keys before it (causal; "
              "mha, combined, fused, chunked and the cores); 0 = none",
              "0");
+  cli.value("Implementations", "only", "comma-separated subset of: " + names)
+      .value("Implementations", "chunk-size", "query tokens per block of chunked",
+             std::to_string(c.chunk_size))
+      .value("Implementations", "key-chunk-size", "key tokens per block of chunked",
+             std::to_string(c.key_chunk_size));
   cli.value("Run", "device", "cpu | cuda | cuda:N", "cpu")
       .value("Run", "dtype", "float32 | float64 | bfloat16 | float16", "float32")
       .value("Run", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults", "0")
-      .value("Run", "repeats", "timed runs per measurement", "5")
-      .value("Run", "warmup", "untimed runs first", "1")
-      .value("Run", "only", "comma-separated subset of: " + names)
-      .value("Run", "chunk-size", "query tokens per block of chunked", std::to_string(c.chunk_size))
-      .value("Run", "key-chunk-size", "key tokens per block of chunked",
-             std::to_string(c.key_chunk_size))
-      .value("Run", "json", "also write the results as JSON to FILE")
-      .flag("Run", "h,help", "show this help");
+      .value("Run", "repeats", "timed runs per measurement (the median is reported)", "5")
+      .value("Run", "warmup", "untimed runs first", "1");
+  cli.value("Output", "json", "also write the results as JSON to FILE")
+      .flag("Output", "h,help", "show this help");
+  cli.example("attnkit-bench --tokens 1024 --only mha,chunked --json bench.json",
+              "the book's MHA against the chunked backend at n = 1024, results also as JSON")
+      .example(
+          "attnkit-bench --batch 64 --tokens 16 --d-model 64 --heads 4 --only math-core,fused-core",
+          "the attention core alone at attnkit-train's toy size");
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {

@@ -93,8 +93,18 @@ void CommandLine::parse(int argc, const char* const* argv) {
   }
 }
 
+CommandLine& CommandLine::example(const std::string& command, const std::string& what) {
+  examples_.emplace_back(command, what);
+  return *this;
+}
+
 std::string CommandLine::help() const {
-  return options_.help(groups_);
+  std::string text = options_.help(groups_);
+  if (!examples_.empty())
+    text += "\n Examples:\n";
+  for (const auto& [command, what] : examples_)
+    text += "  " + command + "\n      " + what + "\n";
+  return text;
 }
 
 const CommandLine::Flag& CommandLine::declared(const std::string& name) const {

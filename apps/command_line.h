@@ -9,6 +9,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cxxopts.hpp>
@@ -38,7 +39,10 @@ class CommandLine {
   /// to a flag that takes none, or an argument that is not a flag.
   void parse(int argc, const char* const* argv);
 
-  /// Every group, in the order they were declared.
+  /// A command line shown at the end of --help, with what it does.
+  CommandLine& example(const std::string& command, const std::string& what);
+
+  /// Every group, in the order they were declared, then the examples.
   std::string help() const;
 
   /// Whether `--name` was given (its default does not count).
@@ -66,8 +70,9 @@ class CommandLine {
 
   cxxopts::Options options_;
   std::vector<std::string> groups_;
-  std::map<std::string, Flag> flags_;         // by long name
-  std::map<char, std::string> short_names_;   // short name -> long name
+  std::vector<std::pair<std::string, std::string>> examples_;  // command, what it does
+  std::map<std::string, Flag> flags_;                          // by long name
+  std::map<char, std::string> short_names_;                    // short name -> long name
   std::map<std::string, std::string> given_;  // long name -> value given ("" for a flag)
 };
 

@@ -115,12 +115,16 @@ int main(int argc, char** argv) {
       .value("Run", "repeats", "timed runs of each mode (the median is reported)", "3")
       .value("Run", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults", "1")
       .value("Run", "seed", "seed of the weights and the prompt", "123")
-      .flag("Run", "no-uncached", "time only the cached mode")
-      .flag("Run", "trace-cache",
-            "feed the generated sequence again one token at a time through fresh caches and "
-            "report the most positions a cache held and whether its storage moved")
-      .value("Run", "json", "also write the results as JSON to FILE")
-      .flag("Run", "h,help", "show this help");
+      .flag("Run", "no-uncached", "time only the cached mode");
+  cli.flag("Output", "trace-cache",
+           "feed the generated sequence again one token at a time through fresh caches and "
+           "report the most positions a cache held and whether its storage moved")
+      .value("Output", "json", "also write the results as JSON to FILE")
+      .flag("Output", "h,help", "show this help");
+  cli.example("attnkit-decode-bench --new-tokens 100",
+              "GPT-2-small shape: tokens/s with and without KV caches, one thread")
+      .example("attnkit-decode-bench --module gqa --kv-groups 4 --window 256 --no-uncached",
+               "a grouped-query model with a rolling 256-token cache, cached mode only");
   attnkit::train::ModelConfig config;
   int64_t prompt_length = 0, new_tokens = 0, repeats = 0, threads = 0;
   uint64_t seed = 0;

@@ -76,27 +76,19 @@ attnkit::cli::CommandLine make_command_line() {
       .value("Model", "layers", "attention blocks; 0 = 2 for recall and text, 1 otherwise", "0")
       .flag("Model", "ffn", "add a feed-forward block after each attention")
       .value("Model", "dropout", "dropout on attention weights (and the feed-forward block)", "0");
-  cli.value("Optimisation", "steps",
+  cli.value("Training", "steps",
             "training steps; 0 = the task's default (text 500, the others 600)", "0")
-      .value("Optimisation", "batch-size", "sequences per step", "64")
-      .value("Optimisation", "lr", "AdamW learning rate", "0.003")
-      .value("Optimisation", "weight-decay", "AdamW weight decay", "0.01");
-  cli.value("Run", "seed", "seed for weights, data and dropout", "1")
-      .value("Run", "device", "auto | cpu | cuda | cuda:N (auto = CUDA when available)", "auto")
-      .value("Run", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults", "0")
-      .value("Run", "eval-every", "steps between held-out evaluations; 0 = steps / 10", "0")
-      .value("Run", "save",
-             "checkpoint path: latest state there, best held-out loss at NAME.best.EXT")
-      .value("Run", "resume",
-             "continue from a checkpoint written with --save (same task and model flags)")
-      .value("Run", "metrics",
-             "write one line per evaluation: JSON Lines, or CSV if the name ends in .csv")
-      .value("Run", "dump-attention",
-             "after training, write a PNG heatmap of every head's attention on a held-out "
-             "example")
-      .flag("Run", "quiet", "print only the final report")
-      .flag("Run", "h,help", "show this help")
-      .flag("Run", "version", "print the version");
+      .value("Training", "batch-size", "sequences per step (the global batch with --nproc)", "64")
+      .value("Training", "lr", "AdamW learning rate", "0.003")
+      .value("Training", "weight-decay", "AdamW weight decay", "0.01")
+      .value("Training", "seed", "seed for weights, data and dropout", "1")
+      .value("Training", "device", "auto | cpu | cuda | cuda:N (auto = CUDA when available)",
+             "auto")
+      .value("Training", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults",
+             "0")
+      .value("Training", "eval-every", "steps between held-out evaluations; 0 = steps / 10", "0")
+      .value("Training", "resume",
+             "continue from a checkpoint written with --save (same task and model flags)");
   cli.value("Data-parallel", "nproc",
             "start N ranks of one data-parallel run on this machine (c10d over loopback); "
             "--batch-size stays the global batch. Processes started by another launcher "
@@ -112,6 +104,20 @@ attnkit::cli::CommandLine make_command_line() {
              "0 = one allreduce of all gradients after backward; else buckets of this many MB "
              "whose allreduce starts while backward still runs",
              "0");
+  cli.value("Output", "save",
+            "checkpoint path: latest state there, best held-out loss at NAME.best.EXT")
+      .value("Output", "metrics",
+             "write one line per evaluation: JSON Lines, or CSV if the name ends in .csv")
+      .value("Output", "dump-attention",
+             "after training, write a PNG heatmap of every head's attention on a held-out "
+             "example")
+      .flag("Output", "quiet", "print only the final report")
+      .flag("Output", "h,help", "show this help")
+      .flag("Output", "version", "print the version");
+  cli.example("attnkit-train --task reverse --module sa-v2 --dump-attention reverse.png",
+              "a bidirectional task, and a heatmap of what the model attends to")
+      .example("attnkit-train --task text --ffn --nproc 2 --save run.pt --sample 200",
+               "two data-parallel ranks on the text task; a checkpoint; 200 sampled bytes");
   return cli;
 }
 

@@ -133,12 +133,15 @@ else
   failures=$((failures + 1))
 fi
 
-# --help and --version.
+# --help (its groups in this order, then two examples) and --version.
 checks=$((checks + 1))
-if "$train" --help | grep -q "Optimisation options" && "$train" --version | grep -q "attnkit-train "; then
+groups=$("$train" --help | sed -n 's/^ \([A-Za-z-]*\) options:$/\1/p; s/^ Examples:$/Examples/p' | paste -sd' ')
+examples=$("$train" --help | grep -c '^  attnkit-train --')
+if [ "$groups" = "Task Model Training Data-parallel Output Examples" ] && [ "$examples" -eq 2 ] &&
+  "$train" --version | grep -q "attnkit-train "; then
   echo "ok: --help and --version"
 else
-  echo "FAIL: --help or --version"
+  echo "FAIL: --help or --version (help groups: '$groups', $examples examples)"
   failures=$((failures + 1))
 fi
 
