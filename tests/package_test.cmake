@@ -1,5 +1,6 @@
 # CTest script: installs attnkit into a temporary prefix, builds apps/tiny_gpt (a separate
-# project) against it with find_package(attnkit), and runs it. Proves the package works.
+# project) and the README's example (examples/, target quickstart) against it with
+# find_package(attnkit), and runs both. Proves the package works as the README says.
 # Inputs (-D): ATTNKIT_BINARY_DIR, ATTNKIT_SOURCE_DIR, WORK_DIR, TORCH_DIR, GENERATOR.
 foreach(input ATTNKIT_BINARY_DIR ATTNKIT_SOURCE_DIR WORK_DIR TORCH_DIR GENERATOR)
   if(NOT DEFINED ${input})
@@ -22,3 +23,11 @@ run_step("configure tiny_gpt" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/apps/tin
 run_step("build tiny_gpt" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run_step("run tiny_gpt" ${WORK_DIR}/build/tiny_gpt
   --data ${ATTNKIT_SOURCE_DIR}/data/the-verdict.txt --steps 300 --sample 120)
+
+# The README's find_package lines, as examples/CMakeLists.txt holds them, and its example.
+run_step("configure examples" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/examples
+  -B ${WORK_DIR}/examples -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
+  -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
+run_step("build the README's example" ${CMAKE_COMMAND} --build ${WORK_DIR}/examples
+  --target quickstart)
+run_step("run the README's example" ${WORK_DIR}/examples/quickstart)

@@ -1,0 +1,126 @@
+// The examples of docs/modules.md, docs/backends.md, docs/interop.md and docs/threads.md.
+// Each region between "[doc:NAME]" and "[doc:end]" is shown on a page, exactly as here.
+
+#include <attnkit/attnkit.h>
+#include <attnkit/threads.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+namespace {
+
+void one_line_each() {
+  torch::manual_seed(123);
+  auto inputs = torch::rand({6, 3});            // (n, d_in): the notebooks' six tokens
+  auto batch = torch::stack({inputs, inputs});  // (2, 6, 3)
+  // [doc:one-line-each]
+  attnkit::SelfAttentionV1 sa_v1(3, 2);
+  auto z1 = sa_v1(inputs);  // (6, 2)
+  attnkit::SelfAttentionV2 sa_v2(3, 2, /*qkv_bias=*/false);
+  auto z2 = sa_v2(inputs);  // (6, 2)
+  attnkit::CausalAttention ca(3, 2, /*context_length=*/6, /*dropout=*/0.0);
+  auto z3 = ca(batch);  // (2, 6, 2)
+  attnkit::MultiHeadAttentionWrapper wrapper(3, 2, 6, 0.0, /*num_heads=*/2);
+  auto z4 = wrapper(batch);  // (2, 6, 4)
+  attnkit::MultiHeadAttention mha(3, 2, 6, 0.0, /*num_heads=*/2);
+  auto z5 = mha(batch);  // (2, 6, 2)
+  attnkit::MultiHeadAttentionCombinedQKV combined(3, 2, 6, 0.0, 2);
+  auto z6 = combined(batch);  // (2, 6, 2)
+  // [doc:end]
+  TORCH_CHECK(z1.sizes() == z2.sizes() && z3.sizes() == z5.sizes() && z5.sizes() == z6.sizes() &&
+              z4.size(-1) == 4);
+}
+
+void options_and_names() {
+  // [doc:options]
+  // The LibTorch-style options constructor; causal(false) is unmasked encoder attention.
+  attnkit::MultiHeadAttention encoder(
+      attnkit::MultiHeadAttentionOptions(/*d_in=*/768, /*d_out=*/768, /*context_length=*/1024,
+                                         /*dropout=*/0.1, /*num_heads=*/12)
+          .causal(false)
+          .qkv_bias(true));
+  for (const auto& parameter : encoder->named_parameters())
+    std::cout << parameter.key() << " ";  // W_query.weight W_query.bias ... out_proj.bias
+  std::cout << "\n";
+  // [doc:end]
+}
+
+void weights_and_transfers() {
+  torch::manual_seed(123);
+  auto batch = torch::rand({2, 6, 3});
+  // [doc:weights]
+  attnkit::MultiHeadAttention mha(3, 2, /*context_length=*/6, /*dropout=*/0.0, /*num_heads=*/2);
+  auto [context, weights] = mha->forward_with_weights(batch);  // (2, 6, 2), (2, 2, 6, 6)
+
+  // The combined-QKV layout computes the same function once the weights are copied over.
+  attnkit::MultiHeadAttentionCombinedQKV combined(3, 2, 6, 0.0, 2);
+  combined->copy_weights_from(*mha);
+  TORCH_CHECK(torch::allclose(combined(batch), mha(batch), 1e-6, 1e-6));
+  // [doc:end]
+  TORCH_CHECK(weights.sizes() == torch::IntArrayRef({2, 2, 6, 6}));
+}
+
+void errors() {
+  // [doc:errors]
+  attnkit::CausalAttention ca(3, 2, /*context_length=*/6, /*dropout=*/0.0);
+  try {
+    ca(torch::rand({2, 7, 3}));  // one token more than context_length
+  } catch (const c10::Error& e) {
+    std::cout << e.what_without_backtrace() << "\n";
+    // [CausalAttention::forward] x: num_tokens = 7 exceeds context_length = 6 (shape [2, 7, 3])
+  }
+  // [doc:end]
+}
+
+void backends() {
+  auto x = torch::rand({2, 16, 64});
+  // [doc:backends]
+  // The same parameters under every backend: a trained model switches without conversion.
+  attnkit::MultiHeadAttention chunked(
+      attnkit::MultiHeadAttentionOptions(64, 64, /*context_length=*/1024, 0.0, /*num_heads=*/4)
+          .backend(attnkit::AttentionBackend::kChunked)  // kMath (default), kFused, kChunked
+          .chunk_size(128)                               // query tokens per block
+          .key_chunk_size(1024));                        // key tokens per block
+  auto y = chunked(x);                                   // (2, 16, 64)
+
+  // The attention core alone, on (b, h, n, head_dim) queries, keys and values.
+  auto q = torch::rand({2, 4, 16, 16}), k = torch::rand({2, 4, 16, 16}),
+       v = torch::rand({2, 4, 16, 16});
+  auto context = attnkit::functional::scaled_dot_product_attention(
+      q, k, v, attnkit::functional::SdpaOptions().is_causal(true));  // (2, 4, 16, 16)
+  // [doc:end]
+  TORCH_CHECK(y.sizes() == x.sizes() && context.sizes() == q.sizes());
+}
+
+void state_dicts() {
+  const auto path = (std::filesystem::temp_directory_path() / "attnkit_example_mha.pt").string();
+  // [doc:state-dict]
+  attnkit::MultiHeadAttention mha(768, 768, 1024, 0.1, 12);
+  attnkit::save_state_dict(*mha, path);  // Python: model.load_state_dict(torch.load(path))
+
+  attnkit::MultiHeadAttention restored(768, 768, 1024, 0.1, 12);
+  attnkit::load_state_dict(*restored, path);  // also what Python's torch.save wrote
+  // [doc:end]
+  TORCH_CHECK(torch::equal(restored->W_query->weight, mha->W_query->weight));
+  std::remove(path.c_str());
+}
+
+void threads() {
+  // [doc:threads]
+  attnkit::set_num_threads(2);                   // LibTorch's threads and the BLAS's
+  std::cout << attnkit::blas_threads() << "\n";  // "OpenBLAS, 2 threads"
+  // [doc:end]
+}
+
+}  // namespace
+
+int main() {
+  one_line_each();
+  options_and_names();
+  weights_and_transfers();
+  errors();
+  backends();
+  state_dicts();
+  threads();
+}
