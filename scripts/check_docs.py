@@ -7,9 +7,9 @@
      C++ that CTest compiles and runs (examples/).
   2. Help texts. A fenced block right after `<!-- help: PROGRAM -->` must equal `PROGRAM
      --help` (trailing blanks aside).
-  3. Commands. In ```sh blocks, every `--flag` given to attnkit-train (also as scripts/run.sh
-     or build/apps/attnkit-train), attnkit-bench or attnkit-decode-bench must be in that
-     program's --help, and every scripts/... or build/apps/... path named must exist.
+  3. Commands. In ```sh blocks, every `--flag` given to one of the programs (attnkit-train,
+     also as scripts/run.sh or build/apps/attnkit-train; attnkit-bench; attnkit-decode-bench;
+     attnkit-walkthrough, also as scripts/walkthrough.sh) must be in that program's --help, and every scripts/... or build/apps/... path named must exist.
   4. Links. Every relative link resolves to a file, and every #anchor to a heading of it.
 
 Usage:
@@ -25,9 +25,9 @@ import sys
 import tempfile
 import textwrap
 
-PROGRAMS = ("attnkit-train", "attnkit-bench", "attnkit-decode-bench")
+PROGRAMS = ("attnkit-train", "attnkit-bench", "attnkit-decode-bench", "attnkit-walkthrough")
 # How a command line names a program: the program itself, its build path, or a wrapper script.
-PROGRAM_ALIASES = {"scripts/run.sh": "attnkit-train"}
+PROGRAM_ALIASES = {"scripts/run.sh": "attnkit-train", "scripts/walkthrough.sh": "attnkit-walkthrough"}
 MARKER = re.compile(r"^<!-- (example|help): (\S+) -->\s*$")
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
