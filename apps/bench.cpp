@@ -89,7 +89,7 @@ double peak_rss_mb() {
   return -1.0;
 }
 
-// ---- FLOP counts (see --help and docs/benchmarks.md) --------------------------------------------
+// ---- FLOP counts (see --help and docs/benchmarks.md) -------------------------------------------
 
 struct Flops {
   double forward;

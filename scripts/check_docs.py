@@ -18,6 +18,7 @@ Usage:
   scripts/check_docs.py --self-test                 show that each check catches its error
 """
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -93,12 +94,12 @@ def flags_of(help_lines):
 
 def slug(heading):
     """GitHub's anchor for a heading."""
-    text = re.sub(r"[`*_]", lambda m: "_" if m.group(0) == "_" else "", heading.strip().lower())
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
 
 
+@functools.lru_cache(maxsize=None)
 def anchors(path):
     found, counts, fenced = set(), {}, False
     for line in open(path, encoding="utf-8").read().splitlines():
