@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "checks.h"
+#include "core/kernels.h"
 
 namespace attnkit::functional {
 
@@ -132,46 +133,19 @@ AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& q
     return scaled_dot_product_attention_with_weights(query, key.repeat_interleave(group, -3),
                                                      value.repeat_interleave(group, -3), options);
   }
-  const auto num_queries = query.size(-2);
-  const auto num_keys = key.size(-2);
-
-  auto mask = options.attn_mask();
-  const bool given_mask = mask.defined();
+  // The math core with the mask turned around: attn_mask and the causal mask say what is
+  // hidden, the core's `allowed` what is seen.
+  detail::MathMasking masking;
+  if (options.attn_mask().defined())
+    masking.allowed = options.attn_mask().logical_not();
   if (options.is_causal()) {
-    const auto causal = causal_mask(num_queries, num_keys, query.device(), options.query_offset(),
-                                    options.window_size());
-    mask = given_mask ? mask.logical_or(causal) : causal;
+    const auto causal = causal_mask(query.size(-2), key.size(-2), query.device(),
+                                    options.query_offset(), options.window_size());
+    masking.allowed = masking.allowed.defined() ? masking.allowed.logical_and(causal.logical_not())
+                                                : causal.logical_not();
   }
-
-  // A fresh (..., n, m) product, so the mask and the scale go in place: two fewer passes
-  // and allocations of the largest tensor (autograd needs neither intermediate).
-  auto attn_scores = attention_scores(query, key);
-  if (mask.defined()) {
-    constexpr double kMasked = -std::numeric_limits<double>::infinity();
-    if (at::infer_size(mask.sizes(), attn_scores.sizes()) == attn_scores.sizes()) {
-      attn_scores.masked_fill_(mask, kMasked);
-    } else {  // a mask with more leading dimensions broadcasts the scores up
-      attn_scores = attn_scores.masked_fill(mask, kMasked);
-    }
-  }
-  // Divide (not multiply by the reciprocal) so float32 results are bit-identical to the book.
-  if (options.scale().has_value()) {
-    attn_scores.mul_(*options.scale());
-  } else {
-    attn_scores.div_(std::sqrt(static_cast<double>(query.size(-1))));
-  }
-  auto attn_weights = torch::softmax(attn_scores, -1);
-  if (given_mask) {
-    // A row whose keys are all masked is softmax(-inf, ...) = NaN; it attends to nothing.
-    // On CPU the (small) mask is checked first so the weights are rewritten only when
-    // needed; on a GPU that check would be a device sync, so the fill always runs there.
-    const auto fully_masked = mask.all(-1, /*keepdim=*/true);
-    if (!mask.device().is_cpu() || fully_masked.any().item<bool>()) {
-      attn_weights = attn_weights.masked_fill(fully_masked, 0.0);
-    }
-  }
-  attn_weights = dropout_weights(attn_weights, options.dropout_p(), options.training());
-  return {torch::matmul(attn_weights, value), attn_weights};
+  return detail::math_attention(query, key, value, masking, options.scale(), options.dropout_p(),
+                                options.training());
 }
 
 torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const torch::Tensor& key,

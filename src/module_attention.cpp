@@ -8,36 +8,25 @@ namespace F = attnkit::functional;
 
 F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& keys,
                           const torch::Tensor& values, const AttentionSettings& settings,
-                          bool training, int64_t query_offset, bool with_weights) {
-  if (with_weights || settings.backend == AttentionBackend::kMath) {
-    return F::scaled_dot_product_attention_with_weights(queries, keys, values,
-                                                        F::SdpaOptions()
-                                                            .is_causal(settings.causal)
-                                                            .query_offset(query_offset)
-                                                            .window_size(settings.window_size)
-                                                            .dropout_p(settings.dropout)
-                                                            .training(training));
+                          bool training, int64_t query_offset, bool with_weights,
+                          const Mask& mask) {
+  Mask module_mask;
+  if (settings.causal) {
+    module_mask = Mask::causal(query_offset);
+    if (settings.window_size.has_value())
+      module_mask = module_mask.sliding_window(*settings.window_size);
   }
-  if (settings.backend == AttentionBackend::kChunked) {
-    return {F::chunked_attention(queries, keys, values,
-                                 F::ChunkedOptions()
-                                     .is_causal(settings.causal)
-                                     .query_offset(query_offset)
-                                     .window_size(settings.window_size)
-                                     .dropout_p(settings.dropout)
-                                     .training(training)
-                                     .block_size(settings.chunk_size)
-                                     .key_block_size(settings.key_chunk_size)),
-            {}};
-  }
-  return {F::fused_backend_attention(queries, keys, values,
-                                     F::FusedOptions()
-                                         .is_causal(settings.causal)
-                                         .query_offset(query_offset)
-                                         .window_size(settings.window_size)
-                                         .dropout_p(settings.dropout)
-                                         .training(training)),
-          {}};
+  auto options = F::AttentionOptions()
+                     .mask(module_mask & mask)
+                     .dropout_p(settings.dropout)
+                     .training(training)
+                     .backend(settings.backend)
+                     .query_block_size(settings.chunk_size)
+                     .key_block_size(settings.key_chunk_size);
+  if (with_weights || settings.backend == AttentionBackend::kMath)
+    return F::attention_with_weights(queries, keys, values,
+                                     options.backend(AttentionBackend::kMath));
+  return {F::attention(queries, keys, values, options), {}};
 }
 
 KVCache make_module_cache(const char* module, const CacheLayout& layout, int64_t context_length,

@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/attention.h"
 #include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
@@ -23,13 +24,14 @@ struct AttentionSettings {
 };
 
 /// Queries (b, h, n, hd) against keys and values (b, g, m, hd) with g dividing h, query i at
-/// key position query_offset + i -> context (b, h, n, hd), by `settings.backend`; with
+/// key position query_offset + i -> context (b, h, n, hd), by `settings.backend`, under the
+/// module's causal/window mask and `mask` together; with
 /// `with_weights` (or the math backend) the math core, which also returns the weights
 /// (b, h, n, m).
 functional::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& keys,
                                    const torch::Tensor& values, const AttentionSettings& settings,
                                    bool training, int64_t query_offset = 0,
-                                   bool with_weights = false);
+                                   bool with_weights = false, const Mask& mask = {});
 
 /// The cache a module needs: key/value heads and width, a rolling window, or latents.
 struct CacheLayout {

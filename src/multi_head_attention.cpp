@@ -96,28 +96,6 @@ F::AttentionOutput attend_heads(const torch::Tensor& queries, const torch::Tenso
 
 }  // namespace
 
-std::string backend_name(AttentionBackend backend) {
-  switch (backend) {
-    case AttentionBackend::kMath:
-      return "math";
-    case AttentionBackend::kFused:
-      return "fused";
-    case AttentionBackend::kChunked:
-      return "chunked";
-  }
-  return "unknown";
-}
-
-AttentionBackend parse_backend(const std::string& name) {
-  if (name == "math")
-    return AttentionBackend::kMath;
-  if (name == "fused")
-    return AttentionBackend::kFused;
-  TORCH_CHECK(name == "chunked", "[parse_backend] unknown backend '", name,
-              "'; expected math, fused or chunked");
-  return AttentionBackend::kChunked;
-}
-
 // ---- MultiHeadAttentionWrapper ------------------------------------------------------------
 
 MultiHeadAttentionWrapperImpl::MultiHeadAttentionWrapperImpl(

@@ -643,11 +643,12 @@ TEST(AttentionBackends, EveryBackendComputesTheSameModule) {
 
 TEST(AttentionBackends, NamesParseAndBadOptionsAreNamed) {
   for (const auto backend :
-       {AttentionBackend::kMath, AttentionBackend::kFused, AttentionBackend::kChunked}) {
+       {AttentionBackend::kMath, AttentionBackend::kFused, AttentionBackend::kChunked,
+        AttentionBackend::kAuto}) {
     EXPECT_EQ(attnkit::parse_backend(attnkit::backend_name(backend)), backend);
   }
   expect_error_containing([] { attnkit::parse_backend("flash"); },
-                          "unknown backend 'flash'; expected math, fused or chunked");
+                          "unknown backend 'flash'; expected math, fused, chunked or auto");
   expect_error_containing(
       [] { attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).chunk_size(0)); },
       "[MultiHeadAttention] option chunk_size must be > 0, got 0");

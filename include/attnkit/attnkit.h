@@ -3,12 +3,14 @@
 /// Umbrella header: every public attnkit header.
 /// Example: `#include <attnkit/attnkit.h>` then `attnkit::MultiHeadAttention mha(...);`
 
+#include "attnkit/attention.h"
 #include "attnkit/causal_attention.h"
 #include "attnkit/functional.h"
 #include "attnkit/generate.h"
 #include "attnkit/grouped_query_attention.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/latent_attention.h"
+#include "attnkit/mask.h"
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/options.h"
 #include "attnkit/self_attention.h"

@@ -1,10 +1,13 @@
 #pragma once
 
-/// Stateless attention pieces. Every attnkit module hands its attention to
-/// `scaled_dot_product_attention`; the other functions are the notebooks' steps,
-/// usable on their own.
+/// Stateless attention pieces: the notebooks' steps, usable on their own, and the earlier
+/// entry points `scaled_dot_product_attention`, `chunked_attention` and `fused_attention`
+/// with their option structs, kept as thin aliases of the one core, `attention`
+/// (attnkit/attention.h), which every attnkit module calls.
 
 #include <torch/torch.h>
+
+#include "attnkit/attention.h"
 
 namespace attnkit::functional {
 
@@ -80,15 +83,6 @@ struct SdpaOptions {
   TORCH_ARG(bool, training) = false;
   /// Score multiplier; when unset the scores are divided by sqrt(head_dim), as in the book.
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
-};
-
-/// Context vectors together with the attention weights that produced them
-/// (weights after dropout, as multiplied into the values).
-struct AttentionOutput {
-  /// (..., n, hd_v)
-  torch::Tensor context;
-  /// (..., n, m)
-  torch::Tensor weights;
 };
 
 /// The one attention core of attnkit, the book's computation:

@@ -97,13 +97,16 @@ enum class AttentionBackend {
   /// (`functional::chunked_attention`): memory linear in num_tokens; dropout from its own
   /// random stream.
   kChunked,
+  /// `functional::attention` picks: fused where it supports the problem, else chunked
+  /// (`functional::choose_backend`).
+  kAuto,
 };
 
-/// "math", "fused" or "chunked".
+/// "math", "fused", "chunked" or "auto".
 /// Example: `attnkit::backend_name(AttentionBackend::kFused)`.
 std::string backend_name(AttentionBackend backend);
 
-/// Parses "math", "fused" or "chunked"; anything else is a c10::Error naming the choices.
+/// Parses "math", "fused", "chunked" or "auto"; anything else is a c10::Error naming the choices.
 /// Example: `attnkit::parse_backend("chunked")`.
 AttentionBackend parse_backend(const std::string& name);
 

@@ -1,0 +1,109 @@
+#pragma once
+
+/// The one attention core: `attnkit::functional::attention(q, k, v, AttentionOptions)`, with
+/// a mask (`attnkit::Mask`), a score function (FlexAttention's `score_mod`), a scale,
+/// dropout and a backend (docs/masks.md). Every attnkit module hands its attention here.
+
+#include <functional>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "attnkit/mask.h"
+#include "attnkit/options.h"
+
+namespace attnkit {
+
+/// FlexAttention's `score_mod(score, b, h, q_idx, kv_idx) -> score`: applied to the scaled
+/// scores of a tile before the mask and the softmax. `score` has the broadcast shape of the
+/// index tensors (as for `MaskMod`); the result must have score's shape and dtype.
+/// Gradients flow through it into q and k, and into the tensors it reads (a bias table).
+/// Example: `[](auto s, auto, auto, auto q, auto kv) { return s - (q - kv).abs(); }`.
+using ScoreMod = std::function<torch::Tensor(const torch::Tensor& score, const torch::Tensor& b,
+                                             const torch::Tensor& h, const torch::Tensor& q_idx,
+                                             const torch::Tensor& kv_idx)>;
+
+/// Ready-made score functions.
+namespace score_mods {
+
+/// ALiBi: adds slopes[h] * (kv_idx - q_idx), slopes of shape (heads), as FlexAttention's
+/// example. Example: `score_mods::alibi(score_mods::alibi_slopes(12))`.
+ScoreMod alibi(const torch::Tensor& slopes);
+
+/// The ALiBi paper's slopes for `heads` heads: 2^(-8 i / heads) for i = 1..heads (float32).
+torch::Tensor alibi_slopes(int64_t heads);
+
+/// Soft-capping (Gemma 2): cap * tanh(score / cap), cap > 0.
+/// Example: `score_mods::softcap(50.0)`.
+ScoreMod softcap(double cap);
+
+/// A learnable relative-position bias: adds bias[h, clamp(kv_idx - q_idx, -D, D) + D] for
+/// a bias of shape (heads, 2 D + 1) (or (1, 2 D + 1), shared by the heads). The bias trains
+/// like any parameter: gradients reach it on every backend.
+/// Example: `auto bias = torch::zeros({12, 2 * 64 + 1}, torch::requires_grad());
+/// score_mods::relative_position_bias(bias)`.
+ScoreMod relative_position_bias(const torch::Tensor& bias);
+
+}  // namespace score_mods
+
+namespace functional {
+
+/// Options of `attention`.
+/// Example: `AttentionOptions().mask(Mask::causal()).score_mod(score_mods::softcap(30))`.
+struct AttentionOptions {
+  /// Which keys each query may see; default: all of them.
+  TORCH_ARG(Mask, mask) = {};
+  /// Applied to the scaled scores; default: none.
+  TORCH_ARG(ScoreMod, score_mod) = {};
+  /// Score multiplier; unset: 1 / sqrt(head_dim).
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+  /// Dropout probability on the attention weights, in [0, 1); used only when `training`.
+  TORCH_ARG(double, dropout_p) = 0.0;
+  /// Whether dropout is active.
+  TORCH_ARG(bool, training) = false;
+  /// Which kernel computes it; `kAuto` picks one that supports the problem.
+  TORCH_ARG(AttentionBackend, backend) = AttentionBackend::kAuto;
+  /// Query tokens per tile of the chunked backend.
+  TORCH_ARG(int64_t, query_block_size) = 128;
+  /// Key tokens per tile of the chunked backend.
+  TORCH_ARG(int64_t, key_block_size) = 1024;
+};
+
+/// Context vectors together with the attention weights that produced them
+/// (weights after dropout, as multiplied into the values).
+struct AttentionOutput {
+  /// (..., n, hd_v)
+  torch::Tensor context;
+  /// (..., n, m)
+  torch::Tensor weights;
+};
+
+/// `dropout(softmax(mask(score_mod(scale * q k^T)))) @ v` for query (b, h, n, hd),
+/// key (b, g, m, hd) and value (b, g, m, hd_v), g dividing h (grouped-query attention: query
+/// head i uses key/value head i / (h / g)); 3-D (b, n, hd) and 2-D (n, hd) inputs have one
+/// head. A query that sees no key gets zeros. Returns (b, h, n, hd_v) (or the input's rank).
+/// Example: `attention(q, k, v, AttentionOptions().mask(Mask::causal()))`.
+torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& key,
+                        const torch::Tensor& value, const AttentionOptions& options = {});
+
+/// `attention`, also returning the weights (b, h, n, m): the math backend, which builds them
+/// (`kAuto` and `kMath` only).
+/// Example: `attention_with_weights(q, k, v, AttentionOptions().mask(Mask::causal()))`.
+AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::Tensor& key,
+                                       const torch::Tensor& value,
+                                       const AttentionOptions& options = {});
+
+/// Why `backend` cannot run this problem ("" when it can): the fused backend has no score
+/// functions, no masks but causal and sliding-window ones, and only the default scale.
+/// Example: `unsupported_reason(AttentionBackend::kFused, q, k, v, options)`.
+std::string unsupported_reason(AttentionBackend backend, const torch::Tensor& query,
+                               const torch::Tensor& key, const torch::Tensor& value,
+                               const AttentionOptions& options);
+
+/// The backend `attention` runs: `options.backend()` unless it is `kAuto`, which takes the
+/// fused backend where it supports the problem, else the chunked one.
+AttentionBackend choose_backend(const torch::Tensor& query, const torch::Tensor& key,
+                                const torch::Tensor& value, const AttentionOptions& options);
+
+}  // namespace functional
+}  // namespace attnkit

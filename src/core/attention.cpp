@@ -1,0 +1,336 @@
+// attnkit::functional::attention: argument checks, the choice of backend, and the math core
+// every other path is tested against. The kernels: src/core/chunked.cpp and
+// src/fused_attention.cpp; the masks: src/core/mask.cpp.
+
+#include "attnkit/attention.h"
+
+#include <cmath>
+#include <limits>
+#include <unordered_set>
+
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include "attention_layout.h"
+#include "attnkit/functional.h"
+#include "checks.h"
+#include "core/kernels.h"
+
+namespace attnkit {
+
+using detail::shape_string;
+
+std::string backend_name(AttentionBackend backend) {
+  switch (backend) {
+    case AttentionBackend::kMath:
+      return "math";
+    case AttentionBackend::kFused:
+      return "fused";
+    case AttentionBackend::kChunked:
+      return "chunked";
+    case AttentionBackend::kAuto:
+      return "auto";
+  }
+  return "unknown";
+}
+
+AttentionBackend parse_backend(const std::string& name) {
+  for (const auto backend : {AttentionBackend::kMath, AttentionBackend::kFused,
+                             AttentionBackend::kChunked, AttentionBackend::kAuto}) {
+    if (name == backend_name(backend))
+      return backend;
+  }
+  TORCH_CHECK(false, "[parse_backend] unknown backend '", name,
+              "'; expected math, fused, chunked or auto");
+}
+
+namespace score_mods {
+
+ScoreMod alibi(const torch::Tensor& slopes) {
+  TORCH_CHECK(slopes.defined() && slopes.dim() == 1 && slopes.is_floating_point(),
+              "[score_mods::alibi] slopes must be a 1-D floating tensor (heads), got ",
+              slopes.defined() ? shape_string(slopes) : std::string("an undefined tensor"));
+  return [slopes](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor& h,
+                  const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
+    return score + slopes.index({h}).to(score.scalar_type()) * (kv_idx - q_idx);
+  };
+}
+
+torch::Tensor alibi_slopes(int64_t heads) {
+  TORCH_CHECK(heads >= 1, "[score_mods::alibi_slopes] heads must be >= 1, got ", heads);
+  return torch::pow(2.0, torch::arange(1, heads + 1, torch::kFloat) * (-8.0 / heads));
+}
+
+ScoreMod softcap(double cap) {
+  TORCH_CHECK(cap > 0.0 && std::isfinite(cap), "[score_mods::softcap] cap must be > 0, got ",
+              cap);
+  return [cap](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor&,
+               const torch::Tensor&, const torch::Tensor&) {
+    return torch::tanh(score / cap) * cap;
+  };
+}
+
+ScoreMod relative_position_bias(const torch::Tensor& bias) {
+  TORCH_CHECK(bias.defined() && bias.dim() == 2 && bias.size(1) % 2 == 1 &&
+                  bias.is_floating_point(),
+              "[score_mods::relative_position_bias] bias must be a floating (heads, 2 D + 1) ",
+              "tensor, got ",
+              bias.defined() ? shape_string(bias) : std::string("an undefined tensor"));
+  const int64_t max_distance = bias.size(1) / 2;
+  return [bias, max_distance](const torch::Tensor& score, const torch::Tensor&,
+                              const torch::Tensor& h, const torch::Tensor& q_idx,
+                              const torch::Tensor& kv_idx) {
+    const auto head = bias.size(0) == 1 ? torch::zeros_like(h) : h;
+    const auto distance = (kv_idx - q_idx).clamp(-max_distance, max_distance) + max_distance;
+    return score + bias.index({head, distance}).to(score.scalar_type());
+  };
+}
+
+}  // namespace score_mods
+
+namespace detail {
+
+torch::Tensor apply_score_mod(const ScoreMod& score_mod, const torch::Tensor& scores,
+                              const std::vector<torch::Tensor>& index) {
+  auto result = score_mod(scores, index[0], index[1], index[2], index[3]);
+  TORCH_CHECK(result.defined() && result.sizes() == scores.sizes() &&
+                  result.scalar_type() == scores.scalar_type(),
+              "[attention] score_mod must return a tensor of the score's shape ",
+              shape_string(scores), " and dtype ", scores.scalar_type(), ", got ",
+              result.defined() ? c10::str(shape_string(result), " ", result.scalar_type())
+                               : std::string("an undefined tensor"));
+  return result;
+}
+
+std::vector<torch::Tensor> score_mod_parameters(const ScoreMod& score_mod,
+                                                const torch::TensorOptions& options) {
+  // A probe: one score, index 0 everywhere, with grad mode on; the leaves of the graph it
+  // builds are the tensors the function reads that want gradients.
+  const torch::AutoGradMode grad_mode(true);
+  const auto zero = torch::zeros({1, 1, 1, 1}, options.dtype(torch::kInt64));
+  const auto probe = score_mod(torch::zeros({1, 1, 1, 1}, options), zero, zero, zero, zero);
+  std::vector<torch::Tensor> parameters;
+  if (!probe.defined() || !probe.requires_grad())
+    return parameters;
+  std::vector<torch::autograd::Node*> stack{probe.grad_fn().get()};
+  std::unordered_set<torch::autograd::Node*> seen;
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (node == nullptr || !seen.insert(node).second)
+      continue;
+    if (auto* leaf = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      parameters.push_back(leaf->variable);
+      continue;
+    }
+    for (const auto& edge : node->next_edges())
+      stack.push_back(edge.function.get());
+  }
+  return parameters;
+}
+
+functional::AttentionOutput math_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                           const torch::Tensor& value, const MathMasking& masking,
+                                           c10::optional<double> scale, double dropout_p,
+                                           bool training) {
+  // A fresh (..., n, m) product, so the scale and the mask go in place where no score
+  // function needs the scores: fewer passes over the largest tensor.
+  auto scores = functional::attention_scores(query, key);
+  // Divide (not multiply by the reciprocal) so float32 results are bit-identical to the book.
+  if (scale.has_value()) {
+    scores.mul_(*scale);
+  } else {
+    scores.div_(std::sqrt(static_cast<double>(query.size(-1))));
+  }
+  if (masking.score_mod)
+    scores = apply_score_mod(masking.score_mod, scores, masking.index);
+  const auto& allowed = masking.allowed;
+  if (allowed.defined()) {
+    constexpr double kMasked = -std::numeric_limits<double>::infinity();
+    const auto masked = allowed.logical_not();
+    if (!masking.score_mod && at::infer_size(masked.sizes(), scores.sizes()) == scores.sizes()) {
+      scores.masked_fill_(masked, kMasked);
+    } else {  // a mask with more leading dimensions broadcasts the scores up
+      scores = scores.masked_fill(masked, kMasked);
+    }
+  }
+  auto weights = torch::softmax(scores, -1);
+  if (allowed.defined()) {
+    // A row that sees no key is softmax(-inf, ...) = NaN; it attends to nothing. On CPU the
+    // (small) mask is checked first so the weights are rewritten only when needed; on a GPU
+    // that check would be a device sync, so the fill always runs there.
+    const auto no_key = allowed.logical_not().all(-1, /*keepdim=*/true);
+    if (!allowed.device().is_cpu() || no_key.any().item<bool>())
+      weights = weights.masked_fill(no_key, 0.0);
+  }
+  weights = functional::dropout_weights(weights, dropout_p, training);
+  return {torch::matmul(weights, value), weights};
+}
+
+}  // namespace detail
+
+namespace functional {
+
+namespace {
+
+const char* const kFn = "[attention]";
+
+// The problem as (b, h, n, hd) inputs: 2-D and 3-D inputs gain unit batch and head
+// dimensions.
+torch::Tensor as_4d(const torch::Tensor& t) {
+  return t.dim() == 2 ? t.view({1, 1, t.size(0), t.size(1)})
+         : t.dim() == 3 ? t.unsqueeze(1)
+                        : t;
+}
+
+// (b, h, n, f) back to the rank of `like`.
+torch::Tensor as_rank_of(const torch::Tensor& t4, const torch::Tensor& like) {
+  return like.dim() == 2 ? t4.view({t4.size(2), t4.size(3)}) : like.dim() == 3 ? t4.squeeze(1) : t4;
+}
+
+void check_attention_arguments(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const AttentionOptions& options) {
+  TORCH_CHECK(q.defined() && k.defined() && v.defined(), kFn,
+              " query, key and value must all be defined tensors");
+  TORCH_CHECK(q.dim() >= 2 && q.dim() <= 4 && k.dim() == q.dim() && v.dim() == q.dim(), kFn,
+              " query, key and value must share a rank of 2 to 4 ((n, hd), (b, n, hd) or (b, h, ",
+              "n, hd)), got query ", shape_string(q), ", key ", shape_string(k), ", value ",
+              shape_string(v));
+  TORCH_CHECK(q.dim() < 3 || (k.size(0) == q.size(0) && v.size(0) == q.size(0)), kFn,
+              " key and value must have the query's batch size ", q.size(0), ", got key ",
+              shape_string(k), " and value ", shape_string(v));
+  TORCH_CHECK(q.size(-1) == k.size(-1), kFn,
+              " query and key must have the same last dimension (head_dim), got query ",
+              shape_string(q), " and key ", shape_string(k));
+  TORCH_CHECK(k.size(-2) == v.size(-2) && (q.dim() < 4 || k.size(1) == v.size(1)), kFn,
+              " key and value must have the same heads and tokens, got key ", shape_string(k),
+              " and value ", shape_string(v));
+  TORCH_CHECK(k.size(-2) >= 1, kFn, " key must hold at least one token, got ", shape_string(k));
+  if (q.dim() == 4) {
+    TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, kFn,
+                " key/value heads (", k.size(1), ") must divide query heads (", q.size(1),
+                "), got query ", shape_string(q), " and key ", shape_string(k));
+  }
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                  q.is_floating_point(),
+              kFn, " query, key and value must share a floating dtype, got ", q.scalar_type(),
+              ", ", k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK(q.device() == k.device() && k.device() == v.device(), kFn,
+              " query, key and value must be on one device, got ", q.device(), ", ", k.device(),
+              ", ", v.device());
+  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, kFn,
+              " dropout_p must be in [0, 1), got ", options.dropout_p());
+  TORCH_CHECK(!options.scale().has_value() || std::isfinite(*options.scale()), kFn,
+              " scale must be finite, got ", options.scale().value_or(0.0));
+  TORCH_CHECK(options.query_block_size() >= 1, kFn, " query_block_size must be >= 1, got ",
+              options.query_block_size());
+  TORCH_CHECK(options.key_block_size() >= 1, kFn, " key_block_size must be >= 1, got ",
+              options.key_block_size());
+  const auto q4 = as_4d(q);
+  options.mask().check(kFn, q4.size(0), q4.size(1), q4.size(2), k.size(-2), q.device());
+}
+
+// The math core on 4-D inputs: key/value heads repeated for their query heads, the dense
+// mask, index tensors for a score function.
+AttentionOutput math_backend(const torch::Tensor& q4, const torch::Tensor& k4,
+                             const torch::Tensor& v4, const AttentionOptions& options) {
+  const int64_t batch = q4.size(0), heads = q4.size(1), n = q4.size(2), m = k4.size(2);
+  const int64_t group = heads / k4.size(1);
+  detail::MathMasking masking;
+  if (!options.mask().is_none())
+    masking.allowed = options.mask().dense(batch, heads, n, m, q4.device());
+  if (options.score_mod()) {
+    masking.score_mod = options.score_mod();
+    const auto index = torch::dtype(torch::kInt64).device(q4.device());
+    masking.index = {torch::arange(batch, index).view({-1, 1, 1, 1}),
+                     torch::arange(heads, index).view({1, -1, 1, 1}),
+                     torch::arange(n, index).view({1, 1, -1, 1}),
+                     torch::arange(m, index).view({1, 1, 1, -1})};
+  }
+  const auto k = group == 1 ? k4 : k4.repeat_interleave(group, 1);
+  const auto v = group == 1 ? v4 : v4.repeat_interleave(group, 1);
+  return detail::math_attention(q4, k, v, masking, options.scale(), options.dropout_p(),
+                                options.training());
+}
+
+// LibTorch's SDPA (2.x) or attnkit's CPU kernels (1.13), for the masks it takes.
+torch::Tensor fused_backend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const AttentionOptions& options) {
+  int64_t offset = 0, window = 0;
+  const bool causal = options.mask().is_causal(&offset, &window);
+  auto fused = FusedOptions()
+                   .is_causal(causal)
+                   .query_offset(offset)
+                   .dropout_p(options.dropout_p())
+                   .training(options.training());
+  if (window > 0)
+    fused.window_size(window);
+  return fused_backend_attention(q, k, v, fused);
+}
+
+}  // namespace
+
+std::string unsupported_reason(AttentionBackend backend, const torch::Tensor& query,
+                               const torch::Tensor& /*key*/, const torch::Tensor& /*value*/,
+                               const AttentionOptions& options) {
+  if (backend != AttentionBackend::kFused)
+    return "";
+  if (options.score_mod())
+    return "the fused backend has no score functions (score_mod)";
+  if (!options.mask().is_none() && !options.mask().is_causal()) {
+    return c10::str("the fused backend takes only causal and sliding-window masks, not ",
+                    options.mask().to_string());
+  }
+  if (options.scale().has_value() &&
+      *options.scale() != 1.0 / std::sqrt(static_cast<double>(query.size(-1)))) {
+    return c10::str("the fused backend has only the default scale 1/sqrt(head_dim), not ",
+                    *options.scale());
+  }
+  return "";
+}
+
+AttentionBackend choose_backend(const torch::Tensor& query, const torch::Tensor& key,
+                                const torch::Tensor& value, const AttentionOptions& options) {
+  if (options.backend() != AttentionBackend::kAuto)
+    return options.backend();
+  return unsupported_reason(AttentionBackend::kFused, query, key, value, options).empty()
+             ? AttentionBackend::kFused
+             : AttentionBackend::kChunked;
+}
+
+torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& key,
+                        const torch::Tensor& value, const AttentionOptions& options) {
+  check_attention_arguments(query, key, value, options);
+  const auto backend = choose_backend(query, key, value, options);
+  const auto why = unsupported_reason(backend, query, key, value, options);
+  TORCH_CHECK(why.empty(), kFn, " backend ", backend_name(backend), " cannot run this: ", why,
+              "; use AttentionBackend::kAuto, kChunked or kMath");
+  const auto q4 = as_4d(query), k4 = as_4d(key), v4 = as_4d(value);
+  torch::Tensor out4;
+  switch (backend) {
+    case AttentionBackend::kMath:
+      out4 = math_backend(q4, k4, v4, options).context;
+      break;
+    case AttentionBackend::kFused:
+      out4 = fused_backend(q4, k4, v4, options);
+      break;
+    default:
+      out4 = detail::chunked_kernel(q4, k4, v4, options);
+  }
+  return as_rank_of(out4, query);
+}
+
+AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::Tensor& key,
+                                       const torch::Tensor& value,
+                                       const AttentionOptions& options) {
+  check_attention_arguments(query, key, value, options);
+  TORCH_CHECK(options.backend() == AttentionBackend::kAuto ||
+                  options.backend() == AttentionBackend::kMath,
+              "[attention_with_weights] the weights come from the math backend, which builds ",
+              "them; got backend ", backend_name(options.backend()),
+              " (use kAuto or kMath, or attention() for the context alone)");
+  const auto out = math_backend(as_4d(query), as_4d(key), as_4d(value), options);
+  return {as_rank_of(out.context, query), as_rank_of(out.weights, query)};
+}
+
+}  // namespace functional
+}  // namespace attnkit

@@ -1,0 +1,505 @@
+// Memory-efficient attention: queries and keys in blocks, an online softmax (running max
+// and sum), blocks above the causal diagonal skipped, and a backward pass that recomputes
+// each block's probabilities from the saved log-sum-exp. The mask (attnkit::Mask) judges
+// each tile: empty tiles are skipped, full ones masked nothing, and only partial ones build
+// their dense rows (a mask_mod is called on those alone in backward; forward judges every
+// tile once and keeps the verdicts). Beyond inputs and outputs, memory
+// is one score tile (head group x query block x key block) instead of the O(n^2) score
+// matrix of the math path, so it grows linearly in n.
+//
+// Speed (LibTorch 1.13 CPU): the inputs are read in place through (outer, heads, n, f)
+// views, so the (b, h, n, hd) views of a QKV projection are not copied; the softmax scale
+// is applied to each query block (bq x hd), not to the scores (bq x bk); the block's
+// elementwise steps run in place; heads are processed in groups whose score block stays in
+// cache.
+//
+// Grouped-query attention: the query heads that share a key/value head are folded into the
+// rows of one matrix, (gs, bq, hd) -> (1, gs * bq, hd), so one bmm against the shared keys
+// serves the whole group and the repeated keys and values never exist. Sliding windows:
+// each query block starts at the first key its first query may see (Mask::key_range), so
+// only key blocks that meet the window are visited and the work grows as n * window_size.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include <mutex>
+
+#include "attention_layout.h"
+#include "attnkit/functional.h"
+#include "core/kernels.h"
+#include "parallel.h"
+
+namespace attnkit::functional {
+
+namespace {
+
+using detail::as_outer_heads;
+using detail::shaped_like;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+// Bytes of one score tile (head group x query block x key block): a few MiB, near the L2
+// size of the development machine (2 MiB per core); tuned by hand with attnkit-bench.
+constexpr int64_t kScoreBlockBytes = int64_t{4} << 20;
+
+
+// One call's settings and what forward learns for backward: the tiles' verdicts and the
+// head grouping, so backward visits the same tiles the same way.
+struct ChunkedCall : torch::CustomClassHolder {
+  Mask mask;
+  ScoreMod score_mod;
+  double scale = 1.0;
+  double dropout_p = 0.0;
+  int64_t dropout_seed = -1;  // < 0: no dropout
+  int64_t query_block = 128;
+  int64_t key_block = 1024;
+  int64_t head_group = 0;       // 0: plan it (forward)
+  std::vector<int8_t> verdicts;  // TileKind per (outer, head group, query block, key tile)
+  int64_t tiles_per_query_block = 0;
+};
+
+struct BlockPlan {
+  const ChunkedCall& call;
+  int64_t outer;
+  int64_t heads;
+  int64_t num_queries;
+  int64_t num_keys;
+  int64_t query_block;
+  int64_t key_block;
+  int64_t group_size;  // query heads per key/value head
+  int64_t head_group;  // query heads per bmm, a multiple of group_size
+  double scale;
+  // A row may see no key in a tile (or at all): its running maximum needs a guard.
+  bool rows_may_be_empty;
+
+  BlockPlan(const torch::Tensor& q4, const torch::Tensor& k4, const ChunkedCall& call)
+      : call(call),
+        outer(q4.size(0)),
+        heads(q4.size(1)),
+        num_queries(q4.size(2)),
+        num_keys(k4.size(2)),
+        query_block(call.query_block),
+        key_block(call.key_block),
+        group_size(q4.size(1) / k4.size(1)),
+        head_group(call.head_group),
+        scale(call.scale),
+        rows_may_be_empty(!call.mask.is_none() || call.score_mod) {
+    if (head_group > 0)
+      return;
+    // Head groups of equal size (a multiple of group_size) whose score tile fits
+    // kScoreBlockBytes, and at least as many (outer, head group) pairs as there are workers
+    // where the heads allow it: backward's tasks are those pairs.
+    const int64_t block_bytes = query_block * key_block * static_cast<int64_t>(q4.element_size());
+    const int64_t kv_heads = std::max<int64_t>(heads / group_size, 1);
+    const int64_t fitting_heads = kScoreBlockBytes / std::max<int64_t>(block_bytes, 1);
+    int64_t groups = std::max<int64_t>(fitting_heads / group_size, 1);
+    groups = (kv_heads + groups - 1) / groups;  // kv heads per group -> number of groups
+    const int64_t workers = detail::worker_count(outer * kv_heads, q4.device());
+    groups = std::min(std::max(groups, (workers + outer - 1) / outer), kv_heads);
+    head_group = (kv_heads + groups - 1) / groups * group_size;
+  }
+
+  int64_t num_head_groups() const { return (heads + head_group - 1) / head_group; }
+  int64_t num_query_blocks() const { return (num_queries + query_block - 1) / query_block; }
+  // Most key tiles a query block can have: the key blocks, and two more for a window's cuts.
+  int64_t max_key_tiles() const { return (num_keys + key_block - 1) / key_block + 3; }
+
+  // The key tiles (k0, bk) that query block [q0, q0 + bq) visits, at most key_block wide,
+  // over the keys the mask lets it see, ending where the mask asks (a window's edges).
+  std::vector<std::pair<int64_t, int64_t>> key_tiles(int64_t q0, int64_t bq) const {
+    const auto [begin, end] = call.mask.key_range(q0, bq, num_keys);
+    std::vector<int64_t> inner;
+    call.mask.add_key_cuts(q0, bq, &inner);
+    std::sort(inner.begin(), inner.end());
+    std::vector<int64_t> cuts{begin};
+    for (const int64_t cut : inner) {
+      if (cut > cuts.back() && cut < end)
+        cuts.push_back(cut);
+    }
+    cuts.push_back(end);
+    std::vector<std::pair<int64_t, int64_t>> tiles;
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      for (int64_t k0 = cuts[i]; k0 < cuts[i + 1]; k0 += key_block)
+        tiles.emplace_back(k0, std::min(key_block, cuts[i + 1] - k0));
+    }
+    return tiles;
+  }
+
+  size_t verdict_index(int64_t task_pair, int64_t q0, size_t tile) const {
+    return static_cast<size_t>((task_pair * num_query_blocks() + q0 / query_block) *
+                               max_key_tiles()) +
+           tile;
+  }
+};
+
+// Where a block sits: outer index o, heads [h0, h0 + g).
+struct HeadGroup {
+  int64_t o, h0, g;
+  int64_t pair;  // o * num_head_groups + head group
+};
+
+// Rows [r0, r0 + rows) of a head group of an (outer, heads, n, f) query-side tensor: a
+// (g, rows, f) view.
+torch::Tensor block_of(const torch::Tensor& t4, const HeadGroup& at, int64_t r0, int64_t rows) {
+  return t4.select(0, at.o).narrow(0, at.h0, at.g).narrow(1, r0, rows);
+}
+
+// The same rows of the key/value heads the group's query heads use: (g / group_size, rows, f).
+torch::Tensor kv_block_of(const torch::Tensor& t4, const HeadGroup& at, int64_t r0, int64_t rows,
+                          const BlockPlan& plan) {
+  return t4.select(0, at.o)
+      .narrow(0, at.h0 / plan.group_size, at.g / plan.group_size)
+      .narrow(1, r0, rows);
+}
+
+// (g, r, f) per query head -> (g / gs, gs * r, f): the query heads sharing a key/value head
+// stacked as the rows of one matrix (a view when gs is 1 or t is contiguous).
+torch::Tensor fold_groups(const torch::Tensor& t, int64_t gs) {
+  return gs == 1 ? t : t.reshape({t.size(0) / gs, gs * t.size(1), t.size(2)});
+}
+
+// The inverse of fold_groups for a fresh product: (g / gs, gs * r, f) -> (g, r, f).
+torch::Tensor unfold_groups(const torch::Tensor& t, int64_t gs) {
+  return gs == 1 ? t : t.view({t.size(0) * gs, t.size(1) / gs, t.size(2)});
+}
+
+Tile tile_at(const HeadGroup& at, int64_t q0, int64_t bq, int64_t k0, int64_t bk) {
+  return {at.o, at.h0, at.g, q0, bq, k0, bk};
+}
+
+// The tile's index tensors for a score function: b, h, q_idx, kv_idx, each 3-D to match the
+// (g, bq, bk) scores.
+std::vector<torch::Tensor> tile_index(const Tile& t, const torch::Device& device) {
+  const auto index = torch::dtype(torch::kInt64).device(device);
+  return {torch::full({1, 1, 1}, t.batch, index),
+          torch::arange(t.head_begin, t.head_begin + t.heads, index).view({-1, 1, 1}),
+          torch::arange(t.query_begin, t.query_begin + t.queries, index).view({1, -1, 1}),
+          torch::arange(t.key_begin, t.key_begin + t.keys, index).view({1, 1, -1})};
+}
+
+// Scaled scores of a (pre-scaled query block, key block) pair, (g, bq, bk).
+torch::Tensor block_scores(const torch::Tensor& q_block, const torch::Tensor& k_block,
+                           const BlockPlan& plan) {
+  return unfold_groups(
+      torch::bmm(fold_groups(q_block, plan.group_size), k_block.transpose(1, 2)), plan.group_size);
+}
+
+// -inf where a partial tile's entries may not attend.
+void mask_tile(torch::Tensor& scores, const TileMask& verdict) {
+  if (verdict.kind == TileKind::kPartial)
+    scores.masked_fill_(verdict.allowed.logical_not(), -kInfinity);
+}
+
+// A running row maximum made safe to subtract: a row that has seen only masked keys so far
+// has maximum -inf; 0 stands in, so its exp() terms are 0, not NaN.
+torch::Tensor finite_max(const torch::Tensor& row_max, const BlockPlan& plan) {
+  return plan.rows_may_be_empty ? row_max.masked_fill(row_max == -kInfinity, 0.0) : row_max;
+}
+
+// The dropout keep-mask (scaled by 1 / (1 - p)) of one block, each head's drawn from a
+// generator seeded by the call's seed and the head's block position, so backward redraws the
+// same mask however the heads are grouped and whichever worker draws it.
+torch::Tensor dropout_scale(const torch::Tensor& like, const HeadGroup& at, int64_t q0, int64_t k0,
+                            const BlockPlan& plan) {
+  auto keep = torch::empty(like.sizes(), torch::dtype(like.scalar_type()));
+  for (int64_t i = 0; i < at.g; ++i) {
+    const auto block_index =
+        ((at.o * plan.heads + at.h0 + i) * plan.num_queries + q0) * plan.num_keys + k0;
+    auto generator = at::detail::createCPUGenerator(
+        static_cast<uint64_t>(plan.call.dropout_seed) + static_cast<uint64_t>(block_index));
+    keep[i].bernoulli_(1.0 - plan.call.dropout_p, generator);
+  }
+  return keep.div_(1.0 - plan.call.dropout_p).to(like.device());
+}
+
+HeadGroup head_group_of(const BlockPlan& plan, int64_t pair) {
+  const int64_t o = pair / plan.num_head_groups();
+  const int64_t h0 = pair % plan.num_head_groups() * plan.head_group;
+  return {o, h0, std::min(plan.head_group, plan.heads - h0), pair};
+}
+
+// Calls visit(head group, q0, bq) for every query block, in parallel (src/parallel.h): the
+// tasks are (outer, head group, query block), the last query blocks (which see the most keys
+// when causal) first.
+template <typename Visit>
+void for_each_query_block(const BlockPlan& plan, const torch::Device& device, Visit&& visit) {
+  const int64_t pairs = plan.outer * plan.num_head_groups(), blocks = plan.num_query_blocks();
+  detail::run_tasks(pairs * blocks, device, [&](int64_t task) {
+    const int64_t q0 = (blocks - 1 - task / pairs) * plan.query_block;
+    visit(head_group_of(plan, task % pairs), q0, std::min(plan.query_block, plan.num_queries - q0));
+  });
+}
+
+// Calls visit(head group) for every (outer, head group) pair, in parallel: backward's tasks,
+// as each pair's key and value gradients gather from all of its query blocks.
+template <typename Visit>
+void for_each_head_group(const BlockPlan& plan, const torch::Device& device, Visit&& visit) {
+  detail::run_tasks(plan.outer * plan.num_head_groups(), device,
+                    [&](int64_t task) { visit(head_group_of(plan, task)); });
+}
+
+// Shapes: scores (g, bq, bk) with index tensors (b, h, q_idx, kv_idx) of that rank.
+torch::Tensor modified_scores(const BlockPlan& plan, const torch::Tensor& scores, const Tile& t) {
+  return plan.call.score_mod ? detail::apply_score_mod(plan.call.score_mod, scores,
+                                               tile_index(t, scores.device()))
+                             : scores;
+}
+
+struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
+  static torch::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<ChunkedCall> call,
+                               const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, at::TensorList score_mod_parameters) {
+    const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
+    const BlockPlan plan(q4, k4, *call);
+    call->head_group = plan.head_group;
+    call->verdicts.assign(
+        static_cast<size_t>(plan.outer * plan.num_head_groups() * plan.num_query_blocks() *
+                            plan.max_key_tiles()),
+        static_cast<int8_t>(TileKind::kEmpty));
+    const int64_t gs = plan.group_size;
+    auto out_shape = q.sizes().vec();
+    out_shape.back() = v.size(-1);
+    auto out = torch::empty(out_shape, q.options());
+    auto out4 = as_outer_heads(out);  // a view of the output, written block by block
+    auto lse4 = torch::empty({plan.outer, plan.heads, plan.num_queries, 1}, q.options());
+
+    for_each_query_block(plan, q.device(), [&](const HeadGroup& at, int64_t q0, int64_t bq) {
+      const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
+      auto acc = block_of(out4, at, q0, bq);                       // written in place
+      torch::Tensor row_max, row_sum;
+      const auto tiles = plan.key_tiles(q0, bq);
+      for (size_t i = 0; i < tiles.size(); ++i) {
+        const auto [k0, bk] = tiles[i];
+        const auto verdict = call->mask.tile(tile_at(at, q0, bq, k0, bk), q.device());
+        call->verdicts[plan.verdict_index(at.pair, q0, i)] = static_cast<int8_t>(verdict.kind);
+        if (verdict.kind == TileKind::kEmpty)
+          continue;
+        const bool first = !row_max.defined();
+        auto p = modified_scores(plan, block_scores(q_block, kv_block_of(k4, at, k0, bk, plan), plan),
+                                 tile_at(at, q0, bq, k0, bk));
+        mask_tile(p, verdict);
+        const auto block_max = p.amax(-1, /*keepdim=*/true);
+        torch::Tensor correction;
+        if (first) {
+          row_max = block_max;
+        } else {
+          const auto new_max = torch::maximum(row_max, block_max);
+          correction = (row_max - finite_max(new_max, plan)).exp_();
+          row_max = new_max;
+        }
+        p.sub_(finite_max(row_max, plan)).exp_();
+        const auto block_sum = p.sum(-1, /*keepdim=*/true);
+        if (call->dropout_seed >= 0)
+          p.mul_(dropout_scale(p, at, q0, k0, plan));
+        const auto v_block = kv_block_of(v4, at, k0, bk, plan);
+        if (first) {
+          row_sum = block_sum;
+          acc.copy_(unfold_groups(torch::bmm(fold_groups(p, gs), v_block), gs));
+        } else {
+          row_sum.mul_(correction).add_(block_sum);
+          if (gs == 1) {
+            acc.mul_(correction).baddbmm_(p, v_block);
+          } else {
+            acc.mul_(correction).add_(unfold_groups(torch::bmm(fold_groups(p, gs), v_block), gs));
+          }
+        }
+      }
+      auto lse_block = block_of(lse4, at, q0, bq);
+      if (!row_max.defined()) {  // every tile empty: these queries see no key
+        acc.zero_();
+        lse_block.fill_(kInfinity);
+        return;
+      }
+      if (plan.rows_may_be_empty) {
+        // A row that saw no key has sum 0 and output 0; lse +inf makes backward's weights 0.
+        const auto empty_rows = row_sum == 0;
+        acc.div_(row_sum.masked_fill(empty_rows, 1.0));
+        lse_block.copy_((finite_max(row_max, plan) + row_sum.log()).masked_fill_(empty_rows, kInfinity));
+      } else {
+        acc.div_(row_sum);
+        lse_block.copy_(row_max + row_sum.log());
+      }
+    });
+    variable_list to_save{q, k, v, out, lse4};
+    to_save.insert(to_save.end(), score_mod_parameters.begin(), score_mod_parameters.end());
+    ctx->save_for_backward(to_save);
+    ctx->saved_data["call"] = c10::IValue::make_capsule(call);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &lse4 = saved[4];
+    const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
+    const auto out4 = as_outer_heads(saved[3]);
+    const auto capsule = ctx->saved_data["call"].toCapsule();
+    const auto& call = *static_cast<const ChunkedCall*>(capsule.get());
+    const BlockPlan plan(q4, k4, call);
+    const int64_t gs = plan.group_size;
+    const auto grad_out4 = as_outer_heads(grads[0]);
+    // D_i = sum_j P_ij dP_ij = dO_i . O_i (holds with dropout too, since O = P_dropped V).
+    const auto delta4 = (grad_out4 * out4).sum(-1, /*keepdim=*/true);
+    auto grad_q4 = torch::zeros(q4.sizes(), q4.options());
+    auto grad_k4 = torch::zeros(k4.sizes(), k4.options());
+    auto grad_v4 = torch::zeros(v4.sizes(), v4.options());
+    // Gradients of the tensors the score function reads, summed over tiles and tasks.
+    const size_t num_parameters = saved.size() - 5;
+    std::vector<torch::Tensor> parameters(saved.begin() + 5, saved.end());
+    std::vector<torch::Tensor> parameter_grads(num_parameters);
+    std::mutex parameter_grads_mutex;
+
+    const auto visit_query_block = [&](const HeadGroup& at, int64_t q0, int64_t bq,
+                                       std::vector<torch::Tensor>& task_parameter_grads) {
+      const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
+      const auto grad_out_block = block_of(grad_out4, at, q0, bq);
+      const auto lse_block = block_of(lse4, at, q0, bq);
+      const auto delta_block = block_of(delta4, at, q0, bq);
+      auto grad_q_block = block_of(grad_q4, at, q0, bq);
+      // Query-side blocks with each group's heads as rows of one matrix, for the
+      // products against the shared key/value heads.
+      const auto grad_out_rows = fold_groups(grad_out_block, gs);
+      const auto q_rows = fold_groups(q_block, gs);
+      const auto tiles = plan.key_tiles(q0, bq);
+      for (size_t i = 0; i < tiles.size(); ++i) {
+        const auto [k0, bk] = tiles[i];
+        const auto kind = static_cast<TileKind>(call.verdicts[plan.verdict_index(at.pair, q0, i)]);
+        if (kind == TileKind::kEmpty)
+          continue;
+        const auto tile = tile_at(at, q0, bq, k0, bk);
+        const auto verdict = kind == TileKind::kPartial ? call.mask.tile(tile, q.device())
+                                                        : TileMask{kind, {}};
+        const auto k_block = kv_block_of(k4, at, k0, bk, plan);
+        const auto v_block = kv_block_of(v4, at, k0, bk, plan);
+        auto scores = block_scores(q_block, k_block, plan);
+        // With a score function, autograd differentiates it on this tile: d score_mod / d
+        // score for q and k, and d score_mod / d parameter for the tensors it reads.
+        torch::Tensor score_leaf, modified;
+        if (call.score_mod) {
+          const torch::AutoGradMode grad_mode(true);  // workers run without grad mode
+          score_leaf = scores.detach().requires_grad_(true);
+          modified = modified_scores(plan, score_leaf, tile);
+          scores = modified.detach().clone();  // masked in place below; autograd keeps modified
+        }
+        mask_tile(scores, verdict);
+        auto p = scores.sub_(lse_block).exp_();
+        auto grad_p = unfold_groups(torch::bmm(grad_out_rows, v_block.transpose(1, 2)), gs);
+        torch::Tensor p_used = p;
+        if (call.dropout_seed >= 0) {
+          const auto keep = dropout_scale(p, at, q0, k0, plan);
+          p_used = p * keep;
+          grad_p.mul_(keep);
+        }
+        kv_block_of(grad_v4, at, k0, bk, plan)
+            .baddbmm_(fold_groups(p_used, gs).transpose(1, 2), grad_out_rows);
+        auto grad_scores = grad_p.sub_(delta_block).mul_(p);  // w.r.t. the modified scores
+        if (call.score_mod) {
+          std::vector<torch::Tensor> inputs{score_leaf};
+          inputs.insert(inputs.end(), parameters.begin(), parameters.end());
+          const auto tile_grads = torch::autograd::grad({modified}, inputs, {grad_scores},
+                                                        /*retain_graph=*/false,
+                                                        /*create_graph=*/false,
+                                                        /*allow_unused=*/true);
+          grad_scores = tile_grads[0];
+          for (size_t j = 0; j < num_parameters; ++j) {
+            const auto& g = tile_grads[j + 1];
+            if (g.defined()) {
+              auto& sum = task_parameter_grads[j];
+              sum = sum.defined() ? sum.add_(g) : g.clone();
+            }
+          }
+        }
+        if (gs == 1) {
+          grad_q_block.baddbmm_(grad_scores, k_block, /*beta=*/1, /*alpha=*/plan.scale);
+        } else {
+          grad_q_block.add_(unfold_groups(torch::bmm(fold_groups(grad_scores, gs), k_block), gs),
+                            plan.scale);
+        }
+        kv_block_of(grad_k4, at, k0, bk, plan)
+            .baddbmm_(fold_groups(grad_scores, gs).transpose(1, 2), q_rows);
+      }
+    };
+    for_each_head_group(plan, q.device(), [&](const HeadGroup& at) {
+      std::vector<torch::Tensor> task_parameter_grads(num_parameters);
+      for (int64_t q0 = 0; q0 < plan.num_queries; q0 += plan.query_block) {
+        visit_query_block(at, q0, std::min(plan.query_block, plan.num_queries - q0),
+                          task_parameter_grads);
+      }
+      const std::lock_guard<std::mutex> lock(parameter_grads_mutex);
+      for (size_t j = 0; j < num_parameters; ++j) {
+        auto& sum = parameter_grads[j];
+        const auto& g = task_parameter_grads[j];
+        if (g.defined())
+          sum = sum.defined() ? sum.add_(g) : g;
+      }
+    });
+    variable_list grads_in{torch::Tensor(), shaped_like(grad_q4, q), shaped_like(grad_k4, k),
+                           shaped_like(grad_v4, v)};
+    for (size_t j = 0; j < num_parameters; ++j) {
+      grads_in.push_back(parameter_grads[j].defined() ? parameter_grads[j]
+                                                      : torch::zeros_like(parameters[j]));
+    }
+    return grads_in;
+  }
+};
+
+}  // namespace
+
+}  // namespace attnkit::functional
+
+namespace attnkit::detail {
+
+torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& key,
+                             const torch::Tensor& value,
+                             const functional::AttentionOptions& options) {
+  auto call = c10::make_intrusive<functional::ChunkedCall>();
+  call->mask = options.mask();
+  call->score_mod = options.score_mod();
+  call->scale = options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
+  call->query_block = options.query_block_size();
+  call->key_block = options.key_block_size();
+  call->dropout_p = options.dropout_p();
+  // The seed comes from the global generator, so torch::manual_seed fixes the masks.
+  if (options.training() && options.dropout_p() > 0.0)
+    call->dropout_seed = torch::randint(0, int64_t{1} << 62, {1}, torch::kInt64).item<int64_t>();
+  std::vector<torch::Tensor> parameters;
+  if (call->score_mod && torch::GradMode::is_enabled())
+    parameters = score_mod_parameters(call->score_mod, query.options());
+  return functional::ChunkedAttention::apply(call, query, key, value, at::TensorList(parameters));
+}
+
+}  // namespace attnkit::detail
+
+namespace attnkit::functional {
+
+torch::Tensor chunked_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                const torch::Tensor& value, const ChunkedOptions& options) {
+  const char* fn = "[chunked_attention]";
+  detail::check_qkv_layout(fn, query, key, value);
+  detail::check_window_size(fn, options.window_size(), options.is_causal());
+  TORCH_CHECK(options.block_size() >= 1, fn, " block_size must be >= 1, got ",
+              options.block_size());
+  TORCH_CHECK(options.key_block_size() >= 1, fn, " key_block_size must be >= 1, got ",
+              options.key_block_size());
+  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
+              " dropout_p must be in [0, 1), got ", options.dropout_p());
+  detail::check_query_offset(fn, options.query_offset());
+  Mask mask;
+  if (options.is_causal()) {
+    mask = Mask::causal(options.query_offset());
+    if (options.window_size().has_value())
+      mask = mask.sliding_window(*options.window_size());
+  }
+  return detail::chunked_kernel(query, key, value,
+                                AttentionOptions()
+                                    .mask(mask)
+                                    .dropout_p(options.dropout_p())
+                                    .training(options.training())
+                                    .query_block_size(options.block_size())
+                                    .key_block_size(options.key_block_size()));
+}
+
+}  // namespace attnkit::functional

@@ -1,0 +1,47 @@
+#pragma once
+
+// The attention kernels behind attnkit::functional::attention (src/core/attention.cpp picks
+// one): the math core (dense, autograd) and the chunked kernel (tiles, online softmax, own
+// backward). Both read masks and score functions in the same (b, h, q_idx, kv_idx) terms.
+
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "attnkit/attention.h"
+
+namespace attnkit::detail {
+
+/// What the math core applies between the scores and the softmax.
+struct MathMasking {
+  /// Bool, broadcastable to the scores (..., n, m), true = may attend; undefined: all.
+  torch::Tensor allowed;
+  /// Applied to the scaled scores with `index` (b, h, q_idx, kv_idx) tensors; may be empty.
+  ScoreMod score_mod;
+  std::vector<torch::Tensor> index;
+};
+
+/// `dropout(softmax(masked(score_mod(scale * q k^T)))) @ v` with autograd, for q (..., n, hd),
+/// k (..., m, hd), v (..., m, hd_v) with equal heads (GQA callers repeat k and v). A row
+/// that sees no key gets zero weights. Unset scale: divide by sqrt(hd) (the book's op).
+functional::AttentionOutput math_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                           const torch::Tensor& value, const MathMasking& masking,
+                                           c10::optional<double> scale, double dropout_p,
+                                           bool training);
+
+/// The chunked kernel on (..., n, hd) inputs (4-D: (b, h, n, hd), b read as the mask's
+/// batch index), with the options' mask, score function, scale and dropout, tiles of
+/// query_block x key_block. Checks are the caller's.
+torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& key,
+                             const torch::Tensor& value, const functional::AttentionOptions& options);
+
+/// Tensors with requires_grad that `score_mod` reads (leaves of the graph it builds on a
+/// probe score), which the chunked kernel hands gradients to.
+std::vector<torch::Tensor> score_mod_parameters(const ScoreMod& score_mod,
+                                                const torch::TensorOptions& options);
+
+/// score_mod on a tile (..., rows, cols) with its index tensors; checks the result.
+torch::Tensor apply_score_mod(const ScoreMod& score_mod, const torch::Tensor& scores,
+                              const std::vector<torch::Tensor>& index);
+
+}  // namespace attnkit::detail

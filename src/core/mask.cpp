@@ -1,0 +1,466 @@
+// attnkit::Mask: a tree of mask kinds combined by & and |. Every kind answers three
+// questions: which entries it allows (the mask_mod form, on broadcastable index tensors),
+// what it says about a whole tile without evaluating it where its structure allows, and
+// which keys a block of queries may see at most. A new kind of mask is one class here.
+
+#include "attnkit/mask.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "checks.h"
+
+namespace attnkit {
+
+namespace detail {
+
+// Index tensors of one problem or tile: b (B,1,1,1), h (1,H,1,1), q (1,1,n,1), kv (1,1,1,m).
+struct Indices {
+  torch::Tensor b, h, q, kv;
+};
+
+Indices tile_indices(const Tile& tile, const torch::Device& device) {
+  const auto index = torch::dtype(torch::kInt64).device(device);
+  return {torch::full({1, 1, 1, 1}, tile.batch, index),
+          torch::arange(tile.head_begin, tile.head_begin + tile.heads, index).view({1, -1, 1, 1}),
+          torch::arange(tile.query_begin, tile.query_begin + tile.queries, index)
+              .view({1, 1, -1, 1}),
+          torch::arange(tile.key_begin, tile.key_begin + tile.keys, index).view({1, 1, 1, -1})};
+}
+
+struct MaskNode {
+  virtual ~MaskNode() = default;
+  virtual torch::Tensor allowed(const Indices& at) const = 0;
+  // The verdict on a tile when the structure gives it; nullopt: evaluate the tile.
+  virtual c10::optional<TileKind> kind(const Tile&) const { return c10::nullopt; }
+  virtual std::pair<int64_t, int64_t> key_range(int64_t, int64_t, int64_t num_keys) const {
+    return {0, num_keys};
+  }
+  virtual void add_key_cuts(int64_t, int64_t, std::vector<int64_t>*) const {}
+  virtual void check(const char*, int64_t, int64_t, int64_t, int64_t,
+                     const torch::Device&) const {}
+  virtual std::string to_string() const = 0;
+};
+
+namespace {
+
+void check_device(const char* fn, const char* what, const torch::Tensor& t,
+                  const torch::Device& device) {
+  TORCH_CHECK(t.device() == device, fn, " mask: ", what, " is on ", t.device(),
+              " but the attention runs on ", device);
+}
+
+// Query i sits at key position offset + i; it sees keys j <= offset + i and, with a
+// window W > 0, only those with offset + i - j < W.
+struct CausalNode final : MaskNode {
+  int64_t offset, window;
+  CausalNode(int64_t offset, int64_t window) : offset(offset), window(window) {}
+
+  torch::Tensor allowed(const Indices& at) const override {
+    const auto position = at.q + offset;
+    auto ok = at.kv <= position;
+    if (window > 0)
+      ok = ok.logical_and(position - at.kv < window);
+    return ok;
+  }
+  c10::optional<TileKind> kind(const Tile& t) const override {
+    const int64_t first = offset + t.query_begin, last = first + t.queries - 1;  // positions
+    const int64_t k0 = t.key_begin, k1 = t.key_begin + t.keys - 1;
+    if (k0 > last || (window > 0 && first - k1 >= window))
+      return TileKind::kEmpty;
+    if (k1 <= first && (window == 0 || last - k0 < window))
+      return TileKind::kFull;
+    return TileKind::kPartial;
+  }
+  std::pair<int64_t, int64_t> key_range(int64_t q0, int64_t bq, int64_t m) const override {
+    const int64_t first = offset + q0, last = first + bq - 1;
+    const int64_t begin = window > 0 ? std::clamp<int64_t>(first - window + 1, 0, m) : 0;
+    return {begin, std::clamp<int64_t>(last + 1, 0, m)};
+  }
+  // The keys every query of the block sees get tiles of their own, so that only the two
+  // edges of the band (about bq keys each) pay for a mask, not the whole window.
+  void add_key_cuts(int64_t q0, int64_t bq, std::vector<int64_t>* cuts) const override {
+    if (window > 0) {
+      const int64_t first = offset + q0, last = first + bq - 1;
+      cuts->push_back(last - window + 1);
+      cuts->push_back(first + 1);
+    }
+  }
+  std::string to_string() const override {
+    return window > 0 ? c10::str("causal(query_offset=", offset, ").sliding_window(", window, ")")
+                      : c10::str("causal(query_offset=", offset, ")");
+  }
+};
+
+// Key padding: batch entry b sees keys j < lengths[b], or those whose padding entry is
+// false. Host copies (the lengths, or prefix sums of valid keys per batch entry) make a
+// tile's verdict a lookup.
+struct KeyPaddingNode final : MaskNode {
+  torch::Tensor lengths;  // (B) int64, or undefined
+  torch::Tensor padding;  // (B, m) bool, true = padding, or undefined
+  std::string form;
+
+  torch::Tensor allowed(const Indices& at) const override {
+    if (lengths.defined())
+      return at.kv < lengths.index({at.b});
+    return padding.index({at.b, at.kv}).logical_not();
+  }
+  c10::optional<TileKind> kind(const Tile& t) const override {
+    int64_t valid;
+    if (lengths.defined()) {
+      const int64_t length = lengths_cpu[t.batch];
+      valid = std::clamp<int64_t>(length - t.key_begin, 0, t.keys);
+    } else {
+      const auto* row = counts_cpu.data() + t.batch * (padding.size(1) + 1);
+      valid = row[t.key_begin + t.keys] - row[t.key_begin];
+    }
+    return valid == 0 ? TileKind::kEmpty : valid == t.keys ? TileKind::kFull : TileKind::kPartial;
+  }
+  void check(const char* fn, int64_t batch, int64_t, int64_t, int64_t m,
+             const torch::Device& device) const override {
+    if (lengths.defined()) {
+      TORCH_CHECK(lengths.size(0) == batch, fn, " mask: key_padding lengths must have shape (",
+                  batch, ") (the batch), got ", shape_string(lengths));
+      const int64_t longest = lengths_cpu.empty()
+                                  ? 0
+                                  : *std::max_element(lengths_cpu.begin(), lengths_cpu.end());
+      TORCH_CHECK(longest <= m, fn, " mask: key_padding lengths must be in [0, ", m,
+                  "] (the number of keys), got a length of ", longest);
+      check_device(fn, "key_padding lengths", lengths, device);
+    } else {
+      TORCH_CHECK(padding.size(0) == batch && padding.size(1) == m, fn,
+                  " mask: key_padding must have shape (batch, num_keys) = (", batch, ", ", m,
+                  "), got ", shape_string(padding));
+      check_device(fn, "key_padding", padding, device);
+    }
+  }
+  std::string to_string() const override { return c10::str("key_padding(", form, ")"); }
+
+  std::vector<int64_t> lengths_cpu;  // lengths form
+  std::vector<int64_t> counts_cpu;   // padding form: (B, m + 1) prefix sums of valid keys
+};
+
+// Packed sequences: token t belongs to document ids[t] (or ids[b, t]); queries see keys of
+// their own document. A host copy of the ids gives a block's smallest and largest id.
+struct DocumentsNode final : MaskNode {
+  torch::Tensor ids;          // (n) or (B, n) int64
+  std::vector<int64_t> host;  // ids on the CPU, row-major
+
+  torch::Tensor allowed(const Indices& at) const override {
+    if (ids.dim() == 1)
+      return ids.index({at.q}) == ids.index({at.kv});
+    return ids.index({at.b, at.q}) == ids.index({at.b, at.kv});
+  }
+  std::pair<int64_t, int64_t> id_range(int64_t batch, int64_t begin, int64_t count) const {
+    const int64_t n = ids.size(-1);
+    const auto* row = host.data() + (ids.dim() == 1 ? 0 : batch * n);
+    const auto [lo, hi] = std::minmax_element(row + begin, row + begin + count);
+    return {*lo, *hi};
+  }
+  c10::optional<TileKind> kind(const Tile& t) const override {
+    const auto [q_lo, q_hi] = id_range(t.batch, t.query_begin, t.queries);
+    const auto [k_lo, k_hi] = id_range(t.batch, t.key_begin, t.keys);
+    if (q_hi < k_lo || k_hi < q_lo)
+      return TileKind::kEmpty;  // no id in common
+    if (q_lo == q_hi && k_lo == k_hi)
+      return TileKind::kFull;  // one document on both sides (the same: the ranges meet)
+    return TileKind::kPartial;
+  }
+  void check(const char* fn, int64_t batch, int64_t, int64_t n, int64_t m,
+             const torch::Device& device) const override {
+    TORCH_CHECK(n == m, fn,
+                " mask: documents needs self-attention (as many queries as keys), got ", n,
+                " queries and ", m, " keys");
+    TORCH_CHECK(ids.size(-1) == n && (ids.dim() == 1 || ids.size(0) == batch), fn,
+                " mask: document_ids must have shape (", n, ") or (", batch, ", ", n,
+                "), got ", shape_string(ids));
+    check_device(fn, "document_ids", ids, device);
+  }
+  std::string to_string() const override { return "documents"; }
+};
+
+// A dense bool tensor broadcastable to (B, H, n, m), viewed as 4-D.
+struct TensorNode final : MaskNode {
+  torch::Tensor allowed4;
+
+  torch::Tensor allowed(const Indices& at) const override {
+    // A broadcast dimension (size 1) is read at index 0 whatever the index asks.
+    const auto pick = [&](int64_t dim, const torch::Tensor& index) {
+      return allowed4.size(dim) == 1 ? torch::zeros_like(index) : index;
+    };
+    return allowed4.index({pick(0, at.b), pick(1, at.h), pick(2, at.q), pick(3, at.kv)});
+  }
+  void check(const char* fn, int64_t batch, int64_t heads, int64_t n, int64_t m,
+             const torch::Device& device) const override {
+    const std::vector<int64_t> shape{batch, heads, n, m};
+    bool fits = true;
+    for (int64_t d = 0; d < 4; ++d)
+      fits = fits && (allowed4.size(d) == 1 || allowed4.size(d) == shape[d]);
+    TORCH_CHECK(fits, fn, " mask: the allowed tensor must broadcast to (batch, heads, ",
+                "num_queries, num_keys) = (", batch, ", ", heads, ", ", n, ", ", m, "), got ",
+                shape_string(allowed4), " (as 4-D)");
+    check_device(fn, "the allowed tensor", allowed4, device);
+  }
+  std::string to_string() const override { return "from_tensor"; }
+};
+
+struct FunctionNode final : MaskNode {
+  MaskMod mask_mod;
+
+  torch::Tensor allowed(const Indices& at) const override {
+    auto result = mask_mod(at.b, at.h, at.q, at.kv);
+    TORCH_CHECK(result.defined() && result.scalar_type() == torch::kBool,
+                "[attention] mask_mod must return a bool tensor, got ",
+                result.defined() ? c10::toString(result.scalar_type()) : "an undefined tensor");
+    const std::vector<int64_t> shape{at.b.size(0), at.h.size(1), at.q.size(2), at.kv.size(3)};
+    bool fits = result.dim() <= 4;
+    for (int64_t d = 0; fits && d < result.dim(); ++d) {
+      const int64_t size = result.size(result.dim() - 1 - d);
+      fits = size == 1 || size == shape[3 - d];
+    }
+    TORCH_CHECK(fits, "[attention] mask_mod must return a tensor broadcastable to (",
+                shape[0], ", ", shape[1], ", ", shape[2], ", ", shape[3],
+                ") (the broadcast shape of its index arguments), got ",
+                shape_string(result));
+    return result;
+  }
+  std::string to_string() const override { return "from_function"; }
+};
+
+// Both children allow (is_and) or either does.
+struct CombinedNode final : MaskNode {
+  std::shared_ptr<const MaskNode> left, right;
+  bool is_and;
+
+  CombinedNode(std::shared_ptr<const MaskNode> left, std::shared_ptr<const MaskNode> right,
+               bool is_and)
+      : left(std::move(left)), right(std::move(right)), is_and(is_and) {}
+
+  torch::Tensor allowed(const Indices& at) const override {
+    const auto a = left->allowed(at), b = right->allowed(at);
+    return is_and ? a.logical_and(b) : a.logical_or(b);
+  }
+  c10::optional<TileKind> kind(const Tile& t) const override {
+    const auto a = left->kind(t), b = right->kind(t);
+    // The side that settles the tile alone: an empty one for &, a full one for |.
+    const TileKind settles = is_and ? TileKind::kEmpty : TileKind::kFull;
+    if (a == settles || b == settles)
+      return settles;
+    if (!a.has_value() || !b.has_value())
+      return c10::nullopt;
+    // Neither settles it: both are the neutral kind (the result), or one is partial.
+    return *a == *b ? *a : TileKind::kPartial;
+  }
+  std::pair<int64_t, int64_t> key_range(int64_t q0, int64_t bq, int64_t m) const override {
+    const auto a = left->key_range(q0, bq, m), b = right->key_range(q0, bq, m);
+    if (is_and)
+      return {std::max(a.first, b.first), std::max(std::max(a.first, b.first),
+                                                     std::min(a.second, b.second))};
+    return {std::min(a.first, b.first), std::max(a.second, b.second)};
+  }
+  void add_key_cuts(int64_t q0, int64_t bq, std::vector<int64_t>* cuts) const override {
+    left->add_key_cuts(q0, bq, cuts);
+    right->add_key_cuts(q0, bq, cuts);
+  }
+  void check(const char* fn, int64_t batch, int64_t heads, int64_t n, int64_t m,
+             const torch::Device& device) const override {
+    left->check(fn, batch, heads, n, m, device);
+    right->check(fn, batch, heads, n, m, device);
+  }
+  std::string to_string() const override {
+    return c10::str("(", left->to_string(), is_and ? " & " : " | ", right->to_string(), ")");
+  }
+};
+
+}  // namespace
+}  // namespace detail
+
+using detail::shape_string;
+
+Mask::Mask() = default;
+
+Mask Mask::causal(int64_t query_offset) {
+  TORCH_CHECK(query_offset >= 0, "[Mask::causal] query_offset must be >= 0 (the key position of ",
+              "query 0), got ", query_offset);
+  return Mask(std::make_shared<detail::CausalNode>(query_offset, 0));
+}
+
+Mask Mask::sliding_window(int64_t window_size) const {
+  TORCH_CHECK(window_size >= 1, "[Mask::sliding_window] window_size must be >= 1, got ",
+              window_size);
+  if (const auto* causal = dynamic_cast<const detail::CausalNode*>(node_.get())) {
+    return Mask(std::make_shared<detail::CausalNode>(causal->offset, window_size));
+  }
+  const auto* combined = dynamic_cast<const detail::CombinedNode*>(node_.get());
+  const auto* right = combined == nullptr
+                          ? nullptr
+                          : dynamic_cast<const detail::CausalNode*>(combined->right.get());
+  TORCH_CHECK(combined != nullptr && combined->is_and && right != nullptr,
+              "[Mask::sliding_window] a sliding window restricts a causal mask: call it on "
+              "Mask::causal(...) or Mask::documents(ids, true), not on ",
+              to_string());
+  return Mask(std::make_shared<detail::CombinedNode>(
+      combined->left, std::make_shared<detail::CausalNode>(right->offset, window_size), true));
+}
+
+Mask Mask::key_padding(const torch::Tensor& padding_or_lengths) {
+  const auto& t = padding_or_lengths;
+  TORCH_CHECK(t.defined(), "[Mask::key_padding] expected a (b, m) bool tensor (true = padding) ",
+              "or (b) int64 lengths, got an undefined tensor");
+  auto node = std::make_shared<detail::KeyPaddingNode>();
+  if (t.scalar_type() == torch::kBool) {
+    TORCH_CHECK(t.dim() == 2, "[Mask::key_padding] a bool padding mask must be 2-D (b, m), ",
+                "true = padding; got shape ", shape_string(t));
+    node->padding = t;
+    node->form = "padding";
+    // Prefix sums of valid keys per row, (B, m + 1), for the tiles' verdicts.
+    const auto valid = t.logical_not().to(torch::kCPU, torch::kInt64);
+    const auto counts =
+        torch::cat({torch::zeros({t.size(0), 1}, torch::kInt64), valid.cumsum(1)}, 1)
+            .contiguous();
+    node->counts_cpu.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
+  } else {
+    TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.dim() == 1,
+                "[Mask::key_padding] lengths must be a 1-D int64 tensor (b), got ", t.dim(),
+                "-D ", t.scalar_type(), " with shape ", shape_string(t),
+                " (a padding mask must be bool (b, m), true = padding)");
+    const auto host = t.to(torch::kCPU).contiguous();
+    node->lengths_cpu.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+    for (size_t i = 0; i < node->lengths_cpu.size(); ++i) {
+      TORCH_CHECK(node->lengths_cpu[i] >= 0, "[Mask::key_padding] lengths must be >= 0, got ",
+                  node->lengths_cpu[i], " at batch entry ", i);
+    }
+    node->lengths = t;
+    node->form = "lengths";
+  }
+  return Mask(std::move(node));
+}
+
+Mask Mask::documents(const torch::Tensor& document_ids, bool causal) {
+  const auto& ids = document_ids;
+  TORCH_CHECK(ids.defined() && ids.scalar_type() == torch::kInt64 &&
+                  (ids.dim() == 1 || ids.dim() == 2),
+              "[Mask::documents] document_ids must be an int64 tensor (n) or (b, n), got ",
+              ids.defined() ? c10::str(ids.dim(), "-D ", ids.scalar_type(), " with shape ",
+                                       shape_string(ids))
+                            : std::string("an undefined tensor"));
+  TORCH_CHECK(ids.size(-1) >= 1, "[Mask::documents] document_ids must hold at least one token");
+  auto node = std::make_shared<detail::DocumentsNode>();
+  node->ids = ids;
+  const auto host = ids.to(torch::kCPU).contiguous();
+  node->host.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+  Mask mask(std::move(node));
+  return causal ? mask & Mask::causal() : mask;
+}
+
+Mask Mask::from_tensor(const torch::Tensor& allowed) {
+  TORCH_CHECK(allowed.defined() && allowed.scalar_type() == torch::kBool,
+              "[Mask::from_tensor] allowed must be a bool tensor (true = may attend), got ",
+              allowed.defined() ? c10::toString(allowed.scalar_type()) : "an undefined tensor");
+  TORCH_CHECK(allowed.dim() >= 2 && allowed.dim() <= 4,
+              "[Mask::from_tensor] allowed must be 2-D to 4-D, broadcastable to (b, h, n, m), "
+              "got shape ",
+              shape_string(allowed));
+  auto node = std::make_shared<detail::TensorNode>();
+  auto t4 = allowed;
+  while (t4.dim() < 4)
+    t4 = t4.unsqueeze(0);
+  node->allowed4 = t4;
+  return Mask(std::move(node));
+}
+
+Mask Mask::from_function(MaskMod mask_mod) {
+  TORCH_CHECK(static_cast<bool>(mask_mod), "[Mask::from_function] mask_mod is empty");
+  auto node = std::make_shared<detail::FunctionNode>();
+  node->mask_mod = std::move(mask_mod);
+  return Mask(std::move(node));
+}
+
+Mask Mask::operator&(const Mask& other) const {
+  if (is_none())
+    return other;
+  if (other.is_none())
+    return *this;
+  return Mask(std::make_shared<detail::CombinedNode>(node_, other.node_, true));
+}
+
+Mask Mask::operator|(const Mask& other) const {
+  if (is_none() || other.is_none())
+    return Mask();
+  return Mask(std::make_shared<detail::CombinedNode>(node_, other.node_, false));
+}
+
+bool Mask::is_causal(int64_t* query_offset, int64_t* window_size) const {
+  const auto* causal = dynamic_cast<const detail::CausalNode*>(node_.get());
+  if (causal == nullptr)
+    return false;
+  if (query_offset != nullptr)
+    *query_offset = causal->offset;
+  if (window_size != nullptr)
+    *window_size = causal->window;
+  return true;
+}
+
+std::string Mask::to_string() const { return is_none() ? "none" : node_->to_string(); }
+
+void Mask::check(const char* fn, int64_t batch, int64_t heads, int64_t num_queries,
+                 int64_t num_keys, const torch::Device& device) const {
+  if (!is_none())
+    node_->check(fn, batch, heads, num_queries, num_keys, device);
+}
+
+torch::Tensor Mask::allowed(const torch::Tensor& b, const torch::Tensor& h,
+                            const torch::Tensor& q_idx, const torch::Tensor& kv_idx) const {
+  if (is_none()) {
+    return torch::ones({1, 1, 1, 1}, torch::dtype(torch::kBool).device(q_idx.device()));
+  }
+  return node_->allowed({b, h, q_idx, kv_idx});
+}
+
+torch::Tensor Mask::dense(int64_t batch, int64_t heads, int64_t num_queries, int64_t num_keys,
+                          const torch::Device& device) const {
+  const auto index = torch::dtype(torch::kInt64).device(device);
+  const auto full = allowed(torch::arange(batch, index).view({-1, 1, 1, 1}),
+                            torch::arange(heads, index).view({1, -1, 1, 1}),
+                            torch::arange(num_queries, index).view({1, 1, -1, 1}),
+                            torch::arange(num_keys, index).view({1, 1, 1, -1}));
+  // Keep broadcast dimensions of batch and heads; spell out queries and keys.
+  auto shape = full.sizes().vec();
+  while (shape.size() < 4)
+    shape.insert(shape.begin(), 1);
+  return full.reshape(shape).expand({shape[0], shape[1], num_queries, num_keys});
+}
+
+TileMask Mask::tile(const Tile& tile, const torch::Device& device) const {
+  if (is_none())
+    return {TileKind::kFull, {}};
+  const auto known = node_->kind(tile);
+  if (known.has_value() && *known != TileKind::kPartial)
+    return {*known, {}};
+  const auto at = detail::tile_indices(tile, device);
+  auto allowed = node_->allowed(at);
+  while (allowed.dim() < 4)
+    allowed = allowed.unsqueeze(0);
+  allowed = allowed.select(0, 0);  // (heads or 1, queries or 1, keys or 1): one batch entry
+  if (!known.has_value()) {
+    // A mask without structure (a tensor, a mask_mod) is judged by its entries.
+    if (!allowed.any().item<bool>())
+      return {TileKind::kEmpty, {}};
+    if (allowed.all().item<bool>())
+      return {TileKind::kFull, {}};
+  }
+  return {TileKind::kPartial, allowed};
+}
+
+std::pair<int64_t, int64_t> Mask::key_range(int64_t query_begin, int64_t queries,
+                                            int64_t num_keys) const {
+  return is_none() ? std::make_pair(int64_t{0}, num_keys)
+                   : node_->key_range(query_begin, queries, num_keys);
+}
+
+void Mask::add_key_cuts(int64_t query_begin, int64_t queries, std::vector<int64_t>* cuts) const {
+  if (!is_none())
+    node_->add_key_cuts(query_begin, queries, cuts);
+}
+
+}  // namespace attnkit

@@ -1,0 +1,346 @@
+// attnkit::Mask, score functions and functional::attention: the tiles a mask judges agree
+// with its dense form; every backend agrees with an element-by-element reference written
+// here from the definitions (outputs and every gradient, captured tensors included); bad
+// input is named.
+
+#include <random>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "attnkit/attention.h"
+#include "test_support.h"
+
+namespace {
+
+using attnkit::AttentionBackend;
+using attnkit::Mask;
+using attnkit::TileKind;
+using attnkit::functional::AttentionOptions;
+using attnkit::testing::expect_error_containing;
+using attnkit::testing::tensors_close;
+namespace F = attnkit::functional;
+namespace score_mods = attnkit::score_mods;
+
+constexpr int64_t kBatch = 2, kHeads = 4, kKvHeads = 2;
+
+// Document ids of two packed rows: (2, n), documents of uneven lengths.
+torch::Tensor document_ids(int64_t n) {
+  auto ids = torch::empty({kBatch, n}, torch::kInt64);
+  for (int64_t j = 0; j < n; ++j) {
+    ids[0][j] = j < n / 3 ? 0 : j < n - 2 ? 1 : 2;
+    ids[1][j] = j / 5;
+  }
+  return ids;
+}
+
+// The masks under test, named, for n queries and m keys; the dense truth of each is built
+// element by element from its definition by `truth`.
+struct MaskCase {
+  std::string name;
+  Mask mask;
+  std::function<bool(int64_t b, int64_t h, int64_t i, int64_t j)> truth;
+};
+
+std::vector<MaskCase> mask_cases(int64_t n, int64_t m) {
+  const auto lengths = torch::tensor({m, m / 2}, torch::kInt64);
+  auto padding = torch::zeros({kBatch, m}, torch::kBool);
+  padding[1].narrow(0, m - 3, 3).fill_(true);
+  padding[0][1] = true;  // padding need not be a suffix
+  const int64_t offset = m - n;
+  const auto causal = [offset](int64_t i, int64_t j) { return j <= i + offset; };
+  const auto allowed = torch::rand({1, kHeads, n, m}) > 0.3;
+  std::vector<MaskCase> cases{
+      {"causal", Mask::causal(offset), [=](int64_t, int64_t, int64_t i, int64_t j) { return causal(i, j); }},
+      {"window", Mask::causal(offset).sliding_window(3),
+       [=](int64_t, int64_t, int64_t i, int64_t j) { return causal(i, j) && i + offset - j < 3; }},
+      {"lengths", Mask::key_padding(lengths),
+       [=](int64_t b, int64_t, int64_t, int64_t j) { return j < lengths[b].item<int64_t>(); }},
+      {"padding", Mask::key_padding(padding),
+       [=](int64_t b, int64_t, int64_t, int64_t j) { return !padding[b][j].item<bool>(); }},
+      {"tensor", Mask::from_tensor(allowed),
+       [=](int64_t, int64_t h, int64_t i, int64_t j) { return allowed[0][h][i][j].item<bool>(); }},
+      {"function (prefix-LM)",
+       Mask::from_function([offset](auto, auto, auto q, auto kv) {
+         return (kv <= q + offset).logical_or(kv < 4);
+       }),
+       [=](int64_t, int64_t, int64_t i, int64_t j) { return causal(i, j) || j < 4; }},
+      {"causal & lengths", Mask::causal(offset) & Mask::key_padding(lengths),
+       [=](int64_t b, int64_t, int64_t i, int64_t j) {
+         return causal(i, j) && j < lengths[b].item<int64_t>();
+       }},
+      {"padding | function of the head",
+       Mask::key_padding(padding) |
+           Mask::from_function([](auto, auto h, auto q, auto kv) { return (h + q + kv) % 3 == 0; }),
+       [=](int64_t b, int64_t h, int64_t i, int64_t j) {
+         return !padding[b][j].item<bool>() || (h + i + j) % 3 == 0;
+       }},
+      // Rows that see no key: batch entry 1 sees none at all.
+      {"empty rows", Mask::key_padding(torch::tensor({m, int64_t{0}})),
+       [=](int64_t b, int64_t, int64_t, int64_t) { return b == 0; }},
+  };
+  if (n == m) {
+    const auto ids = document_ids(n);
+    const auto same = [ids](int64_t b, int64_t i, int64_t j) {
+      return ids[b][i].item<int64_t>() == ids[b][j].item<int64_t>();
+    };
+    cases.push_back({"documents", Mask::documents(ids),
+                     [=](int64_t b, int64_t, int64_t i, int64_t j) { return same(b, i, j); }});
+    cases.push_back({"causal documents", Mask::documents(ids, true),
+                     [=](int64_t b, int64_t, int64_t i, int64_t j) { return same(b, i, j) && j <= i; }});
+  }
+  return cases;
+}
+
+torch::Tensor truth_tensor(const MaskCase& c, int64_t n, int64_t m) {
+  auto out = torch::empty({kBatch, kHeads, n, m}, torch::kBool);
+  auto a = out.accessor<bool, 4>();
+  for (int64_t b = 0; b < kBatch; ++b)
+    for (int64_t h = 0; h < kHeads; ++h)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < m; ++j)
+          a[b][h][i][j] = c.truth(b, h, i, j);
+  return out;
+}
+
+TEST(Mask, DenseFormAndTileVerdictsAgreeWithTheDefinition) {
+  torch::manual_seed(7);
+  std::mt19937 random(11);
+  for (const auto& [n, m] : {std::pair<int64_t, int64_t>{13, 13}, {6, 17}}) {
+    for (const auto& c : mask_cases(n, m)) {
+      SCOPED_TRACE(c.name + " n=" + std::to_string(n) + " m=" + std::to_string(m));
+      const auto truth = truth_tensor(c, n, m);
+      EXPECT_TRUE(torch::equal(c.mask.dense(kBatch, kHeads, n, m, torch::kCPU).expand_as(truth),
+                               truth));
+      // Random tiles: an empty verdict has no allowed entry, a full one no hidden entry, and
+      // a partial one gives exactly the tile's entries.
+      for (int trial = 0; trial < 40; ++trial) {
+        attnkit::Tile tile;
+        tile.batch = random() % kBatch;
+        tile.head_begin = random() % kHeads;
+        tile.heads = 1 + random() % (kHeads - tile.head_begin);
+        tile.query_begin = random() % n;
+        tile.queries = 1 + random() % (n - tile.query_begin);
+        tile.key_begin = random() % m;
+        tile.keys = 1 + random() % (m - tile.key_begin);
+        const auto expected = truth[tile.batch]
+                                  .narrow(0, tile.head_begin, tile.heads)
+                                  .narrow(1, tile.query_begin, tile.queries)
+                                  .narrow(2, tile.key_begin, tile.keys);
+        const auto verdict = c.mask.tile(tile, torch::kCPU);
+        if (verdict.kind == TileKind::kEmpty) {
+          EXPECT_FALSE(expected.any().item<bool>()) << "trial " << trial;
+        } else if (verdict.kind == TileKind::kFull) {
+          EXPECT_TRUE(expected.all().item<bool>()) << "trial " << trial;
+        } else {
+          EXPECT_TRUE(torch::equal(verdict.allowed.expand_as(expected), expected))
+              << "trial " << trial;
+        }
+      }
+    }
+  }
+}
+
+// The definition, element by element in float64: scores, score function, mask, softmax (a
+// row that sees nothing gives zeros), weighted values; key/value head h / (H / G).
+torch::Tensor reference_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, const MaskCase& c,
+                                  const std::function<torch::Tensor(torch::Tensor, int64_t, int64_t,
+                                                                    int64_t, int64_t)>& modify) {
+  const int64_t n = q.size(2), m = k.size(2), group = q.size(1) / k.size(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  std::vector<torch::Tensor> heads_out;
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    for (int64_t h = 0; h < q.size(1); ++h) {
+      std::vector<torch::Tensor> rows_out;
+      for (int64_t i = 0; i < n; ++i) {
+        std::vector<torch::Tensor> scores;
+        std::vector<int64_t> seen;
+        for (int64_t j = 0; j < m; ++j) {
+          if (!c.truth(b, h, i, j))
+            continue;
+          auto s = (q[b][h][i] * k[b][h / group][j]).sum() * scale;
+          scores.push_back(modify ? modify(s, b, h, i, j) : s);
+          seen.push_back(j);
+        }
+        auto row = torch::zeros({v.size(3)}, q.options());
+        if (!scores.empty()) {
+          const auto weights = torch::softmax(torch::stack(scores), 0);
+          for (size_t t = 0; t < seen.size(); ++t)
+            row = row + weights[t] * v[b][h / group][seen[t]];
+        }
+        rows_out.push_back(row);
+      }
+      heads_out.push_back(torch::stack(rows_out));
+    }
+  }
+  return torch::stack(heads_out).view({q.size(0), q.size(1), n, v.size(3)});
+}
+
+struct ScoreCase {
+  std::string name;
+  attnkit::ScoreMod score_mod;  // empty: none
+  std::function<torch::Tensor(torch::Tensor, int64_t, int64_t, int64_t, int64_t)> reference;
+};
+
+TEST(Attention, EveryBackendMatchesTheDefinitionWithMasksAndScoreFunctions) {
+  torch::manual_seed(3);
+  const auto dtype = torch::kFloat64;
+  const auto slopes = torch::tensor({0.5, 0.25, 0.125, 0.0625}, dtype);
+  // A learnable relative-position bias (distances clamped to +-3), captured by the function.
+  const auto bias = torch::randn({kHeads, 7}, dtype).requires_grad_(true);
+  const std::vector<ScoreCase> score_cases{
+      {"none", {}, {}},
+      {"alibi", score_mods::alibi(slopes),
+       [&](torch::Tensor s, int64_t, int64_t h, int64_t i, int64_t j) { return s + slopes[h] * double(j - i); }},
+      {"softcap", score_mods::softcap(0.7),
+       [](torch::Tensor s, int64_t, int64_t, int64_t, int64_t) { return torch::tanh(s / 0.7) * 0.7; }},
+      {"relative bias", score_mods::relative_position_bias(bias),
+       [&](torch::Tensor s, int64_t, int64_t h, int64_t i, int64_t j) {
+         return s + bias[h][std::clamp<int64_t>(j - i, -3, 3) + 3];
+       }},
+  };
+  for (const auto& [n, m] : {std::pair<int64_t, int64_t>{13, 13}, {6, 17}}) {
+    const auto q = torch::randn({kBatch, kHeads, n, 8}, dtype).requires_grad_(true);
+    const auto k = torch::randn({kBatch, kKvHeads, m, 8}, dtype).requires_grad_(true);
+    const auto v = torch::randn({kBatch, kKvHeads, m, 5}, dtype).requires_grad_(true);
+    const auto probe = torch::randn({kBatch, kHeads, n, 5}, dtype);
+    const auto gradients = [&](const torch::Tensor& out) {
+      for (const auto& t : {q, k, v, bias}) {
+        if (t.grad().defined())
+          t.grad().zero_();
+      }
+      (out * probe).sum().backward();
+      std::vector<torch::Tensor> grads;
+      for (const auto& t : {q, k, v, bias})
+        grads.push_back(t.grad().defined() ? t.grad().clone() : torch::zeros_like(t));
+      return grads;
+    };
+    for (const auto& mask_case : mask_cases(n, m)) {
+      for (const auto& score_case : score_cases) {
+        const auto expected = reference_attention(q, k, v, mask_case, score_case.reference);
+        const auto expected_grads = gradients(expected);
+        for (const auto backend :
+             {AttentionBackend::kMath, AttentionBackend::kChunked, AttentionBackend::kAuto}) {
+          const std::string label = mask_case.name + " / " + score_case.name + " / " +
+                                    attnkit::backend_name(backend) + " n=" + std::to_string(n) +
+                                    " m=" + std::to_string(m);
+          // Small tiles, so that every verdict (empty, full, partial) occurs.
+          const auto options = AttentionOptions()
+                                   .mask(mask_case.mask)
+                                   .score_mod(score_case.score_mod)
+                                   .backend(backend)
+                                   .query_block_size(4)
+                                   .key_block_size(5);
+          const auto out = F::attention(q, k, v, options);
+          EXPECT_TRUE(tensors_close(label + " output", out, expected, 1e-10));
+          const auto grads = gradients(out);
+          const char* names[] = {" dq", " dk", " dv", " dbias"};
+          for (size_t t = 0; t < grads.size(); ++t)
+            EXPECT_TRUE(tensors_close(label + names[t], grads[t], expected_grads[t], 1e-10));
+        }
+      }
+    }
+  }
+}
+
+TEST(Attention, Float32ThreeAndTwoDimensionalInputsAndAnExplicitScale) {
+  torch::manual_seed(5);
+  const auto q = torch::randn({3, 40, 16}), k = torch::randn({3, 70, 16}),
+             v = torch::randn({3, 70, 16});
+  const auto options = AttentionOptions()
+                           .mask(Mask::key_padding(torch::tensor({70, 33, 1})))
+                           .score_mod(score_mods::softcap(5.0))
+                           .scale(0.3);
+  const auto math = F::attention(q, k, v, AttentionOptions(options).backend(AttentionBackend::kMath));
+  const auto chunked = F::attention(
+      q, k, v, AttentionOptions(options).backend(AttentionBackend::kChunked).key_block_size(16));
+  EXPECT_EQ(math.sizes(), q.sizes());
+  EXPECT_TRUE(tensors_close("3-D float32 chunked", chunked, math, attnkit::testing::agreement(torch::kFloat32)));
+  const auto two_d = F::attention(q[1], k[1], v[1], AttentionOptions().mask(Mask::causal(30)));
+  EXPECT_TRUE(tensors_close(
+      "2-D", two_d,
+      F::attention(q[1], k[1], v[1], AttentionOptions().mask(Mask::causal(30)).backend(AttentionBackend::kMath)),
+      attnkit::testing::agreement(torch::kFloat32)));
+}
+
+TEST(Attention, AutoTakesFusedForCausalMasksAndChunkedForTheRest) {
+  const auto q = torch::randn({1, 2, 8, 4});
+  const auto pick = [&](const AttentionOptions& options) {
+    return F::choose_backend(q, q, q, options);
+  };
+  EXPECT_EQ(pick(AttentionOptions()), AttentionBackend::kFused);
+  EXPECT_EQ(pick(AttentionOptions().mask(Mask::causal().sliding_window(2))),
+            AttentionBackend::kFused);
+  EXPECT_EQ(pick(AttentionOptions().mask(Mask::key_padding(torch::tensor({8})))),
+            AttentionBackend::kChunked);
+  EXPECT_EQ(pick(AttentionOptions().score_mod(score_mods::softcap(1.0))),
+            AttentionBackend::kChunked);
+  EXPECT_EQ(pick(AttentionOptions().backend(AttentionBackend::kMath)), AttentionBackend::kMath);
+}
+
+TEST(Attention, BadArgumentsNameWhatIsWrong) {
+  const auto q = torch::randn({2, 2, 5, 4}), k = torch::randn({2, 2, 7, 4});
+  const auto run = [&](const AttentionOptions& options) { F::attention(q, k, k, options); };
+  // Masks of the wrong shape, dtype or range.
+  expect_error_containing([&] { run(AttentionOptions().mask(Mask::key_padding(torch::zeros({2, 6}, torch::kBool)))); },
+                          "[attention] mask: key_padding must have shape (batch, num_keys) = (2, 7), got [2, 6]");
+  expect_error_containing([&] { run(AttentionOptions().mask(Mask::key_padding(torch::tensor({7, 8})))); },
+                          "[attention] mask: key_padding lengths must be in [0, 7] (the number of keys), got a length of 8");
+  expect_error_containing([] { Mask::key_padding(torch::tensor({3, -1})); },
+                          "[Mask::key_padding] lengths must be >= 0, got -1 at batch entry 1");
+  expect_error_containing([] { Mask::key_padding(torch::zeros({2, 3})); },
+                          "[Mask::key_padding] lengths must be a 1-D int64 tensor (b), got 2-D Float");
+  expect_error_containing([&] { run(AttentionOptions().mask(Mask::key_padding(torch::tensor({7, 7, 7})))); },
+                          "[attention] mask: key_padding lengths must have shape (2) (the batch), got [3]");
+  expect_error_containing([] { Mask::from_tensor(torch::ones({5, 7})); },
+                          "[Mask::from_tensor] allowed must be a bool tensor (true = may attend), got Float");
+  expect_error_containing([&] { run(AttentionOptions().mask(Mask::from_tensor(torch::ones({3, 5, 7}, torch::kBool)))); },
+                          "[attention] mask: the allowed tensor must broadcast to (batch, heads, num_queries, num_keys) = (2, 2, 5, 7), got [1, 3, 5, 7]");
+  expect_error_containing([&] { run(AttentionOptions().mask(Mask::documents(torch::zeros({5}, torch::kInt64)))); },
+                          "[attention] mask: documents needs self-attention (as many queries as keys), got 5 queries and 7 keys");
+  expect_error_containing([] { Mask::documents(torch::zeros({5})); },
+                          "[Mask::documents] document_ids must be an int64 tensor (n) or (b, n), got 1-D Float");
+  expect_error_containing([] { Mask::causal(-1); }, "[Mask::causal] query_offset must be >= 0");
+  expect_error_containing([] { Mask::key_padding(torch::tensor({1})).sliding_window(2); },
+                          "[Mask::sliding_window] a sliding window restricts a causal mask");
+  expect_error_containing([] { Mask::causal().sliding_window(0); },
+                          "[Mask::sliding_window] window_size must be >= 1, got 0");
+  // mask_mod and score_mod returning the wrong dtype or shape, on every backend.
+  for (const auto backend : {AttentionBackend::kMath, AttentionBackend::kChunked}) {
+    SCOPED_TRACE(attnkit::backend_name(backend));
+    const auto options = AttentionOptions().backend(backend);
+    expect_error_containing(
+        [&] { run(AttentionOptions(options).mask(Mask::from_function([](auto, auto, auto qi, auto kv) { return (kv - qi).to(torch::kFloat); }))); },
+        "[attention] mask_mod must return a bool tensor, got Float");
+    expect_error_containing(
+        [&] { run(AttentionOptions(options).mask(Mask::from_function([](auto, auto, auto, auto) { return torch::ones({3, 2}, torch::kBool); }))); },
+        "[attention] mask_mod must return a tensor broadcastable to");
+    expect_error_containing(
+        [&] { run(AttentionOptions(options).score_mod([](auto s, auto, auto, auto, auto) { return s.sum(-1); })); },
+        "[attention] score_mod must return a tensor of the score's shape");
+    expect_error_containing(
+        [&] { run(AttentionOptions(options).score_mod([](auto s, auto, auto, auto, auto) { return s.to(torch::kDouble); })); },
+        "and dtype Float, got");
+  }
+  // A cross-attention key whose batch differs from the query's; heads that do not divide.
+  expect_error_containing([&] { F::attention(q, k.narrow(0, 0, 1), k.narrow(0, 0, 1)); },
+                          "[attention] key and value must have the query's batch size 2, got key [1, 2, 7, 4]");
+  expect_error_containing([&] { F::attention(torch::randn({2, 3, 5, 4}), k, k); },
+                          "[attention] key/value heads (2) must divide query heads (3)");
+  // A forced backend that lacks what the problem needs; weights from another backend.
+  expect_error_containing(
+      [&] { run(AttentionOptions().backend(AttentionBackend::kFused).mask(Mask::key_padding(torch::tensor({7, 3})))); },
+      "[attention] backend fused cannot run this: the fused backend takes only causal and "
+      "sliding-window masks, not key_padding(lengths)");
+  expect_error_containing(
+      [&] { run(AttentionOptions().backend(AttentionBackend::kFused).score_mod(score_mods::softcap(2))); },
+      "the fused backend has no score functions (score_mod)");
+  expect_error_containing(
+      [&] { F::attention_with_weights(q, k, k, AttentionOptions().backend(AttentionBackend::kChunked)); },
+      "[attention_with_weights] the weights come from the math backend");
+  expect_error_containing([&] { run(AttentionOptions().dropout_p(1.0)); },
+                          "[attention] dropout_p must be in [0, 1), got 1");
+}
+
+}  // namespace
