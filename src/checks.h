@@ -41,9 +41,10 @@ struct InputSpec {
 };
 
 /// Checks `x` against `spec` and against `reference` (a parameter of the module) for
-/// device and dtype. `module` is the module's name as printed in messages.
+/// device and dtype. `module` is the module's name as printed in messages, `argument` the
+/// argument's.
 void check_forward_input(const char* module, const torch::Tensor& x, const InputSpec& spec,
-                         const torch::Tensor& reference);
+                         const torch::Tensor& reference, const char* argument = "x");
 
 /// "[2, 6, 3]"
 std::string shape_string(const torch::Tensor& t);

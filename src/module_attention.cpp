@@ -29,6 +29,30 @@ F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& key
   return {F::attention(queries, keys, values, options), {}};
 }
 
+std::pair<torch::Tensor, torch::Tensor> key_value_inputs(const char* module,
+                                                         const torch::Tensor& query,
+                                                         const torch::Tensor& key,
+                                                         const torch::Tensor& value,
+                                                         const InputSpec& spec,
+                                                         const torch::Tensor& parameter) {
+  check_forward_input(module, query, spec, parameter, "query");
+  if (!key.defined()) {
+    TORCH_CHECK(!value.defined(), "[", module,
+                "::forward] value given without key: cross-attention takes key (and value)");
+    return {query, query};
+  }
+  const auto& values_from = value.defined() ? value : key;
+  check_forward_input(module, key, spec, parameter, "key");
+  check_forward_input(module, values_from, spec, parameter, "value");
+  TORCH_CHECK(key.size(0) == query.size(0) && values_from.size(0) == query.size(0), "[", module,
+              "::forward] key and value must have the query's batch size ", query.size(0),
+              ", got key ", shape_string(key), " and value ", shape_string(values_from));
+  TORCH_CHECK(values_from.size(1) == key.size(1), "[", module,
+              "::forward] key and value must have the same number of tokens, got key ",
+              shape_string(key), " and value ", shape_string(values_from));
+  return {key, values_from};
+}
+
 KVCache make_module_cache(const char* module, const CacheLayout& layout, int64_t context_length,
                           const torch::Tensor& parameter, int64_t batch, int64_t capacity) {
   TORCH_CHECK(batch >= 1, "[", module, "::make_kv_cache] batch must be >= 1, got ", batch);

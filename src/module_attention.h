@@ -10,6 +10,7 @@
 #include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
+#include "checks.h"
 
 namespace attnkit::detail {
 
@@ -32,6 +33,16 @@ functional::AttentionOutput attend(const torch::Tensor& queries, const torch::Te
                                    const torch::Tensor& values, const AttentionSettings& settings,
                                    bool training, int64_t query_offset = 0,
                                    bool with_weights = false, const Mask& mask = {});
+
+/// The inputs of the keys and values of forward(query, key, value): query itself for
+/// self-attention (key and value undefined), else key and value (value defaults to key),
+/// each checked as query is, with query's batch.
+std::pair<torch::Tensor, torch::Tensor> key_value_inputs(const char* module,
+                                                         const torch::Tensor& query,
+                                                         const torch::Tensor& key,
+                                                         const torch::Tensor& value,
+                                                         const InputSpec& spec,
+                                                         const torch::Tensor& parameter);
 
 /// The cache a module needs: key/value heads and width, a rolling window, or latents.
 struct CacheLayout {

@@ -88,9 +88,10 @@ torch::Tensor attend_with_cache(const torch::Tensor& queries, const torch::Tenso
 // Heads (b, h, n, hd) attended with the weights (the book's math path), merged and projected.
 F::AttentionOutput attend_heads(const torch::Tensor& queries, const torch::Tensor& keys,
                                 const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
-                                bool training, torch::nn::Linear& out_proj) {
+                                bool training, torch::nn::Linear& out_proj,
+                                const Mask& mask = {}) {
   auto attended = detail::attend(queries, keys, values, settings_of(opt), training,
-                                 /*query_offset=*/0, /*with_weights=*/true);
+                                 /*query_offset=*/0, /*with_weights=*/true, mask);
   return {out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 
@@ -178,12 +179,18 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   print_multi_head_options(stream, "MultiHeadAttention", options);
 }
 
-F::AttentionOutput MultiHeadAttentionImpl::forward_with_weights(const torch::Tensor& x) {
-  detail::check_forward_input("MultiHeadAttention", x, {options.d_in(), options.context_length()},
-                              W_query->weight);
+F::AttentionOutput MultiHeadAttentionImpl::forward_with_weights(const torch::Tensor& query,
+                                                                const torch::Tensor& key,
+                                                                const torch::Tensor& value,
+                                                                const Mask& mask) {
+  const auto [key_input, value_input] =
+      detail::key_value_inputs("MultiHeadAttention", query, key, value,
+                               {options.d_in(), options.context_length()}, W_query->weight);
   const auto h = options.num_heads();
-  return attend_heads(detail::split_heads(W_query(x), h), detail::split_heads(W_key(x), h),
-                      detail::split_heads(W_value(x), h), options, is_training(), out_proj);
+  return attend_heads(detail::split_heads(W_query(query), h),
+                      detail::split_heads(W_key(key_input), h),
+                      detail::split_heads(W_value(value_input), h), options, is_training(),
+                      out_proj, mask);
 }
 
 KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
@@ -201,12 +208,26 @@ torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x,
                            detail::split_heads(W_value(x), h), options, cache, out_proj);
 }
 
-torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& x) {
-  if (options.backend() == AttentionBackend::kMath) {
-    return forward_with_weights(x).context;
+torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
+                                              const torch::Tensor& value, const Mask& mask) {
+  if (options.backend() == AttentionBackend::kMath || key.defined()) {
+    if (options.backend() == AttentionBackend::kMath)
+      return forward_with_weights(query, key, value, mask).context;
+    // Cross-attention: three projections of two inputs.
+    const auto [key_input, value_input] =
+        detail::key_value_inputs("MultiHeadAttention", query, key, value,
+                                 {options.d_in(), options.context_length()}, W_query->weight);
+    const auto h = options.num_heads();
+    const auto context = detail::attend(detail::split_heads(W_query(query), h),
+                                        detail::split_heads(W_key(key_input), h),
+                                        detail::split_heads(W_value(value_input), h),
+                                        settings_of(options), is_training(), 0, false, mask)
+                             .context;
+    return out_proj(detail::merge_heads(context));
   }
-  detail::check_forward_input("MultiHeadAttention", x, {options.d_in(), options.context_length()},
-                              W_query->weight);
+  const auto& x = query;
+  detail::key_value_inputs("MultiHeadAttention", query, key, value,
+                           {options.d_in(), options.context_length()}, W_query->weight);
   // One GEMM for Q, K and V: the three weights stacked into (3 * d_out, d_in).
   const auto weight = torch::cat({W_query->weight, W_key->weight, W_value->weight});
   const auto bias = options.qkv_bias() ? torch::cat({W_query->bias, W_key->bias, W_value->bias})
@@ -215,7 +236,7 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& x) {
   const auto h = options.num_heads();
 #if TORCH_VERSION_MAJOR < 2
   const auto n = x.size(1);
-  if (options.backend() == AttentionBackend::kFused &&
+  if (options.backend() == AttentionBackend::kFused && mask.is_none() &&
       F::fused_attention_fits(n, n, qkv.options())) {
     // The kernel reads the packed projection in place and returns the heads merged.
     return out_proj(F::fused_packed_attention(qkv, h,
@@ -231,7 +252,8 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& x) {
   const auto keys = detail::split_heads(qkv_parts[1], h);
   const auto values = detail::split_heads(qkv_parts[2], h);
   const auto context =
-      detail::attend(queries, keys, values, settings_of(options), is_training()).context;
+      detail::attend(queries, keys, values, settings_of(options), is_training(), 0, false, mask)
+          .context;
   return out_proj(detail::merge_heads(context));
 }
 

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "attnkit/attention.h"
+#include "attnkit/multi_head_attention.h"
 #include "test_support.h"
 
 namespace {
@@ -341,6 +342,69 @@ TEST(Attention, BadArgumentsNameWhatIsWrong) {
       "[attention_with_weights] the weights come from the math backend");
   expect_error_containing([&] { run(AttentionOptions().dropout_p(1.0)); },
                           "[attention] dropout_p must be in [0, 1), got 1");
+}
+
+TEST(MultiHeadAttentionMasks, PaddedRowsEqualEachSequenceAloneOnEveryBackend) {
+  torch::manual_seed(9);
+  const std::vector<int64_t> lengths{9, 4, 1};
+  const auto x = torch::randn({3, 9, 8}, torch::kFloat64);
+  for (const auto backend :
+       {AttentionBackend::kMath, AttentionBackend::kChunked, AttentionBackend::kFused,
+        AttentionBackend::kAuto}) {
+    for (const bool causal : {false, true}) {
+      SCOPED_TRACE(attnkit::backend_name(backend) + (causal ? " causal" : " encoder"));
+      attnkit::MultiHeadAttention mha(attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2)
+                                          .causal(causal)
+                                          .backend(backend)
+                                          .chunk_size(4)
+                                          .key_chunk_size(3));
+      mha->to(torch::kFloat64);
+      if (backend == AttentionBackend::kFused) {  // fused takes no padding mask: named
+        expect_error_containing(
+            [&] { mha->forward(x, {}, {}, Mask::key_padding(torch::tensor(lengths))); },
+            "backend fused cannot run this");
+        continue;
+      }
+      const auto padded = mha->forward(x, {}, {}, Mask::key_padding(torch::tensor(lengths)));
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        const auto alone = mha(x.narrow(0, i, 1).narrow(1, 0, lengths[i]));
+        EXPECT_TRUE(tensors_close("sequence " + std::to_string(i),
+                                  padded.narrow(0, i, 1).narrow(1, 0, lengths[i]), alone,
+                                  attnkit::testing::agreement(torch::kFloat64)));
+      }
+    }
+  }
+}
+
+TEST(MultiHeadAttentionMasks, CrossAttentionAndForwardOfOneArgument) {
+  torch::manual_seed(10);
+  attnkit::MultiHeadAttention mha(
+      attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).causal(false).qkv_bias(true));
+  const auto query = torch::randn({2, 5, 8}), memory = torch::randn({2, 11, 8});
+  const auto lengths = torch::tensor({11, 6});
+  const auto out = mha(query, memory, memory, Mask::key_padding(lengths));
+  EXPECT_EQ(out.sizes(), query.sizes());
+  // The same attention spelled out from the module's projections.
+  const auto split = [](const torch::Tensor& t) { return t.view({2, -1, 2, 4}).transpose(1, 2); };
+  const auto context = F::attention(split(mha->W_query(query)), split(mha->W_key(memory)),
+                                    split(mha->W_value(memory)),
+                                    AttentionOptions().mask(Mask::key_padding(lengths)));
+  const auto expected = mha->out_proj(context.transpose(1, 2).reshape({2, 5, 8}));
+  EXPECT_TRUE(tensors_close("cross-attention", out, expected, attnkit::testing::agreement(torch::kFloat32)));
+  auto weights = mha->forward_with_weights(query, memory, {}, Mask::key_padding(lengths)).weights;
+  EXPECT_EQ(weights.sizes(), (std::vector<int64_t>{2, 2, 5, 11}));
+  EXPECT_EQ(weights[1].narrow(-1, 6, 5).abs().sum().item<double>(), 0.0);  // padding unseen
+  // forward(x) through Sequential and AnyModule (FORWARD_HAS_DEFAULT_ARGS).
+  torch::nn::Sequential sequential(mha);
+  EXPECT_TRUE(tensors_close("sequential", sequential->forward(query), mha(query), 0.0));
+  // Bad calls name the argument.
+  expect_error_containing([&] { mha(query, memory.narrow(0, 0, 1)); },
+                          "[MultiHeadAttention::forward] key and value must have the query's "
+                          "batch size 2, got key [1, 11, 8]");
+  expect_error_containing([&] { mha->forward(query, {}, memory); },
+                          "[MultiHeadAttention::forward] value given without key");
+  expect_error_containing([&] { mha(query, torch::randn({2, 11, 7})); },
+                          "[MultiHeadAttention::forward] key: expected last dimension d_in = 8");
 }
 
 }  // namespace

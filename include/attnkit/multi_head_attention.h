@@ -76,12 +76,22 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// qkv_bias=false, causal=true)`
   void pretty_print(std::ostream& stream) const override;
 
-  /// (b, n, d_in) -> (b, n, d_out), computed by `options.backend()`.
-  torch::Tensor forward(const torch::Tensor& x);
+  /// Self-attention `forward(x)`: (b, n, d_in) -> (b, n, d_out). Cross-attention
+  /// `forward(query, key, value)`: queries from query (b, n, d_in), keys and values from
+  /// key and value (b, m, d_in) (value defaults to key; m may differ from n). `mask`
+  /// (docs/masks.md) combines with the module's own causal and window settings, e.g.
+  /// `Mask::key_padding(lengths)` for padded batches or `Mask::documents(ids)` for packed
+  /// ones. Computed by `options.backend()`.
+  /// Example: `mha->forward(x, {}, {}, attnkit::Mask::key_padding(lengths))`.
+  torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& key = {},
+                        const torch::Tensor& value = {}, const Mask& mask = {});
 
-  /// Context (b, n, d_out) and attention weights (b, num_heads, n, n); always the math
+  /// `forward`, also returning the attention weights (b, num_heads, n, m); always the math
   /// path, since the other backends never form the weights.
-  functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
+  functional::AttentionOutput forward_with_weights(const torch::Tensor& query,
+                                                   const torch::Tensor& key = {},
+                                                   const torch::Tensor& value = {},
+                                                   const Mask& mask = {});
 
   /// A KV cache for `forward_with_cache`: `batch` sequences of up to `capacity` positions
   /// (0: context_length, the most the module accepts), num_heads heads of
@@ -109,6 +119,12 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   torch::nn::Linear out_proj{nullptr};
   /// (context_length, context_length), 1 above the diagonal.
   torch::Tensor mask;
+
+ protected:
+  // forward(x) keeps working through torch::nn::AnyModule and Sequential.
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
+                           {2, torch::nn::AnyValue(torch::Tensor())},
+                           {3, torch::nn::AnyValue(Mask())})
 };
 
 /// Module holder for `MultiHeadAttentionImpl` (shared-pointer semantics).
