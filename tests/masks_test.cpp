@@ -76,6 +76,10 @@ std::vector<MaskCase> mask_cases(int64_t n, int64_t m) {
        [=](int64_t b, int64_t h, int64_t i, int64_t j) {
          return !padding[b][j].item<bool>() || (h + i + j) % 3 == 0;
        }},
+      {"two windows", Mask::causal(offset).sliding_window(2) | Mask::causal(offset + 3).sliding_window(2),
+       [=](int64_t, int64_t, int64_t i, int64_t j) {
+         return (causal(i, j) && i + offset - j < 2) || (j <= i + offset + 3 && i + offset + 3 - j < 2);
+       }},
       // Rows that see no key: batch entry 1 sees none at all.
       {"empty rows", Mask::key_padding(torch::tensor({m, int64_t{0}})),
        [=](int64_t b, int64_t, int64_t, int64_t) { return b == 0; }},

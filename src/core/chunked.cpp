@@ -57,9 +57,9 @@ struct ChunkedCall : torch::CustomClassHolder {
   int64_t dropout_seed = -1;  // < 0: no dropout
   int64_t query_block = 128;
   int64_t key_block = 1024;
-  int64_t head_group = 0;       // 0: plan it (forward)
-  std::vector<int8_t> verdicts;  // TileKind per (outer, head group, query block, key tile)
-  int64_t tiles_per_query_block = 0;
+  int64_t head_group = 0;  // 0: plan it (forward)
+  // TileKind of each key tile, one list per (outer, head group, query block) task.
+  std::vector<std::vector<int8_t>> verdicts;
 };
 
 struct BlockPlan {
@@ -105,8 +105,6 @@ struct BlockPlan {
 
   int64_t num_head_groups() const { return (heads + head_group - 1) / head_group; }
   int64_t num_query_blocks() const { return (num_queries + query_block - 1) / query_block; }
-  // Most key tiles a query block can have: the key blocks, and two more for a window's cuts.
-  int64_t max_key_tiles() const { return (num_keys + key_block - 1) / key_block + 3; }
 
   // The key tiles (k0, bk) that query block [q0, q0 + bq) visits, at most key_block wide,
   // over the keys the mask lets it see, ending where the mask asks (a window's edges).
@@ -129,10 +127,8 @@ struct BlockPlan {
     return tiles;
   }
 
-  size_t verdict_index(int64_t task_pair, int64_t q0, size_t tile) const {
-    return static_cast<size_t>((task_pair * num_query_blocks() + q0 / query_block) *
-                               max_key_tiles()) +
-           tile;
+  size_t verdict_list(int64_t task_pair, int64_t q0) const {
+    return static_cast<size_t>(task_pair * num_query_blocks() + q0 / query_block);
   }
 };
 
@@ -257,9 +253,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
     const BlockPlan plan(q4, k4, *call);
     call->head_group = plan.head_group;
     call->verdicts.assign(
-        static_cast<size_t>(plan.outer * plan.num_head_groups() * plan.num_query_blocks() *
-                            plan.max_key_tiles()),
-        static_cast<int8_t>(TileKind::kEmpty));
+        static_cast<size_t>(plan.outer * plan.num_head_groups() * plan.num_query_blocks()), {});
     const int64_t gs = plan.group_size;
     auto out_shape = q.sizes().vec();
     out_shape.back() = v.size(-1);
@@ -272,10 +266,12 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
       auto acc = block_of(out4, at, q0, bq);                       // written in place
       torch::Tensor row_max, row_sum;
       const auto tiles = plan.key_tiles(q0, bq);
+      auto& verdicts = call->verdicts[plan.verdict_list(at.pair, q0)];  // this task's own
+      verdicts.resize(tiles.size());
       for (size_t i = 0; i < tiles.size(); ++i) {
         const auto [k0, bk] = tiles[i];
         const auto verdict = call->mask.tile(tile_at(at, q0, bq, k0, bk), q.device());
-        call->verdicts[plan.verdict_index(at.pair, q0, i)] = static_cast<int8_t>(verdict.kind);
+        verdicts[i] = static_cast<int8_t>(verdict.kind);
         if (verdict.kind == TileKind::kEmpty)
           continue;
         const bool first = !row_max.defined();
@@ -364,9 +360,10 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
       const auto grad_out_rows = fold_groups(grad_out_block, gs);
       const auto q_rows = fold_groups(q_block, gs);
       const auto tiles = plan.key_tiles(q0, bq);
+      const auto& verdicts = call.verdicts[plan.verdict_list(at.pair, q0)];
       for (size_t i = 0; i < tiles.size(); ++i) {
         const auto [k0, bk] = tiles[i];
-        const auto kind = static_cast<TileKind>(call.verdicts[plan.verdict_index(at.pair, q0, i)]);
+        const auto kind = static_cast<TileKind>(verdicts[i]);
         if (kind == TileKind::kEmpty)
           continue;
         const auto tile = tile_at(at, q0, bq, k0, bk);
