@@ -186,13 +186,13 @@ TEST(MultiHeadAttention, BadOptionsAndInputsNameWhatIsWrong) {
       [&] {
         mha(torch::rand({1, 9, 3}));
       },
-      "[MultiHeadAttention::forward] x: num_tokens = 9 exceeds context_length "
+      "[MultiHeadAttention::forward] query: num_tokens = 9 exceeds context_length "
       "= 6");
   expect_error_containing(
       [&] {
         mha(torch::rand({1, 6, 2}));
       },
-      "[MultiHeadAttention::forward] x: expected last dimension d_in = 3, "
+      "[MultiHeadAttention::forward] query: expected last dimension d_in = 3, "
       "got 2");
   expect_error_containing(
       [&] {
