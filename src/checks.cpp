@@ -56,30 +56,32 @@ std::string shape_string(const torch::Tensor& t) {
 
 void check_forward_input(const char* module, const torch::Tensor& x, const InputSpec& spec,
                          const torch::Tensor& reference, const char* argument) {
-  TORCH_CHECK(x.defined(), "[", module, "::forward] ", argument, ": expected a tensor, got an undefined one");
+  TORCH_CHECK(x.defined(), "[", module, "::forward] ", argument,
+              ": expected a tensor, got an undefined one");
   const auto rank = x.dim();
   if (spec.allow_unbatched) {
-    TORCH_CHECK(rank == 2 || rank == 3, "[", module,
-                "::forward] ", argument, ": expected a 2-D (num_tokens, d_in) or 3-D (b, num_tokens, d_in) "
+    TORCH_CHECK(rank == 2 || rank == 3, "[", module, "::forward] ", argument,
+                ": expected a 2-D (num_tokens, d_in) or 3-D (b, num_tokens, d_in) "
                 "tensor, got ",
                 rank, "-D with shape ", shape_string(x));
   } else {
-    TORCH_CHECK(rank == 3, "[", module,
-                "::forward] ", argument, ": expected a 3-D tensor (b, num_tokens, d_in), got ", rank,
-                "-D with shape ", shape_string(x));
+    TORCH_CHECK(rank == 3, "[", module, "::forward] ", argument,
+                ": expected a 3-D tensor (b, num_tokens, d_in), got ", rank, "-D with shape ",
+                shape_string(x));
   }
-  TORCH_CHECK(x.size(-1) == spec.d_in, "[", module,
-              "::forward] ", argument, ": expected last dimension d_in = ", spec.d_in, ", got ", x.size(-1),
-              " (shape ", shape_string(x), ")");
+  TORCH_CHECK(x.size(-1) == spec.d_in, "[", module, "::forward] ", argument,
+              ": expected last dimension d_in = ", spec.d_in, ", got ", x.size(-1), " (shape ",
+              shape_string(x), ")");
   const auto num_tokens = x.size(-2);
   TORCH_CHECK(spec.context_length == 0 || num_tokens <= spec.context_length, "[", module,
               "::forward] ", argument, ": num_tokens = ", num_tokens,
               " exceeds context_length = ", spec.context_length, " (shape ", shape_string(x), ")");
-  TORCH_CHECK(x.device() == reference.device(), "[", module, "::forward] ", argument, ": expected device ",
-              reference.device(), " (where the module's parameters are), got ", x.device());
-  TORCH_CHECK(x.scalar_type() == reference.scalar_type(), "[", module,
-              "::forward] ", argument, ": expected dtype ", reference.scalar_type(),
-              " (the module's parameters), got ", x.scalar_type());
+  TORCH_CHECK(x.device() == reference.device(), "[", module, "::forward] ", argument,
+              ": expected device ", reference.device(),
+              " (where the module's parameters are), got ", x.device());
+  TORCH_CHECK(x.scalar_type() == reference.scalar_type(), "[", module, "::forward] ", argument,
+              ": expected dtype ", reference.scalar_type(), " (the module's parameters), got ",
+              x.scalar_type());
 }
 
 }  // namespace attnkit::detail

@@ -29,12 +29,9 @@ F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& key
   return {F::attention(queries, keys, values, options), {}};
 }
 
-std::pair<torch::Tensor, torch::Tensor> key_value_inputs(const char* module,
-                                                         const torch::Tensor& query,
-                                                         const torch::Tensor& key,
-                                                         const torch::Tensor& value,
-                                                         const InputSpec& spec,
-                                                         const torch::Tensor& parameter) {
+std::pair<torch::Tensor, torch::Tensor> key_value_inputs(
+    const char* module, const torch::Tensor& query, const torch::Tensor& key,
+    const torch::Tensor& value, const InputSpec& spec, const torch::Tensor& parameter) {
   check_forward_input(module, query, spec, parameter, "query");
   if (!key.defined()) {
     TORCH_CHECK(!value.defined(), "[", module,

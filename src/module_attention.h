@@ -37,12 +37,9 @@ functional::AttentionOutput attend(const torch::Tensor& queries, const torch::Te
 /// The inputs of the keys and values of forward(query, key, value): query itself for
 /// self-attention (key and value undefined), else key and value (value defaults to key),
 /// each checked as query is, with query's batch.
-std::pair<torch::Tensor, torch::Tensor> key_value_inputs(const char* module,
-                                                         const torch::Tensor& query,
-                                                         const torch::Tensor& key,
-                                                         const torch::Tensor& value,
-                                                         const InputSpec& spec,
-                                                         const torch::Tensor& parameter);
+std::pair<torch::Tensor, torch::Tensor> key_value_inputs(
+    const char* module, const torch::Tensor& query, const torch::Tensor& key,
+    const torch::Tensor& value, const InputSpec& spec, const torch::Tensor& parameter);
 
 /// The cache a module needs: key/value heads and width, a rolling window, or latents.
 struct CacheLayout {

@@ -88,8 +88,7 @@ torch::Tensor attend_with_cache(const torch::Tensor& queries, const torch::Tenso
 // Heads (b, h, n, hd) attended with the weights (the book's math path), merged and projected.
 F::AttentionOutput attend_heads(const torch::Tensor& queries, const torch::Tensor& keys,
                                 const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
-                                bool training, torch::nn::Linear& out_proj,
-                                const Mask& mask = {}) {
+                                bool training, torch::nn::Linear& out_proj, const Mask& mask = {}) {
   auto attended = detail::attend(queries, keys, values, settings_of(opt), training,
                                  /*query_offset=*/0, /*with_weights=*/true, mask);
   return {out_proj(detail::merge_heads(attended.context)), attended.weights};
@@ -187,10 +186,9 @@ F::AttentionOutput MultiHeadAttentionImpl::forward_with_weights(const torch::Ten
       detail::key_value_inputs("MultiHeadAttention", query, key, value,
                                {options.d_in(), options.context_length()}, W_query->weight);
   const auto h = options.num_heads();
-  return attend_heads(detail::split_heads(W_query(query), h),
-                      detail::split_heads(W_key(key_input), h),
-                      detail::split_heads(W_value(value_input), h), options, is_training(),
-                      out_proj, mask);
+  return attend_heads(
+      detail::split_heads(W_query(query), h), detail::split_heads(W_key(key_input), h),
+      detail::split_heads(W_value(value_input), h), options, is_training(), out_proj, mask);
 }
 
 KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {

@@ -642,9 +642,8 @@ TEST(AttentionBackends, EveryBackendComputesTheSameModule) {
 }
 
 TEST(AttentionBackends, NamesParseAndBadOptionsAreNamed) {
-  for (const auto backend :
-       {AttentionBackend::kMath, AttentionBackend::kFused, AttentionBackend::kChunked,
-        AttentionBackend::kAuto}) {
+  for (const auto backend : {AttentionBackend::kMath, AttentionBackend::kFused,
+                             AttentionBackend::kChunked, AttentionBackend::kAuto}) {
     EXPECT_EQ(attnkit::parse_backend(attnkit::backend_name(backend)), backend);
   }
   expect_error_containing([] { attnkit::parse_backend("flash"); },

@@ -52,7 +52,8 @@ std::vector<MaskCase> mask_cases(int64_t n, int64_t m) {
   const auto causal = [offset](int64_t i, int64_t j) { return j <= i + offset; };
   const auto allowed = torch::rand({1, kHeads, n, m}) > 0.3;
   std::vector<MaskCase> cases{
-      {"causal", Mask::causal(offset), [=](int64_t, int64_t, int64_t i, int64_t j) { return causal(i, j); }},
+      {"causal", Mask::causal(offset),
+       [=](int64_t, int64_t, int64_t i, int64_t j) { return causal(i, j); }},
       {"window", Mask::causal(offset).sliding_window(3),
        [=](int64_t, int64_t, int64_t i, int64_t j) { return causal(i, j) && i + offset - j < 3; }},
       {"lengths", Mask::key_padding(lengths),
@@ -61,8 +62,7 @@ std::vector<MaskCase> mask_cases(int64_t n, int64_t m) {
        [=](int64_t b, int64_t, int64_t, int64_t j) { return !padding[b][j].item<bool>(); }},
       {"tensor", Mask::from_tensor(allowed),
        [=](int64_t, int64_t h, int64_t i, int64_t j) { return allowed[0][h][i][j].item<bool>(); }},
-      {"function (prefix-LM)",
-       Mask::from_function([offset](auto, auto, auto q, auto kv) {
+      {"function (prefix-LM)", Mask::from_function([offset](auto, auto, auto q, auto kv) {
          return (kv <= q + offset).logical_or(kv < 4);
        }),
        [=](int64_t, int64_t, int64_t i, int64_t j) { return causal(i, j) || j < 4; }},
@@ -76,9 +76,11 @@ std::vector<MaskCase> mask_cases(int64_t n, int64_t m) {
        [=](int64_t b, int64_t h, int64_t i, int64_t j) {
          return !padding[b][j].item<bool>() || (h + i + j) % 3 == 0;
        }},
-      {"two windows", Mask::causal(offset).sliding_window(2) | Mask::causal(offset + 3).sliding_window(2),
+      {"two windows",
+       Mask::causal(offset).sliding_window(2) | Mask::causal(offset + 3).sliding_window(2),
        [=](int64_t, int64_t, int64_t i, int64_t j) {
-         return (causal(i, j) && i + offset - j < 2) || (j <= i + offset + 3 && i + offset + 3 - j < 2);
+         return (causal(i, j) && i + offset - j < 2) ||
+                (j <= i + offset + 3 && i + offset + 3 - j < 2);
        }},
       // Rows that see no key: batch entry 1 sees none at all.
       {"empty rows", Mask::key_padding(torch::tensor({m, int64_t{0}})),
@@ -91,8 +93,9 @@ std::vector<MaskCase> mask_cases(int64_t n, int64_t m) {
     };
     cases.push_back({"documents", Mask::documents(ids),
                      [=](int64_t b, int64_t, int64_t i, int64_t j) { return same(b, i, j); }});
-    cases.push_back({"causal documents", Mask::documents(ids, true),
-                     [=](int64_t b, int64_t, int64_t i, int64_t j) { return same(b, i, j) && j <= i; }});
+    cases.push_back(
+        {"causal documents", Mask::documents(ids, true),
+         [=](int64_t b, int64_t, int64_t i, int64_t j) { return same(b, i, j) && j <= i; }});
   }
   return cases;
 }
@@ -115,8 +118,8 @@ TEST(Mask, DenseFormAndTileVerdictsAgreeWithTheDefinition) {
     for (const auto& c : mask_cases(n, m)) {
       SCOPED_TRACE(c.name + " n=" + std::to_string(n) + " m=" + std::to_string(m));
       const auto truth = truth_tensor(c, n, m);
-      EXPECT_TRUE(torch::equal(c.mask.dense(kBatch, kHeads, n, m, torch::kCPU).expand_as(truth),
-                               truth));
+      EXPECT_TRUE(
+          torch::equal(c.mask.dense(kBatch, kHeads, n, m, torch::kCPU).expand_as(truth), truth));
       // Random tiles: an empty verdict has no allowed entry, a full one no hidden entry, and
       // a partial one gives exactly the tile's entries.
       for (int trial = 0; trial < 40; ++trial) {
@@ -148,10 +151,9 @@ TEST(Mask, DenseFormAndTileVerdictsAgreeWithTheDefinition) {
 
 // The definition, element by element in float64: scores, score function, mask, softmax (a
 // row that sees nothing gives zeros), weighted values; key/value head h / (H / G).
-torch::Tensor reference_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                  const torch::Tensor& v, const MaskCase& c,
-                                  const std::function<torch::Tensor(torch::Tensor, int64_t, int64_t,
-                                                                    int64_t, int64_t)>& modify) {
+torch::Tensor reference_attention(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const MaskCase& c,
+    const std::function<torch::Tensor(torch::Tensor, int64_t, int64_t, int64_t, int64_t)>& modify) {
   const int64_t n = q.size(2), m = k.size(2), group = q.size(1) / k.size(1);
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   std::vector<torch::Tensor> heads_out;
@@ -197,9 +199,13 @@ TEST(Attention, EveryBackendMatchesTheDefinitionWithMasksAndScoreFunctions) {
   const std::vector<ScoreCase> score_cases{
       {"none", {}, {}},
       {"alibi", score_mods::alibi(slopes),
-       [&](torch::Tensor s, int64_t, int64_t h, int64_t i, int64_t j) { return s + slopes[h] * double(j - i); }},
+       [&](torch::Tensor s, int64_t, int64_t h, int64_t i, int64_t j) {
+         return s + slopes[h] * double(j - i);
+       }},
       {"softcap", score_mods::softcap(0.7),
-       [](torch::Tensor s, int64_t, int64_t, int64_t, int64_t) { return torch::tanh(s / 0.7) * 0.7; }},
+       [](torch::Tensor s, int64_t, int64_t, int64_t, int64_t) {
+         return torch::tanh(s / 0.7) * 0.7;
+       }},
       {"relative bias", score_mods::relative_position_bias(bias),
        [&](torch::Tensor s, int64_t, int64_t h, int64_t i, int64_t j) {
          return s + bias[h][std::clamp<int64_t>(j - i, -3, 3) + 3];
@@ -257,15 +263,18 @@ TEST(Attention, Float32ThreeAndTwoDimensionalInputsAndAnExplicitScale) {
                            .mask(Mask::key_padding(torch::tensor({70, 33, 1})))
                            .score_mod(score_mods::softcap(5.0))
                            .scale(0.3);
-  const auto math = F::attention(q, k, v, AttentionOptions(options).backend(AttentionBackend::kMath));
+  const auto math =
+      F::attention(q, k, v, AttentionOptions(options).backend(AttentionBackend::kMath));
   const auto chunked = F::attention(
       q, k, v, AttentionOptions(options).backend(AttentionBackend::kChunked).key_block_size(16));
   EXPECT_EQ(math.sizes(), q.sizes());
-  EXPECT_TRUE(tensors_close("3-D float32 chunked", chunked, math, attnkit::testing::agreement(torch::kFloat32)));
+  EXPECT_TRUE(tensors_close("3-D float32 chunked", chunked, math,
+                            attnkit::testing::agreement(torch::kFloat32)));
   const auto two_d = F::attention(q[1], k[1], v[1], AttentionOptions().mask(Mask::causal(30)));
   EXPECT_TRUE(tensors_close(
       "2-D", two_d,
-      F::attention(q[1], k[1], v[1], AttentionOptions().mask(Mask::causal(30)).backend(AttentionBackend::kMath)),
+      F::attention(q[1], k[1], v[1],
+                   AttentionOptions().mask(Mask::causal(30)).backend(AttentionBackend::kMath)),
       attnkit::testing::agreement(torch::kFloat32)));
 }
 
@@ -288,24 +297,50 @@ TEST(Attention, BadArgumentsNameWhatIsWrong) {
   const auto q = torch::randn({2, 2, 5, 4}), k = torch::randn({2, 2, 7, 4});
   const auto run = [&](const AttentionOptions& options) { F::attention(q, k, k, options); };
   // Masks of the wrong shape, dtype or range.
-  expect_error_containing([&] { run(AttentionOptions().mask(Mask::key_padding(torch::zeros({2, 6}, torch::kBool)))); },
-                          "[attention] mask: key_padding must have shape (batch, num_keys) = (2, 7), got [2, 6]");
-  expect_error_containing([&] { run(AttentionOptions().mask(Mask::key_padding(torch::tensor({7, 8})))); },
-                          "[attention] mask: key_padding lengths must be in [0, 7] (the number of keys), got a length of 8");
-  expect_error_containing([] { Mask::key_padding(torch::tensor({3, -1})); },
-                          "[Mask::key_padding] lengths must be >= 0, got -1 at batch entry 1");
-  expect_error_containing([] { Mask::key_padding(torch::zeros({2, 3})); },
-                          "[Mask::key_padding] lengths must be a 1-D int64 tensor (b), got 2-D Float");
-  expect_error_containing([&] { run(AttentionOptions().mask(Mask::key_padding(torch::tensor({7, 7, 7})))); },
-                          "[attention] mask: key_padding lengths must have shape (2) (the batch), got [3]");
-  expect_error_containing([] { Mask::from_tensor(torch::ones({5, 7})); },
-                          "[Mask::from_tensor] allowed must be a bool tensor (true = may attend), got Float");
-  expect_error_containing([&] { run(AttentionOptions().mask(Mask::from_tensor(torch::ones({3, 5, 7}, torch::kBool)))); },
-                          "[attention] mask: the allowed tensor must broadcast to (batch, heads, num_queries, num_keys) = (2, 2, 5, 7), got [1, 3, 5, 7]");
-  expect_error_containing([&] { run(AttentionOptions().mask(Mask::documents(torch::zeros({5}, torch::kInt64)))); },
-                          "[attention] mask: documents needs self-attention (as many queries as keys), got 5 queries and 7 keys");
-  expect_error_containing([] { Mask::documents(torch::zeros({5})); },
-                          "[Mask::documents] document_ids must be an int64 tensor (n) or (b, n), got 1-D Float");
+  expect_error_containing(
+      [&] {
+        run(AttentionOptions().mask(Mask::key_padding(torch::zeros({2, 6}, torch::kBool))));
+      },
+      "[attention] mask: key_padding must have shape (batch, num_keys) = (2, 7), got [2, 6]");
+  expect_error_containing(
+      [&] {
+        run(AttentionOptions().mask(Mask::key_padding(torch::tensor({7, 8}))));
+      },
+      "[attention] mask: key_padding lengths must be in [0, 7] (the number of keys), got a length "
+      "of 8");
+  expect_error_containing(
+      [] {
+        Mask::key_padding(torch::tensor({3, -1}));
+      },
+      "[Mask::key_padding] lengths must be >= 0, got -1 at batch entry 1");
+  expect_error_containing(
+      [] {
+        Mask::key_padding(torch::zeros({2, 3}));
+      },
+      "[Mask::key_padding] lengths must be a 1-D int64 tensor (b), got 2-D Float");
+  expect_error_containing(
+      [&] {
+        run(AttentionOptions().mask(Mask::key_padding(torch::tensor({7, 7, 7}))));
+      },
+      "[attention] mask: key_padding lengths must have shape (2) (the batch), got [3]");
+  expect_error_containing(
+      [] {
+        Mask::from_tensor(torch::ones({5, 7}));
+      },
+      "[Mask::from_tensor] allowed must be a bool tensor (true = may attend), got Float");
+  expect_error_containing(
+      [&] {
+        run(AttentionOptions().mask(Mask::from_tensor(torch::ones({3, 5, 7}, torch::kBool))));
+      },
+      "[attention] mask: the allowed tensor must broadcast to (batch, heads, num_queries, "
+      "num_keys) = (2, 2, 5, 7), got [1, 3, 5, 7]");
+  expect_error_containing(
+      [&] { run(AttentionOptions().mask(Mask::documents(torch::zeros({5}, torch::kInt64)))); },
+      "[attention] mask: documents needs self-attention (as many queries as keys), got 5 queries "
+      "and 7 keys");
+  expect_error_containing(
+      [] { Mask::documents(torch::zeros({5})); },
+      "[Mask::documents] document_ids must be an int64 tensor (n) or (b, n), got 1-D Float");
   expect_error_containing([] { Mask::causal(-1); }, "[Mask::causal] query_offset must be >= 0");
   expect_error_containing([] { Mask::key_padding(torch::tensor({1})).sliding_window(2); },
                           "[Mask::sliding_window] a sliding window restricts a causal mask");
@@ -316,33 +351,58 @@ TEST(Attention, BadArgumentsNameWhatIsWrong) {
     SCOPED_TRACE(attnkit::backend_name(backend));
     const auto options = AttentionOptions().backend(backend);
     expect_error_containing(
-        [&] { run(AttentionOptions(options).mask(Mask::from_function([](auto, auto, auto qi, auto kv) { return (kv - qi).to(torch::kFloat); }))); },
+        [&] {
+          run(AttentionOptions(options).mask(Mask::from_function(
+              [](auto, auto, auto qi, auto kv) { return (kv - qi).to(torch::kFloat); })));
+        },
         "[attention] mask_mod must return a bool tensor, got Float");
     expect_error_containing(
-        [&] { run(AttentionOptions(options).mask(Mask::from_function([](auto, auto, auto, auto) { return torch::ones({3, 2}, torch::kBool); }))); },
+        [&] {
+          run(AttentionOptions(options).mask(Mask::from_function([](auto, auto, auto, auto) {
+            return torch::ones({3, 2}, torch::kBool);
+          })));
+        },
         "[attention] mask_mod must return a tensor broadcastable to");
     expect_error_containing(
-        [&] { run(AttentionOptions(options).score_mod([](auto s, auto, auto, auto, auto) { return s.sum(-1); })); },
+        [&] {
+          run(AttentionOptions(options).score_mod(
+              [](auto s, auto, auto, auto, auto) { return s.sum(-1); }));
+        },
         "[attention] score_mod must return a tensor of the score's shape");
     expect_error_containing(
-        [&] { run(AttentionOptions(options).score_mod([](auto s, auto, auto, auto, auto) { return s.to(torch::kDouble); })); },
+        [&] {
+          run(AttentionOptions(options).score_mod(
+              [](auto s, auto, auto, auto, auto) { return s.to(torch::kDouble); }));
+        },
         "and dtype Float, got");
   }
   // A cross-attention key whose batch differs from the query's; heads that do not divide.
-  expect_error_containing([&] { F::attention(q, k.narrow(0, 0, 1), k.narrow(0, 0, 1)); },
-                          "[attention] key and value must have the query's batch size 2, got key [1, 2, 7, 4]");
-  expect_error_containing([&] { F::attention(torch::randn({2, 3, 5, 4}), k, k); },
-                          "[attention] key/value heads (2) must divide query heads (3)");
+  expect_error_containing(
+      [&] { F::attention(q, k.narrow(0, 0, 1), k.narrow(0, 0, 1)); },
+      "[attention] key and value must have the query's batch size 2, got key [1, 2, 7, 4]");
+  expect_error_containing(
+      [&] {
+        F::attention(torch::randn({2, 3, 5, 4}), k, k);
+      },
+      "[attention] key/value heads (2) must divide query heads (3)");
   // A forced backend that lacks what the problem needs; weights from another backend.
   expect_error_containing(
-      [&] { run(AttentionOptions().backend(AttentionBackend::kFused).mask(Mask::key_padding(torch::tensor({7, 3})))); },
+      [&] {
+        run(AttentionOptions()
+                .backend(AttentionBackend::kFused)
+                .mask(Mask::key_padding(torch::tensor({7, 3}))));
+      },
       "[attention] backend fused cannot run this: the fused backend takes only causal and "
       "sliding-window masks, not key_padding(lengths)");
   expect_error_containing(
-      [&] { run(AttentionOptions().backend(AttentionBackend::kFused).score_mod(score_mods::softcap(2))); },
+      [&] {
+        run(AttentionOptions().backend(AttentionBackend::kFused).score_mod(score_mods::softcap(2)));
+      },
       "the fused backend has no score functions (score_mod)");
   expect_error_containing(
-      [&] { F::attention_with_weights(q, k, k, AttentionOptions().backend(AttentionBackend::kChunked)); },
+      [&] {
+        F::attention_with_weights(q, k, k, AttentionOptions().backend(AttentionBackend::kChunked));
+      },
       "[attention_with_weights] the weights come from the math backend");
   expect_error_containing([&] { run(AttentionOptions().dropout_p(1.0)); },
                           "[attention] dropout_p must be in [0, 1), got 1");
@@ -352,9 +412,8 @@ TEST(MultiHeadAttentionMasks, PaddedRowsEqualEachSequenceAloneOnEveryBackend) {
   torch::manual_seed(9);
   const std::vector<int64_t> lengths{9, 4, 1};
   const auto x = torch::randn({3, 9, 8}, torch::kFloat64);
-  for (const auto backend :
-       {AttentionBackend::kMath, AttentionBackend::kChunked, AttentionBackend::kFused,
-        AttentionBackend::kAuto}) {
+  for (const auto backend : {AttentionBackend::kMath, AttentionBackend::kChunked,
+                             AttentionBackend::kFused, AttentionBackend::kAuto}) {
     for (const bool causal : {false, true}) {
       SCOPED_TRACE(attnkit::backend_name(backend) + (causal ? " causal" : " encoder"));
       attnkit::MultiHeadAttention mha(attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2)
@@ -394,7 +453,8 @@ TEST(MultiHeadAttentionMasks, CrossAttentionAndForwardOfOneArgument) {
                                     split(mha->W_value(memory)),
                                     AttentionOptions().mask(Mask::key_padding(lengths)));
   const auto expected = mha->out_proj(context.transpose(1, 2).reshape({2, 5, 8}));
-  EXPECT_TRUE(tensors_close("cross-attention", out, expected, attnkit::testing::agreement(torch::kFloat32)));
+  EXPECT_TRUE(tensors_close("cross-attention", out, expected,
+                            attnkit::testing::agreement(torch::kFloat32)));
   auto weights = mha->forward_with_weights(query, memory, {}, Mask::key_padding(lengths)).weights;
   EXPECT_EQ(weights.sizes(), (std::vector<int64_t>{2, 2, 5, 11}));
   EXPECT_EQ(weights[1].narrow(-1, 6, 5).abs().sum().item<double>(), 0.0);  // padding unseen
@@ -407,8 +467,11 @@ TEST(MultiHeadAttentionMasks, CrossAttentionAndForwardOfOneArgument) {
                           "batch size 2, got key [1, 11, 8]");
   expect_error_containing([&] { mha->forward(query, {}, memory); },
                           "[MultiHeadAttention::forward] value given without key");
-  expect_error_containing([&] { mha(query, torch::randn({2, 11, 7})); },
-                          "[MultiHeadAttention::forward] key: expected last dimension d_in = 8");
+  expect_error_containing(
+      [&] {
+        mha(query, torch::randn({2, 11, 7}));
+      },
+      "[MultiHeadAttention::forward] key: expected last dimension d_in = 8");
 }
 
 }  // namespace

@@ -24,9 +24,9 @@ namespace attnkit {
 /// kv_idx (1,1,1,m) or blocks of them). It returns a bool tensor broadcastable to their
 /// broadcast shape, true where the query may attend to the key.
 /// Example: `[](auto b, auto h, auto q, auto kv) { return kv <= q; }` (causal).
-using MaskMod = std::function<torch::Tensor(const torch::Tensor& b, const torch::Tensor& h,
-                                            const torch::Tensor& q_idx,
-                                            const torch::Tensor& kv_idx)>;
+using MaskMod =
+    std::function<torch::Tensor(const torch::Tensor& b, const torch::Tensor& h,
+                                const torch::Tensor& q_idx, const torch::Tensor& kv_idx)>;
 
 /// What a mask says about a tile (a block of queries against a block of keys).
 enum class TileKind : int8_t {
@@ -114,8 +114,8 @@ class Mask {
 
   /// Fails with a c10::Error naming `fn` unless this mask fits a problem of `batch`
   /// sequences, `heads` query heads, n queries and m keys on `device`.
-  void check(const char* fn, int64_t batch, int64_t heads, int64_t num_queries,
-             int64_t num_keys, const torch::Device& device) const;
+  void check(const char* fn, int64_t batch, int64_t heads, int64_t num_queries, int64_t num_keys,
+             const torch::Device& device) const;
 
   /// The mask_mod form: true where query q_idx of batch b and head h may attend to key
   /// kv_idx, for broadcastable int64 index tensors.

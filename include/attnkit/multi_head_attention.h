@@ -168,9 +168,9 @@ class MultiHeadAttentionCombinedQKVImpl
   /// d_out / num_heads, in the parameters' dtype and on their device.
   KVCache make_kv_cache(int64_t batch, int64_t capacity = 0) const;
 
-  /// Inference with a KV cache, as MultiHeadAttention's: x (b, n, d_in) holds the next n tokens of b sequences, at
-  /// positions [cache.size(), cache.size() + n). Their keys and values are appended to the
-  /// cache and their queries attend to every position held, with the causal mask aligned
+  /// Inference with a KV cache, as MultiHeadAttention's: x (b, n, d_in) holds the next n tokens of
+  /// b sequences, at positions [cache.size(), cache.size() + n). Their keys and values are appended
+  /// to the cache and their queries attend to every position held, with the causal mask aligned
   /// bottom-right. Returns (b, n, d_out): the rows of forward() over the whole sequence, for
   /// a prompt at once (prefill), in pieces, or a token at a time; computed by
   /// `options.backend()`. Runs without autograd. Fails (c10::Error) in training mode, with

@@ -61,28 +61,25 @@ torch::Tensor alibi_slopes(int64_t heads) {
 }
 
 ScoreMod softcap(double cap) {
-  TORCH_CHECK(cap > 0.0 && std::isfinite(cap), "[score_mods::softcap] cap must be > 0, got ",
-              cap);
-  return [cap](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor&,
-               const torch::Tensor&, const torch::Tensor&) {
-    return torch::tanh(score / cap) * cap;
-  };
+  TORCH_CHECK(cap > 0.0 && std::isfinite(cap), "[score_mods::softcap] cap must be > 0, got ", cap);
+  return
+      [cap](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor&,
+            const torch::Tensor&, const torch::Tensor&) { return torch::tanh(score / cap) * cap; };
 }
 
 ScoreMod relative_position_bias(const torch::Tensor& bias) {
-  TORCH_CHECK(bias.defined() && bias.dim() == 2 && bias.size(1) % 2 == 1 &&
-                  bias.is_floating_point(),
-              "[score_mods::relative_position_bias] bias must be a floating (heads, 2 D + 1) ",
-              "tensor, got ",
-              bias.defined() ? shape_string(bias) : std::string("an undefined tensor"));
+  TORCH_CHECK(
+      bias.defined() && bias.dim() == 2 && bias.size(1) % 2 == 1 && bias.is_floating_point(),
+      "[score_mods::relative_position_bias] bias must be a floating (heads, 2 D + 1) ",
+      "tensor, got ", bias.defined() ? shape_string(bias) : std::string("an undefined tensor"));
   const int64_t max_distance = bias.size(1) / 2;
-  return [bias, max_distance](const torch::Tensor& score, const torch::Tensor&,
-                              const torch::Tensor& h, const torch::Tensor& q_idx,
-                              const torch::Tensor& kv_idx) {
-    const auto head = bias.size(0) == 1 ? torch::zeros_like(h) : h;
-    const auto distance = (kv_idx - q_idx).clamp(-max_distance, max_distance) + max_distance;
-    return score + bias.index({head, distance}).to(score.scalar_type());
-  };
+  return
+      [bias, max_distance](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor& h,
+                           const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
+        const auto head = bias.size(0) == 1 ? torch::zeros_like(h) : h;
+        const auto distance = (kv_idx - q_idx).clamp(-max_distance, max_distance) + max_distance;
+        return score + bias.index({head, distance}).to(score.scalar_type());
+      };
 }
 
 }  // namespace score_mods
@@ -177,9 +174,7 @@ const char* const kFn = "[attention]";
 // The problem as (b, h, n, hd) inputs: 2-D and 3-D inputs gain unit batch and head
 // dimensions.
 torch::Tensor as_4d(const torch::Tensor& t) {
-  return t.dim() == 2 ? t.view({1, 1, t.size(0), t.size(1)})
-         : t.dim() == 3 ? t.unsqueeze(1)
-                        : t;
+  return t.dim() == 2 ? t.view({1, 1, t.size(0), t.size(1)}) : t.dim() == 3 ? t.unsqueeze(1) : t;
 }
 
 // (b, h, n, f) back to the rank of `like`.
@@ -206,14 +201,14 @@ void check_attention_arguments(const torch::Tensor& q, const torch::Tensor& k,
               " and value ", shape_string(v));
   TORCH_CHECK(k.size(-2) >= 1, kFn, " key must hold at least one token, got ", shape_string(k));
   if (q.dim() == 4) {
-    TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, kFn,
-                " key/value heads (", k.size(1), ") must divide query heads (", q.size(1),
-                "), got query ", shape_string(q), " and key ", shape_string(k));
+    TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, kFn, " key/value heads (", k.size(1),
+                ") must divide query heads (", q.size(1), "), got query ", shape_string(q),
+                " and key ", shape_string(k));
   }
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
                   q.is_floating_point(),
-              kFn, " query, key and value must share a floating dtype, got ", q.scalar_type(),
-              ", ", k.scalar_type(), ", ", v.scalar_type());
+              kFn, " query, key and value must share a floating dtype, got ", q.scalar_type(), ", ",
+              k.scalar_type(), ", ", v.scalar_type());
   TORCH_CHECK(q.device() == k.device() && k.device() == v.device(), kFn,
               " query, key and value must be on one device, got ", q.device(), ", ", k.device(),
               ", ", v.device());
@@ -323,11 +318,11 @@ AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::
                                        const torch::Tensor& value,
                                        const AttentionOptions& options) {
   check_attention_arguments(query, key, value, options);
-  TORCH_CHECK(options.backend() == AttentionBackend::kAuto ||
-                  options.backend() == AttentionBackend::kMath,
-              "[attention_with_weights] the weights come from the math backend, which builds ",
-              "them; got backend ", backend_name(options.backend()),
-              " (use kAuto or kMath, or attention() for the context alone)");
+  TORCH_CHECK(
+      options.backend() == AttentionBackend::kAuto || options.backend() == AttentionBackend::kMath,
+      "[attention_with_weights] the weights come from the math backend, which builds ",
+      "them; got backend ", backend_name(options.backend()),
+      " (use kAuto or kMath, or attention() for the context alone)");
   const auto out = math_backend(as_4d(query), as_4d(key), as_4d(value), options);
   return {as_rank_of(out.context, query), as_rank_of(out.weights, query)};
 }

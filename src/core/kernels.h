@@ -33,7 +33,8 @@ functional::AttentionOutput math_attention(const torch::Tensor& query, const tor
 /// batch index), with the options' mask, score function, scale and dropout, tiles of
 /// query_block x key_block. Checks are the caller's.
 torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& key,
-                             const torch::Tensor& value, const functional::AttentionOptions& options);
+                             const torch::Tensor& value,
+                             const functional::AttentionOptions& options);
 
 /// Tensors with requires_grad that `score_mod` reads (leaves of the graph it builds on a
 /// probe score), which the chunked kernel hands gradients to.

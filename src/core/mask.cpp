@@ -21,11 +21,11 @@ struct Indices {
 
 Indices tile_indices(const Tile& tile, const torch::Device& device) {
   const auto index = torch::dtype(torch::kInt64).device(device);
-  return {torch::full({1, 1, 1, 1}, tile.batch, index),
-          torch::arange(tile.head_begin, tile.head_begin + tile.heads, index).view({1, -1, 1, 1}),
-          torch::arange(tile.query_begin, tile.query_begin + tile.queries, index)
-              .view({1, 1, -1, 1}),
-          torch::arange(tile.key_begin, tile.key_begin + tile.keys, index).view({1, 1, 1, -1})};
+  return {
+      torch::full({1, 1, 1, 1}, tile.batch, index),
+      torch::arange(tile.head_begin, tile.head_begin + tile.heads, index).view({1, -1, 1, 1}),
+      torch::arange(tile.query_begin, tile.query_begin + tile.queries, index).view({1, 1, -1, 1}),
+      torch::arange(tile.key_begin, tile.key_begin + tile.keys, index).view({1, 1, 1, -1})};
 }
 
 struct MaskNode {
@@ -37,8 +37,7 @@ struct MaskNode {
     return {0, num_keys};
   }
   virtual void add_key_cuts(int64_t, int64_t, std::vector<int64_t>*) const {}
-  virtual void check(const char*, int64_t, int64_t, int64_t, int64_t,
-                     const torch::Device&) const {}
+  virtual void check(const char*, int64_t, int64_t, int64_t, int64_t, const torch::Device&) const {}
   virtual std::string to_string() const = 0;
 };
 
@@ -121,9 +120,8 @@ struct KeyPaddingNode final : MaskNode {
     if (lengths.defined()) {
       TORCH_CHECK(lengths.size(0) == batch, fn, " mask: key_padding lengths must have shape (",
                   batch, ") (the batch), got ", shape_string(lengths));
-      const int64_t longest = lengths_cpu.empty()
-                                  ? 0
-                                  : *std::max_element(lengths_cpu.begin(), lengths_cpu.end());
+      const int64_t longest =
+          lengths_cpu.empty() ? 0 : *std::max_element(lengths_cpu.begin(), lengths_cpu.end());
       TORCH_CHECK(longest <= m, fn, " mask: key_padding lengths must be in [0, ", m,
                   "] (the number of keys), got a length of ", longest);
       check_device(fn, "key_padding lengths", lengths, device);
@@ -168,12 +166,11 @@ struct DocumentsNode final : MaskNode {
   }
   void check(const char* fn, int64_t batch, int64_t, int64_t n, int64_t m,
              const torch::Device& device) const override {
-    TORCH_CHECK(n == m, fn,
-                " mask: documents needs self-attention (as many queries as keys), got ", n,
-                " queries and ", m, " keys");
+    TORCH_CHECK(n == m, fn, " mask: documents needs self-attention (as many queries as keys), got ",
+                n, " queries and ", m, " keys");
     TORCH_CHECK(ids.size(-1) == n && (ids.dim() == 1 || ids.size(0) == batch), fn,
-                " mask: document_ids must have shape (", n, ") or (", batch, ", ", n,
-                "), got ", shape_string(ids));
+                " mask: document_ids must have shape (", n, ") or (", batch, ", ", n, "), got ",
+                shape_string(ids));
     check_device(fn, "document_ids", ids, device);
   }
   std::string to_string() const override { return "documents"; }
@@ -218,10 +215,9 @@ struct FunctionNode final : MaskNode {
       const int64_t size = result.size(result.dim() - 1 - d);
       fits = size == 1 || size == shape[3 - d];
     }
-    TORCH_CHECK(fits, "[attention] mask_mod must return a tensor broadcastable to (",
-                shape[0], ", ", shape[1], ", ", shape[2], ", ", shape[3],
-                ") (the broadcast shape of its index arguments), got ",
-                shape_string(result));
+    TORCH_CHECK(fits, "[attention] mask_mod must return a tensor broadcastable to (", shape[0],
+                ", ", shape[1], ", ", shape[2], ", ", shape[3],
+                ") (the broadcast shape of its index arguments), got ", shape_string(result));
     return result;
   }
   std::string to_string() const override { return "from_function"; }
@@ -254,8 +250,8 @@ struct CombinedNode final : MaskNode {
   std::pair<int64_t, int64_t> key_range(int64_t q0, int64_t bq, int64_t m) const override {
     const auto a = left->key_range(q0, bq, m), b = right->key_range(q0, bq, m);
     if (is_and)
-      return {std::max(a.first, b.first), std::max(std::max(a.first, b.first),
-                                                     std::min(a.second, b.second))};
+      return {std::max(a.first, b.first),
+              std::max(std::max(a.first, b.first), std::min(a.second, b.second))};
     return {std::min(a.first, b.first), std::max(a.second, b.second)};
   }
   void add_key_cuts(int64_t q0, int64_t bq, std::vector<int64_t>* cuts) const override {
@@ -316,13 +312,13 @@ Mask Mask::key_padding(const torch::Tensor& padding_or_lengths) {
     // Prefix sums of valid keys per row, (B, m + 1), for the tiles' verdicts.
     const auto valid = t.logical_not().to(torch::kCPU, torch::kInt64);
     const auto counts =
-        torch::cat({torch::zeros({t.size(0), 1}, torch::kInt64), valid.cumsum(1)}, 1)
-            .contiguous();
-    node->counts_cpu.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
+        torch::cat({torch::zeros({t.size(0), 1}, torch::kInt64), valid.cumsum(1)}, 1).contiguous();
+    node->counts_cpu.assign(counts.data_ptr<int64_t>(),
+                            counts.data_ptr<int64_t>() + counts.numel());
   } else {
     TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.dim() == 1,
-                "[Mask::key_padding] lengths must be a 1-D int64 tensor (b), got ", t.dim(),
-                "-D ", t.scalar_type(), " with shape ", shape_string(t),
+                "[Mask::key_padding] lengths must be a 1-D int64 tensor (b), got ", t.dim(), "-D ",
+                t.scalar_type(), " with shape ", shape_string(t),
                 " (a padding mask must be bool (b, m), true = padding)");
     const auto host = t.to(torch::kCPU).contiguous();
     node->lengths_cpu.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
@@ -338,12 +334,12 @@ Mask Mask::key_padding(const torch::Tensor& padding_or_lengths) {
 
 Mask Mask::documents(const torch::Tensor& document_ids, bool causal) {
   const auto& ids = document_ids;
-  TORCH_CHECK(ids.defined() && ids.scalar_type() == torch::kInt64 &&
-                  (ids.dim() == 1 || ids.dim() == 2),
-              "[Mask::documents] document_ids must be an int64 tensor (n) or (b, n), got ",
-              ids.defined() ? c10::str(ids.dim(), "-D ", ids.scalar_type(), " with shape ",
-                                       shape_string(ids))
-                            : std::string("an undefined tensor"));
+  TORCH_CHECK(
+      ids.defined() && ids.scalar_type() == torch::kInt64 && (ids.dim() == 1 || ids.dim() == 2),
+      "[Mask::documents] document_ids must be an int64 tensor (n) or (b, n), got ",
+      ids.defined()
+          ? c10::str(ids.dim(), "-D ", ids.scalar_type(), " with shape ", shape_string(ids))
+          : std::string("an undefined tensor"));
   TORCH_CHECK(ids.size(-1) >= 1, "[Mask::documents] document_ids must hold at least one token");
   auto node = std::make_shared<detail::DocumentsNode>();
   node->ids = ids;
@@ -401,7 +397,9 @@ bool Mask::is_causal(int64_t* query_offset, int64_t* window_size) const {
   return true;
 }
 
-std::string Mask::to_string() const { return is_none() ? "none" : node_->to_string(); }
+std::string Mask::to_string() const {
+  return is_none() ? "none" : node_->to_string();
+}
 
 void Mask::check(const char* fn, int64_t batch, int64_t heads, int64_t num_queries,
                  int64_t num_keys, const torch::Device& device) const {
