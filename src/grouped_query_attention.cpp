@@ -20,6 +20,24 @@ detail::CacheLayout cache_layout_of(const GroupedQueryAttentionOptions& opt) {
           /*latent=*/false};
 }
 
+// forward and forward_with_weights: (b, n, d) -> (b, h, n, hd) queries; (b, g, m, hd) keys
+// and values, never repeated; heads merged and projected.
+functional::AttentionOutput attend_inputs(GroupedQueryAttentionImpl& module,
+                                          const torch::Tensor& query, const torch::Tensor& key,
+                                          const torch::Tensor& value, const Mask& mask,
+                                          bool with_weights) {
+  const auto& opt = module.options;
+  const auto [key_input, value_input] =
+      detail::key_value_inputs(kName, query, key, value, {opt.d_in()}, module.W_query->weight);
+  const auto g = opt.num_kv_groups();
+  auto attended =
+      detail::attend(detail::split_heads(module.W_query(query), opt.num_heads()),
+                     detail::split_heads(module.W_key(key_input), g),
+                     detail::split_heads(module.W_value(value_input), g), settings_of(opt),
+                     module.is_training(), /*query_offset=*/0, with_weights, mask);
+  return {module.out_proj(detail::merge_heads(attended.context)), attended.weights};
+}
+
 }  // namespace
 
 GroupedQueryAttentionImpl::GroupedQueryAttentionImpl(const GroupedQueryAttentionOptions& options)
@@ -76,26 +94,15 @@ void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
 }
 
 functional::AttentionOutput GroupedQueryAttentionImpl::forward_with_weights(
-    const torch::Tensor& x) {
-  detail::check_forward_input(kName, x, {options.d_in()}, W_query->weight);
-  const auto g = options.num_kv_groups();
-  auto attended = detail::attend(detail::split_heads(W_query(x), options.num_heads()),
-                                 detail::split_heads(W_key(x), g),
-                                 detail::split_heads(W_value(x), g), settings_of(options),
-                                 is_training(), /*query_offset=*/0, /*with_weights=*/true);
-  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
+    const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+    const Mask& mask) {
+  return attend_inputs(*this, query, key, value, mask, /*with_weights=*/true);
 }
 
-torch::Tensor GroupedQueryAttentionImpl::forward(const torch::Tensor& x) {
-  detail::check_forward_input(kName, x, {options.d_in()}, W_query->weight);
-  const auto g = options.num_kv_groups();
-  // (b, n, d) -> (b, h, n, hd) queries; (b, g, n, hd) keys and values, never repeated.
-  const auto context =
-      detail::attend(detail::split_heads(W_query(x), options.num_heads()),
-                     detail::split_heads(W_key(x), g), detail::split_heads(W_value(x), g),
-                     settings_of(options), is_training())
-          .context;
-  return out_proj(detail::merge_heads(context));
+torch::Tensor GroupedQueryAttentionImpl::forward(const torch::Tensor& query,
+                                                 const torch::Tensor& key,
+                                                 const torch::Tensor& value, const Mask& mask) {
+  return attend_inputs(*this, query, key, value, mask, /*with_weights=*/false).context;
 }
 
 KVCache GroupedQueryAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
@@ -103,17 +110,18 @@ KVCache GroupedQueryAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity
                                    W_query->weight, batch, capacity);
 }
 
-torch::Tensor GroupedQueryAttentionImpl::forward_with_cache(const torch::Tensor& x,
-                                                            KVCache& cache) {
+torch::Tensor GroupedQueryAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache,
+                                                            const Mask& mask) {
   detail::check_cached_call(kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
-                            cache_layout_of(options), W_query->weight);
+                            cache_layout_of(options), W_query->weight, mask);
   torch::NoGradGuard no_grad;
   const auto g = options.num_kv_groups();
   const auto span =
       cache.append(detail::split_heads(W_key(x), g), detail::split_heads(W_value(x), g));
   const auto context = detail::attend(detail::split_heads(W_query(x), options.num_heads()),
                                       span.keys, span.values, settings_of(options),
-                                      /*training=*/false, span.query_offset)
+                                      /*training=*/false, span.query_offset,
+                                      /*with_weights=*/false, mask)
                            .context;
   return out_proj(detail::merge_heads(context));
 }

@@ -17,6 +17,27 @@ detail::AttentionSettings settings_of(const MultiHeadLatentAttentionOptions& opt
           opt.chunk_size(), opt.key_chunk_size()};
 }
 
+// forward and forward_with_weights: keys and values up-projected from the latents
+// (b, m, latent_dim) of their inputs (one set when they are the same tensor).
+functional::AttentionOutput attend_inputs(MultiHeadLatentAttentionImpl& module,
+                                          const torch::Tensor& query, const torch::Tensor& key,
+                                          const torch::Tensor& value, const Mask& mask,
+                                          bool with_weights) {
+  const auto& opt = module.options;
+  const auto [key_input, value_input] =
+      detail::key_value_inputs(kName, query, key, value, {opt.d_in()}, module.W_query->weight);
+  const auto h = opt.num_heads();
+  const auto key_latents = module.W_DKV(key_input);
+  const auto value_latents =
+      value_input.is_same(key_input) ? key_latents : module.W_DKV(value_input);
+  auto attended =
+      detail::attend(detail::split_heads(module.W_query(query), h),
+                     detail::split_heads(module.W_UK(key_latents), h),
+                     detail::split_heads(module.W_UV(value_latents), h), settings_of(opt),
+                     module.is_training(), /*query_offset=*/0, with_weights, mask);
+  return {module.out_proj(detail::merge_heads(attended.context)), attended.weights};
+}
+
 }  // namespace
 
 MultiHeadLatentAttentionImpl::MultiHeadLatentAttentionImpl(
@@ -74,26 +95,15 @@ void MultiHeadLatentAttentionImpl::pretty_print(std::ostream& stream) const {
 }
 
 functional::AttentionOutput MultiHeadLatentAttentionImpl::forward_with_weights(
-    const torch::Tensor& x) {
-  detail::check_forward_input(kName, x, {options.d_in()}, W_query->weight);
-  const auto h = options.num_heads();
-  const auto latents = W_DKV(x);  // (b, n, latent_dim)
-  auto attended =
-      detail::attend(detail::split_heads(W_query(x), h), detail::split_heads(W_UK(latents), h),
-                     detail::split_heads(W_UV(latents), h), settings_of(options), is_training(),
-                     /*query_offset=*/0, /*with_weights=*/true);
-  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
+    const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+    const Mask& mask) {
+  return attend_inputs(*this, query, key, value, mask, /*with_weights=*/true);
 }
 
-torch::Tensor MultiHeadLatentAttentionImpl::forward(const torch::Tensor& x) {
-  detail::check_forward_input(kName, x, {options.d_in()}, W_query->weight);
-  const auto h = options.num_heads();
-  const auto latents = W_DKV(x);  // (b, n, latent_dim)
-  const auto context =
-      detail::attend(detail::split_heads(W_query(x), h), detail::split_heads(W_UK(latents), h),
-                     detail::split_heads(W_UV(latents), h), settings_of(options), is_training())
-          .context;
-  return out_proj(detail::merge_heads(context));
+torch::Tensor MultiHeadLatentAttentionImpl::forward(const torch::Tensor& query,
+                                                    const torch::Tensor& key,
+                                                    const torch::Tensor& value, const Mask& mask) {
+  return attend_inputs(*this, query, key, value, mask, /*with_weights=*/false).context;
 }
 
 KVCache MultiHeadLatentAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
@@ -102,9 +112,9 @@ KVCache MultiHeadLatentAttentionImpl::make_kv_cache(int64_t batch, int64_t capac
 }
 
 torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tensor& x,
-                                                               KVCache& cache) {
+                                                               KVCache& cache, const Mask& mask) {
   detail::check_cached_call(kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
-                            {1, latent_dim(), 0, /*latent=*/true}, W_query->weight);
+                            {1, latent_dim(), 0, /*latent=*/true}, W_query->weight, mask);
   torch::NoGradGuard no_grad;
   const auto h = options.num_heads();
   const int64_t start = cache.size();
@@ -112,7 +122,7 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tens
   const auto context =
       detail::attend(detail::split_heads(W_query(x), h), detail::split_heads(W_UK(latents), h),
                      detail::split_heads(W_UV(latents), h), settings_of(options),
-                     /*training=*/false, start)
+                     /*training=*/false, start, /*with_weights=*/false, mask)
           .context;
   return out_proj(detail::merge_heads(context));
 }

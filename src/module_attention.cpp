@@ -77,7 +77,7 @@ KVCache make_module_cache(const char* module, const CacheLayout& layout, int64_t
 
 void check_cached_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
                        int64_t context_length, const KVCache& cache, const CacheLayout& layout,
-                       const torch::Tensor& parameter) {
+                       const torch::Tensor& parameter, const Mask& mask) {
   TORCH_CHECK(!training, "[", module,
               "::forward_with_cache] the KV cache is for inference, but the module is in "
               "training mode: call eval() first (training runs forward over whole sequences)");
@@ -114,6 +114,10 @@ void check_cached_call(const char* module, bool training, const torch::Tensor& x
               "::forward_with_cache] x: ", n, " tokens after the ", cache.size(),
               " the cache holds would pass its capacity ", cache.capacity(),
               "; make a larger one with make_kv_cache(batch, capacity)");
+  TORCH_CHECK(mask.is_none() || layout.window_size == 0, "[", module,
+              "::forward_with_cache] mask: a rolling cache of window_size ", layout.window_size,
+              " keeps its keys in storage order, so a mask cannot name their positions; got ",
+              mask.to_string(), "; masks work with the caches of modules without a window");
 }
 
 }  // namespace attnkit::detail

@@ -56,9 +56,10 @@ KVCache make_module_cache(const char* module, const CacheLayout& layout, int64_t
 
 /// Everything that can be wrong with a forward_with_cache call, checked before anything is
 /// computed or written: training mode, the input x (b, n, d_in), the cache's layout, dtype
-/// and device, and positions past context_length (0: no limit) or the cache's capacity.
+/// and device, positions past context_length (0: no limit) or the cache's capacity, and a
+/// mask on a rolling cache (which holds its keys in storage order, not by position).
 void check_cached_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
                        int64_t context_length, const KVCache& cache, const CacheLayout& layout,
-                       const torch::Tensor& parameter);
+                       const torch::Tensor& parameter, const Mask& mask = {});
 
 }  // namespace attnkit::detail

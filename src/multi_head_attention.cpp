@@ -67,20 +67,21 @@ detail::CacheLayout cache_layout_of(const MultiHeadAttentionOptions& opt) {
 // and projected -> (b, n, d_out).
 void check_cached_mha_call(const char* name, const MultiHeadAttentionOptions& opt, bool training,
                            const torch::Tensor& x, const KVCache& cache,
-                           const torch::Tensor& parameter) {
+                           const torch::Tensor& parameter, const Mask& mask) {
   TORCH_CHECK(opt.causal(), "[", name,
               "::forward_with_cache] needs causal attention: with causal = false every token "
               "also attends to later ones, which a cache of earlier tokens cannot give");
   detail::check_cached_call(name, training, x, opt.d_in(), opt.context_length(), cache,
-                            cache_layout_of(opt), parameter);
+                            cache_layout_of(opt), parameter, mask);
 }
 
 torch::Tensor attend_with_cache(const torch::Tensor& queries, const torch::Tensor& keys,
                                 const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
-                                KVCache& cache, torch::nn::Linear& out_proj) {
+                                KVCache& cache, torch::nn::Linear& out_proj, const Mask& mask) {
   const auto span = cache.append(keys, values);
   const auto context = detail::attend(queries, span.keys, span.values, settings_of(opt),
-                                      /*training=*/false, span.query_offset)
+                                      /*training=*/false, span.query_offset,
+                                      /*with_weights=*/false, mask)
                            .context;
   return out_proj(detail::merge_heads(context));
 }
@@ -164,7 +165,6 @@ void MultiHeadAttentionImpl::reset() {
   W_key = register_module("W_key", torch::nn::Linear(projection));
   W_value = register_module("W_value", torch::nn::Linear(projection));
   out_proj = register_module("out_proj", torch::nn::Linear(d_out, d_out));
-  mask = register_buffer("mask", detail::causal_mask_buffer(options.context_length()));
 }
 
 void MultiHeadAttentionImpl::reset_parameters() {
@@ -196,14 +196,16 @@ KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) c
                                    options.context_length(), W_query->weight, batch, capacity);
 }
 
-torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache) {
-  check_cached_mha_call("MultiHeadAttention", options, is_training(), x, cache, W_query->weight);
+torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache,
+                                                         const Mask& mask) {
+  check_cached_mha_call("MultiHeadAttention", options, is_training(), x, cache, W_query->weight,
+                        mask);
   torch::NoGradGuard no_grad;
   // Three projections, not forward()'s one GEMM over concatenated weights: per decoded
   // token that concatenation would copy all three weight matrices.
   const auto h = options.num_heads();
   return attend_with_cache(detail::split_heads(W_query(x), h), detail::split_heads(W_key(x), h),
-                           detail::split_heads(W_value(x), h), options, cache, out_proj);
+                           detail::split_heads(W_value(x), h), options, cache, out_proj, mask);
 }
 
 torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
@@ -257,6 +259,30 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const 
 
 // ---- MultiHeadAttentionCombinedQKV ------------------------------------------------------
 
+namespace {
+
+constexpr const char* kCombinedName = "MultiHeadAttentionCombinedQKV";
+
+// forward's checks (self-attention only), then 3 x (b, h, n, hd) from the one projection.
+std::vector<torch::Tensor> combined_qkv_heads(MultiHeadAttentionCombinedQKVImpl& module,
+                                              const torch::Tensor& query, const torch::Tensor& key,
+                                              const torch::Tensor& value) {
+  const auto shape_or_none = [](const torch::Tensor& t) {
+    return t.defined() ? detail::shape_string(t) : std::string("none");
+  };
+  TORCH_CHECK(!key.defined() && !value.defined(), "[", kCombinedName,
+              "::forward] key/value: this module projects queries, keys and values from one "
+              "input with one matrix, so it does self-attention only; got key ",
+              shape_or_none(key), " and value ", shape_or_none(value),
+              ". MultiHeadAttention does cross-attention");
+  detail::check_forward_input(kCombinedName, query,
+                              {module.options.d_in(), module.options.context_length()},
+                              module.qkv->weight, "query");
+  return split_combined_qkv(module.qkv(query), module.options.num_heads());
+}
+
+}  // namespace
+
 MultiHeadAttentionCombinedQKVImpl::MultiHeadAttentionCombinedQKVImpl(
     const MultiHeadAttentionCombinedQKVOptions& options)
     : options(options) {
@@ -264,13 +290,12 @@ MultiHeadAttentionCombinedQKVImpl::MultiHeadAttentionCombinedQKVImpl(
 }
 
 void MultiHeadAttentionCombinedQKVImpl::reset() {
-  check_multi_head_options("MultiHeadAttentionCombinedQKV", options);
+  check_multi_head_options(kCombinedName, options);
   const auto d_in = options.d_in();
   const auto d_out = options.d_out();
   qkv = register_module(
       "qkv", torch::nn::Linear(torch::nn::LinearOptions(d_in, 3 * d_out).bias(options.qkv_bias())));
   out_proj = register_module("out_proj", torch::nn::Linear(d_out, d_out));
-  mask = register_buffer("mask", detail::causal_mask_buffer(options.context_length()));
 }
 
 void MultiHeadAttentionCombinedQKVImpl::reset_parameters() {
@@ -279,39 +304,42 @@ void MultiHeadAttentionCombinedQKVImpl::reset_parameters() {
 }
 
 void MultiHeadAttentionCombinedQKVImpl::pretty_print(std::ostream& stream) const {
-  print_multi_head_options(stream, "MultiHeadAttentionCombinedQKV", options);
+  print_multi_head_options(stream, kCombinedName, options);
 }
 
-F::AttentionOutput MultiHeadAttentionCombinedQKVImpl::forward_with_weights(const torch::Tensor& x) {
-  detail::check_forward_input("MultiHeadAttentionCombinedQKV", x,
-                              {options.d_in(), options.context_length()}, qkv->weight);
-  const auto q_k_v = split_combined_qkv(qkv(x), options.num_heads());
-  return attend_heads(q_k_v[0], q_k_v[1], q_k_v[2], options, is_training(), out_proj);
+F::AttentionOutput MultiHeadAttentionCombinedQKVImpl::forward_with_weights(
+    const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+    const Mask& mask) {
+  const auto q_k_v = combined_qkv_heads(*this, query, key, value);
+  return attend_heads(q_k_v[0], q_k_v[1], q_k_v[2], options, is_training(), out_proj, mask);
 }
 
 KVCache MultiHeadAttentionCombinedQKVImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
-  return detail::make_module_cache("MultiHeadAttentionCombinedQKV", cache_layout_of(options),
+  return detail::make_module_cache(kCombinedName, cache_layout_of(options),
                                    options.context_length(), qkv->weight, batch, capacity);
 }
 
 torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward_with_cache(const torch::Tensor& x,
-                                                                    KVCache& cache) {
-  check_cached_mha_call("MultiHeadAttentionCombinedQKV", options, is_training(), x, cache,
-                        qkv->weight);
+                                                                    KVCache& cache,
+                                                                    const Mask& mask) {
+  check_cached_mha_call(kCombinedName, options, is_training(), x, cache, qkv->weight, mask);
   torch::NoGradGuard no_grad;
   const auto q_k_v = split_combined_qkv(qkv(x), options.num_heads());
-  return attend_with_cache(q_k_v[0], q_k_v[1], q_k_v[2], options, cache, out_proj);
+  return attend_with_cache(q_k_v[0], q_k_v[1], q_k_v[2], options, cache, out_proj, mask);
 }
 
-torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward(const torch::Tensor& x) {
+torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward(const torch::Tensor& query,
+                                                         const torch::Tensor& key,
+                                                         const torch::Tensor& value,
+                                                         const Mask& mask) {
   if (options.backend() == AttentionBackend::kMath) {
-    return forward_with_weights(x).context;
+    return forward_with_weights(query, key, value, mask).context;
   }
-  detail::check_forward_input("MultiHeadAttentionCombinedQKV", x,
-                              {options.d_in(), options.context_length()}, qkv->weight);
-  const auto q_k_v = split_combined_qkv(qkv(x), options.num_heads());
-  const auto context =
-      detail::attend(q_k_v[0], q_k_v[1], q_k_v[2], settings_of(options), is_training()).context;
+  const auto q_k_v = combined_qkv_heads(*this, query, key, value);
+  const auto context = detail::attend(q_k_v[0], q_k_v[1], q_k_v[2], settings_of(options),
+                                      is_training(), /*query_offset=*/0,
+                                      /*with_weights=*/false, mask)
+                           .context;
   return out_proj(detail::merge_heads(context));
 }
 

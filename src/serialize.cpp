@@ -1,5 +1,6 @@
 #include "attnkit/serialize.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
@@ -10,6 +11,7 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 
+#include "attnkit/multi_head_attention.h"
 #include "checks.h"
 #include "state_dict_reader.h"
 
@@ -121,12 +123,31 @@ void save_state_dict(const torch::nn::Module& module, const std::string& path) {
 
 namespace {
 
+// The state-dict keys of the Python classes' `mask` buffers that attnkit's modules do not keep
+// (n^2 memory that nothing reads): "mask" or "<submodule path>.mask".
+std::vector<std::string> python_only_keys(const torch::nn::Module& module) {
+  const auto has_python_mask = [](const torch::nn::Module& m) {
+    return dynamic_cast<const MultiHeadAttentionImpl*>(&m) != nullptr ||
+           dynamic_cast<const MultiHeadAttentionCombinedQKVImpl*>(&m) != nullptr;
+  };
+  std::vector<std::string> keys;
+  if (has_python_mask(module))
+    keys.emplace_back("mask");
+  // include_self = false: the root may not be owned by a shared_ptr.
+  for (const auto& child : module.named_modules("", /*include_self=*/false)) {
+    if (has_python_mask(*child.value()))
+      keys.push_back(child.key() + ".mask");
+  }
+  return keys;
+}
+
 LoadResult load_from(torch::nn::Module& module, const StateDict& dict, bool strict,
                      const std::string& source) {
   auto targets = module.named_parameters(/*recurse=*/true);
   for (const auto& buffer : module.named_buffers(/*recurse=*/true)) {
     targets.insert(buffer.key(), buffer.value());
   }
+  const auto ignorable = python_only_keys(module);
   // Check everything first: a failed load must not leave a half-loaded module.
   LoadResult result;
   for (const auto& target : targets) {
@@ -140,9 +161,11 @@ LoadResult load_from(torch::nn::Module& module, const StateDict& dict, bool stri
                 ", the module expects ", shape_string(target.value()));
   }
   for (const auto& item : dict) {
-    if (targets.find(item.key()) == nullptr) {
-      result.unexpected_keys.push_back(item.key());
-    }
+    if (targets.find(item.key()) != nullptr)
+      continue;
+    const bool ignored =
+        std::find(ignorable.begin(), ignorable.end(), item.key()) != ignorable.end();
+    (ignored ? result.ignored_keys : result.unexpected_keys).push_back(item.key());
   }
   if (strict) {
     if (!result.missing_keys.empty()) {

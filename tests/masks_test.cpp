@@ -9,7 +9,10 @@
 #include <torch/torch.h>
 
 #include "attnkit/attention.h"
+#include "attnkit/grouped_query_attention.h"
+#include "attnkit/latent_attention.h"
 #include "attnkit/multi_head_attention.h"
+#include "attnkit/serialize.h"
 #include "test_support.h"
 
 namespace {
@@ -472,6 +475,169 @@ TEST(MultiHeadAttentionMasks, CrossAttentionAndForwardOfOneArgument) {
         mha(query, torch::randn({2, 11, 7}));
       },
       "[MultiHeadAttention::forward] key: expected last dimension d_in = 8");
+}
+
+// A padded batch through `module` (causal, d_in 8, float64): on every backend that takes a
+// padding mask, each row's real positions equal that sequence alone, with the weights too;
+// then left-padded rows (the padding first, as batched prompts are) decoded through a KV
+// cache with the padding mask over the cache's positions equal each sequence alone.
+template <typename Holder>
+void expect_masked_module_rows_equal_each_sequence_alone(Holder module) {
+  torch::manual_seed(11);
+  module->to(torch::kFloat64);
+  const std::vector<int64_t> lengths{9, 5, 2};
+  const int64_t b = 3, n = 9;
+  const auto x = torch::randn({b, n, 8}, torch::kFloat64);
+  const double tolerance = attnkit::testing::agreement(torch::kFloat64);
+  const auto alone = [&](const torch::Tensor& row) { return module->forward(row); };
+  for (const auto backend :
+       {AttentionBackend::kMath, AttentionBackend::kChunked, AttentionBackend::kAuto}) {
+    SCOPED_TRACE(attnkit::backend_name(backend));
+    module->options.backend(backend);
+    const auto padded = module->forward(x, {}, {}, Mask::key_padding(torch::tensor(lengths)));
+    const auto weighted =
+        module->forward_with_weights(x, {}, {}, Mask::key_padding(torch::tensor(lengths)));
+    for (int64_t i = 0; i < b; ++i) {
+      const auto expected = alone(x.narrow(0, i, 1).narrow(1, 0, lengths[i]));
+      EXPECT_TRUE(tensors_close("right-padded row " + std::to_string(i),
+                                padded.narrow(0, i, 1).narrow(1, 0, lengths[i]), expected,
+                                tolerance));
+      EXPECT_TRUE(tensors_close("with weights, row " + std::to_string(i),
+                                weighted.context.narrow(0, i, 1).narrow(1, 0, lengths[i]), expected,
+                                tolerance));
+      EXPECT_EQ(weighted.weights[i]
+                    .narrow(-1, lengths[i], n - lengths[i])
+                    .abs()
+                    .sum()
+                    .template item<double>(),
+                0.0);
+    }
+    // Left padding: row i's sequence sits at positions [n - lengths[i], n).
+    const auto padding = torch::arange(n).unsqueeze(0) <
+                         (n - torch::tensor(lengths)).unsqueeze(1);  // (b, n), true = padding
+    module->eval();
+    auto cache = module->make_kv_cache(b, n);
+    std::vector<torch::Tensor> pieces;
+    for (const auto [start, count] :
+         std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {5, 1}, {6, 2}, {8, 1}}) {
+      const auto keys_so_far = Mask::key_padding(padding.narrow(1, 0, start + count));
+      pieces.push_back(module->forward_with_cache(x.narrow(1, start, count), cache, keys_so_far));
+    }
+    const auto cached = torch::cat(pieces, 1);
+    EXPECT_TRUE(tensors_close("cached left-padded batch", cached,
+                              module->forward(x, {}, {}, Mask::key_padding(padding)), tolerance));
+    for (int64_t i = 0; i < b; ++i) {
+      const auto start = n - lengths[i];
+      EXPECT_TRUE(tensors_close("cached left-padded row " + std::to_string(i),
+                                cached.narrow(0, i, 1).narrow(1, start, lengths[i]),
+                                alone(x.narrow(0, i, 1).narrow(1, start, lengths[i])), tolerance));
+    }
+    module->train();
+  }
+}
+
+TEST(ModuleMasks, EveryMultiHeadModuleTakesPaddingMasksInForwardAndItsCache) {
+  {
+    SCOPED_TRACE("MultiHeadAttention");
+    expect_masked_module_rows_equal_each_sequence_alone(attnkit::MultiHeadAttention(
+        attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).chunk_size(4).key_chunk_size(3)));
+  }
+  {
+    SCOPED_TRACE("MultiHeadAttentionCombinedQKV");
+    expect_masked_module_rows_equal_each_sequence_alone(attnkit::MultiHeadAttentionCombinedQKV(
+        attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).qkv_bias(true).chunk_size(4)));
+  }
+  {
+    SCOPED_TRACE("GroupedQueryAttention");
+    expect_masked_module_rows_equal_each_sequence_alone(attnkit::GroupedQueryAttention(
+        attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2).chunk_size(4).key_chunk_size(3)));
+  }
+  {
+    SCOPED_TRACE("MultiHeadLatentAttention");
+    expect_masked_module_rows_equal_each_sequence_alone(attnkit::MultiHeadLatentAttention(
+        attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2).latent_dim(4).chunk_size(4)));
+  }
+}
+
+TEST(ModuleMasks, CrossAttentionWhereItMakesSenseAndClearRefusalsElsewhere) {
+  torch::manual_seed(12);
+  const auto query = torch::randn({2, 5, 8}), memory = torch::randn({2, 7, 8});
+  const auto split = [](const torch::Tensor& t, int64_t heads) {
+    return t.view({2, t.size(1), heads, -1}).transpose(1, 2);  // (b, n, d) -> (b, heads, n, hd)
+  };
+  const auto merge = [](const torch::Tensor& t) {
+    return t.transpose(1, 2).reshape({2, t.size(2), -1});  // (b, h, n, hd) -> (b, n, d)
+  };
+  const auto padding = Mask::key_padding(torch::tensor({7, 3}));
+  // GQA: keys and values of 2 heads from memory, shared by 4 query heads, under the causal mask
+  // (query i sees memory positions <= i).
+  attnkit::GroupedQueryAttention gqa(attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2));
+  const auto gqa_expected = gqa->out_proj(merge(F::attention(
+      split(gqa->W_query(query), 4), split(gqa->W_key(memory), 2), split(gqa->W_value(memory), 2),
+      AttentionOptions().mask(Mask::causal() & padding))));
+  EXPECT_TRUE(tensors_close("GroupedQueryAttention cross", gqa(query, memory, memory, padding),
+                            gqa_expected, attnkit::testing::agreement(torch::kFloat32)));
+  // MLA: keys and values up-projected from the latents of key and of value.
+  attnkit::MultiHeadLatentAttention mla(
+      attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2).latent_dim(4));
+  const auto values_from = torch::randn({2, 7, 8});
+  const auto mla_expected = mla->out_proj(merge(F::attention(
+      split(mla->W_query(query), 2), split(mla->W_UK(mla->W_DKV(memory)), 2),
+      split(mla->W_UV(mla->W_DKV(values_from)), 2), AttentionOptions().mask(Mask::causal()))));
+  EXPECT_TRUE(tensors_close("MultiHeadLatentAttention cross", mla(query, memory, values_from),
+                            mla_expected, attnkit::testing::agreement(torch::kFloat32)));
+  // forward(x) through Sequential (FORWARD_HAS_DEFAULT_ARGS) for all three.
+  attnkit::MultiHeadAttentionCombinedQKV combined(
+      attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2));
+  torch::nn::Sequential stack(gqa, mla, combined);
+  EXPECT_TRUE(tensors_close("Sequential", stack->forward(query), combined(mla(gqa(query))), 0.0));
+  // One projection for q, k and v cannot read two inputs.
+  expect_error_containing([&] { combined(query, memory); },
+                          "[MultiHeadAttentionCombinedQKV::forward] key/value: this module "
+                          "projects queries, keys and values from one input with one matrix, so "
+                          "it does self-attention only; got key [2, 7, 8] and value none");
+  expect_error_containing([&] { gqa(query, memory.narrow(0, 0, 1)); },
+                          "[GroupedQueryAttention::forward] key and value must have the query's "
+                          "batch size 2, got key [1, 7, 8]");
+  expect_error_containing(
+      [&] {
+        mla(query, memory, torch::randn({2, 6, 8}));
+      },
+      "[MultiHeadLatentAttention::forward] key and value must have the same "
+      "number of tokens");
+  // A rolling cache holds keys in storage order: a mask over positions is refused.
+  attnkit::GroupedQueryAttention windowed(
+      attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2).sliding_window_size(3));
+  windowed->eval();
+  auto rolling = windowed->make_kv_cache(2, 16);
+  expect_error_containing(
+      [&] { windowed->forward_with_cache(query, rolling, padding); },
+      "[GroupedQueryAttention::forward_with_cache] mask: a rolling cache of window_size 3 keeps "
+      "its keys in storage order");
+  EXPECT_EQ(rolling.size(), 0);  // nothing appended by the refused call
+}
+
+TEST(ModuleMasks, StateDictsWithThePythonMaskBufferStillLoad) {
+  attnkit::MultiHeadAttention mha(attnkit::MultiHeadAttentionOptions(4, 4, 6, 0.0, 2));
+  EXPECT_TRUE(mha->named_buffers().is_empty());  // no n^2 buffer any more
+  // What the book's Python class (and attnkit before) wrote: the weights and a `mask`.
+  auto dict = attnkit::state_dict(*mha);
+  dict.insert("mask", torch::triu(torch::ones({6, 6}), 1));
+  attnkit::MultiHeadAttention loaded(attnkit::MultiHeadAttentionOptions(4, 4, 6, 0.0, 2));
+  const auto result = attnkit::load_state_dict(*loaded, dict);  // strict
+  EXPECT_EQ(result.ignored_keys, std::vector<std::string>{"mask"});
+  EXPECT_TRUE(result.unexpected_keys.empty());
+  EXPECT_TRUE(tensors_close("loaded weights", loaded->W_query->weight, mha->W_query->weight, 0.0));
+  // Nested, as in a model: the key under the submodule's path is ignored too, nothing else is.
+  torch::nn::Sequential model(
+      attnkit::MultiHeadAttentionCombinedQKV(attnkit::MultiHeadAttentionOptions(4, 4, 6, 0.0, 2)));
+  auto nested = attnkit::state_dict(*model);
+  nested.insert("0.mask", torch::triu(torch::ones({6, 6}), 1));
+  EXPECT_EQ(attnkit::load_state_dict(*model, nested).ignored_keys,
+            std::vector<std::string>{"0.mask"});
+  nested.insert("1.mask", torch::ones({2}));
+  expect_error_containing([&] { attnkit::load_state_dict(*model, nested); },
+                          "unexpected key '1.mask'");
 }
 
 }  // namespace

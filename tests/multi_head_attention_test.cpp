@@ -57,7 +57,7 @@ TEST(MultiHeadAttention, NamesArePythonStateDictKeys) {
             (std::vector<std::string>{"W_query.weight", "W_query.bias", "W_key.weight",
                                       "W_key.bias", "W_value.weight", "W_value.bias",
                                       "out_proj.weight", "out_proj.bias"}));
-  EXPECT_EQ(mha->named_buffers().keys(), (std::vector<std::string>{"mask"}));
+  EXPECT_TRUE(mha->named_buffers().is_empty());  // the Python `mask` is not kept
   MultiHeadAttentionCombinedQKV combined(3, 4, 6, 0.0, 2);
   EXPECT_EQ(combined->named_parameters().keys(),
             (std::vector<std::string>{"qkv.weight", "out_proj.weight", "out_proj.bias"}));
@@ -204,7 +204,7 @@ TEST(MultiHeadAttention, BadOptionsAndInputsNameWhatIsWrong) {
       [&] {
         combined(torch::rand({6, 3}));
       },
-      "[MultiHeadAttentionCombinedQKV::forward] x: expected a 3-D tensor");
+      "[MultiHeadAttentionCombinedQKV::forward] query: expected a 3-D tensor");
   MultiHeadAttentionWrapper wrapper(3, 2, 6, 0.0, 2);
   expect_error_containing(
       [&] {

@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/attention.h"
 #include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
@@ -38,11 +39,18 @@ class GroupedQueryAttentionImpl : public torch::nn::Cloneable<GroupedQueryAttent
   /// `attnkit::GroupedQueryAttention(d_in=..., num_kv_groups=..., sliding_window_size=none, ...)`
   void pretty_print(std::ostream& stream) const override;
 
-  /// (b, n, d_in) -> (b, n, d_out), computed by `options.backend()`.
-  torch::Tensor forward(const torch::Tensor& x);
+  /// Self-attention `forward(x)`: (b, n, d_in) -> (b, n, d_out); cross-attention
+  /// `forward(query, key, value)` with keys and values from key and value (b, m, d_in), value
+  /// defaulting to key. `mask` (docs/masks.md) combines with the causal and window mask, as
+  /// in MultiHeadAttention. Computed by `options.backend()`.
+  torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& key = {},
+                        const torch::Tensor& value = {}, const Mask& mask = {});
 
-  /// Context (b, n, d_out) and attention weights (b, num_heads, n, n); the math path.
-  functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
+  /// `forward`, also returning the attention weights (b, num_heads, n, m); the math path.
+  functional::AttentionOutput forward_with_weights(const torch::Tensor& query,
+                                                   const torch::Tensor& key = {},
+                                                   const torch::Tensor& value = {},
+                                                   const Mask& mask = {});
 
   /// A KV cache for `forward_with_cache` holding num_kv_groups heads: `batch` sequences of up
   /// to `capacity` (>= 1) positions; with a sliding window a rolling cache of
@@ -51,7 +59,9 @@ class GroupedQueryAttentionImpl : public torch::nn::Cloneable<GroupedQueryAttent
 
   /// Inference with a KV cache, as `MultiHeadAttention::forward_with_cache`: x (b, n, d_in)
   /// holds the next n tokens; returns the rows forward() gives them over the whole sequence.
-  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache);
+  /// `mask` as there: query index the row of x, key index the position in the cache; refused
+  /// on a rolling cache.
+  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
 
   /// The options this module was built with (reset() re-reads them).
   GroupedQueryAttentionOptions options;
@@ -63,6 +73,12 @@ class GroupedQueryAttentionImpl : public torch::nn::Cloneable<GroupedQueryAttent
   torch::nn::Linear W_query{nullptr};
   /// Output projection after the heads are merged, d_out -> d_out, no bias.
   torch::nn::Linear out_proj{nullptr};
+
+ protected:
+  // forward(x) keeps working through torch::nn::AnyModule and Sequential.
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
+                           {2, torch::nn::AnyValue(torch::Tensor())},
+                           {3, torch::nn::AnyValue(Mask())})
 };
 
 /// Module holder for `GroupedQueryAttentionImpl` (shared-pointer semantics).

@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/attention.h"
 #include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
@@ -40,11 +41,19 @@ class MultiHeadLatentAttentionImpl : public torch::nn::Cloneable<MultiHeadLatent
   /// The latent width in use: options.latent_dim(), or max(16, d_out / 8).
   int64_t latent_dim() const;
 
-  /// (b, n, d_in) -> (b, n, d_out), computed by `options.backend()`.
-  torch::Tensor forward(const torch::Tensor& x);
+  /// Self-attention `forward(x)`: (b, n, d_in) -> (b, n, d_out); cross-attention
+  /// `forward(query, key, value)` with keys and values from key and value (b, m, d_in), value
+  /// defaulting to key (keys are up-projected from the latents of key, values from those
+  /// of value). `mask` (docs/masks.md) combines with the causal and window mask, as in
+  /// MultiHeadAttention. Computed by `options.backend()`.
+  torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& key = {},
+                        const torch::Tensor& value = {}, const Mask& mask = {});
 
-  /// Context (b, n, d_out) and attention weights (b, num_heads, n, n); the math path.
-  functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
+  /// `forward`, also returning the attention weights (b, num_heads, n, m); the math path.
+  functional::AttentionOutput forward_with_weights(const torch::Tensor& query,
+                                                   const torch::Tensor& key = {},
+                                                   const torch::Tensor& value = {},
+                                                   const Mask& mask = {});
 
   /// A latent cache (`KVCache::latent`) for `forward_with_cache`: `batch` sequences of up to
   /// `capacity` (>= 1) positions, latent_dim() values per position.
@@ -52,8 +61,9 @@ class MultiHeadLatentAttentionImpl : public torch::nn::Cloneable<MultiHeadLatent
 
   /// Inference with a latent cache: x (b, n, d_in) holds the next n tokens; their latents are
   /// appended, keys and values of every position are up-projected from the latents held, and
-  /// the rows forward() gives the n tokens over the whole sequence are returned.
-  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache);
+  /// the rows forward() gives the n tokens over the whole sequence are returned. `mask` as
+  /// in forward: query index the row of x, key index the position in the cache.
+  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
 
   /// The options this module was built with (reset() re-reads them).
   MultiHeadLatentAttentionOptions options;
@@ -67,6 +77,12 @@ class MultiHeadLatentAttentionImpl : public torch::nn::Cloneable<MultiHeadLatent
   torch::nn::Linear W_UV{nullptr};
   /// Output projection after the heads are merged, d_out -> d_out, with bias.
   torch::nn::Linear out_proj{nullptr};
+
+ protected:
+  // forward(x) keeps working through torch::nn::AnyModule and Sequential.
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
+                           {2, torch::nn::AnyValue(torch::Tensor())},
+                           {3, torch::nn::AnyValue(Mask())})
 };
 
 /// Module holder for `MultiHeadLatentAttentionImpl` (shared-pointer semantics).

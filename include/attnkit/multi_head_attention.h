@@ -54,8 +54,9 @@ TORCH_MODULE(MultiHeadAttentionWrapper);
 /// Python `MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads, qkv_bias=False)`:
 /// Linear `W_query`, `W_key`, `W_value` (d_in -> d_out), split into `num_heads` heads of width
 /// d_out / num_heads, attention per head, heads merged, then Linear `out_proj` (d_out -> d_out,
-/// with bias); a `mask` buffer as in CausalAttention. With `causal(false)` no mask is applied
-/// (encoder self-attention). Input (b, n, d_in); output (b, n, d_out).
+/// with bias). With `causal(false)` no mask is applied (encoder self-attention). Input
+/// (b, n, d_in); output (b, n, d_out). The Python class's `mask` buffer is not kept (n^2
+/// memory that nothing reads): a state dict that has it still loads, the key ignored.
 /// Example: `MultiHeadAttention mha(MultiHeadAttentionOptions(768, 768, 1024, 0.1, 12));`
 class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
  public:
@@ -68,7 +69,7 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// From options, e.g. with non-default fields set by their chained setters.
   explicit MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options);
 
-  /// Validates the options, registers the projections and the `mask` buffer.
+  /// Validates the options and registers the projections.
   void reset() override;
   /// Re-initialises the projections.
   void reset_parameters();
@@ -103,9 +104,12 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// cache and their queries attend to every position held, with the causal mask aligned
   /// bottom-right. Returns (b, n, d_out): the rows of forward() over the whole sequence, for
   /// a prompt at once (prefill), in pieces, or a token at a time; computed by
-  /// `options.backend()`. Runs without autograd. Fails (c10::Error) in training mode, with
-  /// causal(false), and when the positions would pass context_length or the capacity.
-  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache);
+  /// `options.backend()`. `mask` combines with the causal one; its query index is the row of
+  /// x and its key index the position in the cache (0 .. cache.size() + n), e.g.
+  /// `Mask::key_padding` over those positions. Runs without autograd. Fails (c10::Error) in
+  /// training mode, with causal(false), with a mask on a rolling cache, and when the positions
+  /// would pass context_length or the capacity.
+  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
 
   /// The options this module was built with (reset() re-reads them).
   MultiHeadAttentionOptions options;
@@ -117,8 +121,6 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   torch::nn::Linear W_value{nullptr};
   /// Output projection after the heads are merged, d_out -> d_out, with bias.
   torch::nn::Linear out_proj{nullptr};
-  /// (context_length, context_length), 1 above the diagonal.
-  torch::Tensor mask;
 
  protected:
   // forward(x) keeps working through torch::nn::AnyModule and Sequential.
@@ -131,7 +133,7 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
 TORCH_MODULE(MultiHeadAttention);
 
 /// Multi-head attention with one combined projection `qkv` = Linear(d_in, 3 * d_out), as in
-/// seed 001's multi-head layer, then `out_proj` and a `mask` buffer as in MultiHeadAttention.
+/// seed 001's multi-head layer, then `out_proj`, as in MultiHeadAttention.
 ///
 /// Layout of `qkv`'s 3 * d_out output features (seed 001's): grouped by head, and within a
 /// head query, key, value: feature `h * 3 * hd + j * hd + i` is element i of head h of
@@ -150,18 +152,25 @@ class MultiHeadAttentionCombinedQKVImpl
   /// From options, e.g. with non-default fields set by their chained setters.
   explicit MultiHeadAttentionCombinedQKVImpl(const MultiHeadAttentionCombinedQKVOptions& options);
 
-  /// Validates the options, registers the projections and the `mask` buffer.
+  /// Validates the options and registers the projections.
   void reset() override;
   /// Re-initialises the projections.
   void reset_parameters();
   /// `attnkit::MultiHeadAttentionCombinedQKV(d_in=3, d_out=2, ..., causal=true)`
   void pretty_print(std::ostream& stream) const override;
 
-  /// (b, n, d_in) -> (b, n, d_out), computed by `options.backend()`.
-  torch::Tensor forward(const torch::Tensor& x);
+  /// Self-attention (b, n, d_in) -> (b, n, d_out) under the module's mask and `mask`, computed
+  /// by `options.backend()`. One projection makes queries, keys and values from one input, so
+  /// a `key` or `value` is refused (c10::Error): MultiHeadAttention does cross-attention. The
+  /// signature is MultiHeadAttention's, so the two modules swap.
+  torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& key = {},
+                        const torch::Tensor& value = {}, const Mask& mask = {});
 
-  /// Context (b, n, d_out) and attention weights (b, num_heads, n, n); always the math path.
-  functional::AttentionOutput forward_with_weights(const torch::Tensor& x);
+  /// `forward`, also returning the attention weights (b, num_heads, n, n); the math path.
+  functional::AttentionOutput forward_with_weights(const torch::Tensor& query,
+                                                   const torch::Tensor& key = {},
+                                                   const torch::Tensor& value = {},
+                                                   const Mask& mask = {});
 
   /// A KV cache for `forward_with_cache`: `batch` sequences of up to `capacity` positions
   /// (0: context_length, the most the module accepts), num_heads heads of
@@ -173,9 +182,10 @@ class MultiHeadAttentionCombinedQKVImpl
   /// to the cache and their queries attend to every position held, with the causal mask aligned
   /// bottom-right. Returns (b, n, d_out): the rows of forward() over the whole sequence, for
   /// a prompt at once (prefill), in pieces, or a token at a time; computed by
-  /// `options.backend()`. Runs without autograd. Fails (c10::Error) in training mode, with
-  /// causal(false), and when the positions would pass context_length or the capacity.
-  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache);
+  /// `options.backend()`. `mask` as in MultiHeadAttention's. Runs without autograd. Fails
+  /// (c10::Error) in training mode, with causal(false), with a mask on a rolling cache, and
+  /// when the positions would pass context_length or the capacity.
+  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
 
   /// Copies a MultiHeadAttention's weights into `qkv` (in the layout above) and `out_proj`;
   /// both modules then compute the same function. Fails when the options differ.
@@ -187,8 +197,11 @@ class MultiHeadAttentionCombinedQKVImpl
   torch::nn::Linear qkv{nullptr};
   /// Output projection after the heads are merged, d_out -> d_out, with bias.
   torch::nn::Linear out_proj{nullptr};
-  /// (context_length, context_length), 1 above the diagonal.
-  torch::Tensor mask;
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
+                           {2, torch::nn::AnyValue(torch::Tensor())},
+                           {3, torch::nn::AnyValue(Mask())})
 };
 
 /// Module holder for `MultiHeadAttentionCombinedQKVImpl` (shared-pointer semantics).

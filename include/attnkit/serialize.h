@@ -22,6 +22,10 @@
 namespace attnkit {
 
 /// Parameters and buffers by their Python `state_dict()` keys ("W_query.weight", "mask").
+/// MultiHeadAttention and MultiHeadAttentionCombinedQKV have no `mask` buffer, so the
+/// book's Python class, whose constructor makes its own, loads their files with
+/// `load_state_dict(state, strict=False)` (missing key: its `mask`); the other direction
+/// needs nothing (the key is ignored).
 using StateDict = torch::OrderedDict<std::string, torch::Tensor>;
 
 /// The module's parameters, then its buffers, detached, under their state-dict keys.
@@ -49,6 +53,9 @@ struct LoadResult {
   std::vector<std::string> missing_keys;
   /// Keys of the dict that the module lacks (ignored).
   std::vector<std::string> unexpected_keys;
+  /// Keys the module accepts and ignores, in strict loads too: the `mask` buffer of the Python
+  /// MultiHeadAttention and MultiHeadAttentionCombinedQKV, which attnkit does not keep.
+  std::vector<std::string> ignored_keys;
 };
 
 /// Copies `dict` into the module's parameters and buffers (converting dtype and device).
