@@ -3,16 +3,21 @@
 // here from the definitions (outputs and every gradient, captured tensors included); bad
 // input is named.
 
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <random>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include "attnkit/attention.h"
 #include "attnkit/grouped_query_attention.h"
 #include "attnkit/latent_attention.h"
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/serialize.h"
+#include "source_paths.h"
 #include "test_support.h"
 
 namespace {
@@ -638,6 +643,181 @@ TEST(ModuleMasks, StateDictsWithThePythonMaskBufferStillLoad) {
   nested.insert("1.mask", torch::ones({2}));
   expect_error_containing([&] { attnkit::load_state_dict(*model, nested); },
                           "unexpected key '1.mask'");
+}
+
+// ---- against scripts/mask_reference.py and PyTorch ---------------------------------------
+
+const std::string kMaskReference =
+    std::string(attnkit::testing::kSourceDir) + "/scripts/mask_reference.py";
+
+attnkit::StateDict mask_golden() {
+  return attnkit::read_state_dict(std::string(attnkit::testing::kSourceDir) +
+                                  "/data/golden/masks/reference.pt");
+}
+
+// The mask scripts/mask_reference.py names `name`, from the inputs of its shape.
+Mask reference_mask(const std::string& name, const attnkit::StateDict& golden,
+                    const std::string& shape, int64_t n, int64_t m) {
+  const auto input = [&](const char* what) { return golden["inputs/" + shape + "/" + what]; };
+  const auto causal = Mask::causal(m - n);
+  const auto window = Mask::causal(m - n).sliding_window(4);
+  if (name == "none")
+    return Mask();
+  if (name == "causal")
+    return causal;
+  if (name == "sliding_window")
+    return window;
+  if (name == "key_padding_lengths")
+    return Mask::key_padding(input("lengths"));
+  if (name == "key_padding_bool")
+    return Mask::key_padding(input("padding"));
+  if (name == "tensor")
+    return Mask::from_tensor(input("allowed"));
+  if (name == "causal_and_key_padding")
+    return causal & Mask::key_padding(input("lengths"));
+  if (name == "sliding_window_or_key_padding_bool")
+    return window | Mask::key_padding(input("padding"));
+  if (name == "documents")
+    return Mask::documents(input("ids"), /*causal=*/false);
+  if (name == "documents_causal")
+    return Mask::documents(input("ids"), /*causal=*/true);
+  if (name == "documents_causal_sliding_window")
+    return Mask::documents(input("ids"), /*causal=*/true).sliding_window(4);
+  if (name == "prefix_lm") {
+    const int64_t prefix = input("prefix").item<int64_t>();
+    return Mask::from_function(
+        [prefix](const torch::Tensor&, const torch::Tensor&, const torch::Tensor& q,
+                 const torch::Tensor& kv) { return (kv <= q) | (kv < prefix); });
+  }
+  ADD_FAILURE() << "no mask named " << name;
+  return Mask();
+}
+
+attnkit::ScoreMod reference_score(const std::string& name, const torch::Tensor& bias) {
+  if (name == "alibi")
+    return score_mods::alibi(score_mods::alibi_slopes(4));
+  if (name == "softcap")
+    return score_mods::softcap(1.5);
+  if (name == "relative_position_bias")
+    return score_mods::relative_position_bias(bias);
+  EXPECT_EQ(name, "none");
+  return nullptr;
+}
+
+TEST(MaskReference, EveryBackendMatchesThePythonReferenceInFloat64AndFloat32) {
+  const auto golden = mask_golden();
+  int64_t cases = 0, runs = 0;
+  for (const auto& item : golden) {
+    const auto& key = item.key();  // case/<shape>/<mask>/<score>/out
+    if (key.rfind("case/", 0) != 0 || key.size() < 4 || key.substr(key.size() - 4) != "/out")
+      continue;
+    ++cases;
+    const auto prefix = key.substr(0, key.size() - 3);
+    const std::string parts = key.substr(5);
+    const auto shape = parts.substr(0, parts.find('/'));
+    const auto rest = parts.substr(shape.size() + 1);
+    const auto mask_name = rest.substr(0, rest.find('/'));
+    const auto score_name =
+        rest.substr(mask_name.size() + 1, rest.rfind('/') - mask_name.size() - 1);
+    const auto input = [&](const char* what) { return golden["inputs/" + shape + "/" + what]; };
+    const int64_t n = input("q").size(2), m = input("k").size(2);
+    for (const auto dtype : {torch::kFloat64, torch::kFloat32}) {
+      const double tolerance = dtype == torch::kFloat64 ? 1e-10 : 1e-5;
+      for (const auto backend : {AttentionBackend::kMath, AttentionBackend::kChunked,
+                                 AttentionBackend::kFused, AttentionBackend::kAuto}) {
+        SCOPED_TRACE(c10::str(prefix, " ", dtype, " ", attnkit::backend_name(backend)));
+        auto q = input("q").to(dtype).clone().requires_grad_();
+        auto k = input("k").to(dtype).clone().requires_grad_();
+        auto v = input("v").to(dtype).clone().requires_grad_();
+        auto bias = input("bias").to(dtype).clone().requires_grad_();
+        const auto options = AttentionOptions()
+                                 .mask(reference_mask(mask_name, golden, shape, n, m))
+                                 .score_mod(reference_score(score_name, bias))
+                                 .backend(backend)
+                                 .query_block_size(4)
+                                 .key_block_size(3);
+        if (!F::unsupported_reason(backend, q, k, v, options).empty()) {
+          EXPECT_EQ(backend, AttentionBackend::kFused);  // the others run everything
+          continue;
+        }
+        ++runs;
+        const auto out = F::attention(q, k, v, options);
+        (out * input("w").to(dtype)).sum().backward();
+        EXPECT_TRUE(tensors_close("out", out, golden[prefix + "out"], tolerance));
+        EXPECT_TRUE(tensors_close("dq", q.grad(), golden[prefix + "dq"], tolerance));
+        EXPECT_TRUE(tensors_close("dk", k.grad(), golden[prefix + "dk"], tolerance));
+        EXPECT_TRUE(tensors_close("dv", v.grad(), golden[prefix + "dv"], tolerance));
+        if (score_name == "relative_position_bias") {
+          EXPECT_TRUE(tensors_close("dbias", bias.grad(), golden[prefix + "dbias"], tolerance));
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 80) << "the reference file's cases";
+  EXPECT_GT(runs, cases * 6);  // math, chunked and auto on both dtypes, fused where it can
+}
+
+// torch.nn.MultiheadAttention(8, 2, bias=True, batch_first=True) with key_padding_mask and
+// attn_mask (True = masked), its weights copied into MultiHeadAttention (qkv_bias), gives
+// the same outputs, self- and cross-attention, on every backend that takes such masks.
+TEST(MaskReference, NnMultiheadAttentionWithItsMasksGivesTheSameOutputs) {
+  const auto golden = mask_golden();
+  attnkit::MultiHeadAttention mha(
+      attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).qkv_bias(true).causal(false));
+  mha->to(torch::kFloat64);
+  {
+    torch::NoGradGuard no_grad;
+    const auto in_weight = golden["mha/in_proj_weight"].chunk(3);
+    const auto in_bias = golden["mha/in_proj_bias"].chunk(3);
+    mha->W_query->weight.copy_(in_weight[0]);
+    mha->W_key->weight.copy_(in_weight[1]);
+    mha->W_value->weight.copy_(in_weight[2]);
+    mha->W_query->bias.copy_(in_bias[0]);
+    mha->W_key->bias.copy_(in_bias[1]);
+    mha->W_value->bias.copy_(in_bias[2]);
+    mha->out_proj->weight.copy_(golden["mha/out_proj_weight"]);
+    mha->out_proj->bias.copy_(golden["mha/out_proj_bias"]);
+  }
+  const auto query = golden["mha/query"], memory = golden["mha/memory"];
+  // PyTorch's attn_mask says where not to attend; Mask::from_tensor where to.
+  const auto cross_mask = Mask::key_padding(golden["mha/cross_key_padding"]) &
+                          Mask::from_tensor(golden["mha/cross_attn_mask"].logical_not());
+  const auto self_mask = Mask::key_padding(golden["mha/self_key_padding"]) &
+                         Mask::from_tensor(golden["mha/self_attn_mask"].logical_not());
+  for (const auto backend :
+       {AttentionBackend::kMath, AttentionBackend::kChunked, AttentionBackend::kAuto}) {
+    SCOPED_TRACE(attnkit::backend_name(backend));
+    mha->options.backend(backend);
+    EXPECT_TRUE(tensors_close("cross-attention", mha(query, memory, memory, cross_mask),
+                              golden["mha/cross_out"], 1e-10));
+    EXPECT_TRUE(tensors_close("self-attention", mha->forward(query, {}, {}, self_mask),
+                              golden["mha/self_out"], 1e-10));
+  }
+  // The attn_mask there is causal: the module's own causal setting and the padding agree.
+  mha->options.causal(true);
+  EXPECT_TRUE(
+      tensors_close("causal module",
+                    mha->forward(query, {}, {}, Mask::key_padding(golden["mha/self_key_padding"])),
+                    golden["mha/self_out"], 1e-10));
+}
+
+// The reference script against its file and against PyTorch itself with this leg's Python:
+// nn.MultiheadAttention; on 2.x F.scaled_dot_product_attention with bool masks; from 2.5
+// FlexAttention's eager flex_attention (ALiBi, softcap, documents, prefix-LM, gradients).
+TEST(MaskReference, PythonReferenceAgreesWithItsFileAndWithPyTorch) {
+  const auto log = ::testing::TempDir() + "mask_reference_check.log";
+  const auto command =
+      attnkit::testing::leg_python() + " " + kMaskReference + " --check >" + log + " 2>&1";
+  const int status = std::system(command.c_str());
+  std::ifstream in(log);
+  const std::string output((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(status, 0) << command << "\n" << output;
+  EXPECT_NE(output.find("OK torch"), std::string::npos) << output;
+#if TORCH_VERSION_MAJOR >= 2
+  // On the 2.x leg the checks against PyTorch's own kernels must have run, not been skipped.
+  EXPECT_NE(output.find("F.scaled_dot_product_attention 18"), std::string::npos) << output;
+  EXPECT_NE(output.find("flex_attention 20"), std::string::npos) << output;
+#endif
 }
 
 }  // namespace

@@ -312,7 +312,7 @@ TEST_F(SerializeTest, WritingWhereItCannotFails) {
 // A missing Python is a failure, not a skip: scripts/setup.sh installs python3-torch.
 TEST_F(SerializeTest, PythonLoadsWhatCppWroteAndCppLoadsWhatPythonWrote) {
   const char* configured = std::getenv("ATTNKIT_PYTHON");
-  const std::string python = configured ? configured : "/usr/bin/python3";
+  const std::string python = attnkit::testing::leg_python();
   const std::string version_file = path("python_torch_version");
   ASSERT_EQ(std::system(
                 (python + " -c 'import torch; print(torch.__version__)' >" + version_file + " 2>&1")

@@ -33,6 +33,13 @@ constexpr double kFloat32 = 1e-5;
 // Two float64 computations of the same function in a different order of operations.
 constexpr double kFloat64 = 1e-12;
 
+// The Python of this LibTorch leg (its python3-torch): $ATTNKIT_PYTHON, else Debian's python3
+// (1.13 on Debian 12, 2.6 inside the Debian 13 root).
+inline std::string leg_python() {
+  const char* configured = std::getenv("ATTNKIT_PYTHON");
+  return configured ? configured : "/usr/bin/python3";
+}
+
 /// Backends agree with math to float32 1e-5 and float64 1e-10 (outputs and gradients).
 inline double agreement(torch::ScalarType dtype) {
   return dtype == torch::kFloat32 ? 1e-5 : 1e-10;
