@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -44,7 +45,59 @@ struct BenchConfig {
   int64_t key_chunk_size = attnkit::MultiHeadAttentionOptions(1, 1, 1, 0.0, 1).key_chunk_size();
   std::vector<std::string> only;
   std::string json;
+  // --mask / --score: an attnkit::Mask and score function for the core implementations.
+  std::string mask = "module";
+  std::string score = "none";
+  double masked_keys_per_query = -1.0;  // from the mask's dense form; < 0: --causal/--window
 };
+
+// --mask KIND: "module" (--causal and --window), "documents:K" (each row K documents of
+// n / K tokens, causal), "padded" (key padding, lengths uniform in [min(128, n), n], seed 0;
+// causal with --causal), "causal-mod" (causal as a mask_mod); "-dense" after any of them
+// gives the same mask as a dense bool tensor (Mask::from_tensor).
+attnkit::Mask make_mask(const BenchConfig& c, const torch::Device& device) {
+  using attnkit::Mask;
+  std::string kind = c.mask;
+  const bool dense = kind.size() > 6 && kind.substr(kind.size() - 6) == "-dense";
+  if (dense)
+    kind = kind.substr(0, kind.size() - 6);
+  Mask mask;
+  if (kind.rfind("documents:", 0) == 0) {
+    const int64_t documents = std::stoll(kind.substr(10));
+    TORCH_CHECK(documents >= 1 && c.tokens % documents == 0, "--mask ", c.mask,
+                ": the number of documents must divide --tokens ", c.tokens);
+    // (n): token j belongs to document j / (n / K)
+    const auto ids = torch::arange(c.tokens, torch::kInt64).div(c.tokens / documents, "floor");
+    mask = Mask::documents(ids.to(device), /*causal=*/true);
+  } else if (kind == "padded") {
+    const int64_t low = std::min<int64_t>(128, c.tokens);
+    const auto generator = at::detail::createCPUGenerator(0);
+    const auto lengths = torch::randint(low, c.tokens + 1, {c.batch}, generator, torch::kInt64);
+    mask = Mask::key_padding(lengths.to(device));
+    if (c.causal)
+      mask = Mask::causal() & mask;
+  } else if (kind == "causal-mod") {
+    mask =
+        Mask::from_function([](const torch::Tensor&, const torch::Tensor&, const torch::Tensor& q,
+                               const torch::Tensor& kv) { return kv <= q; });
+  } else {
+    TORCH_CHECK(kind == "module", "--mask: expected module, documents:K, padded or causal-mod, ",
+                "optionally with -dense, got '", c.mask, "'");
+    if (c.causal)
+      mask = c.window > 0 ? Mask::causal().sliding_window(c.window) : Mask::causal();
+  }
+  return dense ? Mask::from_tensor(mask.dense(c.batch, 1, c.tokens, c.tokens, device)) : mask;
+}
+
+// --score: none, alibi (the paper's slopes) or softcap (30, Gemma 2's attention cap).
+attnkit::ScoreMod make_score(const BenchConfig& c) {
+  if (c.score == "alibi")
+    return attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(c.heads));
+  if (c.score == "softcap")
+    return attnkit::score_mods::softcap(30.0);
+  TORCH_CHECK(c.score == "none", "--score: expected none, alibi or softcap, got '", c.score, "'");
+  return nullptr;
+}
 
 const std::vector<std::string> kImplementations{
     "wrapper",   "mha",          "combined",  "einsum",
@@ -99,6 +152,8 @@ struct Flops {
 // Keys each query sees on average: n (none masked), about n / 2 (causal), or, with a sliding
 // window W, (W (W + 1) / 2 + (n - W) W) / n.
 double keys_per_query(const BenchConfig& c) {
+  if (c.masked_keys_per_query >= 0)
+    return c.masked_keys_per_query;
   const double n = c.tokens;
   if (!c.causal)
     return n;
@@ -196,6 +251,23 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
     } else {
       impl = {m.ptr(), [m](const torch::Tensor& x) mutable { return m(x); }};
     }
+  } else if (is_core_only(name) && (c.mask != "module" || c.score != "none")) {
+    // x (b, n, d) viewed as (b, h, n, hd) serves as query, key and value.
+    namespace F = attnkit::functional;
+    const auto attention_options =
+        F::AttentionOptions()
+            .mask(make_mask(c, options.device()))
+            .score_mod(make_score(c))
+            .backend(name == "math-core"    ? attnkit::AttentionBackend::kMath
+                     : name == "fused-core" ? attnkit::AttentionBackend::kFused
+                                            : attnkit::AttentionBackend::kChunked)
+            .query_block_size(c.chunk_size)
+            .key_block_size(c.key_chunk_size);
+    impl = {std::make_shared<torch::nn::Module>(), [=](const torch::Tensor& x) {
+              // (b, n, d) -> (b, n, h, hd) -> (b, h, n, hd)
+              const auto heads = x.view({x.size(0), x.size(1), h, -1}).transpose(1, 2);
+              return F::attention(heads, heads, heads, attention_options);
+            }};
   } else if (is_core_only(name)) {
     // x (b, n, d) viewed as (b, h, n, hd) serves as query, key and value.
     namespace F = attnkit::functional;
@@ -315,8 +387,9 @@ void write_json(const std::string& path, const BenchConfig& c, double sgemm,
   out << std::setprecision(6) << "{\"config\": {\"batch\": " << c.batch
       << ", \"tokens\": " << c.tokens << ", \"d_model\": " << c.d_model
       << ", \"heads\": " << c.heads << ", \"causal\": " << (c.causal ? "true" : "false")
-      << ", \"window\": " << c.window << ", \"device\": \"" << c.device << "\", \"dtype\": \""
-      << c.dtype << "\", \"threads\": " << torch::get_num_threads() << ", \"blas\": \""
+      << ", \"window\": " << c.window << ", \"mask\": \"" << c.mask << "\", \"score\": \""
+      << c.score << "\", \"device\": \"" << c.device << "\", \"dtype\": \"" << c.dtype
+      << "\", \"threads\": " << torch::get_num_threads() << ", \"blas\": \""
       << attnkit::blas_threads().name
       << "\", \"blas_threads\": " << attnkit::blas_threads().num_threads
       << ", \"repeats\": " << c.repeats << ", \"chunk_size\": " << c.chunk_size
@@ -366,6 +439,14 @@ int main(int argc, char** argv) {
              "sliding window W: each query sees itself and the W - 1 keys before it (causal; "
              "mha, combined, fused, chunked and the cores); 0 = none",
              "0");
+  cli.value("Shape", "mask",
+            "the core implementations' attnkit::Mask: module (--causal, --window), "
+            "documents:K (K causal documents per row), padded (key padding, lengths uniform in "
+            "128..n; causal with --causal), causal-mod (a mask_mod); KIND-dense: the same as a "
+            "bool tensor",
+            "module")
+      .value("Shape", "score", "the core implementations' score function: none, alibi, softcap",
+             "none");
   cli.value("Implementations", "only", "comma-separated subset of: " + names)
       .value("Implementations", "chunk-size", "query tokens per block of chunked",
              std::to_string(c.chunk_size))
@@ -403,6 +484,8 @@ int main(int argc, char** argv) {
     c.chunk_size = cli.integer("chunk-size");
     c.key_chunk_size = cli.integer("key-chunk-size");
     c.json = cli.text("json");
+    c.mask = cli.text("mask");
+    c.score = cli.text("score");
     std::stringstream only(cli.text("only"));
     for (std::string item; std::getline(only, item, ',');) {
       if (std::find(kImplementations.begin(), kImplementations.end(), item) ==
@@ -435,6 +518,16 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (c.mask != "module" || c.score != "none") {
+    if (c.only.empty())
+      c.only = {"math-core", "chunked-core"};
+    for (const auto& name : c.only) {
+      if (!is_core_only(name))
+        return fail("--mask/--score: implementation '" + name +
+                    "' takes no mask or score function; expected math-core, chunked-core or "
+                    "fused-core");
+    }
+  }
   if (c.d_model % c.heads != 0) {
     return fail("--d-model " + std::to_string(c.d_model) + " must be divisible by --heads " +
                 std::to_string(c.heads));
@@ -456,12 +549,20 @@ int main(int argc, char** argv) {
     const auto tensor_options = torch::dtype(dtypes.at(c.dtype)).device(device);
     torch::manual_seed(0);
     const double sgemm = sgemm_gflops(tensor_options);
+    if (c.mask != "module") {
+      // Keys each query sees, for the FLOP counts: the mask's dense form, counted once.
+      c.masked_keys_per_query =
+          make_mask(c, device).dense(c.batch, 1, c.tokens, c.tokens, device).sum().item<double>() /
+          double(c.batch * c.tokens);
+    }
     Line(std::cout) << "attnkit-bench: b=" << c.batch << " n=" << c.tokens << " d=" << c.d_model
                     << " h=" << c.heads << (c.causal ? " causal" : " not causal")
-                    << (c.window > 0 ? " window=" + std::to_string(c.window) : "") << ", "
-                    << c.dtype << " on " << c.device << ", " << torch::get_num_threads()
-                    << " threads (" << attnkit::blas_threads() << "); " << c.repeats
-                    << " timed runs after " << c.warmup << " warm-up\n"
+                    << (c.window > 0 ? " window=" + std::to_string(c.window) : "")
+                    << (c.mask != "module" ? " mask=" + c.mask : "")
+                    << (c.score != "none" ? " score=" + c.score : "") << ", " << c.dtype << " on "
+                    << c.device << ", " << torch::get_num_threads() << " threads ("
+                    << attnkit::blas_threads() << "); " << c.repeats << " timed runs after "
+                    << c.warmup << " warm-up\n"
                     << std::fixed << std::setprecision(1)
                     << "matmul 1024x1024 on this machine: " << sgemm << " GFLOP/s\n";
     std::vector<Result> results;
