@@ -43,6 +43,7 @@ def main():
     parser.add_argument("--causal", default="true", choices=["true", "false"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs first")
     args = parser.parse_args()
     if not hasattr(F, "scaled_dot_product_attention"):
         print(f"sdpa: not in torch {torch.__version__}", file=sys.stderr)
@@ -53,12 +54,12 @@ def main():
     mask = allowed_mask(args.mask, b, n, args.causal == "true")
     x = torch.randn(b, n, args.d_model, requires_grad=True)
     times = []
-    for i in range(args.repeats + 1):  # the first run warms up
+    for i in range(args.warmup + args.repeats):
         start = time.perf_counter()
         heads = x.view(b, n, h, -1).transpose(1, 2)  # (b, n, d) -> (b, h, n, hd)
         F.scaled_dot_product_attention(heads, heads, heads, attn_mask=mask).sum().backward()
         x.grad = None
-        if i > 0:
+        if i >= args.warmup:
             times.append(1000 * (time.perf_counter() - start))
     print(f"sdpa {args.mask} forward+backward median_ms={statistics.median(times):.1f} "
           f"min_ms={min(times):.1f} runs={len(times)} torch={torch.__version__} "
