@@ -1,6 +1,6 @@
-# CTest script: installs attnkit into a temporary prefix, builds apps/tiny_gpt (a separate
-# project) and the README's example (examples/, target quickstart) against it with
-# find_package(attnkit), and runs both. Proves the package works as the README says.
+# CTest script: installs attnkit into a temporary prefix, builds apps/tiny_gpt and
+# apps/encoder_decoder (separate projects) and the README's example (examples/, target
+# quickstart) against it with find_package(attnkit), and runs them. Proves the package works as the README says.
 # Inputs (-D): ATTNKIT_BINARY_DIR, ATTNKIT_SOURCE_DIR, WORK_DIR, TORCH_DIR, GENERATOR.
 foreach(input ATTNKIT_BINARY_DIR ATTNKIT_SOURCE_DIR WORK_DIR TORCH_DIR GENERATOR)
   if(NOT DEFINED ${input})
@@ -23,6 +23,14 @@ run_step("configure tiny_gpt" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/apps/tin
 run_step("build tiny_gpt" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run_step("run tiny_gpt" ${WORK_DIR}/build/tiny_gpt
   --data ${ATTNKIT_SOURCE_DIR}/data/the-verdict.txt --steps 300 --sample 120)
+
+# The encoder-decoder of seed 001's shape (padded sources, cross-attention): it exits 1
+# unless greedy decoding reverses at least 90% of new strings.
+run_step("configure encoder_decoder" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/apps/encoder_decoder
+  -B ${WORK_DIR}/encoder_decoder -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
+  -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
+run_step("build encoder_decoder" ${CMAKE_COMMAND} --build ${WORK_DIR}/encoder_decoder)
+run_step("run encoder_decoder" ${WORK_DIR}/encoder_decoder/encoder_decoder)
 
 # The README's find_package lines, as examples/CMakeLists.txt holds them, and its example.
 run_step("configure examples" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/examples
