@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iomanip>
@@ -55,17 +56,45 @@ struct BenchConfig {
 // n / K tokens, causal), "padded" (key padding, lengths uniform in [min(128, n), n], seed 0;
 // causal with --causal), "causal-mod" (causal as a mask_mod); "-dense" after any of them
 // gives the same mask as a dense bool tensor (Mask::from_tensor).
+struct MaskKind {
+  std::string kind;  // without "-dense"
+  bool dense = false;
+  int64_t documents = 0;  // K of documents:K
+};
+
+// Parses and checks --mask without building anything (main calls it before any work).
+MaskKind parse_mask(const BenchConfig& c) {
+  MaskKind parsed{c.mask};
+  const std::string suffix = "-dense";
+  if (parsed.kind.size() > suffix.size() &&
+      parsed.kind.compare(parsed.kind.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    parsed.dense = true;
+    parsed.kind.resize(parsed.kind.size() - suffix.size());
+  }
+  const std::string documents = "documents:";
+  if (parsed.kind.rfind(documents, 0) == 0) {
+    const auto count = parsed.kind.substr(documents.size());
+    char* end = nullptr;
+    parsed.documents = std::strtoll(count.c_str(), &end, 10);
+    TORCH_CHECK(
+        !count.empty() && *end == '\0' && parsed.documents >= 1 && c.tokens % parsed.documents == 0,
+        "--mask ", c.mask, ": K must be a number of documents that divides --tokens ", c.tokens,
+        ", got '", count, "'");
+    parsed.kind = "documents";
+    return parsed;
+  }
+  TORCH_CHECK(parsed.kind == "module" || parsed.kind == "padded" || parsed.kind == "causal-mod",
+              "--mask: expected module, documents:K, padded or causal-mod, optionally with "
+              "-dense, got '",
+              c.mask, "'");
+  return parsed;
+}
+
 attnkit::Mask make_mask(const BenchConfig& c, const torch::Device& device) {
   using attnkit::Mask;
-  std::string kind = c.mask;
-  const bool dense = kind.size() > 6 && kind.substr(kind.size() - 6) == "-dense";
-  if (dense)
-    kind = kind.substr(0, kind.size() - 6);
+  const auto [kind, dense, documents] = parse_mask(c);
   Mask mask;
-  if (kind.rfind("documents:", 0) == 0) {
-    const int64_t documents = std::stoll(kind.substr(10));
-    TORCH_CHECK(documents >= 1 && c.tokens % documents == 0, "--mask ", c.mask,
-                ": the number of documents must divide --tokens ", c.tokens);
+  if (kind == "documents") {
     // (n): token j belongs to document j / (n / K)
     const auto ids = torch::arange(c.tokens, torch::kInt64).div(c.tokens / documents, "floor");
     mask = Mask::documents(ids.to(device), /*causal=*/true);
@@ -80,11 +109,8 @@ attnkit::Mask make_mask(const BenchConfig& c, const torch::Device& device) {
     mask =
         Mask::from_function([](const torch::Tensor&, const torch::Tensor&, const torch::Tensor& q,
                                const torch::Tensor& kv) { return kv <= q; });
-  } else {
-    TORCH_CHECK(kind == "module", "--mask: expected module, documents:K, padded or causal-mod, ",
-                "optionally with -dense, got '", c.mask, "'");
-    if (c.causal)
-      mask = c.window > 0 ? Mask::causal().sliding_window(c.window) : Mask::causal();
+  } else if (c.causal) {  // module
+    mask = c.window > 0 ? Mask::causal().sliding_window(c.window) : Mask::causal();
   }
   return dense ? Mask::from_tensor(mask.dense(c.batch, 1, c.tokens, c.tokens, device)) : mask;
 }
@@ -517,6 +543,12 @@ int main(int argc, char** argv) {
                     "chunked-core or fused-core");
       }
     }
+  }
+  try {
+    parse_mask(c);
+    make_score(c);
+  } catch (const c10::Error& e) {
+    return fail(e.what_without_backtrace());
   }
   if (c.mask != "module" || c.score != "none") {
     if (c.only.empty())
