@@ -583,9 +583,13 @@ int main(int argc, char** argv) {
     const double sgemm = sgemm_gflops(tensor_options);
     if (c.mask != "module") {
       // Keys each query sees, for the FLOP counts: the mask's dense form, counted once.
-      c.masked_keys_per_query =
-          make_mask(c, device).dense(c.batch, 1, c.tokens, c.tokens, device).sum().item<double>() /
-          double(c.batch * c.tokens);
+      // dense() keeps a batch dimension of 1 when the mask is the same for every row.
+      c.masked_keys_per_query = make_mask(c, device)
+                                    .dense(c.batch, 1, c.tokens, c.tokens, device)
+                                    .expand({c.batch, 1, c.tokens, c.tokens})
+                                    .sum()
+                                    .item<double>() /
+                                double(c.batch * c.tokens);
     }
     Line(std::cout) << "attnkit-bench: b=" << c.batch << " n=" << c.tokens << " d=" << c.d_model
                     << " h=" << c.heads << (c.causal ? " causal" : " not causal")

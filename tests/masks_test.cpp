@@ -104,6 +104,11 @@ std::vector<MaskCase> mask_cases(int64_t n, int64_t m) {
     cases.push_back(
         {"causal documents", Mask::documents(ids, true),
          [=](int64_t b, int64_t, int64_t i, int64_t j) { return same(b, i, j) && j <= i; }});
+    // Two structured masks, each partial on a tile, whose & may hide all of it.
+    cases.push_back({"documents & padding", Mask::documents(ids) & Mask::key_padding(padding),
+                     [=](int64_t b, int64_t, int64_t i, int64_t j) {
+                       return same(b, i, j) && !padding[b][j].item<bool>();
+                     }});
   }
   return cases;
 }

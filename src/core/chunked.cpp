@@ -2,9 +2,9 @@
 // and sum), blocks above the causal diagonal skipped, and a backward pass that recomputes
 // each block's probabilities from the saved log-sum-exp. The mask (attnkit::Mask) judges
 // each tile: empty tiles are skipped, full ones masked nothing, and only partial ones build
-// their dense rows (a mask_mod is called on those alone in backward; forward judges every
-// tile once and keeps the verdicts). Beyond inputs and outputs, memory
-// is one score tile (head group x query block x key block) instead of the O(n^2) score
+// their dense rows, narrowed to the keys some query sees (a mask_mod is called on those alone
+// in backward; forward judges every tile once and keeps the tiles). Beyond inputs and outputs,
+// memory is one score tile (head group x query block x key block) instead of the O(n^2) score
 // matrix of the math path, so it grows linearly in n.
 //
 // Speed (LibTorch 1.13 CPU): the inputs are read in place through (outer, heads, n, f)
@@ -46,8 +46,14 @@ constexpr double kInfinity = std::numeric_limits<double>::infinity();
 // size of the development machine (2 MiB per core); tuned by hand with attnkit-bench.
 constexpr int64_t kScoreBlockBytes = int64_t{4} << 20;
 
+// A key tile as forward judged it: keys [key_begin, key_begin + keys) and its TileKind.
+struct TileVisit {
+  int64_t key_begin;
+  int64_t keys;
+  TileKind kind;
+};
 
-// One call's settings and what forward learns for backward: the tiles' verdicts and the
+// One call's settings and what forward learns for backward: the tiles it visited and the
 // head grouping, so backward visits the same tiles the same way.
 struct ChunkedCall : torch::CustomClassHolder {
   Mask mask;
@@ -58,8 +64,8 @@ struct ChunkedCall : torch::CustomClassHolder {
   int64_t query_block = 128;
   int64_t key_block = 1024;
   int64_t head_group = 0;  // 0: plan it (forward)
-  // TileKind of each key tile, one list per (outer, head group, query block) task.
-  std::vector<std::vector<int8_t>> verdicts;
+  // The key tiles each (outer, head group, query block) task visited, one list per task.
+  std::vector<std::vector<TileVisit>> visits;
 };
 
 struct BlockPlan {
@@ -127,7 +133,7 @@ struct BlockPlan {
     return tiles;
   }
 
-  size_t verdict_list(int64_t task_pair, int64_t q0) const {
+  size_t visit_list(int64_t task_pair, int64_t q0) const {
     return static_cast<size_t>(task_pair * num_query_blocks() + q0 / query_block);
   }
 };
@@ -180,14 +186,37 @@ std::vector<torch::Tensor> tile_index(const Tile& t, const torch::Device& device
 // Scaled scores of a (pre-scaled query block, key block) pair, (g, bq, bk).
 torch::Tensor block_scores(const torch::Tensor& q_block, const torch::Tensor& k_block,
                            const BlockPlan& plan) {
-  return unfold_groups(
-      torch::bmm(fold_groups(q_block, plan.group_size), k_block.transpose(1, 2)), plan.group_size);
+  return unfold_groups(torch::bmm(fold_groups(q_block, plan.group_size), k_block.transpose(1, 2)),
+                       plan.group_size);
 }
 
 // -inf where a partial tile's entries may not attend.
 void mask_tile(torch::Tensor& scores, const TileMask& verdict) {
   if (verdict.kind == TileKind::kPartial)
     scores.masked_fill_(verdict.allowed.logical_not(), -kInfinity);
+}
+
+// Narrows a partial tile to the keys some query of it sees: a mask without structure (a
+// mask_mod, a tensor) then visits only the keys the structured mask would (a causal mask_mod
+// the causal triangle), and a padded sequence's last tile ends at its length. The tile may
+// turn out full, or empty (an & of two partial masks).
+void trim_to_seen_keys(TileMask& verdict, int64_t& k0, int64_t& bk) {
+  const auto allowed = verdict.allowed;  // (heads or 1, queries or 1, keys or 1)
+  if (verdict.kind != TileKind::kPartial || allowed.size(-1) == 1)
+    return;
+  const auto seen = allowed.reshape({-1, allowed.size(-1)}).any(0).nonzero();  // (keys seen, 1)
+  if (seen.size(0) == 0) {
+    verdict = {TileKind::kEmpty, {}};
+    return;
+  }
+  const int64_t first = seen[0].item<int64_t>(), last = seen[-1].item<int64_t>();
+  if (first > 0 || last < bk - 1) {
+    verdict.allowed = allowed.narrow(-1, first, last + 1 - first);
+    k0 += first;
+    bk = last + 1 - first;
+    if (verdict.allowed.all().item<bool>())
+      verdict = {TileKind::kFull, {}};
+  }
 }
 
 // A running row maximum made safe to subtract: a row that has seen only masked keys so far
@@ -205,8 +234,8 @@ torch::Tensor dropout_scale(const torch::Tensor& like, const HeadGroup& at, int6
   for (int64_t i = 0; i < at.g; ++i) {
     const auto block_index =
         ((at.o * plan.heads + at.h0 + i) * plan.num_queries + q0) * plan.num_keys + k0;
-    auto generator = at::detail::createCPUGenerator(
-        static_cast<uint64_t>(plan.call.dropout_seed) + static_cast<uint64_t>(block_index));
+    auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(plan.call.dropout_seed) +
+                                                    static_cast<uint64_t>(block_index));
     keep[i].bernoulli_(1.0 - plan.call.dropout_p, generator);
   }
   return keep.div_(1.0 - plan.call.dropout_p).to(like.device());
@@ -240,9 +269,9 @@ void for_each_head_group(const BlockPlan& plan, const torch::Device& device, Vis
 
 // Shapes: scores (g, bq, bk) with index tensors (b, h, q_idx, kv_idx) of that rank.
 torch::Tensor modified_scores(const BlockPlan& plan, const torch::Tensor& scores, const Tile& t) {
-  return plan.call.score_mod ? detail::apply_score_mod(plan.call.score_mod, scores,
-                                               tile_index(t, scores.device()))
-                             : scores;
+  return plan.call.score_mod
+             ? detail::apply_score_mod(plan.call.score_mod, scores, tile_index(t, scores.device()))
+             : scores;
 }
 
 struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
@@ -252,7 +281,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
     const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
     const BlockPlan plan(q4, k4, *call);
     call->head_group = plan.head_group;
-    call->verdicts.assign(
+    call->visits.assign(
         static_cast<size_t>(plan.outer * plan.num_head_groups() * plan.num_query_blocks()), {});
     const int64_t gs = plan.group_size;
     auto out_shape = q.sizes().vec();
@@ -266,17 +295,18 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
       auto acc = block_of(out4, at, q0, bq);                       // written in place
       torch::Tensor row_max, row_sum;
       const auto tiles = plan.key_tiles(q0, bq);
-      auto& verdicts = call->verdicts[plan.verdict_list(at.pair, q0)];  // this task's own
-      verdicts.resize(tiles.size());
-      for (size_t i = 0; i < tiles.size(); ++i) {
-        const auto [k0, bk] = tiles[i];
-        const auto verdict = call->mask.tile(tile_at(at, q0, bq, k0, bk), q.device());
-        verdicts[i] = static_cast<int8_t>(verdict.kind);
+      auto& visits = call->visits[plan.visit_list(at.pair, q0)];  // this task's own
+      visits.reserve(tiles.size());
+      for (auto [k0, bk] : tiles) {
+        auto verdict = call->mask.tile(tile_at(at, q0, bq, k0, bk), q.device());
+        trim_to_seen_keys(verdict, k0, bk);
+        visits.push_back({k0, bk, verdict.kind});
         if (verdict.kind == TileKind::kEmpty)
           continue;
         const bool first = !row_max.defined();
-        auto p = modified_scores(plan, block_scores(q_block, kv_block_of(k4, at, k0, bk, plan), plan),
-                                 tile_at(at, q0, bq, k0, bk));
+        auto p =
+            modified_scores(plan, block_scores(q_block, kv_block_of(k4, at, k0, bk, plan), plan),
+                            tile_at(at, q0, bq, k0, bk));
         mask_tile(p, verdict);
         const auto block_max = p.amax(-1, /*keepdim=*/true);
         torch::Tensor correction;
@@ -314,7 +344,8 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
         // A row that saw no key has sum 0 and output 0; lse +inf makes backward's weights 0.
         const auto empty_rows = row_sum == 0;
         acc.div_(row_sum.masked_fill(empty_rows, 1.0));
-        lse_block.copy_((finite_max(row_max, plan) + row_sum.log()).masked_fill_(empty_rows, kInfinity));
+        lse_block.copy_(
+            (finite_max(row_max, plan) + row_sum.log()).masked_fill_(empty_rows, kInfinity));
       } else {
         acc.div_(row_sum);
         lse_block.copy_(row_max + row_sum.log());
@@ -359,16 +390,12 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
       // products against the shared key/value heads.
       const auto grad_out_rows = fold_groups(grad_out_block, gs);
       const auto q_rows = fold_groups(q_block, gs);
-      const auto tiles = plan.key_tiles(q0, bq);
-      const auto& verdicts = call.verdicts[plan.verdict_list(at.pair, q0)];
-      for (size_t i = 0; i < tiles.size(); ++i) {
-        const auto [k0, bk] = tiles[i];
-        const auto kind = static_cast<TileKind>(verdicts[i]);
+      for (const auto& [k0, bk, kind] : call.visits[plan.visit_list(at.pair, q0)]) {
         if (kind == TileKind::kEmpty)
           continue;
         const auto tile = tile_at(at, q0, bq, k0, bk);
-        const auto verdict = kind == TileKind::kPartial ? call.mask.tile(tile, q.device())
-                                                        : TileMask{kind, {}};
+        const auto verdict =
+            kind == TileKind::kPartial ? call.mask.tile(tile, q.device()) : TileMask{kind, {}};
         const auto k_block = kv_block_of(k4, at, k0, bk, plan);
         const auto v_block = kv_block_of(v4, at, k0, bk, plan);
         auto scores = block_scores(q_block, k_block, plan);
