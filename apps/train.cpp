@@ -47,6 +47,11 @@ attnkit::cli::CommandLine make_command_line() {
              "0")
       .value("Task", "data", "text task: the corpus (first 90% train, rest held out)",
              "data/the-verdict.txt")
+      .flag("Task", "pack",
+            "text task: treat each paragraph (ended by a blank line) as a document and train on "
+            "rows packed with them; a byte attends only within its document (Mask::documents), "
+            "positions restart at each one, and a document's first byte is not scored. Needs "
+            "mha, mha-combined, gqa, mqa or mla")
       .value("Task", "sample",
              "text task: after training, generate N bytes from a held-out prompt and print "
              "them with the tokens/s",
@@ -173,6 +178,7 @@ int main(int argc, char** argv) {
     config.task = cli.text("task");
     config.seq_len = cli.integer("seq-len");
     config.data = cli.text("data");
+    config.pack = cli.given("pack");
     config.sample = cli.integer("sample");
     config.kv_cache = !cli.given("no-kv-cache");
     config.module = cli.text("module");

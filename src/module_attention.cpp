@@ -23,6 +23,11 @@ F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& key
                      .backend(settings.backend)
                      .query_block_size(settings.chunk_size)
                      .key_block_size(settings.key_chunk_size);
+  // A module set to kFused runs what the fused kernels do not take (padding, documents, a
+  // mask_mod) on chunked, as kAuto would: the setting picks the fast path, it is not a demand.
+  if (settings.backend == AttentionBackend::kFused &&
+      !F::unsupported_reason(AttentionBackend::kFused, queries, keys, values, options).empty())
+    options.backend(AttentionBackend::kChunked);
   if (with_weights || settings.backend == AttentionBackend::kMath)
     return F::attention_with_weights(queries, keys, values,
                                      options.backend(AttentionBackend::kMath));

@@ -282,6 +282,42 @@ TEST(Generate, GreedyTokensAreTheSameWithAndWithoutTheCache) {
   }
 }
 
+TEST(PackedDocuments, EachDocumentOfAPackedRowIsComputedAsIfAlone) {
+  // attnkit-train --pack: document ids give Mask::documents and positions that restart at
+  // each document, so a packed row's logits are those of its documents run one by one.
+  const std::vector<std::vector<int64_t>> lengths{{5, 7, 4}, {9, 7}};  // two rows of 16
+  for (const std::string module : {"mha", "mha-combined", "gqa", "mqa", "mla"}) {
+    for (const std::string backend : {"math", "fused", "chunked"}) {
+      SCOPED_TRACE(module + " " + backend);
+      torch::manual_seed(47);
+      train::AttentionModel model(text_model_config(module, backend));
+      model->eval();
+      const auto tokens = torch::randint(0, 40, {2, 16}, torch::kInt64);
+      auto ids = torch::empty({2, 16}, torch::kInt64);
+      for (size_t row = 0; row < lengths.size(); ++row) {
+        int64_t start = 0;
+        for (size_t d = 0; d < lengths[row].size(); ++d) {
+          ids[row].narrow(0, start, lengths[row][d]).fill_(static_cast<int64_t>(d));
+          start += lengths[row][d];
+        }
+      }
+      const auto packed = model->forward(tokens, ids);  // (2, 16, vocab)
+      for (size_t row = 0; row < lengths.size(); ++row) {
+        int64_t start = 0;
+        for (const auto length : lengths[row]) {
+          const auto alone = model->forward(tokens[row].narrow(0, start, length).unsqueeze(0));
+          EXPECT_TRUE(tensors_close("row " + std::to_string(row) + " at " + std::to_string(start),
+                                    packed[row].narrow(0, start, length), alone[0], 1e-5));
+          start += length;
+        }
+      }
+      // Without the ids, documents see each other: the check above can fail.
+      EXPECT_FALSE(torch::allclose(model->forward(tokens)[0].narrow(0, 5, 7),
+                                   packed[0].narrow(0, 5, 7), 1e-3, 1e-3));
+    }
+  }
+}
+
 TEST(Generate, SamplingIsSeededAndTopKOneIsGreedy) {
   torch::manual_seed(43);
   train::AttentionModel model(text_model_config("mha", "fused"));

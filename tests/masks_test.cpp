@@ -435,12 +435,7 @@ TEST(MultiHeadAttentionMasks, PaddedRowsEqualEachSequenceAloneOnEveryBackend) {
                                           .chunk_size(4)
                                           .key_chunk_size(3));
       mha->to(torch::kFloat64);
-      if (backend == AttentionBackend::kFused) {  // fused takes no padding mask: named
-        expect_error_containing(
-            [&] { mha->forward(x, {}, {}, Mask::key_padding(torch::tensor(lengths))); },
-            "backend fused cannot run this");
-        continue;
-      }
+      // kFused in a module runs the padding mask, which its kernels do not take, on chunked.
       const auto padded = mha->forward(x, {}, {}, Mask::key_padding(torch::tensor(lengths)));
       for (size_t i = 0; i < lengths.size(); ++i) {
         const auto alone = mha(x.narrow(0, i, 1).narrow(1, 0, lengths[i]));
@@ -500,8 +495,8 @@ void expect_masked_module_rows_equal_each_sequence_alone(Holder module) {
   const auto x = torch::randn({b, n, 8}, torch::kFloat64);
   const double tolerance = attnkit::testing::agreement(torch::kFloat64);
   const auto alone = [&](const torch::Tensor& row) { return module->forward(row); };
-  for (const auto backend :
-       {AttentionBackend::kMath, AttentionBackend::kChunked, AttentionBackend::kAuto}) {
+  for (const auto backend : {AttentionBackend::kMath, AttentionBackend::kChunked,
+                             AttentionBackend::kFused, AttentionBackend::kAuto}) {
     SCOPED_TRACE(attnkit::backend_name(backend));
     module->options.backend(backend);
     const auto padded = module->forward(x, {}, {}, Mask::key_padding(torch::tensor(lengths)));
@@ -528,7 +523,7 @@ void expect_masked_module_rows_equal_each_sequence_alone(Holder module) {
     module->eval();
     auto cache = module->make_kv_cache(b, n);
     std::vector<torch::Tensor> pieces;
-    for (const auto [start, count] :
+    for (const auto& [start, count] :
          std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {5, 1}, {6, 2}, {8, 1}}) {
       const auto keys_so_far = Mask::key_padding(padding.narrow(1, 0, start + count));
       pieces.push_back(module->forward_with_cache(x.narrow(1, start, count), cache, keys_so_far));

@@ -102,7 +102,40 @@ TEST(Tasks, TextEntropiesOfTheVerdict) {
   EXPECT_TRUE(torch::equal(eval.front().targets.select(1, 0), eval.front().inputs.select(1, 1)));
 }
 
+TEST(Tasks, PackedTextRowsCarryTheirParagraphs) {
+  // --pack: a document ends at a blank line; a byte's id counts the blank lines before it.
+  const auto task =
+      T::make_task("text", 256, 1, std::string(kSourceDir) + "/data/the-verdict.txt", true);
+  at::Generator generator = at::detail::createCPUGenerator(3);
+  auto batches = task->eval_batches(4);
+  batches.push_back(task->train_batch(8, generator));
+  int64_t documents_started = 0;
+  for (const auto& batch : batches) {
+    ASSERT_TRUE(batch.document_ids.defined());
+    ASSERT_EQ(batch.document_ids.sizes(), batch.inputs.sizes());
+    for (int64_t row = 0; row < batch.inputs.size(0); ++row) {
+      const auto bytes = batch.inputs[row], ids = batch.document_ids[row];
+      for (int64_t j = 2; j < bytes.size(0); ++j) {
+        const bool after_blank_line =
+            bytes[j - 1].item<int64_t>() == '\n' && bytes[j - 2].item<int64_t>() == '\n';
+        const auto step = ids[j].item<int64_t>() - ids[j - 1].item<int64_t>();
+        ASSERT_EQ(step, after_blank_line ? 1 : 0) << "row " << row << " byte " << j;
+        documents_started += step;
+        // The byte that starts a document is not predicted from the one before it.
+        EXPECT_EQ(batch.loss_mask[row][j - 1].item<bool>(), !after_blank_line);
+      }
+    }
+  }
+  EXPECT_GT(documents_started, 10);  // 256-byte rows of The Verdict hold several paragraphs
+  EXPECT_FALSE(T::make_task("text", 64, 1, std::string(kSourceDir) + "/data/the-verdict.txt")
+                   ->eval_batches(1)
+                   .front()
+                   .document_ids.defined());
+}
+
 TEST(Tasks, BadArgumentsAreNamed) {
+  expect_error_containing([] { T::make_task("copy", 8, 1, "", true); },
+                          "--pack: only the text task has documents to pack, got --task copy");
   expect_error_containing([] { T::make_task("nope", 8, 1, ""); }, "--task: unknown task 'nope'");
   expect_error_containing([] { T::make_task("copy", 0, 1, ""); },
                           "--seq-len: expected 1..512 for task copy, got 0");
@@ -300,6 +333,31 @@ TEST_F(TrainTest, MetricsFilesJsonLinesAndCsv) {
   EXPECT_EQ(csv.back().substr(csv.back().rfind(',') + 1), "true");
 }
 
+TEST_F(TrainTest, PackedTextTrainsWithTheDocumentMaskOnEveryBackend) {
+  // The packed run differs from the plain one (documents kept apart, positions restarted)
+  // and its loss falls; kFused hands the document mask to chunked.
+  const auto curve = [&](bool pack, const std::string& backend) {
+    auto config = small_config();
+    config.task = "text";
+    config.data = std::string(kSourceDir) + "/data/the-verdict.txt";
+    config.seq_len = 128;
+    config.dropout = 0.0;
+    config.steps = 12;
+    config.pack = pack;
+    config.backend = backend;
+    return run(T::resolve(config));
+  };
+  const auto packed = curve(true, "chunked");
+  ASSERT_EQ(packed.size(), 12u);
+  EXPECT_LT(packed.back(), packed.front() - 0.5);
+  EXPECT_NE(packed, curve(false, "chunked"));
+  const auto fused = curve(true, "fused"), math = curve(true, "math");
+  for (size_t i = 0; i < packed.size(); ++i) {
+    EXPECT_NEAR(fused[i], packed[i], 1e-4) << "step " << i + 1;
+    EXPECT_NEAR(math[i], packed[i], 1e-4) << "step " << i + 1;
+  }
+}
+
 TEST_F(TrainTest, ResolveNamesTheBadFlag) {
   auto config = small_config();
   config.batch_size = 0;
@@ -328,6 +386,16 @@ TEST_F(TrainTest, ResolveNamesTheBadFlag) {
   expect_error_containing(
       [&] { run(config); },
       "--backend fused: only mha, mha-combined, gqa, mqa and mla have backends");
+  config = small_config();
+  config.pack = true;
+  expect_error_containing([&] { T::resolve(config); },
+                          "--pack: only the text task has documents to pack, got --task copy");
+  config.task = "text";
+  config.module = "causal";
+  config.backend = "";
+  expect_error_containing([&] { T::resolve(config); },
+                          "--pack: --module causal takes no mask, so it cannot keep packed "
+                          "documents apart; use mha, mha-combined, gqa, mqa or mla");
   EXPECT_EQ(T::best_checkpoint_path("dir.v2/run.pt"), "dir.v2/run.best.pt");
   EXPECT_EQ(T::best_checkpoint_path("dir.v2/run"), "dir.v2/run.best");
 }

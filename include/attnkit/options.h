@@ -91,7 +91,9 @@ enum class AttentionBackend {
   /// The book's computation (separate Q/K/V products, masked softmax); seed-exact.
   kMath,
   /// One GEMM for Q, K and V; LibTorch's fused scaled_dot_product_attention from 2.0 on,
-  /// attnkit's CPU kernels on 1.13 (`functional::fused_backend_attention`).
+  /// attnkit's CPU kernels on 1.13 (`functional::fused_backend_attention`). A module set to
+  /// kFused runs masks those kernels do not take (padding, documents, a mask_mod) on kChunked;
+  /// `functional::attention` forced to kFused refuses them.
   kFused,
   /// One GEMM for Q, K and V, then memory-efficient blocks with an online softmax
   /// (`functional::chunked_attention`): memory linear in num_tokens; dropout from its own

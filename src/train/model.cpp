@@ -76,15 +76,40 @@ void check_model_config(const ModelConfig& c) {
 
 namespace {
 
-// Binds the module's forward_with_weights and forward to the block's two callables.
+using AttendWithWeights =
+    std::function<functional::AttentionOutput(const torch::Tensor&, const Mask&)>;
+using Attend = std::function<torch::Tensor(const torch::Tensor&, const Mask&)>;
+
+// Binds the forward_with_weights and forward of a module that takes no mask (the book's
+// modules) to the block's two callables.
 template <typename Holder>
-void bind(Holder holder,
-          std::function<functional::AttentionOutput(const torch::Tensor&)>& attend_with_weights,
-          std::function<torch::Tensor(const torch::Tensor&)>& attend) {
-  attend_with_weights = [holder](const torch::Tensor& x) mutable {
+void bind(Holder holder, const std::string& name, AttendWithWeights& attend_with_weights,
+          Attend& attend) {
+  const auto check = [name](const Mask& mask) {
+    TORCH_CHECK(mask.is_none(), "--module ", name,
+                " takes no mask, so it cannot keep packed documents apart (--pack); use mha, "
+                "mha-combined, gqa, mqa or mla");
+  };
+  attend_with_weights = [holder, check](const torch::Tensor& x, const Mask& mask) mutable {
+    check(mask);
     return holder->forward_with_weights(x);
   };
-  attend = [holder](const torch::Tensor& x) mutable { return holder->forward(x); };
+  attend = [holder, check](const torch::Tensor& x, const Mask& mask) mutable {
+    check(mask);
+    return holder->forward(x);
+  };
+}
+
+// The same for a module whose forward(query, key, value, mask) takes a mask (self-attention:
+// no key, no value).
+template <typename Holder>
+void bind_masked(Holder holder, AttendWithWeights& attend_with_weights, Attend& attend) {
+  attend_with_weights = [holder](const torch::Tensor& x, const Mask& mask) mutable {
+    return holder->forward_with_weights(x, {}, {}, mask);
+  };
+  attend = [holder](const torch::Tensor& x, const Mask& mask) mutable {
+    return holder->forward(x, {}, {}, mask);
+  };
 }
 
 // Binds the KV-cache methods of a module that has them.
@@ -116,29 +141,29 @@ BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
   if (c.module == "sa-v1") {
     SelfAttentionV1 attention(d, d);
     attention_ = register_module("attention", attention);
-    bind(attention, attend_with_weights_, attend_);
+    bind(attention, c.module, attend_with_weights_, attend_);
   } else if (c.module == "sa-v2") {
     SelfAttentionV2 attention(d, d);
     attention_ = register_module("attention", attention);
-    bind(attention, attend_with_weights_, attend_);
+    bind(attention, c.module, attend_with_weights_, attend_);
   } else if (c.module == "causal") {
     CausalAttention attention(d, d, c.context_length, c.dropout);
     attention_ = register_module("attention", attention);
-    bind(attention, attend_with_weights_, attend_);
+    bind(attention, c.module, attend_with_weights_, attend_);
   } else if (c.module == "mha-wrapper") {
     // Each head d_model / heads wide, so the concatenation is d_model wide.
     MultiHeadAttentionWrapper attention(d, d / c.heads, c.context_length, c.dropout, c.heads);
     attention_ = register_module("attention", attention);
-    bind(attention, attend_with_weights_, attend_);
+    bind(attention, c.module, attend_with_weights_, attend_);
   } else if (c.module == "mha") {
     MultiHeadAttention attention(mha_options);
     attention_ = register_module("attention", attention);
-    bind(attention, attend_with_weights_, attend_);
+    bind_masked(attention, attend_with_weights_, attend_);
     bind_cache(attention, attend_with_cache_, make_kv_cache_);
   } else if (c.module == "mha-combined") {
     MultiHeadAttentionCombinedQKV attention(mha_options);
     attention_ = register_module("attention", attention);
-    bind(attention, attend_with_weights_, attend_);
+    bind_masked(attention, attend_with_weights_, attend_);
     bind_cache(attention, attend_with_cache_, make_kv_cache_);
   } else if (c.module == "gqa" || c.module == "mqa") {
     GroupedQueryAttention attention(
@@ -146,7 +171,7 @@ BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
             .backend(backend)
             .sliding_window_size(window));
     attention_ = register_module("attention", attention);
-    bind(attention, attend_with_weights_, attend_);
+    bind_masked(attention, attend_with_weights_, attend_);
     bind_cache(attention, attend_with_cache_, make_kv_cache_);
   } else {
     MultiHeadLatentAttention attention(
@@ -154,7 +179,7 @@ BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
             .backend(backend)
             .latent_dim(c.latent_dim > 0 ? c10::optional<int64_t>(c.latent_dim) : c10::nullopt));
     attention_ = register_module("attention", attention);
-    bind(attention, attend_with_weights_, attend_);
+    bind_masked(attention, attend_with_weights_, attend_);
     bind_cache(attention, attend_with_cache_, make_kv_cache_);
   }
   if (c.ffn) {
@@ -167,14 +192,14 @@ BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
   }
 }
 
-torch::Tensor BlockImpl::forward(torch::Tensor x, torch::Tensor* weights) {
+torch::Tensor BlockImpl::forward(torch::Tensor x, const Mask& mask, torch::Tensor* weights) {
   if (weights != nullptr) {
-    auto attended = attend_with_weights_(attention_norm_(x));
+    auto attended = attend_with_weights_(attention_norm_(x), mask);
     // Single-head modules give (b, n, n): add the head dimension.
     *weights = attended.weights.dim() == 3 ? attended.weights.unsqueeze(1) : attended.weights;
     x = x + attended.context;
   } else {
-    x = x + attend_(attention_norm_(x));
+    x = x + attend_(attention_norm_(x), mask);
   }
   if (feed_forward_) {
     x = x + feed_forward_->forward(feed_forward_norm_(x));
@@ -213,25 +238,53 @@ AttentionModelImpl::AttentionModelImpl(const ModelConfig& config) : config_(conf
   head_ = register_module("head", torch::nn::Linear(config_.d_model, config_.vocab_size));
 }
 
-torch::Tensor AttentionModelImpl::embed(const torch::Tensor& tokens, int64_t start) {
-  const auto positions = torch::arange(start, start + tokens.size(1), tokens.options());
+torch::Tensor AttentionModelImpl::embed(const torch::Tensor& tokens,
+                                        const torch::Tensor& positions) {
   return token_embedding_(tokens) + position_embedding_(positions);  // (b, n, d_model)
 }
 
+namespace {
+
+// Each token's position in its document, (b, n): its index minus that of the document's
+// first token (where the id changes, or 0), so every packed document starts at position 0
+// as it does alone and in generation.
+torch::Tensor positions_in_documents(const torch::Tensor& document_ids) {
+  const auto n = document_ids.size(1);
+  const auto index = torch::arange(n, document_ids.options()).expand_as(document_ids);
+  const auto starts_document = torch::ones_like(document_ids, torch::kBool);
+  starts_document.slice(1, 1).copy_(document_ids.slice(1, 1).ne(document_ids.slice(1, 0, -1)));
+  const auto document_start =
+      std::get<0>(index.masked_fill(starts_document.logical_not(), 0).cummax(1));
+  return index - document_start;
+}
+
+}  // namespace
+
 torch::Tensor AttentionModelImpl::run(const torch::Tensor& tokens,
+                                      const torch::Tensor& document_ids,
                                       std::vector<torch::Tensor>* maps) {
-  auto x = embed(tokens, 0);
+  Mask mask;
+  torch::Tensor positions = torch::arange(tokens.size(1), tokens.options());
+  if (document_ids.defined()) {
+    TORCH_CHECK(document_ids.sizes() == tokens.sizes(),
+                "[AttentionModel::forward] document_ids: expected the tokens' shape ",
+                tokens.sizes(), ", got ", document_ids.sizes());
+    mask = Mask::documents(document_ids, /*causal=*/config_.causal);
+    positions = positions_in_documents(document_ids);
+  }
+  auto x = embed(tokens, positions);
   for (auto& block : *blocks_) {
     torch::Tensor weights;
-    x = block->as<BlockImpl>()->forward(x, maps ? &weights : nullptr);
+    x = block->as<BlockImpl>()->forward(x, mask, maps ? &weights : nullptr);
     if (maps)
       maps->push_back(weights);
   }
   return head_(final_norm_(x));
 }
 
-torch::Tensor AttentionModelImpl::forward(const torch::Tensor& tokens) {
-  return run(tokens, nullptr);
+torch::Tensor AttentionModelImpl::forward(const torch::Tensor& tokens,
+                                          const torch::Tensor& document_ids) {
+  return run(tokens, document_ids, nullptr);
 }
 
 torch::Tensor AttentionModelImpl::logits_with_cache(const torch::Tensor& tokens,
@@ -243,7 +296,7 @@ torch::Tensor AttentionModelImpl::logits_with_cache(const torch::Tensor& tokens,
   TORCH_CHECK(start + tokens.size(1) <= config_.context_length,
               "[AttentionModel::logits_with_cache] ", tokens.size(1), " tokens after the ", start,
               " cached would pass context_length ", config_.context_length);
-  auto x = embed(tokens, start);
+  auto x = embed(tokens, torch::arange(start, start + tokens.size(1), tokens.options()));
   for (size_t i = 0; i < caches.size(); ++i) {
     x = blocks_[i]->as<BlockImpl>()->forward_with_cache(x, caches[i]);
   }
@@ -258,9 +311,10 @@ std::vector<KVCache> AttentionModelImpl::make_kv_caches(int64_t batch, int64_t c
   return caches;
 }
 
-std::vector<torch::Tensor> AttentionModelImpl::attention_maps(const torch::Tensor& tokens) {
+std::vector<torch::Tensor> AttentionModelImpl::attention_maps(const torch::Tensor& tokens,
+                                                              const torch::Tensor& document_ids) {
   std::vector<torch::Tensor> maps;
-  run(tokens, &maps);
+  run(tokens, document_ids, &maps);
   return maps;
 }
 

@@ -13,6 +13,7 @@
 #include "attnkit/functional.h"
 #include "attnkit/generate.h"
 #include "attnkit/kv_cache.h"
+#include "attnkit/mask.h"
 
 namespace attnkit::train {
 
@@ -22,6 +23,11 @@ const std::vector<std::string>& module_names();
 /// Whether --module has attention backends and a KV cache: mha, mha-combined and the
 /// attention family (gqa, mqa, mla).
 bool has_backends_and_kv_cache(const std::string& module);
+
+/// Whether --module's forward takes a mask (packed documents): the same modules.
+inline bool takes_masks(const std::string& module) {
+  return has_backends_and_kv_cache(module);
+}
 
 struct ModelConfig {
   std::string module = "mha";
@@ -52,8 +58,10 @@ void check_model_config(const ModelConfig& config);
 class BlockImpl : public torch::nn::Module {
  public:
   explicit BlockImpl(const ModelConfig& config);
-  /// (b, n, d_model) -> (b, n, d_model); `weights` gets (b, h, n, n) when not null.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor* weights = nullptr);
+  /// (b, n, d_model) -> (b, n, d_model); `weights` gets (b, h, n, n) when not null. `mask`
+  /// (packed documents) combines with the module's own; only the modules that take masks
+  /// accept one (takes_masks).
+  torch::Tensor forward(torch::Tensor x, const Mask& mask = {}, torch::Tensor* weights = nullptr);
   /// forward for the next n tokens, the attention reading and extending `cache`.
   torch::Tensor forward_with_cache(torch::Tensor x, KVCache& cache);
   /// A cache for this block's attention; fails for modules without one.
@@ -63,8 +71,9 @@ class BlockImpl : public torch::nn::Module {
   torch::nn::LayerNorm attention_norm_{nullptr};
   std::shared_ptr<torch::nn::Module> attention_;
   // forward_with_weights (the book's path, for attention maps) and forward (the backend's).
-  std::function<functional::AttentionOutput(const torch::Tensor&)> attend_with_weights_;
-  std::function<torch::Tensor(const torch::Tensor&)> attend_;
+  std::function<functional::AttentionOutput(const torch::Tensor&, const Mask&)>
+      attend_with_weights_;
+  std::function<torch::Tensor(const torch::Tensor&, const Mask&)> attend_;
   // Modules with a KV cache only: their forward_with_cache and make_kv_cache.
   std::function<torch::Tensor(const torch::Tensor&, KVCache&)> attend_with_cache_;
   std::function<KVCache(int64_t, int64_t)> make_kv_cache_;
@@ -79,21 +88,24 @@ TORCH_MODULE(Block);
 class AttentionModelImpl : public torch::nn::Module, public CausalLanguageModel {
  public:
   explicit AttentionModelImpl(const ModelConfig& config);
-  /// (b, n) token ids -> (b, n, vocab_size) logits.
-  torch::Tensor forward(const torch::Tensor& tokens);
+  /// (b, n) token ids -> (b, n, vocab_size) logits. With document_ids (b, n) (packed rows),
+  /// a token attends only within its document and positions restart at each document.
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& document_ids = {});
   torch::Tensor logits(const torch::Tensor& tokens) override { return forward(tokens); }
   torch::Tensor logits_with_cache(const torch::Tensor& tokens,
                                   std::vector<KVCache>& caches) override;
   std::vector<KVCache> make_kv_caches(int64_t batch, int64_t capacity) override;
   int64_t context_length() const override { return config_.context_length; }
   /// Attention weights of every layer on `tokens`: layers x (b, h, n, n).
-  std::vector<torch::Tensor> attention_maps(const torch::Tensor& tokens);
+  std::vector<torch::Tensor> attention_maps(const torch::Tensor& tokens,
+                                            const torch::Tensor& document_ids = {});
   const ModelConfig& config() const { return config_; }
 
  private:
-  torch::Tensor run(const torch::Tensor& tokens, std::vector<torch::Tensor>* maps);
-  // Token plus position embeddings of tokens (b, n) at positions [start, start + n).
-  torch::Tensor embed(const torch::Tensor& tokens, int64_t start);
+  torch::Tensor run(const torch::Tensor& tokens, const torch::Tensor& document_ids,
+                    std::vector<torch::Tensor>* maps);
+  // Token plus position embeddings of tokens (b, n) at positions (n) or (b, n).
+  torch::Tensor embed(const torch::Tensor& tokens, const torch::Tensor& positions);
 
   ModelConfig config_;
   torch::nn::Embedding token_embedding_{nullptr};

@@ -64,7 +64,7 @@ class CopyTask : public GeneratedTask {
     const auto sequence = torch::cat({symbols, separator, symbols}, 1);
     auto loss_mask = torch::zeros({batch_size, 2 * length_}, torch::kBool);
     loss_mask.slice(1, length_).fill_(true);  // only the copied half is scored
-    return {sequence.slice(1, 0, -1), sequence.slice(1, 1), loss_mask};
+    return {sequence.slice(1, 0, -1), sequence.slice(1, 1), loss_mask, {}};
   }
   std::string token_label(int64_t token) const override {
     return token == 0 ? "|" : std::to_string(token - 1);
@@ -82,7 +82,7 @@ class ReverseTask : public GeneratedTask {
   Batch train_batch(int64_t batch_size, at::Generator& generator) const override {
     const auto symbols = random_symbols(batch_size, length_, generator);
     // Output position i is input position n - 1 - i.
-    return {symbols, symbols.flip({1}), torch::ones({batch_size, length_}, torch::kBool)};
+    return {symbols, symbols.flip({1}), torch::ones({batch_size, length_}, torch::kBool), {}};
   }
   std::string token_label(int64_t token) const override { return std::to_string(token - 1); }
 };
@@ -114,7 +114,7 @@ class RecallTask : public GeneratedTask {
     targets.select(1, 2 * length_).copy_(values.gather(1, asked).squeeze(1));
     auto loss_mask = torch::zeros_like(inputs, torch::kBool);
     loss_mask.select(1, 2 * length_).fill_(true);  // only the answer is scored
-    return {inputs, targets, loss_mask};
+    return {inputs, targets, loss_mask, {}};
   }
   std::string token_label(int64_t token) const override {
     return token < kKeys ? std::string(1, static_cast<char>('a' + token))
@@ -124,7 +124,7 @@ class RecallTask : public GeneratedTask {
 
 class TextTask : public Task {
  public:
-  TextTask(int64_t context, const std::string& path) : context_(context) {
+  TextTask(int64_t context, const std::string& path, bool pack) : context_(context) {
     std::ifstream file(path, std::ios::binary);
     TORCH_CHECK(file.good(), "--data: cannot read '", path, "'");
     const std::string text((std::istreambuf_iterator<char>(file)),
@@ -139,6 +139,15 @@ class TextTask : public Task {
         torch::from_blob(const_cast<char*>(text.data()), {size}, torch::kUInt8).to(torch::kInt64);
     train_ = bytes.slice(0, 0, split);
     validation_ = bytes.slice(0, split);
+    if (pack) {
+      // Document k starts after the k-th blank line: a byte's id counts the "\n\n" before it.
+      const auto blank_line_ends =
+          bytes.slice(0, 1).eq('\n').logical_and(bytes.slice(0, 0, -1).eq('\n'));
+      const auto ids = torch::cat({torch::zeros({2}, torch::kInt64),
+                                   blank_line_ends.to(torch::kInt64).cumsum(0).slice(0, 0, -1)});
+      train_ids_ = ids.slice(0, 0, split);
+      validation_ids_ = ids.slice(0, split);
+    }
     compute_entropies(text, split);
   }
   std::string name() const override { return "text"; }
@@ -149,7 +158,7 @@ class TextTask : public Task {
   Batch train_batch(int64_t batch_size, at::Generator& generator) const override {
     const auto starts =
         torch::randint(0, train_.size(0) - context_ - 1, {batch_size, 1}, generator, torch::kInt64);
-    return window(train_, starts + torch::arange(context_ + 1));
+    return window(train_, train_ids_, starts + torch::arange(context_ + 1));
   }
   std::vector<Batch> eval_batches(int64_t batch_size) const override {
     // Every full window of the held-out part, back to back.
@@ -158,7 +167,7 @@ class TextTask : public Task {
     for (int64_t first = 0; first < windows; first += batch_size) {
       const auto count = std::min(batch_size, windows - first);
       const auto starts = (torch::arange(first, first + count) * context_).unsqueeze(1);
-      batches.push_back(window(validation_, starts + torch::arange(context_ + 1)));
+      batches.push_back(window(validation_, validation_ids_, starts + torch::arange(context_ + 1)));
     }
     return batches;
   }
@@ -173,10 +182,21 @@ class TextTask : public Task {
   }
 
  private:
-  Batch window(const torch::Tensor& source, const torch::Tensor& index) const {
+  // Windows of `source` at `index` (b, n + 1); with document ids, packed rows.
+  Batch window(const torch::Tensor& source, const torch::Tensor& ids,
+               const torch::Tensor& index) const {
     const auto tokens = source.index({index});  // (b, n + 1)
-    return {tokens.slice(1, 0, -1), tokens.slice(1, 1),
-            torch::ones({tokens.size(0), context_}, torch::kBool)};
+    Batch batch{tokens.slice(1, 0, -1),
+                tokens.slice(1, 1),
+                torch::ones({tokens.size(0), context_}, torch::kBool),
+                {}};
+    if (ids.defined()) {
+      const auto token_ids = ids.index({index});  // (b, n + 1)
+      batch.document_ids = token_ids.slice(1, 0, -1);
+      // A document's first byte has no context in its own document: not scored.
+      batch.loss_mask = token_ids.slice(1, 1).eq(batch.document_ids);
+    }
+    return batch;
   }
 
   // Add-one estimates over the corpus alphabet, fit on the training part and measured on
@@ -209,6 +229,7 @@ class TextTask : public Task {
   int64_t context_;
   torch::Tensor train_;
   torch::Tensor validation_;
+  torch::Tensor train_ids_, validation_ids_;  // each byte's document (--pack), else undefined
   double unigram_ = 0, bigram_ = 0;
 };
 
@@ -227,19 +248,21 @@ int64_t default_task_length(const std::string& task) {
 }
 
 std::unique_ptr<Task> make_task(const std::string& name, int64_t length, uint64_t seed,
-                                const std::string& data_path) {
+                                const std::string& data_path, bool pack) {
   TORCH_CHECK(name == "copy" || name == "reverse" || name == "recall" || name == "text",
               "--task: unknown task '", name, "'; expected copy, reverse, recall or text");
   const int64_t max_length = name == "recall" ? RecallTask::kKeys : kMaxLength;
   TORCH_CHECK(length >= 1 && length <= max_length, "--seq-len: expected 1..", max_length,
               " for task ", name, ", got ", length);
+  TORCH_CHECK(!pack || name == "text",
+              "--pack: only the text task has documents to pack, got --task ", name);
   if (name == "copy")
     return std::make_unique<CopyTask>(length, seed);
   if (name == "reverse")
     return std::make_unique<ReverseTask>(length, seed);
   if (name == "recall")
     return std::make_unique<RecallTask>(length, seed);
-  return std::make_unique<TextTask>(length, data_path);
+  return std::make_unique<TextTask>(length, data_path, pack);
 }
 
 }  // namespace attnkit::train

@@ -19,6 +19,9 @@ struct Batch {
   torch::Tensor targets;
   /// (b, n) bool: the positions that count in loss and accuracy.
   torch::Tensor loss_mask;
+  /// (b, n) int64: each input token's document, for packed rows (text --pack); undefined
+  /// otherwise. A token attends only within its document (Mask::documents).
+  torch::Tensor document_ids;
 };
 
 /// One task. `length` is its size parameter: tokens to copy or reverse, key-value pairs to
@@ -48,9 +51,12 @@ class Task {
 /// Default `length` of each task (copy 8, reverse 8, recall 4, text 64).
 int64_t default_task_length(const std::string& task);
 
-/// Builds a task; `seed` fixes the held-out set; `data_path` is read for "text".
+/// Builds a task; `seed` fixes the held-out set; `data_path` is read for "text". With `pack`
+/// (text only), the corpus is a series of documents, its paragraphs (a blank line ends one),
+/// and each row packs the documents its window covers: batches carry document_ids, each
+/// document's first byte is not predicted from the one before it.
 /// Fails with a one-line c10::Error on an unknown task, a bad length or an unusable file.
 std::unique_ptr<Task> make_task(const std::string& name, int64_t length, uint64_t seed,
-                                const std::string& data_path);
+                                const std::string& data_path, bool pack = false);
 
 }  // namespace attnkit::train

@@ -66,7 +66,9 @@ BatchScore score(AttentionModel& model, const Batch& batch, const torch::Device&
   // Unscored positions get a target cross_entropy ignores, which is cheaper than gathering
   // the scored rows with a boolean index (a nonzero, a gather and a scatter in backward).
   constexpr int64_t kIgnored = -100;
-  const auto logits = model(batch.inputs.to(device));  // (b, n, vocab)
+  const auto document_ids =
+      batch.document_ids.defined() ? batch.document_ids.to(device) : torch::Tensor();
+  const auto logits = model->forward(batch.inputs.to(device), document_ids);  // (b, n, vocab)
   const auto targets =
       batch.targets.masked_fill(batch.loss_mask.logical_not(), kIgnored).to(device);  // (b, n)
   namespace nnf = torch::nn::functional;
@@ -194,13 +196,16 @@ void dump_attention(const std::string& path, AttentionModel& model, const Task& 
                     const torch::Device& device) {
   torch::NoGradGuard no_grad;
   model->eval();
-  const auto example = task.eval_batches(1).front().inputs;  // (1, n)
+  const auto example_batch = task.eval_batches(1).front();
+  const auto& example = example_batch.inputs;  // (1, n)
   std::vector<std::string> labels;
   for (int64_t i = 0; i < example.size(1); ++i) {
     labels.push_back(task.token_label(example[0][i].item<int64_t>()));
   }
   std::vector<torch::Tensor> maps;
-  for (const auto& layer : model->attention_maps(example.to(device))) {
+  const auto& ids = example_batch.document_ids;  // (1, n) with --pack
+  for (const auto& layer :
+       model->attention_maps(example.to(device), ids.defined() ? ids.to(device) : ids)) {
     maps.push_back(layer[0].cpu());  // (h, n, n)
   }
   write_attention_heatmap(path, maps, labels, model->config().module + " on " + task.name());
@@ -288,6 +293,11 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(c.bucket_mb >= 0 && std::isfinite(c.bucket_mb),
               "--bucket-mb: expected >= 0 (0 = one allreduce after backward), got ", c.bucket_mb);
   TORCH_CHECK(c.sample >= 0, "--sample: expected >= 0, got ", c.sample);
+  TORCH_CHECK(!c.pack || c.task == "text",
+              "--pack: only the text task has documents to pack, got --task ", c.task);
+  TORCH_CHECK(!c.pack || takes_masks(c.module), "--pack: --module ", c.module,
+              " takes no mask, so it cannot keep packed documents apart; use mha, mha-combined, "
+              "gqa, mqa or mla");
   TORCH_CHECK(c.sample == 0 || c.task == "text",
               "--sample: only the text task generates, got --task ", c.task);
   TORCH_CHECK(c.sample == 0 || !c.kv_cache || has_backends_and_kv_cache(c.module),
@@ -308,7 +318,8 @@ TrainConfig resolve(TrainConfig c) {
 
 void print_config_table(std::ostream& out, const TrainConfig& c, const Task& task) {
   const std::vector<std::pair<std::string, std::string>> rows{
-      {"task", c.task + (task.causal() ? " (causal)" : " (bidirectional)")},
+      {"task", c.task + (task.causal() ? " (causal)" : " (bidirectional)") +
+                   (c.pack ? ", packed documents" : "")},
       {"seq-len", std::to_string(c.seq_len) + " (" + std::to_string(task.input_length()) +
                       " tokens per sequence, vocab " + std::to_string(task.vocab_size()) + ")"},
       {"module", c.module + (c.backend.empty() ? "" : " (" + c.backend + " backend)") +
@@ -351,6 +362,7 @@ std::string rank_agreement_text(const TrainConfig& c) {
       {"backend", c.backend},
       {"dropout", c10::str(c.dropout)},
       {"data", c.data},
+      {"pack", c.pack ? "true" : "false"},
       {"sample", std::to_string(c.sample)},
       {"kv-cache", c.kv_cache ? "true" : "false"},
       {"steps", std::to_string(c.steps)},
@@ -386,8 +398,9 @@ Batch share_of(const Batch& batch, int rank, int world_size) {
     return batch;
   const int64_t rows = batch.inputs.size(0);
   const int64_t begin = rows * rank / world_size, end = rows * (rank + 1) / world_size;
+  const auto& ids = batch.document_ids;
   return {batch.inputs.slice(0, begin, end), batch.targets.slice(0, begin, end),
-          batch.loss_mask.slice(0, begin, end)};
+          batch.loss_mask.slice(0, begin, end), ids.defined() ? ids.slice(0, begin, end) : ids};
 }
 
 }  // namespace
@@ -406,7 +419,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   torch::manual_seed(config.seed);
   auto data_generator = at::detail::createCPUGenerator(config.seed);
 
-  const auto task = make_task(config.task, config.seq_len, config.seed, config.data);
+  const auto task = make_task(config.task, config.seq_len, config.seed, config.data, config.pack);
   ModelConfig model_config;
   model_config.module = config.module;
   model_config.backend = config.backend;

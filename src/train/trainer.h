@@ -25,6 +25,7 @@ struct TrainConfig {
   std::string task = "copy";
   std::string data = "data/the-verdict.txt";
   int64_t seq_len = 0;   // 0: default_task_length(task)
+  bool pack = false;     // text: rows of packed documents (paragraphs), kept apart by a mask
   int64_t sample = 0;    // text: bytes to generate after training
   bool kv_cache = true;  // generate the sample with KV caches (mha, mha-combined)
   // model
