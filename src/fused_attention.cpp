@@ -641,3 +641,19 @@ bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
 }
 
 }  // namespace attnkit::functional
+
+namespace attnkit::detail {
+
+torch::Tensor packed_fused_attention_if_fits(const torch::Tensor& qkv, int64_t num_heads,
+                                             const functional::FusedOptions& options) {
+#if TORCH_VERSION_MAJOR < 2
+  const int64_t n = qkv.size(1);
+  if (functional::fused_attention_fits(n, n, qkv.options()))
+    return functional::fused_packed_attention(qkv, num_heads, options);
+#else
+  (void)qkv, (void)num_heads, (void)options;  // LibTorch's SDPA reads the split heads
+#endif
+  return {};
+}
+
+}  // namespace attnkit::detail

@@ -2,9 +2,8 @@
 
 #include <vector>
 
-#include <torch/version.h>
-
 #include "checks.h"
+#include "core/kernels.h"
 #include "module_attention.h"
 #include "module_helpers.h"
 
@@ -234,19 +233,18 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const 
                                        : torch::Tensor();
   const auto qkv = torch::nn::functional::linear(x, weight, bias);  // (b, n, 3 * d_out)
   const auto h = options.num_heads();
-#if TORCH_VERSION_MAJOR < 2
-  const auto n = x.size(1);
-  if (options.backend() == AttentionBackend::kFused && mask.is_none() &&
-      F::fused_attention_fits(n, n, qkv.options())) {
-    // The kernel reads the packed projection in place and returns the heads merged.
-    return out_proj(F::fused_packed_attention(qkv, h,
-                                              F::FusedOptions()
-                                                  .is_causal(options.causal())
-                                                  .window_size(options.sliding_window_size())
-                                                  .dropout_p(options.dropout())
-                                                  .training(is_training())));
+  if (options.backend() == AttentionBackend::kFused && mask.is_none()) {
+    // On LibTorch 1.x, a kernel that reads the packed projection in place, for short inputs.
+    const auto merged =
+        detail::packed_fused_attention_if_fits(qkv, h,
+                                               F::FusedOptions()
+                                                   .is_causal(options.causal())
+                                                   .window_size(options.sliding_window_size())
+                                                   .dropout_p(options.dropout())
+                                                   .training(is_training()));
+    if (merged.defined())
+      return out_proj(merged);
   }
-#endif
   const auto qkv_parts = qkv.chunk(3, -1);
   const auto queries = detail::split_heads(qkv_parts[0], h);
   const auto keys = detail::split_heads(qkv_parts[1], h);

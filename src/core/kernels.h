@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "attnkit/attention.h"
+#include "attnkit/functional.h"
 
 namespace attnkit::detail {
 
@@ -35,6 +36,14 @@ functional::AttentionOutput math_attention(const torch::Tensor& query, const tor
 torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& key,
                              const torch::Tensor& value,
                              const functional::AttentionOptions& options);
+
+/// MultiHeadAttention's kFused path on its packed (b, n, 3 * d_out) QKV projection, heads
+/// merged: (b, n, d_out). LibTorch 1.x only, where attnkit's CPU kernel reads the projection
+/// in place for short sequences; elsewhere, or past that kernel's size, an undefined tensor
+/// (the caller splits the heads). Defined in fused_attention.cpp, which holds every
+/// LibTorch-version split.
+torch::Tensor packed_fused_attention_if_fits(const torch::Tensor& qkv, int64_t num_heads,
+                                             const functional::FusedOptions& options);
 
 /// Tensors with requires_grad that `score_mod` reads (leaves of the graph it builds on a
 /// probe score), which the chunked kernel hands gradients to.
