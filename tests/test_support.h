@@ -18,7 +18,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "state_dict_reader.h"
+#include "io/state_dict_reader.h"
 
 namespace attnkit::testing {
 

@@ -1,6 +1,6 @@
 // attnkit::functional::attention: argument checks, the choice of backend, and the math core
 // every other path is tested against. The kernels: src/core/chunked.cpp and
-// src/fused_attention.cpp; the masks: src/core/mask.cpp.
+// src/core/fused_attention.cpp; the masks: src/core/mask.cpp.
 
 #include "attnkit/attention.h"
 
@@ -10,9 +10,9 @@
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
-#include "attention_layout.h"
 #include "attnkit/functional.h"
-#include "checks.h"
+#include "core/attention_layout.h"
+#include "core/checks.h"
 #include "core/kernels.h"
 
 namespace attnkit {

@@ -27,10 +27,10 @@
 
 #include <mutex>
 
-#include "attention_layout.h"
 #include "attnkit/functional.h"
+#include "core/attention_layout.h"
 #include "core/kernels.h"
-#include "parallel.h"
+#include "core/parallel.h"
 
 namespace attnkit::functional {
 
@@ -247,7 +247,7 @@ HeadGroup head_group_of(const BlockPlan& plan, int64_t pair) {
   return {o, h0, std::min(plan.head_group, plan.heads - h0), pair};
 }
 
-// Calls visit(head group, q0, bq) for every query block, in parallel (src/parallel.h): the
+// Calls visit(head group, q0, bq) for every query block, in parallel (src/core/parallel.h): the
 // tasks are (outer, head group, query block), the last query blocks (which see the most keys
 // when causal) first.
 template <typename Visit>

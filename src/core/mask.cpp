@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "checks.h"
+#include "core/checks.h"
 
 namespace attnkit {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "state_dict_reader.h"
+#include "io/state_dict_reader.h"
 #include "train/checkpoint.h"
 
 namespace T = attnkit::train;

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "attnkit/attnkit.h"
-#include "state_dict_reader.h"
+#include "io/state_dict_reader.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static attnkit::MultiHeadAttention module(/*d_in=*/6, /*d_out=*/8, /*context_length=*/7,

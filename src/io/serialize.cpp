@@ -12,8 +12,8 @@
 #include <torch/csrc/jit/serialization/pickler.h>
 
 #include "attnkit/multi_head_attention.h"
-#include "checks.h"
-#include "state_dict_reader.h"
+#include "core/checks.h"
+#include "io/state_dict_reader.h"
 
 namespace attnkit {
 

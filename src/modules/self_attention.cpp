@@ -1,8 +1,8 @@
 #include "attnkit/self_attention.h"
 
 #include "attnkit/functional.h"
-#include "checks.h"
-#include "module_helpers.h"
+#include "core/checks.h"
+#include "modules/module_helpers.h"
 
 namespace attnkit {
 

@@ -2,7 +2,7 @@
 
 #include <limits>
 
-#include "checks.h"
+#include "core/checks.h"
 
 namespace attnkit {
 

@@ -2,10 +2,10 @@
 
 #include <vector>
 
-#include "checks.h"
+#include "core/checks.h"
 #include "core/kernels.h"
-#include "module_attention.h"
-#include "module_helpers.h"
+#include "modules/module_attention.h"
+#include "modules/module_helpers.h"
 
 namespace attnkit {
 

@@ -1,6 +1,6 @@
-#include "module_attention.h"
+#include "modules/module_attention.h"
 
-#include "checks.h"
+#include "core/checks.h"
 
 namespace attnkit::detail {
 

@@ -8,7 +8,7 @@
 
 #include <mutex>
 
-#include "parallel.h"
+#include "core/parallel.h"
 
 namespace attnkit {
 

@@ -10,7 +10,7 @@
 #include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
-#include "checks.h"
+#include "core/checks.h"
 
 namespace attnkit::detail {
 

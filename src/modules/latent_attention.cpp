@@ -2,9 +2,9 @@
 
 #include <algorithm>
 
-#include "checks.h"
-#include "module_attention.h"
-#include "module_helpers.h"
+#include "core/checks.h"
+#include "modules/module_attention.h"
+#include "modules/module_helpers.h"
 
 namespace attnkit {
 

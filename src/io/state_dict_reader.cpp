@@ -1,4 +1,4 @@
-#include "state_dict_reader.h"
+#include "io/state_dict_reader.h"
 
 #include <algorithm>
 #include <array>

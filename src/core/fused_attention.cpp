@@ -28,9 +28,9 @@
 #include <ATen/Parallel.h>
 #include <torch/version.h>
 
-#include "attention_layout.h"
 #include "attnkit/functional.h"
-#include "parallel.h"
+#include "core/attention_layout.h"
+#include "core/parallel.h"
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
 #include <ATen/SDPBackend.h>

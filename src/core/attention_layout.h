@@ -7,7 +7,7 @@
 
 #include <torch/torch.h>
 
-#include "checks.h"
+#include "core/checks.h"
 
 namespace attnkit::detail {
 

@@ -1,8 +1,8 @@
 #include "attnkit/grouped_query_attention.h"
 
-#include "checks.h"
-#include "module_attention.h"
-#include "module_helpers.h"
+#include "core/checks.h"
+#include "modules/module_attention.h"
+#include "modules/module_helpers.h"
 
 namespace attnkit {
 

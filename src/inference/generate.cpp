@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "checks.h"
+#include "core/checks.h"
 
 namespace attnkit {
 

@@ -1,7 +1,7 @@
 #include "attnkit/causal_attention.h"
 
-#include "checks.h"
-#include "module_helpers.h"
+#include "core/checks.h"
+#include "modules/module_helpers.h"
 
 namespace attnkit {
 
