@@ -805,13 +805,8 @@ TEST(MaskReference, NnMultiheadAttentionWithItsMasksGivesTheSameOutputs) {
 // nn.MultiheadAttention; on 2.x F.scaled_dot_product_attention with bool masks; from 2.5
 // FlexAttention's eager flex_attention (ALiBi, softcap, documents, prefix-LM, gradients).
 TEST(MaskReference, PythonReferenceAgreesWithItsFileAndWithPyTorch) {
-  const auto log = ::testing::TempDir() + "mask_reference_check.log";
-  const auto command =
-      attnkit::testing::leg_python() + " " + kMaskReference + " --check >" + log + " 2>&1";
-  const int status = std::system(command.c_str());
-  std::ifstream in(log);
-  const std::string output((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  ASSERT_EQ(status, 0) << command << "\n" << output;
+  const auto [status, output] = attnkit::testing::run_leg_python(kMaskReference, "--check");
+  ASSERT_EQ(status, 0) << output;
   EXPECT_NE(output.find("OK torch"), std::string::npos) << output;
 #if TORCH_VERSION_MAJOR >= 2
   // On the 2.x leg the checks against PyTorch's own kernels must have run, not been skipped.

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -38,6 +39,22 @@ constexpr double kFloat64 = 1e-12;
 inline std::string leg_python() {
   const char* configured = std::getenv("ATTNKIT_PYTHON");
   return configured ? configured : "/usr/bin/python3";
+}
+
+/// Runs `script` (a path) with `arguments` under this leg's Python, stdout and stderr into one
+/// file under the test's temporary directory; the exit status and everything it printed.
+struct ScriptRun {
+  int status;
+  std::string output;
+};
+inline ScriptRun run_leg_python(const std::string& script, const std::string& arguments) {
+  const auto log = ::testing::TempDir() + std::filesystem::path(script).stem().string() + ".log";
+  const auto command = leg_python() + " " + script + " " + arguments + " >" + log + " 2>&1";
+  const int status = std::system(command.c_str());
+  std::ifstream in(log);
+  return {status,
+          command + "\n" +
+              std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>())};
 }
 
 /// Backends agree with math to float32 1e-5 and float64 1e-10 (outputs and gradients).
