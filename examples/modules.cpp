@@ -106,6 +106,23 @@ void state_dicts() {
   std::remove(path.c_str());
 }
 
+void rotary_and_qk_norm() {
+  torch::NoGradGuard no_grad;
+  // [doc:rope]
+  // A Qwen3-style attention layer: 16 query heads sharing 8 key/value heads, QK-norm, RoPE.
+  attnkit::GroupedQueryAttention attention(
+      attnkit::GroupedQueryAttentionOptions(/*d_in=*/1024, /*d_out=*/2048, /*dropout=*/0.0,
+                                            /*num_heads=*/16, /*num_kv_groups=*/8)
+          .rope(attnkit::RopeOptions(/*context_length=*/4096).theta_base(1000000.0))
+          .qk_norm(true));  // adds q_norm.weight and k_norm.weight, (128) each
+  attention->eval();
+  auto cache = attention->make_kv_cache(/*batch=*/1, /*capacity=*/64);
+  auto prompt = attention->forward_with_cache(torch::randn({1, 5, 1024}), cache);  // positions 0-4
+  auto next = attention->forward_with_cache(torch::randn({1, 1, 1024}), cache);    // position 5
+  // [doc:end]
+  TORCH_CHECK(prompt.size(1) == 5 && next.size(1) == 1 && cache.size() == 6);
+}
+
 void threads() {
   // [doc:threads]
   attnkit::set_num_threads(2);                   // LibTorch's threads and the BLAS's
@@ -122,5 +139,6 @@ int main() {
   errors();
   backends();
   state_dicts();
+  rotary_and_qk_norm();
   threads();
 }

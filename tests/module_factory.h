@@ -30,6 +30,10 @@ struct ModuleConfig {
   int64_t num_kv_groups = 1;
   int64_t sliding_window_size = 0;
   int64_t latent_dim = 0;
+  // MultiHeadAttention(CombinedQKV) and GroupedQueryAttention: RoPE tables of this many
+  // positions (0: no RoPE), and QK-norm. Not in json(): the Python reference lacks them.
+  int64_t rope_context_length = 0;
+  bool qk_norm = false;
 
   /// The same arguments as JSON, for scripts/check_python_interop.py --config.
   std::string json() const {
@@ -92,11 +96,15 @@ inline CachedAttention make_cached_attention(const std::string& name, const Modu
   const auto window =
       c.sliding_window_size > 0 ? c10::optional<int64_t>(c.sliding_window_size) : c10::nullopt;
   const auto latent = c.latent_dim > 0 ? c10::optional<int64_t>(c.latent_dim) : c10::nullopt;
+  const auto rope =
+      c.rope_context_length > 0 ? c10::optional<RopeOptions>(c.rope_context_length) : c10::nullopt;
   const auto mha =
       MultiHeadAttentionOptions(c.d_in, c.d_out, c.context_length, c.dropout, c.num_heads)
           .qkv_bias(c.qkv_bias)
           .causal(c.causal)
-          .sliding_window_size(window);
+          .sliding_window_size(window)
+          .rope(rope)
+          .qk_norm(c.qk_norm);
   if (name == "MultiHeadAttention")
     return erase_cached(MultiHeadAttention(mha));
   if (name == "MultiHeadAttentionCombinedQKV")
@@ -105,7 +113,9 @@ inline CachedAttention make_cached_attention(const std::string& name, const Modu
     return erase_cached(GroupedQueryAttention(
         GroupedQueryAttentionOptions(c.d_in, c.d_out, c.dropout, c.num_heads, c.num_kv_groups)
             .qkv_bias(c.qkv_bias)
-            .sliding_window_size(window)));
+            .sliding_window_size(window)
+            .rope(rope)
+            .qk_norm(c.qk_norm)));
   }
   TORCH_CHECK(name == "MultiHeadLatentAttention", "[make_attention] unknown module '", name, "'");
   return erase_cached(MultiHeadLatentAttention(

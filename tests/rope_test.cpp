@@ -1,12 +1,15 @@
 // Rotary position embeddings: compute_rope_params and apply_rope against
 // scripts/rope_reference.py (float64 1e-10, float32 1e-5, outputs and gradients, both layouts,
 // with and without Llama 3.1 smoothing, offsets scalar and per row); the property RoPE exists
-// for; bad input is named.
+// for; bad input is named. Then the modules' rope and qk_norm options: forward is QK-norm, RoPE
+// and attention composed, on every backend; cached decoding equals forward; the state dict
+// holds q_norm.weight and k_norm.weight and no tables; bad options and inputs are named.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "attnkit/rope.h"
+#include "attnkit/attnkit.h"
+#include "module_factory.h"
 #include "source_paths.h"
 #include "test_support.h"
 
@@ -197,6 +200,228 @@ TEST(Rope, BadInputNamesTheArgument) {
         apply_rope(x, cos, sin, torch::tensor({0.0, 1.0}));
       },
       "offsets must be an int64 scalar or (2) tensor, got [2] Float");
+}
+
+// ---- the modules' rope and qk_norm options -----------------------------------------------
+
+using attnkit::AttentionBackend;
+using attnkit::RopeOptions;
+using attnkit::testing::kBackends;
+using attnkit::testing::make_cached_attention;
+using attnkit::testing::ModuleConfig;
+
+// RMSNorm by its formula (eps 1e-6): x / sqrt(mean(x^2) + eps) * weight.
+torch::Tensor rms_normed(const torch::Tensor& x, const torch::Tensor& weight) {
+  return x / torch::sqrt(x.pow(2).mean(-1, true) + 1e-6) * weight;
+}
+
+// What a module with qk_norm and rope computes, spelled out with the functional pieces:
+// heads (b, n, h * hd) -> (b, h, n, hd), queries and keys normed and rotated at positions
+// 0 .. n - 1, causal attention (grouped when g < h), heads merged, out_proj.
+torch::Tensor composed(const torch::Tensor& x, torch::nn::Linear& W_query, torch::nn::Linear& W_key,
+                       torch::nn::Linear& W_value, torch::nn::Linear& out_proj, int64_t h,
+                       int64_t g, const torch::Tensor& q_weight, const torch::Tensor& k_weight,
+                       const RopeOptions& rope) {
+  const auto split = [](const torch::Tensor& t, int64_t heads) {
+    return t.view({t.size(0), t.size(1), heads, -1}).transpose(1, 2);
+  };
+  const auto [cos, sin] =
+      compute_rope_params(W_query->weight.size(0) / h, rope.theta_base(), rope.context_length(),
+                          rope.freq_config(), torch::kFloat64);
+  const auto q = apply_rope(rms_normed(split(W_query(x), h), q_weight), cos, sin, 0, rope.layout());
+  const auto k = apply_rope(rms_normed(split(W_key(x), g), k_weight), cos, sin, 0, rope.layout());
+  const auto context = attnkit::functional::attention(q, k, split(W_value(x), g),
+                                                      attnkit::functional::AttentionOptions()
+                                                          .mask(attnkit::Mask::causal())
+                                                          .backend(AttentionBackend::kMath));
+  return out_proj(context.transpose(1, 2).reshape({x.size(0), x.size(1), -1}));
+}
+
+void randomize_norm_weights(attnkit::RMSNorm& q_norm, attnkit::RMSNorm& k_norm) {
+  torch::NoGradGuard no_grad;
+  q_norm->weight.uniform_(0.5, 1.5);
+  k_norm->weight.uniform_(0.5, 1.5);
+}
+
+const std::vector<RopeOptions> kModuleRopes{
+    RopeOptions(16), RopeOptions(16)
+                         .theta_base(500000.0)
+                         .layout(RopeLayout::kInterleaved)
+                         .freq_config(RopeFrequencyConfig().factor(4).original_context_length(8))};
+
+TEST(RopeModules, ForwardIsQkNormThenRopeThenAttentionOnEveryBackend) {
+  torch::manual_seed(2);
+  const auto x = torch::randn({2, 11, 12}, torch::kFloat64);
+  for (const auto& rope : kModuleRopes) {
+    attnkit::MultiHeadAttention mha(attnkit::MultiHeadAttentionOptions(12, 16, 16, 0.0, 4)
+                                        .qkv_bias(true)
+                                        .rope(rope)
+                                        .qk_norm(true));
+    attnkit::GroupedQueryAttention gqa(
+        attnkit::GroupedQueryAttentionOptions(12, 16, 0.0, 4, 2).rope(rope).qk_norm(true));
+    attnkit::MultiHeadAttentionCombinedQKV combined(mha->options);
+    mha->to(torch::kFloat64);
+    gqa->to(torch::kFloat64);
+    combined->to(torch::kFloat64);
+    randomize_norm_weights(mha->q_norm, mha->k_norm);
+    randomize_norm_weights(gqa->q_norm, gqa->k_norm);
+    combined->copy_weights_from(*mha);
+    const auto mha_expected = composed(x, mha->W_query, mha->W_key, mha->W_value, mha->out_proj, 4,
+                                       4, mha->q_norm->weight, mha->k_norm->weight, rope);
+    const auto gqa_expected = composed(x, gqa->W_query, gqa->W_key, gqa->W_value, gqa->out_proj, 4,
+                                       2, gqa->q_norm->weight, gqa->k_norm->weight, rope);
+    const auto layout = rope.layout() == RopeLayout::kSplitHalf ? "split-half" : "interleaved";
+    for (const auto backend : kBackends) {
+      const auto label = c10::str(layout, " ", attnkit::backend_name(backend));
+      mha->options.backend(backend);
+      gqa->options.backend(backend);
+      combined->options.backend(backend);
+      EXPECT_TRUE(tensors_close(label + " MultiHeadAttention", mha(x), mha_expected, 1e-10));
+      EXPECT_TRUE(tensors_close(label + " GroupedQueryAttention", gqa(x), gqa_expected, 1e-10));
+      EXPECT_TRUE(tensors_close(label + " MultiHeadAttentionCombinedQKV", combined(x), mha_expected,
+                                1e-10));
+    }
+    EXPECT_TRUE(tensors_close(c10::str(layout, " forward_with_weights"),
+                              mha->forward_with_weights(x).context, mha_expected, 1e-10));
+    // A clone rebuilds its tables and computes the same.
+    const auto copy = std::dynamic_pointer_cast<attnkit::GroupedQueryAttentionImpl>(gqa->clone());
+    EXPECT_TRUE(tensors_close(c10::str(layout, " clone"), copy->forward(x), gqa_expected, 1e-10));
+  }
+}
+
+TEST(RopeModules, QkNormWeightsTrainAndRopeMakesAttentionShiftInvariant) {
+  torch::manual_seed(3);
+  attnkit::GroupedQueryAttention gqa(
+      attnkit::GroupedQueryAttentionOptions(8, 16, 0.0, 4, 1).rope(RopeOptions(64)).qk_norm(true));
+  gqa->to(torch::kFloat64);
+  const auto x = torch::randn({1, 6, 8}, torch::kFloat64);
+  gqa(x).pow(2).sum().backward();
+  for (const auto* name : {"q_norm.weight", "k_norm.weight"}) {
+    const auto grad = gqa->named_parameters()[name].grad();
+    ASSERT_TRUE(grad.defined()) << name;
+    EXPECT_GT(grad.abs().sum().item<double>(), 0.0) << name;
+  }
+  // With RoPE and no position embedding, what a token sees depends on distances only: the same
+  // tokens after 9 others (whose keys a causal query sees, so compare through the cache with
+  // those 9 keys dropped) give the same outputs. Here: tokens at positions 9.. of a cache whose
+  // first 9 entries are masked out equal the tokens at positions 0..
+  gqa->eval();
+  auto shifted = gqa->make_kv_cache(1, 32);
+  torch::NoGradGuard no_grad;
+  gqa->forward_with_cache(torch::randn({1, 9, 8}, torch::kFloat64), shifted);
+  const auto lengths_hidden = attnkit::Mask::from_function(
+      [](const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+         const torch::Tensor& kv_idx) { return kv_idx >= 9; });
+  EXPECT_TRUE(tensors_close("shifted by 9", gqa->forward_with_cache(x, shifted, lengths_hidden),
+                            gqa(x), 1e-10));
+}
+
+TEST(RopeModules, CachedDecodingEqualsForwardForEveryModuleAndBackend) {
+  torch::manual_seed(4);
+  ModuleConfig config;
+  config.d_in = 8;
+  config.d_out = 16;
+  config.context_length = 24;
+  config.num_heads = 4;
+  config.num_kv_groups = 2;
+  config.rope_context_length = 20;
+  config.qk_norm = true;
+  const auto x = torch::randn({2, 13, 8}, torch::kFloat64);
+  for (const auto& [name, window] :
+       {std::pair{"MultiHeadAttention", 0}, std::pair{"MultiHeadAttentionCombinedQKV", 0},
+        std::pair{"GroupedQueryAttention", 0}, std::pair{"GroupedQueryAttention", 5},
+        std::pair{"MultiHeadAttention", 4}}) {
+    config.sliding_window_size = window;
+    auto attention = make_cached_attention(name, config);
+    attention.module->to(torch::kFloat64);
+    attention.module->eval();
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& parameter : attention.module->named_parameters()) {
+        if (parameter.key().find("_norm.") != std::string::npos)
+          parameter.value().uniform_(0.5, 1.5);
+      }
+    }
+    for (const auto backend : kBackends) {
+      attention.set_backend(backend);
+      const auto label = c10::str(name, " window ", window, " ", attnkit::backend_name(backend));
+      const auto expected = attention.forward(x);
+      auto cache = attention.make_kv_cache(2, 20);
+      torch::NoGradGuard no_grad;
+      std::vector<torch::Tensor> pieces{attention.forward_with_cache(x.narrow(1, 0, 5), cache),
+                                        attention.forward_with_cache(x.narrow(1, 5, 3), cache)};
+      for (int64_t t = 8; t < 13; ++t)
+        pieces.push_back(attention.forward_with_cache(x.narrow(1, t, 1), cache));
+      EXPECT_TRUE(tensors_close(label, torch::cat(pieces, 1), expected, 1e-10));
+    }
+  }
+}
+
+TEST(RopeModules, StateDictHoldsTheNormWeightsAndNoTables) {
+  const auto options = attnkit::MultiHeadAttentionOptions(8, 16, 16, 0.0, 2).rope(RopeOptions(16));
+  attnkit::MultiHeadAttention plain(attnkit::MultiHeadAttentionOptions(8, 16, 16, 0.0, 2));
+  attnkit::MultiHeadAttention with_rope(options);
+  attnkit::MultiHeadAttention with_norm(attnkit::MultiHeadAttentionOptions(options).qk_norm(true));
+  EXPECT_EQ(attnkit::state_dict(*with_rope).keys(), attnkit::state_dict(*plain).keys());
+  auto keys = attnkit::state_dict(*plain).keys();
+  keys.push_back("q_norm.weight");
+  keys.push_back("k_norm.weight");
+  const auto normed = attnkit::state_dict(*with_norm);
+  EXPECT_EQ(normed.keys(), keys);
+  EXPECT_EQ(normed["q_norm.weight"].sizes(), torch::IntArrayRef({8}));
+  EXPECT_TRUE(torch::equal(normed["k_norm.weight"], torch::ones({8})));
+}
+
+TEST(RopeModules, BadOptionsAndInputsNameTheArgument) {
+  using attnkit::GroupedQueryAttentionOptions;
+  using attnkit::MultiHeadAttentionOptions;
+  expect_error_containing(
+      [] { attnkit::MultiHeadAttention(MultiHeadAttentionOptions(6, 6, 8, 0.0, 2).rope(8)); },
+      "[MultiHeadAttention] option rope needs an even head width (RoPE rotates pairs), got "
+      "d_out / num_heads = 3");
+  expect_error_containing(
+      [] { attnkit::GroupedQueryAttention(GroupedQueryAttentionOptions(8, 8, 0.0, 2, 1).rope(0)); },
+      "[GroupedQueryAttention] option rope: context_length must be >= 1, got 0");
+  expect_error_containing(
+      [] {
+        attnkit::GroupedQueryAttention(
+            GroupedQueryAttentionOptions(8, 8, 0.0, 2, 1).rope(RopeOptions(8).theta_base(0)));
+      },
+      "option rope: theta_base must be > 0, got 0");
+
+  attnkit::GroupedQueryAttention gqa(
+      GroupedQueryAttentionOptions(8, 8, 0.0, 2, 1).rope(RopeOptions(6)).qk_norm(true));
+  std::ostringstream printed;
+  printed << *gqa;
+  EXPECT_NE(printed.str().find(
+                ", rope=(context_length=6, theta_base=10000, layout=split_half), qk_norm=true)"),
+            std::string::npos)
+      << printed.str();
+  const auto x = torch::randn({1, 4, 8});
+  expect_error_containing([&] { gqa(x, x); },
+                          "[GroupedQueryAttention::forward] key: RoPE rotates queries and keys by "
+                          "their positions in one sequence, so a module with the rope option does "
+                          "self-attention only; got key [1, 4, 8]");
+  expect_error_containing(
+      [&] {
+        gqa(torch::randn({1, 7, 8}));
+      },
+      "[GroupedQueryAttention::forward] query: 7 tokens from position 0 would "
+      "reach position 7, past rope.context_length = 6");
+  gqa->eval();
+  auto cache = gqa->make_kv_cache(1, 32);
+  torch::NoGradGuard no_grad;
+  gqa->forward_with_cache(x, cache);
+  expect_error_containing(
+      [&] {
+        gqa->forward_with_cache(torch::randn({1, 3, 8}), cache);
+      },
+      "[GroupedQueryAttention::forward_with_cache] x: 3 tokens from position "
+      "4 would reach position 7, past rope.context_length = 6");
+  EXPECT_EQ(cache.size(), 4);  // nothing was written
+  attnkit::MultiHeadAttention mha(MultiHeadAttentionOptions(8, 8, 8, 0.0, 2).rope(8));
+  expect_error_containing([&] { mha->forward_with_weights(x, x); },
+                          "[MultiHeadAttention::forward] key: RoPE rotates");
 }
 
 }  // namespace

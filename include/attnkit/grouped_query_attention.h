@@ -10,6 +10,8 @@
 #include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
+#include "attnkit/rms_norm.h"
+#include "attnkit/rope.h"
 
 namespace attnkit {
 
@@ -42,7 +44,8 @@ class GroupedQueryAttentionImpl : public torch::nn::Cloneable<GroupedQueryAttent
   /// Self-attention `forward(x)`: (b, n, d_in) -> (b, n, d_out); cross-attention
   /// `forward(query, key, value)` with keys and values from key and value (b, m, d_in), value
   /// defaulting to key. `mask` (docs/masks.md) combines with the causal and window mask, as
-  /// in MultiHeadAttention. Computed by `options.backend()`.
+  /// in MultiHeadAttention. Computed by `options.backend()`. With `rope`, self-attention only
+  /// (token i at position i); `qk_norm` normalises the heads in both.
   torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& key = {},
                         const torch::Tensor& value = {}, const Mask& mask = {});
 
@@ -60,7 +63,8 @@ class GroupedQueryAttentionImpl : public torch::nn::Cloneable<GroupedQueryAttent
   /// Inference with a KV cache, as `MultiHeadAttention::forward_with_cache`: x (b, n, d_in)
   /// holds the next n tokens; returns the rows forward() gives them over the whole sequence.
   /// `mask` as there: query index the row of x, key index the position in the cache; refused
-  /// on a rolling cache.
+  /// on a rolling cache. With `rope`, new queries and keys are rotated at their positions
+  /// before the keys enter the cache; positions past rope's context_length are refused.
   torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
 
   /// The options this module was built with (reset() re-reads them).
@@ -73,6 +77,11 @@ class GroupedQueryAttentionImpl : public torch::nn::Cloneable<GroupedQueryAttent
   torch::nn::Linear W_query{nullptr};
   /// Output projection after the heads are merged, d_out -> d_out, no bias.
   torch::nn::Linear out_proj{nullptr};
+  /// With `qk_norm`: RMSNorm over each query head and each key head (head_dim); otherwise
+  /// empty.
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};
+  /// With `rope`: the tables queries and keys are rotated by; otherwise undefined.
+  detail::RopeTables rope_tables;
 
  protected:
   // forward(x) keeps working through torch::nn::AnyModule and Sequential.

@@ -10,6 +10,8 @@
 #include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
+#include "attnkit/rms_norm.h"
+#include "attnkit/rope.h"
 
 namespace attnkit {
 
@@ -82,7 +84,8 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// key and value (b, m, d_in) (value defaults to key; m may differ from n). `mask`
   /// (docs/masks.md) combines with the module's own causal and window settings, e.g.
   /// `Mask::key_padding(lengths)` for padded batches or `Mask::documents(ids)` for packed
-  /// ones. Computed by `options.backend()`.
+  /// ones. Computed by `options.backend()`. With `rope`, self-attention only (token i at
+  /// position i); `qk_norm` normalises the heads in both.
   /// Example: `mha->forward(x, {}, {}, attnkit::Mask::key_padding(lengths))`.
   torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& key = {},
                         const torch::Tensor& value = {}, const Mask& mask = {});
@@ -106,9 +109,10 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// a prompt at once (prefill), in pieces, or a token at a time; computed by
   /// `options.backend()`. `mask` combines with the causal one; its query index is the row of
   /// x and its key index the position in the cache (0 .. cache.size() + n), e.g.
-  /// `Mask::key_padding` over those positions. Runs without autograd. Fails (c10::Error) in
-  /// training mode, with causal(false), with a mask on a rolling cache, and when the positions
-  /// would pass context_length or the capacity.
+  /// `Mask::key_padding` over those positions. With `rope`, the new queries and keys are
+  /// rotated at their positions before the keys enter the cache. Runs without autograd. Fails
+  /// (c10::Error) in training mode, with causal(false), with a mask on a rolling cache, and
+  /// when the positions would pass context_length, rope's context_length or the capacity.
   torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
 
   /// The options this module was built with (reset() re-reads them).
@@ -121,6 +125,11 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   torch::nn::Linear W_value{nullptr};
   /// Output projection after the heads are merged, d_out -> d_out, with bias.
   torch::nn::Linear out_proj{nullptr};
+  /// With `qk_norm`: RMSNorm over each query head and each key head (d_out / num_heads);
+  /// otherwise empty.
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};
+  /// With `rope`: the tables queries and keys are rotated by; otherwise undefined.
+  detail::RopeTables rope_tables;
 
  protected:
   // forward(x) keeps working through torch::nn::AnyModule and Sequential.
@@ -197,6 +206,10 @@ class MultiHeadAttentionCombinedQKVImpl
   torch::nn::Linear qkv{nullptr};
   /// Output projection after the heads are merged, d_out -> d_out, with bias.
   torch::nn::Linear out_proj{nullptr};
+  /// With `qk_norm`: RMSNorm over each query head and each key head; otherwise empty.
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};
+  /// With `rope`: the tables queries and keys are rotated by; otherwise undefined.
+  detail::RopeTables rope_tables;
 
  protected:
   FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},

@@ -14,6 +14,58 @@
 
 namespace attnkit {
 
+namespace functional {
+
+/// Llama 3.1 / 3.2 frequency smoothing of RoPE (functional::compute_rope_params):
+/// wavelengths longer than original_context_length / low_freq_factor are divided by `factor`,
+/// those shorter than original_context_length / high_freq_factor are kept, and those between
+/// are blended. The defaults are Llama 3.1's (Llama 3.2 uses factor 32).
+/// Example: `compute_rope_params(64, 500000, 8192, RopeFrequencyConfig().factor(32))`.
+struct RopeFrequencyConfig {
+  TORCH_ARG(double, factor) = 8.0;
+  TORCH_ARG(double, low_freq_factor) = 1.0;
+  TORCH_ARG(double, high_freq_factor) = 4.0;
+  TORCH_ARG(int64_t, original_context_length) = 8192;
+};
+
+/// Which elements of a head RoPE rotates together.
+enum class RopeLayout {
+  kSplitHalf,    // element i with element i + head_dim / 2 (the book's, Hugging Face Llama's)
+  kInterleaved,  // element 2i with element 2i + 1 (GPT-J's, Meta's original Llama code)
+};
+
+/// Rotary position embeddings inside a module (`.rope(RopeOptions(...))` on
+/// MultiHeadAttention and GroupedQueryAttention): queries and keys rotated at their
+/// positions, after QK-norm and before attention and the KV cache. `context_length` is the
+/// most positions the tables cover. Example: Llama 3.2's
+/// `RopeOptions(131072).theta_base(500000).freq_config(RopeFrequencyConfig().factor(32))`.
+struct RopeOptions {
+  /* implicit */ RopeOptions(int64_t context_length = 4096) : context_length_(context_length) {}
+
+  TORCH_ARG(int64_t, context_length);
+  TORCH_ARG(double, theta_base) = 10000.0;
+  /// Unset: no frequency smoothing.
+  TORCH_ARG(c10::optional<RopeFrequencyConfig>, freq_config) = c10::nullopt;
+  TORCH_ARG(RopeLayout, layout) = RopeLayout::kSplitHalf;
+};
+
+}  // namespace functional
+
+using functional::RopeFrequencyConfig;
+using functional::RopeLayout;
+using functional::RopeOptions;
+
+/// Options for `RMSNorm` (PyTorch's `nn.RMSNorm(normalized_shape, eps)` over the last
+/// dimension): x / sqrt(mean(x^2) + eps) * weight. Example: `RMSNormOptions(64).eps(1e-5)`.
+struct RMSNormOptions {
+  /* implicit */ RMSNormOptions(int64_t dim) : dim_(dim) {}
+
+  /// Width of the last dimension, normalised over.
+  TORCH_ARG(int64_t, dim);
+  /// Added to the mean square (Qwen3's and Gemma 3's 1e-6).
+  TORCH_ARG(double, eps) = 1e-6;
+};
+
 /// Options for `SelfAttentionV1` (Python `SelfAttention_v1(d_in, d_out)`).
 /// Example: `SelfAttentionV1Options(/*d_in=*/3, /*d_out=*/2)`.
 struct SelfAttentionV1Options {
@@ -149,6 +201,12 @@ struct MultiHeadAttentionOptions {
   TORCH_ARG(int64_t, chunk_size) = 128;
   /// Key tokens per block of the chunked backend.
   TORCH_ARG(int64_t, key_chunk_size) = 1024;
+  /// Rotary position embeddings on queries and keys (Llama, Qwen, Gemma); unset: none.
+  /// Needs an even head width; self-attention only.
+  TORCH_ARG(c10::optional<RopeOptions>, rope) = c10::nullopt;
+  /// QK-norm (Qwen3, Gemma 3): RMSNorm over each query and key head, with learnable weights
+  /// `q_norm.weight` and `k_norm.weight` (head width), before RoPE.
+  TORCH_ARG(bool, qk_norm) = false;
 };
 
 /// Same options as `MultiHeadAttention`.
@@ -189,6 +247,10 @@ struct GroupedQueryAttentionOptions {
   TORCH_ARG(int64_t, chunk_size) = 128;
   /// Key tokens per block of the chunked backend.
   TORCH_ARG(int64_t, key_chunk_size) = 1024;
+  /// Rotary position embeddings on queries and keys, as in `MultiHeadAttentionOptions`.
+  TORCH_ARG(c10::optional<RopeOptions>, rope) = c10::nullopt;
+  /// QK-norm (Qwen3, Gemma 3), as in `MultiHeadAttentionOptions`.
+  TORCH_ARG(bool, qk_norm) = false;
 };
 
 /// Options for `MultiHeadLatentAttention` (the bonus material's Python

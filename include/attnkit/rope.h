@@ -2,31 +2,18 @@
 
 /// Rotary position embeddings (RoPE), as Llama, Qwen and Gemma apply them to queries and keys.
 /// Names and the default split-half layout follow the book's Llama code (ch05:
-/// compute_rope_params / apply_rope); docs/rope.md has the conventions.
+/// compute_rope_params / apply_rope); docs/rope.md has the conventions. RopeFrequencyConfig,
+/// RopeLayout and the modules' RopeOptions are in attnkit/options.h.
 
 #include <torch/torch.h>
 
+#include <memory>
+#include <mutex>
 #include <tuple>
 
+#include "attnkit/options.h"
+
 namespace attnkit::functional {
-
-/// Llama 3.1 / 3.2 frequency smoothing: wavelengths longer than
-/// original_context_length / low_freq_factor are divided by `factor`, those shorter than
-/// original_context_length / high_freq_factor are kept, and those between are blended.
-/// The defaults are Llama 3.1's (Llama 3.2 uses factor 32).
-/// Example: `compute_rope_params(64, 500000, 8192, RopeFrequencyConfig().factor(32))`.
-struct RopeFrequencyConfig {
-  TORCH_ARG(double, factor) = 8.0;
-  TORCH_ARG(double, low_freq_factor) = 1.0;
-  TORCH_ARG(double, high_freq_factor) = 4.0;
-  TORCH_ARG(int64_t, original_context_length) = 8192;
-};
-
-/// Which elements of a head are rotated together.
-enum class RopeLayout {
-  kSplitHalf,    // element i with element i + head_dim / 2 (the book's, Hugging Face Llama's)
-  kInterleaved,  // element 2i with element 2i + 1 (GPT-J's, Meta's original Llama code)
-};
 
 /// The cosine and sine tables, each (context_length, head_dim): row p holds position p's
 /// angles p * inv_freq[i], i < head_dim / 2, written twice ([angles, angles]), as the book
@@ -49,3 +36,37 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
                          const torch::Tensor& offsets, RopeLayout layout = RopeLayout::kSplitHalf);
 
 }  // namespace attnkit::functional
+
+namespace attnkit::detail {
+
+/// A module's RoPE: compute_rope_params's tables for its RopeOptions, built once in float64
+/// and handed out on the device and in the precision of the heads they rotate (float64 for
+/// float64 heads, else float32; the rotation's result keeps the heads' dtype). A conversion
+/// is kept, so a module on CUDA copies its tables once, not per call. Copies share the kept
+/// conversions; rebuild (construct again) after changing the options.
+class RopeTables {
+ public:
+  RopeTables() = default;
+  RopeTables(const RopeOptions& options, int64_t head_dim);
+
+  bool defined() const { return cos64_.defined(); }
+  /// Positions the tables cover.
+  int64_t context_length() const { return cos64_.defined() ? cos64_.size(0) : 0; }
+  /// heads (b, h, n, head_dim) rotated, row r's token i at position offsets + i, offsets an
+  /// int64 scalar or a (b) tensor (functional::apply_rope).
+  torch::Tensor rotate(const torch::Tensor& heads, int64_t offset) const;
+  torch::Tensor rotate(const torch::Tensor& heads, const torch::Tensor& offsets) const;
+
+ private:
+  std::pair<torch::Tensor, torch::Tensor> tables_like(const torch::Tensor& heads) const;
+
+  torch::Tensor cos64_, sin64_;  // (context_length, head_dim), float64, CPU
+  functional::RopeLayout layout_ = functional::RopeLayout::kSplitHalf;
+  struct Converted {
+    std::mutex mutex;
+    torch::Tensor cos, sin;  // the last conversion handed out
+  };
+  std::shared_ptr<Converted> converted_;
+};
+
+}  // namespace attnkit::detail

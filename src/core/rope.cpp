@@ -147,3 +147,37 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
 }
 
 }  // namespace attnkit::functional
+
+namespace attnkit::detail {
+
+RopeTables::RopeTables(const RopeOptions& options, int64_t head_dim)
+    : layout_(options.layout()), converted_(std::make_shared<Converted>()) {
+  std::tie(cos64_, sin64_) =
+      functional::compute_rope_params(head_dim, options.theta_base(), options.context_length(),
+                                      options.freq_config(), torch::kFloat64);
+}
+
+std::pair<torch::Tensor, torch::Tensor> RopeTables::tables_like(const torch::Tensor& heads) const {
+  TORCH_CHECK(defined(), "[RopeTables] no tables: the module has no rope option");
+  const auto dtype = heads.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  std::lock_guard<std::mutex> lock(converted_->mutex);
+  auto& kept = *converted_;
+  if (!kept.cos.defined() || kept.cos.scalar_type() != dtype ||
+      kept.cos.device() != heads.device()) {
+    kept.cos = cos64_.to(heads.device(), dtype);
+    kept.sin = sin64_.to(heads.device(), dtype);
+  }
+  return {kept.cos, kept.sin};
+}
+
+torch::Tensor RopeTables::rotate(const torch::Tensor& heads, int64_t offset) const {
+  const auto [cos, sin] = tables_like(heads);
+  return functional::apply_rope(heads, cos, sin, offset, layout_);
+}
+
+torch::Tensor RopeTables::rotate(const torch::Tensor& heads, const torch::Tensor& offsets) const {
+  const auto [cos, sin] = tables_like(heads);
+  return functional::apply_rope(heads, cos, sin, offsets, layout_);
+}
+
+}  // namespace attnkit::detail

@@ -29,12 +29,15 @@ functional::AttentionOutput attend_inputs(GroupedQueryAttentionImpl& module,
   const auto& opt = module.options;
   const auto [key_input, value_input] =
       detail::key_value_inputs(kName, query, key, value, {opt.d_in()}, module.W_query->weight);
+  detail::check_rope_forward(kName, module.rope_tables, query, key);
   const auto g = opt.num_kv_groups();
-  auto attended =
-      detail::attend(detail::split_heads(module.W_query(query), opt.num_heads()),
-                     detail::split_heads(module.W_key(key_input), g),
-                     detail::split_heads(module.W_value(value_input), g), settings_of(opt),
-                     module.is_training(), /*query_offset=*/0, with_weights, mask);
+  const auto [queries, keys] =
+      detail::QueryKeyTransform{module.q_norm, module.k_norm, module.rope_tables}(
+          detail::split_heads(module.W_query(query), opt.num_heads()),
+          detail::split_heads(module.W_key(key_input), g), int64_t{0});
+  auto attended = detail::attend(queries, keys, detail::split_heads(module.W_value(value_input), g),
+                                 settings_of(opt), module.is_training(), /*query_offset=*/0,
+                                 with_weights, mask);
   return {module.out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 
@@ -73,6 +76,8 @@ void GroupedQueryAttentionImpl::reset() {
                             torch::nn::Linear(torch::nn::LinearOptions(d_in, d_out).bias(bias)));
   out_proj = register_module("out_proj",
                              torch::nn::Linear(torch::nn::LinearOptions(d_out, d_out).bias(false)));
+  rope_tables = detail::reset_query_key_transform(kName, *this, options.rope(), options.qk_norm(),
+                                                  d_out / options.num_heads(), q_norm, k_norm);
 }
 
 void GroupedQueryAttentionImpl::reset_parameters() {
@@ -80,6 +85,10 @@ void GroupedQueryAttentionImpl::reset_parameters() {
   W_value->reset_parameters();
   W_query->reset_parameters();
   out_proj->reset_parameters();
+  if (options.qk_norm()) {
+    q_norm->reset_parameters();
+    k_norm->reset_parameters();
+  }
 }
 
 void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
@@ -90,7 +99,9 @@ void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
          << ", sliding_window_size=" << detail::option_text(options.sliding_window_size())
          << ", backend=" << backend_name(options.backend())
          << ", chunk_size=" << options.chunk_size()
-         << ", key_chunk_size=" << options.key_chunk_size() << ")";
+         << ", key_chunk_size=" << options.key_chunk_size();
+  detail::print_query_key_options(stream, options.rope(), options.qk_norm());
+  stream << ")";
 }
 
 functional::AttentionOutput GroupedQueryAttentionImpl::forward_with_weights(
@@ -114,12 +125,16 @@ torch::Tensor GroupedQueryAttentionImpl::forward_with_cache(const torch::Tensor&
                                                             const Mask& mask) {
   detail::check_cached_call(kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
                             cache_layout_of(options), W_query->weight, mask);
+  detail::check_rope_positions(kName, "forward_with_cache] x", rope_tables, cache.size(),
+                               x.size(1));
   torch::NoGradGuard no_grad;
   const auto g = options.num_kv_groups();
-  const auto span =
-      cache.append(detail::split_heads(W_key(x), g), detail::split_heads(W_value(x), g));
-  const auto context = detail::attend(detail::split_heads(W_query(x), options.num_heads()),
-                                      span.keys, span.values, settings_of(options),
+  // New queries and keys normed and rotated at their positions; the cache keeps rotated keys.
+  const auto [queries, keys] = detail::QueryKeyTransform{q_norm, k_norm, rope_tables}(
+      detail::split_heads(W_query(x), options.num_heads()), detail::split_heads(W_key(x), g),
+      cache.size());
+  const auto span = cache.append(keys, detail::split_heads(W_value(x), g));
+  const auto context = detail::attend(queries, span.keys, span.values, settings_of(options),
                                       /*training=*/false, span.query_offset,
                                       /*with_weights=*/false, mask)
                            .context;

@@ -1,6 +1,7 @@
 #include "modules/module_attention.h"
 
 #include "core/checks.h"
+#include "modules/module_helpers.h"
 
 namespace attnkit::detail {
 
@@ -123,6 +124,64 @@ void check_cached_call(const char* module, bool training, const torch::Tensor& x
               "::forward_with_cache] mask: a rolling cache of window_size ", layout.window_size,
               " keeps its keys in storage order, so a mask cannot name their positions; got ",
               mask.to_string(), "; masks work with the caches of modules without a window");
+}
+
+RopeTables reset_query_key_transform(const char* name, torch::nn::Module& module,
+                                     const c10::optional<RopeOptions>& rope, bool qk_norm,
+                                     int64_t head_dim, RMSNorm& q_norm, RMSNorm& k_norm) {
+  if (qk_norm) {
+    q_norm = module.register_module("q_norm", RMSNorm(RMSNormOptions(head_dim)));
+    k_norm = module.register_module("k_norm", RMSNorm(RMSNormOptions(head_dim)));
+  }
+  if (!rope)
+    return {};
+  TORCH_CHECK(head_dim % 2 == 0, "[", name,
+              "] option rope needs an even head width (RoPE rotates pairs), got d_out / "
+              "num_heads = ",
+              head_dim);
+  TORCH_CHECK(rope->context_length() >= 1, "[", name,
+              "] option rope: context_length must be >= 1, got ", rope->context_length());
+  TORCH_CHECK(rope->theta_base() > 0.0, "[", name, "] option rope: theta_base must be > 0, got ",
+              rope->theta_base());
+  return RopeTables(*rope, head_dim);
+}
+
+void print_query_key_options(std::ostream& stream, const c10::optional<RopeOptions>& rope,
+                             bool qk_norm) {
+  if (rope) {
+    stream << ", rope=(context_length=" << rope->context_length()
+           << ", theta_base=" << option_text(rope->theta_base()) << ", layout="
+           << (rope->layout() == RopeLayout::kSplitHalf ? "split_half" : "interleaved");
+    if (const auto& config = rope->freq_config()) {
+      stream << ", freq_config=(factor=" << option_text(config->factor())
+             << ", low_freq_factor=" << option_text(config->low_freq_factor())
+             << ", high_freq_factor=" << option_text(config->high_freq_factor())
+             << ", original_context_length=" << config->original_context_length() << ")";
+    }
+    stream << ")";
+  }
+  if (qk_norm)
+    stream << ", qk_norm=true";
+}
+
+void check_rope_forward(const char* name, const RopeTables& rope, const torch::Tensor& query,
+                        const torch::Tensor& key) {
+  if (!rope.defined())
+    return;
+  TORCH_CHECK(!key.defined(), "[", name,
+              "::forward] key: RoPE rotates queries and keys by their positions in one "
+              "sequence, so a module with the rope option does self-attention only; got key ",
+              shape_string(key));
+  check_rope_positions(name, "forward] query", rope, 0, query.size(1));
+}
+
+void check_rope_positions(const char* name, const char* where, const RopeTables& rope,
+                          int64_t start, int64_t n) {
+  if (!rope.defined())
+    return;
+  TORCH_CHECK(start + n <= rope.context_length(), "[", name, "::", where, ": ", n,
+              " tokens from position ", start, " would reach position ", start + n,
+              ", past rope.context_length = ", rope.context_length(), " (the RoPE tables' length)");
 }
 
 }  // namespace attnkit::detail

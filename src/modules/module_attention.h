@@ -10,6 +10,8 @@
 #include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
+#include "attnkit/rms_norm.h"
+#include "attnkit/rope.h"
 #include "core/checks.h"
 
 namespace attnkit::detail {
@@ -61,5 +63,53 @@ KVCache make_module_cache(const char* module, const CacheLayout& layout, int64_t
 void check_cached_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
                        int64_t context_length, const KVCache& cache, const CacheLayout& layout,
                        const torch::Tensor& parameter, const Mask& mask = {});
+
+/// What a module with QK-norm or RoPE does to its heads between the projections and
+/// attention. `q_norm`/`k_norm` are empty holders without qk_norm, `rope` undefined without
+/// rope.
+struct QueryKeyTransform {
+  const RMSNorm& q_norm;
+  const RMSNorm& k_norm;
+  const RopeTables& rope;
+
+  bool active() const { return !q_norm.is_empty() || rope.defined(); }
+  /// Query heads (b, h, n, hd) and key heads (b, g, m, hd) normed, then rotated with token i
+  /// at position `positions` + i (an int64_t, or an int64 scalar or (b) tensor).
+  template <typename Positions>
+  std::pair<torch::Tensor, torch::Tensor> operator()(torch::Tensor queries, torch::Tensor keys,
+                                                     const Positions& positions) const {
+    if (!q_norm.is_empty()) {
+      queries = q_norm.ptr()->forward(queries);
+      keys = k_norm.ptr()->forward(keys);
+    }
+    if (rope.defined()) {
+      queries = rope.rotate(queries, positions);
+      keys = rope.rotate(keys, positions);
+    }
+    return {queries, keys};
+  }
+};
+
+/// A module's reset() for its rope and qk_norm options: refuses an odd head width with RoPE
+/// and a rope context_length < 1; returns the tables (undefined without rope) and registers
+/// `q_norm` and `k_norm` (RMSNorm over head_dim) on `module` with qk_norm.
+RopeTables reset_query_key_transform(const char* name, torch::nn::Module& module,
+                                     const c10::optional<RopeOptions>& rope, bool qk_norm,
+                                     int64_t head_dim, RMSNorm& q_norm, RMSNorm& k_norm);
+
+/// pretty_print's text for the rope and qk_norm options, each only when set:
+/// `, rope=(context_length=4096, theta_base=10000, layout=split_half), qk_norm=true`.
+void print_query_key_options(std::ostream& stream, const c10::optional<RopeOptions>& rope,
+                             bool qk_norm);
+
+/// forward's check for a module with RoPE: self-attention (key undefined) of at most the
+/// tables' context_length tokens.
+void check_rope_forward(const char* name, const RopeTables& rope, const torch::Tensor& query,
+                        const torch::Tensor& key);
+
+/// The check for a module with RoPE that positions [start, start + n) are within the tables;
+/// `where` is the message's "function] argument", e.g. "forward_with_cache] x".
+void check_rope_positions(const char* name, const char* where, const RopeTables& rope,
+                          int64_t start, int64_t n);
 
 }  // namespace attnkit::detail

@@ -38,7 +38,9 @@ void print_multi_head_options(std::ostream& stream, const char* name,
          << ", sliding_window_size=" << detail::option_text(options.sliding_window_size())
          << ", backend=" << backend_name(options.backend())
          << ", chunk_size=" << options.chunk_size()
-         << ", key_chunk_size=" << options.key_chunk_size() << ")";
+         << ", key_chunk_size=" << options.key_chunk_size();
+  detail::print_query_key_options(stream, options.rope(), options.qk_norm());
+  stream << ")";
 }
 
 // The settings the attention core gets from the module's options.
@@ -74,9 +76,11 @@ void check_cached_mha_call(const char* name, const MultiHeadAttentionOptions& op
                             cache_layout_of(opt), parameter, mask);
 }
 
-torch::Tensor attend_with_cache(const torch::Tensor& queries, const torch::Tensor& keys,
+torch::Tensor attend_with_cache(const torch::Tensor& new_queries, const torch::Tensor& new_keys,
                                 const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
-                                KVCache& cache, torch::nn::Linear& out_proj, const Mask& mask) {
+                                KVCache& cache, torch::nn::Linear& out_proj, const Mask& mask,
+                                const detail::QueryKeyTransform& transform) {
+  const auto [queries, keys] = transform(new_queries, new_keys, cache.size());
   const auto span = cache.append(keys, values);
   const auto context = detail::attend(queries, span.keys, span.values, settings_of(opt),
                                       /*training=*/false, span.query_offset,
@@ -88,7 +92,7 @@ torch::Tensor attend_with_cache(const torch::Tensor& queries, const torch::Tenso
 // Heads (b, h, n, hd) attended with the weights (the book's math path), merged and projected.
 F::AttentionOutput attend_heads(const torch::Tensor& queries, const torch::Tensor& keys,
                                 const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
-                                bool training, torch::nn::Linear& out_proj, const Mask& mask = {}) {
+                                bool training, torch::nn::Linear& out_proj, const Mask& mask) {
   auto attended = detail::attend(queries, keys, values, settings_of(opt), training,
                                  /*query_offset=*/0, /*with_weights=*/true, mask);
   return {out_proj(detail::merge_heads(attended.context)), attended.weights};
@@ -164,6 +168,9 @@ void MultiHeadAttentionImpl::reset() {
   W_key = register_module("W_key", torch::nn::Linear(projection));
   W_value = register_module("W_value", torch::nn::Linear(projection));
   out_proj = register_module("out_proj", torch::nn::Linear(d_out, d_out));
+  rope_tables = detail::reset_query_key_transform(
+      "MultiHeadAttention", *this, options.rope(), options.qk_norm(),
+      options.d_out() / options.num_heads(), q_norm, k_norm);
 }
 
 void MultiHeadAttentionImpl::reset_parameters() {
@@ -171,6 +178,10 @@ void MultiHeadAttentionImpl::reset_parameters() {
   W_key->reset_parameters();
   W_value->reset_parameters();
   out_proj->reset_parameters();
+  if (options.qk_norm()) {
+    q_norm->reset_parameters();
+    k_norm->reset_parameters();
+  }
 }
 
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
@@ -184,10 +195,12 @@ F::AttentionOutput MultiHeadAttentionImpl::forward_with_weights(const torch::Ten
   const auto [key_input, value_input] =
       detail::key_value_inputs("MultiHeadAttention", query, key, value,
                                {options.d_in(), options.context_length()}, W_query->weight);
+  detail::check_rope_forward("MultiHeadAttention", rope_tables, query, key);
   const auto h = options.num_heads();
-  return attend_heads(
-      detail::split_heads(W_query(query), h), detail::split_heads(W_key(key_input), h),
-      detail::split_heads(W_value(value_input), h), options, is_training(), out_proj, mask);
+  const auto [queries, keys] = detail::QueryKeyTransform{q_norm, k_norm, rope_tables}(
+      detail::split_heads(W_query(query), h), detail::split_heads(W_key(key_input), h), int64_t{0});
+  return attend_heads(queries, keys, detail::split_heads(W_value(value_input), h), options,
+                      is_training(), out_proj, mask);
 }
 
 KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
@@ -199,12 +212,15 @@ torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x,
                                                          const Mask& mask) {
   check_cached_mha_call("MultiHeadAttention", options, is_training(), x, cache, W_query->weight,
                         mask);
+  detail::check_rope_positions("MultiHeadAttention", "forward_with_cache] x", rope_tables,
+                               cache.size(), x.size(1));
   torch::NoGradGuard no_grad;
   // Three projections, not forward()'s one GEMM over concatenated weights: per decoded
   // token that concatenation would copy all three weight matrices.
   const auto h = options.num_heads();
   return attend_with_cache(detail::split_heads(W_query(x), h), detail::split_heads(W_key(x), h),
-                           detail::split_heads(W_value(x), h), options, cache, out_proj, mask);
+                           detail::split_heads(W_value(x), h), options, cache, out_proj, mask,
+                           {q_norm, k_norm, rope_tables});
 }
 
 torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
@@ -216,10 +232,12 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const 
     const auto [key_input, value_input] =
         detail::key_value_inputs("MultiHeadAttention", query, key, value,
                                  {options.d_in(), options.context_length()}, W_query->weight);
+    detail::check_rope_forward("MultiHeadAttention", rope_tables, query, key);
     const auto h = options.num_heads();
-    const auto context = detail::attend(detail::split_heads(W_query(query), h),
-                                        detail::split_heads(W_key(key_input), h),
-                                        detail::split_heads(W_value(value_input), h),
+    const detail::QueryKeyTransform transform{q_norm, k_norm, rope_tables};
+    const auto [queries, keys] = transform(detail::split_heads(W_query(query), h),
+                                           detail::split_heads(W_key(key_input), h), int64_t{0});
+    const auto context = detail::attend(queries, keys, detail::split_heads(W_value(value_input), h),
                                         settings_of(options), is_training(), 0, false, mask)
                              .context;
     return out_proj(detail::merge_heads(context));
@@ -227,13 +245,15 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const 
   const auto& x = query;
   detail::key_value_inputs("MultiHeadAttention", query, key, value,
                            {options.d_in(), options.context_length()}, W_query->weight);
+  detail::check_rope_forward("MultiHeadAttention", rope_tables, query, key);
+  const detail::QueryKeyTransform transform{q_norm, k_norm, rope_tables};
   // One GEMM for Q, K and V: the three weights stacked into (3 * d_out, d_in).
   const auto weight = torch::cat({W_query->weight, W_key->weight, W_value->weight});
   const auto bias = options.qkv_bias() ? torch::cat({W_query->bias, W_key->bias, W_value->bias})
                                        : torch::Tensor();
   const auto qkv = torch::nn::functional::linear(x, weight, bias);  // (b, n, 3 * d_out)
   const auto h = options.num_heads();
-  if (options.backend() == AttentionBackend::kFused && mask.is_none()) {
+  if (options.backend() == AttentionBackend::kFused && mask.is_none() && !transform.active()) {
     // On LibTorch 1.x, a kernel that reads the packed projection in place, for short inputs.
     const auto merged =
         detail::packed_fused_attention_if_fits(qkv, h,
@@ -246,8 +266,8 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const 
       return out_proj(merged);
   }
   const auto qkv_parts = qkv.chunk(3, -1);
-  const auto queries = detail::split_heads(qkv_parts[0], h);
-  const auto keys = detail::split_heads(qkv_parts[1], h);
+  const auto [queries, keys] = transform(detail::split_heads(qkv_parts[0], h),
+                                         detail::split_heads(qkv_parts[1], h), int64_t{0});
   const auto values = detail::split_heads(qkv_parts[2], h);
   const auto context =
       detail::attend(queries, keys, values, settings_of(options), is_training(), 0, false, mask)
@@ -261,7 +281,8 @@ namespace {
 
 constexpr const char* kCombinedName = "MultiHeadAttentionCombinedQKV";
 
-// forward's checks (self-attention only), then 3 x (b, h, n, hd) from the one projection.
+// forward's checks (self-attention only), then 3 x (b, h, n, hd) from the one projection,
+// queries and keys normed and rotated as the options say.
 std::vector<torch::Tensor> combined_qkv_heads(MultiHeadAttentionCombinedQKVImpl& module,
                                               const torch::Tensor& query, const torch::Tensor& key,
                                               const torch::Tensor& value) {
@@ -276,7 +297,11 @@ std::vector<torch::Tensor> combined_qkv_heads(MultiHeadAttentionCombinedQKVImpl&
   detail::check_forward_input(kCombinedName, query,
                               {module.options.d_in(), module.options.context_length()},
                               module.qkv->weight, "query");
-  return split_combined_qkv(module.qkv(query), module.options.num_heads());
+  detail::check_rope_forward(kCombinedName, module.rope_tables, query, key);
+  auto q_k_v = split_combined_qkv(module.qkv(query), module.options.num_heads());
+  std::tie(q_k_v[0], q_k_v[1]) = detail::QueryKeyTransform{
+      module.q_norm, module.k_norm, module.rope_tables}(q_k_v[0], q_k_v[1], int64_t{0});
+  return q_k_v;
 }
 
 }  // namespace
@@ -294,11 +319,18 @@ void MultiHeadAttentionCombinedQKVImpl::reset() {
   qkv = register_module(
       "qkv", torch::nn::Linear(torch::nn::LinearOptions(d_in, 3 * d_out).bias(options.qkv_bias())));
   out_proj = register_module("out_proj", torch::nn::Linear(d_out, d_out));
+  rope_tables =
+      detail::reset_query_key_transform(kCombinedName, *this, options.rope(), options.qk_norm(),
+                                        options.d_out() / options.num_heads(), q_norm, k_norm);
 }
 
 void MultiHeadAttentionCombinedQKVImpl::reset_parameters() {
   qkv->reset_parameters();
   out_proj->reset_parameters();
+  if (options.qk_norm()) {
+    q_norm->reset_parameters();
+    k_norm->reset_parameters();
+  }
 }
 
 void MultiHeadAttentionCombinedQKVImpl::pretty_print(std::ostream& stream) const {
@@ -321,9 +353,12 @@ torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward_with_cache(const torch:
                                                                     KVCache& cache,
                                                                     const Mask& mask) {
   check_cached_mha_call(kCombinedName, options, is_training(), x, cache, qkv->weight, mask);
+  detail::check_rope_positions(kCombinedName, "forward_with_cache] x", rope_tables, cache.size(),
+                               x.size(1));
   torch::NoGradGuard no_grad;
   const auto q_k_v = split_combined_qkv(qkv(x), options.num_heads());
-  return attend_with_cache(q_k_v[0], q_k_v[1], q_k_v[2], options, cache, out_proj, mask);
+  return attend_with_cache(q_k_v[0], q_k_v[1], q_k_v[2], options, cache, out_proj, mask,
+                           {q_norm, k_norm, rope_tables});
 }
 
 torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward(const torch::Tensor& query,
@@ -346,10 +381,12 @@ void MultiHeadAttentionCombinedQKVImpl::copy_weights_from(const MultiHeadAttenti
   const auto describe = [](const MultiHeadAttentionOptions& opt) {
     return c10::str("d_in = ", opt.d_in(), ", d_out = ", opt.d_out(),
                     ", num_heads = ", opt.num_heads(),
-                    ", qkv_bias = ", opt.qkv_bias() ? "true" : "false");
+                    ", qkv_bias = ", opt.qkv_bias() ? "true" : "false",
+                    opt.qk_norm() ? ", qk_norm = true" : "");
   };
   TORCH_CHECK(o.d_in() == options.d_in() && o.d_out() == options.d_out() &&
-                  o.num_heads() == options.num_heads() && o.qkv_bias() == options.qkv_bias(),
+                  o.num_heads() == options.num_heads() && o.qkv_bias() == options.qkv_bias() &&
+                  o.qk_norm() == options.qk_norm(),
               "[MultiHeadAttentionCombinedQKV::copy_weights_from] mha: expected ",
               describe(options), "; got ", describe(o));
   const auto h = options.num_heads();
@@ -365,6 +402,10 @@ void MultiHeadAttentionCombinedQKVImpl::copy_weights_from(const MultiHeadAttenti
   }
   out_proj->weight.copy_(mha.out_proj->weight);
   out_proj->bias.copy_(mha.out_proj->bias);
+  if (options.qk_norm()) {
+    q_norm->weight.copy_(mha.q_norm->weight);
+    k_norm->weight.copy_(mha.k_norm->weight);
+  }
 }
 
 }  // namespace attnkit
