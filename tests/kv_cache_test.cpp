@@ -2,6 +2,7 @@
 // against the uncached forward, on every backend; the Python reference's cached outputs;
 // every refusal) and attnkit::generate over attnkit-train's model.
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -258,6 +259,141 @@ train::ModelConfig text_model_config(const std::string& module, const std::strin
 }
 
 }  // namespace
+
+namespace {
+
+// A module with forward(x) and forward_with_cache(x, cache, lengths), type-erased.
+struct RaggedModule {
+  std::string label;
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::function<torch::Tensor(const torch::Tensor&, KVCache&, const torch::Tensor&)> ragged;
+  std::function<KVCache(int64_t)> make_kv_cache;
+  std::function<void(AttentionBackend)> set_backend;
+};
+
+template <typename Holder>
+RaggedModule erase_ragged(std::string label, Holder holder) {
+  holder->to(torch::kFloat64);
+  holder->eval();
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& parameter : holder->named_parameters()) {
+      if (parameter.key().find("_norm.") != std::string::npos)
+        parameter.value().uniform_(0.5, 1.5);  // so QK-norm's weights matter
+    }
+  }
+  return {std::move(label),
+          holder.ptr(),
+          [holder](const torch::Tensor& x) mutable { return holder(x); },
+          [holder](const torch::Tensor& x, KVCache& cache, const torch::Tensor& lengths) mutable {
+            return holder->forward_with_cache(x, cache, lengths);
+          },
+          [holder](int64_t batch) { return holder->make_kv_cache(batch, 24); },
+          [holder](AttentionBackend backend) mutable { holder->options.backend(backend); }};
+}
+
+std::vector<RaggedModule> ragged_modules() {
+  torch::manual_seed(11);
+  std::vector<RaggedModule> modules;
+  for (const bool positional : {false, true}) {
+    const auto rope = positional ? c10::optional<RopeOptions>(RopeOptions(32)) : c10::nullopt;
+    const std::string with = positional ? " with rope and qk_norm" : "";
+    const auto mha = MultiHeadAttentionOptions(6, 8, 24, 0.0, 2).rope(rope).qk_norm(positional);
+    modules.push_back(erase_ragged("MultiHeadAttention" + with, MultiHeadAttention(mha)));
+    modules.push_back(
+        erase_ragged("MultiHeadAttentionCombinedQKV" + with, MultiHeadAttentionCombinedQKV(mha)));
+    modules.push_back(erase_ragged(
+        "GroupedQueryAttention" + with,
+        GroupedQueryAttention(
+            GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2).rope(rope).qk_norm(positional))));
+  }
+  return modules;
+}
+
+}  // namespace
+
+// Three sequences decoded together: prefill of prompts of lengths 5, 2 and 7, a second
+// chunk of 2, 3 and 0 tokens, then three decode steps. Every valid output of each row equals
+// that row's own forward over its whole sequence; the padding holds random values.
+TEST(RaggedKVCache, EachRowEqualsThatRowAloneThroughPrefillChunksAndDecode) {
+  const std::vector<std::vector<int64_t>> steps{
+      {5, 2, 7}, {2, 3, 0}, {1, 1, 1}, {1, 1, 1}, {1, 1, 1}};
+  std::vector<int64_t> totals(3, 0);
+  for (const auto& step : steps)
+    for (int64_t r = 0; r < 3; ++r)
+      totals[r] += step[r];
+  torch::manual_seed(12);
+  std::vector<torch::Tensor> sequences;  // row r's tokens, (1, totals[r], 6)
+  for (int64_t r = 0; r < 3; ++r)
+    sequences.push_back(torch::randn({1, totals[r], 6}, torch::kFloat64));
+  for (auto& attention : ragged_modules()) {
+    std::vector<torch::Tensor> alone;
+    for (const auto& sequence : sequences)
+      alone.push_back(attention.forward(sequence));
+    for (const auto backend : kBackends) {
+      attention.set_backend(backend);
+      const auto label = attention.label + " " + backend_name(backend);
+      auto cache = attention.make_kv_cache(3);
+      std::vector<int64_t> done(3, 0);
+      for (size_t s = 0; s < steps.size(); ++s) {
+        const auto& step = steps[s];
+        const int64_t n = *std::max_element(step.begin(), step.end());
+        auto x = torch::randn({3, n, 6}, torch::kFloat64);  // padding: random
+        for (int64_t r = 0; r < 3; ++r)
+          x[r].narrow(0, 0, step[r]).copy_(sequences[r][0].narrow(0, done[r], step[r]));
+        const auto out = attention.ragged(x, cache, torch::tensor(step, torch::kInt64));
+        ASSERT_EQ(out.size(1), n) << label;
+        EXPECT_TRUE(torch::isfinite(out).all().item<bool>()) << label;
+        for (int64_t r = 0; r < 3; ++r) {
+          EXPECT_TRUE(tensors_close(c10::str(label, " step ", s, " row ", r),
+                                    out[r].narrow(0, 0, step[r]),
+                                    alone[r][0].narrow(0, done[r], step[r]), 1e-10));
+          done[r] += step[r];
+        }
+        EXPECT_TRUE(torch::equal(cache.lengths(), torch::tensor(done, torch::kInt64))) << label;
+      }
+    }
+  }
+}
+
+TEST(RaggedKVCache, BadLengthsAreNamedAndNothingIsWritten) {
+  MultiHeadAttention mha(MultiHeadAttentionOptions(6, 8, 10, 0.0, 2));
+  mha->eval();
+  auto cache = mha->make_kv_cache(2, 8);
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({2, 4, 6});
+  mha->forward_with_cache(x, cache, torch::tensor({4, 1}, torch::kInt64));
+  const auto before = cache.keys().clone();
+  const auto refused = [&](const torch::Tensor& input, const torch::Tensor& lengths,
+                           const std::string& message) {
+    expect_error_containing([&] { mha->forward_with_cache(input, cache, lengths); }, message);
+    EXPECT_TRUE(torch::equal(cache.lengths(), torch::tensor({4, 1}, torch::kInt64))) << message;
+    EXPECT_TRUE(torch::equal(cache.keys(), before)) << message;
+  };
+  refused(x, torch::tensor({1.0, 2.0}),
+          "[MultiHeadAttention::forward_with_cache] lengths must be a (2) int64 tensor (each "
+          "row's valid new tokens), got [2] Float");
+  refused(x, torch::tensor({1, 2, 3}, torch::kInt64), "lengths must be a (2) int64 tensor");
+  refused(x, torch::tensor({1, 5}, torch::kInt64),
+          "lengths[1] must be in [0, 4] (x's tokens), got 5");
+  refused(x, torch::tensor({-1, 0}, torch::kInt64), "lengths[0] must be in [0, 4]");
+  refused(torch::randn({2, 6, 6}), torch::tensor({5, 6}, torch::kInt64),
+          "row 0: 5 tokens would reach position 9, past the cache's capacity 8");
+  refused(torch::randn({2, 10, 6}), torch::tensor({0, 10}, torch::kInt64),
+          "row 1: 10 tokens would reach position 11, past context_length = 10");
+  expect_error_containing([&] { mha->forward_with_cache(x, cache); },
+                          "[KVCache::append] the rows hold different numbers of positions");
+  MultiHeadAttention windowed(MultiHeadAttentionOptions(6, 8, 10, 0.0, 2).sliding_window_size(3));
+  windowed->eval();
+  auto rolling = windowed->make_kv_cache(2);
+  expect_error_containing(
+      [&] {
+        windowed->forward_with_cache(x, rolling, torch::tensor({4, 1}, torch::kInt64));
+      },
+      "lengths: rows of different lengths work with a key/value cache only, not yet with a "
+      "rolling (sliding-window) cache");
+}
 
 TEST(Generate, GreedyTokensAreTheSameWithAndWithoutTheCache) {
   for (const std::string module : {"mha", "mha-combined"}) {

@@ -67,6 +67,15 @@ class GroupedQueryAttentionImpl : public torch::nn::Cloneable<GroupedQueryAttent
   /// before the keys enter the cache; positions past rope's context_length are refused.
   torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
 
+  /// A right-padded batch whose rows hold different numbers of new tokens: row r's first
+  /// lengths[r] tokens of x (b, n, d_in), `lengths` a (b) int64 tensor with entries in [0, n],
+  /// sit at positions [cache.lengths()[r], cache.lengths()[r] + lengths[r]) of its own
+  /// sequence, so a batch of prompts of different lengths is prefilled and decoded together.
+  /// Each row's outputs at its valid tokens equal that row run alone; those at padding are
+  /// finite and meaningless. A key/value cache only (not yet a rolling or latent one).
+  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache,
+                                   const torch::Tensor& lengths, const Mask& mask = {});
+
   /// The options this module was built with (reset() re-reads them).
   GroupedQueryAttentionOptions options;
   /// Key projection, d_in -> num_kv_groups * head_dim.

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -54,8 +55,13 @@ class KVCache {
   KVCache(const KVCache&) = delete;
   KVCache& operator=(const KVCache&) = delete;
 
-  /// Positions appended since construction or reset(): the position of the next token.
+  /// Positions appended since construction or reset(): the position of the next token. After
+  /// a ragged append (rows of different lengths), the longest row's.
   int64_t size() const { return size_; }
+  /// Each row's positions, (batch) int64 on the CPU: all size() until a ragged append.
+  torch::Tensor lengths() const;
+  /// Whether the rows hold different numbers of positions.
+  bool is_ragged() const { return !row_lengths_.empty(); }
   /// Positions the storage holds at most.
   int64_t capacity() const { return keys_.defined() ? keys_.size(2) : 0; }
   /// Positions held now: size(), or for a rolling cache at most its window.
@@ -81,7 +87,10 @@ class KVCache {
   torch::TensorOptions options() const;
 
   /// Forgets every position (the storage is kept): the next append starts a new sequence.
-  void reset() { size_ = 0; }
+  void reset() {
+    size_ = 0;
+    row_lengths_.clear();
+  }
 
   /// What the queries of appended tokens attend to.
   struct Span {
@@ -102,6 +111,23 @@ class KVCache {
   /// latent cache, or when size() + n > max_positions(); nothing is written then.
   Span append(const torch::Tensor& keys, const torch::Tensor& values);
 
+  /// What the queries of a ragged append attend to: keys and values (batch, num_heads, m,
+  /// head_dim), m the longest row's new length, and per row (batch, int64, on the storage's
+  /// device) the position of its first new token and the end of its valid positions.
+  struct RaggedSpan {
+    torch::Tensor keys, values;
+    torch::Tensor starts, ends;
+  };
+
+  /// Appends a right-padded batch: row r writes its first new_lengths[r] tokens of `keys` and
+  /// `values` (batch, num_heads, n, head_dim) at positions [lengths()[r], lengths()[r] +
+  /// new_lengths[r]); padding is not written. `new_lengths` has batch entries in [0, n].
+  /// Query i of row r sits at position starts[r] + i and may see keys j < ends[r] with
+  /// j <= starts[r] + i. Fails like append, also on a rolling or latent cache (not supported
+  /// yet) and when a row would pass the capacity; nothing is written then.
+  RaggedSpan append_ragged(const torch::Tensor& keys, const torch::Tensor& values,
+                           const std::vector<int64_t>& new_lengths);
+
   /// A latent cache's append: writes `latents` (batch, n, latent_dim) at positions
   /// [size(), size() + n) and returns every latent held, (batch, size(), latent_dim). Fails
   /// like append, and on a cache that is not a latent cache.
@@ -114,13 +140,16 @@ class KVCache {
   torch::Tensor values() const;
 
  private:
-  // Checks `t` (batch, heads, n, width) against the storage; `what` names it.
-  void check_appended(const char* fn, const char* what, const torch::Tensor& t) const;
+  // Checks `t` (batch, heads, n, width) against the storage, and with check_room that n more
+  // positions fit; `what` names it.
+  void check_appended(const char* fn, const char* what, const torch::Tensor& t,
+                      bool check_room = true) const;
 
   torch::Tensor keys_;    // (batch, num_heads, capacity, head_dim); latents: (batch, 1, ., .)
   torch::Tensor values_;  // (batch, num_heads, capacity, head_dim); latents: undefined
   int64_t size_ = 0;
   int64_t window_size_ = 0;
+  std::vector<int64_t> row_lengths_;  // per row after a ragged append; empty while uniform
 };
 
 }  // namespace attnkit

@@ -115,6 +115,15 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// when the positions would pass context_length, rope's context_length or the capacity.
   torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
 
+  /// A right-padded batch whose rows hold different numbers of new tokens: row r's first
+  /// lengths[r] tokens of x (b, n, d_in), `lengths` a (b) int64 tensor with entries in [0, n],
+  /// sit at positions [cache.lengths()[r], cache.lengths()[r] + lengths[r]) of its own
+  /// sequence, so a batch of prompts of different lengths is prefilled and decoded together.
+  /// Each row's outputs at its valid tokens equal that row run alone; those at padding are
+  /// finite and meaningless. A key/value cache only (not yet a rolling or latent one).
+  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache,
+                                   const torch::Tensor& lengths, const Mask& mask = {});
+
   /// The options this module was built with (reset() re-reads them).
   MultiHeadAttentionOptions options;
   /// Query projection, d_in -> d_out.
@@ -195,6 +204,15 @@ class MultiHeadAttentionCombinedQKVImpl
   /// (c10::Error) in training mode, with causal(false), with a mask on a rolling cache, and
   /// when the positions would pass context_length or the capacity.
   torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
+
+  /// A right-padded batch whose rows hold different numbers of new tokens: row r's first
+  /// lengths[r] tokens of x (b, n, d_in), `lengths` a (b) int64 tensor with entries in [0, n],
+  /// sit at positions [cache.lengths()[r], cache.lengths()[r] + lengths[r]) of its own
+  /// sequence, so a batch of prompts of different lengths is prefilled and decoded together.
+  /// Each row's outputs at its valid tokens equal that row run alone; those at padding are
+  /// finite and meaningless. A key/value cache only (not yet a rolling or latent one).
+  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache,
+                                   const torch::Tensor& lengths, const Mask& mask = {});
 
   /// Copies a MultiHeadAttention's weights into `qkv` (in the layout above) and `out_proj`;
   /// both modules then compute the same function. Fails when the options differ.

@@ -1,5 +1,6 @@
 #include "attnkit/kv_cache.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "core/checks.h"
@@ -55,7 +56,8 @@ torch::TensorOptions KVCache::options() const {
   return keys_.defined() ? keys_.options() : torch::TensorOptions();
 }
 
-void KVCache::check_appended(const char* fn, const char* what, const torch::Tensor& t) const {
+void KVCache::check_appended(const char* fn, const char* what, const torch::Tensor& t,
+                             bool check_room) const {
   TORCH_CHECK(keys_.defined(), fn,
               " this cache has no storage (default-constructed); make one with "
               "KVCache(batch, num_heads, head_dim, capacity) or a module's make_kv_cache");
@@ -67,14 +69,79 @@ void KVCache::check_appended(const char* fn, const char* what, const torch::Tens
               " must match the cache's dtype and device (", keys_.scalar_type(), " on ",
               keys_.device(), "), got ", t.scalar_type(), " on ", t.device());
   const int64_t n = t.size(2);
-  TORCH_CHECK(n <= max_positions() - size_, fn, " ", n,
+  TORCH_CHECK(!check_room || n <= max_positions() - size_, fn, " ", n,
               " more positions do not fit: the cache holds ", size_, " of its capacity ",
               capacity());
+}
+
+torch::Tensor KVCache::lengths() const {
+  if (is_ragged())
+    return torch::tensor(row_lengths_, torch::kInt64);
+  return torch::full({batch()}, size_, torch::kInt64);
+}
+
+KVCache::RaggedSpan KVCache::append_ragged(const torch::Tensor& keys, const torch::Tensor& values,
+                                           const std::vector<int64_t>& new_lengths) {
+  const char* fn = "[KVCache::append_ragged]";
+  TORCH_CHECK(!is_latent() && window_size_ == 0, fn,
+              " rows of different lengths work with a key/value cache only; this is ",
+              is_latent() ? "a latent cache" : c10::str("a rolling cache of window ", window_size_),
+              " (not supported yet)");
+  check_appended(fn, "keys", keys, /*check_room=*/false);
+  check_appended(fn, "values", values, /*check_room=*/false);
+  TORCH_CHECK(keys.sizes() == values.sizes(), fn, " keys and values must have the same shape, got ",
+              detail::shape_string(keys), " and ", detail::shape_string(values));
+  const int64_t b = batch(), n = keys.size(2);
+  TORCH_CHECK(static_cast<int64_t>(new_lengths.size()) == b, fn, " new_lengths: expected ", b,
+              " entries (one per row), got ", new_lengths.size());
+  std::vector<int64_t> starts(b, size_), ends(b);
+  if (is_ragged())
+    starts = row_lengths_;
+  for (int64_t r = 0; r < b; ++r) {
+    TORCH_CHECK(new_lengths[r] >= 0 && new_lengths[r] <= n, fn, " new_lengths[", r,
+                "] must be in [0, ", n, "] (the tokens given), got ", new_lengths[r]);
+    ends[r] = starts[r] + new_lengths[r];
+    TORCH_CHECK(ends[r] <= capacity(), fn, " row ", r, ": ", new_lengths[r],
+                " more positions do not fit: it holds ", starts[r], " of the capacity ",
+                capacity());
+  }
+  torch::NoGradGuard no_grad;
+  const bool every_token_valid =
+      std::all_of(new_lengths.begin(), new_lengths.end(), [n](int64_t l) { return l == n; });
+  if (every_token_valid) {
+    // One scatter: token i of row r to position starts[r] + i (decode steps take this path).
+    const auto device = keys_.device();
+    const auto positions = (torch::tensor(starts, torch::kInt64).unsqueeze(1) +
+                            torch::arange(n, torch::kInt64).unsqueeze(0))
+                               .to(device);  // (b, n)
+    // (b, n) -> (b, 1, n, 1) -> (b, heads, n, head_dim)
+    const auto index = positions.view({b, 1, n, 1}).expand_as(keys);
+    keys_.scatter_(2, index, keys);
+    values_.scatter_(2, index, values);
+  } else {
+    for (int64_t r = 0; r < b; ++r) {
+      keys_[r].narrow(1, starts[r], new_lengths[r]).copy_(keys[r].narrow(1, 0, new_lengths[r]));
+      values_[r].narrow(1, starts[r], new_lengths[r]).copy_(values[r].narrow(1, 0, new_lengths[r]));
+    }
+  }
+  const int64_t longest = *std::max_element(ends.begin(), ends.end());
+  const bool uniform =
+      std::all_of(ends.begin(), ends.end(), [&](int64_t e) { return e == ends[0]; });
+  row_lengths_ = uniform ? std::vector<int64_t>() : ends;
+  size_ = longest;
+  const auto on_device = [&](const std::vector<int64_t>& v) {
+    return torch::tensor(v, torch::kInt64).to(keys_.device());
+  };
+  return {keys_.narrow(2, 0, longest), values_.narrow(2, 0, longest), on_device(starts),
+          on_device(ends)};
 }
 
 KVCache::Span KVCache::append(const torch::Tensor& keys, const torch::Tensor& values) {
   const char* fn = "[KVCache::append]";
   TORCH_CHECK(!is_latent(), fn, " this is a latent cache; use append_latent");
+  TORCH_CHECK(!is_ragged(), fn,
+              " the rows hold different numbers of positions (a ragged append); append with "
+              "append_ragged (a module: forward_with_cache(x, cache, lengths)), or reset()");
   check_appended(fn, "keys", keys);
   check_appended(fn, "values", values);
   TORCH_CHECK(keys.sizes() == values.sizes(), fn, " keys and values must have the same shape, got ",

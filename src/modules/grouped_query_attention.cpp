@@ -123,21 +123,23 @@ KVCache GroupedQueryAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity
 
 torch::Tensor GroupedQueryAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache,
                                                             const Mask& mask) {
-  detail::check_cached_call(kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
-                            cache_layout_of(options), W_query->weight, mask);
+  return forward_with_cache(x, cache, torch::Tensor(), mask);
+}
+
+torch::Tensor GroupedQueryAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache,
+                                                            const torch::Tensor& lengths,
+                                                            const Mask& mask) {
+  const auto new_lengths =
+      detail::check_cached_call(kName, is_training(), x, options.d_in(), /*context_length=*/0,
+                                cache, cache_layout_of(options), W_query->weight, mask, lengths);
   detail::check_rope_positions(kName, "forward_with_cache] x", rope_tables, cache.size(),
                                x.size(1));
   torch::NoGradGuard no_grad;
   const auto g = options.num_kv_groups();
-  // New queries and keys normed and rotated at their positions; the cache keeps rotated keys.
-  const auto [queries, keys] = detail::QueryKeyTransform{q_norm, k_norm, rope_tables}(
-      detail::split_heads(W_query(x), options.num_heads()), detail::split_heads(W_key(x), g),
-      cache.size());
-  const auto span = cache.append(keys, detail::split_heads(W_value(x), g));
-  const auto context = detail::attend(queries, span.keys, span.values, settings_of(options),
-                                      /*training=*/false, span.query_offset,
-                                      /*with_weights=*/false, mask)
-                           .context;
+  const auto context = detail::attend_cached(
+      {q_norm, k_norm, rope_tables}, detail::split_heads(W_query(x), options.num_heads()),
+      detail::split_heads(W_key(x), g), detail::split_heads(W_value(x), g), cache,
+      settings_of(options), mask, new_lengths);
   return out_proj(detail::merge_heads(context));
 }
 

@@ -81,9 +81,47 @@ KVCache make_module_cache(const char* module, const CacheLayout& layout, int64_t
                        : KVCache(batch, layout.heads, layout.head_dim, capacity, options);
 }
 
-void check_cached_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
-                       int64_t context_length, const KVCache& cache, const CacheLayout& layout,
-                       const torch::Tensor& parameter, const Mask& mask) {
+namespace {
+
+// forward_with_cache(x, cache, lengths)'s checks of `lengths` and of each row's end.
+std::vector<int64_t> check_ragged_lengths(const char* module, const torch::Tensor& x,
+                                          const torch::Tensor& lengths, int64_t context_length,
+                                          const KVCache& cache, const CacheLayout& layout) {
+  const int64_t b = x.size(0), n = x.size(1);
+  TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.dim() == 1 && lengths.size(0) == b,
+              "[", module, "::forward_with_cache] lengths must be a (", b,
+              ") int64 tensor (each row's valid new tokens), got ", shape_string(lengths), " ",
+              lengths.scalar_type());
+  TORCH_CHECK(layout.window_size == 0 && !layout.latent, "[", module,
+              "::forward_with_cache] lengths: rows of different lengths work with a key/value "
+              "cache only, not yet with ",
+              layout.latent ? "a latent cache" : "a rolling (sliding-window) cache");
+  const auto values = lengths.to(torch::kCPU);
+  const auto before = cache.lengths();
+  std::vector<int64_t> new_lengths(b);
+  for (int64_t r = 0; r < b; ++r) {
+    new_lengths[r] = values[r].item<int64_t>();
+    TORCH_CHECK(new_lengths[r] >= 0 && new_lengths[r] <= n, "[", module,
+                "::forward_with_cache] lengths[", r, "] must be in [0, ", n, "] (x's tokens), got ",
+                new_lengths[r]);
+    const int64_t end = before[r].item<int64_t>() + new_lengths[r];
+    TORCH_CHECK(context_length == 0 || end <= context_length, "[", module,
+                "::forward_with_cache] row ", r, ": ", new_lengths[r],
+                " tokens would reach position ", end, ", past context_length = ", context_length);
+    TORCH_CHECK(end <= cache.capacity(), "[", module, "::forward_with_cache] row ", r, ": ",
+                new_lengths[r], " tokens would reach position ", end,
+                ", past the cache's capacity ", cache.capacity(),
+                "; make a larger one with make_kv_cache(batch, capacity)");
+  }
+  return new_lengths;
+}
+
+}  // namespace
+
+std::vector<int64_t> check_cached_call(const char* module, bool training, const torch::Tensor& x,
+                                       int64_t d_in, int64_t context_length, const KVCache& cache,
+                                       const CacheLayout& layout, const torch::Tensor& parameter,
+                                       const Mask& mask, const torch::Tensor& lengths) {
   TORCH_CHECK(!training, "[", module,
               "::forward_with_cache] the KV cache is for inference, but the module is in "
               "training mode: call eval() first (training runs forward over whole sequences)");
@@ -111,6 +149,8 @@ void check_cached_call(const char* module, bool training, const torch::Tensor& x
               " on ", parameter.device(), " (the module's parameters), got ",
               cache.options().dtype(), " on ", cache.options().device());
   const int64_t n = x.size(1);
+  if (lengths.defined())
+    return check_ragged_lengths(module, x, lengths, context_length, cache, layout);
   const int64_t end = cache.size() + n;
   TORCH_CHECK(context_length == 0 || end <= context_length, "[", module,
               "::forward_with_cache] x: ", n, " tokens after the ", cache.size(),
@@ -124,6 +164,42 @@ void check_cached_call(const char* module, bool training, const torch::Tensor& x
               "::forward_with_cache] mask: a rolling cache of window_size ", layout.window_size,
               " keeps its keys in storage order, so a mask cannot name their positions; got ",
               mask.to_string(), "; masks work with the caches of modules without a window");
+  return {};
+}
+
+torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Tensor& queries,
+                            const torch::Tensor& keys, const torch::Tensor& values, KVCache& cache,
+                            const AttentionSettings& settings, const Mask& mask,
+                            const std::vector<int64_t>& new_lengths) {
+  if (new_lengths.empty()) {
+    const auto [rotated_queries, rotated_keys] = transform(queries, keys, cache.size());
+    const auto span = cache.append(rotated_keys, values);
+    return attend(rotated_queries, span.keys, span.values, settings, /*training=*/false,
+                  span.query_offset, /*with_weights=*/false, mask)
+        .context;
+  }
+  // Row r's token i at position starts[r] + i.
+  const auto starts = cache.lengths().to(queries.device());
+  const auto [rotated_queries, rotated_keys] = transform(queries, keys, starts);
+  const auto span = cache.append_ragged(rotated_keys, values, new_lengths);
+  // Each row's own causal (and window) mask over its valid keys, in place of the module's one
+  // query offset: key j for query i of row r when j < ends[r] and j <= starts[r] + i.
+  const auto window = settings.window_size;
+  const auto rows =
+      Mask::from_function([starts = span.starts, ends = span.ends, window](
+                              const torch::Tensor& b, const torch::Tensor&,
+                              const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
+        const auto position = starts.index({b}) + q_idx;
+        auto allowed = (kv_idx <= position) & (kv_idx < ends.index({b}));
+        if (window)
+          allowed = allowed & (position - kv_idx < *window);
+        return allowed;
+      });
+  auto row_settings = settings;
+  row_settings.causal = false;
+  return attend(rotated_queries, span.keys, span.values, row_settings, /*training=*/false,
+                /*query_offset=*/0, /*with_weights=*/false, rows & mask)
+      .context;
 }
 
 RopeTables reset_query_key_transform(const char* name, torch::nn::Module& module,

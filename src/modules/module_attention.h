@@ -4,6 +4,8 @@
 // GroupedQueryAttention, MultiHeadLatentAttention) does between its projections: attention
 // over split heads by the chosen backend, and the KV-cache bookkeeping of forward_with_cache.
 
+#include <vector>
+
 #include <torch/torch.h>
 
 #include "attnkit/attention.h"
@@ -60,9 +62,13 @@ KVCache make_module_cache(const char* module, const CacheLayout& layout, int64_t
 /// computed or written: training mode, the input x (b, n, d_in), the cache's layout, dtype
 /// and device, positions past context_length (0: no limit) or the cache's capacity, and a
 /// mask on a rolling cache (which holds its keys in storage order, not by position).
-void check_cached_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
-                       int64_t context_length, const KVCache& cache, const CacheLayout& layout,
-                       const torch::Tensor& parameter, const Mask& mask = {});
+/// With `lengths` defined (forward_with_cache(x, cache, lengths)): a (b) int64 tensor, each in
+/// [0, n], and each row's end within context_length and the capacity; a key/value cache.
+/// Returns the lengths as numbers (empty without `lengths`).
+std::vector<int64_t> check_cached_call(const char* module, bool training, const torch::Tensor& x,
+                                       int64_t d_in, int64_t context_length, const KVCache& cache,
+                                       const CacheLayout& layout, const torch::Tensor& parameter,
+                                       const Mask& mask = {}, const torch::Tensor& lengths = {});
 
 /// What a module with QK-norm or RoPE does to its heads between the projections and
 /// attention. `q_norm`/`k_norm` are empty holders without qk_norm, `rope` undefined without
@@ -89,6 +95,16 @@ struct QueryKeyTransform {
     return {queries, keys};
   }
 };
+
+/// forward_with_cache's step after the projections, for the modules with a key/value cache:
+/// the new tokens' query heads (b, h, n, hd) and key and value heads (b, g, n, hd) normed and
+/// rotated at their positions, appended, and attended under the module's settings and `mask`
+/// -> context (b, h, n, hd). `new_lengths` empty: every row adds n tokens (KVCache::append);
+/// else row r adds its first new_lengths[r] (KVCache::append_ragged), the rest padding.
+torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Tensor& queries,
+                            const torch::Tensor& keys, const torch::Tensor& values, KVCache& cache,
+                            const AttentionSettings& settings, const Mask& mask,
+                            const std::vector<int64_t>& new_lengths);
 
 /// A module's reset() for its rope and qk_norm options: refuses an odd head width with RoPE
 /// and a rope context_length < 1; returns the tables (undefined without rope) and registers

@@ -63,29 +63,31 @@ detail::CacheLayout cache_layout_of(const MultiHeadAttentionOptions& opt) {
   return {h, opt.d_out() / h, opt.sliding_window_size().value_or(0), /*latent=*/false};
 }
 
-// forward_with_cache's checks, then its step after the projections: keys and values
-// (b, h, n, hd) appended, queries (b, h, n, hd) against what the cache returns, heads merged
+// forward_with_cache's checks (returning the ragged lengths, empty without `lengths`), then
+// its step after the projections: heads (b, h, n, hd) through detail::attend_cached, merged
 // and projected -> (b, n, d_out).
-void check_cached_mha_call(const char* name, const MultiHeadAttentionOptions& opt, bool training,
-                           const torch::Tensor& x, const KVCache& cache,
-                           const torch::Tensor& parameter, const Mask& mask) {
+std::vector<int64_t> check_cached_mha_call(const char* name, const MultiHeadAttentionOptions& opt,
+                                           bool training, const torch::Tensor& x,
+                                           const KVCache& cache, const torch::Tensor& parameter,
+                                           const Mask& mask, const torch::Tensor& lengths,
+                                           const detail::RopeTables& rope) {
   TORCH_CHECK(opt.causal(), "[", name,
               "::forward_with_cache] needs causal attention: with causal = false every token "
               "also attends to later ones, which a cache of earlier tokens cannot give");
-  detail::check_cached_call(name, training, x, opt.d_in(), opt.context_length(), cache,
-                            cache_layout_of(opt), parameter, mask);
+  auto new_lengths =
+      detail::check_cached_call(name, training, x, opt.d_in(), opt.context_length(), cache,
+                                cache_layout_of(opt), parameter, mask, lengths);
+  detail::check_rope_positions(name, "forward_with_cache] x", rope, cache.size(), x.size(1));
+  return new_lengths;
 }
 
-torch::Tensor attend_with_cache(const torch::Tensor& new_queries, const torch::Tensor& new_keys,
+torch::Tensor attend_with_cache(const torch::Tensor& queries, const torch::Tensor& keys,
                                 const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
                                 KVCache& cache, torch::nn::Linear& out_proj, const Mask& mask,
-                                const detail::QueryKeyTransform& transform) {
-  const auto [queries, keys] = transform(new_queries, new_keys, cache.size());
-  const auto span = cache.append(keys, values);
-  const auto context = detail::attend(queries, span.keys, span.values, settings_of(opt),
-                                      /*training=*/false, span.query_offset,
-                                      /*with_weights=*/false, mask)
-                           .context;
+                                const detail::QueryKeyTransform& transform,
+                                const std::vector<int64_t>& new_lengths) {
+  const auto context = detail::attend_cached(transform, queries, keys, values, cache,
+                                             settings_of(opt), mask, new_lengths);
   return out_proj(detail::merge_heads(context));
 }
 
@@ -210,17 +212,22 @@ KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) c
 
 torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache,
                                                          const Mask& mask) {
-  check_cached_mha_call("MultiHeadAttention", options, is_training(), x, cache, W_query->weight,
-                        mask);
-  detail::check_rope_positions("MultiHeadAttention", "forward_with_cache] x", rope_tables,
-                               cache.size(), x.size(1));
+  return forward_with_cache(x, cache, torch::Tensor(), mask);
+}
+
+torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache,
+                                                         const torch::Tensor& lengths,
+                                                         const Mask& mask) {
+  const auto new_lengths =
+      check_cached_mha_call("MultiHeadAttention", options, is_training(), x, cache, W_query->weight,
+                            mask, lengths, rope_tables);
   torch::NoGradGuard no_grad;
   // Three projections, not forward()'s one GEMM over concatenated weights: per decoded
   // token that concatenation would copy all three weight matrices.
   const auto h = options.num_heads();
   return attend_with_cache(detail::split_heads(W_query(x), h), detail::split_heads(W_key(x), h),
                            detail::split_heads(W_value(x), h), options, cache, out_proj, mask,
-                           {q_norm, k_norm, rope_tables});
+                           {q_norm, k_norm, rope_tables}, new_lengths);
 }
 
 torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
@@ -352,13 +359,19 @@ KVCache MultiHeadAttentionCombinedQKVImpl::make_kv_cache(int64_t batch, int64_t 
 torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward_with_cache(const torch::Tensor& x,
                                                                     KVCache& cache,
                                                                     const Mask& mask) {
-  check_cached_mha_call(kCombinedName, options, is_training(), x, cache, qkv->weight, mask);
-  detail::check_rope_positions(kCombinedName, "forward_with_cache] x", rope_tables, cache.size(),
-                               x.size(1));
+  return forward_with_cache(x, cache, torch::Tensor(), mask);
+}
+
+torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward_with_cache(const torch::Tensor& x,
+                                                                    KVCache& cache,
+                                                                    const torch::Tensor& lengths,
+                                                                    const Mask& mask) {
+  const auto new_lengths = check_cached_mha_call(kCombinedName, options, is_training(), x, cache,
+                                                 qkv->weight, mask, lengths, rope_tables);
   torch::NoGradGuard no_grad;
   const auto q_k_v = split_combined_qkv(qkv(x), options.num_heads());
   return attend_with_cache(q_k_v[0], q_k_v[1], q_k_v[2], options, cache, out_proj, mask,
-                           {q_norm, k_norm, rope_tables});
+                           {q_norm, k_norm, rope_tables}, new_lengths);
 }
 
 torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward(const torch::Tensor& query,
