@@ -323,42 +323,67 @@ def check_sdpa(c, inputs):
                     reference(q, k, v, mask_mod), 1e-10)
 
 
+def flex_runs_backward_on(device):
+    """PyTorch 2.6's eager flex_attention runs backward on the CPU; later versions refuse it
+    there (NotImplementedError), so without a GPU only their outputs are compared."""
+    from torch.nn.attention.flex_attention import flex_attention
+    x = torch.zeros(1, 1, 2, 2, device=device, requires_grad=True)
+    try:
+        flex_attention(x, x, x).sum().backward()
+        return True
+    except NotImplementedError:
+        return False
+
+
 def check_flex(c, inputs):
-    """FlexAttention's eager flex_attention (CPU) with score_mod and block_mask: ALiBi, softcap,
-    documents and prefix-LM, outputs and the gradients of q, k and v."""
+    """FlexAttention's eager flex_attention (on the GPU where there is one, else the CPU) with
+    score_mod and block_mask: ALiBi, softcap, documents and prefix-LM, outputs and the
+    gradients of q, k and v."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         print(f"skipped flex_attention: not in torch {torch.__version__}")
         return
-    inp = inputs["square"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with_grad = flex_runs_backward_on(device)
+    if not with_grad:
+        print(f"flex_attention: torch {torch.__version__} refuses backward on the {device}; "
+              "outputs only")
+    inp = inputs["square"]  # the reference runs on the CPU, flex_attention on `device`
     n = inp["q"].shape[2]
-    slopes = alibi_slopes(HEADS).to(torch.float64)
-    ids, prefix = inp["ids"], int(inp["prefix"])
-    cases = {
-        "alibi": (None, lambda s, b, h, q, kv: s + slopes[h] * (kv - q)),
-        "softcap": (None, lambda s, b, h, q, kv: SOFTCAP * torch.tanh(s / SOFTCAP)),
-        "documents_causal": (documents(ids, True), None),
-        "prefix_lm": (prefix_lm(prefix), None),
-        "alibi_documents_causal": (documents(ids, True),
-                                   lambda s, b, h, q, kv: s + slopes[h] * (kv - q)),
-    }
-    for name, (mask_mod, score_mod) in cases.items():
-        q, k, v = (inp[x].clone().requires_grad_() for x in ("q", "k", "v"))
+
+    def cases_on(where):
+        slopes = alibi_slopes(HEADS).to(where, torch.float64)
+        ids, prefix = inp["ids"].to(where), int(inp["prefix"])
+        alibi = lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
+        return {
+            "alibi": (None, alibi),
+            "softcap": (None, lambda s, b, h, q, kv: SOFTCAP * torch.tanh(s / SOFTCAP)),
+            "documents_causal": (documents(ids, True), None),
+            "prefix_lm": (prefix_lm(prefix), None),
+            "alibi_documents_causal": (documents(ids, True), alibi),
+        }
+
+    on_cpu = cases_on("cpu")
+    for name, (mask_mod, score_mod) in cases_on(device).items():
+        q, k, v = (inp[x].detach().to(device, copy=True).requires_grad_(with_grad)
+                   for x in ("q", "k", "v"))
         block_mask = None
         if mask_mod is not None:
-            block_mask = create_block_mask(mask_mod, BATCH, None, n, n, device="cpu",
+            block_mask = create_block_mask(mask_mod, BATCH, None, n, n, device=device,
                                            BLOCK_SIZE=4)
         flex = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                               enable_gqa=True)
-        (flex * inp["w"]).sum().backward()
-        grads = [q.grad, k.grad, v.grad]
         q2, k2, v2 = (inp[x].clone().requires_grad_() for x in ("q", "k", "v"))
-        ours = reference(q2, k2, v2, mask_mod, score_mod)
+        ours = reference(q2, k2, v2, *on_cpu[name])
+        c.close(f"flex_attention: {name} out", flex.detach().cpu(), ours.detach(), 1e-10)
+        if not with_grad:
+            continue
+        (flex * inp["w"].to(device)).sum().backward()
         (ours * inp["w"]).sum().backward()
-        c.close(f"flex_attention: {name} out", flex.detach(), ours.detach(), 1e-10)
-        for label, g, r in zip(("dq", "dk", "dv"), grads, (q2.grad, k2.grad, v2.grad)):
-            c.close(f"flex_attention: {name} {label}", g, r, 1e-10)
+        for label, g, r in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad),
+                               (q2.grad, k2.grad, v2.grad)):
+            c.close(f"flex_attention: {name} {label}", g.cpu(), r, 1e-10)
 
 
 def main():

@@ -273,8 +273,8 @@ struct RaggedModule {
 };
 
 template <typename Holder>
-RaggedModule erase_ragged(std::string label, Holder holder) {
-  holder->to(torch::kFloat64);
+RaggedModule erase_ragged(std::string label, Holder holder, torch::Device device) {
+  holder->to(device, torch::kFloat64);
   holder->eval();
   {
     torch::NoGradGuard no_grad;
@@ -293,20 +293,21 @@ RaggedModule erase_ragged(std::string label, Holder holder) {
           [holder](AttentionBackend backend) mutable { holder->options.backend(backend); }};
 }
 
-std::vector<RaggedModule> ragged_modules() {
+std::vector<RaggedModule> ragged_modules(torch::Device device) {
   torch::manual_seed(11);
   std::vector<RaggedModule> modules;
   for (const bool positional : {false, true}) {
     const auto rope = positional ? c10::optional<RopeOptions>(RopeOptions(32)) : c10::nullopt;
     const std::string with = positional ? " with rope and qk_norm" : "";
     const auto mha = MultiHeadAttentionOptions(6, 8, 24, 0.0, 2).rope(rope).qk_norm(positional);
-    modules.push_back(erase_ragged("MultiHeadAttention" + with, MultiHeadAttention(mha)));
-    modules.push_back(
-        erase_ragged("MultiHeadAttentionCombinedQKV" + with, MultiHeadAttentionCombinedQKV(mha)));
+    modules.push_back(erase_ragged("MultiHeadAttention" + with, MultiHeadAttention(mha), device));
+    modules.push_back(erase_ragged("MultiHeadAttentionCombinedQKV" + with,
+                                   MultiHeadAttentionCombinedQKV(mha), device));
     modules.push_back(erase_ragged(
         "GroupedQueryAttention" + with,
         GroupedQueryAttention(
-            GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2).rope(rope).qk_norm(positional))));
+            GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2).rope(rope).qk_norm(positional)),
+        device));
   }
   return modules;
 }
@@ -315,8 +316,11 @@ std::vector<RaggedModule> ragged_modules() {
 
 // Three sequences decoded together: prefill of prompts of lengths 5, 2 and 7, a second
 // chunk of 2, 3 and 0 tokens, then three decode steps. Every valid output of each row equals
-// that row's own forward over its whole sequence; the padding holds random values.
-TEST(RaggedKVCache, EachRowEqualsThatRowAloneThroughPrefillChunksAndDecode) {
+// that row's own forward over its whole sequence; the padding holds random values. On each
+// device (CUDA where there is one).
+class RaggedKVCacheDevices : public attnkit::testing::DeviceTest {};
+
+TEST_P(RaggedKVCacheDevices, EachRowEqualsThatRowAloneThroughPrefillChunksAndDecode) {
   const std::vector<std::vector<int64_t>> steps{
       {5, 2, 7}, {2, 3, 0}, {1, 1, 1}, {1, 1, 1}, {1, 1, 1}};
   std::vector<int64_t> totals(3, 0);
@@ -326,8 +330,8 @@ TEST(RaggedKVCache, EachRowEqualsThatRowAloneThroughPrefillChunksAndDecode) {
   torch::manual_seed(12);
   std::vector<torch::Tensor> sequences;  // row r's tokens, (1, totals[r], 6)
   for (int64_t r = 0; r < 3; ++r)
-    sequences.push_back(torch::randn({1, totals[r], 6}, torch::kFloat64));
-  for (auto& attention : ragged_modules()) {
+    sequences.push_back(torch::randn({1, totals[r], 6}, torch::kFloat64).to(device()));
+  for (auto& attention : ragged_modules(device())) {
     std::vector<torch::Tensor> alone;
     for (const auto& sequence : sequences)
       alone.push_back(attention.forward(sequence));
@@ -339,11 +343,12 @@ TEST(RaggedKVCache, EachRowEqualsThatRowAloneThroughPrefillChunksAndDecode) {
       for (size_t s = 0; s < steps.size(); ++s) {
         const auto& step = steps[s];
         const int64_t n = *std::max_element(step.begin(), step.end());
-        auto x = torch::randn({3, n, 6}, torch::kFloat64);  // padding: random
+        auto x = torch::randn({3, n, 6}, torch::kFloat64).to(device());  // padding: random
         for (int64_t r = 0; r < 3; ++r)
           x[r].narrow(0, 0, step[r]).copy_(sequences[r][0].narrow(0, done[r], step[r]));
         const auto out = attention.ragged(x, cache, torch::tensor(step, torch::kInt64));
         ASSERT_EQ(out.size(1), n) << label;
+        EXPECT_EQ(out.device().type(), device().type()) << label;
         EXPECT_TRUE(torch::isfinite(out).all().item<bool>()) << label;
         for (int64_t r = 0; r < 3; ++r) {
           EXPECT_TRUE(tensors_close(c10::str(label, " step ", s, " row ", r),
@@ -356,6 +361,8 @@ TEST(RaggedKVCache, EachRowEqualsThatRowAloneThroughPrefillChunksAndDecode) {
     }
   }
 }
+
+ATTNKIT_INSTANTIATE_DEVICE_TESTS(RaggedKVCacheDevices);
 
 TEST(RaggedKVCache, BadLengthsAreNamedAndNothingIsWritten) {
   MultiHeadAttention mha(MultiHeadAttentionOptions(6, 8, 10, 0.0, 2));

@@ -487,21 +487,21 @@ TEST(MultiHeadAttentionMasks, CrossAttentionAndForwardOfOneArgument) {
 // then left-padded rows (the padding first, as batched prompts are) decoded through a KV
 // cache with the padding mask over the cache's positions equal each sequence alone.
 template <typename Holder>
-void expect_masked_module_rows_equal_each_sequence_alone(Holder module) {
+void expect_masked_module_rows_equal_each_sequence_alone(Holder module, torch::Device device) {
   torch::manual_seed(11);
-  module->to(torch::kFloat64);
+  module->to(device, torch::kFloat64);
   const std::vector<int64_t> lengths{9, 5, 2};
+  const auto length_tensor = torch::tensor(lengths, torch::kInt64).to(device);
   const int64_t b = 3, n = 9;
-  const auto x = torch::randn({b, n, 8}, torch::kFloat64);
+  const auto x = torch::randn({b, n, 8}, torch::kFloat64).to(device);
   const double tolerance = attnkit::testing::agreement(torch::kFloat64);
   const auto alone = [&](const torch::Tensor& row) { return module->forward(row); };
   for (const auto backend : {AttentionBackend::kMath, AttentionBackend::kChunked,
                              AttentionBackend::kFused, AttentionBackend::kAuto}) {
     SCOPED_TRACE(attnkit::backend_name(backend));
     module->options.backend(backend);
-    const auto padded = module->forward(x, {}, {}, Mask::key_padding(torch::tensor(lengths)));
-    const auto weighted =
-        module->forward_with_weights(x, {}, {}, Mask::key_padding(torch::tensor(lengths)));
+    const auto padded = module->forward(x, {}, {}, Mask::key_padding(length_tensor));
+    const auto weighted = module->forward_with_weights(x, {}, {}, Mask::key_padding(length_tensor));
     for (int64_t i = 0; i < b; ++i) {
       const auto expected = alone(x.narrow(0, i, 1).narrow(1, 0, lengths[i]));
       EXPECT_TRUE(tensors_close("right-padded row " + std::to_string(i),
@@ -518,8 +518,8 @@ void expect_masked_module_rows_equal_each_sequence_alone(Holder module) {
                 0.0);
     }
     // Left padding: row i's sequence sits at positions [n - lengths[i], n).
-    const auto padding = torch::arange(n).unsqueeze(0) <
-                         (n - torch::tensor(lengths)).unsqueeze(1);  // (b, n), true = padding
+    const auto padding = torch::arange(n, x.options().dtype(torch::kInt64)).unsqueeze(0) <
+                         (n - length_tensor).unsqueeze(1);  // (b, n), true = padding
     module->eval();
     auto cache = module->make_kv_cache(b, n);
     std::vector<torch::Tensor> pieces;
@@ -541,28 +541,41 @@ void expect_masked_module_rows_equal_each_sequence_alone(Holder module) {
   }
 }
 
-TEST(ModuleMasks, EveryMultiHeadModuleTakesPaddingMasksInForwardAndItsCache) {
+// The same on each device (CUDA where there is one).
+class ModuleMasksDevices : public attnkit::testing::DeviceTest {};
+
+TEST_P(ModuleMasksDevices, EveryMultiHeadModuleTakesPaddingMasksInForwardAndItsCache) {
   {
     SCOPED_TRACE("MultiHeadAttention");
-    expect_masked_module_rows_equal_each_sequence_alone(attnkit::MultiHeadAttention(
-        attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).chunk_size(4).key_chunk_size(3)));
+    expect_masked_module_rows_equal_each_sequence_alone(
+        attnkit::MultiHeadAttention(
+            attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).chunk_size(4).key_chunk_size(3)),
+        device());
   }
   {
     SCOPED_TRACE("MultiHeadAttentionCombinedQKV");
-    expect_masked_module_rows_equal_each_sequence_alone(attnkit::MultiHeadAttentionCombinedQKV(
-        attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).qkv_bias(true).chunk_size(4)));
+    expect_masked_module_rows_equal_each_sequence_alone(
+        attnkit::MultiHeadAttentionCombinedQKV(
+            attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).qkv_bias(true).chunk_size(4)),
+        device());
   }
   {
     SCOPED_TRACE("GroupedQueryAttention");
-    expect_masked_module_rows_equal_each_sequence_alone(attnkit::GroupedQueryAttention(
-        attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2).chunk_size(4).key_chunk_size(3)));
+    expect_masked_module_rows_equal_each_sequence_alone(
+        attnkit::GroupedQueryAttention(
+            attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2).chunk_size(4).key_chunk_size(3)),
+        device());
   }
   {
     SCOPED_TRACE("MultiHeadLatentAttention");
-    expect_masked_module_rows_equal_each_sequence_alone(attnkit::MultiHeadLatentAttention(
-        attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2).latent_dim(4).chunk_size(4)));
+    expect_masked_module_rows_equal_each_sequence_alone(
+        attnkit::MultiHeadLatentAttention(
+            attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2).latent_dim(4).chunk_size(4)),
+        device());
   }
 }
+
+ATTNKIT_INSTANTIATE_DEVICE_TESTS(ModuleMasksDevices);
 
 TEST(ModuleMasks, CrossAttentionWhereItMakesSenseAndClearRefusalsElsewhere) {
   torch::manual_seed(12);
@@ -657,8 +670,11 @@ attnkit::StateDict mask_golden() {
 
 // The mask scripts/mask_reference.py names `name`, from the inputs of its shape.
 Mask reference_mask(const std::string& name, const attnkit::StateDict& golden,
-                    const std::string& shape, int64_t n, int64_t m) {
-  const auto input = [&](const char* what) { return golden["inputs/" + shape + "/" + what]; };
+                    const std::string& shape, int64_t n, int64_t m,
+                    torch::Device device = torch::kCPU) {
+  const auto input = [&](const char* what) {
+    return golden["inputs/" + shape + "/" + what].to(device);
+  };
   const auto causal = Mask::causal(m - n);
   const auto window = Mask::causal(m - n).sliding_window(4);
   if (name == "none")
@@ -704,7 +720,11 @@ attnkit::ScoreMod reference_score(const std::string& name, const torch::Tensor& 
   return nullptr;
 }
 
-TEST(MaskReference, EveryBackendMatchesThePythonReferenceInFloat64AndFloat32) {
+// On each device: the CPU to 1e-10 (float64) and 1e-5 (float32); CUDA's float32 kernels sum
+// in other orders, so 1e-4 there.
+class MaskReferenceDevices : public attnkit::testing::DeviceTest {};
+
+TEST_P(MaskReferenceDevices, EveryBackendMatchesThePythonReferenceInFloat64AndFloat32) {
   const auto golden = mask_golden();
   int64_t cases = 0, runs = 0;
   for (const auto& item : golden) {
@@ -719,10 +739,13 @@ TEST(MaskReference, EveryBackendMatchesThePythonReferenceInFloat64AndFloat32) {
     const auto mask_name = rest.substr(0, rest.find('/'));
     const auto score_name =
         rest.substr(mask_name.size() + 1, rest.rfind('/') - mask_name.size() - 1);
-    const auto input = [&](const char* what) { return golden["inputs/" + shape + "/" + what]; };
+    const auto input = [&](const char* what) {
+      return golden["inputs/" + shape + "/" + what].to(device());
+    };
     const int64_t n = input("q").size(2), m = input("k").size(2);
     for (const auto dtype : {torch::kFloat64, torch::kFloat32}) {
-      const double tolerance = dtype == torch::kFloat64 ? 1e-10 : 1e-5;
+      const double tolerance =
+          dtype == torch::kFloat64 ? 1e-10 : (device().is_cuda() ? 1e-4 : 1e-5);
       for (const auto backend : {AttentionBackend::kMath, AttentionBackend::kChunked,
                                  AttentionBackend::kFused, AttentionBackend::kAuto}) {
         SCOPED_TRACE(c10::str(prefix, " ", dtype, " ", attnkit::backend_name(backend)));
@@ -731,7 +754,7 @@ TEST(MaskReference, EveryBackendMatchesThePythonReferenceInFloat64AndFloat32) {
         auto v = input("v").to(dtype).clone().requires_grad_();
         auto bias = input("bias").to(dtype).clone().requires_grad_();
         const auto options = AttentionOptions()
-                                 .mask(reference_mask(mask_name, golden, shape, n, m))
+                                 .mask(reference_mask(mask_name, golden, shape, n, m, device()))
                                  .score_mod(reference_score(score_name, bias))
                                  .backend(backend)
                                  .query_block_size(4)
@@ -756,6 +779,8 @@ TEST(MaskReference, EveryBackendMatchesThePythonReferenceInFloat64AndFloat32) {
   EXPECT_EQ(cases, 80) << "the reference file's cases";
   EXPECT_GT(runs, cases * 6);  // math, chunked and auto on both dtypes, fused where it can
 }
+
+ATTNKIT_INSTANTIATE_DEVICE_TESTS(MaskReferenceDevices);
 
 // torch.nn.MultiheadAttention(8, 2, bias=True, batch_first=True) with key_padding_mask and
 // attn_mask (True = masked), its weights copied into MultiHeadAttention (qkv_bias), gives

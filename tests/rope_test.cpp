@@ -71,7 +71,10 @@ TEST(RopeReference, TablesMatchWithAndWithoutFrequencySmoothing) {
               1e-12);
 }
 
-TEST(RopeReference, EveryLayoutFrequencyAndOffsetMatchesWithGradients) {
+// On each device (CUDA where there is one), against the same float64 reference.
+class RopeReferenceDevices : public attnkit::testing::DeviceTest {};
+
+TEST_P(RopeReferenceDevices, EveryLayoutFrequencyAndOffsetMatchesWithGradients) {
   const auto golden = rope_golden();
   int cases = 0;
   for (const auto& [layout_name, layout] : {std::pair{"split_half", RopeLayout::kSplitHalf},
@@ -81,11 +84,14 @@ TEST(RopeReference, EveryLayoutFrequencyAndOffsetMatchesWithGradients) {
         const std::string key = std::string("case/") + layout_name + "/" + freq + "/" + offsets;
         for (const auto dtype : {torch::kFloat64, torch::kFloat32}) {
           const auto [cos, sin] = reference_tables(freq, dtype);
-          const auto x = golden["inputs/x"].to(dtype).detach().requires_grad_(true);
-          const auto out = offsets == "scalar"
-                               ? apply_rope(x, cos, sin, /*offset=*/3, layout)
-                               : apply_rope(x, cos, sin, golden["inputs/offsets"], layout);
-          (out * golden["inputs/w"].to(dtype)).sum().backward();
+          const auto x = golden["inputs/x"].to(device(), dtype).detach().requires_grad_(true);
+          const auto out =
+              offsets == "scalar"
+                  ? apply_rope(x, cos.to(device()), sin.to(device()), /*offset=*/3, layout)
+                  : apply_rope(x, cos.to(device()), sin.to(device()),
+                               golden["inputs/offsets"].to(device()), layout);
+          EXPECT_EQ(out.device(), x.device());
+          (out * golden["inputs/w"].to(device(), dtype)).sum().backward();
           const auto label = key + " " + std::string(c10::toString(dtype));
           EXPECT_EQ(out.scalar_type(), dtype) << label;
           EXPECT_TRUE(tensors_close(label + " out", out.detach().to(torch::kFloat64),
@@ -99,6 +105,8 @@ TEST(RopeReference, EveryLayoutFrequencyAndOffsetMatchesWithGradients) {
   }
   EXPECT_EQ(cases, 8);
 }
+
+ATTNKIT_INSTANTIATE_DEVICE_TESTS(RopeReferenceDevices);
 
 TEST(RopeReference, PythonReferenceAgreesWithItsFile) {
   const auto [status, output] = attnkit::testing::run_leg_python(kRopeReference, "--check");
@@ -316,7 +324,9 @@ TEST(RopeModules, QkNormWeightsTrainAndRopeMakesAttentionShiftInvariant) {
                             gqa(x), 1e-10));
 }
 
-TEST(RopeModules, CachedDecodingEqualsForwardForEveryModuleAndBackend) {
+class RopeModulesDevices : public attnkit::testing::DeviceTest {};
+
+TEST_P(RopeModulesDevices, CachedDecodingEqualsForwardForEveryModuleAndBackend) {
   torch::manual_seed(4);
   ModuleConfig config;
   config.d_in = 8;
@@ -326,14 +336,14 @@ TEST(RopeModules, CachedDecodingEqualsForwardForEveryModuleAndBackend) {
   config.num_kv_groups = 2;
   config.rope_context_length = 20;
   config.qk_norm = true;
-  const auto x = torch::randn({2, 13, 8}, torch::kFloat64);
+  const auto x = torch::randn({2, 13, 8}, torch::kFloat64).to(device());
   for (const auto& [name, window] :
        {std::pair{"MultiHeadAttention", 0}, std::pair{"MultiHeadAttentionCombinedQKV", 0},
         std::pair{"GroupedQueryAttention", 0}, std::pair{"GroupedQueryAttention", 5},
         std::pair{"MultiHeadAttention", 4}}) {
     config.sliding_window_size = window;
     auto attention = make_cached_attention(name, config);
-    attention.module->to(torch::kFloat64);
+    attention.module->to(device(), torch::kFloat64);
     attention.module->eval();
     {
       torch::NoGradGuard no_grad;
@@ -352,10 +362,13 @@ TEST(RopeModules, CachedDecodingEqualsForwardForEveryModuleAndBackend) {
                                         attention.forward_with_cache(x.narrow(1, 5, 3), cache)};
       for (int64_t t = 8; t < 13; ++t)
         pieces.push_back(attention.forward_with_cache(x.narrow(1, t, 1), cache));
+      EXPECT_EQ(expected.device(), x.device()) << label;
       EXPECT_TRUE(tensors_close(label, torch::cat(pieces, 1), expected, 1e-10));
     }
   }
 }
+
+ATTNKIT_INSTANTIATE_DEVICE_TESTS(RopeModulesDevices);
 
 TEST(RopeModules, StateDictHoldsTheNormWeightsAndNoTables) {
   const auto options = attnkit::MultiHeadAttentionOptions(8, 16, 16, 0.0, 2).rope(RopeOptions(16));

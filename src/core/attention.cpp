@@ -51,7 +51,8 @@ ScoreMod alibi(const torch::Tensor& slopes) {
               slopes.defined() ? shape_string(slopes) : std::string("an undefined tensor"));
   return [slopes](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor& h,
                   const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
-    return score + slopes.index({h}).to(score.scalar_type()) * (kv_idx - q_idx);
+    // .to: slopes made on the CPU (alibi_slopes) serve scores on any device.
+    return score + slopes.to(h.device()).index({h}).to(score.scalar_type()) * (kv_idx - q_idx);
   };
 }
 
@@ -78,7 +79,7 @@ ScoreMod relative_position_bias(const torch::Tensor& bias) {
                            const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
         const auto head = bias.size(0) == 1 ? torch::zeros_like(h) : h;
         const auto distance = (kv_idx - q_idx).clamp(-max_distance, max_distance) + max_distance;
-        return score + bias.index({head, distance}).to(score.scalar_type());
+        return score + bias.to(h.device()).index({head, distance}).to(score.scalar_type());
       };
 }
 
