@@ -46,6 +46,15 @@ struct TinyModelImpl : torch::nn::Module, attnkit::CausalLanguageModel {
     const auto x = embed(tokens, caches.front().size());
     return head(attention->forward_with_cache(x, caches.front()));
   }
+  // Optional: prompts of different lengths in one batch. Row r's tokens sit at its own
+  // positions lengths()[r] + i (the padding's clamped into the table; its logits are unused).
+  torch::Tensor ragged_logits_with_cache(const torch::Tensor& tokens, const torch::Tensor& lengths,
+                                         std::vector<attnkit::KVCache>& caches) override {
+    const auto positions = (caches.front().lengths().unsqueeze(1) + torch::arange(tokens.size(1)))
+                               .clamp_max(kContext - 1);
+    const auto x = embedding(tokens) + position(positions);  // (b, n, d)
+    return head(attention->forward_with_cache(x, caches.front(), lengths));
+  }
   std::vector<attnkit::KVCache> make_kv_caches(int64_t batch, int64_t capacity) override {
     std::vector<attnkit::KVCache> caches;  // one per attention layer (KVCache moves only)
     caches.push_back(attention->make_kv_cache(batch, capacity));
@@ -74,6 +83,19 @@ void generation() {
       attnkit::generate(*model, prompt_ids, attnkit::GenerateOptions(20).use_kv_cache(false));
   // [doc:end]
   TORCH_CHECK(torch::equal(greedy, recomputed) && sampled.size(1) == 24);
+
+  // [doc:batched-generate]
+  const auto ids = [](std::vector<int64_t> tokens) { return torch::tensor(tokens, torch::kInt64); };
+  std::vector<attnkit::GenerationRequest> prompts{
+      ids({72, 105}),                                                         // "Hi"
+      attnkit::GenerationRequest(ids({84, 104, 101, 32})).max_new_tokens(8),  // "The "
+      attnkit::GenerationRequest(ids({65})).stop_tokens({'\n'})};             // "A"
+  auto rows = attnkit::generate(*model, prompts, attnkit::GenerateOptions(20));
+  // rows[r]: prompt r, then its new tokens (up to 20, 8 for row 1, row 2 ends at '\n')
+  // [doc:end]
+  const auto alone =
+      attnkit::generate(*model, prompts[0].prompt().unsqueeze(0), attnkit::GenerateOptions(20));
+  TORCH_CHECK(rows[0].equal(alone[0]) && rows[1].size(0) == 4 + 8);
 }
 
 void family() {

@@ -493,6 +493,214 @@ TEST(Generate, PastTheContextTheCacheIsRefilled) {
   EXPECT_TRUE(cached.narrow(1, 30, 1).equal(uncached.narrow(1, 30, 1)));
 }
 
+namespace {
+
+// Forwards to a model and records the batch of every cached call, to see finished rows leave.
+class RecordingModel : public CausalLanguageModel {
+ public:
+  explicit RecordingModel(train::AttentionModel model) : model_(std::move(model)) {}
+  torch::Tensor logits(const torch::Tensor& tokens) override { return model_->logits(tokens); }
+  torch::Tensor logits_with_cache(const torch::Tensor& tokens,
+                                  std::vector<KVCache>& caches) override {
+    batches.push_back(tokens.size(0));
+    return model_->logits_with_cache(tokens, caches);
+  }
+  torch::Tensor ragged_logits_with_cache(const torch::Tensor& tokens, const torch::Tensor& lengths,
+                                         std::vector<KVCache>& caches) override {
+    batches.push_back(tokens.size(0));
+    return model_->ragged_logits_with_cache(tokens, lengths, caches);
+  }
+  std::vector<KVCache> make_kv_caches(int64_t batch, int64_t capacity) override {
+    return model_->make_kv_caches(batch, capacity);
+  }
+  int64_t context_length() const override { return model_->context_length(); }
+
+  std::vector<int64_t> batches;
+
+ private:
+  train::AttentionModel model_;
+};
+
+// `prompt` (n) continued alone by `max_new` greedy tokens, cut after the first `stop`.
+torch::Tensor generated_alone(train::AttentionModel& model, const torch::Tensor& prompt,
+                              int64_t max_new, int64_t stop = -1) {
+  const auto alone = generate(*model, prompt.view({1, -1}), GenerateOptions(max_new))[0];
+  for (int64_t i = prompt.size(0); i < alone.size(0); ++i)
+    if (alone[i].item<int64_t>() == stop)
+      return alone.narrow(0, 0, i + 1);
+  return alone;
+}
+
+}  // namespace
+
+// Prompts of 4, 1, 7 and 3 tokens decoded together: row 2 has its own limit (5), row 3 stops
+// at a token it produces on its way, row 1 at GenerateOptions::stop_tokens. Each row equals
+// its prompt generated alone (greedy), and the batch shrinks as rows finish.
+TEST(RaggedGenerate, EachPromptGetsTheTokensItGetsAloneWithLimitsAndStops) {
+  for (const std::string module : {"mha", "mha-combined", "gqa"}) {
+    for (const std::string backend : {"math", "fused", "chunked"}) {
+      SCOPED_TRACE(module + " " + backend);
+      torch::manual_seed(43);
+      train::AttentionModel model(text_model_config(module, backend));
+      model->eval();
+      std::vector<torch::Tensor> prompts;
+      for (const int64_t n : {4, 1, 7, 3})
+        prompts.push_back(torch::randint(0, 40, {n}, torch::kInt64));
+      const auto free_row_3 = generated_alone(model, prompts[3], 12);
+      const auto free_row_1 = generated_alone(model, prompts[1], 12);
+      const int64_t stop_3 = free_row_3[3 + 4].item<int64_t>();  // its 5th new token
+      const int64_t stop_1 = free_row_1[1 + 8].item<int64_t>();  // its 9th
+      const std::vector<torch::Tensor> expected{
+          generated_alone(model, prompts[0], 12, stop_1),
+          generated_alone(model, prompts[1], 12, stop_1),
+          generated_alone(model, prompts[2], 5, stop_1),
+          generated_alone(model, prompts[3], 12, stop_3) /* stop_1 too, below */};
+      RecordingModel recording(model);
+      const auto rows =
+          generate(recording,
+                   {prompts[0], prompts[1], GenerationRequest(prompts[2]).max_new_tokens(5),
+                    GenerationRequest(prompts[3]).stop_tokens({stop_3})},
+                   GenerateOptions(12).stop_tokens({stop_1}));
+      ASSERT_EQ(rows.size(), 4u);
+      for (size_t r = 0; r < 4; ++r) {
+        auto want = expected[r];
+        if (r == 3) {  // the shared stop token ends row 3 too
+          const auto shared = generated_alone(model, prompts[3], 12, stop_1);
+          if (shared.size(0) < want.size(0))
+            want = shared;
+        }
+        EXPECT_TRUE(rows[r].equal(want))
+            << "row " << r << "\nbatched " << rows[r] << "\nalone " << want;
+      }
+      EXPECT_LE(rows[2].size(0), 7 + 5);
+      EXPECT_EQ(recording.batches.front(), 4);  // the prefill
+      EXPECT_LT(recording.batches.back(), 4) << "finished rows stayed in the batch";
+      EXPECT_TRUE(std::is_sorted(recording.batches.rbegin(), recording.batches.rend()));
+    }
+  }
+}
+
+// Prompts of one length take the uniform path, which every cache serves: a rolling cache
+// (sliding window) and the latent one, with rows leaving at different steps.
+TEST(RaggedGenerate, PromptsOfOneLengthWorkWithEveryCache) {
+  for (const std::string module : {"gqa", "mla", "mha"}) {
+    SCOPED_TRACE(module);
+    auto config = text_model_config(module, "chunked");
+    if (module != "mla")
+      config.window = 5;
+    torch::manual_seed(44);
+    train::AttentionModel model(config);
+    model->eval();
+    std::vector<GenerationRequest> requests;
+    for (int64_t r = 0; r < 3; ++r)
+      requests.emplace_back(torch::randint(0, 40, {4}, torch::kInt64));
+    requests[0].max_new_tokens(3);
+    requests[2].max_new_tokens(9);
+    const auto rows = generate(*model, requests, GenerateOptions(6));
+    for (size_t r = 0; r < 3; ++r) {
+      const int64_t max_new = requests[r].max_new_tokens().value_or(6);
+      EXPECT_TRUE(rows[r].equal(generated_alone(model, requests[r].prompt(), max_new)))
+          << "row " << r;
+    }
+  }
+}
+
+TEST(RaggedGenerate, BadRequestsAreNamed) {
+  train::AttentionModel model(text_model_config("mha", "math"));
+  model->eval();
+  const auto prompt = torch::zeros({3}, torch::kInt64);
+  const GenerateOptions options(2);
+  expect_error_containing([&] { generate(*model, std::vector<GenerationRequest>{}, options); },
+                          "[generate] requests: expected at least one prompt, got none");
+  expect_error_containing(
+      [&] {
+        generate(*model, {prompt, prompt.view({1, 3})}, options);
+      },
+      "[generate] requests[1].prompt: expected (n) int64 token ids with n >= 1, got [1, 3] Long");
+  expect_error_containing(
+      [&] { generate(*model, std::vector<GenerationRequest>{prompt.to(torch::kFloat)}, options); },
+      "[generate] requests[0].prompt: expected (n) int64 token ids");
+  expect_error_containing(
+      [&] {
+        generate(*model, {prompt, GenerationRequest(prompt).max_new_tokens(-3)}, options);
+      },
+      "[generate] requests[1].max_new_tokens must be >= 0, got -3");
+  expect_error_containing(
+      [&] {
+        generate(*model, {prompt, GenerationRequest(prompt).max_new_tokens(22)}, options);
+      },
+      "[generate] requests[1]: 3 prompt tokens + max_new_tokens 22 pass the model's "
+      "context_length 24");
+  expect_error_containing(
+      [&] {
+        generate(*model, std::vector<GenerationRequest>{prompt},
+                 GenerateOptions(2).use_kv_cache(false));
+      },
+      "use_kv_cache must be true");
+  expect_error_containing(
+      [&] {
+        generate(*model, prompt.view({1, 3}), GenerateOptions(2).stop_tokens({1}));
+      },
+      "[generate] stop_tokens: rows that stop early do not fit one (b, n) tensor");
+  expect_error_containing(
+      [&] {
+        generate(*model, std::vector<GenerationRequest>{prompt}, GenerateOptions(2).top_k(-1));
+      },
+      "[generate] top_k must be >= 0");
+  train::AttentionModel mla(text_model_config("mla", "math"));
+  mla->eval();
+  expect_error_containing(
+      [&] {
+        generate(*mla, {prompt, prompt.narrow(0, 0, 2)}, options);
+      },
+      "--module mla: rows of different lengths are not supported yet");
+  // A model that does not implement ragged_logits_with_cache says so.
+  struct Plain : CausalLanguageModel {
+    explicit Plain(train::AttentionModel m) : model(std::move(m)) {}
+    torch::Tensor logits(const torch::Tensor& t) override { return model->logits(t); }
+    torch::Tensor logits_with_cache(const torch::Tensor& t, std::vector<KVCache>& c) override {
+      return model->logits_with_cache(t, c);
+    }
+    std::vector<KVCache> make_kv_caches(int64_t b, int64_t n) override {
+      return model->make_kv_caches(b, n);
+    }
+    int64_t context_length() const override { return model->context_length(); }
+    train::AttentionModel model;
+  } plain(model);
+  expect_error_containing(
+      [&] {
+        generate(plain, {prompt, prompt.narrow(0, 0, 2)}, options);
+      },
+      "need the model's ragged_logits_with_cache(tokens, lengths, caches)");
+  EXPECT_EQ(generate(plain, {prompt, prompt}, options)[1].size(0), 5);
+  // KVCache::keep_rows
+  KVCache cache(3, 1, 2, 4);
+  expect_error_containing(
+      [&] {
+        cache.keep_rows({0, 3});
+      },
+      "[KVCache::keep_rows] rows[1] must be in [0, 3), got 3");
+  expect_error_containing(
+      [&] {
+        cache.keep_rows({2, 1});
+      },
+      "[KVCache::keep_rows] rows must be distinct and ascending, got 2 before 1");
+  EXPECT_EQ(cache.batch(), 3) << "a refused call changed the cache";
+  // Rows of 1, 3 and 2 positions; keeping rows 1 and 2 moves them (keys and lengths) up.
+  const auto keys = torch::randn({3, 1, 3, 2}), values = torch::randn({3, 1, 3, 2});
+  cache.append_ragged(keys, values, {1, 3, 2});
+  const auto storage = cache.keys().data_ptr();
+  cache.keep_rows({1, 2});
+  EXPECT_EQ(cache.batch(), 2);
+  EXPECT_EQ(cache.keys().data_ptr(), storage) << "keep_rows allocated";
+  EXPECT_TRUE(cache.lengths().equal(torch::tensor({3, 2}, torch::kInt64)));
+  EXPECT_TRUE(cache.keys()[0].narrow(1, 0, 3).equal(keys[1]));
+  EXPECT_TRUE(cache.values()[1].narrow(1, 0, 2).equal(values[2].narrow(1, 0, 2)));
+  cache.keep_rows({1});
+  EXPECT_FALSE(cache.is_ragged());
+  EXPECT_EQ(cache.size(), 2);
+}
+
 TEST(Generate, BadArgumentsNameWhatIsWrong) {
   train::AttentionModel model(text_model_config("mha", "math"));
   model->eval();
@@ -502,6 +710,10 @@ TEST(Generate, BadArgumentsNameWhatIsWrong) {
                           "[1, 3] Float");
   expect_error_containing([&] { generate(*model, prompt.view({3}), GenerateOptions(1)); },
                           "[generate] prompt: expected (batch, num_tokens) int64 token ids");
+  // {prompt} picks this overload too: the message says what to write instead.
+  expect_error_containing([&] { generate(*model, {prompt.view({3})}, GenerateOptions(1)); },
+                          "; one prompt of (n) tokens: prompt.unsqueeze(0), or several of "
+                          "different lengths: a std::vector<GenerationRequest>");
   expect_error_containing([&] { generate(*model, prompt, GenerateOptions(-1)); },
                           "[generate] max_new_tokens must be >= 0, got -1");
   expect_error_containing([&] { generate(*model, prompt, GenerateOptions(1).temperature(-1)); },

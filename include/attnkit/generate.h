@@ -4,6 +4,7 @@
 /// KV caches: greedy or sampled (temperature, top-k) decoding, with or without the caches.
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -23,6 +24,14 @@ class CausalLanguageModel {
   /// [caches.front().size(), ... + n): each attention layer appends to and reads its cache.
   virtual torch::Tensor logits_with_cache(const torch::Tensor& tokens,
                                           std::vector<KVCache>& caches) = 0;
+  /// Logits (b, n, vocab) of a right-padded batch whose rows bring different numbers of new
+  /// tokens: row r's first lengths[r] tokens (lengths: (b) int64) at its own positions
+  /// [caches.front().lengths()[r], ... + lengths[r]), each attention layer calling
+  /// forward_with_cache(x, cache, lengths); the padding's logits are unspecified. `generate`
+  /// needs it for prompts of different lengths. The default refuses.
+  virtual torch::Tensor ragged_logits_with_cache(const torch::Tensor& tokens,
+                                                 const torch::Tensor& lengths,
+                                                 std::vector<KVCache>& caches);
   /// One empty cache per attention layer for `batch` sequences of up to `capacity` positions.
   virtual std::vector<KVCache> make_kv_caches(int64_t batch, int64_t capacity) = 0;
   /// Longest sequence the model takes (the size of its position embedding).
@@ -47,6 +56,24 @@ struct GenerateOptions {
   /// them every step recomputes the last context_length tokens, as the book's
   /// generate_text_simple does.
   TORCH_ARG(bool, use_kv_cache) = true;
+  /// Token ids that end a row (kept in its output): the batch of prompts only, whose rows
+  /// may end at different lengths.
+  TORCH_ARG(std::vector<int64_t>, stop_tokens);
+};
+
+/// One prompt of a batch that `generate` continues together with others, with its own limits.
+/// Example: `GenerationRequest(torch::tensor({5, 7, 2}, torch::kInt64)).max_new_tokens(20)
+/// .stop_tokens({0})`
+struct GenerationRequest {
+  /* implicit */ GenerationRequest(torch::Tensor prompt) : prompt_(std::move(prompt)) {}
+
+  /// The prompt's token ids, (n) int64 with n >= 1.
+  TORCH_ARG(torch::Tensor, prompt);
+  /// Most tokens to add to this prompt; unset: GenerateOptions::max_new_tokens.
+  TORCH_ARG(c10::optional<int64_t>, max_new_tokens) = c10::nullopt;
+  /// This row ends after producing one of these (kept in its output), besides
+  /// GenerateOptions::stop_tokens.
+  TORCH_ARG(std::vector<int64_t>, stop_tokens);
 };
 
 /// Continues each row of `prompt` (b, n) int64 token ids by `max_new_tokens` tokens and
@@ -61,5 +88,25 @@ struct GenerateOptions {
 /// Example: `auto out = attnkit::generate(model, prompt, GenerateOptions(50));`
 torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
                        const GenerateOptions& options);
+
+/// Continues prompts of different lengths together and returns each row's prompt followed by
+/// its new tokens, (n_r + new_r) int64. Row r stops after its max_new_tokens or its first
+/// stop token; a finished row leaves the batch (its cache rows are dropped with
+/// KVCache::keep_rows), so it costs no more work. Every prompt plus its max_new_tokens must
+/// fit in context_length (generate a longer one alone: that path refills its caches).
+///
+/// Greedy decoding gives each row the tokens that generating its prompt alone gives (cut at
+/// its stop token). Prompts of different lengths need the model's ragged_logits_with_cache
+/// and modules whose caches take rows of different lengths (a key/value cache: not yet a
+/// rolling or latent one); prompts of one length use logits_with_cache and work with every
+/// cache. Needs use_kv_cache. Sampling draws every row from one generator, so a sampled
+/// row differs from that prompt sampled alone.
+/// Example:
+/// ```
+/// auto rows = attnkit::generate(model, {prompt_a, prompt_b}, GenerateOptions(50));
+/// ```
+std::vector<torch::Tensor> generate(CausalLanguageModel& model,
+                                    const std::vector<GenerationRequest>& requests,
+                                    const GenerateOptions& options);
 
 }  // namespace attnkit

@@ -92,6 +92,13 @@ class KVCache {
     row_lengths_.clear();
   }
 
+  /// Keeps the rows `rows` (distinct, ascending, each in [0, batch())) in that order and drops
+  /// the others: batch() becomes rows.size(). The kept rows move to the front of the same
+  /// storage (nothing is allocated), so a batch whose sequences finish early stops paying for
+  /// them. Rows of equal lengths make the cache uniform again (is_ragged() false).
+  /// Example: `cache.keep_rows({0, 2});  // rows 0 and 2 become rows 0 and 1`
+  void keep_rows(const std::vector<int64_t>& rows);
+
   /// What the queries of appended tokens attend to.
   struct Span {
     /// (batch, num_heads, m, head_dim) keys and values, m >= the tokens appended.

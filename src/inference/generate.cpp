@@ -16,7 +16,11 @@ void check_generate_arguments(const CausalLanguageModel& model, const torch::Ten
   TORCH_CHECK(prompt.defined() && prompt.dim() == 2 && prompt.scalar_type() == torch::kInt64, fn,
               " prompt: expected (batch, num_tokens) int64 token ids, got ",
               prompt.defined() ? c10::str(detail::shape_string(prompt), " ", prompt.scalar_type())
-                               : std::string("an undefined tensor"));
+                               : std::string("an undefined tensor"),
+              prompt.defined() && prompt.dim() == 1
+                  ? "; one prompt of (n) tokens: prompt.unsqueeze(0), or several of different "
+                    "lengths: a std::vector<GenerationRequest>"
+                  : "");
   TORCH_CHECK(prompt.size(0) >= 1 && prompt.size(1) >= 1, fn,
               " prompt: expected at least one sequence of at least one token, got shape ",
               detail::shape_string(prompt));
@@ -28,6 +32,36 @@ void check_generate_arguments(const CausalLanguageModel& model, const torch::Ten
               options.top_k());
   TORCH_CHECK(model.context_length() >= 1, fn, " the model's context_length must be >= 1, got ",
               model.context_length());
+}
+
+// What the batch of prompts adds to those checks: each prompt (n) int64 on one device, its
+// limits, and that it fits in the context with its new tokens.
+void check_requests(const CausalLanguageModel& model,
+                    const std::vector<GenerationRequest>& requests,
+                    const GenerateOptions& options) {
+  const char* fn = "[generate]";
+  TORCH_CHECK(!requests.empty(), fn, " requests: expected at least one prompt, got none");
+  TORCH_CHECK(options.use_kv_cache(), fn,
+              " a batch of prompts decodes with the KV caches: use_kv_cache must be true");
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const auto& prompt = requests[r].prompt();
+    TORCH_CHECK(prompt.defined() && prompt.dim() == 1 && prompt.scalar_type() == torch::kInt64 &&
+                    prompt.size(0) >= 1,
+                fn, " requests[", r, "].prompt: expected (n) int64 token ids with n >= 1, got ",
+                prompt.defined() ? c10::str(detail::shape_string(prompt), " ", prompt.scalar_type())
+                                 : std::string("an undefined tensor"));
+    TORCH_CHECK(prompt.device() == requests.front().prompt().device(), fn, " requests[", r,
+                "].prompt is on ", prompt.device(), ", requests[0].prompt on ",
+                requests.front().prompt().device(), ": put every prompt on one device");
+    const int64_t new_tokens = requests[r].max_new_tokens().value_or(options.max_new_tokens());
+    TORCH_CHECK(new_tokens >= 0, fn, " requests[", r, "].max_new_tokens must be >= 0, got ",
+                new_tokens);
+    TORCH_CHECK(prompt.size(0) + new_tokens <= model.context_length(), fn, " requests[", r,
+                "]: ", prompt.size(0), " prompt tokens + max_new_tokens ", new_tokens,
+                " pass the model's context_length ", model.context_length(),
+                "; a batch keeps every row inside the context (generate that prompt alone, "
+                "which refills its caches)");
+  }
 }
 
 // The next token of each row from the last position's logits (b, vocab) -> (b, 1): the
@@ -51,9 +85,21 @@ torch::Tensor next_tokens(const torch::Tensor& logits, const GenerateOptions& op
 
 }  // namespace
 
+torch::Tensor CausalLanguageModel::ragged_logits_with_cache(const torch::Tensor&,
+                                                            const torch::Tensor&,
+                                                            std::vector<KVCache>&) {
+  TORCH_CHECK(false,
+              "[generate] prompts of different lengths need the model's "
+              "ragged_logits_with_cache(tokens, lengths, caches); this model does not implement "
+              "it (give prompts of one length, or implement it: see attnkit/generate.h)");
+}
+
 torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
                        const GenerateOptions& options) {
   check_generate_arguments(model, prompt, options);
+  TORCH_CHECK(options.stop_tokens().empty(),
+              "[generate] stop_tokens: rows that stop early do not fit one (b, n) tensor; give "
+              "the prompts as a std::vector<GenerationRequest> to stop at them");
   torch::NoGradGuard no_grad;
   const int64_t batch = prompt.size(0);
   const int64_t prompt_length = prompt.size(1);
@@ -103,6 +149,103 @@ torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
     }
   }
   return tokens;
+}
+
+std::vector<torch::Tensor> generate(CausalLanguageModel& model,
+                                    const std::vector<GenerationRequest>& requests,
+                                    const GenerateOptions& options) {
+  check_requests(model, requests, options);
+  check_generate_arguments(model, requests.front().prompt().view({1, -1}), options);
+  torch::NoGradGuard no_grad;
+  const auto device = requests.front().prompt().device();
+  const auto batch = static_cast<int64_t>(requests.size());
+  std::vector<std::vector<int64_t>> generated(batch);
+  std::vector<int64_t> limit(batch);
+  for (int64_t r = 0; r < batch; ++r)
+    limit[r] = requests[r].max_new_tokens().value_or(options.max_new_tokens());
+  const auto finished = [&](int64_t r) {
+    if (static_cast<int64_t>(generated[r].size()) >= limit[r])
+      return true;
+    if (generated[r].empty())
+      return false;
+    const int64_t last = generated[r].back();
+    const auto stops = [last](const std::vector<int64_t>& tokens) {
+      return std::find(tokens.begin(), tokens.end(), last) != tokens.end();
+    };
+    return stops(options.stop_tokens()) || stops(requests[r].stop_tokens());
+  };
+  // The rows still generating, in the caches' row order.
+  std::vector<int64_t> active;
+  for (int64_t r = 0; r < batch; ++r)
+    if (!finished(r))
+      active.push_back(r);
+
+  if (!active.empty()) {
+    auto generator = at::detail::createCPUGenerator(options.seed());
+    // Prefill: the prompts right-padded to the longest, (k, n).
+    int64_t longest = 0;
+    std::vector<int64_t> prompt_lengths;
+    for (const int64_t r : active) {
+      prompt_lengths.push_back(requests[r].prompt().size(0));
+      longest = std::max(longest, prompt_lengths.back());
+    }
+    auto tokens = torch::zeros({static_cast<int64_t>(active.size()), longest},
+                               torch::TensorOptions(torch::kInt64).device(device));
+    for (size_t i = 0; i < active.size(); ++i)
+      tokens[i].narrow(0, 0, prompt_lengths[i]).copy_(requests[active[i]].prompt());
+    const bool ragged = std::any_of(prompt_lengths.begin(), prompt_lengths.end(),
+                                    [&](int64_t n) { return n != longest; });
+    int64_t capacity = 0;
+    for (const int64_t r : active)
+      capacity = std::max(capacity, requests[r].prompt().size(0) + limit[r]);
+    auto caches = model.make_kv_caches(static_cast<int64_t>(active.size()), capacity);
+    TORCH_CHECK(!caches.empty(), "[generate] make_kv_caches returned no cache");
+    // (k, n, vocab) -> (k, vocab): each row's last valid position.
+    torch::Tensor logits;
+    if (ragged) {
+      const auto lengths = torch::tensor(prompt_lengths, torch::kInt64);
+      const auto all = model.ragged_logits_with_cache(tokens, lengths, caches);
+      const auto last = (lengths - 1).to(device).view({-1, 1, 1}).expand({-1, 1, all.size(2)});
+      logits = all.gather(1, last).squeeze(1);
+    } else {
+      logits = model.logits_with_cache(tokens, caches).select(1, -1);
+    }
+    while (true) {
+      const auto next = next_tokens(logits, options, generator).to(torch::kCPU);  // (k, 1)
+      std::vector<int64_t> still;  // indices into active of the rows that go on
+      for (size_t i = 0; i < active.size(); ++i) {
+        generated[active[i]].push_back(next[i][0].item<int64_t>());
+        if (!finished(active[i]))
+          still.push_back(static_cast<int64_t>(i));
+      }
+      if (still.empty())
+        break;
+      auto step = next.to(device);
+      if (still.size() < active.size()) {
+        // Finished rows leave the batch and their caches.
+        for (auto& cache : caches)
+          cache.keep_rows(still);
+        std::vector<int64_t> remaining;
+        for (const int64_t i : still)
+          remaining.push_back(active[i]);
+        active = std::move(remaining);
+        step = step.index_select(0, torch::tensor(still, torch::kInt64).to(device));
+      }
+      // One token per row; the caches stay ragged while the rows' lengths differ.
+      if (caches.front().is_ragged()) {
+        const auto ones = torch::ones({static_cast<int64_t>(active.size())}, torch::kInt64);
+        logits = model.ragged_logits_with_cache(step, ones, caches).select(1, 0);
+      } else {
+        logits = model.logits_with_cache(step, caches).select(1, 0);
+      }
+    }
+  }
+  std::vector<torch::Tensor> rows;
+  for (int64_t r = 0; r < batch; ++r) {
+    rows.push_back(
+        torch::cat({requests[r].prompt(), torch::tensor(generated[r], torch::kInt64).to(device)}));
+  }
+  return rows;
 }
 
 }  // namespace attnkit

@@ -80,6 +80,40 @@ torch::Tensor KVCache::lengths() const {
   return torch::full({batch()}, size_, torch::kInt64);
 }
 
+void KVCache::keep_rows(const std::vector<int64_t>& rows) {
+  const char* fn = "[KVCache::keep_rows]";
+  TORCH_CHECK(keys_.defined(), fn, " the cache has no storage");
+  for (size_t i = 0; i < rows.size(); ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < batch(), fn, " rows[", i, "] must be in [0, ", batch(),
+                "), got ", rows[i]);
+    TORCH_CHECK(i == 0 || rows[i] > rows[i - 1], fn, " rows must be distinct and ascending, got ",
+                rows[i - 1], " before ", rows[i]);
+  }
+  // Row rows[i] >= i moves to slot i; ascending order never overwrites a row still to move.
+  const int64_t held_positions = held();
+  std::vector<int64_t> kept_lengths;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t from = rows[i], to = static_cast<int64_t>(i);
+    if (from != to) {
+      keys_[to].narrow(1, 0, held_positions).copy_(keys_[from].narrow(1, 0, held_positions));
+      if (values_.defined())
+        values_[to].narrow(1, 0, held_positions).copy_(values_[from].narrow(1, 0, held_positions));
+    }
+    if (is_ragged())
+      kept_lengths.push_back(row_lengths_[from]);
+  }
+  const auto kept = static_cast<int64_t>(rows.size());
+  keys_ = keys_.narrow(0, 0, kept);
+  if (values_.defined())
+    values_ = values_.narrow(0, 0, kept);
+  if (!is_ragged())
+    return;
+  const bool uniform = std::all_of(kept_lengths.begin(), kept_lengths.end(),
+                                   [&](int64_t length) { return length == kept_lengths.front(); });
+  size_ = kept_lengths.empty() ? 0 : *std::max_element(kept_lengths.begin(), kept_lengths.end());
+  row_lengths_ = uniform ? std::vector<int64_t>{} : std::move(kept_lengths);
+}
+
 KVCache::RaggedSpan KVCache::append_ragged(const torch::Tensor& keys, const torch::Tensor& values,
                                            const std::vector<int64_t>& new_lengths) {
   const char* fn = "[KVCache::append_ragged]";

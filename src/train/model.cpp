@@ -1,5 +1,8 @@
 #include "model.h"
 
+#include <type_traits>
+#include <utility>
+
 #include "attnkit/attnkit.h"
 
 namespace attnkit::train {
@@ -113,11 +116,24 @@ void bind_masked(Holder holder, AttendWithWeights& attend_with_weights, Attend& 
 }
 
 // Binds the KV-cache methods of a module that has them.
+// Without lengths: forward_with_cache(x, cache); with: the ragged overload, where the module
+// has one (MultiHeadLatentAttention refuses lengths by name).
 template <typename Holder>
 void bind_cache(Holder holder,
-                std::function<torch::Tensor(const torch::Tensor&, KVCache&)>& attend_with_cache,
+                std::function<torch::Tensor(const torch::Tensor&, KVCache&, const torch::Tensor&)>&
+                    attend_with_cache,
                 std::function<KVCache(int64_t, int64_t)>& make_kv_cache) {
-  attend_with_cache = [holder](const torch::Tensor& x, KVCache& cache) mutable {
+  attend_with_cache = [holder](const torch::Tensor& x, KVCache& cache,
+                               const torch::Tensor& lengths) mutable {
+    if (lengths.defined()) {
+      if constexpr (std::is_same_v<Holder, MultiHeadLatentAttention>) {
+        TORCH_CHECK(false,
+                    "--module mla: rows of different lengths are not supported yet by the "
+                    "latent cache; give prompts of one length");
+      } else {
+        return holder->forward_with_cache(x, cache, lengths);
+      }
+    }
     return holder->forward_with_cache(x, cache);
   };
   make_kv_cache = [holder](int64_t batch, int64_t capacity) {
@@ -208,8 +224,13 @@ torch::Tensor BlockImpl::forward(torch::Tensor x, const Mask& mask, torch::Tenso
 }
 
 torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache) {
+  return forward_with_cache(std::move(x), cache, torch::Tensor());
+}
+
+torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache,
+                                            const torch::Tensor& lengths) {
   TORCH_CHECK(attend_with_cache_, "--module ", module_name_, " has no KV cache");
-  x = x + attend_with_cache_(attention_norm_(x), cache);
+  x = x + attend_with_cache_(attention_norm_(x), cache, lengths);
   if (feed_forward_) {
     x = x + feed_forward_->forward(feed_forward_norm_(x));
   }
@@ -299,6 +320,25 @@ torch::Tensor AttentionModelImpl::logits_with_cache(const torch::Tensor& tokens,
   auto x = embed(tokens, torch::arange(start, start + tokens.size(1), tokens.options()));
   for (size_t i = 0; i < caches.size(); ++i) {
     x = blocks_[i]->as<BlockImpl>()->forward_with_cache(x, caches[i]);
+  }
+  return head_(final_norm_(x));
+}
+
+torch::Tensor AttentionModelImpl::ragged_logits_with_cache(const torch::Tensor& tokens,
+                                                           const torch::Tensor& lengths,
+                                                           std::vector<KVCache>& caches) {
+  TORCH_CHECK(static_cast<int64_t>(caches.size()) == config_.layers,
+              "[AttentionModel::ragged_logits_with_cache] expected one cache per layer (",
+              config_.layers, "), got ", caches.size());
+  // Row r's tokens at positions lengths()[r] + i: (b, n). The padding's positions may pass
+  // the context; they are clamped (their outputs are not used, and the attention layers
+  // check each row's real end).
+  const auto starts = caches.front().lengths().to(tokens.device()).unsqueeze(1);
+  const auto positions = (starts + torch::arange(tokens.size(1), tokens.options()).unsqueeze(0))
+                             .clamp_max(config_.context_length - 1);
+  auto x = embed(tokens, positions);
+  for (size_t i = 0; i < caches.size(); ++i) {
+    x = blocks_[i]->as<BlockImpl>()->forward_with_cache(x, caches[i], lengths);
   }
   return head_(final_norm_(x));
 }

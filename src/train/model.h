@@ -64,6 +64,8 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor x, const Mask& mask = {}, torch::Tensor* weights = nullptr);
   /// forward for the next n tokens, the attention reading and extending `cache`.
   torch::Tensor forward_with_cache(torch::Tensor x, KVCache& cache);
+  /// The same for a right-padded batch: row r brings lengths[r] new tokens.
+  torch::Tensor forward_with_cache(torch::Tensor x, KVCache& cache, const torch::Tensor& lengths);
   /// A cache for this block's attention; fails for modules without one.
   KVCache make_kv_cache(int64_t batch, int64_t capacity) const;
 
@@ -75,7 +77,8 @@ class BlockImpl : public torch::nn::Module {
       attend_with_weights_;
   std::function<torch::Tensor(const torch::Tensor&, const Mask&)> attend_;
   // Modules with a KV cache only: their forward_with_cache and make_kv_cache.
-  std::function<torch::Tensor(const torch::Tensor&, KVCache&)> attend_with_cache_;
+  std::function<torch::Tensor(const torch::Tensor&, KVCache&, const torch::Tensor&)>
+      attend_with_cache_;
   std::function<KVCache(int64_t, int64_t)> make_kv_cache_;
   std::string module_name_;
   torch::nn::LayerNorm feed_forward_norm_{nullptr};
@@ -94,6 +97,8 @@ class AttentionModelImpl : public torch::nn::Module, public CausalLanguageModel 
   torch::Tensor logits(const torch::Tensor& tokens) override { return forward(tokens); }
   torch::Tensor logits_with_cache(const torch::Tensor& tokens,
                                   std::vector<KVCache>& caches) override;
+  torch::Tensor ragged_logits_with_cache(const torch::Tensor& tokens, const torch::Tensor& lengths,
+                                         std::vector<KVCache>& caches) override;
   std::vector<KVCache> make_kv_caches(int64_t batch, int64_t capacity) override;
   int64_t context_length() const override { return config_.context_length; }
   /// Attention weights of every layer on `tokens`: layers x (b, h, n, n).
