@@ -605,6 +605,29 @@ TEST(RaggedGenerate, PromptsOfOneLengthWorkWithEveryCache) {
   }
 }
 
+// Past the context (24) each row refills its caches when it reaches it, as it does alone: a
+// prompt longer than the context, one that runs past it, and one that stays inside.
+TEST(RaggedGenerate, RowsPastTheContextRefillAsEachPromptAlone) {
+  for (const std::string module : {"mha", "gqa"}) {
+    SCOPED_TRACE(module);
+    torch::manual_seed(45);
+    train::AttentionModel model(text_model_config(module, "chunked"));
+    model->eval();
+    const std::vector<std::pair<int64_t, int64_t>> shapes{{30, 9}, {5, 40}, {2, 8}, {5, 31}};
+    std::vector<GenerationRequest> requests;
+    for (const auto& [n, max_new] : shapes)
+      requests.push_back(
+          GenerationRequest(torch::randint(0, 40, {n}, torch::kInt64)).max_new_tokens(max_new));
+    const auto rows = generate(*model, requests, GenerateOptions(0));
+    for (size_t r = 0; r < shapes.size(); ++r) {
+      const auto alone = generated_alone(model, requests[r].prompt(), shapes[r].second);
+      EXPECT_EQ(rows[r].size(0), shapes[r].first + shapes[r].second);
+      EXPECT_TRUE(rows[r].equal(alone))
+          << "row " << r << "\nbatched " << rows[r] << "\nalone " << alone;
+    }
+  }
+}
+
 TEST(RaggedGenerate, BadRequestsAreNamed) {
   train::AttentionModel model(text_model_config("mha", "math"));
   model->eval();
@@ -625,12 +648,6 @@ TEST(RaggedGenerate, BadRequestsAreNamed) {
         generate(*model, {prompt, GenerationRequest(prompt).max_new_tokens(-3)}, options);
       },
       "[generate] requests[1].max_new_tokens must be >= 0, got -3");
-  expect_error_containing(
-      [&] {
-        generate(*model, {prompt, GenerationRequest(prompt).max_new_tokens(22)}, options);
-      },
-      "[generate] requests[1]: 3 prompt tokens + max_new_tokens 22 pass the model's "
-      "context_length 24");
   expect_error_containing(
       [&] {
         generate(*model, std::vector<GenerationRequest>{prompt},
@@ -699,6 +716,25 @@ TEST(RaggedGenerate, BadRequestsAreNamed) {
   cache.keep_rows({1});
   EXPECT_FALSE(cache.is_ragged());
   EXPECT_EQ(cache.size(), 2);
+  // KVCache::reset_rows: some rows start over (the cache turns ragged), or all (reset()).
+  KVCache three(3, 1, 2, 4);
+  three.append(torch::randn({3, 1, 2, 2}), torch::randn({3, 1, 2, 2}));
+  expect_error_containing(
+      [&] {
+        three.reset_rows({0, 5});
+      },
+      "[KVCache::reset_rows] rows[1] must be in [0, 3), got 5");
+  three.reset_rows({1});
+  EXPECT_TRUE(three.lengths().equal(torch::tensor({2, 0, 2}, torch::kInt64)));
+  three.reset_rows({0, 1, 2});
+  EXPECT_FALSE(three.is_ragged());
+  EXPECT_EQ(three.size(), 0);
+  auto rolling = KVCache::sliding_window(2, 1, 2, 3);
+  rolling.append(torch::randn({2, 1, 1, 2}), torch::randn({2, 1, 1, 2}));
+  expect_error_containing([&] { rolling.reset_rows({0}); },
+                          "[KVCache::reset_rows] resetting only some rows needs a key/value cache "
+                          "(rows of different lengths), not a rolling (sliding-window) cache");
+  EXPECT_EQ(rolling.size(), 1) << "a refused call changed the cache";
 }
 
 TEST(Generate, BadArgumentsNameWhatIsWrong) {

@@ -92,14 +92,15 @@ torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
 /// Continues prompts of different lengths together and returns each row's prompt followed by
 /// its new tokens, (n_r + new_r) int64. Row r stops after its max_new_tokens or its first
 /// stop token; a finished row leaves the batch (its cache rows are dropped with
-/// KVCache::keep_rows), so it costs no more work. Every prompt plus its max_new_tokens must
-/// fit in context_length (generate a longer one alone: that path refills its caches).
+/// KVCache::keep_rows), so it costs no more work. A row that reaches context_length starts
+/// its caches over from its last context_length / 2 tokens (KVCache::reset_rows), as a
+/// prompt generated alone does.
 ///
 /// Greedy decoding gives each row the tokens that generating its prompt alone gives (cut at
-/// its stop token). Prompts of different lengths need the model's ragged_logits_with_cache
-/// and modules whose caches take rows of different lengths (a key/value cache: not yet a
-/// rolling or latent one); prompts of one length use logits_with_cache and work with every
-/// cache. Needs use_kv_cache. Sampling draws every row from one generator, so a sampled
+/// its stop token), past the context too. Prompts of different lengths need the model's
+/// ragged_logits_with_cache and modules whose caches take rows of different lengths (a key/value
+/// cache: not yet a rolling or latent one); prompts of one length use logits_with_cache and work
+/// with every cache. Needs use_kv_cache. Sampling draws every row from one generator, so a sampled
 /// row differs from that prompt sampled alone.
 /// Example:
 /// ```

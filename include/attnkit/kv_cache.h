@@ -99,6 +99,12 @@ class KVCache {
   /// Example: `cache.keep_rows({0, 2});  // rows 0 and 2 become rows 0 and 1`
   void keep_rows(const std::vector<int64_t>& rows);
 
+  /// Forgets every position of the rows `rows` (each in [0, batch())), keeping the others:
+  /// the next append_ragged starts those rows over at position 0. The cache becomes ragged
+  /// unless every row is reset (then it is reset()). Fails on a rolling or latent cache
+  /// unless every row is reset (they take no rows of different lengths yet).
+  void reset_rows(const std::vector<int64_t>& rows);
+
   /// What the queries of appended tokens attend to.
   struct Span {
     /// (batch, num_heads, m, head_dim) keys and values, m >= the tokens appended.

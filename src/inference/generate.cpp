@@ -34,8 +34,8 @@ void check_generate_arguments(const CausalLanguageModel& model, const torch::Ten
               model.context_length());
 }
 
-// What the batch of prompts adds to those checks: each prompt (n) int64 on one device, its
-// limits, and that it fits in the context with its new tokens.
+// What the batch of prompts adds to those checks: each prompt (n) int64 on one device, and
+// its limits.
 void check_requests(const CausalLanguageModel& model,
                     const std::vector<GenerationRequest>& requests,
                     const GenerateOptions& options) {
@@ -56,11 +56,6 @@ void check_requests(const CausalLanguageModel& model,
     const int64_t new_tokens = requests[r].max_new_tokens().value_or(options.max_new_tokens());
     TORCH_CHECK(new_tokens >= 0, fn, " requests[", r, "].max_new_tokens must be >= 0, got ",
                 new_tokens);
-    TORCH_CHECK(prompt.size(0) + new_tokens <= model.context_length(), fn, " requests[", r,
-                "]: ", prompt.size(0), " prompt tokens + max_new_tokens ", new_tokens,
-                " pass the model's context_length ", model.context_length(),
-                "; a batch keeps every row inside the context (generate that prompt alone, "
-                "which refills its caches)");
   }
 }
 
@@ -151,6 +146,49 @@ torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
   return tokens;
 }
 
+namespace {
+
+// The rows of a batch of prompts still generating, each with its whole sequence so far and
+// the positions its caches hold, in the caches' row order.
+struct ActiveRow {
+  int64_t request;              // index into the requests
+  std::vector<int64_t> tokens;  // prompt, then what was generated
+  int64_t cached = 0;           // positions in the caches
+};
+
+// Feeds each row its `inputs` (token ids, at least one per row) at its next positions and
+// returns the logits after each row's last input, (k, vocab). Rows of one length in a uniform
+// cache take logits_with_cache (every cache kind); otherwise a right-padded
+// ragged_logits_with_cache.
+torch::Tensor feed(CausalLanguageModel& model, std::vector<KVCache>& caches,
+                   std::vector<ActiveRow>& rows, const std::vector<std::vector<int64_t>>& inputs,
+                   const torch::Device& device) {
+  const auto k = static_cast<int64_t>(rows.size());
+  std::vector<int64_t> lengths;
+  int64_t longest = 0;
+  for (const auto& input : inputs) {
+    lengths.push_back(static_cast<int64_t>(input.size()));
+    longest = std::max(longest, lengths.back());
+  }
+  auto tokens = torch::zeros({k, longest}, torch::kInt64);  // (k, n), right-padded
+  for (int64_t i = 0; i < k; ++i) {
+    tokens[i].narrow(0, 0, lengths[i]).copy_(torch::tensor(inputs[i], torch::kInt64));
+    rows[i].cached += lengths[i];
+  }
+  tokens = tokens.to(device);
+  const bool uniform =
+      !caches.front().is_ragged() &&
+      std::all_of(lengths.begin(), lengths.end(), [&](int64_t n) { return n == longest; });
+  if (uniform)
+    return model.logits_with_cache(tokens, caches).select(1, -1);
+  const auto length_tensor = torch::tensor(lengths, torch::kInt64);
+  const auto all = model.ragged_logits_with_cache(tokens, length_tensor, caches);  // (k, n, V)
+  const auto last = (length_tensor - 1).to(device).view({-1, 1, 1}).expand({-1, 1, all.size(2)});
+  return all.gather(1, last).squeeze(1);
+}
+
+}  // namespace
+
 std::vector<torch::Tensor> generate(CausalLanguageModel& model,
                                     const std::vector<GenerationRequest>& requests,
                                     const GenerateOptions& options) {
@@ -174,70 +212,67 @@ std::vector<torch::Tensor> generate(CausalLanguageModel& model,
     };
     return stops(options.stop_tokens()) || stops(requests[r].stop_tokens());
   };
-  // The rows still generating, in the caches' row order.
-  std::vector<int64_t> active;
-  for (int64_t r = 0; r < batch; ++r)
-    if (!finished(r))
-      active.push_back(r);
-
+  const int64_t context = model.context_length();
+  std::vector<ActiveRow> active;
+  int64_t capacity = 0;
+  for (int64_t r = 0; r < batch; ++r) {
+    if (finished(r))
+      continue;
+    const auto prompt = requests[r].prompt().to(torch::kCPU).contiguous();
+    const auto* ids = prompt.data_ptr<int64_t>();
+    active.push_back({r, std::vector<int64_t>(ids, ids + prompt.size(0))});
+    capacity = std::max(capacity, std::min(prompt.size(0) + limit[r], context));
+  }
   if (!active.empty()) {
     auto generator = at::detail::createCPUGenerator(options.seed());
-    // Prefill: the prompts right-padded to the longest, (k, n).
-    int64_t longest = 0;
-    std::vector<int64_t> prompt_lengths;
-    for (const int64_t r : active) {
-      prompt_lengths.push_back(requests[r].prompt().size(0));
-      longest = std::max(longest, prompt_lengths.back());
-    }
-    auto tokens = torch::zeros({static_cast<int64_t>(active.size()), longest},
-                               torch::TensorOptions(torch::kInt64).device(device));
-    for (size_t i = 0; i < active.size(); ++i)
-      tokens[i].narrow(0, 0, prompt_lengths[i]).copy_(requests[active[i]].prompt());
-    const bool ragged = std::any_of(prompt_lengths.begin(), prompt_lengths.end(),
-                                    [&](int64_t n) { return n != longest; });
-    int64_t capacity = 0;
-    for (const int64_t r : active)
-      capacity = std::max(capacity, requests[r].prompt().size(0) + limit[r]);
     auto caches = model.make_kv_caches(static_cast<int64_t>(active.size()), capacity);
     TORCH_CHECK(!caches.empty(), "[generate] make_kv_caches returned no cache");
-    // (k, n, vocab) -> (k, vocab): each row's last valid position.
-    torch::Tensor logits;
-    if (ragged) {
-      const auto lengths = torch::tensor(prompt_lengths, torch::kInt64);
-      const auto all = model.ragged_logits_with_cache(tokens, lengths, caches);
-      const auto last = (lengths - 1).to(device).view({-1, 1, 1}).expand({-1, 1, all.size(2)});
-      logits = all.gather(1, last).squeeze(1);
-    } else {
-      logits = model.logits_with_cache(tokens, caches).select(1, -1);
-    }
+    // Each row's last `count` tokens.
+    const auto last_tokens = [](const ActiveRow& row, int64_t count) {
+      count = std::min<int64_t>(count, static_cast<int64_t>(row.tokens.size()));
+      return std::vector<int64_t>(row.tokens.end() - count, row.tokens.end());
+    };
+    // As generating a prompt alone does: the prompt's last `context` tokens; a row whose
+    // caches reach the context starts them over from its last context / 2 tokens.
+    std::vector<std::vector<int64_t>> inputs;
+    for (const auto& row : active)
+      inputs.push_back(last_tokens(row, context));
+    auto logits = feed(model, caches, active, inputs, device);
+    const int64_t keep = std::max<int64_t>(1, context / 2);
     while (true) {
       const auto next = next_tokens(logits, options, generator).to(torch::kCPU);  // (k, 1)
       std::vector<int64_t> still;  // indices into active of the rows that go on
       for (size_t i = 0; i < active.size(); ++i) {
-        generated[active[i]].push_back(next[i][0].item<int64_t>());
-        if (!finished(active[i]))
+        const int64_t token = next[i][0].item<int64_t>();
+        generated[active[i].request].push_back(token);
+        active[i].tokens.push_back(token);
+        if (!finished(active[i].request))
           still.push_back(static_cast<int64_t>(i));
       }
       if (still.empty())
         break;
-      auto step = next.to(device);
       if (still.size() < active.size()) {
-        // Finished rows leave the batch and their caches.
+        // Finished rows leave the batch and their caches, so they cost no more work.
         for (auto& cache : caches)
           cache.keep_rows(still);
-        std::vector<int64_t> remaining;
+        std::vector<ActiveRow> remaining;
         for (const int64_t i : still)
-          remaining.push_back(active[i]);
+          remaining.push_back(std::move(active[i]));
         active = std::move(remaining);
-        step = step.index_select(0, torch::tensor(still, torch::kInt64).to(device));
       }
-      // One token per row; the caches stay ragged while the rows' lengths differ.
-      if (caches.front().is_ragged()) {
-        const auto ones = torch::ones({static_cast<int64_t>(active.size())}, torch::kInt64);
-        logits = model.ragged_logits_with_cache(step, ones, caches).select(1, 0);
-      } else {
-        logits = model.logits_with_cache(step, caches).select(1, 0);
+      inputs.clear();
+      std::vector<int64_t> refill;
+      for (size_t i = 0; i < active.size(); ++i) {
+        const bool full = active[i].cached >= capacity;
+        if (full) {
+          refill.push_back(static_cast<int64_t>(i));
+          active[i].cached = 0;
+        }
+        inputs.push_back(last_tokens(active[i], full ? keep : 1));
       }
+      for (auto& cache : caches)
+        cache.reset_rows(refill);
+      logits = feed(model, caches, active, inputs, device);
     }
   }
   std::vector<torch::Tensor> rows;

@@ -80,6 +80,33 @@ torch::Tensor KVCache::lengths() const {
   return torch::full({batch()}, size_, torch::kInt64);
 }
 
+void KVCache::reset_rows(const std::vector<int64_t>& rows) {
+  const char* fn = "[KVCache::reset_rows]";
+  std::vector<int64_t> lengths(batch(), size_);
+  if (is_ragged())
+    lengths = row_lengths_;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < batch(), fn, " rows[", i, "] must be in [0, ", batch(),
+                "), got ", rows[i]);
+    lengths[rows[i]] = -1;  // marked; set to 0 once every index is checked
+  }
+  if (rows.empty())
+    return;
+  const bool every_row =
+      std::all_of(lengths.begin(), lengths.end(), [](int64_t l) { return l < 0; });
+  if (every_row) {
+    reset();
+    return;
+  }
+  TORCH_CHECK(window_size_ == 0 && !is_latent(), fn, " resetting only some rows needs a key/value ",
+              "cache (rows of different lengths), not ",
+              is_latent() ? "a latent cache" : "a rolling (sliding-window) cache");
+  for (auto& length : lengths)
+    length = std::max<int64_t>(length, 0);
+  size_ = *std::max_element(lengths.begin(), lengths.end());
+  row_lengths_ = std::move(lengths);
+}
+
 void KVCache::keep_rows(const std::vector<int64_t>& rows) {
   const char* fn = "[KVCache::keep_rows]";
   TORCH_CHECK(keys_.defined(), fn, " the cache has no storage");
