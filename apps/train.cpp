@@ -56,6 +56,11 @@ attnkit::cli::CommandLine make_command_line() {
              "text task: after training, generate N bytes from a held-out prompt and print "
              "them with the tokens/s",
              "0")
+      .value("Task", "prompts",
+             "text task, with --sample N: continue each non-empty line of FILE by N bytes, "
+             "all lines decoded together in one batch (prompts of different lengths, each at "
+             "its own positions)",
+             "")
       .flag("Task", "no-kv-cache",
             "generate --sample by recomputing the sequence for every byte, not with KV "
             "caches (needed for modules without one: sa-v1, sa-v2, causal, mha-wrapper)");
@@ -181,6 +186,7 @@ int main(int argc, char** argv) {
     config.pack = cli.given("pack");
     config.sample = cli.integer("sample");
     config.kv_cache = !cli.given("no-kv-cache");
+    config.prompts = cli.text("prompts");
     config.module = cli.text("module");
     // Given explicitly only: the other modules have no backend, so the default is not theirs.
     if (cli.given("backend"))

@@ -100,6 +100,32 @@ expect 0 "" -- "${quick[@]}" "${text[@]}" --module causal --sample 20 --no-kv-ca
 expect 0 "" -- "${quick[@]}" "${text[@]}" --module gqa --window 8 --sample 80 --quiet
 expect 0 "" -- "${quick[@]}" "${text[@]}" --module mla --sample 80 --quiet
 
+# --prompts: every line continued in one batch; the lines and their continuations printed.
+printf 'I had always\nThe \n\nGisburn was a man who\n' >"$work/prompts"
+printf 'abcd\nefgh\n' >"$work/same_length"
+: >"$work/empty"
+checks=$((checks + 1))
+if "$train" "${quick[@]}" "${text[@]}" --sample 70 --prompts "$work/prompts" >"$work/out" 2>"$work/err" &&
+   grep -qE "^samples \(3 prompts in one batch, 70 bytes each, KV cache, [0-9]+ tokens/s\):$" "$work/out" &&
+   grep -q "^\[I had always\]" "$work/out" && grep -q "^\[The \]" "$work/out" &&
+   grep -q "^\[Gisburn was a man who\]" "$work/out"; then
+  echo "ok: --sample 70 --prompts (3 lines): $(grep -o '^samples ([^)]*)' "$work/out")"
+else
+  echo "FAIL: --sample 70 --prompts, stdout and stderr:"
+  sed 's/^/    /' "$work/out" "$work/err"
+  failures=$((failures + 1))
+fi
+expect 2 "--prompts: give --sample N, the bytes to generate for each line" \
+  -- "${text[@]}" --prompts "$work/prompts"
+expect 2 "--prompts: cannot read '$work/missing'" -- "${text[@]}" --sample 5 --prompts "$work/missing"
+expect 2 "--prompts: '$work/empty' has no non-empty line" \
+  -- "${text[@]}" --sample 5 --prompts "$work/empty"
+expect 2 "--prompts: the lines are decoded together with KV caches; drop --no-kv-cache" \
+  -- "${text[@]}" --sample 5 --prompts "$work/prompts" --no-kv-cache
+expect 2 "--prompts: lines of different lengths need a key/value cache without a window; --module mla decodes lines of one length only" \
+  -- "${text[@]}" --module mla --sample 5 --prompts "$work/prompts"
+expect 0 "" -- "${quick[@]}" "${text[@]}" --module gqa --window 8 --sample 70 --prompts "$work/same_length" --quiet
+
 # Checkpoints: an incompatible or foreign one is refused.
 expect 0 "" -- "${quick[@]}" --save "$work/run.pt" --quiet
 expect 2 "incompatible checkpoint '$work/run.pt': it was trained with --module mha, this run has --module causal" \

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -192,6 +193,51 @@ std::string sample_text(AttentionModel& model, const Task& task, const torch::De
                   text.substr(0, prompt_length), "]", text.substr(prompt_length));
 }
 
+// The non-empty lines of --prompts, each a prompt of bytes.
+std::vector<std::string> read_prompts(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  TORCH_CHECK(file, "--prompts: cannot read '", path, "'");
+  std::vector<std::string> prompts;
+  for (std::string line; std::getline(file, line);) {
+    if (!line.empty() && line.back() == '\r')
+      line.pop_back();
+    if (!line.empty())
+      prompts.push_back(line);
+  }
+  TORCH_CHECK(!prompts.empty(), "--prompts: '", path, "' has no non-empty line");
+  return prompts;
+}
+
+// "samples (K prompts in one batch, N bytes each, T tokens/s):" then "[prompt]continuation"
+// per line of --prompts, temperature 0.8, seeded by --seed.
+std::string sample_prompts(AttentionModel& model, const torch::Device& device,
+                           const TrainConfig& config) {
+  model->eval();
+  std::vector<GenerationRequest> requests;
+  const auto prompts = read_prompts(config.prompts);
+  for (const auto& prompt : prompts) {
+    const std::vector<int64_t> bytes(prompt.begin(), prompt.end());
+    requests.emplace_back(torch::tensor(bytes, torch::kInt64).bitwise_and(255).to(device));
+  }
+  const auto start = Clock::now();
+  const auto rows =
+      generate(*model, requests, GenerateOptions(config.sample).temperature(0.8).seed(config.seed));
+  const double seconds = seconds_since(start);
+  std::ostringstream text;
+  text << "samples (" << prompts.size() << " prompts in one batch, " << config.sample
+       << " bytes each, KV cache, "
+       << static_cast<int64_t>(static_cast<double>(config.sample * prompts.size()) /
+                               std::max(seconds, 1e-9))
+       << " tokens/s):";
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const auto row = rows[r].to(torch::kCPU);
+    const auto* ids = row.data_ptr<int64_t>();
+    const std::string bytes(ids, ids + row.size(0));
+    text << "\n[" << prompts[r] << "]" << bytes.substr(prompts[r].size());
+  }
+  return text.str();
+}
+
 void dump_attention(const std::string& path, AttentionModel& model, const Task& task,
                     const torch::Device& device) {
   torch::NoGradGuard no_grad;
@@ -303,6 +349,20 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(c.sample == 0 || !c.kv_cache || has_backends_and_kv_cache(c.module),
               "--sample with --module ", c.module,
               ": only mha, mha-combined, gqa, mqa and mla have a KV cache; add --no-kv-cache");
+  if (!c.prompts.empty()) {
+    TORCH_CHECK(c.sample > 0, "--prompts: give --sample N, the bytes to generate for each line");
+    TORCH_CHECK(c.kv_cache,
+                "--prompts: the lines are decoded together with KV caches; drop "
+                "--no-kv-cache");
+    const auto prompts = read_prompts(c.prompts);
+    const bool one_length = std::all_of(prompts.begin(), prompts.end(), [&](const std::string& p) {
+      return p.size() == prompts.front().size();
+    });
+    TORCH_CHECK(one_length || (c.module != "mla" && c.window == 0), "--prompts: lines of ",
+                "different lengths need a key/value cache without a window; --module ", c.module,
+                c.window > 0 ? c10::str(" --window ", c.window) : std::string(),
+                " decodes lines of one length only");
+  }
   TORCH_CHECK(c.dump_attention.empty() || ends_with(c.dump_attention, ".png"),
               "--dump-attention: expected a file name ending in .png, got '", c.dump_attention,
               "'");
@@ -365,6 +425,7 @@ std::string rank_agreement_text(const TrainConfig& c) {
       {"pack", c.pack ? "true" : "false"},
       {"sample", std::to_string(c.sample)},
       {"kv-cache", c.kv_cache ? "true" : "false"},
+      {"prompts", c.prompts},
       {"steps", std::to_string(c.steps)},
       {"batch-size", std::to_string(c.batch_size)},
       {"lr", c10::str(c.lr)},
@@ -615,8 +676,10 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
               << result.final_evaluation.bits_per_byte << " ("
               << task->bigram_entropy() - result.final_evaluation.bits_per_byte
               << " below bigram)\n";
-      if (config.sample > 0) {
+      if (config.sample > 0 && config.prompts.empty()) {
         summary << sample_text(model, *task, device, config) << "\n";
+      } else if (config.sample > 0) {
+        summary << sample_prompts(model, device, config) << "\n";
       }
     }
   }

@@ -28,6 +28,7 @@ struct TrainConfig {
   bool pack = false;     // text: rows of packed documents (paragraphs), kept apart by a mask
   int64_t sample = 0;    // text: bytes to generate after training
   bool kv_cache = true;  // generate the sample with KV caches (mha, mha-combined)
+  std::string prompts;   // text: a file whose lines --sample continues, in one batch
   // model
   std::string module = "mha";
   std::string backend;     // empty: fused where the module has backends (the others have none)
