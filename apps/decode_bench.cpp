@@ -92,6 +92,61 @@ struct Run {
   torch::Tensor tokens;
 };
 
+// --batch-prompts: `count` prompts of min_length..max_length tokens generated one after
+// another and together; exit 1 when a row's tokens differ.
+int run_batch(attnkit::train::AttentionModel& model, const attnkit::train::ModelConfig& config,
+              int64_t count, int64_t min_length, int64_t max_length, int64_t new_tokens,
+              int64_t repeats, const std::string& json) {
+  std::vector<attnkit::GenerationRequest> requests;
+  const auto lengths = torch::randint(min_length, max_length + 1, {count}, torch::kInt64);
+  for (int64_t i = 0; i < count; ++i)
+    requests.emplace_back(
+        torch::randint(0, config.vocab_size, {lengths[i].item<int64_t>()}, torch::kInt64));
+  const auto options = attnkit::GenerateOptions(new_tokens);
+  attnkit::generate(*model, requests, attnkit::GenerateOptions(2));  // warm-up
+  const double total = static_cast<double>(count * new_tokens);
+  std::vector<double> alone_rates, together_rates;
+  std::vector<torch::Tensor> alone, together;
+  for (int64_t r = 0; r < repeats; ++r) {
+    auto start = Clock::now();
+    alone.clear();
+    for (const auto& request : requests)
+      alone.push_back(attnkit::generate(*model, request.prompt().unsqueeze(0), options)[0]);
+    alone_rates.push_back(total / seconds_since(start));
+    start = Clock::now();
+    together = attnkit::generate(*model, requests, options);
+    together_rates.push_back(total / seconds_since(start));
+  }
+  bool identical = true;
+  for (int64_t i = 0; i < count; ++i)
+    identical = identical && alone[i].equal(together[i]);
+  const double one_by_one = median(alone_rates), batched = median(together_rates);
+  Line(std::cout) << std::fixed << std::setprecision(1) << "attnkit-decode-bench: " << config.module
+                  << " (" << config.backend << "), vocab " << config.vocab_size << ", context "
+                  << config.context_length << ", d " << config.d_model << ", " << config.heads
+                  << " heads, " << config.layers << " layers, LibTorch " << TORCH_VERSION_MAJOR
+                  << "." << TORCH_VERSION_MINOR << ", " << torch::get_num_threads()
+                  << " thread(s) (" << attnkit::blas_threads() << ")\n"
+                  << count << " prompts of " << lengths.min().item<int64_t>() << ".."
+                  << lengths.max().item<int64_t>() << " tokens, " << new_tokens
+                  << " new tokens each, greedy, median of " << repeats << "\n"
+                  << "  one after another " << std::setw(10) << one_by_one << " tokens/s\n"
+                  << "  in one batch      " << std::setw(10) << batched << " tokens/s\n"
+                  << std::setprecision(2) << "  batch / one after another: " << batched / one_by_one
+                  << "x; tokens " << (identical ? "identical" : "DIFFER") << "\n";
+  if (!json.empty()) {
+    std::ofstream out(json);
+    TORCH_CHECK(out.good(), "--json: cannot write '", json, "'");
+    out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \"" << TORCH_VERSION_MAJOR
+        << "." << TORCH_VERSION_MINOR << "\", \"threads\": " << torch::get_num_threads()
+        << ", \"module\": \"" << config.module << "\", \"prompts\": " << count
+        << ", \"new_tokens\": " << new_tokens << ", \"one_by_one_tokens_per_s\": " << one_by_one
+        << ", \"batched_tokens_per_s\": " << batched
+        << ", \"identical_tokens\": " << (identical ? "true" : "false") << "}\n";
+  }
+  return identical ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -115,7 +170,13 @@ int main(int argc, char** argv) {
       .value("Run", "repeats", "timed runs of each mode (the median is reported)", "3")
       .value("Run", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults", "1")
       .value("Run", "seed", "seed of the weights and the prompt", "123")
-      .flag("Run", "no-uncached", "time only the cached mode");
+      .flag("Run", "no-uncached", "time only the cached mode")
+      .value("Run", "batch-prompts",
+             "N > 0: instead, N prompts of --prompt-min..--prompt tokens (seeded), generated "
+             "together in one batch and one after another (both cached); reports both rates "
+             "and checks that each row's tokens are the same",
+             "0")
+      .value("Run", "prompt-min", "with --batch-prompts: the shortest prompt", "4");
   cli.flag("Output", "trace-cache",
            "feed the generated sequence again one token at a time through fresh caches and "
            "report the most positions a cache held and whether its storage moved")
@@ -124,9 +185,12 @@ int main(int argc, char** argv) {
   cli.example("attnkit-decode-bench --new-tokens 100",
               "GPT-2-small shape: tokens/s with and without KV caches, one thread")
       .example("attnkit-decode-bench --module gqa --kv-groups 4 --window 256 --no-uncached",
-               "a grouped-query model with a rolling 256-token cache, cached mode only");
+               "a grouped-query model with a rolling 256-token cache, cached mode only")
+      .example("attnkit-decode-bench --batch-prompts 8 --prompt 64 --prompt-min 4",
+               "8 prompts of 4..64 tokens: one batch against one after another");
   attnkit::train::ModelConfig config;
-  int64_t prompt_length = 0, new_tokens = 0, repeats = 0, threads = 0;
+  int64_t prompt_length = 0, new_tokens = 0, repeats = 0, threads = 0, batch_prompts = 0,
+          prompt_min = 0;
   uint64_t seed = 0;
   bool uncached = true, trace = false;
   std::string json;
@@ -153,6 +217,8 @@ int main(int argc, char** argv) {
     threads = cli.integer("threads");
     seed = cli.unsigned_integer("seed");
     uncached = !cli.given("no-uncached");
+    batch_prompts = cli.integer("batch-prompts");
+    prompt_min = cli.integer("prompt-min");
     trace = cli.given("trace-cache");
     json = cli.text("json");
   } catch (const attnkit::cli::UsageError& e) {
@@ -167,11 +233,16 @@ int main(int argc, char** argv) {
     TORCH_CHECK(config.vocab_size >= 1 && config.context_length >= 1,
                 "--vocab and --context must be >= 1, got ", config.vocab_size, " and ",
                 config.context_length);
+    TORCH_CHECK(batch_prompts >= 0, "--batch-prompts: expected >= 0, got ", batch_prompts);
+    // Batches may run past the context (their caches refill); the single prompt's cached and
+    // uncached tokens agree only inside it.
     TORCH_CHECK(prompt_length >= 1 && new_tokens >= 1 &&
-                    prompt_length + new_tokens <= config.context_length,
+                    (batch_prompts > 0 || prompt_length + new_tokens <= config.context_length),
                 "--prompt and --new-tokens: expected >= 1 each and prompt + new tokens <= "
                 "--context ",
                 config.context_length, ", got ", prompt_length, " + ", new_tokens);
+    TORCH_CHECK(batch_prompts == 0 || (prompt_min >= 1 && prompt_min <= prompt_length),
+                "--prompt-min: expected 1..--prompt (", prompt_length, "), got ", prompt_min);
     TORCH_CHECK(repeats >= 1, "--repeats: expected >= 1, got ", repeats);
     TORCH_CHECK(threads >= 0, "--threads: expected >= 0, got ", threads);
     if (threads > 0)
@@ -180,6 +251,9 @@ int main(int argc, char** argv) {
     torch::manual_seed(seed);
     attnkit::train::AttentionModel model(config);  // validates the sizes
     model->eval();
+    if (batch_prompts > 0)
+      return run_batch(model, config, batch_prompts, prompt_min, prompt_length, new_tokens, repeats,
+                       json);
     const auto prompt = torch::randint(0, config.vocab_size, {1, prompt_length}, torch::kInt64);
     const auto options = attnkit::GenerateOptions(new_tokens);
     attnkit::generate(*model, prompt, attnkit::GenerateOptions(2));  // warm-up

@@ -90,6 +90,16 @@ std::vector<MaskCase> mask_cases(int64_t n, int64_t m) {
          return (causal(i, j) && i + offset - j < 2) ||
                 (j <= i + offset + 3 && i + offset + 3 - j < 2);
        }},
+      // One causal offset per batch entry (rows of a ragged batch in a KV cache).
+      {"per-row causal", Mask::causal(torch::tensor({offset, int64_t{1}})),
+       [=](int64_t b, int64_t, int64_t i, int64_t j) { return j <= i + (b == 0 ? offset : 1); }},
+      {"per-row window & lengths",
+       Mask::causal(torch::tensor({int64_t{2}, offset})).sliding_window(3) &
+           Mask::key_padding(lengths),
+       [=](int64_t b, int64_t, int64_t i, int64_t j) {
+         const int64_t position = i + (b == 0 ? 2 : offset);
+         return j <= position && position - j < 3 && j < lengths[b].item<int64_t>();
+       }},
       // Rows that see no key: batch entry 1 sees none at all.
       {"empty rows", Mask::key_padding(torch::tensor({m, int64_t{0}})),
        [=](int64_t b, int64_t, int64_t, int64_t) { return b == 0; }},
@@ -331,6 +341,16 @@ TEST(Attention, BadArgumentsNameWhatIsWrong) {
         Mask::key_padding(torch::zeros({2, 3}));
       },
       "[Mask::key_padding] lengths must be a 1-D int64 tensor (b), got 2-D Float");
+  expect_error_containing([] { Mask::causal(torch::zeros({2})); },
+                          "[Mask::causal] query_offsets must be a (b) int64 tensor, got [2] Float");
+  expect_error_containing(
+      [] {
+        Mask::causal(torch::tensor({int64_t{0}, int64_t{-2}}));
+      },
+      "[Mask::causal] query_offsets[1] must be >= 0, got -2");
+  expect_error_containing(
+      [&] { run(AttentionOptions().mask(Mask::causal(torch::tensor({int64_t{0}})))); },
+      "[attention] mask: causal query_offsets must have shape (2) (the batch), got [1]");
   expect_error_containing(
       [&] {
         run(AttentionOptions().mask(Mask::key_padding(torch::tensor({7, 7, 7}))));

@@ -71,6 +71,11 @@ class Mask {
   /// key sequence, as a decode step against a KV cache). query_offset must be >= 0.
   /// Example: `Mask::causal()`; `Mask::causal(cache.size())`.
   static Mask causal(int64_t query_offset = 0);
+  /// The same with one offset per batch entry: a (b) int64 tensor, each >= 0, on the
+  /// attention's device; query i of entry r sits at key position query_offsets[r] + i (rows
+  /// of a ragged batch, each at its own position in a KV cache).
+  /// Example: `Mask::causal(cache.lengths()) & Mask::key_padding(ends)`.
+  static Mask causal(const torch::Tensor& query_offsets);
 
   /// This causal mask restricted to a sliding window: query i also does not see keys more
   /// than window_size - 1 positions before it (0 <= query_offset + i - j < window_size).

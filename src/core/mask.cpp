@@ -49,21 +49,34 @@ void check_device(const char* fn, const char* what, const torch::Tensor& t,
               " but the attention runs on ", device);
 }
 
-// Query i sits at key position offset + i; it sees keys j <= offset + i and, with a
-// window W > 0, only those with offset + i - j < W.
+// Query i sits at key position offset + i (or offsets[b] + i, one offset per batch entry);
+// it sees keys j <= that position and, with a window W > 0, only those with
+// position - j < W.
 struct CausalNode final : MaskNode {
   int64_t offset, window;
+  torch::Tensor offsets;             // (B) int64 per-row offsets, or undefined
+  std::vector<int64_t> offsets_cpu;  // their host copy, for the tiles' verdicts
   CausalNode(int64_t offset, int64_t window) : offset(offset), window(window) {}
+  CausalNode(const CausalNode& other, int64_t window) : CausalNode(other) { this->window = window; }
+
+  bool per_row() const { return offsets.defined(); }
+  int64_t offset_of(int64_t batch) const { return per_row() ? offsets_cpu[batch] : offset; }
+  std::pair<int64_t, int64_t> offset_bounds() const {
+    if (!per_row())
+      return {offset, offset};
+    const auto [low, high] = std::minmax_element(offsets_cpu.begin(), offsets_cpu.end());
+    return {*low, *high};
+  }
 
   torch::Tensor allowed(const Indices& at) const override {
-    const auto position = at.q + offset;
+    const auto position = per_row() ? at.q + offsets.index({at.b}) : at.q + offset;
     auto ok = at.kv <= position;
     if (window > 0)
       ok = ok.logical_and(position - at.kv < window);
     return ok;
   }
   c10::optional<TileKind> kind(const Tile& t) const override {
-    const int64_t first = offset + t.query_begin, last = first + t.queries - 1;  // positions
+    const int64_t first = offset_of(t.batch) + t.query_begin, last = first + t.queries - 1;
     const int64_t k0 = t.key_begin, k1 = t.key_begin + t.keys - 1;
     if (k0 > last || (window > 0 && first - k1 >= window))
       return TileKind::kEmpty;
@@ -72,22 +85,33 @@ struct CausalNode final : MaskNode {
     return TileKind::kPartial;
   }
   std::pair<int64_t, int64_t> key_range(int64_t q0, int64_t bq, int64_t m) const override {
-    const int64_t first = offset + q0, last = first + bq - 1;
+    const auto [low, high] = offset_bounds();
+    const int64_t first = low + q0, last = high + q0 + bq - 1;
     const int64_t begin = window > 0 ? std::clamp<int64_t>(first - window + 1, 0, m) : 0;
     return {begin, std::clamp<int64_t>(last + 1, 0, m)};
   }
   // The keys every query of the block sees get tiles of their own, so that only the two
-  // edges of the band (about bq keys each) pay for a mask, not the whole window.
+  // edges of the band (about bq keys each) pay for a mask, not the whole window. (Per-row
+  // offsets: no cuts; the tiles are judged row by row.)
   void add_key_cuts(int64_t q0, int64_t bq, std::vector<int64_t>* cuts) const override {
-    if (window > 0) {
+    if (window > 0 && !per_row()) {
       const int64_t first = offset + q0, last = first + bq - 1;
       cuts->push_back(last - window + 1);
       cuts->push_back(first + 1);
     }
   }
+  void check(const char* fn, int64_t batch, int64_t, int64_t, int64_t,
+             const torch::Device& device) const override {
+    if (!per_row())
+      return;
+    TORCH_CHECK(offsets.size(0) == batch, fn, " mask: causal query_offsets must have shape (",
+                batch, ") (the batch), got ", shape_string(offsets));
+    check_device(fn, "causal query_offsets", offsets, device);
+  }
   std::string to_string() const override {
-    return window > 0 ? c10::str("causal(query_offset=", offset, ").sliding_window(", window, ")")
-                      : c10::str("causal(query_offset=", offset, ")");
+    const auto causal = per_row() ? std::string("causal(query_offsets per row)")
+                                  : c10::str("causal(query_offset=", offset, ")");
+    return window > 0 ? c10::str(causal, ".sliding_window(", window, ")") : causal;
   }
 };
 
@@ -281,11 +305,29 @@ Mask Mask::causal(int64_t query_offset) {
   return Mask(std::make_shared<detail::CausalNode>(query_offset, 0));
 }
 
+Mask Mask::causal(const torch::Tensor& query_offsets) {
+  TORCH_CHECK(query_offsets.defined() && query_offsets.dim() == 1 &&
+                  query_offsets.scalar_type() == torch::kInt64,
+              "[Mask::causal] query_offsets must be a (b) int64 tensor, got ",
+              query_offsets.defined()
+                  ? c10::str(shape_string(query_offsets), " ", query_offsets.scalar_type())
+                  : std::string("an undefined tensor"));
+  auto node = std::make_shared<detail::CausalNode>(0, 0);
+  node->offsets = query_offsets;
+  const auto host = query_offsets.to(torch::kCPU).contiguous();
+  node->offsets_cpu.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+  for (size_t i = 0; i < node->offsets_cpu.size(); ++i) {
+    TORCH_CHECK(node->offsets_cpu[i] >= 0, "[Mask::causal] query_offsets[", i,
+                "] must be >= 0, got ", node->offsets_cpu[i]);
+  }
+  return Mask(std::move(node));
+}
+
 Mask Mask::sliding_window(int64_t window_size) const {
   TORCH_CHECK(window_size >= 1, "[Mask::sliding_window] window_size must be >= 1, got ",
               window_size);
   if (const auto* causal = dynamic_cast<const detail::CausalNode*>(node_.get())) {
-    return Mask(std::make_shared<detail::CausalNode>(causal->offset, window_size));
+    return Mask(std::make_shared<detail::CausalNode>(*causal, window_size));
   }
   const auto* combined = dynamic_cast<const detail::CombinedNode*>(node_.get());
   const auto* right = combined == nullptr
@@ -296,7 +338,7 @@ Mask Mask::sliding_window(int64_t window_size) const {
               "Mask::causal(...) or Mask::documents(ids, true), not on ",
               to_string());
   return Mask(std::make_shared<detail::CombinedNode>(
-      combined->left, std::make_shared<detail::CausalNode>(right->offset, window_size), true));
+      combined->left, std::make_shared<detail::CausalNode>(*right, window_size), true));
 }
 
 Mask Mask::key_padding(const torch::Tensor& padding_or_lengths) {
@@ -388,7 +430,7 @@ Mask Mask::operator|(const Mask& other) const {
 
 bool Mask::is_causal(int64_t* query_offset, int64_t* window_size) const {
   const auto* causal = dynamic_cast<const detail::CausalNode*>(node_.get());
-  if (causal == nullptr)
+  if (causal == nullptr || causal->per_row())  // one offset for every row only
     return false;
   if (query_offset != nullptr)
     *query_offset = causal->offset;

@@ -96,15 +96,15 @@ std::vector<int64_t> check_ragged_lengths(const char* module, const torch::Tenso
               "::forward_with_cache] lengths: rows of different lengths work with a key/value "
               "cache only, not yet with ",
               layout.latent ? "a latent cache" : "a rolling (sliding-window) cache");
-  const auto values = lengths.to(torch::kCPU);
-  const auto before = cache.lengths();
-  std::vector<int64_t> new_lengths(b);
+  const auto values = lengths.to(torch::kCPU).contiguous();
+  const auto before_tensor = cache.lengths();
+  const auto before = before_tensor.accessor<int64_t, 1>();
+  std::vector<int64_t> new_lengths(values.data_ptr<int64_t>(), values.data_ptr<int64_t>() + b);
   for (int64_t r = 0; r < b; ++r) {
-    new_lengths[r] = values[r].item<int64_t>();
     TORCH_CHECK(new_lengths[r] >= 0 && new_lengths[r] <= n, "[", module,
                 "::forward_with_cache] lengths[", r, "] must be in [0, ", n, "] (x's tokens), got ",
                 new_lengths[r]);
-    const int64_t end = before[r].item<int64_t>() + new_lengths[r];
+    const int64_t end = before[r] + new_lengths[r];
     TORCH_CHECK(context_length == 0 || end <= context_length, "[", module,
                 "::forward_with_cache] row ", r, ": ", new_lengths[r],
                 " tokens would reach position ", end, ", past context_length = ", context_length);
@@ -183,18 +183,11 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
   const auto [rotated_queries, rotated_keys] = transform(queries, keys, starts);
   const auto span = cache.append_ragged(rotated_keys, values, new_lengths);
   // Each row's own causal (and window) mask over its valid keys, in place of the module's one
-  // query offset: key j for query i of row r when j < ends[r] and j <= starts[r] + i.
-  const auto window = settings.window_size;
-  const auto rows =
-      Mask::from_function([starts = span.starts, ends = span.ends, window](
-                              const torch::Tensor& b, const torch::Tensor&,
-                              const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
-        const auto position = starts.index({b}) + q_idx;
-        auto allowed = (kv_idx <= position) & (kv_idx < ends.index({b}));
-        if (window)
-          allowed = allowed & (position - kv_idx < *window);
-        return allowed;
-      });
+  // query offset: key j for query i of row r when j <= starts[r] + i and j < ends[r].
+  auto causal = Mask::causal(span.starts);
+  if (settings.window_size)
+    causal = causal.sliding_window(*settings.window_size);
+  const auto rows = causal & Mask::key_padding(span.ends);
   auto row_settings = settings;
   row_settings.causal = false;
   return attend(rotated_queries, span.keys, span.values, row_settings, /*training=*/false,
