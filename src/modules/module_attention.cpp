@@ -190,6 +190,11 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
   const auto rows = causal & Mask::key_padding(span.ends);
   auto row_settings = settings;
   row_settings.causal = false;
+  // A decode step (one query per row) scores one row per head: the math path costs no
+  // quadratic memory there and has the least overhead, while the fused kernels hand a
+  // per-row mask to the chunked one, tile by tile and row by row.
+  if (queries.size(2) == 1)
+    row_settings.backend = AttentionBackend::kMath;
   return attend(rotated_queries, span.keys, span.values, row_settings, /*training=*/false,
                 /*query_offset=*/0, /*with_weights=*/false, rows & mask)
       .context;
