@@ -164,7 +164,9 @@ int main(int argc, char** argv) {
       .value("Model", "backend", "math | fused | chunked", "fused")
       .value("Model", "kv-groups", "gqa: key/value groups; 0 = 2", "0")
       .value("Model", "window", "mha, mha-combined, gqa, mqa: sliding window; 0 = none", "0")
-      .value("Model", "latent-dim", "mla: latent width; 0 = max(16, d-model / 8)", "0");
+      .value("Model", "latent-dim", "mla: latent width; 0 = max(16, d-model / 8)", "0")
+      .flag("Model", "rope",
+            "mha, mha-combined, gqa, mqa: rotary position embeddings instead of a position table");
   cli.value("Run", "prompt", "prompt tokens", "4")
       .value("Run", "new-tokens", "tokens to generate", "200")
       .value("Run", "repeats", "timed runs of each mode (the median is reported)", "3")
@@ -210,6 +212,7 @@ int main(int argc, char** argv) {
     config.kv_groups = cli.integer("kv-groups");
     config.window = cli.integer("window");
     config.latent_dim = cli.integer("latent-dim");
+    config.rope = cli.given("rope");
     config.ffn = true;
     prompt_length = cli.integer("prompt");
     new_tokens = cli.integer("new-tokens");
@@ -288,6 +291,7 @@ int main(int argc, char** argv) {
                     << (config.kv_groups > 0 ? ", kv-groups " + std::to_string(config.kv_groups)
                                              : "")
                     << (config.window > 0 ? ", window " + std::to_string(config.window) : "")
+                    << (config.rope ? ", rope" : "")
                     << (config.latent_dim > 0 ? ", latent-dim " + std::to_string(config.latent_dim)
                                               : "")
                     << ", vocab " << config.vocab_size << ", context " << config.context_length
@@ -332,7 +336,9 @@ int main(int argc, char** argv) {
           << "\", \"blas_threads\": " << attnkit::blas_threads().num_threads << ", \"module\": \""
           << config.module << "\", \"backend\": \"" << config.backend
           << "\", \"kv_groups\": " << config.kv_groups << ", \"window\": " << config.window
-          << ", \"latent_dim\": " << config.latent_dim << ", \"cache_bytes\": " << cache_bytes
+          << ", \"latent_dim\": " << config.latent_dim
+          << ", \"rope\": " << (config.rope ? "true" : "false")
+          << ", \"cache_bytes\": " << cache_bytes
           << ", \"cache_bytes_per_token_per_layer\": " << cache_bytes_per_token
           << ", \"weight_bytes_per_token\": " << weights
           << ", \"read_bandwidth_gbs\": " << bandwidth;

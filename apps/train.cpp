@@ -85,6 +85,12 @@ attnkit::cli::CommandLine make_command_line() {
       .value("Model", "heads", "attention heads (every module but sa-v1, sa-v2, causal)", "4")
       .value("Model", "layers", "attention blocks; 0 = 2 for recall and text, 1 otherwise", "0")
       .flag("Model", "ffn", "add a feed-forward block after each attention")
+      .flag("Model", "rope",
+            "mha, mha-combined, gqa, mqa: rotary position embeddings in the attention "
+            "(Llama's split-half layout, theta 10000) instead of a position embedding table")
+      .flag("Model", "qk-norm",
+            "mha, mha-combined, gqa, mqa: RMSNorm of each head's queries and keys before "
+            "attention (Qwen3, Gemma 3)")
       .value("Model", "dropout", "dropout on attention weights (and the feed-forward block)", "0");
   cli.value("Training", "steps",
             "training steps; 0 = the task's default (text 500, the others 600)", "0")
@@ -194,6 +200,8 @@ int main(int argc, char** argv) {
     config.kv_groups = cli.integer("kv-groups");
     config.window = cli.integer("window");
     config.latent_dim = cli.integer("latent-dim");
+    config.rope = cli.given("rope");
+    config.qk_norm = cli.given("qk-norm");
     config.d_model = cli.integer("d-model");
     config.heads = cli.integer("heads");
     config.layers = cli.integer("layers");

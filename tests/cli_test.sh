@@ -126,6 +126,18 @@ expect 2 "--prompts: lines of different lengths need a key/value cache without a
   -- "${text[@]}" --module mla --sample 5 --prompts "$work/prompts"
 expect 0 "" -- "${quick[@]}" "${text[@]}" --module gqa --window 8 --sample 70 --prompts "$work/same_length" --quiet
 
+# --rope, --qk-norm: the modules that take them; a checkpoint remembers them.
+expect 2 "--rope: only mha, mha-combined, gqa and mqa take it, got --module mla" \
+  -- "${text[@]}" --module mla --rope
+expect 2 "--qk-norm: only mha, mha-combined, gqa and mqa take it, got --module causal" \
+  -- "${text[@]}" --module causal --qk-norm
+expect 2 "--rope rotates pairs of a head's features, so d-model / heads must be even, got 18 / 2 = 9" \
+  -- "${text[@]}" --rope --d-model 18 --heads 2
+expect 0 "" -- "${quick[@]}" "${text[@]}" --module gqa --rope --qk-norm --sample 30 --save "$work/rope.pt" --quiet
+expect 2 "--resume: '$work/rope.pt' does not fit this run" \
+  -- "${quick[@]}" "${text[@]}" --module gqa --resume "$work/rope.pt"
+expect 0 "" -- "${quick[@]}" "${text[@]}" --steps 6 --module gqa --rope --qk-norm --resume "$work/rope.pt" --quiet
+
 # Checkpoints: an incompatible or foreign one is refused.
 expect 0 "" -- "${quick[@]}" --save "$work/run.pt" --quiet
 expect 2 "incompatible checkpoint '$work/run.pt': it was trained with --module mha, this run has --module causal" \

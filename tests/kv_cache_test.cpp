@@ -628,6 +628,28 @@ TEST(RaggedGenerate, RowsPastTheContextRefillAsEachPromptAlone) {
   }
 }
 
+// attnkit-train's --rope --qk-norm model: no position table; cached, uncached and batched
+// greedy decoding agree.
+TEST(RaggedGenerate, RopeAndQkNormModelsDecodeAlikeEveryWay) {
+  for (const std::string module : {"mha", "mha-combined", "gqa"}) {
+    SCOPED_TRACE(module);
+    auto config = text_model_config(module, "chunked");
+    config.rope = true;
+    config.qk_norm = true;
+    torch::manual_seed(46);
+    train::AttentionModel model(config);
+    model->eval();
+    EXPECT_FALSE(model->named_parameters().contains("position_embedding.weight"));
+    EXPECT_TRUE(model->named_parameters().contains("blocks.0.attention.q_norm.weight"));
+    const auto prompt = torch::randint(0, 40, {2, 5}, torch::kInt64);
+    const auto cached = generate(*model, prompt, GenerateOptions(15));
+    EXPECT_TRUE(cached.equal(generate(*model, prompt, GenerateOptions(15).use_kv_cache(false))));
+    const auto rows = generate(*model, {prompt[0], prompt[1].narrow(0, 0, 2)}, GenerateOptions(15));
+    EXPECT_TRUE(rows[0].equal(cached[0]));
+    EXPECT_TRUE(rows[1].equal(generated_alone(model, prompt[1].narrow(0, 0, 2), 15)));
+  }
+}
+
 TEST(RaggedGenerate, BadRequestsAreNamed) {
   train::AttentionModel model(text_model_config("mha", "math"));
   model->eval();

@@ -71,6 +71,11 @@ void check_model_config(const ModelConfig& c) {
               c.module);
   TORCH_CHECK(c.window == 0 || c.causal, "--window ", c.window,
               " limits how far back a token looks, so it needs a causal task");
+  TORCH_CHECK(!(c.rope || c.qk_norm) || windowed, c.rope ? "--rope" : "--qk-norm",
+              ": only mha, mha-combined, gqa and mqa take it, got --module ", c.module);
+  TORCH_CHECK(!c.rope || (c.d_model / c.heads) % 2 == 0, "--rope rotates pairs of a head's ",
+              "features, so d-model / heads must be even, got ", c.d_model, " / ", c.heads, " = ",
+              c.d_model / c.heads);
   TORCH_CHECK(c.latent_dim >= 0, "--latent-dim: expected >= 1 (0 = the default), got ",
               c.latent_dim);
   TORCH_CHECK(c.latent_dim == 0 || c.module == "mla", "--latent-dim ", c.latent_dim,
@@ -150,10 +155,14 @@ BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
   // Empty: the modules' own default (math); attnkit-train resolves it to fused first.
   const auto backend = c.backend.empty() ? AttentionBackend::kMath : parse_backend(c.backend);
   const auto window = c.window > 0 ? c10::optional<int64_t>(c.window) : c10::nullopt;
+  const auto rope = c.rope ? c10::optional<RopeOptions>(RopeOptions(c.context_length))
+                           : c10::optional<RopeOptions>();
   const auto mha_options = MultiHeadAttentionOptions(d, d, c.context_length, c.dropout, c.heads)
                                .causal(c.causal)
                                .backend(backend)
-                               .sliding_window_size(window);
+                               .sliding_window_size(window)
+                               .rope(rope)
+                               .qk_norm(c.qk_norm);
   if (c.module == "sa-v1") {
     SelfAttentionV1 attention(d, d);
     attention_ = register_module("attention", attention);
@@ -185,7 +194,9 @@ BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
     GroupedQueryAttention attention(
         GroupedQueryAttentionOptions(d, d, c.dropout, c.heads, kv_groups_of(c))
             .backend(backend)
-            .sliding_window_size(window));
+            .sliding_window_size(window)
+            .rope(rope)
+            .qk_norm(c.qk_norm));
     attention_ = register_module("attention", attention);
     bind_masked(attention, attend_with_weights_, attend_);
     bind_cache(attention, attend_with_cache_, make_kv_cache_);
@@ -248,8 +259,10 @@ AttentionModelImpl::AttentionModelImpl(const ModelConfig& config) : config_(conf
   check_model_config(config_);
   token_embedding_ =
       register_module("token_embedding", torch::nn::Embedding(config_.vocab_size, config_.d_model));
-  position_embedding_ = register_module(
-      "position_embedding", torch::nn::Embedding(config_.context_length, config_.d_model));
+  if (!config_.rope) {  // RoPE gives the attention its positions instead
+    position_embedding_ = register_module(
+        "position_embedding", torch::nn::Embedding(config_.context_length, config_.d_model));
+  }
   blocks_ = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < config_.layers; ++i) {
     blocks_->push_back(Block(config_));
@@ -261,6 +274,8 @@ AttentionModelImpl::AttentionModelImpl(const ModelConfig& config) : config_(conf
 
 torch::Tensor AttentionModelImpl::embed(const torch::Tensor& tokens,
                                         const torch::Tensor& positions) {
+  if (!position_embedding_)
+    return token_embedding_(tokens);                                 // (b, n, d_model)
   return token_embedding_(tokens) + position_embedding_(positions);  // (b, n, d_model)
 }
 

@@ -47,6 +47,10 @@ struct ModelConfig {
   int64_t layers = 1;
   double dropout = 0.0;
   bool ffn = false;
+  /// mha, mha-combined, gqa, mqa: rotary position embeddings in every attention layer (no
+  /// position embedding table then), and QK-norm (RMSNorm of queries and keys per head).
+  bool rope = false;
+  bool qk_norm = false;
   /// Whether the task is causal: picks mha's mask and decides which modules are allowed.
   bool causal = true;
 };

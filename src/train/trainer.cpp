@@ -55,6 +55,17 @@ CheckpointSettings compatibility_fields(const TrainConfig& c) {
           {"latent-dim", std::to_string(c.latent_dim)}};
 }
 
+// compatibility_fields, plus --rope and --qk-norm where given (checkpoints written before
+// them have neither entry and stay resumable).
+CheckpointSettings checkpoint_fields(const TrainConfig& c) {
+  auto fields = compatibility_fields(c);
+  if (c.rope)
+    fields.emplace_back("rope", "true");
+  if (c.qk_norm)
+    fields.emplace_back("qk-norm", "true");
+  return fields;
+}
+
 // Masked next-token cross-entropy and the number of correct predictions.
 struct BatchScore {
   torch::Tensor loss;  // scalar, mean over scored positions
@@ -417,7 +428,7 @@ void print_config_table(std::ostream& out, const TrainConfig& c, const Task& tas
 std::string rank_agreement_text(const TrainConfig& c) {
   // Everything that changes what a rank computes or writes; not --device (a rank's own GPU),
   // --threads (its machine's cores), nor how it prints.
-  auto fields = compatibility_fields(c);
+  auto fields = checkpoint_fields(c);
   const std::vector<std::pair<std::string, std::string>> run{
       {"backend", c.backend},
       {"dropout", c10::str(c.dropout)},
@@ -487,6 +498,8 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   model_config.kv_groups = config.kv_groups;
   model_config.window = config.window;
   model_config.latent_dim = config.latent_dim;
+  model_config.rope = config.rope;
+  model_config.qk_norm = config.qk_norm;
   model_config.vocab_size = task->vocab_size();
   model_config.context_length = task->input_length();
   model_config.d_model = config.d_model;
@@ -511,7 +524,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
 
   TrainingState state;
   if (!config.resume.empty()) {
-    state = load_checkpoint(config.resume, compatibility_fields(config), model, optimizer,
+    state = load_checkpoint(config.resume, checkpoint_fields(config), model, optimizer,
                             data_generator, rank);
     optimizer.set_lr(config.lr);  // this run's --lr and --weight-decay
     optimizer.set_weight_decay(config.weight_decay);
@@ -555,10 +568,10 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
           torch::stack(group.gather_all(at::detail::getDefaultCPUGenerator().get_state()));
     }
     if (main_rank) {
-      save_checkpoint(config.save, compatibility_fields(config), model, optimizer, state,
+      save_checkpoint(config.save, checkpoint_fields(config), model, optimizer, state,
                       data_generator, cpu_rng_by_rank);
       if (improved) {
-        save_checkpoint(best_checkpoint_path(config.save), compatibility_fields(config), model,
+        save_checkpoint(best_checkpoint_path(config.save), checkpoint_fields(config), model,
                         optimizer, state, data_generator, cpu_rng_by_rank);
       }
     }

@@ -35,6 +35,8 @@ struct TrainConfig {
   int64_t kv_groups = 0;   // gqa (0: 2)
   int64_t window = 0;      // mha, mha-combined, gqa, mqa (0: no sliding window)
   int64_t latent_dim = 0;  // mla (0: max(16, d_model / 8))
+  bool rope = false;       // mha, mha-combined, gqa, mqa: rotary positions, no position table
+  bool qk_norm = false;    // mha, mha-combined, gqa, mqa: RMSNorm of queries and keys
   int64_t d_model = 64;
   int64_t heads = 4;
   int64_t layers = 0;  // 0: 2 for recall and text, else 1
