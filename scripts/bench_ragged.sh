@@ -6,6 +6,8 @@
 #   text  attnkit-train's text model: vocab 256, context 64, d 64, 4 heads, 2 layers (its
 #         rows run past the 64-token context, so each refills its caches every 32 tokens)
 #   gpt2  vocab 50257, context 1024, d 768, 12 heads, 12 layers
+# Then the cost of RoPE: GQA decoding (4 key/value groups) at the GPT-2-small shape, 100 new
+# tokens after a 4-token prompt, with and without --rope (cached tokens/s, median of 3).
 # Usage: scripts/bench_ragged.sh [--libtorch2] [--shape text|gpt2] [--repeats N]
 #   --libtorch2  the same on Debian 13's LibTorch 2.6 (scripts/debian13.sh, build-libtorch2/)
 set -euo pipefail
@@ -39,4 +41,8 @@ for shape in $shapes; do
   # shellcheck disable=SC2046
   "${bench[@]}" $(flags_of "$shape") --batch-prompts 8 --prompt-min 4 --prompt 64 \
     --new-tokens 200 --threads 1
+done
+for rope in "" --rope; do
+  "${bench[@]}" --module gqa --kv-groups 4 --no-uncached --prompt 4 --new-tokens 100 \
+    --repeats 3 --threads 1 $rope
 done
