@@ -647,6 +647,12 @@ TEST(RaggedGenerate, RopeAndQkNormModelsDecodeAlikeEveryWay) {
     const auto rows = generate(*model, {prompt[0], prompt[1].narrow(0, 0, 2)}, GenerateOptions(15));
     EXPECT_TRUE(rows[0].equal(cached[0]));
     EXPECT_TRUE(rows[1].equal(generated_alone(model, prompt[1].narrow(0, 0, 2), 15)));
+    // Past the context of 24 the rows refill at different steps, a refill of 12 tokens
+    // padding the other row's one token past the RoPE tables.
+    const auto long_rows =
+        generate(*model, {prompt[0], prompt[1].narrow(0, 0, 2)}, GenerateOptions(40));
+    EXPECT_TRUE(long_rows[0].equal(generated_alone(model, prompt[0], 40)));
+    EXPECT_TRUE(long_rows[1].equal(generated_alone(model, prompt[1].narrow(0, 0, 2), 40)));
   }
 }
 

@@ -432,6 +432,18 @@ TEST(RopeModules, BadOptionsAndInputsNameTheArgument) {
       "[GroupedQueryAttention::forward_with_cache] x: 3 tokens from position "
       "4 would reach position 7, past rope.context_length = 6");
   EXPECT_EQ(cache.size(), 4);  // nothing was written
+  // Ragged: each row's valid tokens count, not the padding (row 0's 2 fit at 4 and 5).
+  auto two_rows = gqa->make_kv_cache(2, 32);
+  const auto pair = torch::randn({2, 4, 8});
+  gqa->forward_with_cache(pair, two_rows, torch::tensor({4, 1}, torch::kInt64));
+  gqa->forward_with_cache(pair.narrow(1, 0, 3), two_rows, torch::tensor({2, 3}, torch::kInt64));
+  EXPECT_TRUE(two_rows.lengths().equal(torch::tensor({6, 4}, torch::kInt64)));
+  expect_error_containing(
+      [&] {
+        gqa->forward_with_cache(pair, two_rows, torch::tensor({0, 3}, torch::kInt64));
+      },
+      "[GroupedQueryAttention::forward_with_cache] row 1: 3 tokens from position 4 would reach "
+      "position 7, past rope.context_length = 6");
   attnkit::MultiHeadAttention mha(MultiHeadAttentionOptions(8, 8, 8, 0.0, 2).rope(8));
   expect_error_containing([&] { mha->forward_with_weights(x, x); },
                           "[MultiHeadAttention::forward] key: RoPE rotates");

@@ -132,8 +132,7 @@ torch::Tensor GroupedQueryAttentionImpl::forward_with_cache(const torch::Tensor&
   const auto new_lengths =
       detail::check_cached_call(kName, is_training(), x, options.d_in(), /*context_length=*/0,
                                 cache, cache_layout_of(options), W_query->weight, mask, lengths);
-  detail::check_rope_positions(kName, "forward_with_cache] x", rope_tables, cache.size(),
-                               x.size(1));
+  detail::check_rope_cached_positions(kName, rope_tables, cache, new_lengths, x.size(1));
   torch::NoGradGuard no_grad;
   const auto g = options.num_kv_groups();
   const auto context = detail::attend_cached(

@@ -178,9 +178,31 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
                   span.query_offset, /*with_weights=*/false, mask)
         .context;
   }
-  // Row r's token i at position starts[r] + i.
-  const auto starts = cache.lengths().to(queries.device());
-  const auto [rotated_queries, rotated_keys] = transform(queries, keys, starts);
+  // Row r's token i at position starts[r] + i. A row whose padding would run past the RoPE
+  // tables is rotated on its valid tokens alone (the padding is neither cached nor used).
+  const auto host_starts = cache.lengths();
+  const int64_t n = queries.size(2);
+  const bool padding_past_tables =
+      transform.rope.defined() &&
+      host_starts.max().item<int64_t>() + n > transform.rope.context_length();
+  torch::Tensor rotated_queries, rotated_keys;
+  if (!padding_past_tables) {
+    std::tie(rotated_queries, rotated_keys) =
+        transform(queries, keys, host_starts.to(queries.device()));
+  } else {
+    rotated_queries = queries.clone();
+    rotated_keys = keys.clone();
+    for (size_t r = 0; r < new_lengths.size(); ++r) {
+      if (new_lengths[r] == 0)
+        continue;
+      const auto row = static_cast<int64_t>(r);
+      const auto [q, k] = transform(queries.narrow(0, row, 1).narrow(2, 0, new_lengths[r]),
+                                    keys.narrow(0, row, 1).narrow(2, 0, new_lengths[r]),
+                                    host_starts[row].item<int64_t>());
+      rotated_queries.narrow(0, row, 1).narrow(2, 0, new_lengths[r]).copy_(q);
+      rotated_keys.narrow(0, row, 1).narrow(2, 0, new_lengths[r]).copy_(k);
+    }
+  }
   const auto span = cache.append_ragged(rotated_keys, values, new_lengths);
   // Each row's own causal (and window) mask over its valid keys, in place of the module's one
   // query offset: key j for query i of row r when j <= starts[r] + i and j < ends[r].
@@ -256,6 +278,23 @@ void check_rope_positions(const char* name, const char* where, const RopeTables&
   TORCH_CHECK(start + n <= rope.context_length(), "[", name, "::", where, ": ", n,
               " tokens from position ", start, " would reach position ", start + n,
               ", past rope.context_length = ", rope.context_length(), " (the RoPE tables' length)");
+}
+
+void check_rope_cached_positions(const char* name, const RopeTables& rope, const KVCache& cache,
+                                 const std::vector<int64_t>& new_lengths, int64_t n) {
+  if (new_lengths.empty() || !rope.defined()) {
+    check_rope_positions(name, "forward_with_cache] x", rope, cache.size(), n);
+    return;
+  }
+  const auto starts = cache.lengths();
+  const auto start = starts.accessor<int64_t, 1>();
+  for (size_t r = 0; r < new_lengths.size(); ++r) {
+    const int64_t end = start[r] + new_lengths[r];
+    TORCH_CHECK(end <= rope.context_length(), "[", name, "::forward_with_cache] row ", r, ": ",
+                new_lengths[r], " tokens from position ", start[r], " would reach position ", end,
+                ", past rope.context_length = ", rope.context_length(),
+                " (the RoPE tables' length)");
+  }
 }
 
 }  // namespace attnkit::detail

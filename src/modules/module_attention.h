@@ -128,4 +128,9 @@ void check_rope_forward(const char* name, const RopeTables& rope, const torch::T
 void check_rope_positions(const char* name, const char* where, const RopeTables& rope,
                           int64_t start, int64_t n);
 
+/// forward_with_cache's check: the new tokens at the cache's positions, or with
+/// `new_lengths` (a ragged call) each row's valid tokens at that row's positions.
+void check_rope_cached_positions(const char* name, const RopeTables& rope, const KVCache& cache,
+                                 const std::vector<int64_t>& new_lengths, int64_t n);
+
 }  // namespace attnkit::detail

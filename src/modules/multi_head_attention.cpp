@@ -77,7 +77,7 @@ std::vector<int64_t> check_cached_mha_call(const char* name, const MultiHeadAtte
   auto new_lengths =
       detail::check_cached_call(name, training, x, opt.d_in(), opt.context_length(), cache,
                                 cache_layout_of(opt), parameter, mask, lengths);
-  detail::check_rope_positions(name, "forward_with_cache] x", rope, cache.size(), x.size(1));
+  detail::check_rope_cached_positions(name, rope, cache, new_lengths, x.size(1));
   return new_lengths;
 }
 
