@@ -29,6 +29,30 @@ expect() {
   fi
 }
 
+# expect_stdout LABEL PATTERN... -- ARGS...: exit 0 and a stdout line matching each extended
+# regular expression; the ok line shows what the first one matched.
+expect_stdout() {
+  local label=$1 patterns=() pattern missing=""
+  shift
+  while [ "$1" != "--" ]; do patterns+=("$1"); shift; done
+  shift
+  checks=$((checks + 1))
+  if "$train" "$@" >"$work/out" 2>"$work/err"; then
+    for pattern in "${patterns[@]}"; do
+      grep -qE -- "$pattern" "$work/out" || missing="$pattern"
+    done
+  else
+    missing="exit 0"
+  fi
+  if [ -z "$missing" ]; then
+    echo "ok: $label: $(grep -oE -- "${patterns[0]}" "$work/out" | head -n 1)"
+  else
+    echo "FAIL: $label (no '$missing'), stdout and stderr:"
+    sed 's/^/    /' "$work/out" "$work/err"
+    failures=$((failures + 1))
+  fi
+}
+
 quick=(--steps 4 --eval-every 2 --d-model 16 --heads 2 --batch-size 8 --threads 1)
 # Flags: attnkit's own messages, whatever the cxxopts version.
 expect 2 "unknown flag '--bogus' (see --help)" -- --bogus
@@ -83,17 +107,10 @@ expect 2 "--sample: only the text task generates, got --task copy" -- --sample 1
 expect 2 "--sample with --module causal: only mha, mha-combined, gqa, mqa and mla have a KV cache; add --no-kv-cache" \
   -- "${text[@]}" --module causal --sample 10
 for cache in "" --no-kv-cache; do
-  checks=$((checks + 1))
   label=$([ -z "$cache" ] && echo "KV cache" || echo "no KV cache")
   # 16 prompt bytes + 100 pass the 64-byte context: the cached run refills its caches.
-  if "$train" "${quick[@]}" "${text[@]}" --sample 100 $cache >"$work/out" 2>"$work/err" &&
-     grep -qE "^sample \(100 bytes, $label, [0-9]+ tokens/s\): \[" "$work/out"; then
-    echo "ok: --sample 100 $cache: $(grep -o '^sample ([^)]*)' "$work/out")"
-  else
-    echo "FAIL: --sample 100 $cache, stdout and stderr:"
-    sed 's/^/    /' "$work/out" "$work/err"
-    failures=$((failures + 1))
-  fi
+  expect_stdout "--sample 100 $cache" "^sample \(100 bytes, $label, [0-9]+ tokens/s\): \[" \
+    -- "${quick[@]}" "${text[@]}" --sample 100 $cache
 done
 expect 0 "" -- "${quick[@]}" "${text[@]}" --module causal --sample 20 --no-kv-cache --quiet
 # Rolling (window) and latent caches, past the 64-byte context too.
@@ -104,17 +121,10 @@ expect 0 "" -- "${quick[@]}" "${text[@]}" --module mla --sample 80 --quiet
 printf 'I had always\nThe \n\nGisburn was a man who\n' >"$work/prompts"
 printf 'abcd\nefgh\n' >"$work/same_length"
 : >"$work/empty"
-checks=$((checks + 1))
-if "$train" "${quick[@]}" "${text[@]}" --sample 70 --prompts "$work/prompts" >"$work/out" 2>"$work/err" &&
-   grep -qE "^samples \(3 prompts in one batch, 70 bytes each, KV cache, [0-9]+ tokens/s\):$" "$work/out" &&
-   grep -q "^\[I had always\]" "$work/out" && grep -q "^\[The \]" "$work/out" &&
-   grep -q "^\[Gisburn was a man who\]" "$work/out"; then
-  echo "ok: --sample 70 --prompts (3 lines): $(grep -o '^samples ([^)]*)' "$work/out")"
-else
-  echo "FAIL: --sample 70 --prompts, stdout and stderr:"
-  sed 's/^/    /' "$work/out" "$work/err"
-  failures=$((failures + 1))
-fi
+expect_stdout "--sample 70 --prompts (3 lines)" \
+  "^samples \(3 prompts in one batch, 70 bytes each, KV cache, [0-9]+ tokens/s\):$" \
+  "^\[I had always\]" "^\[The \]" "^\[Gisburn was a man who\]" \
+  -- "${quick[@]}" "${text[@]}" --sample 70 --prompts "$work/prompts"
 expect 2 "--prompts: give --sample N, the bytes to generate for each line" \
   -- "${text[@]}" --prompts "$work/prompts"
 expect 2 "--prompts: cannot read '$work/missing'" -- "${text[@]}" --sample 5 --prompts "$work/missing"

@@ -36,8 +36,7 @@ void check_generate_arguments(const CausalLanguageModel& model, const torch::Ten
 
 // What the batch of prompts adds to those checks: each prompt (n) int64 on one device, and
 // its limits.
-void check_requests(const CausalLanguageModel& model,
-                    const std::vector<GenerationRequest>& requests,
+void check_requests(const std::vector<GenerationRequest>& requests,
                     const GenerateOptions& options) {
   const char* fn = "[generate]";
   TORCH_CHECK(!requests.empty(), fn, " requests: expected at least one prompt, got none");
@@ -192,7 +191,7 @@ torch::Tensor feed(CausalLanguageModel& model, std::vector<KVCache>& caches,
 std::vector<torch::Tensor> generate(CausalLanguageModel& model,
                                     const std::vector<GenerationRequest>& requests,
                                     const GenerateOptions& options) {
-  check_requests(model, requests, options);
+  check_requests(requests, options);
   check_generate_arguments(model, requests.front().prompt().view({1, -1}), options);
   torch::NoGradGuard no_grad;
   const auto device = requests.front().prompt().device();
