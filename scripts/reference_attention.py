@@ -8,11 +8,21 @@ material: `forward(x, use_cache=True)` appends the keys and values of x to the m
 cache (concatenation, as the bonus code does) and attends from the cached position on;
 `reset_cache()` starts over. Both take `sliding_window_size` (query p sees keys j with
 0 <= p - j < W). The bonus material's GroupedQueryAttention (multi-query with one group) and
-MultiHeadLatentAttention follow, with the same cache interface. Used by make_golden.py,
-check_python_interop.py and bench_generate.py.
+MultiHeadLatentAttention follow, with the same cache interface. The two multi-head classes
+and GroupedQueryAttention also take today's models' `rope` (a dict: context_length, theta_base,
+layout "split_half" or "interleaved", freq_config) and `qk_norm` (RMSNorm over head_dim of
+queries and keys, `q_norm.weight` / `k_norm.weight`, before RoPE); new keys are rotated at
+their positions before they enter the cache. Used by make_golden.py, check_python_interop.py,
+llama_reference.py and bench_generate.py.
 """
+import os
+import sys
+
 import torch
 import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rope_reference import angles  # noqa: E402
 
 
 class SelfAttention_v1(nn.Module):
@@ -97,6 +107,62 @@ def _attend(queries, keys, values, mask, causal, dropout, start=0, window=None):
     return (attn_weights @ values).transpose(1, 2).contiguous().view(b, num_tokens, h * hd)
 
 
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension (torch.nn.RMSNorm, which
+    PyTorch 1.13 lacks)."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Rope:
+    """Rotary position embedding of heads (b, h, n, hd) from float64 tables (rope_reference.py's
+    angles) cast to the heads' dtype. Split-half pairs feature i with i + hd/2, interleaved
+    2i with 2i + 1."""
+
+    def __init__(self, config, head_dim):
+        table = angles(config.get("freq_config"), torch.arange(config["context_length"]),
+                       head_dim, config.get("theta_base", 10000.0))  # (context, hd/2)
+        self.cos, self.sin = torch.cos(table), torch.sin(table)
+        self.split_half = config.get("layout", "split_half") == "split_half"
+
+    def __call__(self, x, start):
+        """x's token i at position start + i."""
+        n, half = x.shape[2], x.shape[3] // 2
+        assert start + n <= self.cos.shape[0], "positions pass the RoPE tables"
+        c, s = (t[start:start + n].to(x.dtype) for t in (self.cos, self.sin))  # (n, hd/2)
+        if self.split_half:
+            first, second = x[..., :half], x[..., half:]
+        else:
+            first, second = x[..., 0::2], x[..., 1::2]
+        turned = (first * c - second * s, second * c + first * s)
+        if self.split_half:
+            return torch.cat(turned, dim=-1)
+        return torch.stack(turned, dim=-1).flatten(-2)  # (..., hd/2, 2) -> (..., hd)
+
+
+class _QueryKeyMixin:
+    """The rope and qk_norm options: queries and keys normed, then rotated."""
+
+    def _init_query_key(self, rope, qk_norm, head_dim):
+        self.rope = Rope(rope, head_dim) if rope else None
+        if qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.qk_norm = qk_norm
+
+    def _query_key(self, queries, keys, start):
+        if self.qk_norm:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        if self.rope is not None:
+            queries, keys = self.rope(queries, start), self.rope(keys, start)
+        return queries, keys
+
+
 class _KVCacheMixin:
     """The bonus material's cache: keys and values (b, h, positions, hd) kept in the module."""
 
@@ -115,9 +181,9 @@ class _KVCacheMixin:
         return self.cache_k, self.cache_v, start
 
 
-class MultiHeadAttention(_KVCacheMixin, nn.Module):
+class MultiHeadAttention(_QueryKeyMixin, _KVCacheMixin, nn.Module):
     def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, causal=True,
-                 sliding_window_size=None):
+                 sliding_window_size=None, rope=None, qk_norm=False):
         super().__init__()
         assert d_out % num_heads == 0, "d_out must be divisible by num_heads"
         self.d_out, self.num_heads, self.causal = d_out, num_heads, causal
@@ -129,6 +195,7 @@ class MultiHeadAttention(_KVCacheMixin, nn.Module):
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = nn.Dropout(dropout)
         self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
+        self._init_query_key(rope, qk_norm, self.head_dim)
         self.reset_cache()
 
     def forward(self, x, use_cache=False):
@@ -137,17 +204,19 @@ class MultiHeadAttention(_KVCacheMixin, nn.Module):
         def split(t):  # (b, n, d_out) -> (b, n, h, hd) -> (b, h, n, hd)
             return t.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
 
-        keys, values, start = split(self.W_key(x)), split(self.W_value(x)), 0
+        start = self.ptr_current_pos if use_cache else 0
+        queries, keys = self._query_key(split(self.W_query(x)), split(self.W_key(x)), start)
+        values = split(self.W_value(x))
         if use_cache:
             keys, values, start = self._cached(keys, values)
-        context = _attend(split(self.W_query(x)), keys, values, self.mask, self.causal, self.dropout,
-                          start, self.window)
+        context = _attend(queries, keys, values, self.mask, self.causal, self.dropout, start,
+                          self.window)
         return self.out_proj(context)
 
 
-class MultiHeadAttentionCombinedQKV(_KVCacheMixin, nn.Module):
+class MultiHeadAttentionCombinedQKV(_QueryKeyMixin, _KVCacheMixin, nn.Module):
     def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, causal=True,
-                 sliding_window_size=None):
+                 sliding_window_size=None, rope=None, qk_norm=False):
         super().__init__()
         assert d_out % num_heads == 0, "d_out must be divisible by num_heads"
         self.num_heads, self.causal = num_heads, causal
@@ -157,6 +226,7 @@ class MultiHeadAttentionCombinedQKV(_KVCacheMixin, nn.Module):
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = nn.Dropout(dropout)
         self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
+        self._init_query_key(rope, qk_norm, self.head_dim)
         self.reset_cache()
 
     def forward(self, x, use_cache=False):
@@ -164,20 +234,21 @@ class MultiHeadAttentionCombinedQKV(_KVCacheMixin, nn.Module):
         # (b, n, 3 * d_out) -> (b, n, h, 3 * hd) -> (b, h, n, 3 * hd)
         qkv = self.qkv(x).view(b, num_tokens, self.num_heads, 3 * self.head_dim).permute(0, 2, 1, 3)
         queries, keys, values = qkv.chunk(3, dim=-1)
-        start = 0
+        start = self.ptr_current_pos if use_cache else 0
+        queries, keys = self._query_key(queries, keys, start)
         if use_cache:
             keys, values, start = self._cached(keys, values)
         return self.out_proj(_attend(queries, keys, values, self.mask, self.causal, self.dropout,
                                      start, self.window))
 
 
-class GroupedQueryAttention(_KVCacheMixin, nn.Module):
+class GroupedQueryAttention(_QueryKeyMixin, _KVCacheMixin, nn.Module):
     """The bonus material's GQA: num_kv_groups key/value heads shared by num_heads query heads
     (query head h reads group h // (num_heads // num_kv_groups)); always causal. The cache holds
     the num_kv_groups heads."""
 
     def __init__(self, d_in, d_out, dropout, num_heads, num_kv_groups, qkv_bias=False,
-                 sliding_window_size=None):
+                 sliding_window_size=None, rope=None, qk_norm=False):
         super().__init__()
         assert d_out % num_heads == 0, "d_out must be divisible by num_heads"
         assert num_heads % num_kv_groups == 0, "num_heads must be divisible by num_kv_groups"
@@ -190,6 +261,7 @@ class GroupedQueryAttention(_KVCacheMixin, nn.Module):
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out, bias=False)
         self.dropout = nn.Dropout(dropout)
+        self._init_query_key(rope, qk_norm, self.head_dim)
         self.reset_cache()
 
     def forward(self, x, use_cache=False):
@@ -198,9 +270,10 @@ class GroupedQueryAttention(_KVCacheMixin, nn.Module):
         def split(t, heads):  # (b, n, heads * hd) -> (b, n, heads, hd) -> (b, heads, n, hd)
             return t.view(b, num_tokens, heads, self.head_dim).transpose(1, 2)
 
-        keys = split(self.W_key(x), self.num_kv_groups)
+        start = self.ptr_current_pos if use_cache else 0
+        queries, keys = self._query_key(split(self.W_query(x), self.num_heads),
+                                        split(self.W_key(x), self.num_kv_groups), start)
         values = split(self.W_value(x), self.num_kv_groups)
-        start = 0
         if use_cache:
             keys, values, start = self._cached(keys, values)
         # (b, g, m, hd) -> (b, h, m, hd): each group once per query head that reads it
@@ -208,8 +281,7 @@ class GroupedQueryAttention(_KVCacheMixin, nn.Module):
         values = values.repeat_interleave(self.group_size, dim=1)
         num_keys = keys.shape[2]
         mask = torch.triu(torch.ones(num_keys, num_keys), diagonal=1)
-        context = _attend(split(self.W_query(x), self.num_heads), keys, values, mask, True,
-                          self.dropout, start, self.window)
+        context = _attend(queries, keys, values, mask, True, self.dropout, start, self.window)
         return self.out_proj(context)
 
 
@@ -257,6 +329,7 @@ def build(module, config):
     """The reference module named `module` (attnkit's C++ class name) for a config dict."""
     c = config
     window = c.get("sliding_window_size") or None  # absent, None or 0 (C++ tests): no window
+    query_key = dict(rope=c.get("rope"), qk_norm=c.get("qk_norm", False))  # absent: neither
     if module == "SelfAttentionV1":
         return SelfAttention_v1(c["d_in"], c["d_out"])
     if module == "SelfAttentionV2":
@@ -269,14 +342,14 @@ def build(module, config):
     if module == "MultiHeadAttention":
         return MultiHeadAttention(c["d_in"], c["d_out"], c["context_length"], c["dropout"],
                                   c["num_heads"], c["qkv_bias"], c["causal"],
-                                  window)
+                                  window, **query_key)
     if module == "MultiHeadAttentionCombinedQKV":
         return MultiHeadAttentionCombinedQKV(c["d_in"], c["d_out"], c["context_length"], c["dropout"],
                                              c["num_heads"], c["qkv_bias"], c["causal"],
-                                             window)
+                                             window, **query_key)
     if module == "GroupedQueryAttention":
         return GroupedQueryAttention(c["d_in"], c["d_out"], c["dropout"], c["num_heads"],
-                                     c["num_kv_groups"], c["qkv_bias"], window)
+                                     c["num_kv_groups"], c["qkv_bias"], window, **query_key)
     if module == "MultiHeadLatentAttention":
         return MultiHeadLatentAttention(c["d_in"], c["d_out"], c["dropout"], c["num_heads"],
                                         c["qkv_bias"], c.get("latent_dim") or None)

@@ -32,11 +32,11 @@ SCALAR_OFFSET = 3
 LLAMA31 = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context_length=16)
 
 
-def inverse_frequencies(freq):
-    """inv_freq[i] = THETA^(-2i / d), then Llama 3.1's smoothing when freq is given."""
+def inverse_frequencies(freq, head_dim=HEAD_DIM, theta=THETA):
+    """inv_freq[i] = theta^(-2i / d), then Llama 3.1's smoothing when freq is given."""
     result = []
-    for i in range(HEAD_DIM // 2):
-        f = THETA ** (-(2.0 * i) / HEAD_DIM)
+    for i in range(head_dim // 2):
+        f = theta ** (-(2.0 * i) / head_dim)
         if freq is not None:
             wavelength = 2.0 * math.pi / f
             long_limit = freq["original_context_length"] / freq["low_freq_factor"]
@@ -51,9 +51,9 @@ def inverse_frequencies(freq):
     return torch.tensor(result, dtype=torch.float64)
 
 
-def angles(freq, positions):
+def angles(freq, positions, head_dim=HEAD_DIM, theta=THETA):
     """positions (..., n) -> angles (..., n, d/2)."""
-    return positions.to(torch.float64).unsqueeze(-1) * inverse_frequencies(freq)
+    return positions.to(torch.float64).unsqueeze(-1) * inverse_frequencies(freq, head_dim, theta)
 
 
 def rope(x, freq, positions, layout):

@@ -30,9 +30,8 @@ struct ModuleConfig {
   int64_t num_kv_groups = 1;
   int64_t sliding_window_size = 0;
   int64_t latent_dim = 0;
-  // MultiHeadAttention(CombinedQKV) and GroupedQueryAttention: RoPE tables of this many
-  // positions (0: no RoPE), and QK-norm. Not in json(): the Python reference lacks them.
-  int64_t rope_context_length = 0;
+  // MultiHeadAttention(CombinedQKV) and GroupedQueryAttention: RoPE (unset: none), QK-norm.
+  c10::optional<RopeOptions> rope = c10::nullopt;
   bool qk_norm = false;
 
   /// The same arguments as JSON, for scripts/check_python_interop.py --config.
@@ -42,7 +41,24 @@ struct ModuleConfig {
         ", \"dropout\": ", dropout, ", \"num_heads\": ", num_heads,
         ", \"qkv_bias\": ", qkv_bias ? "true" : "false",
         ", \"causal\": ", causal ? "true" : "false", ", \"num_kv_groups\": ", num_kv_groups,
-        ", \"sliding_window_size\": ", sliding_window_size, ", \"latent_dim\": ", latent_dim, "}");
+        ", \"sliding_window_size\": ", sliding_window_size, ", \"latent_dim\": ", latent_dim,
+        ", \"rope\": ", rope ? rope_json(*rope) : "null",
+        ", \"qk_norm\": ", qk_norm ? "true" : "false", "}");
+  }
+
+ private:
+  // scripts/reference_attention.py's rope dict.
+  static std::string rope_json(const RopeOptions& rope) {
+    std::string freq = "null";
+    if (const auto& f = rope.freq_config()) {
+      freq = c10::str("{\"factor\": ", f->factor(), ", \"low_freq_factor\": ", f->low_freq_factor(),
+                      ", \"high_freq_factor\": ", f->high_freq_factor(),
+                      ", \"original_context_length\": ", f->original_context_length(), "}");
+    }
+    return c10::str("{\"context_length\": ", rope.context_length(),
+                    ", \"theta_base\": ", rope.theta_base(), ", \"layout\": \"",
+                    rope.layout() == RopeLayout::kSplitHalf ? "split_half" : "interleaved",
+                    "\", \"freq_config\": ", freq, "}");
   }
 };
 
@@ -96,14 +112,12 @@ inline CachedAttention make_cached_attention(const std::string& name, const Modu
   const auto window =
       c.sliding_window_size > 0 ? c10::optional<int64_t>(c.sliding_window_size) : c10::nullopt;
   const auto latent = c.latent_dim > 0 ? c10::optional<int64_t>(c.latent_dim) : c10::nullopt;
-  const auto rope =
-      c.rope_context_length > 0 ? c10::optional<RopeOptions>(c.rope_context_length) : c10::nullopt;
   const auto mha =
       MultiHeadAttentionOptions(c.d_in, c.d_out, c.context_length, c.dropout, c.num_heads)
           .qkv_bias(c.qkv_bias)
           .causal(c.causal)
           .sliding_window_size(window)
-          .rope(rope)
+          .rope(c.rope)
           .qk_norm(c.qk_norm);
   if (name == "MultiHeadAttention")
     return erase_cached(MultiHeadAttention(mha));
@@ -114,7 +128,7 @@ inline CachedAttention make_cached_attention(const std::string& name, const Modu
         GroupedQueryAttentionOptions(c.d_in, c.d_out, c.dropout, c.num_heads, c.num_kv_groups)
             .qkv_bias(c.qkv_bias)
             .sliding_window_size(window)
-            .rope(rope)
+            .rope(c.rope)
             .qk_norm(c.qk_norm)));
   }
   TORCH_CHECK(name == "MultiHeadLatentAttention", "[make_attention] unknown module '", name, "'");

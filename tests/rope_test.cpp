@@ -334,7 +334,7 @@ TEST_P(RopeModulesDevices, CachedDecodingEqualsForwardForEveryModuleAndBackend) 
   config.context_length = 24;
   config.num_heads = 4;
   config.num_kv_groups = 2;
-  config.rope_context_length = 20;
+  config.rope = RopeOptions(20);
   config.qk_norm = true;
   const auto x = torch::randn({2, 13, 8}, torch::kFloat64).to(device());
   for (const auto& [name, window] :

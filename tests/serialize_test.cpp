@@ -42,6 +42,15 @@ ModuleConfig with_family(int64_t num_kv_groups, int64_t window, int64_t latent_d
   return config;
 }
 
+// RoPE (each layout, with and without Llama 3.1's smoothing) and QK-norm on kConfig.
+ModuleConfig with_query_key(attnkit::RopeOptions rope, bool qk_norm, int64_t num_kv_groups = 1,
+                            int64_t window = 0) {
+  auto config = with_family(num_kv_groups, window, 0);
+  config.rope = rope;
+  config.qk_norm = qk_norm;
+  return config;
+}
+
 // Every class, by its name, with its constructor arguments (the family's options set).
 const std::vector<std::pair<std::string, ModuleConfig>> kModules{
     {"SelfAttentionV1", kConfig},
@@ -52,7 +61,16 @@ const std::vector<std::pair<std::string, ModuleConfig>> kModules{
     {"MultiHeadAttentionCombinedQKV", kConfig},
     {"MultiHeadAttention", with_family(1, /*window=*/3, 0)},
     {"GroupedQueryAttention", with_family(/*num_kv_groups=*/1, /*window=*/3, 0)},
-    {"MultiHeadLatentAttention", with_family(1, 0, /*latent_dim=*/5)}};
+    {"MultiHeadLatentAttention", with_family(1, 0, /*latent_dim=*/5)},
+    {"MultiHeadAttention", with_query_key(attnkit::RopeOptions(16), /*qk_norm=*/true)},
+    {"MultiHeadAttentionCombinedQKV", with_query_key(attnkit::RopeOptions(7).theta_base(500).layout(
+                                                         attnkit::RopeLayout::kInterleaved),
+                                                     /*qk_norm=*/false)},
+    // At head_dim 4 one wavelength (6.3) is blended and one (628) slowed.
+    {"GroupedQueryAttention",
+     with_query_key(attnkit::RopeOptions(9).freq_config(
+                        attnkit::RopeFrequencyConfig().factor(4).original_context_length(16)),
+                    /*qk_norm=*/true, /*num_kv_groups=*/1, /*window=*/3)}};
 
 }  // namespace
 
@@ -333,6 +351,14 @@ TEST_F(SerializeTest, PythonLoadsWhatCppWroteAndCppLoadsWhatPythonWrote) {
     SCOPED_TRACE(name + " " + config.json() + " with torch " + python_version);
     auto attention = make_attention(name, config);
     attention.module->eval();
+    {
+      // QK-norm weights start at one: made distinct, so that swapped or dropped ones show.
+      torch::NoGradGuard no_grad;
+      for (auto& item : attention.module->named_parameters()) {
+        if (item.key().find("_norm.") != std::string::npos)
+          item.value().normal_(1.0, 0.5);
+      }
+    }
     attnkit::save_state_dict(*attention.module, path(name + ".pt"));
     attnkit::StateDict io;
     io.insert("input", x);
