@@ -1,6 +1,7 @@
-# CTest script: installs attnkit into a temporary prefix, builds apps/tiny_gpt and
-# apps/encoder_decoder (separate projects) and the README's example (examples/, target
-# quickstart) against it with find_package(attnkit), and runs them. Proves the package works as the README says.
+# CTest script: installs attnkit into a temporary prefix, builds apps/tiny_gpt (both of its
+# designs, and its check against the Python reference) and apps/encoder_decoder (separate
+# projects) and the README's example (examples/, target quickstart) against it with
+# find_package(attnkit), and runs them. Proves the package works as the README says.
 # Inputs (-D): ATTNKIT_BINARY_DIR, ATTNKIT_SOURCE_DIR, WORK_DIR, TORCH_DIR, GENERATOR.
 foreach(input ATTNKIT_BINARY_DIR ATTNKIT_SOURCE_DIR WORK_DIR TORCH_DIR GENERATOR)
   if(NOT DEFINED ${input})
@@ -23,6 +24,12 @@ run_step("configure tiny_gpt" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/apps/tin
 run_step("build tiny_gpt" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run_step("run tiny_gpt" ${WORK_DIR}/build/tiny_gpt
   --data ${ATTNKIT_SOURCE_DIR}/data/the-verdict.txt --steps 300 --sample 120)
+# Its Llama-style design (RoPE, grouped-query attention, RMSNorm, SwiGLU): it learns, and it
+# gives scripts/llama_reference.py's logits and tokens, prompts decoded as one ragged batch.
+run_step("run tiny_gpt --llama" ${WORK_DIR}/build/tiny_gpt --llama
+  --data ${ATTNKIT_SOURCE_DIR}/data/the-verdict.txt --steps 300 --sample 120)
+run_step("run tiny_gpt --golden" ${WORK_DIR}/build/tiny_gpt
+  --golden ${ATTNKIT_SOURCE_DIR}/data/golden/llama/reference.pt)
 
 # The encoder-decoder of seed 001's shape (padded sources, cross-attention): it exits 1
 # unless greedy decoding reverses at least 90% of new strings.

@@ -114,6 +114,15 @@ TEST(RopeReference, PythonReferenceAgreesWithItsFile) {
   EXPECT_NE(output.find("OK torch"), std::string::npos) << output;
 }
 
+// apps/tiny_gpt's Llama-style model checks itself against this file (tiny_gpt --golden, in
+// the package test); here the reference recomputes it with this leg's PyTorch.
+TEST(LlamaReference, PythonReferenceAgreesWithItsFile) {
+  const auto [status, output] = attnkit::testing::run_leg_python(
+      std::string(attnkit::testing::kSourceDir) + "/scripts/llama_reference.py", "--check");
+  ASSERT_EQ(status, 0) << output;
+  EXPECT_NE(output.find("OK torch"), std::string::npos) << output;
+}
+
 // Why RoPE is used: a query at position p against a key at position p' scores by p - p' alone,
 // and each head keeps its length.
 TEST(Rope, ScoresDependOnRelativePositionOnlyAndNormsAreKept) {
