@@ -16,19 +16,26 @@ function(run_step what)
   endif()
 endfunction()
 
+# The programs run with one thread each: CTest runs tests side by side on every core, and
+# spinning OpenMP and OpenBLAS workers of several processes on the same cores slow each
+# other down many times over (docs/threads.md).
+function(run_program what)
+  run_step("${what}" ${CMAKE_COMMAND} -E env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 ${ARGN})
+endfunction()
+
 file(REMOVE_RECURSE ${WORK_DIR})
 run_step("install" ${CMAKE_COMMAND} --install ${ATTNKIT_BINARY_DIR} --prefix ${WORK_DIR}/prefix)
 run_step("configure tiny_gpt" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/apps/tiny_gpt
   -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
   -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
 run_step("build tiny_gpt" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
-run_step("run tiny_gpt" ${WORK_DIR}/build/tiny_gpt
+run_program("run tiny_gpt" ${WORK_DIR}/build/tiny_gpt
   --data ${ATTNKIT_SOURCE_DIR}/data/the-verdict.txt --steps 300 --sample 120)
 # Its Llama-style design (RoPE, grouped-query attention, RMSNorm, SwiGLU): it learns, and it
 # gives scripts/llama_reference.py's logits and tokens, prompts decoded as one ragged batch.
-run_step("run tiny_gpt --llama" ${WORK_DIR}/build/tiny_gpt --llama
-  --data ${ATTNKIT_SOURCE_DIR}/data/the-verdict.txt --steps 300 --sample 120)
-run_step("run tiny_gpt --golden" ${WORK_DIR}/build/tiny_gpt
+run_program("run tiny_gpt --llama" ${WORK_DIR}/build/tiny_gpt --llama
+  --data ${ATTNKIT_SOURCE_DIR}/data/the-verdict.txt --steps 150 --sample 40)
+run_program("run tiny_gpt --golden" ${WORK_DIR}/build/tiny_gpt
   --golden ${ATTNKIT_SOURCE_DIR}/data/golden/llama/reference.pt)
 
 # The encoder-decoder of seed 001's shape (padded sources, cross-attention): it exits 1
@@ -37,7 +44,7 @@ run_step("configure encoder_decoder" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/a
   -B ${WORK_DIR}/encoder_decoder -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
   -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
 run_step("build encoder_decoder" ${CMAKE_COMMAND} --build ${WORK_DIR}/encoder_decoder)
-run_step("run encoder_decoder" ${WORK_DIR}/encoder_decoder/encoder_decoder)
+run_program("run encoder_decoder" ${WORK_DIR}/encoder_decoder/encoder_decoder)
 
 # The README's find_package lines, as examples/CMakeLists.txt holds them, and its example.
 run_step("configure examples" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/examples
@@ -45,4 +52,4 @@ run_step("configure examples" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/examples
   -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
 run_step("build the README's example" ${CMAKE_COMMAND} --build ${WORK_DIR}/examples
   --target quickstart)
-run_step("run the README's example" ${WORK_DIR}/examples/quickstart)
+run_program("run the README's example" ${WORK_DIR}/examples/quickstart)
