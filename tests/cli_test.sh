@@ -119,7 +119,6 @@ expect 0 "" -- "${quick[@]}" "${text[@]}" --module mla --sample 80 --quiet
 
 # --prompts: every line continued in one batch; the lines and their continuations printed.
 printf 'I had always\nThe \n\nGisburn was a man who\n' >"$work/prompts"
-printf 'abcd\nefgh\n' >"$work/same_length"
 : >"$work/empty"
 expect_stdout "--sample 70 --prompts (3 lines)" \
   "^samples \(3 prompts in one batch, 70 bytes each, KV cache, [0-9]+ tokens/s\):$" \
@@ -132,9 +131,13 @@ expect 2 "--prompts: '$work/empty' has no non-empty line" \
   -- "${text[@]}" --sample 5 --prompts "$work/empty"
 expect 2 "--prompts: the lines are decoded together with KV caches; drop --no-kv-cache" \
   -- "${text[@]}" --sample 5 --prompts "$work/prompts" --no-kv-cache
-expect 2 "--prompts: lines of different lengths need a key/value cache without a window; --module mla decodes lines of one length only" \
-  -- "${text[@]}" --module mla --sample 5 --prompts "$work/prompts"
-expect 0 "" -- "${quick[@]}" "${text[@]}" --module gqa --window 8 --sample 70 --prompts "$work/same_length" --quiet
+# The rolling (sliding-window) and latent caches decode lines of different lengths too.
+for cache in "--module gqa --window 8" "--module mla"; do
+  # shellcheck disable=SC2086  # $cache is two flags
+  expect_stdout "--prompts with $cache" \
+    "^samples \(3 prompts in one batch, 70 bytes each, KV cache, [0-9]+ tokens/s\):$" \
+    "^\[Gisburn was a man who\]" -- "${quick[@]}" "${text[@]}" $cache --sample 70 --prompts "$work/prompts"
+done
 
 # --rope, --qk-norm: the modules that take them; a checkpoint remembers them.
 expect 2 "--rope: only mha, mha-combined, gqa and mqa take it, got --module mla" \

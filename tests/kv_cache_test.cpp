@@ -308,7 +308,22 @@ std::vector<RaggedModule> ragged_modules(torch::Device device) {
         GroupedQueryAttention(
             GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2).rope(rope).qk_norm(positional)),
         device));
+    // Rolling caches of window 3: the rows pass it, the prefill of 7 by more than a window.
+    modules.push_back(erase_ragged(
+        "MultiHeadAttention window 3" + with,
+        MultiHeadAttention(MultiHeadAttentionOptions(mha).sliding_window_size(3)), device));
+    modules.push_back(
+        erase_ragged("GroupedQueryAttention window 3" + with,
+                     GroupedQueryAttention(GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2)
+                                               .rope(rope)
+                                               .qk_norm(positional)
+                                               .sliding_window_size(3)),
+                     device));
   }
+  modules.push_back(erase_ragged(
+      "MultiHeadLatentAttention",
+      MultiHeadLatentAttention(MultiHeadLatentAttentionOptions(6, 8, 0.0, 2).latent_dim(3)),
+      device));
   return modules;
 }
 
@@ -391,15 +406,34 @@ TEST(RaggedKVCache, BadLengthsAreNamedAndNothingIsWritten) {
           "row 1: 10 tokens would reach position 11, past context_length = 10");
   expect_error_containing([&] { mha->forward_with_cache(x, cache); },
                           "[KVCache::append] the rows hold different numbers of positions");
+  // A rolling cache holds each row's keys in its own order, so a mask cannot name them.
   MultiHeadAttention windowed(MultiHeadAttentionOptions(6, 8, 10, 0.0, 2).sliding_window_size(3));
   windowed->eval();
   auto rolling = windowed->make_kv_cache(2);
   expect_error_containing(
       [&] {
-        windowed->forward_with_cache(x, rolling, torch::tensor({4, 1}, torch::kInt64));
+        windowed->forward_with_cache(x, rolling, torch::tensor({4, 1}, torch::kInt64),
+                                     Mask::key_padding(torch::tensor({4, 4}, torch::kInt64)));
       },
-      "lengths: rows of different lengths work with a key/value cache only, not yet with a "
-      "rolling (sliding-window) cache");
+      "[MultiHeadAttention::forward_with_cache] mask: a rolling cache of window_size 3 keeps its "
+      "keys in storage order");
+  EXPECT_EQ(rolling.size(), 0);
+  MultiHeadLatentAttention latent(MultiHeadLatentAttentionOptions(6, 8, 0.0, 2));
+  latent->eval();
+  auto latents = latent->make_kv_cache(2, 5);
+  latent->forward_with_cache(x, latents, torch::tensor({3, 2}, torch::kInt64));
+  expect_error_containing(
+      [&] {
+        latent->forward_with_cache(x, latents, torch::tensor({3, 1}, torch::kInt64));
+      },
+      "[MultiHeadLatentAttention::forward_with_cache] row 0: 3 tokens would reach position 6, "
+      "past the cache's capacity 5");
+  expect_error_containing(
+      [&] {
+        latent->forward_with_cache(x, latents, torch::tensor({1.0, 1.0}));
+      },
+      "[MultiHeadLatentAttention::forward_with_cache] lengths must be a (2) int64 tensor");
+  EXPECT_TRUE(torch::equal(latents.lengths(), torch::tensor({3, 2}, torch::kInt64)));
 }
 
 TEST(Generate, GreedyTokensAreTheSameWithAndWithoutTheCache) {
@@ -580,27 +614,33 @@ TEST(RaggedGenerate, EachPromptGetsTheTokensItGetsAloneWithLimitsAndStops) {
   }
 }
 
-// Prompts of one length take the uniform path, which every cache serves: a rolling cache
-// (sliding window) and the latent one, with rows leaving at different steps.
-TEST(RaggedGenerate, PromptsOfOneLengthWorkWithEveryCache) {
+// The rolling caches (sliding window) and the latent one: prompts of one length (the uniform
+// path) and of different lengths (ragged), rows leaving at different steps, one row running
+// past the context of 24 (its caches refill while the others go on).
+TEST(RaggedGenerate, RollingAndLatentCachesGiveEachPromptItsTokensAlone) {
   for (const std::string module : {"gqa", "mla", "mha"}) {
-    SCOPED_TRACE(module);
-    auto config = text_model_config(module, "chunked");
-    if (module != "mla")
-      config.window = 5;
-    torch::manual_seed(44);
-    train::AttentionModel model(config);
-    model->eval();
-    std::vector<GenerationRequest> requests;
-    for (int64_t r = 0; r < 3; ++r)
-      requests.emplace_back(torch::randint(0, 40, {4}, torch::kInt64));
-    requests[0].max_new_tokens(3);
-    requests[2].max_new_tokens(9);
-    const auto rows = generate(*model, requests, GenerateOptions(6));
-    for (size_t r = 0; r < 3; ++r) {
-      const int64_t max_new = requests[r].max_new_tokens().value_or(6);
-      EXPECT_TRUE(rows[r].equal(generated_alone(model, requests[r].prompt(), max_new)))
-          << "row " << r;
+    for (const bool one_length : {true, false}) {
+      SCOPED_TRACE(module + (one_length ? " one length" : " different lengths"));
+      auto config = text_model_config(module, "chunked");
+      if (module != "mla")
+        config.window = 5;
+      torch::manual_seed(44);
+      train::AttentionModel model(config);
+      model->eval();
+      const std::vector<int64_t> lengths =
+          one_length ? std::vector<int64_t>{4, 4, 4} : std::vector<int64_t>{4, 9, 1};
+      std::vector<GenerationRequest> requests;
+      for (const int64_t n : lengths)
+        requests.emplace_back(torch::randint(0, 40, {n}, torch::kInt64));
+      requests[0].max_new_tokens(3);
+      requests[2].max_new_tokens(30);
+      const auto rows = generate(*model, requests, GenerateOptions(6));
+      for (size_t r = 0; r < 3; ++r) {
+        const int64_t max_new = requests[r].max_new_tokens().value_or(6);
+        EXPECT_EQ(rows[r].size(0), lengths[r] + max_new);
+        EXPECT_TRUE(rows[r].equal(generated_alone(model, requests[r].prompt(), max_new)))
+            << "row " << r;
+      }
     }
   }
 }
@@ -692,13 +732,6 @@ TEST(RaggedGenerate, BadRequestsAreNamed) {
         generate(*model, std::vector<GenerationRequest>{prompt}, GenerateOptions(2).top_k(-1));
       },
       "[generate] top_k must be >= 0");
-  train::AttentionModel mla(text_model_config("mla", "math"));
-  mla->eval();
-  expect_error_containing(
-      [&] {
-        generate(*mla, {prompt, prompt.narrow(0, 0, 2)}, options);
-      },
-      "--module mla: rows of different lengths are not supported yet");
   // A model that does not implement ragged_logits_with_cache says so.
   struct Plain : CausalLanguageModel {
     explicit Plain(train::AttentionModel m) : model(std::move(m)) {}
@@ -757,12 +790,35 @@ TEST(RaggedGenerate, BadRequestsAreNamed) {
   three.reset_rows({0, 1, 2});
   EXPECT_FALSE(three.is_ragged());
   EXPECT_EQ(three.size(), 0);
-  auto rolling = KVCache::sliding_window(2, 1, 2, 3);
-  rolling.append(torch::randn({2, 1, 1, 2}), torch::randn({2, 1, 1, 2}));
-  expect_error_containing([&] { rolling.reset_rows({0}); },
-                          "[KVCache::reset_rows] resetting only some rows needs a key/value cache "
-                          "(rows of different lengths), not a rolling (sliding-window) cache");
-  EXPECT_EQ(rolling.size(), 1) << "a refused call changed the cache";
+}
+
+// A rolling cache (window 3) with rows of different lengths: each row's span is its own held
+// keys, oldest first, then its new ones, and it keeps each row's last 3 positions.
+TEST(RaggedKVCache, RollingCacheGivesEachRowItsLastWindowInOrder) {
+  auto rolling = KVCache::sliding_window(2, 1, 2, 3, torch::kFloat64);
+  const auto first = torch::randn({2, 1, 1, 2}, torch::kFloat64);
+  rolling.append(first, first);
+  rolling.reset_rows({0});  // row 0 starts over; row 1 keeps its position 0
+  EXPECT_TRUE(rolling.lengths().equal(torch::tensor({0, 1}, torch::kInt64)));
+  const auto next = torch::randn({2, 1, 4, 2}, torch::kFloat64);
+  auto span = rolling.append_ragged(next, next * 2, {4, 1});
+  EXPECT_TRUE(span.starts.equal(torch::tensor({0, 1}, torch::kInt64)));
+  EXPECT_TRUE(span.ends.equal(torch::tensor({4, 2}, torch::kInt64)));
+  EXPECT_TRUE(span.keys[0].narrow(1, 0, 4).equal(next[0]));  // 4 new keys, past the window
+  EXPECT_TRUE(span.values[0].narrow(1, 0, 4).equal(next[0] * 2));
+  EXPECT_TRUE(span.keys[1].narrow(1, 0, 1).equal(first[1]));  // held, then new
+  EXPECT_TRUE(span.keys[1].narrow(1, 1, 1).equal(next[1].narrow(1, 0, 1)));
+  EXPECT_TRUE(rolling.lengths().equal(torch::tensor({4, 2}, torch::kInt64)));
+  // One token each: row 0 holds positions 1-3 (the storage has wrapped), row 1 positions 0-1.
+  const auto step = torch::randn({2, 1, 1, 2}, torch::kFloat64);
+  span = rolling.append_ragged(step, step, {1, 1});
+  EXPECT_TRUE(span.starts.equal(torch::tensor({3, 2}, torch::kInt64)));
+  EXPECT_TRUE(span.keys[0].narrow(1, 0, 3).equal(next[0].narrow(1, 1, 3)));
+  EXPECT_TRUE(span.keys[0].narrow(1, 3, 1).equal(step[0]));
+  EXPECT_TRUE(
+      span.keys[1].narrow(1, 0, 2).equal(torch::cat({first[1], next[1].narrow(1, 0, 1)}, 1)));
+  EXPECT_TRUE(span.keys[1].narrow(1, 2, 1).equal(step[1]));
+  EXPECT_EQ(rolling.nbytes(), 2 * 2 * 1 * 3 * 2 * 8) << "the storage stays the window";
 }
 
 TEST(Generate, BadArgumentsNameWhatIsWrong) {

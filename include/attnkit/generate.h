@@ -98,9 +98,8 @@ torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
 ///
 /// Greedy decoding gives each row the tokens that generating its prompt alone gives (cut at
 /// its stop token), past the context too. Prompts of different lengths need the model's
-/// ragged_logits_with_cache and modules whose caches take rows of different lengths (a key/value
-/// cache: not yet a rolling or latent one); prompts of one length use logits_with_cache and work
-/// with every cache. Needs use_kv_cache. Sampling draws every row from one generator, so a sampled
+/// ragged_logits_with_cache (attnkit's modules take rows of different lengths with every cache
+/// kind); prompts of one length use logits_with_cache. Needs use_kv_cache. Sampling draws every row from one generator, so a sampled
 /// row differs from that prompt sampled alone.
 /// Example:
 /// ```

@@ -101,8 +101,7 @@ class KVCache {
 
   /// Forgets every position of the rows `rows` (each in [0, batch())), keeping the others:
   /// the next append_ragged starts those rows over at position 0. The cache becomes ragged
-  /// unless every row is reset (then it is reset()). Fails on a rolling or latent cache
-  /// unless every row is reset (they take no rows of different lengths yet).
+  /// unless every row is reset (then it is reset()).
   void reset_rows(const std::vector<int64_t>& rows);
 
   /// What the queries of appended tokens attend to.
@@ -125,8 +124,10 @@ class KVCache {
   Span append(const torch::Tensor& keys, const torch::Tensor& values);
 
   /// What the queries of a ragged append attend to: keys and values (batch, num_heads, m,
-  /// head_dim), m the longest row's new length, and per row (batch, int64, on the storage's
-  /// device) the position of its first new token and the end of its valid positions.
+  /// head_dim), and per row (batch, int64, on the storage's device) the key index of its first
+  /// new token and the end of its valid keys. In a key/value or latent cache key index j is
+  /// position j (m: the longest row's length). A rolling cache lays each row out on its own:
+  /// the positions it held, oldest first, then its new ones (m: the longest such row).
   struct RaggedSpan {
     torch::Tensor keys, values;
     torch::Tensor starts, ends;
@@ -135,11 +136,18 @@ class KVCache {
   /// Appends a right-padded batch: row r writes its first new_lengths[r] tokens of `keys` and
   /// `values` (batch, num_heads, n, head_dim) at positions [lengths()[r], lengths()[r] +
   /// new_lengths[r]); padding is not written. `new_lengths` has batch entries in [0, n].
-  /// Query i of row r sits at position starts[r] + i and may see keys j < ends[r] with
-  /// j <= starts[r] + i. Fails like append, also on a rolling or latent cache (not supported
-  /// yet) and when a row would pass the capacity; nothing is written then.
+  /// Query i of row r sits at key index starts[r] + i and may see keys j < ends[r] with
+  /// j <= starts[r] + i (and, with a rolling cache, j > starts[r] + i - window_size()).
+  /// A rolling cache keeps each row's last window_size positions. Fails like append, and
+  /// when a row would pass the capacity; nothing is written then.
   RaggedSpan append_ragged(const torch::Tensor& keys, const torch::Tensor& values,
                            const std::vector<int64_t>& new_lengths);
+
+  /// A latent cache's append_ragged: row r writes its first new_lengths[r] latents of
+  /// `latents` (batch, n, latent_dim). The span's keys are the latents (batch, m, latent_dim),
+  /// its values undefined.
+  RaggedSpan append_latent_ragged(const torch::Tensor& latents,
+                                  const std::vector<int64_t>& new_lengths);
 
   /// A latent cache's append: writes `latents` (batch, n, latent_dim) at positions
   /// [size(), size() + n) and returns every latent held, (batch, size(), latent_dim). Fails
@@ -157,6 +165,10 @@ class KVCache {
   // positions fit; `what` names it.
   void check_appended(const char* fn, const char* what, const torch::Tensor& t,
                       bool check_room = true) const;
+  // append_ragged and append_latent_ragged after their own checks; `values` undefined for
+  // latents.
+  RaggedSpan write_ragged(const char* fn, const torch::Tensor& keys, const torch::Tensor& values,
+                          const std::vector<int64_t>& new_lengths);
 
   torch::Tensor keys_;    // (batch, num_heads, capacity, head_dim); latents: (batch, 1, ., .)
   torch::Tensor values_;  // (batch, num_heads, capacity, head_dim); latents: undefined

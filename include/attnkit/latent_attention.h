@@ -65,6 +65,12 @@ class MultiHeadLatentAttentionImpl : public torch::nn::Cloneable<MultiHeadLatent
   /// in forward: query index the row of x, key index the position in the cache.
   torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
 
+  /// A right-padded batch whose rows hold different numbers of new tokens, as
+  /// `MultiHeadAttention::forward_with_cache(x, cache, lengths)`: row r's first lengths[r]
+  /// tokens of x (b, n, d_in) continue its own sequence; the padding's latents are not cached.
+  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache,
+                                   const torch::Tensor& lengths, const Mask& mask = {});
+
   /// The options this module was built with (reset() re-reads them).
   MultiHeadLatentAttentionOptions options;
   /// Query projection, d_in -> d_out.

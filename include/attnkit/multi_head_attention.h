@@ -120,7 +120,7 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// sit at positions [cache.lengths()[r], cache.lengths()[r] + lengths[r]) of its own
   /// sequence, so a batch of prompts of different lengths is prefilled and decoded together.
   /// Each row's outputs at its valid tokens equal that row run alone; those at padding are
-  /// finite and meaningless. A key/value cache only (not yet a rolling or latent one).
+  /// finite and meaningless. Every cache kind, a rolling one too.
   torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache,
                                    const torch::Tensor& lengths, const Mask& mask = {});
 
@@ -210,7 +210,7 @@ class MultiHeadAttentionCombinedQKVImpl
   /// sit at positions [cache.lengths()[r], cache.lengths()[r] + lengths[r]) of its own
   /// sequence, so a batch of prompts of different lengths is prefilled and decoded together.
   /// Each row's outputs at its valid tokens equal that row run alone; those at padding are
-  /// finite and meaningless. A key/value cache only (not yet a rolling or latent one).
+  /// finite and meaningless. Every cache kind, a rolling one too.
   torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache,
                                    const torch::Tensor& lengths, const Mask& mask = {});
 

@@ -98,9 +98,6 @@ void KVCache::reset_rows(const std::vector<int64_t>& rows) {
     reset();
     return;
   }
-  TORCH_CHECK(window_size_ == 0 && !is_latent(), fn, " resetting only some rows needs a key/value ",
-              "cache (rows of different lengths), not ",
-              is_latent() ? "a latent cache" : "a rolling (sliding-window) cache");
   for (auto& length : lengths)
     length = std::max<int64_t>(length, 0);
   size_ = *std::max_element(lengths.begin(), lengths.end());
@@ -144,14 +141,32 @@ void KVCache::keep_rows(const std::vector<int64_t>& rows) {
 KVCache::RaggedSpan KVCache::append_ragged(const torch::Tensor& keys, const torch::Tensor& values,
                                            const std::vector<int64_t>& new_lengths) {
   const char* fn = "[KVCache::append_ragged]";
-  TORCH_CHECK(!is_latent() && window_size_ == 0, fn,
-              " rows of different lengths work with a key/value cache only; this is ",
-              is_latent() ? "a latent cache" : c10::str("a rolling cache of window ", window_size_),
-              " (not supported yet)");
+  TORCH_CHECK(!is_latent(), fn, " this is a latent cache; use append_latent_ragged");
   check_appended(fn, "keys", keys, /*check_room=*/false);
   check_appended(fn, "values", values, /*check_room=*/false);
   TORCH_CHECK(keys.sizes() == values.sizes(), fn, " keys and values must have the same shape, got ",
               detail::shape_string(keys), " and ", detail::shape_string(values));
+  return write_ragged(fn, keys, values, new_lengths);
+}
+
+KVCache::RaggedSpan KVCache::append_latent_ragged(const torch::Tensor& latents,
+                                                  const std::vector<int64_t>& new_lengths) {
+  const char* fn = "[KVCache::append_latent_ragged]";
+  TORCH_CHECK(is_latent(), fn, " this cache holds keys and values; use append_ragged");
+  TORCH_CHECK(latents.defined() && latents.dim() == 3, fn,
+              " latents: expected (batch, n, latent_dim), got ",
+              latents.defined() ? detail::shape_string(latents) : "undefined");
+  // (b, n, latent_dim) -> (b, 1, n, latent_dim), the storage's layout
+  const auto as_heads = latents.unsqueeze(1);
+  check_appended(fn, "latents", as_heads, /*check_room=*/false);
+  auto span = write_ragged(fn, as_heads, torch::Tensor(), new_lengths);
+  span.keys = span.keys.select(1, 0);  // (b, 1, m, latent_dim) -> (b, m, latent_dim)
+  return span;
+}
+
+KVCache::RaggedSpan KVCache::write_ragged(const char* fn, const torch::Tensor& keys,
+                                          const torch::Tensor& values,
+                                          const std::vector<int64_t>& new_lengths) {
   const int64_t b = batch(), n = keys.size(2);
   TORCH_CHECK(static_cast<int64_t>(new_lengths.size()) == b, fn, " new_lengths: expected ", b,
               " entries (one per row), got ", new_lengths.size());
@@ -162,27 +177,75 @@ KVCache::RaggedSpan KVCache::append_ragged(const torch::Tensor& keys, const torc
     TORCH_CHECK(new_lengths[r] >= 0 && new_lengths[r] <= n, fn, " new_lengths[", r,
                 "] must be in [0, ", n, "] (the tokens given), got ", new_lengths[r]);
     ends[r] = starts[r] + new_lengths[r];
-    TORCH_CHECK(ends[r] <= capacity(), fn, " row ", r, ": ", new_lengths[r],
+    TORCH_CHECK(ends[r] <= max_positions(), fn, " row ", r, ": ", new_lengths[r],
                 " more positions do not fit: it holds ", starts[r], " of the capacity ",
                 capacity());
   }
   torch::NoGradGuard no_grad;
+  const auto device = keys_.device();
+  const auto on_device = [&](const std::vector<int64_t>& v) {
+    return torch::tensor(v, torch::kInt64).to(device);
+  };
+  RaggedSpan span;
+  const int64_t window = window_size_;
+  if (window > 0) {
+    // Each row's span before the new keys overwrite the oldest slots: its held positions
+    // oldest first (position p in slot p % window), then its new tokens, then filler.
+    std::vector<int64_t> span_starts(b), span_ends(b);
+    for (int64_t r = 0; r < b; ++r) {
+      span_starts[r] = std::min(starts[r], window);
+      span_ends[r] = span_starts[r] + new_lengths[r];
+    }
+    const int64_t m = *std::max_element(span_ends.begin(), span_ends.end());
+    // Indices into cat(storage, new tokens) along the positions: (b * m).
+    std::vector<int64_t> index(b * m, 0);
+    for (int64_t r = 0; r < b; ++r) {
+      for (int64_t k = 0; k < span_ends[r]; ++k) {
+        const int64_t held_position = starts[r] - span_starts[r] + k;
+        index[r * m + k] =
+            k < span_starts[r] ? held_position % window : window + k - span_starts[r];
+      }
+    }
+    // (b * m) -> (b, 1, m, 1) -> (b, heads, m, width)
+    const auto gather_index =
+        on_device(index).view({b, 1, m, 1}).expand({b, keys.size(1), m, keys.size(3)});
+    const auto gathered = [&](const torch::Tensor& storage, const torch::Tensor& appended) {
+      return torch::cat({storage, appended}, 2).gather(2, gather_index);
+    };
+    span.keys = gathered(keys_, keys);
+    if (values_.defined())
+      span.values = gathered(values_, values);
+    span.starts = on_device(span_starts);
+    span.ends = on_device(span_ends);
+  }
+  // Position p goes to slot p % slots: a rolling cache wraps, no other row passes capacity().
+  const int64_t slots = window > 0 ? window : capacity();
   const bool every_token_valid =
       std::all_of(new_lengths.begin(), new_lengths.end(), [n](int64_t l) { return l == n; });
-  if (every_token_valid) {
-    // One scatter: token i of row r to position starts[r] + i (decode steps take this path).
-    const auto device = keys_.device();
-    const auto positions = (torch::tensor(starts, torch::kInt64).unsqueeze(1) +
-                            torch::arange(n, torch::kInt64).unsqueeze(0))
-                               .to(device);  // (b, n)
-    // (b, n) -> (b, 1, n, 1) -> (b, heads, n, head_dim)
+  if (every_token_valid && n <= slots) {
+    // One scatter: token i of row r to slot (starts[r] + i) % slots (decode steps take this
+    // path); n <= slots keeps each row's slots distinct.
+    const auto positions = (on_device(starts).unsqueeze(1) +
+                            torch::arange(n, torch::dtype(torch::kInt64).device(device)))
+                               .remainder_(slots);  // (b, n)
+    // (b, n) -> (b, 1, n, 1) -> (b, heads, n, width)
     const auto index = positions.view({b, 1, n, 1}).expand_as(keys);
     keys_.scatter_(2, index, keys);
-    values_.scatter_(2, index, values);
+    if (values_.defined())
+      values_.scatter_(2, index, values);
   } else {
     for (int64_t r = 0; r < b; ++r) {
-      keys_[r].narrow(1, starts[r], new_lengths[r]).copy_(keys[r].narrow(1, 0, new_lengths[r]));
-      values_[r].narrow(1, starts[r], new_lengths[r]).copy_(values[r].narrow(1, 0, new_lengths[r]));
+      // A row's last `keep` tokens: all of them unless a rolling cache drops the oldest.
+      const int64_t keep = std::min(new_lengths[r], slots);
+      if (keep == 0)
+        continue;
+      const auto row_slots =
+          torch::arange(ends[r] - keep, ends[r], torch::dtype(torch::kInt64).device(device))
+              .remainder_(slots);
+      const int64_t first = new_lengths[r] - keep;
+      keys_[r].index_copy_(1, row_slots, keys[r].narrow(1, first, keep));
+      if (values_.defined())
+        values_[r].index_copy_(1, row_slots, values[r].narrow(1, first, keep));
     }
   }
   const int64_t longest = *std::max_element(ends.begin(), ends.end());
@@ -190,10 +253,10 @@ KVCache::RaggedSpan KVCache::append_ragged(const torch::Tensor& keys, const torc
       std::all_of(ends.begin(), ends.end(), [&](int64_t e) { return e == ends[0]; });
   row_lengths_ = uniform ? std::vector<int64_t>() : ends;
   size_ = longest;
-  const auto on_device = [&](const std::vector<int64_t>& v) {
-    return torch::tensor(v, torch::kInt64).to(keys_.device());
-  };
-  return {keys_.narrow(2, 0, longest), values_.narrow(2, 0, longest), on_device(starts),
+  if (window > 0)
+    return span;
+  return {keys_.narrow(2, 0, longest),
+          values_.defined() ? values_.narrow(2, 0, longest) : torch::Tensor(), on_device(starts),
           on_device(ends)};
 }
 

@@ -113,17 +113,32 @@ KVCache MultiHeadLatentAttentionImpl::make_kv_cache(int64_t batch, int64_t capac
 
 torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tensor& x,
                                                                KVCache& cache, const Mask& mask) {
-  detail::check_cached_call(kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
-                            {1, latent_dim(), 0, /*latent=*/true}, W_query->weight, mask);
+  return forward_with_cache(x, cache, torch::Tensor(), mask);
+}
+
+torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tensor& x,
+                                                               KVCache& cache,
+                                                               const torch::Tensor& lengths,
+                                                               const Mask& mask) {
+  const auto new_lengths = detail::check_cached_call(
+      kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
+      {1, latent_dim(), 0, /*latent=*/true}, W_query->weight, mask, lengths);
   torch::NoGradGuard no_grad;
   const auto h = options.num_heads();
+  const auto queries = detail::split_heads(W_query(x), h);
+  if (!new_lengths.empty()) {
+    const auto span = cache.append_latent_ragged(W_DKV(x), new_lengths);  // keys: (b, m, latent)
+    const auto context = detail::attend_ragged(queries, detail::split_heads(W_UK(span.keys), h),
+                                               detail::split_heads(W_UV(span.keys), h), span,
+                                               settings_of(options), mask);
+    return out_proj(detail::merge_heads(context));
+  }
   const int64_t start = cache.size();
   const auto latents = cache.append_latent(W_DKV(x));  // (b, start + n, latent_dim)
-  const auto context =
-      detail::attend(detail::split_heads(W_query(x), h), detail::split_heads(W_UK(latents), h),
-                     detail::split_heads(W_UV(latents), h), settings_of(options),
-                     /*training=*/false, start, /*with_weights=*/false, mask)
-          .context;
+  const auto context = detail::attend(queries, detail::split_heads(W_UK(latents), h),
+                                      detail::split_heads(W_UV(latents), h), settings_of(options),
+                                      /*training=*/false, start, /*with_weights=*/false, mask)
+                           .context;
   return out_proj(detail::merge_heads(context));
 }
 

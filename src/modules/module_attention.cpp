@@ -86,16 +86,12 @@ namespace {
 // forward_with_cache(x, cache, lengths)'s checks of `lengths` and of each row's end.
 std::vector<int64_t> check_ragged_lengths(const char* module, const torch::Tensor& x,
                                           const torch::Tensor& lengths, int64_t context_length,
-                                          const KVCache& cache, const CacheLayout& layout) {
+                                          const KVCache& cache) {
   const int64_t b = x.size(0), n = x.size(1);
   TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.dim() == 1 && lengths.size(0) == b,
               "[", module, "::forward_with_cache] lengths must be a (", b,
               ") int64 tensor (each row's valid new tokens), got ", shape_string(lengths), " ",
               lengths.scalar_type());
-  TORCH_CHECK(layout.window_size == 0 && !layout.latent, "[", module,
-              "::forward_with_cache] lengths: rows of different lengths work with a key/value "
-              "cache only, not yet with ",
-              layout.latent ? "a latent cache" : "a rolling (sliding-window) cache");
   const auto values = lengths.to(torch::kCPU).contiguous();
   const auto before_tensor = cache.lengths();
   const auto before = before_tensor.accessor<int64_t, 1>();
@@ -108,7 +104,7 @@ std::vector<int64_t> check_ragged_lengths(const char* module, const torch::Tenso
     TORCH_CHECK(context_length == 0 || end <= context_length, "[", module,
                 "::forward_with_cache] row ", r, ": ", new_lengths[r],
                 " tokens would reach position ", end, ", past context_length = ", context_length);
-    TORCH_CHECK(end <= cache.capacity(), "[", module, "::forward_with_cache] row ", r, ": ",
+    TORCH_CHECK(end <= cache.max_positions(), "[", module, "::forward_with_cache] row ", r, ": ",
                 new_lengths[r], " tokens would reach position ", end,
                 ", past the cache's capacity ", cache.capacity(),
                 "; make a larger one with make_kv_cache(batch, capacity)");
@@ -148,9 +144,13 @@ std::vector<int64_t> check_cached_call(const char* module, bool training, const 
               "[", module, "::forward_with_cache] cache: expected dtype ", parameter.scalar_type(),
               " on ", parameter.device(), " (the module's parameters), got ",
               cache.options().dtype(), " on ", cache.options().device());
+  TORCH_CHECK(mask.is_none() || layout.window_size == 0, "[", module,
+              "::forward_with_cache] mask: a rolling cache of window_size ", layout.window_size,
+              " keeps its keys in storage order, so a mask cannot name their positions; got ",
+              mask.to_string(), "; masks work with the caches of modules without a window");
   const int64_t n = x.size(1);
   if (lengths.defined())
-    return check_ragged_lengths(module, x, lengths, context_length, cache, layout);
+    return check_ragged_lengths(module, x, lengths, context_length, cache);
   const int64_t end = cache.size() + n;
   TORCH_CHECK(context_length == 0 || end <= context_length, "[", module,
               "::forward_with_cache] x: ", n, " tokens after the ", cache.size(),
@@ -160,10 +160,6 @@ std::vector<int64_t> check_cached_call(const char* module, bool training, const 
               "::forward_with_cache] x: ", n, " tokens after the ", cache.size(),
               " the cache holds would pass its capacity ", cache.capacity(),
               "; make a larger one with make_kv_cache(batch, capacity)");
-  TORCH_CHECK(mask.is_none() || layout.window_size == 0, "[", module,
-              "::forward_with_cache] mask: a rolling cache of window_size ", layout.window_size,
-              " keeps its keys in storage order, so a mask cannot name their positions; got ",
-              mask.to_string(), "; masks work with the caches of modules without a window");
   return {};
 }
 
@@ -204,6 +200,12 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
     }
   }
   const auto span = cache.append_ragged(rotated_keys, values, new_lengths);
+  return attend_ragged(rotated_queries, span.keys, span.values, span, settings, mask);
+}
+
+torch::Tensor attend_ragged(const torch::Tensor& queries, const torch::Tensor& keys,
+                            const torch::Tensor& values, const KVCache::RaggedSpan& span,
+                            const AttentionSettings& settings, const Mask& mask) {
   // Each row's own causal (and window) mask over its valid keys, in place of the module's one
   // query offset: key j for query i of row r when j <= starts[r] + i and j < ends[r].
   auto causal = Mask::causal(span.starts);
@@ -217,7 +219,7 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
   // per-row mask to the chunked one, tile by tile and row by row.
   if (queries.size(2) == 1)
     row_settings.backend = AttentionBackend::kMath;
-  return attend(rotated_queries, span.keys, span.values, row_settings, /*training=*/false,
+  return attend(queries, keys, values, row_settings, /*training=*/false,
                 /*query_offset=*/0, /*with_weights=*/false, rows & mask)
       .context;
 }

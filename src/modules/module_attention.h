@@ -63,7 +63,7 @@ KVCache make_module_cache(const char* module, const CacheLayout& layout, int64_t
 /// and device, positions past context_length (0: no limit) or the cache's capacity, and a
 /// mask on a rolling cache (which holds its keys in storage order, not by position).
 /// With `lengths` defined (forward_with_cache(x, cache, lengths)): a (b) int64 tensor, each in
-/// [0, n], and each row's end within context_length and the capacity; a key/value cache.
+/// [0, n], and each row's end within context_length and the capacity (any cache kind).
 /// Returns the lengths as numbers (empty without `lengths`).
 std::vector<int64_t> check_cached_call(const char* module, bool training, const torch::Tensor& x,
                                        int64_t d_in, int64_t context_length, const KVCache& cache,
@@ -105,6 +105,13 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
                             const torch::Tensor& keys, const torch::Tensor& values, KVCache& cache,
                             const AttentionSettings& settings, const Mask& mask,
                             const std::vector<int64_t>& new_lengths);
+
+/// The attention of a ragged append's queries (b, h, n, hd) over its span (KVCache::append_ragged
+/// or append_latent_ragged, keys and values made heads): each row's causal mask over its own
+/// valid keys (and window), and `mask` -> context (b, h, n, hd).
+torch::Tensor attend_ragged(const torch::Tensor& queries, const torch::Tensor& keys,
+                            const torch::Tensor& values, const KVCache::RaggedSpan& span,
+                            const AttentionSettings& settings, const Mask& mask);
 
 /// A module's reset() for its rope and qk_norm options: refuses an odd head width with RoPE
 /// and a rope context_length < 1; returns the tables (undefined without rope) and registers

@@ -121,8 +121,7 @@ void bind_masked(Holder holder, AttendWithWeights& attend_with_weights, Attend& 
 }
 
 // Binds the KV-cache methods of a module that has them.
-// Without lengths: forward_with_cache(x, cache); with: the ragged overload, where the module
-// has one (MultiHeadLatentAttention refuses lengths by name).
+// Without lengths: forward_with_cache(x, cache); with: the ragged overload.
 template <typename Holder>
 void bind_cache(Holder holder,
                 std::function<torch::Tensor(const torch::Tensor&, KVCache&, const torch::Tensor&)>&
@@ -130,16 +129,8 @@ void bind_cache(Holder holder,
                 std::function<KVCache(int64_t, int64_t)>& make_kv_cache) {
   attend_with_cache = [holder](const torch::Tensor& x, KVCache& cache,
                                const torch::Tensor& lengths) mutable {
-    if (lengths.defined()) {
-      if constexpr (std::is_same_v<Holder, MultiHeadLatentAttention>) {
-        TORCH_CHECK(false,
-                    "--module mla: rows of different lengths are not supported yet by the "
-                    "latent cache; give prompts of one length");
-      } else {
-        return holder->forward_with_cache(x, cache, lengths);
-      }
-    }
-    return holder->forward_with_cache(x, cache);
+    return lengths.defined() ? holder->forward_with_cache(x, cache, lengths)
+                             : holder->forward_with_cache(x, cache);
   };
   make_kv_cache = [holder](int64_t batch, int64_t capacity) {
     return holder->make_kv_cache(batch, capacity);
