@@ -169,12 +169,14 @@ torch::Tensor feed(CausalLanguageModel& model, std::vector<KVCache>& caches,
     lengths.push_back(static_cast<int64_t>(input.size()));
     longest = std::max(longest, lengths.back());
   }
-  auto tokens = torch::zeros({k, longest}, torch::kInt64);  // (k, n), right-padded
+  // Built on the host and sent as one tensor: per-row tensor ops would cost each decode step
+  // more than a small model's arithmetic.
+  std::vector<int64_t> padded(k * longest, 0);  // (k, n), right-padded
   for (int64_t i = 0; i < k; ++i) {
-    tokens[i].narrow(0, 0, lengths[i]).copy_(torch::tensor(inputs[i], torch::kInt64));
+    std::copy(inputs[i].begin(), inputs[i].end(), padded.begin() + i * longest);
     rows[i].cached += lengths[i];
   }
-  tokens = tokens.to(device);
+  const auto tokens = torch::tensor(padded, torch::kInt64).view({k, longest}).to(device);
   const bool uniform =
       !caches.front().is_ragged() &&
       std::all_of(lengths.begin(), lengths.end(), [&](int64_t n) { return n == longest; });
@@ -239,10 +241,12 @@ std::vector<torch::Tensor> generate(CausalLanguageModel& model,
     auto logits = feed(model, caches, active, inputs, device);
     const int64_t keep = std::max<int64_t>(1, context / 2);
     while (true) {
-      const auto next = next_tokens(logits, options, generator).to(torch::kCPU);  // (k, 1)
+      const auto next =
+          next_tokens(logits, options, generator).to(torch::kCPU).contiguous();  // (k, 1)
+      const auto* next_ids = next.data_ptr<int64_t>();
       std::vector<int64_t> still;  // indices into active of the rows that go on
       for (size_t i = 0; i < active.size(); ++i) {
-        const int64_t token = next[i][0].item<int64_t>();
+        const int64_t token = next_ids[i];
         generated[active[i].request].push_back(token);
         active[i].tokens.push_back(token);
         if (!finished(active[i].request))
