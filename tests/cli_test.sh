@@ -147,7 +147,7 @@ expect 2 "--qk-norm: only mha, mha-combined, gqa and mqa take it, got --module c
 expect 2 "--rope rotates pairs of a head's features, so d-model / heads must be even, got 18 / 2 = 9" \
   -- "${text[@]}" --rope --d-model 18 --heads 2
 expect 0 "" -- "${quick[@]}" "${text[@]}" --module gqa --rope --qk-norm --sample 30 --save "$work/rope.pt" --quiet
-expect 2 "--resume: '$work/rope.pt' does not fit this run" \
+expect 2 "--resume: incompatible checkpoint '$work/rope.pt': it was trained with --rope true, this run has --rope false" \
   -- "${quick[@]}" "${text[@]}" --module gqa --resume "$work/rope.pt"
 expect 0 "" -- "${quick[@]}" "${text[@]}" --steps 6 --module gqa --rope --qk-norm --resume "$work/rope.pt" --quiet
 

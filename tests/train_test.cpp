@@ -254,6 +254,27 @@ TEST_F(TrainTest, IncompatibleOrForeignCheckpointIsRefused) {
                           "--resume: incompatible checkpoint '" + path("run.pt") +
                               "': it was trained with --module mha, this run has --module "
                               "mha-combined");
+  // --rope either way is named, whichever side has it.
+  auto rotary = small_config();
+  rotary.rope = true;
+  rotary.resume = path("run.pt");
+  expect_error_containing([&] { run(rotary); },
+                          "it was trained with --rope false, this run has --rope true");
+  // A checkpoint written before --rope and --qk-norm existed has neither setting: it was
+  // trained without them, so it resumes without them and is refused with them.
+  attnkit::StateDict older;
+  for (const auto& item : attnkit::read_state_dict(path("run.pt"))) {
+    if (item.key() != "settings.rope" && item.key() != "settings.qk-norm")
+      older.insert(item.key(), item.value());
+  }
+  attnkit::write_state_dict(older, path("older.pt"));
+  auto resumed = small_config();
+  resumed.steps = 6;
+  resumed.resume = path("older.pt");
+  EXPECT_EQ(run(resumed).size(), 1u);  // step 6 only
+  resumed.qk_norm = true;
+  expect_error_containing([&] { run(resumed); },
+                          "it was trained with --qk-norm false, this run has --qk-norm true");
   std::ofstream(path("foreign.pt")) << "not a checkpoint";
   auto foreign = small_config();
   foreign.resume = path("foreign.pt");

@@ -102,9 +102,12 @@ TrainingState restore_checkpoint(const StateDict& dict, const std::string& path,
   const int64_t format = entries.integer("format");
   TORCH_CHECK(format == kCheckpointFormat, "--resume: '", path, "' has checkpoint format ", format,
               ", expected ", kCheckpointFormat);
-  // Name the first setting that differs.
+  // Name the first setting that differs. A yes/no setting the checkpoint lacks was off (it
+  // was written before that flag existed).
   for (const auto& [flag, value] : settings) {
-    const std::string saved = entries.text("settings." + flag);
+    const std::string key = "settings." + flag;
+    const bool yes_no = value == "true" || value == "false";
+    const std::string saved = yes_no && !entries.has(key) ? "false" : entries.text(key);
     TORCH_CHECK(saved == value, "--resume: incompatible checkpoint '", path,
                 "': it was trained with --", flag, " ", saved, ", this run has --", flag, " ",
                 value);

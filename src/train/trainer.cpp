@@ -41,29 +41,23 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// The settings a checkpoint must share with the run that resumes it.
-CheckpointSettings compatibility_fields(const TrainConfig& c) {
+// The settings a checkpoint must share with the run that resumes it. Checkpoints written
+// before --rope and --qk-norm existed lack them; restore_checkpoint reads a missing yes/no
+// setting as false.
+CheckpointSettings checkpoint_fields(const TrainConfig& c) {
+  const auto yes_no = [](bool b) { return std::string(b ? "true" : "false"); };
   return {{"task", c.task},
           {"seq-len", std::to_string(c.seq_len)},
           {"module", c.module},
           {"d-model", std::to_string(c.d_model)},
           {"heads", std::to_string(c.heads)},
           {"layers", std::to_string(c.layers)},
-          {"ffn", c.ffn ? "true" : "false"},
+          {"ffn", yes_no(c.ffn)},
           {"kv-groups", std::to_string(c.kv_groups)},
           {"window", std::to_string(c.window)},
-          {"latent-dim", std::to_string(c.latent_dim)}};
-}
-
-// compatibility_fields, plus --rope and --qk-norm where given (checkpoints written before
-// them have neither entry and stay resumable).
-CheckpointSettings checkpoint_fields(const TrainConfig& c) {
-  auto fields = compatibility_fields(c);
-  if (c.rope)
-    fields.emplace_back("rope", "true");
-  if (c.qk_norm)
-    fields.emplace_back("qk-norm", "true");
-  return fields;
+          {"latent-dim", std::to_string(c.latent_dim)},
+          {"rope", yes_no(c.rope)},
+          {"qk-norm", yes_no(c.qk_norm)}};
 }
 
 // Masked next-token cross-entropy and the number of correct predictions.
