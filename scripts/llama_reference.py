@@ -23,7 +23,6 @@ outputs are what a ragged batch of the three prompts must give row by row
 --check recomputes everything and compares with the file (1e-12), and checks that the cached
 logits equal the uncached ones (1e-10).
 """
-import argparse
 import os
 import sys
 
@@ -32,6 +31,7 @@ import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import golden_file  # noqa: E402
 from reference_attention import GroupedQueryAttention, RMSNorm  # noqa: E402
 
 GOLDEN = os.path.join(HERE, "..", "data", "golden", "llama", "reference.pt")
@@ -145,31 +145,12 @@ def cached_equals_uncached(golden):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--write", action="store_true", help=f"write {os.path.relpath(GOLDEN)}")
-    action.add_argument("--check", action="store_true", help="recompute and compare with the file")
-    args = parser.parse_args()
-    golden = everything()
-    worst = cached_equals_uncached(golden)
-    if worst > 1e-10:
-        print(f"FAILED: cached and uncached logits differ by {worst:.3g}")
-        return 1
-    if args.write:
-        os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
-        torch.save(golden, GOLDEN)
-        print(f"wrote {os.path.relpath(GOLDEN)}: {len(CONFIGS)} models, {len(PROMPT_LENGTHS)} "
-              f"prompts each (torch {torch.__version__})")
-        return 0
-    stored = torch.load(GOLDEN, weights_only=True)
-    failures = [k for k in golden if k not in stored or golden[k].dtype != stored[k].dtype
-                or not torch.allclose(golden[k], stored[k], rtol=0, atol=1e-12)]
-    failures += [k for k in stored if k not in golden]
-    for key in failures:
-        print(f"mismatch: {key}")
-    print(f"{'FAILED' if failures else 'OK'} torch {torch.__version__}: {len(golden)} tensors, "
-          f"cached vs uncached {worst:.3g}")
-    return 1 if failures else 0
+    def cached_matches(golden):
+        worst = cached_equals_uncached(golden)
+        return worst <= 1e-10, f"cached vs uncached {worst:.3g}"
+    return golden_file.run(
+        __doc__.splitlines()[0], GOLDEN, everything,
+        lambda golden: f"{len(CONFIGS)} models, {len(PROMPT_LENGTHS)} prompts each", cached_matches)
 
 
 if __name__ == "__main__":

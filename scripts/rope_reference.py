@@ -18,12 +18,13 @@ original_context_length 16, so all three kinds of wavelength occur at head_dim 1
 scalar (3) | rows. tests/rope_test.cpp rebuilds every case with attnkit in float64 (1e-10)
 and float32 (1e-5). --check recomputes everything and compares with the file (1e-12).
 """
-import argparse
 import math
 import os
 import sys
 
 import torch
+
+import golden_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "..", "data", "golden", "rope", "reference.pt")
@@ -97,26 +98,10 @@ def everything():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--write", action="store_true", help=f"write {os.path.relpath(GOLDEN)}")
-    action.add_argument("--check", action="store_true", help="recompute and compare with the file")
-    args = parser.parse_args()
-    golden = everything()
-    if args.write:
-        os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
-        torch.save(golden, GOLDEN)
-        cases = sum(1 for k in golden if k.startswith("case/") and k.endswith("/out"))
-        print(f"wrote {os.path.relpath(GOLDEN)}: {cases} cases (torch {torch.__version__})")
-        return 0
-    stored = torch.load(GOLDEN, weights_only=True)
-    failures = [k for k in golden
-                if k not in stored or not torch.allclose(golden[k], stored[k], rtol=0, atol=1e-12)]
-    failures += [k for k in stored if k not in golden]
-    for key in failures:
-        print(f"mismatch: {key}")
-    print(f"{'FAILED' if failures else 'OK'} torch {torch.__version__}: {len(golden)} tensors")
-    return 1 if failures else 0
+    def cases(golden):
+        count = sum(1 for k in golden if k.startswith("case/") and k.endswith("/out"))
+        return f"{count} cases"
+    return golden_file.run(__doc__.splitlines()[0], GOLDEN, everything, cases)
 
 
 if __name__ == "__main__":

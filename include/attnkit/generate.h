@@ -99,8 +99,9 @@ torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
 /// Greedy decoding gives each row the tokens that generating its prompt alone gives (cut at
 /// its stop token), past the context too. Prompts of different lengths need the model's
 /// ragged_logits_with_cache (attnkit's modules take rows of different lengths with every cache
-/// kind); prompts of one length use logits_with_cache. Needs use_kv_cache. Sampling draws every row from one generator, so a sampled
-/// row differs from that prompt sampled alone.
+/// kind); prompts of one length use logits_with_cache. Needs use_kv_cache. Sampling draws
+/// every row from one generator, so a sampled row differs from that prompt sampled alone.
+///
 /// Example:
 /// ```
 /// auto rows = attnkit::generate(model, {prompt_a, prompt_b}, GenerateOptions(50));

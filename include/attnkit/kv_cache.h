@@ -165,6 +165,10 @@ class KVCache {
   // positions fit; `what` names it.
   void check_appended(const char* fn, const char* what, const torch::Tensor& t,
                       bool check_room = true) const;
+  // append_latent's and append_latent_ragged's checks of `latents` (b, n, latent_dim), which
+  // come back as (b, 1, n, latent_dim); `key_value_append` names the call for a key/value cache.
+  torch::Tensor latents_as_heads(const char* fn, const char* key_value_append,
+                                 const torch::Tensor& latents, bool check_room = true) const;
   // append_ragged and append_latent_ragged after their own checks; `values` undefined for
   // latents.
   RaggedSpan write_ragged(const char* fn, const torch::Tensor& keys, const torch::Tensor& values,

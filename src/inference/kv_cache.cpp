@@ -149,16 +149,22 @@ KVCache::RaggedSpan KVCache::append_ragged(const torch::Tensor& keys, const torc
   return write_ragged(fn, keys, values, new_lengths);
 }
 
-KVCache::RaggedSpan KVCache::append_latent_ragged(const torch::Tensor& latents,
-                                                  const std::vector<int64_t>& new_lengths) {
-  const char* fn = "[KVCache::append_latent_ragged]";
-  TORCH_CHECK(is_latent(), fn, " this cache holds keys and values; use append_ragged");
+torch::Tensor KVCache::latents_as_heads(const char* fn, const char* key_value_append,
+                                        const torch::Tensor& latents, bool check_room) const {
+  TORCH_CHECK(is_latent(), fn, " this cache holds keys and values; use ", key_value_append);
   TORCH_CHECK(latents.defined() && latents.dim() == 3, fn,
               " latents: expected (batch, n, latent_dim), got ",
               latents.defined() ? detail::shape_string(latents) : "undefined");
   // (b, n, latent_dim) -> (b, 1, n, latent_dim), the storage's layout
   const auto as_heads = latents.unsqueeze(1);
-  check_appended(fn, "latents", as_heads, /*check_room=*/false);
+  check_appended(fn, "latents", as_heads, check_room);
+  return as_heads;
+}
+
+KVCache::RaggedSpan KVCache::append_latent_ragged(const torch::Tensor& latents,
+                                                  const std::vector<int64_t>& new_lengths) {
+  const char* fn = "[KVCache::append_latent_ragged]";
+  const auto as_heads = latents_as_heads(fn, "append_ragged", latents, /*check_room=*/false);
   auto span = write_ragged(fn, as_heads, torch::Tensor(), new_lengths);
   span.keys = span.keys.select(1, 0);  // (b, 1, m, latent_dim) -> (b, m, latent_dim)
   return span;
@@ -309,14 +315,7 @@ KVCache::Span KVCache::append(const torch::Tensor& keys, const torch::Tensor& va
 }
 
 torch::Tensor KVCache::append_latent(const torch::Tensor& latents) {
-  const char* fn = "[KVCache::append_latent]";
-  TORCH_CHECK(is_latent(), fn, " this cache holds keys and values; use append");
-  TORCH_CHECK(latents.defined() && latents.dim() == 3, fn,
-              " latents: expected (batch, n, latent_dim), got ",
-              latents.defined() ? detail::shape_string(latents) : "undefined");
-  // (b, n, latent_dim) -> (b, 1, n, latent_dim), the storage's layout
-  const auto as_heads = latents.unsqueeze(1);
-  check_appended(fn, "latents", as_heads);
+  const auto as_heads = latents_as_heads("[KVCache::append_latent]", "append", latents);
   torch::NoGradGuard no_grad;
   keys_.narrow(2, size_, latents.size(1)).copy_(as_heads);
   size_ += latents.size(1);
