@@ -37,6 +37,13 @@ run_program("run tiny_gpt --llama" ${WORK_DIR}/build/tiny_gpt --llama
   --data ${ATTNKIT_SOURCE_DIR}/data/the-verdict.txt --steps 150 --sample 40)
 run_program("run tiny_gpt --golden" ${WORK_DIR}/build/tiny_gpt
   --golden ${ATTNKIT_SOURCE_DIR}/data/golden/llama/reference.pt)
+# Another golden file (RoPE's) is named as the wrong one, with exit code 1.
+execute_process(COMMAND ${WORK_DIR}/build/tiny_gpt
+  --golden ${ATTNKIT_SOURCE_DIR}/data/golden/rope/reference.pt
+  RESULT_VARIABLE result ERROR_VARIABLE error)
+if(NOT result EQUAL 1 OR NOT error MATCHES "--golden: the file has no 'llama/config/vocab'")
+  message(FATAL_ERROR "package test: tiny_gpt --golden with the wrong file gave ${result}: ${error}")
+endif()
 
 # The encoder-decoder of seed 001's shape (padded sources, cross-attention): it exits 1
 # unless greedy decoding reverses at least 90% of new strings.

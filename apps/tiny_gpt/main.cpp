@@ -265,12 +265,14 @@ std::string sample(TinyGpt& model, const std::string& prompt, int64_t length, ui
 // The reference's model `name` (its config/ and state/ entries) in `dtype`.
 TinyGpt golden_model(const attnkit::StateDict& golden, const std::string& name,
                      torch::ScalarType dtype) {
-  const auto number = [&](const std::string& key) {
-    return golden[name + "/config/" + key].item<double>();
+  const auto entry = [&](const std::string& key) {
+    const auto full = name + "/config/" + key;
+    TORCH_CHECK(golden.contains(full), "--golden: the file has no '", full,
+                "'; expected one written by scripts/llama_reference.py --write");
+    return golden[full];
   };
-  const auto integer = [&](const std::string& key) {
-    return golden[name + "/config/" + key].item<int64_t>();
-  };
+  const auto number = [&](const std::string& key) { return entry(key).item<double>(); };
+  const auto integer = [&](const std::string& key) { return entry(key).item<int64_t>(); };
   ModelConfig c;
   c.llama = true;
   c.vocab = integer("vocab");
