@@ -8,6 +8,7 @@
 #include <sstream>
 #include <thread>
 
+#include "attnkit/threads.h"
 #include "source_paths.h"
 #include "test_support.h"
 #include "train/distributed.h"
@@ -180,6 +181,31 @@ TEST_F(TrainTest, EveryBackendFollowsTheMathLossCurve) {
   expect_close(curve("fused", 0.1), curve("math", 0.1));
   expect_close(curve("chunked", 0.0), curve("math", 0.0));
   EXPECT_NE(curve("fused", 0.1), curve("fused", 0.0));
+}
+
+TEST_F(TrainTest, StepsInSharesFollowTheOneBatchLossCurveAndRepeat) {
+  // At N threads on the CPU a step's batch is cut into N shares, each forward and backward
+  // on its own worker, and the gradients summed in share order: only float32 summation
+  // order differs from one batch, and a run at a given thread count repeats exactly. With
+  // dropout the step stays one batch on one thread, so its losses equal the 1-thread run's.
+  const int torch_threads = torch::get_num_threads();
+  const int blas_threads = attnkit::blas_threads().num_threads;
+  const auto curve = [&](int64_t threads, double dropout) {
+    auto config = small_config();
+    config.threads = threads;  // 16 rows: 3 shares of 5, 5 and 6
+    config.dropout = dropout;
+    return run(config);
+  };
+  const auto one_batch = curve(1, 0.0);
+  const auto shares = curve(3, 0.0);
+  ASSERT_EQ(shares.size(), one_batch.size());
+  for (size_t i = 0; i < shares.size(); ++i)
+    EXPECT_NEAR(shares[i], one_batch[i], 1e-4) << "step " << i + 1;
+  EXPECT_NE(shares, one_batch) << "the shares did not run: the curves are bit-identical";
+  EXPECT_EQ(curve(3, 0.0), shares);
+  EXPECT_EQ(curve(3, 0.1), curve(1, 0.1));
+  attnkit::set_num_threads(blas_threads > 0 ? blas_threads : torch_threads);
+  torch::set_num_threads(torch_threads);
 }
 
 TEST(FlatAdamW, FollowsLibTorchAdamWWithClipping) {

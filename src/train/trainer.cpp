@@ -1,6 +1,7 @@
 #include "trainer.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,9 +10,12 @@
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
+#include <optional>
 #include <sstream>
+#include <thread>
 
 #include "attnkit/threads.h"
+#include "core/parallel.h"
 #include "checkpoint.h"
 #include "flat_adamw.h"
 #include "gradient_sync.h"
@@ -88,17 +92,83 @@ BatchScore score(AttentionModel& model, const Batch& batch, const torch::Device&
   return result;
 }
 
+// Rows [begin, end) of part `part` when `rows` rows are cut into `parts` contiguous parts
+// whose sizes differ by at most one.
+std::pair<int64_t, int64_t> part_rows(int64_t rows, int64_t part, int64_t parts) {
+  return {rows * part / parts, rows * (part + 1) / parts};
+}
+
+// Part `part` of `parts` of a batch's rows (part_rows).
+Batch part_of(const Batch& batch, int64_t part, int64_t parts) {
+  if (parts == 1)
+    return batch;
+  const auto [begin, end] = part_rows(batch.inputs.size(0), part, parts);
+  const auto& ids = batch.document_ids;
+  return {batch.inputs.slice(0, begin, end), batch.targets.slice(0, begin, end),
+          batch.loss_mask.slice(0, begin, end), ids.defined() ? ids.slice(0, begin, end) : ids};
+}
+
+// A training step's loss and its gradients (written to `gradients`, the optimizer's flat
+// buffer) with the batch cut into `shares` parts, each run forward and backward on its own
+// worker. Why: at toy sizes a batch's ops are too small to spread over cores (each op's
+// OpenMP region costs more than it saves, and the idle workers spin on the cores the BLAS
+// wants), while whole forward and backward passes keep every core busy. Inside a worker
+// LibTorch's ops run serially and the BLAS on one thread (detail::run_tasks). The parts'
+// gradients are summed in part order, so a run repeats exactly at a given share count.
+BatchScore forward_backward_in_shares(AttentionModel& model, const Batch& batch,
+                                      const torch::Device& device, bool count_correct,
+                                      int64_t shares, torch::Tensor& gradients) {
+  const auto parameters = model->parameters();  // the optimizer's flat layout, in order
+  const auto scored = batch.loss_mask.sum().item<int64_t>();
+  std::vector<torch::Tensor> losses(shares), flat_gradients(shares);
+  std::vector<int64_t> corrects(shares);
+  detail::run_tasks(shares, device, [&](int64_t part) {
+    torch::AutoGradMode grad_mode(true);  // run_tasks turns it off in its workers
+    const auto s = score(model, part_of(batch, part, shares), device, count_correct);
+    // This part's share of the mean over the whole batch's scored positions.
+    losses[part] = s.loss * (static_cast<double>(s.scored) / std::max<int64_t>(scored, 1));
+    const auto grads = torch::autograd::grad({losses[part]}, parameters, /*grad_outputs=*/{},
+                                             /*retain_graph=*/false, /*create_graph=*/false,
+                                             /*allow_unused=*/true);
+    std::vector<torch::Tensor> pieces;  // each (numel) of its parameter
+    for (size_t k = 0; k < grads.size(); ++k) {
+      pieces.push_back(grads[k].defined() ? grads[k].reshape({-1})
+                                          : torch::zeros({parameters[k].numel()},
+                                                         parameters[k].options()));
+    }
+    flat_gradients[part] = torch::cat(pieces);
+    corrects[part] = s.correct;
+  });
+  torch::NoGradGuard no_grad;
+  gradients.copy_(flat_gradients[0]);
+  auto loss = losses[0].detach();
+  int64_t correct = corrects[0];
+  for (int64_t part = 1; part < shares; ++part) {
+    gradients.add_(flat_gradients[part]);
+    loss = loss + losses[part].detach();
+    correct += corrects[part];
+  }
+  return {loss, correct, scored};
+}
+
 Evaluation evaluate(AttentionModel& model, const std::vector<Batch>& batches,
-                    const torch::Device& device) {
+                    const torch::Device& device, int64_t shares) {
   torch::NoGradGuard no_grad;
   model->eval();
   double loss_sum = 0.0;
   int64_t correct = 0, scored = 0;
   for (const auto& batch : batches) {
-    const auto s = score(model, batch, device, /*count_correct=*/true);
-    loss_sum += s.loss.item<double>() * static_cast<double>(s.scored);
-    correct += s.correct;
-    scored += s.scored;
+    // Each part on its own worker, as in training (forward_backward_in_shares).
+    const int64_t parts = std::min<int64_t>(shares, batch.inputs.size(0));
+    std::vector<BatchScore> part_scores(parts);
+    detail::run_tasks(parts, device, [&](int64_t part) {
+      part_scores[part] = score(model, part_of(batch, part, parts), device, true);
+    });
+    for (const auto& s : part_scores) {
+      loss_sum += s.loss.item<double>() * static_cast<double>(s.scored);
+      correct += s.correct;
+      scored += s.scored;
+    }
   }
   model->train();
   Evaluation e;
@@ -391,7 +461,8 @@ void print_config_table(std::ostream& out, const TrainConfig& c, const Task& tas
       {"lr / weight-decay", c10::str(c.lr) + " / " + c10::str(c.weight_decay)},
       {"seed / device / threads",
        std::to_string(c.seed) + " / " + resolve_device(c.device).str() + " / " +
-           std::to_string(c.threads > 0 ? c.threads : torch::get_num_threads())},
+           std::to_string(c.threads > 0 ? c.threads : torch::get_num_threads()) +
+           (c.threads > 0 ? "" : " (default)")},
       {"eval-every", std::to_string(c.eval_every)},
   };
   size_t width = 9;
@@ -451,15 +522,44 @@ void check_global_batch(int64_t batch_size, int world_size) {
 
 namespace {
 
-// Rank `rank`'s rows of a global batch: contiguous, sizes differing by at most one.
-Batch share_of(const Batch& batch, int rank, int world_size) {
-  if (world_size == 1)
-    return batch;
-  const int64_t rows = batch.inputs.size(0);
-  const int64_t begin = rows * rank / world_size, end = rows * (rank + 1) / world_size;
-  const auto& ids = batch.document_ids;
-  return {batch.inputs.slice(0, begin, end), batch.targets.slice(0, begin, end),
-          batch.loss_mask.slice(0, begin, end), ids.defined() ? ids.slice(0, begin, end) : ids};
+// LibTorch on one thread while it lives (the BLAS is pinned by the caller).
+class OneThread {
+ public:
+  OneThread() : saved_(at::get_num_threads()) { at::set_num_threads(1); }
+  ~OneThread() { at::set_num_threads(saved_); }
+  OneThread(const OneThread&) = delete;
+  OneThread& operator=(const OneThread&) = delete;
+
+ private:
+  int saved_;
+};
+
+// Ranks of this run on this machine: the launcher's count, else (not told) every rank.
+int local_ranks(int world_size) {
+  const auto environment = read_rank_environment();
+  return environment.local_world_size > 0 ? environment.local_world_size : world_size;
+}
+
+// The threads a run uses: --threads, or for 0 the cores this process may run on, shared
+// among the run's ranks on this machine.
+int run_threads(const TrainConfig& c, int ranks_here) {
+  if (c.threads > 0)
+    return static_cast<int>(c.threads);
+  cpu_set_t allowed;
+  const int cores = sched_getaffinity(0, sizeof(allowed), &allowed) == 0
+                        ? CPU_COUNT(&allowed)
+                        : static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(1, cores / std::max(1, ranks_here));
+}
+
+// Parts a training step's batch is cut into, each run on its own worker
+// (forward_backward_in_shares): one per thread on the CPU; 1 on a GPU, and with dropout (its
+// masks come from LibTorch's one CPU generator, which workers would draw from in no fixed
+// order, so a seed would no longer repeat a run).
+int64_t step_shares(const TrainConfig& c, const torch::Device& device, int threads) {
+  if (!device.is_cpu() || c.dropout > 0)
+    return 1;
+  return std::min<int64_t>(threads, std::max<int64_t>(c.batch_size, 1));
 }
 
 }  // namespace
@@ -473,8 +573,15 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   const int rank = group.rank(), world_size = group.world_size();
   group.check_same_on_every_rank("flags", rank_agreement_text(config));
   check_global_batch(config.batch_size, world_size);
-  if (config.threads > 0)
-    attnkit::set_num_threads(static_cast<int>(config.threads));
+  const int threads = run_threads(config, local_ranks(world_size));
+  attnkit::set_num_threads(threads);
+  const int64_t shares = step_shares(config, device, threads);
+  const int64_t eval_shares = device.is_cpu() ? threads : 1;  // no dropout there
+  // With shares every BLAS call runs inside a worker, on one thread; pinned for the whole run
+  // (evaluation and sampling too), so that no BLAS thread spins on a worker's core.
+  std::optional<detail::SingleThreadedBlas> blas_on_one_thread;
+  if (device.is_cpu() && threads > 1)
+    blas_on_one_thread.emplace();
   torch::manual_seed(config.seed);
   auto data_generator = at::detail::createCPUGenerator(config.seed);
 
@@ -527,6 +634,16 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   }
   if (verbose) {
     print_config_table(out, config, *task);
+    if (device.is_cpu()) {
+      // What really runs: LibTorch's threads, the BLAS's, and how a step uses them.
+      Line line(out);
+      line << "threads: LibTorch " << torch::get_num_threads() << ", " << attnkit::blas_threads();
+      if (shares > 1)
+        line << "; each step's batch in " << shares << " shares, one per thread";
+      else if (threads > 1)
+        line << "; a step with dropout on 1 (its masks need one order of draws)";
+      line << "\n";
+    }
     if (world_size > 1) {
       const auto buckets = gradient_sync->bucket_sizes();
       Line(out) << "data-parallel: " << world_size << " ranks (" << group.backend() << "), "
@@ -577,8 +694,16 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
     const auto step_start = Clock::now();
     // Every rank draws the whole global batch from the shared stream and keeps its share.
     const auto batch = task->train_batch(config.batch_size, data_generator);
-    const auto share = share_of(batch, rank, world_size);
-    const auto s = score(model, share, device, /*count_correct=*/config.progress_bar);
+    const auto share = part_of(batch, rank, world_size);
+    // A step with dropout runs on one thread: one batch's ops at toy sizes are slower spread
+    // over cores (0.6x at 2 threads here), and shares are not an option (step_shares).
+    std::optional<OneThread> serial_step;
+    if (shares == 1 && device.is_cpu() && threads > 1)
+      serial_step.emplace();
+    const auto s = shares > 1 ? forward_backward_in_shares(model, share, device,
+                                                           config.progress_bar, shares,
+                                                           optimizer.flat_gradients())
+                              : score(model, share, device, /*count_correct=*/config.progress_bar);
     // This rank's part of the mean over the whole batch's scored positions: the parts'
     // gradients then sum to the whole batch's.
     const auto scored = world_size == 1 ? s.scored : batch.loss_mask.sum().item<int64_t>();
@@ -598,14 +723,19 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
     if (!std::isfinite(loss)) {
       throw NonFiniteLoss(non_finite_message("loss", loss, step, config, saved_step));
     }
-    optimizer.zero_grad();
-    if (gradient_sync)
-      gradient_sync->before_backward();
-    loss_part.backward();
+    if (shares == 1) {  // else forward_backward_in_shares has written the gradients
+      optimizer.zero_grad();
+      if (gradient_sync)
+        gradient_sync->before_backward();
+      loss_part.backward();
+    } else if (gradient_sync) {
+      gradient_sync->before_backward();  // no hook fires now: after_backward sums every bucket
+    }
     if (gradient_sync)
       result.allreduce_seconds += gradient_sync->after_backward();  // what backward did not hide
     optimizer.clip_grad_norm(config.clip_norm);
     optimizer.step();
+    serial_step.reset();
     state.step = step;
     train_seconds += seconds_since(step_start);
     tokens += batch.inputs.numel();
@@ -623,7 +753,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
     if (step % config.eval_every == 0 || step == config.steps) {
       bool improved = false;
       if (main_rank) {
-        const auto evaluation = evaluate(model, eval_batches, device);
+        const auto evaluation = evaluate(model, eval_batches, device, eval_shares);
         if (!std::isfinite(evaluation.loss)) {
           // The update broke the weights: stop before they overwrite a good checkpoint.
           throw NonFiniteLoss(
@@ -653,7 +783,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   result.tokens_per_second = tokens / std::max(train_seconds, 1e-9);
   if (!main_rank)
     return result;
-  result.final_evaluation = evaluate(model, eval_batches, device);
+  result.final_evaluation = evaluate(model, eval_batches, device, eval_shares);
   result.wall_seconds = seconds_since(wall_start);
   metrics.write(state.step, result.final_evaluation, smoothed_loss, result.tokens_per_second,
                 result.wall_seconds, /*final=*/true);
