@@ -8,7 +8,9 @@ steps only); cores is the process's CPU time (user + system) over its wall time,
 and evaluations included. Prints one table; --json also writes every run.
 
 Usage: scripts/bench_train_threads.py --program build/apps/attnkit-train [--threads 1,2,0]
-           [--steps 100] [--only text-mha,copy-mha] [--label "LibTorch 1.13"] [--json FILE]
+           [--steps N] [--only text-mha,copy-mha] [--label "LibTorch 1.13"] [--json FILE]
+Steps: the task's default (600) for copy, reverse and recall, whose steps take about a
+millisecond; 150 for text; --steps N sets every case's.
 """
 
 import argparse
@@ -61,7 +63,7 @@ def main():
     parser.add_argument("--program", required=True, help="an attnkit-train binary")
     parser.add_argument("--threads", default="1,2,0",
                         help="comma-separated --threads values (0 = the program's default)")
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=0, help="0 = the steps above")
     parser.add_argument("--only", default=",".join(CASES), help="comma-separated cases")
     parser.add_argument("--label", default="", help="printed above the table")
     parser.add_argument("--json", help="also write every run to this file")
@@ -76,19 +78,20 @@ def main():
     for index, case in enumerate(cases):
         order = thread_counts if index % 2 == 0 else list(reversed(thread_counts))
         for threads in order:
-            run = run_once(args.program, CASES[case], threads, args.steps)
-            run.update(case=case, threads=threads)
+            steps = args.steps or (150 if case.startswith("text") else 600)
+            run = run_once(args.program, CASES[case], threads, steps)
+            run.update(case=case, threads=threads, steps=steps)
             runs.append(run)
             print(f"  {case} --threads {threads}: {run['tokens_per_s']} tokens/s, "
                   f"{run['cores']:.2f} cores", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"label": args.label, "steps": args.steps, "runs": runs}, out, indent=1)
+            json.dump({"label": args.label, "runs": runs}, out, indent=1)
 
     def name(t):
         return "default" if t == 0 else f"{t} thread" + ("s" if t > 1 else "")
 
-    print(f"\n{args.label}: attnkit-train --steps {args.steps}, tokens/s (CPU cores used)")
+    print(f"\n{args.label}: attnkit-train training tokens/s (CPU cores used)")
     header = ["case"] + [name(t) for t in thread_counts]
     if 1 in thread_counts and 2 in thread_counts:
         header.append("2 vs 1")
