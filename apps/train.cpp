@@ -100,7 +100,10 @@ attnkit::cli::CommandLine make_command_line() {
       .value("Training", "seed", "seed for weights, data and dropout", "1")
       .value("Training", "device", "auto | cpu | cuda | cuda:N (auto = CUDA when available)",
              "auto")
-      .value("Training", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults",
+      .value("Training", "threads",
+             "CPU threads: each step's batch is cut into this many shares, trained at once, "
+             "one per thread (with --dropout a step runs on one); 0 = the cores this process "
+             "may use, shared among this machine's ranks",
              "0")
       .value("Training", "eval-every", "steps between held-out evaluations; 0 = steps / 10", "0")
       .value("Training", "resume",

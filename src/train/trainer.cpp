@@ -409,7 +409,7 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(c.batch_size >= 1, "--batch-size: expected >= 1, got ", c.batch_size);
   TORCH_CHECK(c.lr > 0 && std::isfinite(c.lr), "--lr: expected a positive number, got ", c.lr);
   TORCH_CHECK(c.weight_decay >= 0, "--weight-decay: expected >= 0, got ", c.weight_decay);
-  TORCH_CHECK(c.threads >= 0, "--threads: expected >= 0 (0 = LibTorch's default), got ", c.threads);
+  TORCH_CHECK(c.threads >= 0, "--threads: expected >= 0 (0 = the usable cores), got ", c.threads);
   TORCH_CHECK(c.eval_every >= 1, "--eval-every: expected >= 1, got ", c.eval_every);
   TORCH_CHECK(c.bucket_mb >= 0 && std::isfinite(c.bucket_mb),
               "--bucket-mb: expected >= 0 (0 = one allreduce after backward), got ", c.bucket_mb);

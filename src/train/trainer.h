@@ -51,7 +51,7 @@ struct TrainConfig {
   // run
   uint64_t seed = 1;
   std::string device = "auto";
-  int64_t threads = 0;     // 0: LibTorch's default
+  int64_t threads = 0;     // 0: the usable cores / this machine's ranks (trainer.cpp)
   int64_t eval_every = 0;  // 0: steps / 10
   std::string save;
   std::string resume;
