@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "attnkit/attnkit.h"
+#include "core/decode_attention.h"
 #include "module_factory.h"
 #include "source_paths.h"
 #include "test_support.h"
@@ -849,4 +850,68 @@ TEST(Generate, BadArgumentsNameWhatIsWrong) {
       [&] { generate(*causal, prompt, GenerateOptions(1)); },
       "--module causal has no KV cache (mha, mha-combined, gqa, mqa and mla have one)");
   EXPECT_EQ(generate(*causal, prompt, GenerateOptions(2).use_kv_cache(false)).size(1), 5);
+}
+
+// The fused decode step's kernel against the math definition: every head layout (MHA, GQA,
+// MQA), strided keys as a cache holds them, a range of keys per row (a window's start, a
+// ragged row's end, a row that sees none), and both dtypes.
+TEST(DecodeAttention, EqualsTheMathDefinitionForEveryHeadLayoutAndRowRange) {
+  torch::manual_seed(7);
+  for (const auto dtype : {torch::kFloat, torch::kDouble}) {
+    const double tolerance = dtype == torch::kFloat ? 1e-5 : 1e-10;
+    for (const int64_t kv_heads : {6, 2, 1}) {
+      const int64_t b = 3, h = 6, m = 9, hd = 8, hd_v = 5;
+      const auto options = torch::TensorOptions().dtype(dtype);
+      const auto query = torch::randn({b, h, 1, hd}, options);
+      // Views of a larger storage, as a cache's keys are: (b, kv_heads, m, .) of capacity 12.
+      const auto keys = torch::randn({b, kv_heads, 12, hd}, options).narrow(2, 0, m);
+      const auto values = torch::randn({b, kv_heads, 12, hd_v}, options).narrow(2, 0, m);
+      const std::vector<int64_t> begin{0, 3, 4}, end{9, 7, 4};
+      const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+      const auto got = attnkit::detail::decode_attention(query, keys, values, scale, begin, end);
+      ASSERT_EQ(got.sizes(), (std::vector<int64_t>{b, h, 1, hd_v}));
+      const auto all_keys = keys.repeat_interleave(h / kv_heads, 1);
+      const auto all_values = values.repeat_interleave(h / kv_heads, 1);
+      for (int64_t r = 0; r < b; ++r) {
+        auto want = torch::zeros({h, 1, hd_v}, options);  // a row that sees no key: zeros
+        if (end[r] > begin[r]) {
+          const auto k = all_keys[r].slice(1, begin[r], end[r]);
+          const auto v = all_values[r].slice(1, begin[r], end[r]);
+          want = torch::softmax(torch::matmul(query[r], k.transpose(1, 2)) * scale, -1).matmul(v);
+        }
+        EXPECT_LT((got[r] - want).abs().max().item<double>(), tolerance)
+            << dtype << ", " << kv_heads << " key heads, row " << r;
+      }
+      const auto every_key = attnkit::detail::decode_attention(query, keys, values, scale);
+      const auto want_all =
+          torch::softmax(torch::matmul(query, all_keys.transpose(2, 3)) * scale, -1)
+              .matmul(all_values);
+      EXPECT_LT((every_key - want_all).abs().max().item<double>(), tolerance);
+    }
+  }
+}
+
+TEST(DecodeAttention, RefusesWhatItCannotTake) {
+  const auto query = torch::randn({2, 4, 1, 8});
+  const auto keys = torch::randn({2, 2, 5, 8});
+  expect_error_containing(
+      [&] { attnkit::detail::decode_attention(query, keys, keys, 1.0, {0, 0}, {5, 6}); },
+      "[decode_attention] row 1: keys [0, 6) must lie in [0, 5]");
+  expect_error_containing(
+      [&] { attnkit::detail::decode_attention(query, keys, keys, 1.0, {0}, {5}); },
+      "key_begin and key_end must both be empty or have 2 entries, got 1 and 1");
+  expect_error_containing(
+      [&] { attnkit::detail::decode_attention(query, torch::randn({2, 3, 5, 8}), keys, 1.0); },
+      "heads a multiple of the key heads");
+  expect_error_containing(
+      [&] { attnkit::detail::decode_attention(query, keys, torch::randn({2, 2, 4, 8}), 1.0); },
+      "keys and values must be (2, kv_heads, m, 8) and (2, kv_heads, m, hd_v)");
+  expect_error_containing(
+      [&] { attnkit::detail::decode_attention(torch::randn({2, 4, 2, 8}), keys, keys, 1.0); },
+      "expected one CPU float or double query per row");
+  // Autograd to record, or half precision: the general path's, not this kernel's.
+  EXPECT_FALSE(attnkit::detail::decode_attention_fits(query.clone().requires_grad_(), keys, keys));
+  EXPECT_FALSE(attnkit::detail::decode_attention_fits(query.to(torch::kBFloat16),
+                                             keys.to(torch::kBFloat16), keys.to(torch::kBFloat16)));
+  EXPECT_TRUE(attnkit::detail::decode_attention_fits(query, keys, keys));
 }

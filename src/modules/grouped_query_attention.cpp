@@ -136,10 +136,12 @@ torch::Tensor GroupedQueryAttentionImpl::forward_with_cache(const torch::Tensor&
   torch::NoGradGuard no_grad;
   const auto g = options.num_kv_groups();
   const auto context = detail::attend_cached(
-      {q_norm, k_norm, rope_tables}, detail::split_heads(W_query(x), options.num_heads()),
-      detail::split_heads(W_key(x), g), detail::split_heads(W_value(x), g), cache,
-      settings_of(options), mask, new_lengths);
-  return out_proj(detail::merge_heads(context));
+      {q_norm, k_norm, rope_tables},
+      detail::split_heads(detail::project(W_query, x), options.num_heads()),
+      detail::split_heads(detail::project(W_key, x), g),
+      detail::split_heads(detail::project(W_value, x), g), cache, settings_of(options), mask,
+      new_lengths);
+  return detail::project(out_proj, detail::merge_heads(context));
 }
 
 }  // namespace attnkit

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/checks.h"
+#include "core/decode_attention.h"
 #include "modules/module_attention.h"
 #include "modules/module_helpers.h"
 
@@ -36,6 +37,33 @@ functional::AttentionOutput attend_inputs(MultiHeadLatentAttentionImpl& module,
                      detail::split_heads(module.W_UV(value_latents), h), settings_of(opt),
                      module.is_training(), /*query_offset=*/0, with_weights, mask);
   return {module.out_proj(detail::merge_heads(attended.context)), attended.weights};
+}
+
+// A decode step's heads (b, h, 1, hd) from queries (b, h, 1, hd) and latents (b, m, latent),
+// row r seeing latents [key_begin[r], key_end[r]) (all when empty); undefined where
+// decode_attention does not fit (the caller takes the general path).
+torch::Tensor attend_latents(MultiHeadLatentAttentionImpl& module, const torch::Tensor& queries,
+                             const torch::Tensor& latents, const std::vector<int64_t>& key_begin,
+                             const std::vector<int64_t>& key_end) {
+  // The up-projections absorbed into the query and the output (DeepSeek-V2's decode form):
+  // head i's score of latent c is q_i . (W_UK_i c + b_UK_i), whose bias term is the same for
+  // every key and so leaves the softmax unchanged; its output is W_UV_i (sum_j p_j c_j) +
+  // b_UV_i, as the weights sum to 1. One query then reads the latents in place instead of
+  // recomputing every cached key and value each step.
+  const auto h = module.options.num_heads();
+  const auto hd = module.options.d_out() / h, latent = module.latent_dim();
+  const auto keys = latents.unsqueeze(1);  // (b, 1, m, latent): one key/value head
+  const auto up_keys = module.W_UK->weight.view({h, hd, latent});
+  const auto query_latents = torch::matmul(queries, up_keys);  // (b, h, 1, latent)
+  if (!detail::decode_attention_fits(query_latents, keys, keys))
+    return {};
+  const auto context_latents = detail::decode_attention(
+      query_latents, keys, keys, detail::default_scale(hd), key_begin, key_end);
+  auto context = torch::matmul(context_latents,
+                               module.W_UV->weight.view({h, hd, latent}).transpose(1, 2));  // (b, h, 1, hd)
+  if (module.W_UV->bias.defined())
+    context = context + module.W_UV->bias.view({h, 1, hd});
+  return context;
 }
 
 }  // namespace
@@ -125,16 +153,33 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tens
       {1, latent_dim(), 0, /*latent=*/true}, W_query->weight, mask, lengths);
   torch::NoGradGuard no_grad;
   const auto h = options.num_heads();
-  const auto queries = detail::split_heads(W_query(x), h);
+  const auto queries = detail::split_heads(detail::project(W_query, x), h);
+  const auto new_latents = detail::project(W_DKV, x);  // (b, n, latent_dim)
+  const bool decode_step = x.size(1) == 1 && mask.is_none();
   if (!new_lengths.empty()) {
-    const auto span = cache.append_latent_ragged(W_DKV(x), new_lengths);  // keys: (b, m, latent)
+    const auto span = cache.append_latent_ragged(new_latents, new_lengths);  // (b, m, latent)
+    if (decode_step) {
+      const auto starts = span.starts.to(torch::kCPU), ends = span.ends.to(torch::kCPU);
+      std::vector<int64_t> end(static_cast<size_t>(x.size(0)));
+      for (size_t r = 0; r < end.size(); ++r) {
+        end[r] = std::min(ends.data_ptr<int64_t>()[r], starts.data_ptr<int64_t>()[r] + 1);
+      }
+      auto context = attend_latents(*this, queries, span.keys, std::vector<int64_t>(end.size(), 0), end);
+      if (context.defined())
+        return detail::project(out_proj, detail::merge_heads(context));
+    }
     const auto context = detail::attend_ragged(queries, detail::split_heads(W_UK(span.keys), h),
                                                detail::split_heads(W_UV(span.keys), h), span,
                                                settings_of(options), mask);
     return out_proj(detail::merge_heads(context));
   }
   const int64_t start = cache.size();
-  const auto latents = cache.append_latent(W_DKV(x));  // (b, start + n, latent_dim)
+  const auto latents = cache.append_latent(new_latents);  // (b, start + n, latent_dim)
+  if (decode_step) {
+    const auto context = attend_latents(*this, queries, latents, {}, {});
+    if (context.defined())
+      return detail::project(out_proj, detail::merge_heads(context));
+  }
   const auto context = detail::attend(queries, detail::split_heads(W_UK(latents), h),
                                       detail::split_heads(W_UV(latents), h), settings_of(options),
                                       /*training=*/false, start, /*with_weights=*/false, mask)

@@ -1,6 +1,7 @@
 #include "modules/module_attention.h"
 
 #include "core/checks.h"
+#include "core/decode_attention.h"
 #include "modules/module_helpers.h"
 
 namespace attnkit::detail {
@@ -170,6 +171,18 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
   if (new_lengths.empty()) {
     const auto [rotated_queries, rotated_keys] = transform(queries, keys, cache.size());
     const auto span = cache.append(rotated_keys, values);
+    if (queries.size(2) == 1 && mask.is_none() &&
+        decode_attention_fits(rotated_queries, span.keys, span.values)) {
+      // The one query sits at key index query_offset and sees the keys before it, within
+      // the window (a rolling cache holds no more than the window).
+      const int64_t end = span.query_offset + 1;
+      const int64_t begin =
+          settings.window_size ? std::max<int64_t>(0, end - *settings.window_size) : 0;
+      const auto rows = static_cast<size_t>(queries.size(0));
+      return decode_attention(rotated_queries, span.keys, span.values,
+                              default_scale(queries.size(3)), std::vector<int64_t>(rows, begin),
+                              std::vector<int64_t>(rows, end));
+    }
     return attend(rotated_queries, span.keys, span.values, settings, /*training=*/false,
                   span.query_offset, /*with_weights=*/false, mask)
         .context;
@@ -206,6 +219,21 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
 torch::Tensor attend_ragged(const torch::Tensor& queries, const torch::Tensor& keys,
                             const torch::Tensor& values, const KVCache::RaggedSpan& span,
                             const AttentionSettings& settings, const Mask& mask) {
+  if (queries.size(2) == 1 && mask.is_none() && decode_attention_fits(queries, keys, values)) {
+    // A decode step: row r's one query sees keys [starts[r] - window + 1, starts[r]], and
+    // none past ends[r].
+    const auto rows = static_cast<size_t>(queries.size(0));
+    const auto starts = span.starts.to(torch::kCPU), ends = span.ends.to(torch::kCPU);
+    const auto* start = starts.data_ptr<int64_t>();
+    const auto* valid_end = ends.data_ptr<int64_t>();
+    std::vector<int64_t> begin(rows, 0), end(rows);
+    for (size_t r = 0; r < rows; ++r) {
+      end[r] = std::min(valid_end[r], start[r] + 1);
+      if (settings.window_size)
+        begin[r] = std::max<int64_t>(0, start[r] + 1 - *settings.window_size);
+    }
+    return decode_attention(queries, keys, values, default_scale(queries.size(3)), begin, end);
+  }
   // Each row's own causal (and window) mask over its valid keys, in place of the module's one
   // query offset: key j for query i of row r when j <= starts[r] + i and j < ends[r].
   auto causal = Mask::causal(span.starts);

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "attnkit/attnkit.h"
+#include "modules/module_helpers.h"
 
 namespace attnkit::train {
 
@@ -203,10 +204,11 @@ BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
   if (c.ffn) {
     feed_forward_norm_ = register_module("feed_forward_norm",
                                          torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    feed_forward_up_ = torch::nn::Linear(d, 4 * d);
+    feed_forward_down_ = torch::nn::Linear(4 * d, d);
     feed_forward_ = register_module(
-        "feed_forward",
-        torch::nn::Sequential(torch::nn::Linear(d, 4 * d), torch::nn::GELU(),
-                              torch::nn::Dropout(c.dropout), torch::nn::Linear(4 * d, d)));
+        "feed_forward", torch::nn::Sequential(feed_forward_up_, torch::nn::GELU(),
+                                              torch::nn::Dropout(c.dropout), feed_forward_down_));
   }
 }
 
@@ -234,7 +236,10 @@ torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache,
   TORCH_CHECK(attend_with_cache_, "--module ", module_name_, " has no KV cache");
   x = x + attend_with_cache_(attention_norm_(x), cache, lengths);
   if (feed_forward_) {
-    x = x + feed_forward_->forward(feed_forward_norm_(x));
+    // Linear, GELU, Dropout (a no-op: caches are for inference), Linear; a one-row step's
+    // products as GEMVs (detail::project).
+    x = x + detail::project(feed_forward_down_,
+                            torch::gelu(detail::project(feed_forward_up_, feed_forward_norm_(x))));
   }
   return x;
 }
@@ -306,7 +311,7 @@ torch::Tensor AttentionModelImpl::run(const torch::Tensor& tokens,
     if (maps)
       maps->push_back(weights);
   }
-  return head_(final_norm_(x));
+  return detail::project(head_, final_norm_(x));
 }
 
 torch::Tensor AttentionModelImpl::forward(const torch::Tensor& tokens,
@@ -327,7 +332,7 @@ torch::Tensor AttentionModelImpl::logits_with_cache(const torch::Tensor& tokens,
   for (size_t i = 0; i < caches.size(); ++i) {
     x = blocks_[i]->as<BlockImpl>()->forward_with_cache(x, caches[i]);
   }
-  return head_(final_norm_(x));
+  return detail::project(head_, final_norm_(x));
 }
 
 torch::Tensor AttentionModelImpl::ragged_logits_with_cache(const torch::Tensor& tokens,
@@ -346,7 +351,7 @@ torch::Tensor AttentionModelImpl::ragged_logits_with_cache(const torch::Tensor& 
   for (size_t i = 0; i < caches.size(); ++i) {
     x = blocks_[i]->as<BlockImpl>()->forward_with_cache(x, caches[i], lengths);
   }
-  return head_(final_norm_(x));
+  return detail::project(head_, final_norm_(x));
 }
 
 std::vector<KVCache> AttentionModelImpl::make_kv_caches(int64_t batch, int64_t capacity) {

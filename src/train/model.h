@@ -87,6 +87,8 @@ class BlockImpl : public torch::nn::Module {
   std::string module_name_;
   torch::nn::LayerNorm feed_forward_norm_{nullptr};
   torch::nn::Sequential feed_forward_{nullptr};
+  // feed_forward_'s two Linear layers (the same modules), for the decode step's GEMVs.
+  torch::nn::Linear feed_forward_up_{nullptr}, feed_forward_down_{nullptr};
 };
 TORCH_MODULE(Block);
 
