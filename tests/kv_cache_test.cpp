@@ -895,23 +895,31 @@ TEST(DecodeAttention, RefusesWhatItCannotTake) {
   const auto query = torch::randn({2, 4, 1, 8});
   const auto keys = torch::randn({2, 2, 5, 8});
   expect_error_containing(
-      [&] { attnkit::detail::decode_attention(query, keys, keys, 1.0, {0, 0}, {5, 6}); },
+      [&] {
+        attnkit::detail::decode_attention(query, keys, keys, 1.0, {0, 0}, {5, 6});
+      },
       "[decode_attention] row 1: keys [0, 6) must lie in [0, 5]");
   expect_error_containing(
       [&] { attnkit::detail::decode_attention(query, keys, keys, 1.0, {0}, {5}); },
       "key_begin and key_end must both be empty or have 2 entries, got 1 and 1");
   expect_error_containing(
-      [&] { attnkit::detail::decode_attention(query, torch::randn({2, 3, 5, 8}), keys, 1.0); },
+      [&] {
+        attnkit::detail::decode_attention(query, torch::randn({2, 3, 5, 8}), keys, 1.0);
+      },
       "heads a multiple of the key heads");
   expect_error_containing(
-      [&] { attnkit::detail::decode_attention(query, keys, torch::randn({2, 2, 4, 8}), 1.0); },
+      [&] {
+        attnkit::detail::decode_attention(query, keys, torch::randn({2, 2, 4, 8}), 1.0);
+      },
       "keys and values must be (2, kv_heads, m, 8) and (2, kv_heads, m, hd_v)");
   expect_error_containing(
-      [&] { attnkit::detail::decode_attention(torch::randn({2, 4, 2, 8}), keys, keys, 1.0); },
+      [&] {
+        attnkit::detail::decode_attention(torch::randn({2, 4, 2, 8}), keys, keys, 1.0);
+      },
       "expected one CPU float or double query per row");
   // Autograd to record, or half precision: the general path's, not this kernel's.
   EXPECT_FALSE(attnkit::detail::decode_attention_fits(query.clone().requires_grad_(), keys, keys));
-  EXPECT_FALSE(attnkit::detail::decode_attention_fits(query.to(torch::kBFloat16),
-                                             keys.to(torch::kBFloat16), keys.to(torch::kBFloat16)));
+  EXPECT_FALSE(attnkit::detail::decode_attention_fits(
+      query.to(torch::kBFloat16), keys.to(torch::kBFloat16), keys.to(torch::kBFloat16)));
   EXPECT_TRUE(attnkit::detail::decode_attention_fits(query, keys, keys));
 }

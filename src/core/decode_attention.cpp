@@ -36,8 +36,8 @@ acc_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
 }
 
 template <typename scalar_t, typename acc_t>
-void decode_rows(const torch::Tensor& query, const torch::Tensor& keys,
-                 const torch::Tensor& values, double scale, const std::vector<int64_t>& key_begin,
+void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
+                 double scale, const std::vector<int64_t>& key_begin,
                  const std::vector<int64_t>& key_end, torch::Tensor& out) {
   const int64_t b = query.size(0), h = query.size(1), hd = query.size(3);
   const int64_t kv_heads = keys.size(1), m = keys.size(2), hd_v = values.size(3);
@@ -62,7 +62,8 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& keys,
       std::fill(context.begin(), context.end(), acc_t(0));
       acc_t max_score = -std::numeric_limits<acc_t>::infinity();
       for (int64_t j = begin; j < end; ++j) {
-        weights[j] = dot<scalar_t, acc_t>(q_row, k_head + j * ks[2], hd) * static_cast<acc_t>(scale);
+        weights[j] =
+            dot<scalar_t, acc_t>(q_row, k_head + j * ks[2], hd) * static_cast<acc_t>(scale);
         max_score = std::max(max_score, weights[j]);
       }
       acc_t total = 0;
@@ -109,16 +110,15 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   const int64_t b = query.size(0), h = query.size(1), m = keys.size(2);
   TORCH_CHECK(keys.size(0) == b && values.size(0) == b && values.size(1) == keys.size(1) &&
                   values.size(2) == m && keys.size(3) == query.size(3),
-              "[decode_attention] keys and values must be (", b, ", kv_heads, m, ",
-              query.size(3), ") and (", b, ", kv_heads, m, hd_v), got ", keys.sizes(), " and ",
-              values.sizes());
+              "[decode_attention] keys and values must be (", b, ", kv_heads, m, ", query.size(3),
+              ") and (", b, ", kv_heads, m, hd_v), got ", keys.sizes(), " and ", values.sizes());
   TORCH_CHECK(key_begin.size() == key_end.size() &&
                   (key_begin.empty() || static_cast<int64_t>(key_begin.size()) == b),
               "[decode_attention] key_begin and key_end must both be empty or have ", b,
               " entries, got ", key_begin.size(), " and ", key_end.size());
   for (size_t r = 0; r < key_begin.size(); ++r) {
-    TORCH_CHECK(0 <= key_begin[r] && key_end[r] <= m, "[decode_attention] row ", r,
-                ": keys [", key_begin[r], ", ", key_end[r], ") must lie in [0, ", m, "]");
+    TORCH_CHECK(0 <= key_begin[r] && key_end[r] <= m, "[decode_attention] row ", r, ": keys [",
+                key_begin[r], ", ", key_end[r], ") must lie in [0, ", m, "]");
   }
   // (b, 1, h, hd_v) memory, returned as (b, h, 1, hd_v): merging the heads is then a view.
   auto out = torch::empty({b, 1, h, values.size(3)}, query.options());

@@ -59,8 +59,8 @@ torch::Tensor attend_latents(MultiHeadLatentAttentionImpl& module, const torch::
     return {};
   const auto context_latents = detail::decode_attention(
       query_latents, keys, keys, detail::default_scale(hd), key_begin, key_end);
-  auto context = torch::matmul(context_latents,
-                               module.W_UV->weight.view({h, hd, latent}).transpose(1, 2));  // (b, h, 1, hd)
+  auto context = torch::matmul(
+      context_latents, module.W_UV->weight.view({h, hd, latent}).transpose(1, 2));  // (b, h, 1, hd)
   if (module.W_UV->bias.defined())
     context = context + module.W_UV->bias.view({h, 1, hd});
   return context;
@@ -164,7 +164,8 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tens
       for (size_t r = 0; r < end.size(); ++r) {
         end[r] = std::min(ends.data_ptr<int64_t>()[r], starts.data_ptr<int64_t>()[r] + 1);
       }
-      auto context = attend_latents(*this, queries, span.keys, std::vector<int64_t>(end.size(), 0), end);
+      auto context =
+          attend_latents(*this, queries, span.keys, std::vector<int64_t>(end.size(), 0), end);
       if (context.defined())
         return detail::project(out_proj, detail::merge_heads(context));
     }

@@ -228,8 +228,7 @@ torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x,
   return attend_with_cache(detail::split_heads(detail::project(W_query, x), h),
                            detail::split_heads(detail::project(W_key, x), h),
                            detail::split_heads(detail::project(W_value, x), h), options, cache,
-                           out_proj, mask,
-                           {q_norm, k_norm, rope_tables}, new_lengths);
+                           out_proj, mask, {q_norm, k_norm, rope_tables}, new_lengths);
 }
 
 torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,

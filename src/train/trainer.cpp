@@ -18,8 +18,8 @@
 #include <thread>
 
 #include "attnkit/threads.h"
-#include "core/parallel.h"
 #include "checkpoint.h"
+#include "core/parallel.h"
 #include "flat_adamw.h"
 #include "gradient_sync.h"
 #include "heatmap.h"
@@ -135,9 +135,9 @@ BatchScore forward_backward_in_shares(AttentionModel& model, const Batch& batch,
                                              /*allow_unused=*/true);
     std::vector<torch::Tensor> pieces;  // each (numel) of its parameter
     for (size_t k = 0; k < grads.size(); ++k) {
-      pieces.push_back(grads[k].defined() ? grads[k].reshape({-1})
-                                          : torch::zeros({parameters[k].numel()},
-                                                         parameters[k].options()));
+      pieces.push_back(grads[k].defined()
+                           ? grads[k].reshape({-1})
+                           : torch::zeros({parameters[k].numel()}, parameters[k].options()));
     }
     flat_gradients[part] = torch::cat(pieces);
     corrects[part] = s.correct;
@@ -712,10 +712,10 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
     std::optional<OneThread> serial_step;
     if (shares == 1 && device.is_cpu() && threads > 1)
       serial_step.emplace();
-    const auto s = shares > 1 ? forward_backward_in_shares(model, share, device,
-                                                           config.progress_bar, shares,
-                                                           optimizer.flat_gradients())
-                              : score(model, share, device, /*count_correct=*/config.progress_bar);
+    const auto s = shares > 1
+                       ? forward_backward_in_shares(model, share, device, config.progress_bar,
+                                                    shares, optimizer.flat_gradients())
+                       : score(model, share, device, /*count_correct=*/config.progress_bar);
     // This rank's part of the mean over the whole batch's scored positions: the parts'
     // gradients then sum to the whole batch's.
     const auto scored = world_size == 1 ? s.scored : batch.loss_mask.sum().item<int64_t>();
