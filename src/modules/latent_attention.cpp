@@ -159,13 +159,8 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tens
   if (!new_lengths.empty()) {
     const auto span = cache.append_latent_ragged(new_latents, new_lengths);  // (b, m, latent)
     if (decode_step) {
-      const auto starts = span.starts.to(torch::kCPU), ends = span.ends.to(torch::kCPU);
-      std::vector<int64_t> end(static_cast<size_t>(x.size(0)));
-      for (size_t r = 0; r < end.size(); ++r) {
-        end[r] = std::min(ends.data_ptr<int64_t>()[r], starts.data_ptr<int64_t>()[r] + 1);
-      }
-      auto context =
-          attend_latents(*this, queries, span.keys, std::vector<int64_t>(end.size(), 0), end);
+      const auto [begin, end] = detail::decode_key_ranges(span, /*window_size=*/c10::nullopt);
+      auto context = attend_latents(*this, queries, span.keys, begin, end);
       if (context.defined())
         return detail::project(out_proj, detail::merge_heads(context));
     }

@@ -216,22 +216,26 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
   return attend_ragged(rotated_queries, span.keys, span.values, span, settings, mask);
 }
 
+std::pair<std::vector<int64_t>, std::vector<int64_t>> decode_key_ranges(
+    const KVCache::RaggedSpan& span, const c10::optional<int64_t>& window_size) {
+  const auto starts = span.starts.to(torch::kCPU), ends = span.ends.to(torch::kCPU);
+  const auto* start = starts.data_ptr<int64_t>();
+  const auto* valid_end = ends.data_ptr<int64_t>();
+  const auto rows = static_cast<size_t>(starts.size(0));
+  std::vector<int64_t> begin(rows, 0), end(rows);
+  for (size_t r = 0; r < rows; ++r) {
+    end[r] = std::min(valid_end[r], start[r] + 1);
+    if (window_size)
+      begin[r] = std::max<int64_t>(0, start[r] + 1 - *window_size);
+  }
+  return {begin, end};
+}
+
 torch::Tensor attend_ragged(const torch::Tensor& queries, const torch::Tensor& keys,
                             const torch::Tensor& values, const KVCache::RaggedSpan& span,
                             const AttentionSettings& settings, const Mask& mask) {
   if (queries.size(2) == 1 && mask.is_none() && decode_attention_fits(queries, keys, values)) {
-    // A decode step: row r's one query sees keys [starts[r] - window + 1, starts[r]], and
-    // none past ends[r].
-    const auto rows = static_cast<size_t>(queries.size(0));
-    const auto starts = span.starts.to(torch::kCPU), ends = span.ends.to(torch::kCPU);
-    const auto* start = starts.data_ptr<int64_t>();
-    const auto* valid_end = ends.data_ptr<int64_t>();
-    std::vector<int64_t> begin(rows, 0), end(rows);
-    for (size_t r = 0; r < rows; ++r) {
-      end[r] = std::min(valid_end[r], start[r] + 1);
-      if (settings.window_size)
-        begin[r] = std::max<int64_t>(0, start[r] + 1 - *settings.window_size);
-    }
+    const auto [begin, end] = decode_key_ranges(span, settings.window_size);
     return decode_attention(queries, keys, values, default_scale(queries.size(3)), begin, end);
   }
   // Each row's own causal (and window) mask over its valid keys, in place of the module's one

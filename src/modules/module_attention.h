@@ -106,6 +106,12 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
                             const AttentionSettings& settings, const Mask& mask,
                             const std::vector<int64_t>& new_lengths);
 
+/// A ragged decode step's key range per row (detail::decode_attention's key_begin, key_end):
+/// row r's one query sees keys [starts[r] - window + 1, starts[r]] of its span, none past
+/// ends[r]; without a window from key 0.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> decode_key_ranges(
+    const KVCache::RaggedSpan& span, const c10::optional<int64_t>& window_size);
+
 /// The attention of a ragged append's queries (b, h, n, hd) over its span (KVCache::append_ragged
 /// or append_latent_ragged, keys and values made heads): each row's causal mask over its own
 /// valid keys (and window), and `mask` -> context (b, h, n, hd).

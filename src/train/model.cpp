@@ -311,7 +311,7 @@ torch::Tensor AttentionModelImpl::run(const torch::Tensor& tokens,
     if (maps)
       maps->push_back(weights);
   }
-  return detail::project(head_, final_norm_(x));
+  return head_(final_norm_(x));
 }
 
 torch::Tensor AttentionModelImpl::forward(const torch::Tensor& tokens,
