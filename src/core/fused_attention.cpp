@@ -187,6 +187,11 @@ __attribute__((target("avx2,fma"), always_inline)) inline void weighted_row_sum_
   }
 }
 
+bool has_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
 // The same sums with AVX2 registers and fused multiply-adds, for CPUs that have them;
 // chosen at run time, so the library still runs on any x86-64.
 __attribute__((target("avx2,fma"))) void weighted_row_sum_avx2(int64_t count, const float* coef,
@@ -216,8 +221,7 @@ void weighted_row_sum(int64_t count, const T* coef, int64_t coef_stride, Rows<co
                       int64_t width, T* __restrict out) {
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL
   if constexpr (std::is_same_v<T, float>) {
-    static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (avx2) {
+    if (has_avx2_fma()) {
       weighted_row_sum_avx2(count, coef, coef_stride, rows, width, out);
       return;
     }
@@ -226,65 +230,268 @@ void weighted_row_sum(int64_t count, const T* coef, int64_t coef_stride, Rows<co
   weighted_row_sum_portable(count, coef, coef_stride, rows, width, out);
 }
 
+// Output rows per tile of weighted_row_sums: each row read from `rows` is used for this
+// many outputs while it is in registers.
+constexpr int64_t kTileRows = 4;
+
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+// kTileRows outputs by kBlocks column blocks, one register each: per row r, kBlocks loads
+// serve kTileRows * kBlocks fused multiply-adds.
+template <int kBlocks>
+__attribute__((target("avx2,fma"), always_inline)) inline void weighted_row_sums_tile_avx2(
+    int64_t count, const float* coef, int64_t coef_step, int64_t coef_stride,
+    Rows<const float> rows, Rows<float> out) {
+  __m256 acc[kTileRows][kBlocks];
+  for (int t = 0; t < kTileRows; ++t)
+    for (int b = 0; b < kBlocks; ++b)
+      acc[t][b] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < count; ++r) {
+    __m256 x[kBlocks];
+    for (int b = 0; b < kBlocks; ++b)
+      x[b] = _mm256_loadu_ps(rows[r] + b * kBlock);
+    for (int t = 0; t < kTileRows; ++t) {
+      const __m256 a = _mm256_set1_ps(coef[t * coef_step + r * coef_stride]);
+      for (int b = 0; b < kBlocks; ++b)
+        acc[t][b] = _mm256_fmadd_ps(a, x[b], acc[t][b]);
+    }
+  }
+  for (int t = 0; t < kTileRows; ++t)
+    for (int b = 0; b < kBlocks; ++b)
+      _mm256_storeu_ps(out[t] + b * kBlock, acc[t][b]);
+}
+
+__attribute__((target("avx2,fma"))) void weighted_row_sums_avx2(
+    int64_t outputs, int64_t count, const float* coef, int64_t coef_step, int64_t coef_stride,
+    Rows<const float> rows, int64_t width, Rows<float> out) {
+  int64_t t0 = 0;
+  for (; t0 + kTileRows <= outputs; t0 += kTileRows) {
+    const float* tile_coef = coef + t0 * coef_step;
+    int64_t c0 = 0;
+    for (; c0 + 2 * kBlock <= width; c0 += 2 * kBlock) {
+      weighted_row_sums_tile_avx2<2>(count, tile_coef, coef_step, coef_stride,
+                                     {rows.data + c0, rows.stride}, {out[t0] + c0, out.stride});
+    }
+    if (c0 + kBlock <= width) {
+      weighted_row_sums_tile_avx2<1>(count, tile_coef, coef_step, coef_stride,
+                                     {rows.data + c0, rows.stride}, {out[t0] + c0, out.stride});
+      c0 += kBlock;
+    }
+    for (int64_t t = 0; c0 < width && t < kTileRows; ++t) {
+      weighted_row_sum_portable(count, tile_coef + t * coef_step, coef_stride,
+                                {rows.data + c0, rows.stride}, width - c0, out[t0 + t] + c0);
+    }
+  }
+  for (; t0 < outputs; ++t0)
+    weighted_row_sum_avx2(count, coef + t0 * coef_step, coef_stride, rows, width, out[t0]);
+}
+#endif
+
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+// e^x for x <= 0 (every softmax argument is), eight at a time, after Cephes' expf:
+// x = k ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 polynomial, 2^k in the exponent
+// bits. Within 2 ulp of std::exp; arguments below -87.3 give about 1e-38 instead of 0.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp_nonpositive_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - k ln2, with ln2 in two parts so that k * ln2_high is exact.
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i two_to_k =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(two_to_k));
+}
+
+// Lanes [0, count) of a register, for the last partial block of a row.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256i first_lanes(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+__attribute__((target("avx2,fma"))) float horizontal_sum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+__attribute__((target("avx2,fma"))) void softmax_row_avx2(const float* scores, int64_t count,
+                                                          float scale, float* p) {
+  __m256 max8 = _mm256_set1_ps(scores[0]);
+  int64_t j = 0;
+  for (; j + kBlock <= count; j += kBlock)
+    max8 = _mm256_max_ps(max8, _mm256_loadu_ps(scores + j));
+  if (j < count)  // masked-off lanes load 0; scores[0] stands in for them
+    max8 =
+        _mm256_max_ps(max8, _mm256_blendv_ps(_mm256_set1_ps(scores[0]),
+                                             _mm256_maskload_ps(scores + j, first_lanes(count - j)),
+                                             _mm256_castsi256_ps(first_lanes(count - j))));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(max8), _mm256_extractf128_ps(max8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const __m256 row_max = _mm256_set1_ps(_mm_cvtss_f32(m4)), scale8 = _mm256_set1_ps(scale);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (j = 0; j + kBlock <= count; j += kBlock) {
+    const __m256 e = exp_nonpositive_avx2(
+        _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + j), row_max), scale8));
+    _mm256_storeu_ps(p + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  if (j < count) {
+    const __m256i lanes = first_lanes(count - j);
+    const __m256 e =
+        _mm256_and_ps(exp_nonpositive_avx2(_mm256_mul_ps(
+                          _mm256_sub_ps(_mm256_maskload_ps(scores + j, lanes), row_max), scale8)),
+                      _mm256_castsi256_ps(lanes));
+    _mm256_maskstore_ps(p + j, lanes, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  const __m256 inverse = _mm256_set1_ps(1.0f / horizontal_sum(sum8));
+  for (j = 0; j + kBlock <= count; j += kBlock)
+    _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), inverse));
+  for (; j < count; ++j)
+    p[j] *= _mm_cvtss_f32(_mm256_castps256_ps128(inverse));
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t count) {
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + kBlock <= count; j += kBlock)
+    sum8 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), sum8);
+  if (j < count) {
+    const __m256i lanes = first_lanes(count - j);
+    sum8 =
+        _mm256_fmadd_ps(_mm256_maskload_ps(a + j, lanes), _mm256_maskload_ps(b + j, lanes), sum8);
+  }
+  return horizontal_sum(sum8);
+}
+#endif
+
+// p[0, count) = softmax(scores[0, count) * scale).
+template <typename T>
+void softmax_row(const T* scores, int64_t count, T scale, T* p) {
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2_fma()) {
+      softmax_row_avx2(scores, count, scale, p);
+      return;
+    }
+  }
+#endif
+  const T row_max = *std::max_element(scores, scores + count);
+  T sum = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    p[j] = std::exp((scores[j] - row_max) * scale);
+    sum += p[j];
+  }
+  const T inverse = T(1) / sum;
+  for (int64_t j = 0; j < count; ++j)
+    p[j] *= inverse;
+}
+
+template <typename T>
+T dot(const T* a, const T* b, int64_t count) {
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2_fma())
+      return dot_avx2(a, b, count);
+  }
+#endif
+  T sum = 0;
+  for (int64_t j = 0; j < count; ++j)
+    sum += a[j] * b[j];
+  return sum;
+}
+
+// Several sums over the same rows: for t < outputs,
+// out[t][0, width) = sum over r < count of coef[t * coef_step + r * coef_stride] * rows[r].
+// Scores, context and every gradient of a group of query rows (or key rows) are such sums.
+template <typename T>
+void weighted_row_sums(int64_t outputs, int64_t count, const T* coef, int64_t coef_step,
+                       int64_t coef_stride, Rows<const T> rows, int64_t width, Rows<T> out) {
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2_fma()) {
+      weighted_row_sums_avx2(outputs, count, coef, coef_step, coef_stride, rows, width, out);
+      return;
+    }
+  }
+#endif
+  for (int64_t t = 0; t < outputs; ++t)
+    weighted_row_sum(count, coef + t * coef_step, coef_stride, rows, width, out[t]);
+}
+
 // Per-thread buffers of the kernel.
 template <typename T>
 struct Scratch {
-  std::vector<T> transposed;   // (f, padded_keys): k^T or v^T, zero beyond the keys
-  std::vector<T> row;          // (padded_keys)
-  std::vector<T> grad_scores;  // backward: (n, m) dS
-  std::vector<T> dropped;      // backward with dropout: (n, m) weights * keep
   int64_t padded_keys;
+  std::vector<T> transposed;   // (f, padded_keys): k^T or v^T, zero beyond the keys
+  std::vector<T> tile;         // (kTileRows, padded_keys): scores, or backward's dD rows
+  std::vector<T> dropped;      // forward: (kTileRows, m) of weights * keep; backward: (n, m)
+  std::vector<T> grad_scores;  // backward: (n, m) dS
 
   Scratch(const SliceSizes& z, int64_t f, bool backward, bool dropout)
-      : transposed(f * round_up_to_block(z.m), T(0)),
-        row(round_up_to_block(z.m)),
-        grad_scores(backward ? z.n * z.m : 0),
-        dropped(backward && dropout ? z.n * z.m : 0),
-        padded_keys(round_up_to_block(z.m)) {}
+      : padded_keys(round_up_to_block(z.m)),
+        transposed(f * padded_keys, T(0)),
+        tile(kTileRows * padded_keys),
+        dropped(dropout ? (backward ? z.n : kTileRows) * z.m : 0),
+        grad_scores(backward ? z.n * z.m : 0) {}
 
   // transposed (f, padded_keys) = rows (m, f) transposed; returns it as rows.
   Rows<const T> transpose(Rows<const T> rows, int64_t m, int64_t f) {
-    for (int64_t j = 0; j < m; ++j)
-      for (int64_t c = 0; c < f; ++c)
+    for (int64_t c = 0; c < f; ++c)
+      for (int64_t j = 0; j < m; ++j)
         transposed[c * padded_keys + j] = rows[j][c];
     return {transposed.data(), padded_keys};
   }
+  Rows<T> tile_rows() { return {tile.data(), padded_keys}; }
+};
+
+// The query rows [first, first + count) of a tile (at most kTileRows) and the keys any of
+// them sees: [key_begin(first), key_end(last)), as both bounds grow with the row.
+struct RowTile {
+  int64_t first, count, key_begin, key_end;
+  RowTile(const SliceSizes& z, int64_t first_row)
+      : first(first_row),
+        count(std::min(kTileRows, z.n - first_row)),
+        key_begin(z.key_begin(first_row)),
+        key_end(z.key_end(first_row + count - 1)) {}
 };
 
 // `weights` (n, m) receives softmax(q k^T * scale) with zeros outside the keys each row
 // sees; out (n, dv) = (weights * keep) v, where `keep` (n, m) is the scaled dropout mask or
-// null.
+// null. A tile of query rows at a time, each key and value row loaded once per tile.
 template <typename T>
 void forward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> out, T* weights,
                    const T* keep, const SliceSizes& z, T scale, Scratch<T>& scratch) {
   const auto keys_t = scratch.transpose(k, z.m, z.d);  // (d, padded m)
-  T* scores = scratch.row.data();
-  for (int64_t i = 0; i < z.n; ++i) {
-    const int64_t begin = z.key_begin(i), end = z.key_end(i);
+  const Rows<T> scores = scratch.tile_rows();          // (kTileRows, padded m)
+  for (int64_t i0 = 0; i0 < z.n; i0 += kTileRows) {
+    const RowTile tile(z, i0);
     // Whole blocks of keys: the padding columns of keys_t are zero.
-    weighted_row_sum(z.d, q[i], 1, keys_t, round_up_to_block(end), scores);
-    T* p = weights + i * z.m;
-    T row_max = scores[begin];
-    for (int64_t j = begin + 1; j < end; ++j)
-      row_max = std::max(row_max, scores[j]);
-    T sum = 0;
-    for (int64_t j = begin; j < end; ++j) {
-      p[j] = std::exp((scores[j] - row_max) * scale);
-      sum += p[j];
+    weighted_row_sums(tile.count, z.d, q[i0], q.stride, 1, keys_t, round_up_to_block(tile.key_end),
+                      scores);
+    for (int64_t t = 0; t < tile.count; ++t) {
+      const int64_t i = i0 + t, begin = z.key_begin(i), end = z.key_end(i);
+      T* p = weights + i * z.m;
+      softmax_row(scores[t] + begin, end - begin, scale, p + begin);
+      std::fill(p, p + begin, T(0));
+      std::fill(p + end, p + z.m, T(0));
+      if (keep) {
+        for (int64_t j = 0; j < z.m; ++j)
+          scratch.dropped[t * z.m + j] = p[j] * keep[i * z.m + j];
+      }
     }
-    const T inverse = T(1) / sum;
-    for (int64_t j = begin; j < end; ++j)
-      p[j] *= inverse;
-    std::fill(p, p + begin, T(0));
-    std::fill(p + end, p + z.m, T(0));
-    const T* used = p;
-    if (keep) {
-      T* dropped = scratch.row.data();
-      for (int64_t j = begin; j < end; ++j)
-        dropped[j] = p[j] * keep[i * z.m + j];
-      used = dropped;
-    }
-    weighted_row_sum(end - begin, used + begin, 1, {v[begin], v.stride}, z.dv, out[i]);
+    // Rows of the tile are zero outside their own keys, so all sum over the tile's keys.
+    const T* used = keep ? scratch.dropped.data() : weights + i0 * z.m;
+    weighted_row_sums(tile.count, tile.key_end - tile.key_begin, used + tile.key_begin, z.m, 1,
+                      {v[tile.key_begin], v.stride}, z.dv, {out[i0], out.stride});
   }
 }
 
@@ -296,23 +503,28 @@ void backward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<cons
                     const T* weights, const T* keep, Rows<T> grad_q, Rows<T> grad_k, Rows<T> grad_v,
                     const SliceSizes& z, T scale, Scratch<T>& scratch) {
   const auto values_t = scratch.transpose(v, z.m, z.dv);  // (dv, padded m)
-  T* grad_dropped = scratch.row.data();
+  const Rows<T> grad_dropped = scratch.tile_rows();       // (kTileRows, padded m)
   T* grad_scores = scratch.grad_scores.data();
-  for (int64_t i = 0; i < z.n; ++i) {
-    const int64_t begin = z.key_begin(i), end = z.key_end(i);
-    const T* p = weights + i * z.m;
-    weighted_row_sum(z.dv, grad_out[i], 1, values_t, round_up_to_block(end), grad_dropped);
-    T* ds = grad_scores + i * z.m;
-    T row_dot = 0;
-    for (int64_t j = begin; j < end; ++j) {
-      ds[j] = keep ? grad_dropped[j] * keep[i * z.m + j] : grad_dropped[j];  // dP
-      row_dot += ds[j] * p[j];
+  for (int64_t i0 = 0; i0 < z.n; i0 += kTileRows) {
+    const RowTile tile(z, i0);
+    weighted_row_sums(tile.count, z.dv, grad_out[i0], grad_out.stride, 1, values_t,
+                      round_up_to_block(tile.key_end), grad_dropped);
+    for (int64_t t = 0; t < tile.count; ++t) {
+      const int64_t i = i0 + t, begin = z.key_begin(i), end = z.key_end(i);
+      const T* p = weights + i * z.m;
+      const T* dd = grad_dropped[t];
+      T* ds = grad_scores + i * z.m;
+      for (int64_t j = begin; j < end; ++j)
+        ds[j] = keep ? dd[j] * keep[i * z.m + j] : dd[j];  // dP
+      const T row_dot = dot(ds + begin, p + begin, end - begin);
+      for (int64_t j = begin; j < end; ++j)
+        ds[j] = p[j] * (ds[j] - row_dot) * scale;
+      std::fill(ds, ds + begin, T(0));
+      std::fill(ds + end, ds + z.m, T(0));
     }
-    for (int64_t j = begin; j < end; ++j)
-      ds[j] = p[j] * (ds[j] - row_dot) * scale;
-    std::fill(ds, ds + begin, T(0));
-    std::fill(ds + end, ds + z.m, T(0));
-    weighted_row_sum(end - begin, ds + begin, 1, {k[begin], k.stride}, z.d, grad_q[i]);
+    weighted_row_sums(tile.count, tile.key_end - tile.key_begin,
+                      grad_scores + i0 * z.m + tile.key_begin, z.m, 1,
+                      {k[tile.key_begin], k.stride}, z.d, {grad_q[i0], grad_q.stride});
   }
   const T* dropped = weights;
   if (keep) {
@@ -320,13 +532,17 @@ void backward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<cons
       scratch.dropped[x] = weights[x] * keep[x];
     dropped = scratch.dropped.data();
   }
-  // Column j of dS and D is zero outside the rows that see key j.
-  for (int64_t j = 0; j < z.m; ++j) {
-    const int64_t first = z.first_row(j);
-    const int64_t rows = std::max<int64_t>(z.row_end(j) - first, 0);
+  // Column j of dS and D is zero outside the rows that see key j; a tile of keys sums over
+  // the rows that see any of them, [first_row(j0), row_end(last)), as both bounds grow with j.
+  for (int64_t j0 = 0; j0 < z.m; j0 += kTileRows) {
+    const int64_t keys = std::min(kTileRows, z.m - j0);
+    const int64_t first = z.first_row(j0);
+    const int64_t rows = std::max<int64_t>(z.row_end(j0 + keys - 1) - first, 0);
     const Rows<const T> q_from{q[first], q.stride}, grad_out_from{grad_out[first], grad_out.stride};
-    weighted_row_sum(rows, grad_scores + first * z.m + j, z.m, q_from, z.d, grad_k[j]);
-    weighted_row_sum(rows, dropped + first * z.m + j, z.m, grad_out_from, z.dv, grad_v[j]);
+    weighted_row_sums(keys, rows, grad_scores + first * z.m + j0, 1, z.m, q_from, z.d,
+                      {grad_k[j0], grad_k.stride});
+    weighted_row_sums(keys, rows, dropped + first * z.m + j0, 1, z.m, grad_out_from, z.dv,
+                      {grad_v[j0], grad_v.stride});
   }
 }
 
