@@ -19,6 +19,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -94,9 +95,13 @@ struct SliceSizes {
   bool causal;
   int64_t query_offset;  // key position of query row 0 (causal only)
   int64_t window;        // sliding window (causal only); 0: none
+  // Keys past this one are no row's (a ragged row's valid keys end there; forward only).
+  int64_t key_limit = std::numeric_limits<int64_t>::max();
   // Keys query row i sees: [key_begin(i), key_end(i)); all, or (causal, as causal_mask)
-  // j <= query_offset + i, and (window) j > query_offset + i - window.
-  int64_t key_end(int64_t i) const { return causal ? std::min(m, query_offset + i + 1) : m; }
+  // j <= query_offset + i, and (window) j > query_offset + i - window; none from key_limit.
+  int64_t key_end(int64_t i) const {
+    return std::min(causal ? std::min(m, query_offset + i + 1) : m, key_limit);
+  }
   int64_t key_begin(int64_t i) const {
     return window > 0 ? std::clamp<int64_t>(query_offset + i - window + 1, 0, m) : 0;
   }
@@ -478,9 +483,10 @@ void forward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> ou
     weighted_row_sums(tile.count, z.d, q[i0], q.stride, 1, keys_t, round_up_to_block(tile.key_end),
                       scores);
     for (int64_t t = 0; t < tile.count; ++t) {
-      const int64_t i = i0 + t, begin = z.key_begin(i), end = z.key_end(i);
+      const int64_t i = i0 + t, begin = z.key_begin(i), end = std::max(begin, z.key_end(i));
       T* p = weights + i * z.m;
-      softmax_row(scores[t] + begin, end - begin, scale, p + begin);
+      if (end > begin)  // a ragged row's padding queries may see no key: zero weights
+        softmax_row(scores[t] + begin, end - begin, scale, p + begin);
       std::fill(p, p + begin, T(0));
       std::fill(p + end, p + z.m, T(0));
       if (keep) {
@@ -490,8 +496,9 @@ void forward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> ou
     }
     // Rows of the tile are zero outside their own keys, so all sum over the tile's keys.
     const T* used = keep ? scratch.dropped.data() : weights + i0 * z.m;
-    weighted_row_sums(tile.count, tile.key_end - tile.key_begin, used + tile.key_begin, z.m, 1,
-                      {v[tile.key_begin], v.stride}, z.dv, {out[i0], out.stride});
+    weighted_row_sums(tile.count, std::max<int64_t>(tile.key_end - tile.key_begin, 0),
+                      used + tile.key_begin, z.m, 1, {v[tile.key_begin], v.stride}, z.dv,
+                      {out[i0], out.stride});
   }
 }
 
@@ -549,14 +556,22 @@ void backward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<cons
 // Slices per task of at::parallel_for: a slice is a few microseconds of work.
 constexpr int64_t kSlicesPerTask = 16;
 
+// Per outer row b of a ragged batch (causal): its queries' key offset and its keys' end.
+struct RowBounds {
+  const int64_t* query_offsets;
+  const int64_t* key_ends;
+};
+
 // Runs the forward kernel on (outer, heads, n, f) views with unit-stride rows, writing out4
 // (n, dv per slice); returns the weights (outer, heads, n, m) and the scaled dropout mask
-// (undefined without dropout) that backward needs.
+// (undefined without dropout) that backward needs. With `rows`, each outer row takes its
+// query offset and key end from there instead of query_offset.
 std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
                                                     const torch::Tensor& k4,
                                                     const torch::Tensor& v4, torch::Tensor& out4,
                                                     bool causal, int64_t query_offset,
-                                                    int64_t window, double dropout_p) {
+                                                    int64_t window, double dropout_p,
+                                                    const RowBounds* rows = nullptr) {
   const int64_t outer = q4.size(0), heads = q4.size(1);
   const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal, query_offset, window};
   const HeadGroups groups{heads, heads / k4.size(1)};
@@ -577,8 +592,13 @@ std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
       Scratch<scalar_t> scratch(z, z.d, /*backward=*/false, kp != nullptr);
       for (int64_t s = begin; s < end; ++s) {
         const int64_t kv = groups.kv_slice(s);
+        SliceSizes sizes = z;
+        if (rows) {
+          sizes.query_offset = rows->query_offsets[s / heads];
+          sizes.key_limit = rows->key_ends[s / heads];
+        }
         forward_slice(qs[s], ks[kv], vs[kv], os[s], w + s * z.n * z.m,
-                      kp ? kp + s * z.n * z.m : nullptr, z, scale, scratch);
+                      kp ? kp + s * z.n * z.m : nullptr, sizes, scale, scratch);
       }
     });
   });
@@ -897,6 +917,33 @@ bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
 }  // namespace attnkit::functional
 
 namespace attnkit::detail {
+
+torch::Tensor ragged_fused_attention_if_fits(const torch::Tensor& query, const torch::Tensor& keys,
+                                             const torch::Tensor& values,
+                                             const torch::Tensor& query_offsets,
+                                             const torch::Tensor& key_ends, int64_t window) {
+  const auto dtype = query.scalar_type();
+  const bool records_history =
+      torch::GradMode::is_enabled() &&
+      (query.requires_grad() || keys.requires_grad() || values.requires_grad());
+  if (query.dim() != 4 || keys.dim() != 4 || values.dim() != 4 || records_history ||
+      keys.scalar_type() != dtype || values.scalar_type() != dtype || !keys.device().is_cpu() ||
+      !values.device().is_cpu() || query.size(1) % keys.size(1) != 0 ||
+      !functional::fused_attention_fits(query.size(2), keys.size(2), query.options())) {
+    return {};
+  }
+  using functional::unit_stride_slices;
+  const auto offsets = query_offsets.to(torch::kCPU, torch::kInt64).contiguous();
+  const auto ends = key_ends.to(torch::kCPU, torch::kInt64).contiguous();
+  const functional::RowBounds rows{offsets.data_ptr<int64_t>(), ends.data_ptr<int64_t>()};
+  const auto q4 = unit_stride_slices(query), k4 = unit_stride_slices(keys),
+             v4 = unit_stride_slices(values);
+  auto out4 = functional::empty_heads_interleaved(q4.size(0), q4.size(1), q4.size(2), v4.size(3),
+                                                  query.options());
+  functional::run_forward(q4, k4, v4, out4, /*causal=*/true, /*query_offset=*/0, window,
+                          /*dropout_p=*/0.0, &rows);
+  return out4;
+}
 
 torch::Tensor packed_fused_attention_if_fits(const torch::Tensor& qkv, int64_t num_heads,
                                              const functional::FusedOptions& options) {

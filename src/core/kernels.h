@@ -45,6 +45,18 @@ torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& ke
 torch::Tensor packed_fused_attention_if_fits(const torch::Tensor& qkv, int64_t num_heads,
                                              const functional::FusedOptions& options);
 
+/// The attention of a ragged multi-token step (KVCache::append_ragged's span) by attnkit's
+/// CPU loop-nest kernel, outside autograd: query i of row r sees key j when
+/// j <= query_offsets[r] + i, j < key_ends[r] and (window > 0) j > query_offsets[r] + i -
+/// window; a query that sees no key gets zeros. query (b, h, n, hd), keys and values
+/// (b, g, m, hd[_v]) with g dividing h; returns (b, h, n, hd_v) laid out as (b, n, h, hd_v).
+/// An undefined tensor where the kernel does not take them (not CPU float/double, autograd
+/// to record, n * m past its tile): the caller's masked path serves those.
+torch::Tensor ragged_fused_attention_if_fits(const torch::Tensor& query, const torch::Tensor& keys,
+                                             const torch::Tensor& values,
+                                             const torch::Tensor& query_offsets,
+                                             const torch::Tensor& key_ends, int64_t window);
+
 /// Tensors with requires_grad that `score_mod` reads (leaves of the graph it builds on a
 /// probe score), which the chunked kernel hands gradients to.
 std::vector<torch::Tensor> score_mod_parameters(const ScoreMod& score_mod,

@@ -2,6 +2,7 @@
 
 #include "core/checks.h"
 #include "core/decode_attention.h"
+#include "core/kernels.h"
 #include "modules/module_helpers.h"
 
 namespace attnkit::detail {
@@ -237,6 +238,14 @@ torch::Tensor attend_ragged(const torch::Tensor& queries, const torch::Tensor& k
   if (queries.size(2) == 1 && mask.is_none() && decode_attention_fits(queries, keys, values)) {
     const auto [begin, end] = decode_key_ranges(span, settings.window_size);
     return decode_attention(queries, keys, values, default_scale(queries.size(3)), begin, end);
+  }
+  if (queries.size(2) > 1 && mask.is_none()) {
+    // A prefill or refill step of a ragged batch: each row's offset and end straight into the
+    // CPU loop-nest kernel, where the masked path below would build dense per-row masks.
+    auto context = ragged_fused_attention_if_fits(queries, keys, values, span.starts, span.ends,
+                                                  settings.window_size.value_or(0));
+    if (context.defined())
+      return context;
   }
   // Each row's own causal (and window) mask over its valid keys, in place of the module's one
   // query offset: key j for query i of row r when j <= starts[r] + i and j < ends[r].
