@@ -337,8 +337,10 @@ std::vector<RaggedModule> ragged_modules(torch::Device device) {
 class RaggedKVCacheDevices : public attnkit::testing::DeviceTest {};
 
 TEST_P(RaggedKVCacheDevices, EachRowEqualsThatRowAloneThroughPrefillChunksAndDecode) {
-  const std::vector<std::vector<int64_t>> steps{
-      {5, 2, 7}, {2, 3, 0}, {1, 1, 1}, {1, 1, 1}, {1, 1, 1}};
+  // {4, 1, 0} is mostly padding (5 of 12 tokens), like a refill step of generation: the
+  // projections run on the valid tokens alone (detail::project).
+  const std::vector<std::vector<int64_t>> steps{{5, 2, 7}, {2, 3, 0}, {1, 1, 1},
+                                                {4, 1, 0}, {1, 1, 1}, {1, 1, 1}};
   std::vector<int64_t> totals(3, 0);
   for (const auto& step : steps)
     for (int64_t r = 0; r < 3; ++r)
@@ -665,6 +667,39 @@ TEST(RaggedGenerate, RowsPastTheContextRefillAsEachPromptAlone) {
       EXPECT_EQ(rows[r].size(0), shapes[r].first + shapes[r].second);
       EXPECT_TRUE(rows[r].equal(alone))
           << "row " << r << "\nbatched " << rows[r] << "\nalone " << alone;
+    }
+  }
+}
+
+// The model's ragged step (attention, feed-forward and head), also where padding is most of
+// the batch and only the valid tokens are multiplied: each row's logits equal the training
+// forward of that row's tokens so far.
+TEST(RaggedGenerate, MostlyPaddedStepsGiveEachRowItsOwnLogits) {
+  torch::manual_seed(47);
+  train::AttentionModel model(text_model_config("mha", "fused"));
+  model->eval();
+  model->to(torch::kFloat64);
+  torch::NoGradGuard no_grad;
+  const std::vector<std::vector<int64_t>> steps{{3, 2, 4}, {6, 1, 1}, {1, 5, 0}};
+  std::vector<torch::Tensor> sequences;  // each row's tokens, (1, total)
+  for (int64_t total : {10, 8, 5})
+    sequences.push_back(torch::randint(0, 40, {1, total}, torch::kInt64));
+  auto caches = model->make_kv_caches(3, 24);
+  std::vector<int64_t> done(3, 0);
+  for (size_t s = 0; s < steps.size(); ++s) {
+    const int64_t n = *std::max_element(steps[s].begin(), steps[s].end());
+    auto tokens = torch::zeros({3, n}, torch::kInt64);  // right-padded with token 0
+    for (int64_t r = 0; r < 3; ++r)
+      tokens[r].narrow(0, 0, steps[s][r]).copy_(sequences[r][0].narrow(0, done[r], steps[s][r]));
+    const auto logits =
+        model->ragged_logits_with_cache(tokens, torch::tensor(steps[s], torch::kInt64), caches);
+    for (int64_t r = 0; r < 3; ++r) {
+      const int64_t end = done[r] + steps[s][r];
+      const auto alone =
+          model->logits(sequences[r].narrow(1, 0, end))[0].narrow(0, done[r], steps[s][r]);
+      EXPECT_TRUE(tensors_close(c10::str("step ", s, " row ", r),
+                                logits[r].narrow(0, 0, steps[s][r]), alone, 1e-10));
+      done[r] = end;
     }
   }
 }

@@ -5,6 +5,8 @@
 #include <sstream>
 #include <string>
 
+#include <vector>
+
 #include <torch/torch.h>
 
 namespace attnkit::detail {
@@ -45,6 +47,31 @@ inline torch::Tensor project(torch::nn::Linear& linear, const torch::Tensor& x) 
   auto sizes = x.sizes().vec();
   sizes.back() = weight.size(0);
   return (bias.defined() ? at::addmv(bias, weight, row) : at::mv(weight, row)).view(sizes);
+}
+
+/// `linear(x)` for a right-padded ragged step x (b, n, in) whose row r brings new_lengths[r]
+/// valid tokens (empty: every token is valid). When padding is most of x, as in a ragged
+/// batch's refill step (one row's half context, the others' one token each), only the valid
+/// tokens are multiplied and the padding's outputs are zero.
+inline torch::Tensor project(torch::nn::Linear& linear, const torch::Tensor& x,
+                             const std::vector<int64_t>& new_lengths) {
+  if (new_lengths.empty() || x.dim() != 3 || x.size(0) != static_cast<int64_t>(new_lengths.size()))
+    return project(linear, x);
+  const int64_t b = x.size(0), n = x.size(1);
+  std::vector<int64_t> valid_rows;  // indices into the (b * n) tokens
+  for (int64_t r = 0; r < b; ++r) {
+    for (int64_t i = 0; i < new_lengths[r]; ++i)
+      valid_rows.push_back(r * n + i);
+  }
+  if (2 * static_cast<int64_t>(valid_rows.size()) > b * n)
+    return project(linear, x);
+  const auto index = torch::tensor(valid_rows, torch::kInt64).to(x.device());
+  // (b, n, in) -> (b * n, in) -> (valid, in) -> (valid, out)
+  const auto packed = linear(x.reshape({b * n, x.size(2)}).index_select(0, index));
+  // (valid, out) -> (b * n, out) -> (b, n, out)
+  return torch::zeros({b * n, packed.size(1)}, packed.options())
+      .index_copy_(0, index, packed)
+      .view({b, n, packed.size(1)});
 }
 
 /// (b, n, h * hd) -> (b, h, n, hd)

@@ -88,7 +88,7 @@ torch::Tensor attend_with_cache(const torch::Tensor& queries, const torch::Tenso
                                 const std::vector<int64_t>& new_lengths) {
   const auto context = detail::attend_cached(transform, queries, keys, values, cache,
                                              settings_of(opt), mask, new_lengths);
-  return detail::project(out_proj, detail::merge_heads(context));
+  return detail::project(out_proj, detail::merge_heads(context), new_lengths);
 }
 
 // Heads (b, h, n, hd) attended with the weights (the book's math path), merged and projected.
@@ -225,10 +225,11 @@ torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x,
   // Three projections, not forward()'s one GEMM over concatenated weights: per decoded
   // token that concatenation would copy all three weight matrices.
   const auto h = options.num_heads();
-  return attend_with_cache(detail::split_heads(detail::project(W_query, x), h),
-                           detail::split_heads(detail::project(W_key, x), h),
-                           detail::split_heads(detail::project(W_value, x), h), options, cache,
-                           out_proj, mask, {q_norm, k_norm, rope_tables}, new_lengths);
+  return attend_with_cache(detail::split_heads(detail::project(W_query, x, new_lengths), h),
+                           detail::split_heads(detail::project(W_key, x, new_lengths), h),
+                           detail::split_heads(detail::project(W_value, x, new_lengths), h),
+                           options, cache, out_proj, mask, {q_norm, k_norm, rope_tables},
+                           new_lengths);
 }
 
 torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
@@ -370,7 +371,7 @@ torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward_with_cache(const torch:
   const auto new_lengths = check_cached_mha_call(kCombinedName, options, is_training(), x, cache,
                                                  qkv->weight, mask, lengths, rope_tables);
   torch::NoGradGuard no_grad;
-  const auto q_k_v = split_combined_qkv(detail::project(qkv, x), options.num_heads());
+  const auto q_k_v = split_combined_qkv(detail::project(qkv, x, new_lengths), options.num_heads());
   return attend_with_cache(q_k_v[0], q_k_v[1], q_k_v[2], options, cache, out_proj, mask,
                            {q_norm, k_norm, rope_tables}, new_lengths);
 }

@@ -227,6 +227,18 @@ torch::Tensor BlockImpl::forward(torch::Tensor x, const Mask& mask, torch::Tenso
   return x;
 }
 
+namespace {
+
+// A ragged step's lengths (b) on the host; empty for an undefined tensor (a uniform step).
+std::vector<int64_t> host_lengths(const torch::Tensor& lengths) {
+  if (!lengths.defined())
+    return {};
+  const auto host = lengths.to(torch::kCPU, torch::kInt64).contiguous();
+  return {host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel()};
+}
+
+}  // namespace
+
 torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache) {
   return forward_with_cache(std::move(x), cache, torch::Tensor());
 }
@@ -237,9 +249,12 @@ torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache,
   x = x + attend_with_cache_(attention_norm_(x), cache, lengths);
   if (feed_forward_) {
     // Linear, GELU, Dropout (a no-op: caches are for inference), Linear; a one-row step's
-    // products as GEMVs (detail::project).
-    x = x + detail::project(feed_forward_down_,
-                            torch::gelu(detail::project(feed_forward_up_, feed_forward_norm_(x))));
+    // products as GEMVs, a mostly padded ragged step's on its valid tokens (detail::project).
+    const auto new_lengths = host_lengths(lengths);
+    x = x + detail::project(
+                feed_forward_down_,
+                torch::gelu(detail::project(feed_forward_up_, feed_forward_norm_(x), new_lengths)),
+                new_lengths);
   }
   return x;
 }
@@ -351,7 +366,7 @@ torch::Tensor AttentionModelImpl::ragged_logits_with_cache(const torch::Tensor& 
   for (size_t i = 0; i < caches.size(); ++i) {
     x = blocks_[i]->as<BlockImpl>()->forward_with_cache(x, caches[i], lengths);
   }
-  return detail::project(head_, final_norm_(x));
+  return detail::project(head_, final_norm_(x), host_lengths(lengths));
 }
 
 std::vector<KVCache> AttentionModelImpl::make_kv_caches(int64_t batch, int64_t capacity) {
