@@ -11,6 +11,7 @@
 
 #include "attnkit/attnkit.h"
 #include "core/decode_attention.h"
+#include "core/few_rows_linear.h"
 #include "module_factory.h"
 #include "source_paths.h"
 #include "test_support.h"
@@ -923,6 +924,47 @@ TEST(DecodeAttention, EqualsTheMathDefinitionForEveryHeadLayoutAndRowRange) {
               .matmul(all_values);
       EXPECT_LT((every_key - want_all).abs().max().item<double>(), tolerance);
     }
+  }
+}
+
+// A decode step multiplies its one row (or a batch's few) by each weight once: every row
+// count it takes, widths with and without a partial block of 8, with and without a bias, against
+// LibTorch's linear; what it does not take gives an undefined tensor (the caller's linear).
+TEST(FewRowsLinear, EqualsLinearForEveryRowCountItTakes) {
+  torch::manual_seed(48);
+  for (const int64_t in : {8, 13, 64}) {
+    for (const bool with_bias : {true, false}) {
+      torch::nn::Linear linear(torch::nn::LinearOptions(in, 37).bias(with_bias));
+      torch::NoGradGuard no_grad;
+      for (int64_t rows = 1; rows <= attnkit::detail::kFewRowsMax; ++rows) {
+        const auto x = torch::randn({rows, 1, in});
+        const auto y = attnkit::detail::few_rows_linear_if_fits(x, linear->weight, linear->bias);
+        if (!y.defined()) {
+          GTEST_SKIP() << "this CPU has no AVX2 and FMA: the kernel is not used";
+        }
+        EXPECT_EQ(y.sizes(), (std::vector<int64_t>{rows, 1, 37}));
+        EXPECT_TRUE(tensors_close(c10::str("in ", in, " rows ", rows, " bias ", with_bias), y,
+                                  linear(x), 1e-5));
+      }
+    }
+  }
+}
+
+TEST(FewRowsLinear, LeavesToLinearWhatItDoesNotTake) {
+  torch::nn::Linear linear(6, 5);
+  const auto fits = [&](const torch::Tensor& x) {
+    return attnkit::detail::few_rows_linear_if_fits(x, linear->weight, linear->bias).defined();
+  };
+  torch::NoGradGuard no_grad;
+  EXPECT_FALSE(fits(torch::randn({attnkit::detail::kFewRowsMax + 1, 6})));  // the GEMM's
+  EXPECT_FALSE(fits(torch::randn({3, 6}, torch::kFloat64)));
+  EXPECT_FALSE(fits(torch::randn({3, 7})));  // not the weight's width
+  EXPECT_FALSE(attnkit::detail::few_rows_linear_if_fits(torch::randn({3, 6}), linear->weight,
+                                                        torch::randn({4}))
+                   .defined());  // not the weight's bias
+  {
+    torch::AutoGradMode grad_mode(true);  // autograd to record
+    EXPECT_FALSE(fits(torch::randn({3, 6})));
   }
 }
 

@@ -25,16 +25,13 @@
 #include <utility>
 #include <vector>
 
-#if defined(__GNUC__) && defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/version.h>
 
 #include "attnkit/functional.h"
 #include "core/attention_layout.h"
+#include "core/avx2.h"
 #include "core/parallel.h"
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
@@ -156,8 +153,11 @@ void weighted_row_sum_portable(int64_t count, const T* coef, int64_t coef_stride
   }
 }
 
-#if defined(__GNUC__) && defined(__x86_64__)
-#define ATTNKIT_HAVE_AVX2_KERNEL 1
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+using detail::first_lanes;
+using detail::has_avx2_fma;
+using detail::horizontal_sum;
+
 // Blocks columns [0, kBlocks * kBlock) of the sums, with kPartials independent partial sums
 // per block (rows r, r + kPartials, ...), added at the end. One accumulator would make
 // every fused multiply-add wait for the one before it (4 cycles); kBlocks * kPartials = 8
@@ -190,11 +190,6 @@ __attribute__((target("avx2,fma"), always_inline)) inline void weighted_row_sum_
       sum = _mm256_add_ps(sum, acc[p][b]);
     _mm256_storeu_ps(out + b * kBlock, sum);
   }
-}
-
-bool has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
 }
 
 // The same sums with AVX2 registers and fused multiply-adds, for CPUs that have them;
@@ -312,18 +307,6 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 exp_nonpositive
   const __m256i two_to_k =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(two_to_k));
-}
-
-// Lanes [0, count) of a register, for the last partial block of a row.
-__attribute__((target("avx2,fma"), always_inline)) inline __m256i first_lanes(int64_t count) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-__attribute__((target("avx2,fma"))) float horizontal_sum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
 __attribute__((target("avx2,fma"))) void softmax_row_avx2(const float* scores, int64_t count,

@@ -4,10 +4,11 @@
 
 #include <sstream>
 #include <string>
-
 #include <vector>
 
 #include <torch/torch.h>
+
+#include "core/few_rows_linear.h"
 
 namespace attnkit::detail {
 
@@ -35,11 +36,18 @@ inline torch::Tensor mask_for(const torch::Tensor& mask_buffer, int64_t num_toke
   return mask_buffer.slice(0, 0, num_tokens).slice(1, 0, num_tokens).to(torch::kBool);
 }
 
-/// `linear(x)` for x (..., in). A single row on the CPU (one decoded token) goes through
-/// addmv: Linear runs it as a one-row GEMM, which OpenBLAS does 2-11x slower than the same
-/// product as a GEMV (GPT-2-small's weight shapes, 1 thread, LibTorch 1.13 and 2.6).
+/// `linear(x)` for x (..., in). One row or a few on the CPU (decode steps) go through
+/// few_rows_linear_if_fits, which streams the weight once for all of them; where it does not
+/// apply (no AVX2, float64), a single row goes through addmv: Linear runs it as a one-row
+/// GEMM, which OpenBLAS does 2-11x slower than the same product as a GEMV (GPT-2-small's
+/// weight shapes, 1 thread, LibTorch 1.13 and 2.6).
 inline torch::Tensor project(torch::nn::Linear& linear, const torch::Tensor& x) {
-  if (!x.device().is_cpu() || x.dim() < 1 || x.numel() != x.size(-1))
+  if (!x.device().is_cpu() || x.dim() < 1)
+    return linear(x);
+  const auto few_rows = few_rows_linear_if_fits(x, linear->weight, linear->bias);
+  if (few_rows.defined())
+    return few_rows;
+  if (x.numel() != x.size(-1))
     return linear(x);
   const auto& weight = linear->weight;
   const auto& bias = linear->bias;

@@ -1,0 +1,35 @@
+#pragma once
+
+// AVX2 + FMA helpers of attnkit's CPU kernels (fused_attention.cpp, few_rows_linear.cpp).
+// Each function is compiled for those instructions on its own (target attribute), so the
+// library still runs on any x86-64; callers take these paths only when has_avx2_fma().
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define ATTNKIT_HAVE_AVX2_KERNEL 1
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace attnkit::detail {
+
+inline bool has_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+// Lanes [0, count) of a register (count <= 8), for the last partial block of a row.
+__attribute__((target("avx2,fma"))) inline __m256i first_lanes(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+__attribute__((target("avx2,fma"))) inline float horizontal_sum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+}  // namespace attnkit::detail
+
+#endif
