@@ -15,6 +15,10 @@ namespace attnkit::detail {
 namespace {
 
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL
+// How far ahead of its loads the kernel prefetches the weight stream, in floats. Past the
+// end of the weight it prefetches nothing useful, and a prefetch never faults.
+constexpr int64_t kPrefetchAhead = 512;
+
 // y[r][n] = bias[n] + x[r] . w[n] for r < kRows, n in [n_begin, n_end): one accumulator per
 // row of x, each weight block loaded once for all of them.
 template <int kRows>
@@ -30,6 +34,13 @@ __attribute__((target("avx2,fma"))) void rows_times_weight_avx2(const float* x, 
     for (int r = 0; r < kRows; ++r)
       acc[r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < whole; k += 8) {
+      // With several rows of x the loop computes long enough per weight row that the
+      // hardware prefetcher falls behind; asking for the stream 2 KB ahead (one cache line
+      // per two steps) took 8 rows from 6-7 to 10 GB/s of weights read from memory.
+      if constexpr (kRows > 1) {
+        if (k % 16 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w_row + k + kPrefetchAhead), _MM_HINT_T0);
+      }
       const __m256 wv = _mm256_loadu_ps(w_row + k);
       for (int r = 0; r < kRows; ++r)
         acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * in + k), wv, acc[r]);
