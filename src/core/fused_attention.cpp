@@ -539,7 +539,8 @@ void backward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<cons
 // Slices per task of at::parallel_for: a slice is a few microseconds of work.
 constexpr int64_t kSlicesPerTask = 16;
 
-// Per outer row b of a ragged batch (causal): its queries' key offset and its keys' end.
+// Per outer row b of a ragged batch (causal, inference): its queries' key offset, its keys'
+// end, and its valid queries: the first key_ends[b] - query_offsets[b] rows, the rest padding.
 struct RowBounds {
   const int64_t* query_offsets;
   const int64_t* key_ends;
@@ -547,18 +548,22 @@ struct RowBounds {
 
 // Runs the forward kernel on (outer, heads, n, f) views with unit-stride rows, writing out4
 // (n, dv per slice); returns the weights (outer, heads, n, m) and the scaled dropout mask
-// (undefined without dropout) that backward needs. With `rows`, each outer row takes its
-// query offset and key end from there instead of query_offset.
+// (undefined without dropout) that backward needs. With `rows` (no weights returned, no
+// dropout), each outer row takes its query offset and key end from there instead of
+// query_offset, and its padding queries get zeros.
 std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
                                                     const torch::Tensor& k4,
                                                     const torch::Tensor& v4, torch::Tensor& out4,
                                                     bool causal, int64_t query_offset,
                                                     int64_t window, double dropout_p,
                                                     const RowBounds* rows = nullptr) {
+  TORCH_INTERNAL_ASSERT(!rows || dropout_p == 0.0, "ragged rows are for inference");
   const int64_t outer = q4.size(0), heads = q4.size(1);
   const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal, query_offset, window};
   const HeadGroups groups{heads, heads / k4.size(1)};
-  auto weights = torch::empty({outer, heads, z.n, z.m}, q4.options());
+  // Nothing reads a ragged step's weights: each task then keeps one slice's in a buffer of
+  // its own (a tensor for all slices cost a fresh, page-faulting allocation per step).
+  auto weights = rows ? torch::Tensor() : torch::empty({outer, heads, z.n, z.m}, q4.options());
   torch::Tensor keep;
   if (dropout_p > 0.0) {
     // Drawn as torch::dropout draws its mask for (..., n, m) weights, so a seed gives the
@@ -568,19 +573,24 @@ std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
   AT_DISPATCH_FLOATING_TYPES(q4.scalar_type(), "fused_attention_forward", [&] {
     const Slices<const scalar_t> qs(q4), ks(k4), vs(v4);
     const Slices<scalar_t> os(out4);
-    scalar_t* w = weights.data_ptr<scalar_t>();
+    scalar_t* w = weights.defined() ? weights.data_ptr<scalar_t>() : nullptr;
     const scalar_t* kp = keep.defined() ? keep.data_ptr<scalar_t>() : nullptr;
     const auto scale = static_cast<scalar_t>(1.0 / std::sqrt(static_cast<double>(z.d)));
     at::parallel_for(0, outer * heads, kSlicesPerTask, [&](int64_t begin, int64_t end) {
       Scratch<scalar_t> scratch(z, z.d, /*backward=*/false, kp != nullptr);
+      std::vector<scalar_t> slice_weights(w ? 0 : z.n * z.m);
       for (int64_t s = begin; s < end; ++s) {
         const int64_t kv = groups.kv_slice(s);
         SliceSizes sizes = z;
         if (rows) {
-          sizes.query_offset = rows->query_offsets[s / heads];
-          sizes.key_limit = rows->key_ends[s / heads];
+          const int64_t b = s / heads;
+          sizes.query_offset = rows->query_offsets[b];
+          sizes.key_limit = rows->key_ends[b];
+          sizes.n = std::clamp<int64_t>(sizes.key_limit - sizes.query_offset, 0, z.n);
+          for (int64_t i = sizes.n; i < z.n; ++i)
+            std::fill(os[s][i], os[s][i] + z.dv, scalar_t(0));
         }
-        forward_slice(qs[s], ks[kv], vs[kv], os[s], w + s * z.n * z.m,
+        forward_slice(qs[s], ks[kv], vs[kv], os[s], w ? w + s * z.n * z.m : slice_weights.data(),
                       kp ? kp + s * z.n * z.m : nullptr, sizes, scale, scratch);
       }
     });

@@ -48,7 +48,8 @@ torch::Tensor packed_fused_attention_if_fits(const torch::Tensor& qkv, int64_t n
 /// The attention of a ragged multi-token step (KVCache::append_ragged's span) by attnkit's
 /// CPU loop-nest kernel, outside autograd: query i of row r sees key j when
 /// j <= query_offsets[r] + i, j < key_ends[r] and (window > 0) j > query_offsets[r] + i -
-/// window; a query that sees no key gets zeros. query (b, h, n, hd), keys and values
+/// window; a query that sees no key gets zeros, and so do row r's padding queries, past its
+/// first key_ends[r] - query_offsets[r] (the valid tokens). query (b, h, n, hd), keys and values
 /// (b, g, m, hd[_v]) with g dividing h; returns (b, h, n, hd_v) laid out as (b, n, h, hd_v).
 /// An undefined tensor where the kernel does not take them (not CPU float/double, autograd
 /// to record, n * m past its tile): the caller's masked path serves those.

@@ -1,6 +1,7 @@
 #include "attnkit/kv_cache.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 #include "core/checks.h"
@@ -170,6 +171,37 @@ KVCache::RaggedSpan KVCache::append_latent_ragged(const torch::Tensor& latents,
   return span;
 }
 
+namespace {
+
+// Row r's last min(new_lengths[r], slots) tokens of `appended` (b, heads, n, width) into the
+// slots (p % slots) of their positions p, which end at ends[r], of the contiguous `storage`
+// (b, heads, capacity, width) on the CPU: copied row by row on the host, where a scatter (or
+// a refill's index_copy_ per row) cost a small model's decode step more than its arithmetic.
+void copy_into_slots(torch::Tensor& storage, const torch::Tensor& appended,
+                     const std::vector<int64_t>& new_lengths, const std::vector<int64_t>& ends,
+                     int64_t slots) {
+  const auto source = appended.stride(3) == 1 ? appended : appended.contiguous();
+  const int64_t heads = storage.size(1), capacity = storage.size(2), width = storage.size(3);
+  const auto item = static_cast<int64_t>(storage.element_size());
+  auto* to = static_cast<char*>(storage.data_ptr());
+  const auto* from = static_cast<const char*>(source.data_ptr());
+  for (int64_t r = 0; r < storage.size(0); ++r) {
+    const int64_t keep = std::min(new_lengths[r], slots), first = new_lengths[r] - keep;
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < keep; ++i) {
+        const int64_t slot = (ends[r] - keep + i) % slots;
+        std::memcpy(
+            to + ((r * heads + h) * capacity + slot) * width * item,
+            from + (r * source.stride(0) + h * source.stride(1) + (first + i) * source.stride(2)) *
+                       item,
+            width * item);
+      }
+    }
+  }
+}
+
+}  // namespace
+
 KVCache::RaggedSpan KVCache::write_ragged(const char* fn, const torch::Tensor& keys,
                                           const torch::Tensor& values,
                                           const std::vector<int64_t>& new_lengths) {
@@ -228,7 +260,13 @@ KVCache::RaggedSpan KVCache::write_ragged(const char* fn, const torch::Tensor& k
   const int64_t slots = window > 0 ? window : capacity();
   const bool every_token_valid =
       std::all_of(new_lengths.begin(), new_lengths.end(), [n](int64_t l) { return l == n; });
-  if (every_token_valid && n <= slots) {
+  const bool on_host =
+      device.is_cpu() && keys_.is_contiguous() && (!values_.defined() || values_.is_contiguous());
+  if (on_host) {
+    copy_into_slots(keys_, keys, new_lengths, ends, slots);
+    if (values_.defined())
+      copy_into_slots(values_, values, new_lengths, ends, slots);
+  } else if (every_token_valid && n <= slots) {
     // One scatter: token i of row r to slot (starts[r] + i) % slots (decode steps take this
     // path); n <= slots keeps each row's slots distinct.
     const auto positions = (on_device(starts).unsqueeze(1) +
