@@ -890,19 +890,20 @@ TEST(Generate, BadArgumentsNameWhatIsWrong) {
 
 // The fused decode step's kernel against the math definition: every head layout (MHA, GQA,
 // MQA), strided keys as a cache holds them, a range of keys per row (a window's start, a
-// ragged row's end, a row that sees none), and both dtypes.
+// ragged row's end, a row that sees none), head widths whole and partial AVX registers,
+// key ranges of whole and partial blocks of 8 keys, and both dtypes.
 TEST(DecodeAttention, EqualsTheMathDefinitionForEveryHeadLayoutAndRowRange) {
   torch::manual_seed(7);
   for (const auto dtype : {torch::kFloat, torch::kDouble}) {
     const double tolerance = dtype == torch::kFloat ? 1e-5 : 1e-10;
-    for (const int64_t kv_heads : {6, 2, 1}) {
-      const int64_t b = 3, h = 6, m = 9, hd = 8, hd_v = 5;
+    for (const auto& [kv_heads, hd] : {std::pair<int64_t, int64_t>{6, 8}, {2, 13}, {1, 16}}) {
+      const int64_t b = 3, h = 6, m = 19, hd_v = 5;
       const auto options = torch::TensorOptions().dtype(dtype);
       const auto query = torch::randn({b, h, 1, hd}, options);
-      // Views of a larger storage, as a cache's keys are: (b, kv_heads, m, .) of capacity 12.
-      const auto keys = torch::randn({b, kv_heads, 12, hd}, options).narrow(2, 0, m);
-      const auto values = torch::randn({b, kv_heads, 12, hd_v}, options).narrow(2, 0, m);
-      const std::vector<int64_t> begin{0, 3, 4}, end{9, 7, 4};
+      // Views of a larger storage, as a cache's keys are: (b, kv_heads, m, .) of capacity 24.
+      const auto keys = torch::randn({b, kv_heads, 24, hd}, options).narrow(2, 0, m);
+      const auto values = torch::randn({b, kv_heads, 24, hd_v}, options).narrow(2, 0, m);
+      const std::vector<int64_t> begin{0, 3, 4}, end{19, 12, 4};
       const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
       const auto got = attnkit::detail::decode_attention(query, keys, values, scale, begin, end);
       ASSERT_EQ(got.sizes(), (std::vector<int64_t>{b, h, 1, hd_v}));
@@ -916,7 +917,7 @@ TEST(DecodeAttention, EqualsTheMathDefinitionForEveryHeadLayoutAndRowRange) {
           want = torch::softmax(torch::matmul(query[r], k.transpose(1, 2)) * scale, -1).matmul(v);
         }
         EXPECT_LT((got[r] - want).abs().max().item<double>(), tolerance)
-            << dtype << ", " << kv_heads << " key heads, row " << r;
+            << dtype << ", " << kv_heads << " key heads, width " << hd << ", row " << r;
       }
       const auto every_key = attnkit::detail::decode_attention(query, keys, values, scale);
       const auto want_all =

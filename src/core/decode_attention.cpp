@@ -6,36 +6,67 @@
 #include "core/decode_attention.h"
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "core/parallel.h"
+#include "core/row_softmax.h"
 
 namespace attnkit::detail {
 
 namespace {
 
-// Eight partial sums, so that the compiler can vectorise the product without reassociating
-// one sum (which it may not do for floating point).
-template <typename scalar_t, typename acc_t>
-acc_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
-  constexpr int64_t kLanes = 8;
-  acc_t partial[kLanes] = {};
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+// scores[0, 8) = q . keys[t * key_stride] for 8 key rows of width hd: the eight sums reduced
+// together by a tree of horizontal adds into one register, where one dot at a time paid a
+// whole horizontal sum per key (most of the step at head widths of 16).
+__attribute__((target("avx2,fma"))) void eight_dots_avx2(const float* q, const float* keys,
+                                                         int64_t key_stride, int64_t hd,
+                                                         float* scores) {
+  __m256 acc[8];
+  for (int t = 0; t < 8; ++t)
+    acc[t] = _mm256_setzero_ps();
   int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes) {
-    for (int64_t lane = 0; lane < kLanes; ++lane)
-      partial[lane] += static_cast<acc_t>(a[d + lane]) * static_cast<acc_t>(b[d + lane]);
+  for (; d + kLanes <= hd; d += kLanes) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int t = 0; t < 8; ++t)
+      acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + t * key_stride + d), acc[t]);
   }
-  acc_t total = 0;
-  for (; d < n; ++d)
-    total += static_cast<acc_t>(a[d]) * static_cast<acc_t>(b[d]);
-  for (int64_t lane = 0; lane < kLanes; ++lane)
-    total += partial[lane];
-  return total;
+  if (d < hd) {
+    const __m256i lanes = first_lanes(hd - d);
+    const __m256 qv = _mm256_maskload_ps(q + d, lanes);
+    for (int t = 0; t < 8; ++t)
+      acc[t] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(keys + t * key_stride + d, lanes), acc[t]);
+  }
+  // Pairwise: lane groups of each 128-bit half hold partial sums of keys (0,1,2,3) and
+  // (4,5,6,7); the last step adds the halves.
+  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  const __m256 low = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 high = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  _mm256_storeu_ps(scores, _mm256_add_ps(low, high));
+}
+#endif
+
+// scores[j] = q . keys[j * key_stride] for j in [begin, end).
+template <typename scalar_t>
+void key_dots(const scalar_t* q, const scalar_t* keys, int64_t key_stride, int64_t hd,
+              int64_t begin, int64_t end, scalar_t* scores) {
+  int64_t j = begin;
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (has_avx2_fma()) {
+      for (; j + 8 <= end; j += 8)
+        eight_dots_avx2(q, keys + j * key_stride, key_stride, hd, scores + j);
+    }
+  }
+#endif
+  for (; j < end; ++j)
+    scores[j] = dot(q, keys + j * key_stride, hd);
 }
 
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t>
 void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
                  double scale, const std::vector<int64_t>& key_begin,
                  const std::vector<int64_t>& key_end, torch::Tensor& out) {
@@ -50,8 +81,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const to
   // Enough keys per task that a thread's share is worth waking it for.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, m * (hd + hd_v)));
   at::parallel_for(0, b * h, grain, [&](int64_t first, int64_t last) {
-    std::vector<acc_t> weights(static_cast<size_t>(m));
-    std::vector<acc_t> context(static_cast<size_t>(hd_v));
+    std::vector<scalar_t> weights(static_cast<size_t>(m));
     for (int64_t task = first; task < last; ++task) {
       const int64_t row = task / h, head = task % h, kv_head = head / group;
       const int64_t begin = key_begin.empty() ? 0 : key_begin[row];
@@ -59,26 +89,20 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const to
       const scalar_t* q_row = q + row * qs[0] + head * qs[1];
       const scalar_t* k_head = k + row * ks[0] + kv_head * ks[1];
       const scalar_t* v_head = v + row * vs[0] + kv_head * vs[1];
-      std::fill(context.begin(), context.end(), acc_t(0));
-      acc_t max_score = -std::numeric_limits<acc_t>::infinity();
+      scalar_t* context = o + (row * h + head) * hd_v;
+      // A row that sees no key gets zero weights, as in the math core: a zero context.
+      std::fill(context, context + hd_v, scalar_t(0));
+      if (end <= begin)
+        continue;
+      scalar_t* p = weights.data() + begin;
+      key_dots(q_row, k_head, ks[2], hd, begin, end, weights.data());
+      softmax_row(p, end - begin, static_cast<scalar_t>(scale), p);
       for (int64_t j = begin; j < end; ++j) {
-        weights[j] =
-            dot<scalar_t, acc_t>(q_row, k_head + j * ks[2], hd) * static_cast<acc_t>(scale);
-        max_score = std::max(max_score, weights[j]);
-      }
-      acc_t total = 0;
-      for (int64_t j = begin; j < end; ++j) {
-        weights[j] = std::exp(weights[j] - max_score);
-        total += weights[j];
         const scalar_t* value = v_head + j * vs[2];
+        const scalar_t weight = weights[j];
         for (int64_t d = 0; d < hd_v; ++d)
-          context[d] += weights[j] * static_cast<acc_t>(value[d]);
+          context[d] += weight * value[d];
       }
-      // A row that sees no key gets zero weights, as in the math core.
-      const acc_t inverse = end > begin ? acc_t(1) / total : acc_t(0);
-      scalar_t* out_row = o + (row * h + head) * hd_v;
-      for (int64_t d = 0; d < hd_v; ++d)
-        out_row[d] = static_cast<scalar_t>(context[d] * inverse);
     }
   });
 }
@@ -123,7 +147,7 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   // (b, 1, h, hd_v) memory, returned as (b, h, 1, hd_v): merging the heads is then a view.
   auto out = torch::empty({b, 1, h, values.size(3)}, query.options());
   AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "decode_attention", [&] {
-    decode_rows<scalar_t, scalar_t>(query, keys, values, scale, key_begin, key_end, out);
+    decode_rows<scalar_t>(query, keys, values, scale, key_begin, key_end, out);
   });
   return out.transpose(1, 2);
 }

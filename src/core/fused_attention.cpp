@@ -33,6 +33,7 @@
 #include "core/attention_layout.h"
 #include "core/avx2.h"
 #include "core/parallel.h"
+#include "core/row_softmax.h"
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
 #include <ATen/SDPBackend.h>
@@ -43,7 +44,9 @@ namespace attnkit::functional {
 namespace {
 
 using detail::as_outer_heads;
+using detail::dot;
 using detail::shaped_like;
+using detail::softmax_row;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -285,117 +288,6 @@ __attribute__((target("avx2,fma"))) void weighted_row_sums_avx2(
     weighted_row_sum_avx2(count, coef + t0 * coef_step, coef_stride, rows, width, out[t0]);
 }
 #endif
-
-#ifdef ATTNKIT_HAVE_AVX2_KERNEL
-// e^x for x <= 0 (every softmax argument is), eight at a time, after Cephes' expf:
-// x = k ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 polynomial, 2^k in the exponent
-// bits. Within 2 ulp of std::exp; arguments below -87.3 give about 1e-38 instead of 0.
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp_nonpositive_avx2(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - k ln2, with ln2 in two parts so that k * ln2_high is exact.
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i two_to_k =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(two_to_k));
-}
-
-__attribute__((target("avx2,fma"))) void softmax_row_avx2(const float* scores, int64_t count,
-                                                          float scale, float* p) {
-  __m256 max8 = _mm256_set1_ps(scores[0]);
-  int64_t j = 0;
-  for (; j + kBlock <= count; j += kBlock)
-    max8 = _mm256_max_ps(max8, _mm256_loadu_ps(scores + j));
-  if (j < count)  // masked-off lanes load 0; scores[0] stands in for them
-    max8 =
-        _mm256_max_ps(max8, _mm256_blendv_ps(_mm256_set1_ps(scores[0]),
-                                             _mm256_maskload_ps(scores + j, first_lanes(count - j)),
-                                             _mm256_castsi256_ps(first_lanes(count - j))));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(max8), _mm256_extractf128_ps(max8, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const __m256 row_max = _mm256_set1_ps(_mm_cvtss_f32(m4)), scale8 = _mm256_set1_ps(scale);
-  __m256 sum8 = _mm256_setzero_ps();
-  for (j = 0; j + kBlock <= count; j += kBlock) {
-    const __m256 e = exp_nonpositive_avx2(
-        _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + j), row_max), scale8));
-    _mm256_storeu_ps(p + j, e);
-    sum8 = _mm256_add_ps(sum8, e);
-  }
-  if (j < count) {
-    const __m256i lanes = first_lanes(count - j);
-    const __m256 e =
-        _mm256_and_ps(exp_nonpositive_avx2(_mm256_mul_ps(
-                          _mm256_sub_ps(_mm256_maskload_ps(scores + j, lanes), row_max), scale8)),
-                      _mm256_castsi256_ps(lanes));
-    _mm256_maskstore_ps(p + j, lanes, e);
-    sum8 = _mm256_add_ps(sum8, e);
-  }
-  const __m256 inverse = _mm256_set1_ps(1.0f / horizontal_sum(sum8));
-  for (j = 0; j + kBlock <= count; j += kBlock)
-    _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), inverse));
-  for (; j < count; ++j)
-    p[j] *= _mm_cvtss_f32(_mm256_castps256_ps128(inverse));
-}
-
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t count) {
-  __m256 sum8 = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + kBlock <= count; j += kBlock)
-    sum8 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), sum8);
-  if (j < count) {
-    const __m256i lanes = first_lanes(count - j);
-    sum8 =
-        _mm256_fmadd_ps(_mm256_maskload_ps(a + j, lanes), _mm256_maskload_ps(b + j, lanes), sum8);
-  }
-  return horizontal_sum(sum8);
-}
-#endif
-
-// p[0, count) = softmax(scores[0, count) * scale).
-template <typename T>
-void softmax_row(const T* scores, int64_t count, T scale, T* p) {
-#ifdef ATTNKIT_HAVE_AVX2_KERNEL
-  if constexpr (std::is_same_v<T, float>) {
-    if (has_avx2_fma()) {
-      softmax_row_avx2(scores, count, scale, p);
-      return;
-    }
-  }
-#endif
-  const T row_max = *std::max_element(scores, scores + count);
-  T sum = 0;
-  for (int64_t j = 0; j < count; ++j) {
-    p[j] = std::exp((scores[j] - row_max) * scale);
-    sum += p[j];
-  }
-  const T inverse = T(1) / sum;
-  for (int64_t j = 0; j < count; ++j)
-    p[j] *= inverse;
-}
-
-template <typename T>
-T dot(const T* a, const T* b, int64_t count) {
-#ifdef ATTNKIT_HAVE_AVX2_KERNEL
-  if constexpr (std::is_same_v<T, float>) {
-    if (has_avx2_fma())
-      return dot_avx2(a, b, count);
-  }
-#endif
-  T sum = 0;
-  for (int64_t j = 0; j < count; ++j)
-    sum += a[j] * b[j];
-  return sum;
-}
 
 // Several sums over the same rows: for t < outputs,
 // out[t][0, width) = sum over r < count of coef[t * coef_step + r * coef_stride] * rows[r].
