@@ -135,13 +135,14 @@ torch::Tensor GroupedQueryAttentionImpl::forward_with_cache(const torch::Tensor&
   detail::check_rope_cached_positions(kName, rope_tables, cache, new_lengths, x.size(1));
   torch::NoGradGuard no_grad;
   const auto g = options.num_kv_groups();
+  const detail::ValidTokens tokens(x, new_lengths);
   const auto context = detail::attend_cached(
       {q_norm, k_norm, rope_tables},
-      detail::split_heads(detail::project(W_query, x, new_lengths), options.num_heads()),
-      detail::split_heads(detail::project(W_key, x, new_lengths), g),
-      detail::split_heads(detail::project(W_value, x, new_lengths), g), cache, settings_of(options),
+      detail::split_heads(detail::project(W_query, x, tokens), options.num_heads()),
+      detail::split_heads(detail::project(W_key, x, tokens), g),
+      detail::split_heads(detail::project(W_value, x, tokens), g), cache, settings_of(options),
       mask, new_lengths);
-  return detail::project(out_proj, detail::merge_heads(context), new_lengths);
+  return detail::project(out_proj, detail::merge_heads(context), tokens);
 }
 
 }  // namespace attnkit

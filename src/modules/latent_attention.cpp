@@ -153,8 +153,9 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tens
       {1, latent_dim(), 0, /*latent=*/true}, W_query->weight, mask, lengths);
   torch::NoGradGuard no_grad;
   const auto h = options.num_heads();
-  const auto queries = detail::split_heads(detail::project(W_query, x, new_lengths), h);
-  const auto new_latents = detail::project(W_DKV, x, new_lengths);  // (b, n, latent_dim)
+  const detail::ValidTokens tokens(x, new_lengths);
+  const auto queries = detail::split_heads(detail::project(W_query, x, tokens), h);
+  const auto new_latents = detail::project(W_DKV, x, tokens);  // (b, n, latent_dim)
   const bool decode_step = x.size(1) == 1 && mask.is_none();
   if (!new_lengths.empty()) {
     const auto span = cache.append_latent_ragged(new_latents, new_lengths);  // (b, m, latent)
@@ -167,7 +168,7 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tens
     const auto context = detail::attend_ragged(queries, detail::split_heads(W_UK(span.keys), h),
                                                detail::split_heads(W_UV(span.keys), h), span,
                                                settings_of(options), mask);
-    return detail::project(out_proj, detail::merge_heads(context), new_lengths);
+    return detail::project(out_proj, detail::merge_heads(context), tokens);
   }
   const int64_t start = cache.size();
   const auto latents = cache.append_latent(new_latents);  // (b, start + n, latent_dim)

@@ -57,29 +57,55 @@ inline torch::Tensor project(torch::nn::Linear& linear, const torch::Tensor& x) 
   return (bias.defined() ? at::addmv(bias, weight, row) : at::mv(weight, row)).view(sizes);
 }
 
-/// `linear(x)` for a right-padded ragged step x (b, n, in) whose row r brings new_lengths[r]
-/// valid tokens (empty: every token is valid). When padding is most of x, as in a ragged
-/// batch's refill step (one row's half context, the others' one token each), only the valid
-/// tokens are multiplied and the padding's outputs are zero.
-inline torch::Tensor project(torch::nn::Linear& linear, const torch::Tensor& x,
-                             const std::vector<int64_t>& new_lengths) {
-  if (new_lengths.empty() || x.dim() != 3 || x.size(0) != static_cast<int64_t>(new_lengths.size()))
-    return project(linear, x);
-  const int64_t b = x.size(0), n = x.size(1);
-  std::vector<int64_t> valid_rows;  // indices into the (b * n) tokens
-  for (int64_t r = 0; r < b; ++r) {
-    for (int64_t i = 0; i < new_lengths[r]; ++i)
-      valid_rows.push_back(r * n + i);
+/// The valid tokens of a right-padded ragged step x (b, n, f) whose row r brings
+/// new_lengths[r] of them. When padding is most of the step, as in a ragged batch's refill
+/// (one row's half context, the others' one token each), per-token work pays on the valid
+/// tokens alone: pack() gathers them, unpack() and add_to() put results back. Otherwise, or
+/// with no lengths (a uniform step), packs() is false and the step runs padded.
+class ValidTokens {
+ public:
+  ValidTokens(const torch::Tensor& x, const std::vector<int64_t>& new_lengths) {
+    if (new_lengths.empty() || x.dim() != 3 ||
+        x.size(0) != static_cast<int64_t>(new_lengths.size()))
+      return;
+    b_ = x.size(0);
+    n_ = x.size(1);
+    std::vector<int64_t> valid;  // indices into the (b * n) tokens
+    for (int64_t r = 0; r < b_; ++r) {
+      for (int64_t i = 0; i < new_lengths[r]; ++i)
+        valid.push_back(r * n_ + i);
+    }
+    if (2 * static_cast<int64_t>(valid.size()) <= b_ * n_)
+      index_ = torch::tensor(valid, torch::kInt64).to(x.device());
   }
-  if (2 * static_cast<int64_t>(valid_rows.size()) > b * n)
+  bool packs() const { return index_.defined(); }
+  /// (b, n, f) -> (valid, f)
+  torch::Tensor pack(const torch::Tensor& x) const {
+    return x.reshape({b_ * n_, x.size(2)}).index_select(0, index_);
+  }
+  /// (valid, f) -> (b, n, f), zeros at the padding
+  torch::Tensor unpack(const torch::Tensor& packed) const {
+    return torch::zeros({b_ * n_, packed.size(1)}, packed.options())
+        .index_copy_(0, index_, packed)
+        .view({b_, n_, packed.size(1)});
+  }
+  /// x (b, n, f) plus packed (valid, f) at the valid tokens' places
+  torch::Tensor add_to(const torch::Tensor& x, const torch::Tensor& packed) const {
+    return x.reshape({b_ * n_, x.size(2)}).index_add(0, index_, packed).view(x.sizes());
+  }
+
+ private:
+  int64_t b_ = 0, n_ = 0;
+  torch::Tensor index_;  // (valid)
+};
+
+/// `linear(x)` for a ragged step x (b, n, in): on its valid tokens alone where that pays
+/// (ValidTokens), the padding's outputs zero.
+inline torch::Tensor project(torch::nn::Linear& linear, const torch::Tensor& x,
+                             const ValidTokens& tokens) {
+  if (!tokens.packs())
     return project(linear, x);
-  const auto index = torch::tensor(valid_rows, torch::kInt64).to(x.device());
-  // (b, n, in) -> (b * n, in) -> (valid, in) -> (valid, out)
-  const auto packed = linear(x.reshape({b * n, x.size(2)}).index_select(0, index));
-  // (valid, out) -> (b * n, out) -> (b, n, out)
-  return torch::zeros({b * n, packed.size(1)}, packed.options())
-      .index_copy_(0, index, packed)
-      .view({b, n, packed.size(1)});
+  return tokens.unpack(project(linear, tokens.pack(x)));
 }
 
 /// (b, n, h * hd) -> (b, h, n, hd)

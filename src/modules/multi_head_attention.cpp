@@ -85,10 +85,11 @@ torch::Tensor attend_with_cache(const torch::Tensor& queries, const torch::Tenso
                                 const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
                                 KVCache& cache, torch::nn::Linear& out_proj, const Mask& mask,
                                 const detail::QueryKeyTransform& transform,
-                                const std::vector<int64_t>& new_lengths) {
+                                const std::vector<int64_t>& new_lengths,
+                                const detail::ValidTokens& tokens) {
   const auto context = detail::attend_cached(transform, queries, keys, values, cache,
                                              settings_of(opt), mask, new_lengths);
-  return detail::project(out_proj, detail::merge_heads(context), new_lengths);
+  return detail::project(out_proj, detail::merge_heads(context), tokens);
 }
 
 // Heads (b, h, n, hd) attended with the weights (the book's math path), merged and projected.
@@ -225,11 +226,12 @@ torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x,
   // Three projections, not forward()'s one GEMM over concatenated weights: per decoded
   // token that concatenation would copy all three weight matrices.
   const auto h = options.num_heads();
-  return attend_with_cache(detail::split_heads(detail::project(W_query, x, new_lengths), h),
-                           detail::split_heads(detail::project(W_key, x, new_lengths), h),
-                           detail::split_heads(detail::project(W_value, x, new_lengths), h),
-                           options, cache, out_proj, mask, {q_norm, k_norm, rope_tables},
-                           new_lengths);
+  const detail::ValidTokens tokens(x, new_lengths);
+  return attend_with_cache(detail::split_heads(detail::project(W_query, x, tokens), h),
+                           detail::split_heads(detail::project(W_key, x, tokens), h),
+                           detail::split_heads(detail::project(W_value, x, tokens), h), options,
+                           cache, out_proj, mask, {q_norm, k_norm, rope_tables}, new_lengths,
+                           tokens);
 }
 
 torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
@@ -371,9 +373,10 @@ torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward_with_cache(const torch:
   const auto new_lengths = check_cached_mha_call(kCombinedName, options, is_training(), x, cache,
                                                  qkv->weight, mask, lengths, rope_tables);
   torch::NoGradGuard no_grad;
-  const auto q_k_v = split_combined_qkv(detail::project(qkv, x, new_lengths), options.num_heads());
+  const detail::ValidTokens tokens(x, new_lengths);
+  const auto q_k_v = split_combined_qkv(detail::project(qkv, x, tokens), options.num_heads());
   return attend_with_cache(q_k_v[0], q_k_v[1], q_k_v[2], options, cache, out_proj, mask,
-                           {q_norm, k_norm, rope_tables}, new_lengths);
+                           {q_norm, k_norm, rope_tables}, new_lengths, tokens);
 }
 
 torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward(const torch::Tensor& query,

@@ -248,13 +248,15 @@ torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache,
   TORCH_CHECK(attend_with_cache_, "--module ", module_name_, " has no KV cache");
   x = x + attend_with_cache_(attention_norm_(x), cache, lengths);
   if (feed_forward_) {
-    // Linear, GELU, Dropout (a no-op: caches are for inference), Linear; a one-row step's
-    // products as GEMVs, a mostly padded ragged step's on its valid tokens (detail::project).
-    const auto new_lengths = host_lengths(lengths);
-    x = x + detail::project(
-                feed_forward_down_,
-                torch::gelu(detail::project(feed_forward_up_, feed_forward_norm_(x), new_lengths)),
-                new_lengths);
+    // Norm, Linear, GELU, Dropout (a no-op: caches are for inference), Linear, each per
+    // token: a one-row step's products through detail::project, a mostly padded ragged
+    // step's whole feed-forward on its valid tokens.
+    const auto feed_forward = [&](const torch::Tensor& h) {
+      return detail::project(feed_forward_down_,
+                             torch::gelu(detail::project(feed_forward_up_, feed_forward_norm_(h))));
+    };
+    const detail::ValidTokens valid(x, host_lengths(lengths));
+    x = valid.packs() ? valid.add_to(x, feed_forward(valid.pack(x))) : x + feed_forward(x);
   }
   return x;
 }
@@ -366,7 +368,10 @@ torch::Tensor AttentionModelImpl::ragged_logits_with_cache(const torch::Tensor& 
   for (size_t i = 0; i < caches.size(); ++i) {
     x = blocks_[i]->as<BlockImpl>()->forward_with_cache(x, caches[i], lengths);
   }
-  return detail::project(head_, final_norm_(x), host_lengths(lengths));
+  const detail::ValidTokens valid(x, host_lengths(lengths));
+  if (valid.packs())  // the norm and head per token: on the valid tokens alone
+    return valid.unpack(detail::project(head_, final_norm_(valid.pack(x))));
+  return detail::project(head_, final_norm_(x));
 }
 
 std::vector<KVCache> AttentionModelImpl::make_kv_caches(int64_t batch, int64_t capacity) {
