@@ -17,9 +17,9 @@ namespace attnkit::detail {
 namespace {
 
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL
-// scores[0, 8) = q . keys[t * key_stride] for 8 key rows of width hd: the eight sums reduced
-// together by a tree of horizontal adds into one register, where one dot at a time paid a
-// whole horizontal sum per key (most of the step at head widths of 16).
+// scores[0, 8) = q . keys[t * key_stride] for 8 key rows of width hd, the eight sums reduced
+// together (one dot at a time paid a whole horizontal sum per key: most of the step at head
+// widths of 16).
 __attribute__((target("avx2,fma"))) void eight_dots_avx2(const float* q, const float* keys,
                                                          int64_t key_stride, int64_t hd,
                                                          float* scores) {
@@ -38,14 +38,7 @@ __attribute__((target("avx2,fma"))) void eight_dots_avx2(const float* q, const f
     for (int t = 0; t < 8; ++t)
       acc[t] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(keys + t * key_stride + d, lanes), acc[t]);
   }
-  // Pairwise: lane groups of each 128-bit half hold partial sums of keys (0,1,2,3) and
-  // (4,5,6,7); the last step adds the halves.
-  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
-  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  const __m256 low = _mm256_permute2f128_ps(s0123, s4567, 0x20);
-  const __m256 high = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-  _mm256_storeu_ps(scores, _mm256_add_ps(low, high));
+  _mm256_storeu_ps(scores, horizontal_sums_of_eight(acc));
 }
 #endif
 

@@ -51,8 +51,17 @@ __attribute__((target("avx2,fma"))) void rows_times_weight_avx2(const float* x, 
         acc[r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * in + whole, tail), wv, acc[r]);
     }
     const float b = bias ? bias[n] : 0.0f;
-    for (int r = 0; r < kRows; ++r)
-      y[r * out + n] = horizontal_sum(acc[r]) + b;
+    if constexpr (kRows == 8) {
+      // At short rows (a toy model's 64) the eight horizontal sums cost as much as the
+      // multiply-adds; reduced together they are one register.
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, horizontal_sums_of_eight(acc));
+      for (int r = 0; r < kRows; ++r)
+        y[r * out + n] = sums[r] + b;
+    } else {
+      for (int r = 0; r < kRows; ++r)
+        y[r * out + n] = horizontal_sum(acc[r]) + b;
+    }
   }
 }
 
