@@ -200,6 +200,29 @@ void copy_into_slots(torch::Tensor& storage, const torch::Tensor& appended,
   }
 }
 
+// Positions [start, start + n) of every row of `appended` (b, heads, n, width) into their
+// slots (p % slots) of `storage`, the last min(n, slots) of them (a rolling cache keeps no
+// more): by memcpy on the CPU, else one copy where the slots do not wrap.
+void write_positions(torch::Tensor& storage, const torch::Tensor& appended, int64_t start,
+                     int64_t slots) {
+  const int64_t b = storage.size(0), n = appended.size(2), keep = std::min(n, slots);
+  if (storage.device().is_cpu() && storage.is_contiguous()) {
+    copy_into_slots(storage, appended, std::vector<int64_t>(b, n),
+                    std::vector<int64_t>(b, start + n), slots);
+    return;
+  }
+  const int64_t first_slot = (start + n - keep) % slots;
+  const auto kept = appended.narrow(2, n - keep, keep);
+  if (first_slot + keep <= slots) {
+    storage.narrow(2, first_slot, keep).copy_(kept);
+    return;
+  }
+  const auto slot_index = torch::arange(start + n - keep, start + n,
+                                        torch::dtype(torch::kInt64).device(storage.device()))
+                              .remainder_(slots);
+  storage.index_copy_(2, slot_index, kept);
+}
+
 }  // namespace
 
 KVCache::RaggedSpan KVCache::write_ragged(const char* fn, const torch::Tensor& keys,
@@ -317,23 +340,26 @@ KVCache::Span KVCache::append(const torch::Tensor& keys, const torch::Tensor& va
   torch::NoGradGuard no_grad;
   const int64_t n = keys.size(2);
   const int64_t start = size_;
-  if (window_size_ == 0) {
-    keys_.narrow(2, start, n).copy_(keys);
-    values_.narrow(2, start, n).copy_(values);
+  const int64_t window = window_size_;
+  const int64_t slots = window > 0 ? window : capacity();
+  const auto write = [&] {
+    write_positions(keys_, keys, start, slots);
+    write_positions(values_, values, start, slots);
     size_ += n;
+  };
+  if (window == 0) {
+    write();
     return {this->keys(), this->values(), start};
   }
-  const int64_t window = window_size_;
   if (n == 1) {
     // Position p lives in slot p % window. The one query sees every position held, so
     // the storage order will do.
-    keys_.narrow(2, start % window, 1).copy_(keys);
-    values_.narrow(2, start % window, 1).copy_(values);
-    size_ += 1;
+    write();
     return {this->keys(), this->values(), held() - 1};
   }
   // Several queries need their keys in order: the positions held, oldest first (slot
-  // start % window once the buffer has wrapped), then the new ones.
+  // start % window once the buffer has wrapped), then the new ones; read before the new
+  // keys overwrite the oldest slots.
   const int64_t held_before = held();
   const int64_t oldest = start > window ? start % window : 0;
   const auto in_order = [&](const torch::Tensor& storage, const torch::Tensor& appended) {
@@ -341,21 +367,14 @@ KVCache::Span KVCache::append(const torch::Tensor& keys, const torch::Tensor& va
     return torch::cat({held_part.roll(-oldest, 2), appended}, 2);
   };
   Span span{in_order(keys_, keys), in_order(values_, values), held_before};
-  // Keep the last `window` positions: position p to slot p % window.
-  const int64_t keep = std::min(window, n);
-  const auto slots =
-      torch::arange(start + n - keep, start + n, torch::dtype(torch::kInt64).device(keys_.device()))
-          .remainder_(window);
-  keys_.index_copy_(2, slots, keys.narrow(2, n - keep, keep));
-  values_.index_copy_(2, slots, values.narrow(2, n - keep, keep));
-  size_ += n;
+  write();
   return span;
 }
 
 torch::Tensor KVCache::append_latent(const torch::Tensor& latents) {
   const auto as_heads = latents_as_heads("[KVCache::append_latent]", "append", latents);
   torch::NoGradGuard no_grad;
-  keys_.narrow(2, size_, latents.size(1)).copy_(as_heads);
+  write_positions(keys_, as_heads, size_, capacity());
   size_ += latents.size(1);
   return keys().select(1, 0);
 }
