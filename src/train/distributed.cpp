@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <sstream>
 #include <utility>
@@ -334,6 +335,9 @@ std::unique_ptr<Collectives> join_process_group(const RankEnvironment& environme
   TORCH_CHECK(backend == "gloo" || backend == "nccl",
               "--dist-backend: expected gloo or nccl, got '", backend, "'");
   check_backend_serves(backend, device);
+  // A write to the socket of a rank that died must fail with EPIPE, which c10d turns into the
+  // "lost rank" error, not kill this rank with SIGPIPE (Python ignores SIGPIPE; C++ does not).
+  std::signal(SIGPIPE, SIG_IGN);
   auto store = open_store(environment, timeout_s);
 #ifdef ATTNKIT_WITH_NCCL
   if (backend == "nccl") {
