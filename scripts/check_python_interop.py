@@ -10,8 +10,8 @@
 C++ module computed (written with attnkit::write_state_dict). Both are read with the
 weights-only unpickler (`weights_only=True`, PyTorch 2.6's default and the safe choice on
 1.13) and, where that is a different call, with plain `torch.load(path)`. The state dict goes
-into the class's own load_state_dict (strict but for the `mask` buffer attnkit's
-MultiHeadAttention does not keep), the input through the model; prints
+into the class's own strict load_state_dict (every key and shape must match, the book's
+`mask` buffer included), the input through the model; prints
 `OK maxdiff=...` (exit 0) or `MISMATCH ...` (exit 1). `--write-back` then saves the model's
 state dict with this PyTorch's torch.save, for the C++ side to read back. Run by the C++
 test suite (tests/serialize_test.cpp) with the Python of each LibTorch leg.
@@ -28,8 +28,6 @@ from reference_attention import build  # noqa: E402
 
 # C++ and Python run the same LibTorch kernels; 1e-6 absorbs any order-of-operations drift.
 TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
-# Classes whose Python `mask` buffer attnkit's module does not keep (n^2 memory nothing reads).
-PYTHON_ONLY_MASK = {"MultiHeadAttention", "MultiHeadAttentionCombinedQKV"}
 
 
 def load(path):
@@ -53,12 +51,12 @@ def main():
     state = load(args.state)
     io = load(args.io)
     model = build(args.module, json.loads(args.config)).to(io["input"].dtype)
-    # Strict but for the book's `mask` buffer of these two classes, which attnkit does not keep
-    # (the Python constructor makes its own): every other key and shape must match.
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    allowed_missing = {"mask"} if args.module in PYTHON_ONLY_MASK else set()
-    if unexpected or set(missing) - allowed_missing:
-        print(f"MISMATCH {args.module} keys: missing {missing}, unexpected {unexpected}")
+    # Strict, as a user's `model.load_state_dict(torch.load(path))`: a missing or unexpected
+    # key, or a wrong shape, is the RuntimeError Python raises.
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        print(f"MISMATCH {args.module} strict load_state_dict: {error}")
         return 1
     model.eval()
     with torch.no_grad():

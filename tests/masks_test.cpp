@@ -655,22 +655,29 @@ TEST(ModuleMasks, CrossAttentionWhereItMakesSenseAndClearRefusalsElsewhere) {
   EXPECT_EQ(rolling.size(), 0);  // nothing appended by the refused call
 }
 
-TEST(ModuleMasks, StateDictsWithThePythonMaskBufferStillLoad) {
+TEST(ModuleMasks, StateDictsCarryThePythonMaskBufferThatTheModuleDoesNotKeep) {
   attnkit::MultiHeadAttention mha(attnkit::MultiHeadAttentionOptions(4, 4, 6, 0.0, 2));
-  EXPECT_TRUE(mha->named_buffers().is_empty());  // no n^2 buffer any more
-  // What the book's Python class (and attnkit before) wrote: the weights and a `mask`.
+  EXPECT_TRUE(mha->named_buffers().is_empty());  // no n^2 buffer in the module
+  // The state dict has the book's `mask` as the Python constructor makes it, so Python's
+  // strict load takes it; a strict load here accepts and ignores it.
   auto dict = attnkit::state_dict(*mha);
-  dict.insert("mask", torch::triu(torch::ones({6, 6}), 1));
+  EXPECT_TRUE(torch::equal(dict["mask"], torch::triu(torch::ones({6, 6}), 1)));
   attnkit::MultiHeadAttention loaded(attnkit::MultiHeadAttentionOptions(4, 4, 6, 0.0, 2));
   const auto result = attnkit::load_state_dict(*loaded, dict);  // strict
   EXPECT_EQ(result.ignored_keys, std::vector<std::string>{"mask"});
   EXPECT_TRUE(result.unexpected_keys.empty());
+  EXPECT_TRUE(result.missing_keys.empty());
   EXPECT_TRUE(tensors_close("loaded weights", loaded->W_query->weight, mha->W_query->weight, 0.0));
-  // Nested, as in a model: the key under the submodule's path is ignored too, nothing else is.
+  // Files written before the key was made at save time (no `mask`) still load strictly.
+  dict.erase("mask");
+  EXPECT_TRUE(attnkit::load_state_dict(*loaded, dict).ignored_keys.empty());
+  // Nested, as in a model: the key under the submodule's path, in the parameters' dtype.
   torch::nn::Sequential model(
       attnkit::MultiHeadAttentionCombinedQKV(attnkit::MultiHeadAttentionOptions(4, 4, 6, 0.0, 2)));
+  model->to(torch::kDouble);
   auto nested = attnkit::state_dict(*model);
-  nested.insert("0.mask", torch::triu(torch::ones({6, 6}), 1));
+  ASSERT_TRUE(nested.contains("0.mask"));
+  EXPECT_EQ(nested["0.mask"].scalar_type(), torch::kDouble);
   EXPECT_EQ(attnkit::load_state_dict(*model, nested).ignored_keys,
             std::vector<std::string>{"0.mask"});
   nested.insert("1.mask", torch::ones({2}));

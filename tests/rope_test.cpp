@@ -385,9 +385,11 @@ TEST(RopeModules, StateDictHoldsTheNormWeightsAndNoTables) {
   attnkit::MultiHeadAttention with_rope(options);
   attnkit::MultiHeadAttention with_norm(attnkit::MultiHeadAttentionOptions(options).qk_norm(true));
   EXPECT_EQ(attnkit::state_dict(*with_rope).keys(), attnkit::state_dict(*plain).keys());
+  // The parameters, then the Python class's `mask` buffer (made at save time): the norm
+  // weights come before it.
   auto keys = attnkit::state_dict(*plain).keys();
-  keys.push_back("q_norm.weight");
-  keys.push_back("k_norm.weight");
+  ASSERT_EQ(keys.back(), "mask");
+  keys.insert(keys.end() - 1, {"q_norm.weight", "k_norm.weight"});
   const auto normed = attnkit::state_dict(*with_norm);
   EXPECT_EQ(normed.keys(), keys);
   EXPECT_EQ(normed["q_norm.weight"].sizes(), torch::IntArrayRef({8}));

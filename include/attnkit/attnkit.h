@@ -14,6 +14,7 @@
 #include "attnkit/mask.h"
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/options.h"
+#include "attnkit/python_state.h"
 #include "attnkit/rms_norm.h"
 #include "attnkit/rope.h"
 #include "attnkit/self_attention.h"

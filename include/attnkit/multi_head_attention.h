@@ -10,6 +10,7 @@
 #include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
+#include "attnkit/python_state.h"
 #include "attnkit/rms_norm.h"
 #include "attnkit/rope.h"
 
@@ -58,9 +59,11 @@ TORCH_MODULE(MultiHeadAttentionWrapper);
 /// d_out / num_heads, attention per head, heads merged, then Linear `out_proj` (d_out -> d_out,
 /// with bias). With `causal(false)` no mask is applied (encoder self-attention). Input
 /// (b, n, d_in); output (b, n, d_out). The Python class's `mask` buffer is not kept (n^2
-/// memory that nothing reads): a state dict that has it still loads, the key ignored.
+/// memory that nothing reads): `attnkit::state_dict` makes it at save time, so Python's strict
+/// load takes the file, and a load ignores it.
 /// Example: `MultiHeadAttention mha(MultiHeadAttentionOptions(768, 768, 1024, 0.1, 12));`
-class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
+class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImpl>,
+                               public PythonOnlyState {
  public:
   /// Positional arguments in the order of the Python constructor.
   MultiHeadAttentionImpl(int64_t d_in, int64_t d_out, int64_t context_length, double dropout,
@@ -78,6 +81,9 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// `attnkit::MultiHeadAttention(d_in=3, d_out=2, context_length=6, dropout=0, num_heads=2,
   /// qkv_bias=false, causal=true)`
   void pretty_print(std::ostream& stream) const override;
+  /// The Python class's `mask` buffer: triu(ones(context_length, context_length), 1) in the
+  /// parameters' dtype, for the state dict (PythonOnlyState).
+  std::vector<std::pair<std::string, torch::Tensor>> python_only_state() const override;
 
   /// Self-attention `forward(x)`: (b, n, d_in) -> (b, n, d_out). Cross-attention
   /// `forward(query, key, value)`: queries from query (b, n, d_in), keys and values from
@@ -159,7 +165,8 @@ TORCH_MODULE(MultiHeadAttention);
 /// the last dimension gives each head's q, k, v.
 /// Example: `MultiHeadAttentionCombinedQKV mha(MultiHeadAttentionOptions(64, 64, 32, 0.0, 4));`
 class MultiHeadAttentionCombinedQKVImpl
-    : public torch::nn::Cloneable<MultiHeadAttentionCombinedQKVImpl> {
+    : public torch::nn::Cloneable<MultiHeadAttentionCombinedQKVImpl>,
+      public PythonOnlyState {
  public:
   /// Positional arguments in the order of the Python constructor.
   MultiHeadAttentionCombinedQKVImpl(int64_t d_in, int64_t d_out, int64_t context_length,
@@ -176,6 +183,9 @@ class MultiHeadAttentionCombinedQKVImpl
   void reset_parameters();
   /// `attnkit::MultiHeadAttentionCombinedQKV(d_in=3, d_out=2, ..., causal=true)`
   void pretty_print(std::ostream& stream) const override;
+  /// The Python class's `mask` buffer: triu(ones(context_length, context_length), 1) in the
+  /// parameters' dtype, for the state dict (PythonOnlyState).
+  std::vector<std::pair<std::string, torch::Tensor>> python_only_state() const override;
 
   /// Self-attention (b, n, d_in) -> (b, n, d_out) under the module's mask and `mask`, computed
   /// by `options.backend()`. One projection makes queries, keys and values from one input, so

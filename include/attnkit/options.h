@@ -181,7 +181,8 @@ struct MultiHeadAttentionOptions {
   TORCH_ARG(int64_t, d_in);
   /// Width of the output (and of all heads together).
   TORCH_ARG(int64_t, d_out);
-  /// Largest number of tokens a forward call accepts (size of the `mask` buffer).
+  /// Largest number of tokens a forward call accepts (the side of the Python class's `mask`
+  /// buffer, which attnkit makes only in the state dict).
   TORCH_ARG(int64_t, context_length);
   /// Probability of zeroing an attention weight in training mode, in [0, 1).
   TORCH_ARG(double, dropout);

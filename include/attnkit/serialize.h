@@ -22,13 +22,15 @@
 namespace attnkit {
 
 /// Parameters and buffers by their Python `state_dict()` keys ("W_query.weight", "mask").
-/// MultiHeadAttention and MultiHeadAttentionCombinedQKV have no `mask` buffer, so the
-/// book's Python class, whose constructor makes its own, loads their files with
-/// `load_state_dict(state, strict=False)` (missing key: its `mask`); the other direction
-/// needs nothing (the key is ignored).
+/// `state_dict(module)` has exactly the keys of the Python class's `state_dict()`: entries
+/// that attnkit's module does not hold, such as the book's `mask` buffer of
+/// MultiHeadAttention and MultiHeadAttentionCombinedQKV, are made at save time
+/// (PythonOnlyState), so the Python class loads attnkit's files with its default strict
+/// `load_state_dict`; loading ignores those keys.
 using StateDict = torch::OrderedDict<std::string, torch::Tensor>;
 
-/// The module's parameters, then its buffers, detached, under their state-dict keys.
+/// The module's parameters, then its buffers, then the Python-only entries of the module and
+/// its submodules (PythonOnlyState), detached, under their state-dict keys.
 /// Example: `for (const auto& item : attnkit::state_dict(*mha)) std::cout << item.key();`
 StateDict state_dict(const torch::nn::Module& module);
 

@@ -11,7 +11,7 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 
-#include "attnkit/multi_head_attention.h"
+#include "attnkit/python_state.h"
 #include "core/checks.h"
 #include "io/state_dict_reader.h"
 
@@ -80,6 +80,20 @@ std::vector<char> torch_save_bytes(const StateDict& dict) {
   return bytes;
 }
 
+// Calls `visit(prefix, entries)` for the module and each submodule that keeps Python-only
+// state: prefix "" for the module itself, "<submodule path>." for the others.
+template <typename Visit>
+void for_each_python_only_state(const torch::nn::Module& module, Visit visit) {
+  const auto visit_one = [&](const std::string& prefix, const torch::nn::Module& m) {
+    if (const auto* holder = dynamic_cast<const PythonOnlyState*>(&m))
+      visit(prefix, holder->python_only_state());
+  };
+  visit_one("", module);
+  // include_self = false: the root may not be owned by a shared_ptr.
+  for (const auto& child : module.named_modules("", /*include_self=*/false))
+    visit_one(child.key() + ".", *child.value());
+}
+
 }  // namespace
 
 StateDict state_dict(const torch::nn::Module& module) {
@@ -90,6 +104,10 @@ StateDict state_dict(const torch::nn::Module& module) {
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     dict.insert(item.key(), item.value().detach());
   }
+  for_each_python_only_state(module, [&](const std::string& prefix, const auto& entries) {
+    for (const auto& [key, value] : entries)
+      dict.insert(prefix + key, value.detach());
+  });
   return dict;
 }
 
@@ -123,21 +141,13 @@ void save_state_dict(const torch::nn::Module& module, const std::string& path) {
 
 namespace {
 
-// The state-dict keys of the Python classes' `mask` buffers that attnkit's modules do not keep
-// (n^2 memory that nothing reads): "mask" or "<submodule path>.mask".
+// The keys a load accepts and ignores: the Python-only state of the module and its submodules.
 std::vector<std::string> python_only_keys(const torch::nn::Module& module) {
-  const auto has_python_mask = [](const torch::nn::Module& m) {
-    return dynamic_cast<const MultiHeadAttentionImpl*>(&m) != nullptr ||
-           dynamic_cast<const MultiHeadAttentionCombinedQKVImpl*>(&m) != nullptr;
-  };
   std::vector<std::string> keys;
-  if (has_python_mask(module))
-    keys.emplace_back("mask");
-  // include_self = false: the root may not be owned by a shared_ptr.
-  for (const auto& child : module.named_modules("", /*include_self=*/false)) {
-    if (has_python_mask(*child.value()))
-      keys.push_back(child.key() + ".mask");
-  }
+  for_each_python_only_state(module, [&](const std::string& prefix, const auto& entries) {
+    for (const auto& entry : entries)
+      keys.push_back(prefix + entry.first);
+  });
   return keys;
 }
 

@@ -43,6 +43,14 @@ void print_multi_head_options(std::ostream& stream, const char* name,
   stream << ")";
 }
 
+// The book's `mask` buffer, as the Python constructor registers it (float32 there, and in the
+// parameters' dtype after the model's `.to(dtype)`): triu(ones(L, L), diagonal=1).
+std::vector<std::pair<std::string, torch::Tensor>> python_mask_state(
+    const MultiHeadAttentionOptions& options, const torch::Tensor& parameter) {
+  const auto length = options.context_length();
+  return {{"mask", torch::triu(torch::ones({length, length}, parameter.options()), 1)}};
+}
+
 // The settings the attention core gets from the module's options.
 detail::AttentionSettings settings_of(const MultiHeadAttentionOptions& opt) {
   return {opt.causal(),  opt.sliding_window_size(), opt.dropout(),
@@ -189,6 +197,11 @@ void MultiHeadAttentionImpl::reset_parameters() {
 
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   print_multi_head_options(stream, "MultiHeadAttention", options);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> MultiHeadAttentionImpl::python_only_state()
+    const {
+  return python_mask_state(options, W_query->weight);
 }
 
 F::AttentionOutput MultiHeadAttentionImpl::forward_with_weights(const torch::Tensor& query,
@@ -346,6 +359,11 @@ void MultiHeadAttentionCombinedQKVImpl::reset_parameters() {
 
 void MultiHeadAttentionCombinedQKVImpl::pretty_print(std::ostream& stream) const {
   print_multi_head_options(stream, kCombinedName, options);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>>
+MultiHeadAttentionCombinedQKVImpl::python_only_state() const {
+  return python_mask_state(options, qkv->weight);
 }
 
 F::AttentionOutput MultiHeadAttentionCombinedQKVImpl::forward_with_weights(
