@@ -28,12 +28,13 @@ for package in "${packages[@]}"; do
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
 
-echo "setup: installing ${missing[*]} (from Debian's archive)"
+echo "setup: installing ${missing[*]} (from Debian's archive; a few minutes on a fresh machine)"
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then
   command -v sudo >/dev/null || { echo "setup: need root or sudo to install: ${missing[*]}" >&2; exit 1; }
   sudo=sudo
 fi
 $sudo apt-get update -qq
+echo "setup: downloading and unpacking ${#missing[@]} packages and their dependencies"
 DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 echo "setup: done"
