@@ -1,4 +1,5 @@
-// The examples of docs/modules.md, docs/backends.md, docs/interop.md and docs/threads.md.
+// The examples of docs/modules.md, docs/backends.md, docs/interop.md, docs/masks.md and
+// docs/threads.md.
 // Each region between "[doc:NAME]" and "[doc:end]" is shown on a page, exactly as here.
 
 #include <attnkit/attnkit.h>
@@ -123,6 +124,33 @@ void rotary_and_qk_norm() {
   TORCH_CHECK(prompt.size(1) == 5 && next.size(1) == 1 && cache.size() == 6);
 }
 
+void block_masks() {
+  torch::NoGradGuard no_grad;
+  const int64_t batch = 2, n = 256;
+  const auto ids = torch::arange(n).div(100, "floor").expand({batch, n});  // documents of 100
+  attnkit::MultiHeadAttention layer0(64, 64, n, 0.0, 4), layer1(64, 64, n, 0.0, 4);
+  auto x = torch::randn({batch, n, 64});
+  const auto y = x;
+  // [doc:block-mask]
+  // Judged once per step (one host transfer), then read by every layer, forward and backward.
+  const auto bm = attnkit::create_block_mask(attnkit::Mask::documents(ids, /*causal=*/true),
+                                             batch, /*H=*/1, n, n,
+                                             attnkit::BlockMaskOptions().block_size(128));
+  std::cout << bm.to_string() << "\n";  // shape, sparsity, a picture of the tiles
+  for (auto* layer : {&layer0, &layer1})
+    x = (*layer)->forward(x, {}, {}, attnkit::Mask::from_block_mask(bm));
+
+  // The attention core alone takes it as an option.
+  auto q = torch::randn({batch, 4, n, 16});  // (b, h, n, head_dim)
+  auto context = attnkit::functional::attention(
+      q, q, q, attnkit::functional::AttentionOptions().block_mask(bm));  // (b, h, n, head_dim)
+  // [doc:end]
+  auto expected = y;
+  for (auto* layer : {&layer0, &layer1})
+    expected = (*layer)->forward(expected, {}, {}, attnkit::Mask::documents(ids, true));
+  TORCH_CHECK(torch::allclose(x, expected, 1e-5, 1e-5) && context.sizes() == q.sizes());
+}
+
 void threads() {
   // [doc:threads]
   attnkit::set_num_threads(2);                   // LibTorch's threads and the BLAS's
@@ -140,5 +168,6 @@ int main() {
   backends();
   state_dicts();
   rotary_and_qk_norm();
+  block_masks();
   threads();
 }

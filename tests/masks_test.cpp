@@ -7,12 +7,16 @@
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <tuple>
+
+#include <sys/wait.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
 #include "attnkit/attention.h"
+#include "attnkit/block_mask.h"
 #include "attnkit/grouped_query_attention.h"
 #include "attnkit/latent_attention.h"
 #include "attnkit/multi_head_attention.h"
@@ -683,6 +687,266 @@ TEST(ModuleMasks, StateDictsCarryThePythonMaskBufferThatTheModuleDoesNotKeep) {
   nested.insert("1.mask", torch::ones({2}));
   expect_error_containing([&] { attnkit::load_state_dict(*model, nested); },
                           "unexpected key '1.mask'");
+}
+
+// ---- block masks (attnkit::create_block_mask) ----------------------------------------------
+
+// FlexAttention's rule, from the dense truth: a tile is full when every one of its
+// q_block x kv_block entries (the short last block padded with masked ones) may attend.
+TileKind expected_kind(const torch::Tensor& truth, int64_t b, int64_t h, int64_t i, int64_t j,
+                       int64_t qb, int64_t kb) {
+  const int64_t n = truth.size(2), m = truth.size(3);
+  const auto tile = truth[b][h].narrow(0, i * qb, std::min(qb, n - i * qb))
+                        .narrow(1, j * kb, std::min(kb, m - j * kb));
+  const int64_t allowed = tile.sum().item<int64_t>();
+  return allowed == 0 ? TileKind::kEmpty : allowed == qb * kb ? TileKind::kFull : TileKind::kPartial;
+}
+
+// The block lists agree with the verdicts: counts, indices in FlexAttention's order (the
+// row's blocks of that kind ascending, then the others ascending), to_dense and sparsity.
+void expect_lists_agree(const attnkit::BlockMask& bm) {
+  const int64_t nq = bm.num_q_blocks(), nk = bm.num_kv_blocks();
+  const auto dense = bm.to_dense();
+  int64_t visited = 0;
+  for (int64_t b = 0; b < bm.batch(); ++b) {
+    for (int64_t h = 0; h < bm.heads(); ++h) {
+      for (int64_t i = 0; i < nq; ++i) {
+        for (const auto kind : {TileKind::kPartial, TileKind::kFull}) {
+          const bool partial = kind == TileKind::kPartial;
+          const auto& counts = partial ? bm.kv_num_blocks() : bm.full_kv_num_blocks();
+          const auto& indices = partial ? bm.kv_indices() : bm.full_kv_indices();
+          std::vector<int32_t> expected, rest;
+          for (int64_t j = 0; j < nk; ++j)
+            (bm.kind(b, h, i, j) == kind ? expected : rest).push_back(static_cast<int32_t>(j));
+          ASSERT_EQ(counts[b][h][i].item<int32_t>(), static_cast<int32_t>(expected.size()));
+          expected.insert(expected.end(), rest.begin(), rest.end());
+          EXPECT_TRUE(torch::equal(indices[b][h][i], torch::tensor(expected, torch::kInt32)));
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          const bool seen = bm.kind(b, h, i, j) != TileKind::kEmpty;
+          visited += seen;
+          EXPECT_EQ(dense[b][h][i][j].item<bool>(), seen);
+        }
+      }
+    }
+  }
+  const double total = static_cast<double>(bm.batch() * bm.heads() * nq * nk);
+  EXPECT_NEAR(bm.sparsity(), 100.0 * (1.0 - visited / total), 1e-9);
+}
+
+TEST(BlockMask, BlockListsAgreeWithTheDenseMaskForRandomMasksAndBlockSizes) {
+  torch::manual_seed(17);
+  std::mt19937 random(23);
+  for (const auto& [n, m] : {std::pair<int64_t, int64_t>{13, 13}, {6, 17}, {40, 40}}) {
+    for (const auto& c : mask_cases(n, m)) {
+      const auto truth = truth_tensor(c, n, m);
+      for (int trial = 0; trial < 3; ++trial) {
+        const int64_t qb = 1 + random() % 9, kb = 1 + random() % 9;
+        SCOPED_TRACE(c.name + " n=" + std::to_string(n) + " m=" + std::to_string(m) +
+                     " blocks " + std::to_string(qb) + "x" + std::to_string(kb));
+        const auto bm = attnkit::create_block_mask(c.mask, kBatch, kHeads, n, m,
+                                                   attnkit::BlockMaskOptions().block_size(qb, kb));
+        ASSERT_EQ(bm.num_q_blocks(), (n + qb - 1) / qb);
+        ASSERT_EQ(bm.kv_indices().sizes(),
+                  (std::vector<int64_t>{kBatch, kHeads, bm.num_q_blocks(), bm.num_kv_blocks()}));
+        EXPECT_EQ(bm.kv_indices().scalar_type(), torch::kInt32);
+        for (int64_t b = 0; b < kBatch; ++b)
+          for (int64_t h = 0; h < kHeads; ++h)
+            for (int64_t i = 0; i < bm.num_q_blocks(); ++i)
+              for (int64_t j = 0; j < bm.num_kv_blocks(); ++j)
+                ASSERT_EQ(bm.kind(b, h, i, j), expected_kind(truth, b, h, i, j, qb, kb))
+                    << "tile (" << b << ", " << h << ", " << i << ", " << j << ")";
+        expect_lists_agree(bm);
+      }
+    }
+  }
+}
+
+TEST(BlockMask, AttentionFromABlockMaskEqualsAttentionFromTheMaskOnEveryBackend) {
+  torch::manual_seed(29);
+  const auto dtype = torch::kFloat64;
+  const int64_t n = 40;
+  const auto q = torch::randn({kBatch, kHeads, n, 8}, dtype).requires_grad_(true);
+  const auto k = torch::randn({kBatch, kKvHeads, n, 8}, dtype).requires_grad_(true);
+  const auto v = torch::randn({kBatch, kKvHeads, n, 5}, dtype).requires_grad_(true);
+  const auto probe = torch::randn({kBatch, kHeads, n, 5}, dtype);
+  const auto run = [&](const AttentionOptions& options) {
+    for (const auto& t : {q, k, v}) {
+      if (t.grad().defined())
+        t.grad().zero_();
+    }
+    const auto out = F::attention(q, k, v, options);
+    (out * probe).sum().backward();
+    return std::vector<torch::Tensor>{out.detach(), q.grad().clone(), k.grad().clone(),
+                                      v.grad().clone()};
+  };
+  const auto ids = document_ids(n);
+  const std::vector<std::pair<std::string, Mask>> masks{
+      {"causal", Mask::causal()},
+      {"window", Mask::causal().sliding_window(7)},
+      {"causal documents", Mask::documents(ids, true)},
+      {"padding & causal", Mask::key_padding(torch::tensor({n, int64_t{23}})) & Mask::causal()},
+      {"mask_mod of the head",
+       Mask::from_function([](auto, auto h, auto q_idx, auto kv) { return (q_idx - kv) % (h + 2) == 0; })},
+  };
+  for (const auto& [name, mask] : masks) {
+    // The problem's own shape, and with B and H broadcast where the mask allows it.
+    std::vector<attnkit::BlockMask> block_masks{attnkit::create_block_mask(
+        mask, kBatch, kHeads, n, n, attnkit::BlockMaskOptions().block_size(8, 6))};
+    if (name == "causal" || name == "window")
+      block_masks.push_back(attnkit::create_block_mask(mask, 1, 1, n, n,
+                                                       attnkit::BlockMaskOptions().block_size(16)));
+    for (const auto backend :
+         {AttentionBackend::kMath, AttentionBackend::kChunked, AttentionBackend::kAuto}) {
+      const auto expected =
+          run(AttentionOptions().mask(mask).backend(AttentionBackend::kMath));
+      for (const auto& bm : block_masks) {
+        const std::string label = name + " / " + attnkit::backend_name(backend) + " / " +
+                                  bm.to_string().substr(0, bm.to_string().find('\n'));
+        // key_block_size 12: two of the 6-key blocks are computed together where they agree.
+        const auto got =
+            run(AttentionOptions().block_mask(bm).backend(backend).key_block_size(12));
+        const char* what[] = {" output", " dq", " dk", " dv"};
+        for (size_t t = 0; t < got.size(); ++t)
+          EXPECT_TRUE(tensors_close(label + what[t], got[t], expected[t], 1e-10));
+      }
+    }
+  }
+  // One block mask reused by the layers of a stack, as a model does each step.
+  const auto bm = attnkit::create_block_mask(Mask::documents(ids, true), kBatch, 1, n, n);
+  auto x = q.detach();
+  auto y = q.detach();
+  for (int layer = 0; layer < 3; ++layer) {
+    x = F::attention(x, x, x, AttentionOptions().block_mask(bm));
+    y = F::attention(y, y, y,
+                     AttentionOptions().mask(Mask::documents(ids, true)).backend(AttentionBackend::kMath));
+  }
+  EXPECT_TRUE(tensors_close("three layers with one block mask", x, y, 1e-10));
+
+  // Through a module's mask argument, under its own causal mask: one block mask per step.
+  attnkit::MultiHeadAttention mha(attnkit::MultiHeadAttentionOptions(8, 8, n, 0.0, 2)
+                                      .backend(AttentionBackend::kChunked)
+                                      .chunk_size(8));
+  const auto tokens = torch::randn({kBatch, n, 8}, dtype);
+  mha->to(dtype);
+  const auto padding = Mask::key_padding(torch::tensor({n, int64_t{17}}));
+  const auto per_step = attnkit::create_block_mask(
+      padding, kBatch, 1, n, n, attnkit::BlockMaskOptions().block_size(8));
+  ASSERT_NE(Mask::from_block_mask(per_step).block_mask(), nullptr);
+  EXPECT_EQ(padding.block_mask(), nullptr);
+  EXPECT_TRUE(tensors_close("module with a block mask",
+                            mha->forward(tokens, {}, {}, Mask::from_block_mask(per_step)),
+                            mha->forward(tokens, {}, {}, padding), 1e-10));
+  EXPECT_EQ(Mask::from_block_mask(per_step).to_string(), "block_mask(key_padding(lengths))");
+  expect_error_containing(
+      [&] { mha->forward(tokens.narrow(1, 0, 30), {}, {}, Mask::from_block_mask(per_step)); },
+      "block_mask was made for (B, H, Q_LEN, KV_LEN) = (2, 1, 40, 40) on cpu, but the attention "
+      "is (batch, heads, num_queries, num_keys) = (2, 2, 30, 30)");
+}
+
+TEST(BlockMask, SummaryAndBadArgumentsNameWhatIsWrong) {
+  const auto bm = attnkit::create_block_mask(Mask::causal(), 1, 1, 256, 256);
+  EXPECT_EQ(bm.num_q_blocks(), 2);
+  EXPECT_DOUBLE_EQ(bm.sparsity(), 25.0);  // of 2 x 2 tiles, the one above the diagonal
+  EXPECT_TRUE(torch::equal(bm.full_kv_num_blocks().flatten(), torch::tensor({0, 1}, torch::kInt32)));
+  EXPECT_TRUE(torch::equal(bm.kv_num_blocks().flatten(), torch::tensor({1, 1}, torch::kInt32)));
+  EXPECT_EQ(bm.to_string(),
+            "BlockMask(shape=(1, 1, 256, 256), block_size=(128, 128), sparsity=25.00%, "
+            "mask=causal(query_offset=0), device=cpu)\n  ~.\n  #~");
+  EXPECT_FALSE(attnkit::BlockMask().defined());
+
+  const auto q = torch::randn({2, 4, 256, 8});
+  expect_error_containing(
+      [&] {
+        F::attention(q.narrow(2, 0, 200), q.narrow(2, 0, 200), q.narrow(2, 0, 200),
+                     AttentionOptions().block_mask(bm));
+      },
+      "[attention] block_mask was made for (B, H, Q_LEN, KV_LEN) = (1, 1, 256, 256) on cpu, but "
+      "the attention is (batch, heads, num_queries, num_keys) = (2, 4, 200, 200) on cpu");
+  const auto per_head = attnkit::create_block_mask(Mask::causal(), 1, 3, 256, 256);
+  expect_error_containing([&] { F::attention(q, q, q, AttentionOptions().block_mask(per_head)); },
+                          "made for (B, H, Q_LEN, KV_LEN) = (1, 3, 256, 256)");
+  expect_error_containing(
+      [&] {
+        F::attention(q, q, q, AttentionOptions().block_mask(bm).mask(Mask::causal()));
+      },
+      "[attention] pass the mask either as mask(...) or inside block_mask(...), not both");
+  expect_error_containing([] { Mask::from_block_mask(attnkit::BlockMask()); },
+                          "[Mask::from_block_mask] an empty BlockMask; make one with "
+                          "create_block_mask");
+  expect_error_containing([] { attnkit::create_block_mask(Mask::causal(), 0, 1, 8, 8); },
+                          "[create_block_mask] B and H must be >= 1 (1 broadcasts), got B 0");
+  expect_error_containing([] { attnkit::create_block_mask(Mask::causal(), 1, 1, 8, 0); },
+                          "[create_block_mask] Q_LEN and KV_LEN must be >= 1, got Q_LEN 8 and KV_LEN 0");
+  expect_error_containing(
+      [] {
+        attnkit::create_block_mask(Mask::causal(), 1, 1, 8, 8,
+                                   attnkit::BlockMaskOptions().block_size(16, 0));
+      },
+      "[create_block_mask] block_size must be >= 1, got (16, 0)");
+  // A mask whose tensors are for another batch, or another device, is refused by the mask.
+  expect_error_containing(
+      [] { attnkit::create_block_mask(Mask::key_padding(torch::tensor({3, 5})), 3, 1, 8, 8); },
+      "[create_block_mask] mask: key_padding lengths must have shape (3) (the batch), got [2]");
+  expect_error_containing([] { attnkit::BlockMask().sparsity(); },
+                          "[BlockMask::sparsity] an empty BlockMask");
+  if (torch::cuda::is_available()) {
+    const auto on_gpu = attnkit::create_block_mask(
+        Mask::causal(), 1, 1, 256, 256, attnkit::BlockMaskOptions().device(torch::kCUDA));
+    EXPECT_EQ(on_gpu.kv_indices().device().type(), torch::kCUDA);
+    expect_error_containing([&] { F::attention(q, q, q, AttentionOptions().block_mask(on_gpu)); },
+                            "on cuda:0, but the attention is");
+  }
+}
+
+// PyTorch's own create_block_mask (2.5 and later) on the same masks: scripts/block_mask_reference.py.
+TEST(BlockMaskReference, EqualsPyTorchsCreateBlockMask) {
+  const auto file = ::testing::TempDir() + "block_masks_pytorch.pt";
+  const auto [status, output] = attnkit::testing::run_leg_python(
+      std::string(attnkit::testing::kSourceDir) + "/scripts/block_mask_reference.py",
+      "--out " + file);
+#if TORCH_VERSION_MAJOR < 2
+  if (WEXITSTATUS(status) == 3)
+    GTEST_SKIP() << "PyTorch 1.x has no flex_attention: this check runs on the 2.x leg\n" << output;
+#endif
+  ASSERT_EQ(status, 0) << output;
+  const auto golden = attnkit::read_state_dict(file);
+  int compared = 0;
+  for (const int64_t n : {256, 512, 300, 1000}) {
+    const auto key = [n](const std::string& what) { return what + "/n" + std::to_string(n); };
+    const auto ids = golden[key("inputs/ids")];
+    const auto lengths = golden[key("inputs/lengths")];
+    const auto prefix = Mask::from_function([](auto, auto, auto, auto kv) { return kv < 70; });
+    const std::vector<std::tuple<std::string, Mask, int64_t>> cases{
+        {"causal", Mask::causal(), 1},
+        {"window", Mask::causal().sliding_window(96), 1},
+        {"documents", Mask::documents(ids), 1},
+        {"prefix_lm", Mask::causal() | prefix, 1},
+        {"key_padding", Mask::key_padding(lengths), 2},
+        {"causal_and_padding", Mask::causal() & Mask::key_padding(lengths), 2},
+        {"causal_documents", Mask::documents(ids, true), 1},
+    };
+    for (const auto& [name, mask, batch] : cases) {
+      for (const int64_t block : {64, 128}) {
+        const std::string c = name + "/n" + std::to_string(n) + "/b" + std::to_string(block);
+        SCOPED_TRACE(c);
+        const auto bm = attnkit::create_block_mask(mask, batch, 1, n, n,
+                                                   attnkit::BlockMaskOptions().block_size(block));
+        // The same tiles, partial and full, at every length (the last, short block is never
+        // full in either). sparsity() agrees at multiples of the block: PyTorch counts
+        // elements, a short block as a whole one (-9.2% for causal at n 300, block 128).
+        EXPECT_TRUE(torch::equal(bm.to_dense(), golden[c + "/dense"]));
+        if (n % block == 0)
+          EXPECT_NEAR(bm.sparsity(), golden[c + "/sparsity"].item<double>(), 1e-9);
+        EXPECT_TRUE(torch::equal(bm.kv_num_blocks(), golden[c + "/kv_num_blocks"]));
+        EXPECT_TRUE(torch::equal(bm.full_kv_num_blocks(), golden[c + "/full_kv_num_blocks"]));
+        EXPECT_TRUE(torch::equal(bm.kv_indices(), golden[c + "/kv_indices"]));
+        EXPECT_TRUE(torch::equal(bm.full_kv_indices(), golden[c + "/full_kv_indices"]));
+        ++compared;
+      }
+    }
+  }
+  EXPECT_EQ(compared, 56);
 }
 
 // ---- against scripts/mask_reference.py and PyTorch ---------------------------------------

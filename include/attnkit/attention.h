@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/block_mask.h"
 #include "attnkit/mask.h"
 #include "attnkit/options.h"
 
@@ -53,6 +54,10 @@ namespace functional {
 struct AttentionOptions {
   /// Which keys each query may see; default: all of them.
   TORCH_ARG(Mask, mask) = {};
+  /// The mask judged once for this shape (`create_block_mask`): made once per step and reused
+  /// by every layer, forward and backward. Its mask is the call's mask (leave `mask` unset).
+  /// Without one, a call with a mask makes its own.
+  TORCH_ARG(BlockMask, block_mask) = {};
   /// Applied to the scaled scores; default: none.
   TORCH_ARG(ScoreMod, score_mod) = {};
   /// Score multiplier; unset: 1 / sqrt(head_dim).
@@ -63,9 +68,11 @@ struct AttentionOptions {
   TORCH_ARG(bool, training) = false;
   /// Which kernel computes it; `kAuto` picks one that supports the problem.
   TORCH_ARG(AttentionBackend, backend) = AttentionBackend::kAuto;
-  /// Query tokens per tile of the chunked backend.
+  /// Query tokens per tile of the chunked backend, and the block size of the block mask a
+  /// masked call makes (a given `block_mask` brings its own).
   TORCH_ARG(int64_t, query_block_size) = 128;
-  /// Key tokens per tile of the chunked backend.
+  /// Key tokens per tile of the chunked backend at most: adjacent key blocks of one kind are
+  /// computed together up to this width.
   TORCH_ARG(int64_t, key_block_size) = 1024;
 };
 

@@ -54,6 +54,8 @@ struct TileMask {
   torch::Tensor allowed;
 };
 
+class BlockMask;
+
 namespace detail {
 struct MaskNode;
 }
@@ -104,6 +106,13 @@ class Mask {
   /// Example: `Mask::from_function([](auto, auto, auto q, auto kv) { return kv <= q; })`.
   static Mask from_function(MaskMod mask_mod);
 
+  /// The mask of a block mask (`create_block_mask`), carrying its verdicts: where a module
+  /// takes a `Mask`, this passes one block mask to every layer. A call of the block mask's
+  /// shape reads its block lists; a module's own causal mask `&` it is judged from them and
+  /// the causal structure, so the inner mask is evaluated only on partial tiles.
+  /// Example: `mha->forward(x, {}, {}, Mask::from_block_mask(bm))`.
+  static Mask from_block_mask(const BlockMask& block_mask);
+
   /// Both masks allow.
   Mask operator&(const Mask& other) const;
   /// Either mask allows.
@@ -114,6 +123,8 @@ class Mask {
   /// Whether this mask is exactly `causal(offset)` or `causal(offset).sliding_window(w)`;
   /// if so, the offset and the window (0: none) are written.
   bool is_causal(int64_t* query_offset = nullptr, int64_t* window_size = nullptr) const;
+  /// The block mask this mask was made from by `from_block_mask`, else nullptr.
+  const BlockMask* block_mask() const;
   /// A readable form: "causal(query_offset=0) & key_padding(lengths)".
   std::string to_string() const;
 
@@ -135,14 +146,14 @@ class Mask {
   /// (causal, sliding window, key padding, documents), and the dense rows of a partial tile.
   TileMask tile(const Tile& tile, const torch::Device& device) const;
 
-  /// Keys [begin, end) that any query of [query_begin, query_begin + queries) may see at
-  /// most, out of num_keys: the band of a causal or sliding-window mask, else all of them.
-  std::pair<int64_t, int64_t> key_range(int64_t query_begin, int64_t queries,
-                                        int64_t num_keys) const;
+  /// The verdict on a tile from the mask's structure alone, without evaluating any entry;
+  /// nullopt where only its entries can tell (a tensor, a mask_mod). A structured kPartial
+  /// may still be full or empty in an `&` or `|` of two masks.
+  c10::optional<TileKind> structural_kind(const Tile& tile) const;
 
-  /// Key positions inside that range where a tile should end because the mask changes
-  /// there (a sliding window's edges), appended to `cuts`.
-  void add_key_cuts(int64_t query_begin, int64_t queries, std::vector<int64_t>* cuts) const;
+  /// Which entries of a tile may attend: a bool tensor broadcastable to (heads, queries,
+  /// keys), evaluated on `device` with no verdict taken (no device synchronisation).
+  torch::Tensor tile_allowed(const Tile& tile, const torch::Device& device) const;
 
  private:
   explicit Mask(std::shared_ptr<const detail::MaskNode> node) : node_(std::move(node)) {}

@@ -225,6 +225,19 @@ void check_attention_arguments(const torch::Tensor& q, const torch::Tensor& k,
   options.mask().check(kFn, q4.size(0), q4.size(1), q4.size(2), k.size(-2), q.device());
 }
 
+// The options every backend reads: a block mask given as `block_mask` becomes the call's
+// mask (Mask::from_block_mask), so the chunked kernel reads its lists and the others its mask.
+AttentionOptions resolve_block_mask(const char* fn, const AttentionOptions& options) {
+  if (!options.block_mask().defined())
+    return options;
+  TORCH_CHECK(options.mask().is_none(), fn, " pass the mask either as mask(...) or inside ",
+              "block_mask(...), not both; got mask ", options.mask().to_string(),
+              " and a block mask of ", options.block_mask().mask().to_string());
+  auto resolved = options;
+  resolved.mask(Mask::from_block_mask(options.block_mask())).block_mask({});
+  return resolved;
+}
+
 // The math core on 4-D inputs: key/value heads repeated for their query heads, the dense
 // mask, index tensors for a score function.
 AttentionOutput math_backend(const torch::Tensor& q4, const torch::Tensor& k4,
@@ -272,9 +285,10 @@ std::string unsupported_reason(AttentionBackend backend, const torch::Tensor& qu
     return "";
   if (options.score_mod())
     return "the fused backend has no score functions (score_mod)";
-  if (!options.mask().is_none() && !options.mask().is_causal()) {
+  const auto mask = resolve_block_mask(kFn, options).mask();
+  if (!mask.is_none() && !mask.is_causal()) {
     return c10::str("the fused backend takes only causal and sliding-window masks, not ",
-                    options.mask().to_string());
+                    mask.to_string());
   }
   if (options.scale().has_value() &&
       *options.scale() != 1.0 / std::sqrt(static_cast<double>(query.size(-1)))) {
@@ -294,7 +308,8 @@ AttentionBackend choose_backend(const torch::Tensor& query, const torch::Tensor&
 }
 
 torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& key,
-                        const torch::Tensor& value, const AttentionOptions& options) {
+                        const torch::Tensor& value, const AttentionOptions& given) {
+  const auto options = resolve_block_mask(kFn, given);
   check_attention_arguments(query, key, value, options);
   const auto backend = choose_backend(query, key, value, options);
   const auto why = unsupported_reason(backend, query, key, value, options);
@@ -317,7 +332,8 @@ torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& key,
 
 AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::Tensor& key,
                                        const torch::Tensor& value,
-                                       const AttentionOptions& options) {
+                                       const AttentionOptions& given) {
+  const auto options = resolve_block_mask(kFn, given);
   check_attention_arguments(query, key, value, options);
   TORCH_CHECK(
       options.backend() == AttentionBackend::kAuto || options.backend() == AttentionBackend::kMath,

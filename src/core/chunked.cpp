@@ -1,9 +1,11 @@
 // Memory-efficient attention: queries and keys in blocks, an online softmax (running max
 // and sum), blocks above the causal diagonal skipped, and a backward pass that recomputes
-// each block's probabilities from the saved log-sum-exp. The mask (attnkit::Mask) judges
-// each tile: empty tiles are skipped, full ones masked nothing, and only partial ones build
-// their dense rows, narrowed to the keys some query sees (a mask_mod is called on those alone
-// in backward; forward judges every tile once and keeps the tiles). Beyond inputs and outputs,
+// each block's probabilities from the saved log-sum-exp. A masked call reads a block mask
+// (attnkit::BlockMask, the call's own or one it makes): its query blocks are the tiles' rows,
+// empty key blocks are skipped, adjacent key blocks of one kind are computed together, full
+// ones mask nothing, and only partial ones evaluate the mask, in forward and in backward
+// alike. The verdicts come from the block mask's host copy: no device synchronisation in the
+// tile loop. Beyond inputs and outputs,
 // memory is one score tile (head group x query block x key block) instead of the O(n^2) score
 // matrix of the math path, so it grows linearly in n.
 //
@@ -15,9 +17,8 @@
 //
 // Grouped-query attention: the query heads that share a key/value head are folded into the
 // rows of one matrix, (gs, bq, hd) -> (1, gs * bq, hd), so one bmm against the shared keys
-// serves the whole group and the repeated keys and values never exist. Sliding windows:
-// each query block starts at the first key its first query may see (Mask::key_range), so
-// only key blocks that meet the window are visited and the work grows as n * window_size.
+// serves the whole group and the repeated keys and values never exist. Sliding windows: only
+// the key blocks that meet the window are listed, so the work grows as n * window_size.
 
 #include <algorithm>
 #include <cmath>
@@ -57,15 +58,22 @@ struct TileVisit {
 // head grouping, so backward visits the same tiles the same way.
 struct ChunkedCall : torch::CustomClassHolder {
   Mask mask;
+  BlockMask blocks;  // defined when the mask is not none
   ScoreMod score_mod;
   double scale = 1.0;
   double dropout_p = 0.0;
   int64_t dropout_seed = -1;  // < 0: no dropout
-  int64_t query_block = 128;
+  int64_t query_block = 128;  // the block mask's query block when there is one
   int64_t key_block = 1024;
   int64_t head_group = 0;  // 0: plan it (forward)
   // The key tiles each (outer, head group, query block) task visited, one list per task.
   std::vector<std::vector<TileVisit>> visits;
+};
+
+// Where a block sits: outer index o, heads [h0, h0 + g).
+struct HeadGroup {
+  int64_t o, h0, g;
+  int64_t pair;  // o * num_head_groups + head group
 };
 
 struct BlockPlan {
@@ -88,7 +96,7 @@ struct BlockPlan {
         heads(q4.size(1)),
         num_queries(q4.size(2)),
         num_keys(k4.size(2)),
-        query_block(call.query_block),
+        query_block(call.blocks.defined() ? call.blocks.q_block_size() : call.query_block),
         key_block(call.key_block),
         group_size(q4.size(1) / k4.size(1)),
         head_group(call.head_group),
@@ -112,23 +120,36 @@ struct BlockPlan {
   int64_t num_head_groups() const { return (heads + head_group - 1) / head_group; }
   int64_t num_query_blocks() const { return (num_queries + query_block - 1) / query_block; }
 
-  // The key tiles (k0, bk) that query block [q0, q0 + bq) visits, at most key_block wide,
-  // over the keys the mask lets it see, ending where the mask asks (a window's edges).
-  std::vector<std::pair<int64_t, int64_t>> key_tiles(int64_t q0, int64_t bq) const {
-    const auto [begin, end] = call.mask.key_range(q0, bq, num_keys);
-    std::vector<int64_t> inner;
-    call.mask.add_key_cuts(q0, bq, &inner);
-    std::sort(inner.begin(), inner.end());
-    std::vector<int64_t> cuts{begin};
-    for (const int64_t cut : inner) {
-      if (cut > cuts.back() && cut < end)
-        cuts.push_back(cut);
+  // The key tiles that query block [q0, q0 + bq) of a head group visits, at most key_block
+  // wide: without a mask every key, in full tiles; with one, the block mask's non-empty key
+  // blocks (a block is full for the group when it is for each of its heads), adjacent blocks
+  // of one kind taken together.
+  std::vector<TileVisit> key_tiles(const HeadGroup& at, int64_t q0) const {
+    std::vector<TileVisit> tiles;
+    if (!call.blocks.defined()) {
+      for (int64_t k0 = 0; k0 < num_keys; k0 += key_block)
+        tiles.push_back({k0, std::min(key_block, num_keys - k0), TileKind::kFull});
+      return tiles;
     }
-    cuts.push_back(end);
-    std::vector<std::pair<int64_t, int64_t>> tiles;
-    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
-      for (int64_t k0 = cuts[i]; k0 < cuts[i + 1]; k0 += key_block)
-        tiles.emplace_back(k0, std::min(key_block, cuts[i + 1] - k0));
+    const auto& blocks = call.blocks;
+    const int64_t kb = blocks.kv_block_size(), qi = q0 / blocks.q_block_size();
+    const int64_t widest = std::max<int64_t>(key_block / kb, 1) * kb;
+    for (int64_t j = 0; j < blocks.num_kv_blocks(); ++j) {
+      TileKind kind = blocks.kind(at.o, at.h0, qi, j);
+      for (int64_t h = at.h0 + 1; h < at.h0 + at.g && kind != TileKind::kPartial; ++h) {
+        if (blocks.kind(at.o, h, qi, j) != kind)
+          kind = TileKind::kPartial;
+      }
+      if (kind == TileKind::kEmpty)
+        continue;
+      const int64_t k0 = j * kb, bk = std::min(kb, num_keys - k0);
+      auto* last = tiles.empty() ? nullptr : &tiles.back();
+      if (last != nullptr && last->kind == kind && last->key_begin + last->keys == k0 &&
+          last->keys + bk <= widest) {
+        last->keys += bk;
+      } else {
+        tiles.push_back({k0, bk, kind});
+      }
     }
     return tiles;
   }
@@ -136,12 +157,6 @@ struct BlockPlan {
   size_t visit_list(int64_t task_pair, int64_t q0) const {
     return static_cast<size_t>(task_pair * num_query_blocks() + q0 / query_block);
   }
-};
-
-// Where a block sits: outer index o, heads [h0, h0 + g).
-struct HeadGroup {
-  int64_t o, h0, g;
-  int64_t pair;  // o * num_head_groups + head group
 };
 
 // Rows [r0, r0 + rows) of a head group of an (outer, heads, n, f) query-side tensor: a
@@ -190,33 +205,17 @@ torch::Tensor block_scores(const torch::Tensor& q_block, const torch::Tensor& k_
                        plan.group_size);
 }
 
+// A tile's verdict, with the mask's entries evaluated for a partial one.
+TileMask verdict_of(const ChunkedCall& call, const TileVisit& visit, const Tile& tile,
+                    const torch::Device& device) {
+  return {visit.kind,
+          visit.kind == TileKind::kPartial ? call.mask.tile_allowed(tile, device) : torch::Tensor()};
+}
+
 // -inf where a partial tile's entries may not attend.
 void mask_tile(torch::Tensor& scores, const TileMask& verdict) {
   if (verdict.kind == TileKind::kPartial)
     scores.masked_fill_(verdict.allowed.logical_not(), -kInfinity);
-}
-
-// Narrows a partial tile to the keys some query of it sees: a mask without structure (a
-// mask_mod, a tensor) then visits only the keys the structured mask would (a causal mask_mod
-// the causal triangle), and a padded sequence's last tile ends at its length. The tile may
-// turn out full, or empty (an & of two partial masks).
-void trim_to_seen_keys(TileMask& verdict, int64_t& k0, int64_t& bk) {
-  const auto allowed = verdict.allowed;  // (heads or 1, queries or 1, keys or 1)
-  if (verdict.kind != TileKind::kPartial || allowed.size(-1) == 1)
-    return;
-  const auto seen = allowed.reshape({-1, allowed.size(-1)}).any(0).nonzero();  // (keys seen, 1)
-  if (seen.size(0) == 0) {
-    verdict = {TileKind::kEmpty, {}};
-    return;
-  }
-  const int64_t first = seen[0].item<int64_t>(), last = seen[-1].item<int64_t>();
-  if (first > 0 || last < bk - 1) {
-    verdict.allowed = allowed.narrow(-1, first, last + 1 - first);
-    k0 += first;
-    bk = last + 1 - first;
-    if (verdict.allowed.all().item<bool>())
-      verdict = {TileKind::kFull, {}};
-  }
 }
 
 // A running row maximum made safe to subtract: a row that has seen only masked keys so far
@@ -294,15 +293,11 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
       const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
       auto acc = block_of(out4, at, q0, bq);                       // written in place
       torch::Tensor row_max, row_sum;
-      const auto tiles = plan.key_tiles(q0, bq);
       auto& visits = call->visits[plan.visit_list(at.pair, q0)];  // this task's own
-      visits.reserve(tiles.size());
-      for (auto [k0, bk] : tiles) {
-        auto verdict = call->mask.tile(tile_at(at, q0, bq, k0, bk), q.device());
-        trim_to_seen_keys(verdict, k0, bk);
-        visits.push_back({k0, bk, verdict.kind});
-        if (verdict.kind == TileKind::kEmpty)
-          continue;
+      visits = plan.key_tiles(at, q0);
+      for (const auto& visit : visits) {
+        const int64_t k0 = visit.key_begin, bk = visit.keys;
+        const auto verdict = verdict_of(*call, visit, tile_at(at, q0, bq, k0, bk), q.device());
         const bool first = !row_max.defined();
         auto p =
             modified_scores(plan, block_scores(q_block, kv_block_of(k4, at, k0, bk, plan), plan),
@@ -390,12 +385,10 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
       // products against the shared key/value heads.
       const auto grad_out_rows = fold_groups(grad_out_block, gs);
       const auto q_rows = fold_groups(q_block, gs);
-      for (const auto& [k0, bk, kind] : call.visits[plan.visit_list(at.pair, q0)]) {
-        if (kind == TileKind::kEmpty)
-          continue;
+      for (const auto& visit : call.visits[plan.visit_list(at.pair, q0)]) {
+        const int64_t k0 = visit.key_begin, bk = visit.keys;
         const auto tile = tile_at(at, q0, bq, k0, bk);
-        const auto verdict =
-            kind == TileKind::kPartial ? call.mask.tile(tile, q.device()) : TileMask{kind, {}};
+        const auto verdict = verdict_of(call, visit, tile, q.device());
         const auto k_block = kv_block_of(k4, at, k0, bk, plan);
         const auto v_block = kv_block_of(v4, at, k0, bk, plan);
         auto scores = block_scores(q_block, k_block, plan);
@@ -481,6 +474,15 @@ torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& ke
                              const functional::AttentionOptions& options) {
   auto call = c10::make_intrusive<functional::ChunkedCall>();
   call->mask = options.mask();
+  if (const auto* given = options.mask().block_mask()) {
+    call->blocks = *given;  // its shape was checked with the mask's
+  } else if (!options.mask().is_none()) {
+    // (outer, heads) as the tiles see them; the block mask's device is the attention's.
+    const auto q4 = as_outer_heads(query);
+    call->blocks = create_block_mask(
+        options.mask(), q4.size(0), q4.size(1), q4.size(2), key.size(-2),
+        BlockMaskOptions().block_size(options.query_block_size()).device(query.device()));
+  }
   call->score_mod = options.score_mod();
   call->scale = options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
   call->query_block = options.query_block_size();

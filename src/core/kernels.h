@@ -1,8 +1,10 @@
 #pragma once
 
-// The attention kernels behind attnkit::functional::attention (src/core/attention.cpp picks
-// one): the math core (dense, autograd) and the chunked kernel (tiles, online softmax, own
-// backward). Both read masks and score functions in the same (b, h, q_idx, kv_idx) terms.
+// The kernels behind attnkit's attention, for the core and the module glue: the math core
+// (dense, autograd), the chunked kernel (tiles read from a block mask, online softmax, its
+// own backward), the packed and ragged fused kernels (fused_attention.cpp), and the score
+// function helpers. Masks and score functions are read in the same (b, h, q_idx, kv_idx)
+// terms.
 
 #include <vector>
 
@@ -31,8 +33,9 @@ functional::AttentionOutput math_attention(const torch::Tensor& query, const tor
                                            bool training);
 
 /// The chunked kernel on (..., n, hd) inputs (4-D: (b, h, n, hd), b read as the mask's
-/// batch index), with the options' mask, score function, scale and dropout, tiles of
-/// query_block x key_block. Checks are the caller's.
+/// batch index), with the options' mask, score function, scale and dropout. A masked call
+/// reads the mask's block mask (Mask::from_block_mask) or makes one with blocks of
+/// query_block_size; key tiles are at most key_block_size wide. Checks are the caller's.
 torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& key,
                              const torch::Tensor& value,
                              const functional::AttentionOptions& options);

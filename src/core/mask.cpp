@@ -1,9 +1,11 @@
-// attnkit::Mask: a tree of mask kinds combined by & and |. Every kind answers three
-// questions: which entries it allows (the mask_mod form, on broadcastable index tensors),
-// what it says about a whole tile without evaluating it where its structure allows, and
-// which keys a block of queries may see at most. A new kind of mask is one class here.
+// attnkit::Mask: a tree of mask kinds combined by & and |. Every kind answers two
+// questions: which entries it allows (the mask_mod form, on broadcastable index tensors), and
+// what it says about a whole tile without evaluating it where its structure allows (what
+// create_block_mask asks first). A new kind of mask is one class here.
 
 #include "attnkit/mask.h"
+
+#include "attnkit/block_mask.h"
 
 #include <algorithm>
 #include <limits>
@@ -33,10 +35,6 @@ struct MaskNode {
   virtual torch::Tensor allowed(const Indices& at) const = 0;
   // The verdict on a tile when the structure gives it; nullopt: evaluate the tile.
   virtual c10::optional<TileKind> kind(const Tile&) const { return c10::nullopt; }
-  virtual std::pair<int64_t, int64_t> key_range(int64_t, int64_t, int64_t num_keys) const {
-    return {0, num_keys};
-  }
-  virtual void add_key_cuts(int64_t, int64_t, std::vector<int64_t>*) const {}
   virtual void check(const char*, int64_t, int64_t, int64_t, int64_t, const torch::Device&) const {}
   virtual std::string to_string() const = 0;
 };
@@ -61,13 +59,6 @@ struct CausalNode final : MaskNode {
 
   bool per_row() const { return offsets.defined(); }
   int64_t offset_of(int64_t batch) const { return per_row() ? offsets_cpu[batch] : offset; }
-  std::pair<int64_t, int64_t> offset_bounds() const {
-    if (!per_row())
-      return {offset, offset};
-    const auto [low, high] = std::minmax_element(offsets_cpu.begin(), offsets_cpu.end());
-    return {*low, *high};
-  }
-
   torch::Tensor allowed(const Indices& at) const override {
     const auto position = per_row() ? at.q + offsets.index({at.b}) : at.q + offset;
     auto ok = at.kv <= position;
@@ -83,22 +74,6 @@ struct CausalNode final : MaskNode {
     if (k1 <= first && (window == 0 || last - k0 < window))
       return TileKind::kFull;
     return TileKind::kPartial;
-  }
-  std::pair<int64_t, int64_t> key_range(int64_t q0, int64_t bq, int64_t m) const override {
-    const auto [low, high] = offset_bounds();
-    const int64_t first = low + q0, last = high + q0 + bq - 1;
-    const int64_t begin = window > 0 ? std::clamp<int64_t>(first - window + 1, 0, m) : 0;
-    return {begin, std::clamp<int64_t>(last + 1, 0, m)};
-  }
-  // The keys every query of the block sees get tiles of their own, so that only the two
-  // edges of the band (about bq keys each) pay for a mask, not the whole window. (Per-row
-  // offsets: no cuts; the tiles are judged row by row.)
-  void add_key_cuts(int64_t q0, int64_t bq, std::vector<int64_t>* cuts) const override {
-    if (window > 0 && !per_row()) {
-      const int64_t first = offset + q0, last = first + bq - 1;
-      cuts->push_back(last - window + 1);
-      cuts->push_back(first + 1);
-    }
   }
   void check(const char* fn, int64_t batch, int64_t, int64_t, int64_t,
              const torch::Device& device) const override {
@@ -247,6 +222,43 @@ struct FunctionNode final : MaskNode {
   std::string to_string() const override { return "from_function"; }
 };
 
+// A block mask's mask: its entries are the inner mask's; a tile that is one of its blocks
+// takes the block's verdict from the host lists (combined over the tile's heads), any other
+// tile the inner mask's structure.
+struct BlockMaskNode final : MaskNode {
+  BlockMask blocks;
+
+  explicit BlockMaskNode(BlockMask blocks) : blocks(std::move(blocks)) {}
+
+  torch::Tensor allowed(const Indices& at) const override {
+    return blocks.mask().allowed(at.b, at.h, at.q, at.kv);
+  }
+  c10::optional<TileKind> kind(const Tile& t) const override {
+    const int64_t qb = blocks.q_block_size(), kb = blocks.kv_block_size();
+    const bool one_block =
+        t.query_begin % qb == 0 && t.key_begin % kb == 0 && t.query_begin < blocks.q_len() &&
+        t.key_begin < blocks.kv_len() &&
+        t.queries == std::min(qb, blocks.q_len() - t.query_begin) &&
+        t.keys == std::min(kb, blocks.kv_len() - t.key_begin);
+    if (!one_block)
+      return blocks.mask().structural_kind(t);
+    const int64_t i = t.query_begin / qb, j = t.key_begin / kb;
+    const TileKind kind = blocks.kind(t.batch, t.head_begin, i, j);
+    for (int64_t h = t.head_begin + 1; h < t.head_begin + t.heads; ++h) {
+      if (blocks.kind(t.batch, h, i, j) != kind)
+        return TileKind::kPartial;
+    }
+    return kind;
+  }
+  void check(const char* fn, int64_t batch, int64_t heads, int64_t n, int64_t m,
+             const torch::Device& device) const override {
+    blocks.check(fn, batch, heads, n, m, device);
+  }
+  std::string to_string() const override {
+    return c10::str("block_mask(", blocks.mask().to_string(), ")");
+  }
+};
+
 // Both children allow (is_and) or either does.
 struct CombinedNode final : MaskNode {
   std::shared_ptr<const MaskNode> left, right;
@@ -270,17 +282,6 @@ struct CombinedNode final : MaskNode {
       return c10::nullopt;
     // Neither settles it: both are the neutral kind (the result), or one is partial.
     return *a == *b ? *a : TileKind::kPartial;
-  }
-  std::pair<int64_t, int64_t> key_range(int64_t q0, int64_t bq, int64_t m) const override {
-    const auto a = left->key_range(q0, bq, m), b = right->key_range(q0, bq, m);
-    if (is_and)
-      return {std::max(a.first, b.first),
-              std::max(std::max(a.first, b.first), std::min(a.second, b.second))};
-    return {std::min(a.first, b.first), std::max(a.second, b.second)};
-  }
-  void add_key_cuts(int64_t q0, int64_t bq, std::vector<int64_t>* cuts) const override {
-    left->add_key_cuts(q0, bq, cuts);
-    right->add_key_cuts(q0, bq, cuts);
   }
   void check(const char* fn, int64_t batch, int64_t heads, int64_t n, int64_t m,
              const torch::Device& device) const override {
@@ -414,6 +415,17 @@ Mask Mask::from_function(MaskMod mask_mod) {
   return Mask(std::move(node));
 }
 
+Mask Mask::from_block_mask(const BlockMask& block_mask) {
+  TORCH_CHECK(block_mask.defined(),
+              "[Mask::from_block_mask] an empty BlockMask; make one with create_block_mask");
+  return Mask(std::make_shared<detail::BlockMaskNode>(block_mask));
+}
+
+const BlockMask* Mask::block_mask() const {
+  const auto* node = dynamic_cast<const detail::BlockMaskNode*>(node_.get());
+  return node == nullptr ? nullptr : &node->blocks;
+}
+
 Mask Mask::operator&(const Mask& other) const {
   if (is_none())
     return other;
@@ -471,17 +483,24 @@ torch::Tensor Mask::dense(int64_t batch, int64_t heads, int64_t num_queries, int
   return full.reshape(shape).expand({shape[0], shape[1], num_queries, num_keys});
 }
 
-TileMask Mask::tile(const Tile& tile, const torch::Device& device) const {
+c10::optional<TileKind> Mask::structural_kind(const Tile& tile) const {
+  return is_none() ? c10::optional<TileKind>(TileKind::kFull) : node_->kind(tile);
+}
+
+torch::Tensor Mask::tile_allowed(const Tile& tile, const torch::Device& device) const {
   if (is_none())
-    return {TileKind::kFull, {}};
-  const auto known = node_->kind(tile);
-  if (known.has_value() && *known != TileKind::kPartial)
-    return {*known, {}};
-  const auto at = detail::tile_indices(tile, device);
-  auto allowed = node_->allowed(at);
+    return torch::ones({1, 1, 1}, torch::dtype(torch::kBool).device(device));
+  auto allowed = node_->allowed(detail::tile_indices(tile, device));
   while (allowed.dim() < 4)
     allowed = allowed.unsqueeze(0);
-  allowed = allowed.select(0, 0);  // (heads or 1, queries or 1, keys or 1): one batch entry
+  return allowed.select(0, 0);  // (heads or 1, queries or 1, keys or 1): one batch entry
+}
+
+TileMask Mask::tile(const Tile& tile, const torch::Device& device) const {
+  const auto known = structural_kind(tile);
+  if (known.has_value() && *known != TileKind::kPartial)
+    return {*known, {}};
+  const auto allowed = tile_allowed(tile, device);
   if (!known.has_value()) {
     // A mask without structure (a tensor, a mask_mod) is judged by its entries.
     if (!allowed.any().item<bool>())
@@ -490,17 +509,6 @@ TileMask Mask::tile(const Tile& tile, const torch::Device& device) const {
       return {TileKind::kFull, {}};
   }
   return {TileKind::kPartial, allowed};
-}
-
-std::pair<int64_t, int64_t> Mask::key_range(int64_t query_begin, int64_t queries,
-                                            int64_t num_keys) const {
-  return is_none() ? std::make_pair(int64_t{0}, num_keys)
-                   : node_->key_range(query_begin, queries, num_keys);
-}
-
-void Mask::add_key_cuts(int64_t query_begin, int64_t queries, std::vector<int64_t>* cuts) const {
-  if (!is_none())
-    node_->add_key_cuts(query_begin, queries, cuts);
 }
 
 }  // namespace attnkit

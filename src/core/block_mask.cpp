@@ -1,0 +1,234 @@
+// attnkit::BlockMask: a Mask judged once per tile for one problem shape. The structure of the
+// mask settles most tiles without evaluating them (Mask::structural_kind); the others, per
+// query block, are evaluated in one call over the span of key blocks they cover, and their
+// counts of allowed entries cross to the host in one transfer at the end. The lists are then
+// built on the host (a few bytes per tile) and moved to the mask's device.
+
+#include "attnkit/block_mask.h"
+
+#include <algorithm>
+#include <iomanip>
+#include <sstream>
+
+#include "core/checks.h"
+
+namespace attnkit {
+
+using detail::shape_string;
+
+namespace {
+
+const char* const kCreateFn = "[create_block_mask]";
+
+// Tiles of one query block whose kind only their entries tell, for every batch entry: which
+// (batch, key block) pairs, over key blocks [first, first + blocks).
+struct PendingStripe {
+  int64_t q_block;
+  int64_t first;
+  int64_t blocks;
+  std::vector<char> wanted;  // (B, blocks), row-major
+};
+
+// Counts of allowed entries per (batch, head, key block) of one stripe: queries
+// [q0, q0 + bq) against key blocks [first, first + blocks), int64 (B, H, blocks), flattened.
+torch::Tensor stripe_counts(const Mask& mask, int64_t B, int64_t H, int64_t q0, int64_t bq,
+                            int64_t first, int64_t blocks, int64_t kv_block, int64_t kv_len,
+                            const torch::Device& device) {
+  const auto index = torch::dtype(torch::kInt64).device(device);
+  const int64_t k0 = first * kv_block, span = std::min(kv_len, (first + blocks) * kv_block) - k0;
+  auto allowed = mask.allowed(torch::arange(B, index).view({-1, 1, 1, 1}),
+                              torch::arange(H, index).view({1, -1, 1, 1}),
+                              torch::arange(q0, q0 + bq, index).view({1, 1, -1, 1}),
+                              torch::arange(k0, k0 + span, index).view({1, 1, 1, -1}));
+  while (allowed.dim() < 4)
+    allowed = allowed.unsqueeze(0);
+  // (B or 1, H or 1, bq, span), padded with masked keys to whole blocks.
+  allowed = allowed.expand({allowed.size(0), allowed.size(1), bq, span});
+  const int64_t padded = blocks * kv_block;
+  if (padded > span) {
+    allowed = torch::cat({allowed, torch::zeros({allowed.size(0), allowed.size(1), bq, padded - span},
+                                                allowed.options())},
+                         3);
+  }
+  // (b, h, bq, blocks * kv_block) -> (b, h, bq, blocks, kv_block) -> (b, h, blocks)
+  const auto counts = allowed.reshape({allowed.size(0), allowed.size(1), bq, blocks, kv_block})
+                          .sum({2, 4}, /*keepdim=*/false, torch::kInt64);
+  return counts.expand({B, H, blocks}).reshape({-1});
+}
+
+// FlexAttention's ordered form of one kind: per row the count, and the indices of the row's
+// blocks of that kind ascending, then the other blocks ascending.
+std::pair<torch::Tensor, torch::Tensor> ordered_lists(const std::vector<TileKind>& kinds,
+                                                      TileKind kind, int64_t rows,
+                                                      int64_t columns) {
+  auto counts = torch::empty({rows}, torch::kInt32);
+  auto indices = torch::empty({rows, columns}, torch::kInt32);
+  auto* count = counts.data_ptr<int32_t>();
+  auto* index = indices.data_ptr<int32_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const TileKind* row = kinds.data() + r * columns;
+    int32_t* out = index + r * columns;
+    int32_t taken = 0;
+    for (int64_t j = 0; j < columns; ++j) {
+      if (row[j] == kind)
+        out[taken++] = static_cast<int32_t>(j);
+    }
+    count[r] = taken;
+    for (int64_t j = 0; j < columns; ++j) {
+      if (row[j] != kind)
+        out[taken++] = static_cast<int32_t>(j);
+    }
+  }
+  return {counts, indices};
+}
+
+}  // namespace
+
+BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LEN, int64_t KV_LEN,
+                            const BlockMaskOptions& options) {
+  TORCH_CHECK(B >= 1 && H >= 1, kCreateFn, " B and H must be >= 1 (1 broadcasts), got B ", B,
+              " and H ", H);
+  TORCH_CHECK(Q_LEN >= 1 && KV_LEN >= 1, kCreateFn, " Q_LEN and KV_LEN must be >= 1, got Q_LEN ",
+              Q_LEN, " and KV_LEN ", KV_LEN);
+  const int64_t qb = options.q_block_size(), kb = options.kv_block_size();
+  TORCH_CHECK(qb >= 1 && kb >= 1, kCreateFn, " block_size must be >= 1, got (", qb, ", ", kb,
+              ")");
+  const auto& device = options.device();
+  mask.check(kCreateFn, B, H, Q_LEN, KV_LEN, device);
+
+  BlockMask result;
+  result.mask_ = mask;
+  result.batch_ = B;
+  result.heads_ = H;
+  result.q_len_ = Q_LEN;
+  result.kv_len_ = KV_LEN;
+  result.q_block_size_ = qb;
+  result.kv_block_size_ = kb;
+  result.device_ = device;
+  const int64_t nq = result.num_q_blocks(), nk = result.num_kv_blocks();
+
+  std::vector<TileKind> kinds(static_cast<size_t>(B * H * nq * nk), TileKind::kEmpty);
+  const auto slot = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
+    return static_cast<size_t>(((b * H + h) * nq + i) * nk + j);
+  };
+  std::vector<PendingStripe> pending;
+  std::vector<torch::Tensor> counts;
+  std::vector<char> undecided(static_cast<size_t>(B * nk));
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t q0 = i * qb, bq = std::min(qb, Q_LEN - q0);
+    int64_t lo = nk, hi = -1;
+    std::fill(undecided.begin(), undecided.end(), 0);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t k0 = j * kb, bk = std::min(kb, KV_LEN - k0);
+        const auto known = mask.structural_kind(Tile{b, 0, H, q0, bq, k0, bk});
+        if (!known.has_value() || *known == TileKind::kPartial) {
+          undecided[static_cast<size_t>(b * nk + j)] = 1;
+          lo = std::min(lo, j);
+          hi = std::max(hi, j);
+          continue;
+        }
+        // A short tile is padded with masked entries: never full.
+        const bool whole = bq == qb && bk == kb;
+        const TileKind kind = *known == TileKind::kFull && !whole ? TileKind::kPartial : *known;
+        for (int64_t h = 0; h < H; ++h)
+          kinds[slot(b, h, i, j)] = kind;
+      }
+    }
+    if (hi < lo)
+      continue;
+    PendingStripe stripe{i, lo, hi + 1 - lo, std::vector<char>(static_cast<size_t>(B * (hi + 1 - lo)))};
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = lo; j <= hi; ++j)
+        stripe.wanted[static_cast<size_t>(b * stripe.blocks + j - lo)] =
+            undecided[static_cast<size_t>(b * nk + j)];
+    }
+    counts.push_back(stripe_counts(mask, B, H, q0, bq, lo, stripe.blocks, kb, KV_LEN, device));
+    pending.push_back(std::move(stripe));
+  }
+  if (!pending.empty()) {
+    const auto host = torch::cat(counts).to(torch::kCPU).contiguous();  // the one transfer
+    const int64_t* count = host.data_ptr<int64_t>();
+    for (const auto& stripe : pending) {
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < H; ++h) {
+          for (int64_t jj = 0; jj < stripe.blocks; ++jj, ++count) {
+            if (!stripe.wanted[static_cast<size_t>(b * stripe.blocks + jj)])
+              continue;
+            kinds[slot(b, h, stripe.q_block, stripe.first + jj)] =
+                *count == 0 ? TileKind::kEmpty
+                            : *count == qb * kb ? TileKind::kFull : TileKind::kPartial;
+          }
+        }
+      }
+    }
+  }
+
+  const int64_t rows = B * H * nq;
+  auto partial = ordered_lists(kinds, TileKind::kPartial, rows, nk);
+  auto full = ordered_lists(kinds, TileKind::kFull, rows, nk);
+  result.kv_num_blocks_ = partial.first.view({B, H, nq}).to(device);
+  result.kv_indices_ = partial.second.view({B, H, nq, nk}).to(device);
+  result.full_kv_num_blocks_ = full.first.view({B, H, nq}).to(device);
+  result.full_kv_indices_ = full.second.view({B, H, nq, nk}).to(device);
+  result.kinds_ = std::make_shared<const std::vector<TileKind>>(std::move(kinds));
+  return result;
+}
+
+TileKind BlockMask::kind(int64_t batch, int64_t head, int64_t q_block, int64_t kv_block) const {
+  const int64_t b = batch_ == 1 ? 0 : batch, h = heads_ == 1 ? 0 : head;
+  return (*kinds_)[static_cast<size_t>(((b * heads_ + h) * num_q_blocks() + q_block) *
+                                           num_kv_blocks() +
+                                       kv_block)];
+}
+
+double BlockMask::sparsity() const {
+  TORCH_CHECK(defined(), "[BlockMask::sparsity] an empty BlockMask; make one with create_block_mask");
+  const auto visited = std::count_if(kinds_->begin(), kinds_->end(),
+                                     [](TileKind k) { return k != TileKind::kEmpty; });
+  return 100.0 * (1.0 - static_cast<double>(visited) / static_cast<double>(kinds_->size()));
+}
+
+torch::Tensor BlockMask::to_dense() const {
+  TORCH_CHECK(defined(), "[BlockMask::to_dense] an empty BlockMask; make one with create_block_mask");
+  auto dense = torch::empty({batch_, heads_, num_q_blocks(), num_kv_blocks()}, torch::kBool);
+  auto* out = dense.data_ptr<bool>();
+  for (size_t i = 0; i < kinds_->size(); ++i)
+    out[i] = (*kinds_)[i] != TileKind::kEmpty;
+  return dense.to(device_);
+}
+
+std::string BlockMask::to_string() const {
+  if (!defined())
+    return "BlockMask(empty)";
+  std::ostringstream out;
+  out << "BlockMask(shape=(" << batch_ << ", " << heads_ << ", " << q_len_ << ", " << kv_len_
+      << "), block_size=(" << q_block_size_ << ", " << kv_block_size_ << "), sparsity="
+      << std::fixed << std::setprecision(2) << sparsity() << "%, mask=" << mask_.to_string()
+      << ", device=" << device_ << ")";
+  // A picture of batch 0, head 0 when it fits a screen.
+  if (num_q_blocks() <= 32 && num_kv_blocks() <= 64) {
+    for (int64_t i = 0; i < num_q_blocks(); ++i) {
+      out << "\n  ";
+      for (int64_t j = 0; j < num_kv_blocks(); ++j) {
+        const auto k = kind(0, 0, i, j);
+        out << (k == TileKind::kFull ? '#' : k == TileKind::kPartial ? '~' : '.');
+      }
+    }
+  }
+  return out.str();
+}
+
+void BlockMask::check(const char* fn, int64_t batch, int64_t heads, int64_t num_queries,
+                      int64_t num_keys, const torch::Device& device) const {
+  TORCH_CHECK(defined(), fn, " block_mask is an empty BlockMask; make one with create_block_mask");
+  const bool fits = (batch_ == 1 || batch_ == batch) && (heads_ == 1 || heads_ == heads) &&
+                    q_len_ == num_queries && kv_len_ == num_keys && device_ == device;
+  TORCH_CHECK(fits, fn, " block_mask was made for (B, H, Q_LEN, KV_LEN) = (", batch_, ", ",
+              heads_, ", ", q_len_, ", ", kv_len_, ") on ", device_,
+              ", but the attention is (batch, heads, num_queries, num_keys) = (", batch, ", ",
+              heads, ", ", num_queries, ", ", num_keys, ") on ", device,
+              " (B and H of 1 serve any); make one for this shape with create_block_mask");
+}
+
+}  // namespace attnkit
