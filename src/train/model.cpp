@@ -8,199 +8,228 @@
 
 namespace attnkit::train {
 
-const std::vector<std::string>& module_names() {
-  static const std::vector<std::string> names{
-      "sa-v1", "sa-v2", "causal", "mha-wrapper", "mha", "mha-combined", "gqa", "mqa", "mla"};
-  return names;
-}
-
-bool has_backends_and_kv_cache(const std::string& module) {
-  return module == "mha" || module == "mha-combined" || module == "gqa" || module == "mqa" ||
-         module == "mla";
-}
-
 namespace {
 
-int64_t kv_groups_of(const ModelConfig& c) {
-  return c.module == "mqa" ? 1 : (c.kv_groups > 0 ? c.kv_groups : 2);
+using AttendWithWeights =
+    std::function<functional::AttentionOutput(const torch::Tensor&, const Mask&)>;
+using Attend = std::function<torch::Tensor(const torch::Tensor&, const Mask&)>;
+using Causality = ModuleKind::Causality;
+
+// The names of the kinds that `keep`, as a list: "a, b, c or d" (`last` = "or" or "and").
+template <typename Keep>
+std::string names_where(Keep keep, const char* last = "or") {
+  std::vector<std::string> names;
+  for (const auto& kind : module_kinds()) {
+    if (keep(kind))
+      names.push_back(kind.name);
+  }
+  std::string text;
+  for (size_t i = 0; i < names.size(); ++i)
+    text += (i == 0 ? "" : i + 1 == names.size() ? std::string(" ") + last + " " : ", ") + names[i];
+  return text;
+}
+
+std::string masked_module_names(const char* last = "or") {
+  return names_where([](const ModuleKind& k) { return k.masks_backends_and_cache; }, last);
+}
+
+// A module of the book that takes no mask: its forward_with_weights and forward, refusing a
+// mask (packed documents).
+template <typename Holder>
+BoundAttention bind_unmasked(Holder holder, const std::string& name) {
+  const auto check = [name](const Mask& mask) {
+    TORCH_CHECK(mask.is_none(), "--module ", name,
+                " takes no mask, so it cannot keep packed documents apart (--pack); use ",
+                masked_module_names());
+  };
+  BoundAttention bound;
+  bound.module = holder.ptr();
+  bound.attend_with_weights = [holder, check](const torch::Tensor& x, const Mask& mask) mutable {
+    check(mask);
+    return holder->forward_with_weights(x);
+  };
+  bound.attend = [holder, check](const torch::Tensor& x, const Mask& mask) mutable {
+    check(mask);
+    return holder->forward(x);
+  };
+  return bound;
+}
+
+// A module whose forward(query, key, value, mask) takes a mask (self-attention: no key, no
+// value), with its KV cache: without lengths forward_with_cache(x, cache), with them the
+// ragged overload.
+template <typename Holder>
+BoundAttention bind_masked(Holder holder) {
+  BoundAttention bound;
+  bound.module = holder.ptr();
+  bound.attend_with_weights = [holder](const torch::Tensor& x, const Mask& mask) mutable {
+    return holder->forward_with_weights(x, {}, {}, mask);
+  };
+  bound.attend = [holder](const torch::Tensor& x, const Mask& mask) mutable {
+    return holder->forward(x, {}, {}, mask);
+  };
+  bound.attend_with_cache = [holder](const torch::Tensor& x, KVCache& cache,
+                                     const torch::Tensor& lengths) mutable {
+    return lengths.defined() ? holder->forward_with_cache(x, cache, lengths)
+                             : holder->forward_with_cache(x, cache);
+  };
+  bound.make_kv_cache = [holder](int64_t batch, int64_t capacity) {
+    return holder->make_kv_cache(batch, capacity);
+  };
+  return bound;
+}
+
+// Empty --backend: the modules' own default (math); attnkit-train resolves it to fused first.
+AttentionBackend backend_of(const ModelConfig& c) {
+  return c.backend.empty() ? AttentionBackend::kMath : parse_backend(c.backend);
+}
+
+c10::optional<int64_t> window_of(const ModelConfig& c) {
+  return c.window > 0 ? c10::optional<int64_t>(c.window) : c10::nullopt;
+}
+
+c10::optional<RopeOptions> rope_of(const ModelConfig& c) {
+  return c.rope ? c10::optional<RopeOptions>(RopeOptions(c.context_length))
+                : c10::optional<RopeOptions>();
+}
+
+MultiHeadAttentionOptions multi_head_options(const ModelConfig& c) {
+  return MultiHeadAttentionOptions(c.d_model, c.d_model, c.context_length, c.dropout, c.heads)
+      .causal(c.causal)
+      .backend(backend_of(c))
+      .sliding_window_size(window_of(c))
+      .rope(rope_of(c))
+      .qk_norm(c.qk_norm);
+}
+
+BoundAttention make_grouped(const ModelConfig& c, int64_t kv_groups) {
+  return bind_masked(GroupedQueryAttention(
+      GroupedQueryAttentionOptions(c.d_model, c.d_model, c.dropout, c.heads, kv_groups)
+          .backend(backend_of(c))
+          .sliding_window_size(window_of(c))
+          .rope(rope_of(c))
+          .qk_norm(c.qk_norm)));
+}
+
+// gqa's key/value groups: --kv-groups, 2 by default.
+int64_t gqa_groups(const ModelConfig& c) {
+  return c.kv_groups > 0 ? c.kv_groups : 2;
 }
 
 }  // namespace
 
+const std::vector<ModuleKind>& module_kinds() {
+  // name, causality, multi-head, masks + backends + cache, windowed, kv-groups, latent, make
+  static const std::vector<ModuleKind> kinds{
+      {"sa-v1", Causality::kNever, false, false, false, false, false,
+       [](const ModelConfig& c) {
+         return bind_unmasked(SelfAttentionV1(c.d_model, c.d_model), "sa-v1");
+       }},
+      {"sa-v2", Causality::kNever, false, false, false, false, false,
+       [](const ModelConfig& c) {
+         return bind_unmasked(SelfAttentionV2(c.d_model, c.d_model), "sa-v2");
+       }},
+      {"causal", Causality::kAlways, false, false, false, false, false,
+       [](const ModelConfig& c) {
+         return bind_unmasked(CausalAttention(c.d_model, c.d_model, c.context_length, c.dropout),
+                              "causal");
+       }},
+      {"mha-wrapper", Causality::kAlways, true, false, false, false, false,
+       [](const ModelConfig& c) {
+         // Each head d_model / heads wide, so the concatenation is d_model wide.
+         return bind_unmasked(MultiHeadAttentionWrapper(c.d_model, c.d_model / c.heads,
+                                                        c.context_length, c.dropout, c.heads),
+                              "mha-wrapper");
+       }},
+      {"mha", Causality::kEither, true, true, true, false, false,
+       [](const ModelConfig& c) { return bind_masked(MultiHeadAttention(multi_head_options(c))); }},
+      {"mha-combined", Causality::kEither, true, true, true, false, false,
+       [](const ModelConfig& c) {
+         return bind_masked(MultiHeadAttentionCombinedQKV(multi_head_options(c)));
+       }},
+      {"gqa", Causality::kAlways, true, true, true, true, false,
+       [](const ModelConfig& c) { return make_grouped(c, gqa_groups(c)); }},
+      {"mqa", Causality::kAlways, true, true, true, false, false,
+       [](const ModelConfig& c) { return make_grouped(c, 1); }},
+      {"mla", Causality::kAlways, true, true, false, false, true,
+       [](const ModelConfig& c) {
+         return bind_masked(MultiHeadLatentAttention(
+             MultiHeadLatentAttentionOptions(c.d_model, c.d_model, c.dropout, c.heads)
+                 .backend(backend_of(c))
+                 .latent_dim(c.latent_dim > 0 ? c10::optional<int64_t>(c.latent_dim)
+                                              : c10::nullopt)));
+       }},
+  };
+  return kinds;
+}
+
+const ModuleKind& module_kind(const std::string& name) {
+  for (const auto& kind : module_kinds()) {
+    if (kind.name == name)
+      return kind;
+  }
+  TORCH_CHECK(false, "--module: unknown module '", name, "'; expected ",
+              names_where([](const ModuleKind&) { return true; }));
+}
+
+bool has_backends_and_kv_cache(const std::string& module) {
+  return module_kind(module).masks_backends_and_cache;
+}
+
 void check_model_config(const ModelConfig& c) {
-  const auto& names = module_names();
-  TORCH_CHECK(std::find(names.begin(), names.end(), c.module) != names.end(),
-              "--module: unknown module '", c.module,
-              "'; expected sa-v1, sa-v2, causal, mha-wrapper, mha, mha-combined, gqa, mqa or mla");
-  const bool unmasked = c.module == "sa-v1" || c.module == "sa-v2";
-  const bool family = c.module == "gqa" || c.module == "mqa" || c.module == "mla";
-  const bool always_causal = c.module == "causal" || c.module == "mha-wrapper" || family;
-  TORCH_CHECK(!(unmasked && c.causal), "--module ", c.module,
+  const auto& kind = module_kind(c.module);
+  TORCH_CHECK(!(kind.causality == Causality::kNever && c.causal), "--module ", c.module,
               " has no causal mask, so on a causal task it would see the tokens it must "
-              "predict; use causal, mha-wrapper, mha, mha-combined, gqa, mqa or mla");
-  TORCH_CHECK(!(always_causal && !c.causal), "--module ", c.module,
+              "predict; use ",
+              names_where([](const ModuleKind& k) { return k.causality != Causality::kNever; }));
+  TORCH_CHECK(!(kind.causality == Causality::kAlways && !c.causal), "--module ", c.module,
               " always applies a causal mask, but this task needs every token to see every "
-              "other (bidirectional); use sa-v1, sa-v2, mha or mha-combined");
+              "other (bidirectional); use ",
+              names_where([](const ModuleKind& k) { return k.causality != Causality::kAlways; }));
   TORCH_CHECK(c.d_model >= 1, "--d-model: expected >= 1, got ", c.d_model);
   TORCH_CHECK(c.heads >= 1, "--heads: expected >= 1, got ", c.heads);
   TORCH_CHECK(c.layers >= 1, "--layers: expected >= 1, got ", c.layers);
-  const bool multi_head =
-      c.module == "mha-wrapper" || c.module == "mha" || c.module == "mha-combined" || family;
-  TORCH_CHECK(!multi_head || c.d_model % c.heads == 0, "--d-model ", c.d_model,
+  TORCH_CHECK(!kind.multi_head || c.d_model % c.heads == 0, "--d-model ", c.d_model,
               " must be divisible by --heads ", c.heads, " for --module ", c.module);
   TORCH_CHECK(c.dropout >= 0.0 && c.dropout < 1.0, "--dropout: expected a value in [0, 1), got ",
               c.dropout);
-  const bool has_backends = has_backends_and_kv_cache(c.module);
-  TORCH_CHECK(has_backends || c.backend.empty(), "--backend ", c.backend,
-              ": only mha, mha-combined, gqa, mqa and mla have backends; --module ", c.module,
+  const bool has_backends = kind.masks_backends_and_cache;
+  TORCH_CHECK(has_backends || c.backend.empty(), "--backend ", c.backend, ": only ",
+              masked_module_names("and"), " have backends; --module ", c.module,
               " has one implementation");
   TORCH_CHECK(
       !has_backends || c.backend == "math" || c.backend == "fused" || c.backend == "chunked",
       "--backend: unknown backend '", c.backend, "'; expected math, fused or chunked");
   // The family's sizes: each flag only where the module has that size.
   TORCH_CHECK(c.kv_groups >= 0, "--kv-groups: expected >= 1, got ", c.kv_groups);
-  TORCH_CHECK(c.kv_groups == 0 || c.module == "gqa", "--kv-groups ", c.kv_groups,
+  TORCH_CHECK(c.kv_groups == 0 || kind.kv_group_choice, "--kv-groups ", c.kv_groups,
               ": only --module gqa has a choice of key/value groups (mqa has 1), got --module ",
               c.module);
-  TORCH_CHECK(c.module != "gqa" || c.heads % kv_groups_of(c) == 0, "--kv-groups ", kv_groups_of(c),
-              " must divide --heads ", c.heads, " for --module gqa");
+  TORCH_CHECK(!kind.kv_group_choice || c.heads % gqa_groups(c) == 0, "--kv-groups ",
+              gqa_groups(c), " must divide --heads ", c.heads, " for --module gqa");
   TORCH_CHECK(c.window >= 0, "--window: expected >= 1 (0 = no window), got ", c.window);
-  const bool windowed =
-      c.module == "mha" || c.module == "mha-combined" || c.module == "gqa" || c.module == "mqa";
-  TORCH_CHECK(c.window == 0 || windowed, "--window ", c.window,
-              ": only mha, mha-combined, gqa and mqa have a sliding window, got --module ",
-              c.module);
+  const auto windowed = names_where([](const ModuleKind& k) { return k.windowed; }, "and");
+  TORCH_CHECK(c.window == 0 || kind.windowed, "--window ", c.window, ": only ", windowed,
+              " have a sliding window, got --module ", c.module);
   TORCH_CHECK(c.window == 0 || c.causal, "--window ", c.window,
               " limits how far back a token looks, so it needs a causal task");
-  TORCH_CHECK(!(c.rope || c.qk_norm) || windowed, c.rope ? "--rope" : "--qk-norm",
-              ": only mha, mha-combined, gqa and mqa take it, got --module ", c.module);
+  TORCH_CHECK(!(c.rope || c.qk_norm) || kind.windowed, c.rope ? "--rope" : "--qk-norm",
+              ": only ", windowed, " take it, got --module ", c.module);
   TORCH_CHECK(!c.rope || (c.d_model / c.heads) % 2 == 0, "--rope rotates pairs of a head's ",
               "features, so d-model / heads must be even, got ", c.d_model, " / ", c.heads, " = ",
               c.d_model / c.heads);
   TORCH_CHECK(c.latent_dim >= 0, "--latent-dim: expected >= 1 (0 = the default), got ",
               c.latent_dim);
-  TORCH_CHECK(c.latent_dim == 0 || c.module == "mla", "--latent-dim ", c.latent_dim,
+  TORCH_CHECK(c.latent_dim == 0 || kind.latent, "--latent-dim ", c.latent_dim,
               ": only --module mla has a latent, got --module ", c.module);
 }
 
-namespace {
-
-using AttendWithWeights =
-    std::function<functional::AttentionOutput(const torch::Tensor&, const Mask&)>;
-using Attend = std::function<torch::Tensor(const torch::Tensor&, const Mask&)>;
-
-// Binds the forward_with_weights and forward of a module that takes no mask (the book's
-// modules) to the block's two callables.
-template <typename Holder>
-void bind(Holder holder, const std::string& name, AttendWithWeights& attend_with_weights,
-          Attend& attend) {
-  const auto check = [name](const Mask& mask) {
-    TORCH_CHECK(mask.is_none(), "--module ", name,
-                " takes no mask, so it cannot keep packed documents apart (--pack); use mha, "
-                "mha-combined, gqa, mqa or mla");
-  };
-  attend_with_weights = [holder, check](const torch::Tensor& x, const Mask& mask) mutable {
-    check(mask);
-    return holder->forward_with_weights(x);
-  };
-  attend = [holder, check](const torch::Tensor& x, const Mask& mask) mutable {
-    check(mask);
-    return holder->forward(x);
-  };
-}
-
-// The same for a module whose forward(query, key, value, mask) takes a mask (self-attention:
-// no key, no value).
-template <typename Holder>
-void bind_masked(Holder holder, AttendWithWeights& attend_with_weights, Attend& attend) {
-  attend_with_weights = [holder](const torch::Tensor& x, const Mask& mask) mutable {
-    return holder->forward_with_weights(x, {}, {}, mask);
-  };
-  attend = [holder](const torch::Tensor& x, const Mask& mask) mutable {
-    return holder->forward(x, {}, {}, mask);
-  };
-}
-
-// Binds the KV-cache methods of a module that has them.
-// Without lengths: forward_with_cache(x, cache); with: the ragged overload.
-template <typename Holder>
-void bind_cache(Holder holder,
-                std::function<torch::Tensor(const torch::Tensor&, KVCache&, const torch::Tensor&)>&
-                    attend_with_cache,
-                std::function<KVCache(int64_t, int64_t)>& make_kv_cache) {
-  attend_with_cache = [holder](const torch::Tensor& x, KVCache& cache,
-                               const torch::Tensor& lengths) mutable {
-    return lengths.defined() ? holder->forward_with_cache(x, cache, lengths)
-                             : holder->forward_with_cache(x, cache);
-  };
-  make_kv_cache = [holder](int64_t batch, int64_t capacity) {
-    return holder->make_kv_cache(batch, capacity);
-  };
-}
-
-}  // namespace
-
-BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
+BlockImpl::BlockImpl(const ModelConfig& c)
+    : attention_(module_kind(c.module).make(c)), module_name_(c.module) {
   const auto d = c.d_model;
   attention_norm_ =
       register_module("attention_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-  // Empty: the modules' own default (math); attnkit-train resolves it to fused first.
-  const auto backend = c.backend.empty() ? AttentionBackend::kMath : parse_backend(c.backend);
-  const auto window = c.window > 0 ? c10::optional<int64_t>(c.window) : c10::nullopt;
-  const auto rope = c.rope ? c10::optional<RopeOptions>(RopeOptions(c.context_length))
-                           : c10::optional<RopeOptions>();
-  const auto mha_options = MultiHeadAttentionOptions(d, d, c.context_length, c.dropout, c.heads)
-                               .causal(c.causal)
-                               .backend(backend)
-                               .sliding_window_size(window)
-                               .rope(rope)
-                               .qk_norm(c.qk_norm);
-  if (c.module == "sa-v1") {
-    SelfAttentionV1 attention(d, d);
-    attention_ = register_module("attention", attention);
-    bind(attention, c.module, attend_with_weights_, attend_);
-  } else if (c.module == "sa-v2") {
-    SelfAttentionV2 attention(d, d);
-    attention_ = register_module("attention", attention);
-    bind(attention, c.module, attend_with_weights_, attend_);
-  } else if (c.module == "causal") {
-    CausalAttention attention(d, d, c.context_length, c.dropout);
-    attention_ = register_module("attention", attention);
-    bind(attention, c.module, attend_with_weights_, attend_);
-  } else if (c.module == "mha-wrapper") {
-    // Each head d_model / heads wide, so the concatenation is d_model wide.
-    MultiHeadAttentionWrapper attention(d, d / c.heads, c.context_length, c.dropout, c.heads);
-    attention_ = register_module("attention", attention);
-    bind(attention, c.module, attend_with_weights_, attend_);
-  } else if (c.module == "mha") {
-    MultiHeadAttention attention(mha_options);
-    attention_ = register_module("attention", attention);
-    bind_masked(attention, attend_with_weights_, attend_);
-    bind_cache(attention, attend_with_cache_, make_kv_cache_);
-  } else if (c.module == "mha-combined") {
-    MultiHeadAttentionCombinedQKV attention(mha_options);
-    attention_ = register_module("attention", attention);
-    bind_masked(attention, attend_with_weights_, attend_);
-    bind_cache(attention, attend_with_cache_, make_kv_cache_);
-  } else if (c.module == "gqa" || c.module == "mqa") {
-    GroupedQueryAttention attention(
-        GroupedQueryAttentionOptions(d, d, c.dropout, c.heads, kv_groups_of(c))
-            .backend(backend)
-            .sliding_window_size(window)
-            .rope(rope)
-            .qk_norm(c.qk_norm));
-    attention_ = register_module("attention", attention);
-    bind_masked(attention, attend_with_weights_, attend_);
-    bind_cache(attention, attend_with_cache_, make_kv_cache_);
-  } else {
-    MultiHeadLatentAttention attention(
-        MultiHeadLatentAttentionOptions(d, d, c.dropout, c.heads)
-            .backend(backend)
-            .latent_dim(c.latent_dim > 0 ? c10::optional<int64_t>(c.latent_dim) : c10::nullopt));
-    attention_ = register_module("attention", attention);
-    bind_masked(attention, attend_with_weights_, attend_);
-    bind_cache(attention, attend_with_cache_, make_kv_cache_);
-  }
+  register_module("attention", attention_.module);
   if (c.ffn) {
     feed_forward_norm_ = register_module("feed_forward_norm",
                                          torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
@@ -214,12 +243,12 @@ BlockImpl::BlockImpl(const ModelConfig& c) : module_name_(c.module) {
 
 torch::Tensor BlockImpl::forward(torch::Tensor x, const Mask& mask, torch::Tensor* weights) {
   if (weights != nullptr) {
-    auto attended = attend_with_weights_(attention_norm_(x), mask);
+    auto attended = attention_.attend_with_weights(attention_norm_(x), mask);
     // Single-head modules give (b, n, n): add the head dimension.
     *weights = attended.weights.dim() == 3 ? attended.weights.unsqueeze(1) : attended.weights;
     x = x + attended.context;
   } else {
-    x = x + attend_(attention_norm_(x), mask);
+    x = x + attention_.attend(attention_norm_(x), mask);
   }
   if (feed_forward_) {
     x = x + feed_forward_->forward(feed_forward_norm_(x));
@@ -245,8 +274,8 @@ torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache) {
 
 torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache,
                                             const torch::Tensor& lengths) {
-  TORCH_CHECK(attend_with_cache_, "--module ", module_name_, " has no KV cache");
-  x = x + attend_with_cache_(attention_norm_(x), cache, lengths);
+  TORCH_CHECK(attention_.attend_with_cache, "--module ", module_name_, " has no KV cache");
+  x = x + attention_.attend_with_cache(attention_norm_(x), cache, lengths);
   if (feed_forward_) {
     // Norm, Linear, GELU, Dropout (a no-op: caches are for inference), Linear, each per
     // token: a one-row step's products through detail::project, a mostly padded ragged
@@ -262,10 +291,9 @@ torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache,
 }
 
 KVCache BlockImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
-  TORCH_CHECK(make_kv_cache_, "--module ", module_name_,
-              " has no KV cache (mha, mha-combined, gqa, mqa and mla have one); generate with "
-              "--no-kv-cache");
-  return make_kv_cache_(batch, capacity);
+  TORCH_CHECK(attention_.make_kv_cache, "--module ", module_name_, " has no KV cache (",
+              masked_module_names("and"), " have one); generate with --no-kv-cache");
+  return attention_.make_kv_cache(batch, capacity);
 }
 
 AttentionModelImpl::AttentionModelImpl(const ModelConfig& config) : config_(config) {
@@ -318,7 +346,13 @@ torch::Tensor AttentionModelImpl::run(const torch::Tensor& tokens,
     TORCH_CHECK(document_ids.sizes() == tokens.sizes(),
                 "[AttentionModel::forward] document_ids: expected the tokens' shape ",
                 tokens.sizes(), ", got ", document_ids.sizes());
-    mask = Mask::documents(document_ids, /*causal=*/config_.causal);
+    // Judged once per step, read by every layer (FlexAttention's pattern): the block mask's
+    // lists serve each layer's tiles, and the documents' ids are compared only on the tiles
+    // where documents meet. Block size 128: the modules' default chunk size.
+    const auto n = tokens.size(1);
+    mask = Mask::from_block_mask(create_block_mask(
+        Mask::documents(document_ids, /*causal=*/config_.causal), tokens.size(0), 1, n, n,
+        BlockMaskOptions().device(tokens.device())));
     positions = positions_in_documents(document_ids);
   }
   auto x = embed(tokens, positions);

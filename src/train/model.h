@@ -17,18 +17,6 @@
 
 namespace attnkit::train {
 
-/// The --module names, in the order --help lists them.
-const std::vector<std::string>& module_names();
-
-/// Whether --module has attention backends and a KV cache: mha, mha-combined and the
-/// attention family (gqa, mqa, mla).
-bool has_backends_and_kv_cache(const std::string& module);
-
-/// Whether --module's forward takes a mask (packed documents): the same modules.
-inline bool takes_masks(const std::string& module) {
-  return has_backends_and_kv_cache(module);
-}
-
 struct ModelConfig {
   std::string module = "mha";
   /// Attention backend (math | fused | chunked) of the modules that have them; empty for
@@ -55,6 +43,60 @@ struct ModelConfig {
   bool causal = true;
 };
 
+/// A module made for a block: the module, and the block's callables bound to it.
+struct BoundAttention {
+  std::shared_ptr<torch::nn::Module> module;
+  // forward_with_weights (the book's path, for attention maps) and forward (the backend's).
+  std::function<functional::AttentionOutput(const torch::Tensor&, const Mask&)>
+      attend_with_weights;
+  std::function<torch::Tensor(const torch::Tensor&, const Mask&)> attend;
+  // Modules with a KV cache only: forward_with_cache (lengths undefined: a uniform step)
+  // and make_kv_cache(batch, capacity).
+  std::function<torch::Tensor(const torch::Tensor&, KVCache&, const torch::Tensor&)>
+      attend_with_cache;
+  std::function<KVCache(int64_t, int64_t)> make_kv_cache;
+};
+
+/// What attnkit-train knows of a --module: what it can do, and how to make it. The one
+/// table (module_kinds) that the flags' checks, the trainer and the blocks read.
+struct ModuleKind {
+  /// Which tasks it fits.
+  enum class Causality {
+    kNever,   ///< no causal mask (sa-v1, sa-v2): bidirectional tasks only
+    kAlways,  ///< always causal: causal tasks only
+    kEither,  ///< a causal option (mha, mha-combined)
+  };
+  std::string name;
+  Causality causality;
+  /// Its heads split d_model: d_model must divide by --heads.
+  bool multi_head;
+  /// forward takes a mask (packed documents), and the module has backends and a KV cache.
+  bool masks_backends_and_cache;
+  /// --window, --rope and --qk-norm.
+  bool windowed;
+  /// --kv-groups (gqa; mqa has 1).
+  bool kv_group_choice;
+  /// --latent-dim (mla).
+  bool latent;
+  /// The module for a block of `config`, with the block's callables.
+  std::function<BoundAttention(const ModelConfig&)> make;
+};
+
+/// Every --module, in the order --help lists them.
+const std::vector<ModuleKind>& module_kinds();
+
+/// The --module named `name`; a c10::Error naming the known ones otherwise.
+const ModuleKind& module_kind(const std::string& name);
+
+/// Whether --module has attention backends and a KV cache: mha, mha-combined and the
+/// attention family (gqa, mqa, mla).
+bool has_backends_and_kv_cache(const std::string& module);
+
+/// Whether --module's forward takes a mask (packed documents): the same modules.
+inline bool takes_masks(const std::string& module) {
+  return has_backends_and_kv_cache(module);
+}
+
 /// Fails (one-line c10::Error) when the module does not fit the task or the sizes do not
 /// fit the module, saying why.
 void check_model_config(const ModelConfig& config);
@@ -75,15 +117,7 @@ class BlockImpl : public torch::nn::Module {
 
  private:
   torch::nn::LayerNorm attention_norm_{nullptr};
-  std::shared_ptr<torch::nn::Module> attention_;
-  // forward_with_weights (the book's path, for attention maps) and forward (the backend's).
-  std::function<functional::AttentionOutput(const torch::Tensor&, const Mask&)>
-      attend_with_weights_;
-  std::function<torch::Tensor(const torch::Tensor&, const Mask&)> attend_;
-  // Modules with a KV cache only: their forward_with_cache and make_kv_cache.
-  std::function<torch::Tensor(const torch::Tensor&, KVCache&, const torch::Tensor&)>
-      attend_with_cache_;
-  std::function<KVCache(int64_t, int64_t)> make_kv_cache_;
+  BoundAttention attention_;  // its module is registered as "attention"
   std::string module_name_;
   torch::nn::LayerNorm feed_forward_norm_{nullptr};
   torch::nn::Sequential feed_forward_{nullptr};

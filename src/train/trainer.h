@@ -27,7 +27,7 @@ struct TrainConfig {
   int64_t seq_len = 0;   // 0: default_task_length(task)
   bool pack = false;     // text: rows of packed documents (paragraphs), kept apart by a mask
   int64_t sample = 0;    // text: bytes to generate after training
-  bool kv_cache = true;  // generate the sample with KV caches (mha, mha-combined)
+  bool kv_cache = true;  // generate the sample with KV caches (mha, mha-combined, gqa, mqa, mla)
   std::string prompts;   // text: a file whose lines --sample continues, in one batch
   // model
   std::string module = "mha";
