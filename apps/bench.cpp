@@ -50,6 +50,9 @@ struct BenchConfig {
   std::string mask = "module";
   std::string score = "none";
   double masked_keys_per_query = -1.0;  // from the mask's dense form; < 0: --causal/--window
+  // --layers / --block-mask: a stack of core attention calls per step, and who judges the mask.
+  int64_t layers = 1;
+  std::string block_mask = "per-call";
 };
 
 // --mask KIND: "module" (--causal and --window), "documents:K" (each row K documents of
@@ -193,7 +196,7 @@ Flops model_flops(const BenchConfig& c, const std::string& name) {
   const double b = c.batch, n = c.tokens, d = c.d_model;
   // QKV + out projection
   const double gemms = is_core_only(name) ? 0.0 : 6 * b * n * d * d + 2 * b * n * d * d;
-  const double core = 4 * b * n * keys_per_query(c) * d;
+  const double core = 4 * b * n * keys_per_query(c) * d * c.layers;
   return {gemms + core, 3 * gemms + 3.5 * core};  // backward: 2x GEMMs, 2.5x the core
 }
 
@@ -205,7 +208,7 @@ Flops executed_flops(const BenchConfig& c, const std::string& name,
   const bool skips_masked_keys =
       name == "chunked" || name == "chunked-core" || runs_attnkit_fused_kernel(name, options);
   // Those skip the masked keys (to block granularity: counted as exact), the others do not.
-  const double core = 4 * b * n * d * (skips_masked_keys ? keys_per_query(c) : n);
+  const double core = 4 * b * n * d * (skips_masked_keys ? keys_per_query(c) : n) * c.layers;
   return {gemms + core, 3 * gemms + 3.5 * core};
 }
 
@@ -277,12 +280,15 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
     } else {
       impl = {m.ptr(), [m](const torch::Tensor& x) mutable { return m(x); }};
     }
-  } else if (is_core_only(name) && (c.mask != "module" || c.score != "none")) {
-    // x (b, n, d) viewed as (b, h, n, hd) serves as query, key and value.
+  } else if (is_core_only(name) && (c.mask != "module" || c.score != "none" || c.layers > 1)) {
+    // x (b, n, d) viewed as (b, h, n, hd) serves as query, key and value; with --layers L,
+    // L calls in a row, each on the last one's output.
     namespace F = attnkit::functional;
+    const auto mask = make_mask(c, options.device());
+    const bool per_step = c.block_mask == "per-step" && !mask.is_none();
+    const int64_t layers = c.layers, chunk_size = c.chunk_size;
     const auto attention_options =
         F::AttentionOptions()
-            .mask(make_mask(c, options.device()))
             .score_mod(make_score(c))
             .backend(name == "math-core"    ? attnkit::AttentionBackend::kMath
                      : name == "fused-core" ? attnkit::AttentionBackend::kFused
@@ -290,9 +296,22 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
             .query_block_size(c.chunk_size)
             .key_block_size(c.key_chunk_size);
     impl = {std::make_shared<torch::nn::Module>(), [=](const torch::Tensor& x) {
+              auto step = attention_options;
+              if (per_step) {  // judged once, read by every layer
+                step.block_mask(attnkit::create_block_mask(
+                    mask, x.size(0), 1, x.size(1), x.size(1),
+                    attnkit::BlockMaskOptions().block_size(chunk_size).device(x.device())));
+              } else {
+                step.mask(mask);
+              }
               // (b, n, d) -> (b, n, h, hd) -> (b, h, n, hd)
-              const auto heads = x.view({x.size(0), x.size(1), h, -1}).transpose(1, 2);
-              return F::attention(heads, heads, heads, attention_options);
+              auto heads = x.view({x.size(0), x.size(1), h, -1}).transpose(1, 2);
+              for (int64_t layer = 1; layer < layers; ++layer) {
+                // (b, h, n, hd) -> (b, n, h, hd) -> (b, h, n, hd): the next layer's input
+                heads = F::attention(heads, heads, heads, step).transpose(1, 2).contiguous()
+                            .transpose(1, 2);
+              }
+              return F::attention(heads, heads, heads, step);
             }};
   } else if (is_core_only(name)) {
     // x (b, n, d) viewed as (b, h, n, hd) serves as query, key and value.
@@ -406,8 +425,25 @@ void print_table(const std::vector<Result>& results) {
   }
 }
 
+// The median time of one create_block_mask of --mask for (b, 1, n, n) (the mask itself is
+// made outside the timed region).
+double block_mask_build_ms(const BenchConfig& c, const torch::Device& device) {
+  const auto mask = make_mask(c, device);
+  std::vector<double> ms;
+  for (int64_t i = 0; i < c.repeats; ++i) {
+    const auto start = Clock::now();
+    attnkit::create_block_mask(mask, c.batch, 1, c.tokens, c.tokens,
+                               attnkit::BlockMaskOptions().block_size(c.chunk_size).device(device));
+    if (device.is_cuda())
+      torch::cuda::synchronize();
+    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
 void write_json(const std::string& path, const BenchConfig& c, double sgemm,
-                const std::vector<Result>& results) {
+                const std::vector<Result>& results, double block_mask_ms) {
   std::ofstream out(path);
   TORCH_CHECK(out.good(), "--json: cannot write '", path, "'");
   out << std::setprecision(6) << "{\"config\": {\"batch\": " << c.batch
@@ -419,9 +455,11 @@ void write_json(const std::string& path, const BenchConfig& c, double sgemm,
       << attnkit::blas_threads().name
       << "\", \"blas_threads\": " << attnkit::blas_threads().num_threads
       << ", \"repeats\": " << c.repeats << ", \"chunk_size\": " << c.chunk_size
-      << ", \"key_chunk_size\": " << c.key_chunk_size << ", \"language\": \"C++\", \"torch\": \""
+      << ", \"key_chunk_size\": " << c.key_chunk_size << ", \"layers\": " << c.layers
+      << ", \"block_mask\": \"" << c.block_mask << "\", \"language\": \"C++\", \"torch\": \""
       << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << "." << TORCH_VERSION_PATCH
-      << "\"}, \"sgemm_gflops\": " << sgemm << ", \"results\": [";
+      << "\"}, \"sgemm_gflops\": " << sgemm << ", \"block_mask_build_ms\": " << block_mask_ms
+      << ", \"results\": [";
   for (size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
     out << (i ? ", " : "") << "{\"name\": \"" << r.name << "\", \"pass\": \"" << r.pass
@@ -472,7 +510,16 @@ int main(int argc, char** argv) {
             "bool tensor",
             "module")
       .value("Shape", "score", "the core implementations' score function: none, alibi, softcap",
-             "none");
+             "none")
+      .value("Shape", "layers",
+             "the core implementations run L attention calls per step, each on the last one's "
+             "output (a model's stack of layers)",
+             "1")
+      .value("Shape", "block-mask",
+             "who judges --mask: per-call (each call, from the mask) or per-step (one "
+             "create_block_mask per step, read by every layer); the median time of one "
+             "create_block_mask is printed too",
+             "per-call");
   cli.value("Implementations", "only", "comma-separated subset of: " + names)
       .value("Implementations", "chunk-size", "query tokens per block of chunked",
              std::to_string(c.chunk_size))
@@ -512,6 +559,8 @@ int main(int argc, char** argv) {
     c.json = cli.text("json");
     c.mask = cli.text("mask");
     c.score = cli.text("score");
+    c.layers = cli.integer("layers");
+    c.block_mask = cli.text("block-mask");
     std::stringstream only(cli.text("only"));
     for (std::string item; std::getline(only, item, ',');) {
       if (std::find(kImplementations.begin(), kImplementations.end(), item) ==
@@ -529,6 +578,10 @@ int main(int argc, char** argv) {
         "--batch, --tokens, --d-model, --heads, --repeats, --chunk-size and --key-chunk-size "
         "must be >= 1, --warmup and --threads >= 0");
   }
+  if (c.layers < 1)
+    return fail("--layers: expected >= 1, got " + std::to_string(c.layers));
+  if (c.block_mask != "per-call" && c.block_mask != "per-step")
+    return fail("--block-mask: expected per-call or per-step, got '" + c.block_mask + "'");
   if (c.window < 0 || (c.window > 0 && !c.causal)) {
     return fail("--window: expected >= 1 with --causal=true (0 = no window), got " +
                 std::to_string(c.window) + (c.causal ? "" : " with --causal=false"));
@@ -550,14 +603,14 @@ int main(int argc, char** argv) {
   } catch (const c10::Error& e) {
     return fail(e.what_without_backtrace());
   }
-  if (c.mask != "module" || c.score != "none") {
+  if (c.mask != "module" || c.score != "none" || c.layers > 1) {
     if (c.only.empty())
       c.only = {"math-core", "chunked-core"};
     for (const auto& name : c.only) {
       if (!is_core_only(name))
-        return fail("--mask/--score: implementation '" + name +
-                    "' takes no mask or score function; expected math-core, chunked-core or "
-                    "fused-core");
+        return fail("--mask/--score/--layers: implementation '" + name +
+                    "' takes no mask, score function or stack of layers; expected math-core, "
+                    "chunked-core or fused-core");
     }
   }
   if (c.d_model % c.heads != 0) {
@@ -610,8 +663,14 @@ int main(int argc, char** argv) {
       }
     }
     print_table(results);
+    const double block_mask_ms = c.mask != "module" ? block_mask_build_ms(c, device) : -1.0;
+    if (block_mask_ms >= 0) {
+      Line(std::cout) << std::fixed << std::setprecision(2)
+                      << "create_block_mask of --mask for (b, 1, n, n), blocks of --chunk-size: "
+                      << block_mask_ms << " ms (median of " << c.repeats << ")\n";
+    }
     if (!c.json.empty())
-      write_json(c.json, c, sgemm, results);
+      write_json(c.json, c, sgemm, results, block_mask_ms);
   } catch (const c10::Error& e) {
     return fail(e.what_without_backtrace());
   }
