@@ -791,8 +791,9 @@ TEST(BlockMask, AttentionFromABlockMaskEqualsAttentionFromTheMaskOnEveryBackend)
   };
   for (const auto& [name, mask] : masks) {
     // The problem's own shape, and with B and H broadcast where the mask allows it.
-    std::vector<attnkit::BlockMask> block_masks{attnkit::create_block_mask(
-        mask, kBatch, kHeads, n, n, attnkit::BlockMaskOptions().block_size(8, 6))};
+    std::vector<attnkit::BlockMask> block_masks;
+    block_masks.push_back(attnkit::create_block_mask(
+        mask, kBatch, kHeads, n, n, attnkit::BlockMaskOptions().block_size(8, 6)));
     if (name == "causal" || name == "window")
       block_masks.push_back(attnkit::create_block_mask(mask, 1, 1, n, n,
                                                        attnkit::BlockMaskOptions().block_size(16)));
@@ -936,8 +937,9 @@ TEST(BlockMaskReference, EqualsPyTorchsCreateBlockMask) {
         // full in either). sparsity() agrees at multiples of the block: PyTorch counts
         // elements, a short block as a whole one (-9.2% for causal at n 300, block 128).
         EXPECT_TRUE(torch::equal(bm.to_dense(), golden[c + "/dense"]));
-        if (n % block == 0)
+        if (n % block == 0) {
           EXPECT_NEAR(bm.sparsity(), golden[c + "/sparsity"].item<double>(), 1e-9);
+        }
         EXPECT_TRUE(torch::equal(bm.kv_num_blocks(), golden[c + "/kv_num_blocks"]));
         EXPECT_TRUE(torch::equal(bm.full_kv_num_blocks(), golden[c + "/full_kv_num_blocks"]));
         EXPECT_TRUE(torch::equal(bm.kv_indices(), golden[c + "/kv_indices"]));

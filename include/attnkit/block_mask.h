@@ -114,8 +114,8 @@ class BlockMask {
 /// FlexAttention's `create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN)` for any `Mask`
 /// (structured kinds, tensors, mask_mods and their `&` / `|` combinations). Structured masks
 /// (causal, windows, padding, documents) judge most tiles without evaluating them; the rest
-/// are evaluated once here, on `options.device()`, with one transfer of their counts to the
-/// host. B and H may be 1 (broadcast) when the mask does not depend on the batch or the head.
+/// are evaluated once here, on `options.device()`, with one transfer of their verdicts to
+/// the host. B and H may be 1 (broadcast) when the mask does not depend on the batch or the head.
 /// Example: `create_block_mask(Mask::documents(ids, true), 1, 1, n, n,
 ///                             BlockMaskOptions().block_size(64))`.
 BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LEN, int64_t KV_LEN,

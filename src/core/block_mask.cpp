@@ -1,7 +1,7 @@
 // attnkit::BlockMask: a Mask judged once per tile for one problem shape. The structure of the
 // mask settles most tiles without evaluating them (Mask::structural_kind); the others, per
 // query block, are evaluated in one call over the span of key blocks they cover, and their
-// counts of allowed entries cross to the host in one transfer at the end. The lists are then
+// verdicts cross to the host in one transfer at the end. The lists are then
 // built on the host (a few bytes per tile) and moved to the mask's device.
 
 #include "attnkit/block_mask.h"
@@ -29,11 +29,13 @@ struct PendingStripe {
   std::vector<char> wanted;  // (B, blocks), row-major
 };
 
-// Counts of allowed entries per (batch, head, key block) of one stripe: queries
-// [q0, q0 + bq) against key blocks [first, first + blocks), int64 (B, H, blocks), flattened.
-torch::Tensor stripe_counts(const Mask& mask, int64_t B, int64_t H, int64_t q0, int64_t bq,
-                            int64_t first, int64_t blocks, int64_t kv_block, int64_t kv_len,
-                            const torch::Device& device) {
+// What each (batch, head, key block) tile of one stripe holds: queries [q0, q0 + bq)
+// against key blocks [first, first + blocks), int8 (B, H, blocks) flattened: 0 no allowed
+// entry, 1 some, 2 all of its q_block x kv_block (a short block, padded with masked entries,
+// never has all).
+torch::Tensor stripe_verdicts(const Mask& mask, int64_t B, int64_t H, int64_t q0, int64_t bq,
+                              int64_t qb, int64_t first, int64_t blocks, int64_t kv_block,
+                              int64_t kv_len, const torch::Device& device) {
   const auto index = torch::dtype(torch::kInt64).device(device);
   const int64_t k0 = first * kv_block, span = std::min(kv_len, (first + blocks) * kv_block) - k0;
   auto allowed = mask.allowed(torch::arange(B, index).view({-1, 1, 1, 1}),
@@ -50,10 +52,15 @@ torch::Tensor stripe_counts(const Mask& mask, int64_t B, int64_t H, int64_t q0, 
                                                 allowed.options())},
                          3);
   }
-  // (b, h, bq, blocks * kv_block) -> (b, h, bq, blocks, kv_block) -> (b, h, blocks)
-  const auto counts = allowed.reshape({allowed.size(0), allowed.size(1), bq, blocks, kv_block})
-                          .sum({2, 4}, /*keepdim=*/false, torch::kInt64);
-  return counts.expand({B, H, blocks}).reshape({-1});
+  // (b, h, bq, blocks * kv_block) -> (b, h, bq, blocks, kv_block) -> (b, h, blocks): bool
+  // reductions (any, all), no count in a wider type.
+  const auto tiles =
+      allowed.reshape({allowed.size(0), allowed.size(1), bq, blocks, kv_block}).transpose(2, 3);
+  const auto any = tiles.any(-1).any(-1);
+  auto all = tiles.all(-1).all(-1);
+  if (bq < qb)
+    all = torch::zeros_like(all);  // a short query block: padded with masked rows
+  return (any.to(torch::kInt8) + all.to(torch::kInt8)).expand({B, H, blocks}).reshape({-1});
 }
 
 // FlexAttention's ordered form of one kind: per row the count, and the indices of the row's
@@ -112,7 +119,7 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
     return static_cast<size_t>(((b * H + h) * nq + i) * nk + j);
   };
   std::vector<PendingStripe> pending;
-  std::vector<torch::Tensor> counts;
+  std::vector<torch::Tensor> verdicts;
   std::vector<char> undecided(static_cast<size_t>(B * nk));
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t q0 = i * qb, bq = std::min(qb, Q_LEN - q0);
@@ -143,21 +150,20 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
         stripe.wanted[static_cast<size_t>(b * stripe.blocks + j - lo)] =
             undecided[static_cast<size_t>(b * nk + j)];
     }
-    counts.push_back(stripe_counts(mask, B, H, q0, bq, lo, stripe.blocks, kb, KV_LEN, device));
+    verdicts.push_back(
+        stripe_verdicts(mask, B, H, q0, bq, qb, lo, stripe.blocks, kb, KV_LEN, device));
     pending.push_back(std::move(stripe));
   }
   if (!pending.empty()) {
-    const auto host = torch::cat(counts).to(torch::kCPU).contiguous();  // the one transfer
-    const int64_t* count = host.data_ptr<int64_t>();
+    const auto host = torch::cat(verdicts).to(torch::kCPU).contiguous();  // the one transfer
+    const int8_t* verdict = host.data_ptr<int8_t>();
     for (const auto& stripe : pending) {
       for (int64_t b = 0; b < B; ++b) {
         for (int64_t h = 0; h < H; ++h) {
-          for (int64_t jj = 0; jj < stripe.blocks; ++jj, ++count) {
-            if (!stripe.wanted[static_cast<size_t>(b * stripe.blocks + jj)])
-              continue;
-            kinds[slot(b, h, stripe.q_block, stripe.first + jj)] =
-                *count == 0 ? TileKind::kEmpty
-                            : *count == qb * kb ? TileKind::kFull : TileKind::kPartial;
+          for (int64_t jj = 0; jj < stripe.blocks; ++jj, ++verdict) {
+            if (stripe.wanted[static_cast<size_t>(b * stripe.blocks + jj)])
+              kinds[slot(b, h, stripe.q_block, stripe.first + jj)] =
+                  static_cast<TileKind>(*verdict);  // 0, 1, 2: TileKind's own values
           }
         }
       }
