@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The block-mask issue's targets (docs/benchmarks.md, "Block masks"), side by side in one run,
 # forward+backward medians of attnkit-bench's chunked core (x (b, n, 768) viewed as 12 heads):
-#   mask_mod overhead  Mask::from_function(kv <= q) against Mask::causal(), n 1,024 (b 8) and
-#                      --long-tokens (b 1; the issue's 16,384 by default)
+#   mask_mod overhead  Mask::from_function(kv <= q) against Mask::causal(), forward and
+#                      forward+backward, n 1,024 (b 8) at every thread count, and --long-tokens
+#                      (b 1; the issue's 16,384 by default) at the last one, one timed run each
+#                      (one forward+backward there takes about a minute on this machine)
 #   reuse              a stack of 12 attention calls (n 4,096, documents of 512) with one block
 #                      mask made per step; the mask work is the median of one create_block_mask
 #                      of that mask (timed alone, the same inputs) over the median step
@@ -62,37 +64,46 @@ if [ -n "$baseline" ]; then
   done
 fi
 
-# One median (ms) of attnkit-bench: PROGRAM_DIR LEG THREADS PASS NAME ARGS...; PASS is forward
-# or forward+backward. Also leaves the JSON in $work/NAME.json.
+# attnkit-bench's chunked core: PROGRAM_DIR LEG THREADS NAME ARGS... (--repeats among them
+# overrides the default), its JSON left in $work/NAME.json; `median NAME PASS` reads one
+# median (ms) from it, PASS forward or forward+backward.
 bench() {
-  local dir=$1 leg=$2 threads=$3 pass=$4 name=$5
-  shift 5
+  local dir=$1 leg=$2 threads=$3 name=$4
+  shift 4
   ${run_in[$leg]} "$dir/apps/attnkit-bench" --threads "$threads" --repeats "$repeats" \
     --d-model 768 --heads 12 --only chunked-core "$@" --json "$work/$name.json" >/dev/null
+}
+median_of() {
   "$python" -c 'import json, sys
 r = [x for x in json.load(open(sys.argv[1]))["results"] if x["pass"] == sys.argv[2]]
-print("%.1f" % r[0]["median_ms"])' "$work/$name.json" "$pass"
+print("%.1f" % r[0]["median_ms"])' "$work/$1.json" "$2"
 }
 ratio() { "$python" -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.3f}x')" "$1" "$2"; }
 median() { "$python" -c "import statistics, sys; print('%.2f' % statistics.median(map(float, sys.argv[1:])))" "$@"; }
 
+last_threads=${thread_counts##*,}
 for leg in "${legs[@]}"; do
   dir=${build_of[$leg]}
   for threads in ${thread_counts//,/ }; do
-    echo "== LibTorch $leg, $threads thread(s); medians in ms of $repeats =="
-    for shape in "8 1024" "1 $long_tokens"; do
-      read -r b n <<<"$shape"
+    echo "== LibTorch $leg, $threads thread(s); medians in ms of $repeats (the long case: 1) =="
+    shapes=("8 1024 $repeats")
+    [ "$threads" = "$last_threads" ] && shapes+=("1 $long_tokens 1")
+    for shape in "${shapes[@]}"; do
+      read -r b n runs <<<"$shape"
+      bench "$dir" "$leg" "$threads" "causal-$b-$n" --batch "$b" --tokens "$n" --mask module --repeats "$runs"
+      bench "$dir" "$leg" "$threads" "mod-$b-$n" --batch "$b" --tokens "$n" --mask causal-mod --repeats "$runs"
       for pass in forward forward+backward; do
-        causal=$(bench "$dir" "$leg" "$threads" "$pass" "causal-$b-$n" --batch "$b" --tokens "$n" --mask module)
-        mod=$(bench "$dir" "$leg" "$threads" "$pass" "mod-$b-$n" --batch "$b" --tokens "$n" --mask causal-mod)
+        causal=$(median_of "causal-$b-$n" "$pass") mod=$(median_of "mod-$b-$n" "$pass")
         echo "mask_mod overhead, b $b n $n, $pass: Mask::causal() $causal, causal mask_mod $mod -> $(ratio "$mod" "$causal") (target <= 1.05x)"
       done
     done
-    step=$(bench "$dir" "$leg" "$threads" forward+backward reuse --batch 1 --tokens 4096 \
-      --mask documents:8 --layers 12 --block-mask per-step)
+    bench "$dir" "$leg" "$threads" reuse --batch 1 --tokens 4096 --mask documents:8 --layers 12 \
+      --block-mask per-step
+    step=$(median_of reuse forward+backward)
     build_ms=$("$python" -c 'import json, sys; print("%.2f" % json.load(open(sys.argv[1]))["block_mask_build_ms"])' "$work/reuse.json")
-    per_call=$(bench "$dir" "$leg" "$threads" forward+backward reuse-per-call --batch 1 --tokens 4096 \
-      --mask documents:8 --layers 12 --block-mask per-call)
+    bench "$dir" "$leg" "$threads" reuse-per-call --batch 1 --tokens 4096 --mask documents:8 \
+      --layers 12 --block-mask per-call
+    per_call=$(median_of reuse-per-call forward+backward)
     echo "reuse, 12 layers, n 4096, documents of 512, forward+backward: one block mask per step $step (create_block_mask $build_ms = $("$python" -c "import sys; print(f'{100 * float(sys.argv[1]) / float(sys.argv[2]):.2f}%')" "$build_ms" "$step") of the step; target <= 2%); each call judging the mask itself $per_call"
   done
 done
@@ -115,7 +126,8 @@ if [ -n "$baseline" ]; then
           dir=${build_of[$leg]}
           [ "$side" = base ] && dir=${build_of[base-$leg]}
           case "$what" in
-            chunked) value=$(bench "$dir" "$leg" 2 forward+backward "regress-$side" --batch 8 --tokens 1024 --mask module) ;;
+            chunked) bench "$dir" "$leg" 2 "regress-$side" --batch 8 --tokens 1024 --mask module
+                     value=$(median_of "regress-$side" forward+backward) ;;
             toy) value=$(decode "$dir" "$leg" "${toy[@]}") ;;
             gpt2) value=$(decode "$dir" "$leg" "${gpt2[@]}") ;;
           esac
