@@ -55,7 +55,8 @@ if [ -n "$baseline" ]; then
   git worktree add --detach --force "$source_dir" "$rev" >/dev/null
   trap 'rm -rf "$work"; git worktree remove --force "$source_dir"' EXIT
   for leg in "${legs[@]}"; do
-    out=$PWD/build-baseline$([ "$leg" = 2.6 ] && echo -libtorch2)
+    out=$PWD/build-baseline
+    [ "$leg" = 2.6 ] && out+=-libtorch2
     build_of[base-$leg]=$out
     echo "bench_block_mask: building $baseline ($rev) for LibTorch $leg in $out" >&2
     ${run_in[$leg]} bash -c "cmake -S '$source_dir' -B '$out' -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -134,7 +135,8 @@ if [ -n "$baseline" ]; then
           if [ "$side" = base ]; then old+=("$value"); else new+=("$value"); fi
         done
       done
-      unit=$([ "$what" = chunked ] && echo "ms (2 threads)" || echo "tokens/s")
+      unit="tokens/s"
+      [ "$what" = chunked ] && unit="ms (2 threads)"
       echo "no regression, LibTorch $leg, $what: $baseline $(median "${old[@]}") $unit, this tree $(median "${new[@]}") $unit -> $(ratio "$(median "${new[@]}")" "$(median "${old[@]}")") (target: within 3%; $turns turns: ${old[*]} / ${new[*]})"
     done
   done
