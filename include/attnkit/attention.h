@@ -71,7 +71,7 @@ struct AttentionOptions {
   /// Query tokens per tile of the chunked backend, and the block size of the block mask a
   /// masked call makes (a given `block_mask` brings its own).
   TORCH_ARG(int64_t, query_block_size) = 128;
-  /// Key tokens per tile of the chunked backend at most: adjacent key blocks of one kind are
+  /// Key tokens per tile of the chunked backend at most: adjacent non-empty key blocks are
   /// computed together up to this width.
   TORCH_ARG(int64_t, key_block_size) = 1024;
 };

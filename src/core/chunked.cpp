@@ -2,12 +2,12 @@
 // and sum), blocks above the causal diagonal skipped, and a backward pass that recomputes
 // each block's probabilities from the saved log-sum-exp. A masked call reads a block mask
 // (attnkit::BlockMask, the call's own or one it makes): its query blocks are the tiles' rows,
-// empty key blocks are skipped, adjacent key blocks of one kind are computed together, full
-// ones mask nothing, and only partial ones evaluate the mask, in forward and in backward
-// alike. The verdicts come from the block mask's host copy: no device synchronisation in the
-// tile loop. Beyond inputs and outputs,
-// memory is one score tile (head group x query block x key block) instead of the O(n^2) score
-// matrix of the math path, so it grows linearly in n.
+// empty key blocks are skipped, adjacent ones are computed together (partial if any of them
+// is), full tiles mask nothing, and only partial ones evaluate the mask, in forward and in
+// backward alike. The verdicts come from the block mask's host copy: no device
+// synchronisation in the tile loop. Beyond inputs and outputs, memory is one score tile
+// (head group x query block x key block) instead of the O(n^2) score matrix of the math path,
+// so it grows linearly in n.
 //
 // Speed (LibTorch 1.13 CPU): the inputs are read in place through (outer, heads, n, f)
 // views, so the (b, h, n, hd) views of a QKV projection are not copied; the softmax scale
@@ -122,8 +122,10 @@ struct BlockPlan {
 
   // The key tiles that query block [q0, q0 + bq) of a head group visits, at most key_block
   // wide: without a mask every key, in full tiles; with one, the block mask's non-empty key
-  // blocks (a block is full for the group when it is for each of its heads), adjacent blocks
-  // of one kind taken together.
+  // blocks (a block is full for the group when it is for each of its heads), adjacent ones
+  // taken together, partial when any of them is. Fewer, wider tiles: a causal query block
+  // is one tile of up to key_block keys, not a full run and its diagonal block, since each
+  // tile has a fixed cost of about 16 LibTorch ops (which weighs at n 1,024).
   std::vector<TileVisit> key_tiles(const HeadGroup& at, int64_t q0) const {
     std::vector<TileVisit> tiles;
     if (!call.blocks.defined()) {
@@ -144,9 +146,10 @@ struct BlockPlan {
         continue;
       const int64_t k0 = j * kb, bk = std::min(kb, num_keys - k0);
       auto* last = tiles.empty() ? nullptr : &tiles.back();
-      if (last != nullptr && last->kind == kind && last->key_begin + last->keys == k0 &&
-          last->keys + bk <= widest) {
+      if (last != nullptr && last->key_begin + last->keys == k0 && last->keys + bk <= widest) {
         last->keys += bk;
+        if (kind != last->kind)
+          last->kind = TileKind::kPartial;
       } else {
         tiles.push_back({k0, bk, kind});
       }
