@@ -308,7 +308,9 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
               auto heads = x.view({x.size(0), x.size(1), h, -1}).transpose(1, 2);
               for (int64_t layer = 1; layer < layers; ++layer) {
                 // (b, h, n, hd) -> (b, n, h, hd) -> (b, h, n, hd): the next layer's input
-                heads = F::attention(heads, heads, heads, step).transpose(1, 2).contiguous()
+                heads = F::attention(heads, heads, heads, step)
+                            .transpose(1, 2)
+                            .contiguous()
                             .transpose(1, 2);
               }
               return F::attention(heads, heads, heads, step);

@@ -133,9 +133,9 @@ void block_masks() {
   const auto y = x;
   // [doc:block-mask]
   // Judged once per step (one host transfer), then read by every layer, forward and backward.
-  const auto bm = attnkit::create_block_mask(attnkit::Mask::documents(ids, /*causal=*/true),
-                                             batch, /*H=*/1, n, n,
-                                             attnkit::BlockMaskOptions().block_size(128));
+  const auto bm =
+      attnkit::create_block_mask(attnkit::Mask::documents(ids, /*causal=*/true), batch, /*H=*/1, n,
+                                 n, attnkit::BlockMaskOptions().block_size(128));
   std::cout << bm.to_string() << "\n";  // shape, sparsity, a picture of the tiles
   for (auto* layer : {&layer0, &layer1})
     x = (*layer)->forward(x, {}, {}, attnkit::Mask::from_block_mask(bm));

@@ -696,10 +696,13 @@ TEST(ModuleMasks, StateDictsCarryThePythonMaskBufferThatTheModuleDoesNotKeep) {
 TileKind expected_kind(const torch::Tensor& truth, int64_t b, int64_t h, int64_t i, int64_t j,
                        int64_t qb, int64_t kb) {
   const int64_t n = truth.size(2), m = truth.size(3);
-  const auto tile = truth[b][h].narrow(0, i * qb, std::min(qb, n - i * qb))
+  const auto tile = truth[b][h]
+                        .narrow(0, i * qb, std::min(qb, n - i * qb))
                         .narrow(1, j * kb, std::min(kb, m - j * kb));
   const int64_t allowed = tile.sum().item<int64_t>();
-  return allowed == 0 ? TileKind::kEmpty : allowed == qb * kb ? TileKind::kFull : TileKind::kPartial;
+  return allowed == 0         ? TileKind::kEmpty
+         : allowed == qb * kb ? TileKind::kFull
+                              : TileKind::kPartial;
 }
 
 // The block lists agree with the verdicts: counts, indices in FlexAttention's order (the
@@ -742,8 +745,8 @@ TEST(BlockMask, BlockListsAgreeWithTheDenseMaskForRandomMasksAndBlockSizes) {
       const auto truth = truth_tensor(c, n, m);
       for (int trial = 0; trial < 3; ++trial) {
         const int64_t qb = 1 + random() % 9, kb = 1 + random() % 9;
-        SCOPED_TRACE(c.name + " n=" + std::to_string(n) + " m=" + std::to_string(m) +
-                     " blocks " + std::to_string(qb) + "x" + std::to_string(kb));
+        SCOPED_TRACE(c.name + " n=" + std::to_string(n) + " m=" + std::to_string(m) + " blocks " +
+                     std::to_string(qb) + "x" + std::to_string(kb));
         const auto bm = attnkit::create_block_mask(c.mask, kBatch, kHeads, n, m,
                                                    attnkit::BlockMaskOptions().block_size(qb, kb));
         ASSERT_EQ(bm.num_q_blocks(), (n + qb - 1) / qb);
@@ -786,27 +789,26 @@ TEST(BlockMask, AttentionFromABlockMaskEqualsAttentionFromTheMaskOnEveryBackend)
       {"window", Mask::causal().sliding_window(7)},
       {"causal documents", Mask::documents(ids, true)},
       {"padding & causal", Mask::key_padding(torch::tensor({n, int64_t{23}})) & Mask::causal()},
-      {"mask_mod of the head",
-       Mask::from_function([](auto, auto h, auto q_idx, auto kv) { return (q_idx - kv) % (h + 2) == 0; })},
+      {"mask_mod of the head", Mask::from_function([](auto, auto h, auto q_idx, auto kv) {
+         return (q_idx - kv) % (h + 2) == 0;
+       })},
   };
   for (const auto& [name, mask] : masks) {
     // The problem's own shape, and with B and H broadcast where the mask allows it.
     std::vector<attnkit::BlockMask> block_masks;
-    block_masks.push_back(attnkit::create_block_mask(
-        mask, kBatch, kHeads, n, n, attnkit::BlockMaskOptions().block_size(8, 6)));
+    block_masks.push_back(attnkit::create_block_mask(mask, kBatch, kHeads, n, n,
+                                                     attnkit::BlockMaskOptions().block_size(8, 6)));
     if (name == "causal" || name == "window")
-      block_masks.push_back(attnkit::create_block_mask(mask, 1, 1, n, n,
-                                                       attnkit::BlockMaskOptions().block_size(16)));
+      block_masks.push_back(
+          attnkit::create_block_mask(mask, 1, 1, n, n, attnkit::BlockMaskOptions().block_size(16)));
     for (const auto backend :
          {AttentionBackend::kMath, AttentionBackend::kChunked, AttentionBackend::kAuto}) {
-      const auto expected =
-          run(AttentionOptions().mask(mask).backend(AttentionBackend::kMath));
+      const auto expected = run(AttentionOptions().mask(mask).backend(AttentionBackend::kMath));
       for (const auto& bm : block_masks) {
         const std::string label = name + " / " + attnkit::backend_name(backend) + " / " +
                                   bm.to_string().substr(0, bm.to_string().find('\n'));
         // key_block_size 12: two of the 6-key blocks are computed together where they agree.
-        const auto got =
-            run(AttentionOptions().block_mask(bm).backend(backend).key_block_size(12));
+        const auto got = run(AttentionOptions().block_mask(bm).backend(backend).key_block_size(12));
         const char* what[] = {" output", " dq", " dk", " dv"};
         for (size_t t = 0; t < got.size(); ++t)
           EXPECT_TRUE(tensors_close(label + what[t], got[t], expected[t], 1e-10));
@@ -819,8 +821,9 @@ TEST(BlockMask, AttentionFromABlockMaskEqualsAttentionFromTheMaskOnEveryBackend)
   auto y = q.detach();
   for (int layer = 0; layer < 3; ++layer) {
     x = F::attention(x, x, x, AttentionOptions().block_mask(bm));
-    y = F::attention(y, y, y,
-                     AttentionOptions().mask(Mask::documents(ids, true)).backend(AttentionBackend::kMath));
+    y = F::attention(
+        y, y, y,
+        AttentionOptions().mask(Mask::documents(ids, true)).backend(AttentionBackend::kMath));
   }
   EXPECT_TRUE(tensors_close("three layers with one block mask", x, y, 1e-10));
 
@@ -831,8 +834,8 @@ TEST(BlockMask, AttentionFromABlockMaskEqualsAttentionFromTheMaskOnEveryBackend)
   const auto tokens = torch::randn({kBatch, n, 8}, dtype);
   mha->to(dtype);
   const auto padding = Mask::key_padding(torch::tensor({n, int64_t{17}}));
-  const auto per_step = attnkit::create_block_mask(
-      padding, kBatch, 1, n, n, attnkit::BlockMaskOptions().block_size(8));
+  const auto per_step = attnkit::create_block_mask(padding, kBatch, 1, n, n,
+                                                   attnkit::BlockMaskOptions().block_size(8));
   ASSERT_NE(Mask::from_block_mask(per_step).block_mask(), nullptr);
   EXPECT_EQ(padding.block_mask(), nullptr);
   EXPECT_TRUE(tensors_close("module with a block mask",
@@ -849,7 +852,8 @@ TEST(BlockMask, SummaryAndBadArgumentsNameWhatIsWrong) {
   const auto bm = attnkit::create_block_mask(Mask::causal(), 1, 1, 256, 256);
   EXPECT_EQ(bm.num_q_blocks(), 2);
   EXPECT_DOUBLE_EQ(bm.sparsity(), 25.0);  // of 2 x 2 tiles, the one above the diagonal
-  EXPECT_TRUE(torch::equal(bm.full_kv_num_blocks().flatten(), torch::tensor({0, 1}, torch::kInt32)));
+  EXPECT_TRUE(
+      torch::equal(bm.full_kv_num_blocks().flatten(), torch::tensor({0, 1}, torch::kInt32)));
   EXPECT_TRUE(torch::equal(bm.kv_num_blocks().flatten(), torch::tensor({1, 1}, torch::kInt32)));
   EXPECT_EQ(bm.to_string(),
             "BlockMask(shape=(1, 1, 256, 256), block_size=(128, 128), sparsity=25.00%, "
@@ -868,17 +872,16 @@ TEST(BlockMask, SummaryAndBadArgumentsNameWhatIsWrong) {
   expect_error_containing([&] { F::attention(q, q, q, AttentionOptions().block_mask(per_head)); },
                           "made for (B, H, Q_LEN, KV_LEN) = (1, 3, 256, 256)");
   expect_error_containing(
-      [&] {
-        F::attention(q, q, q, AttentionOptions().block_mask(bm).mask(Mask::causal()));
-      },
+      [&] { F::attention(q, q, q, AttentionOptions().block_mask(bm).mask(Mask::causal())); },
       "[attention] pass the mask either as mask(...) or inside block_mask(...), not both");
   expect_error_containing([] { Mask::from_block_mask(attnkit::BlockMask()); },
                           "[Mask::from_block_mask] an empty BlockMask; make one with "
                           "create_block_mask");
   expect_error_containing([] { attnkit::create_block_mask(Mask::causal(), 0, 1, 8, 8); },
                           "[create_block_mask] B and H must be >= 1 (1 broadcasts), got B 0");
-  expect_error_containing([] { attnkit::create_block_mask(Mask::causal(), 1, 1, 8, 0); },
-                          "[create_block_mask] Q_LEN and KV_LEN must be >= 1, got Q_LEN 8 and KV_LEN 0");
+  expect_error_containing(
+      [] { attnkit::create_block_mask(Mask::causal(), 1, 1, 8, 0); },
+      "[create_block_mask] Q_LEN and KV_LEN must be >= 1, got Q_LEN 8 and KV_LEN 0");
   expect_error_containing(
       [] {
         attnkit::create_block_mask(Mask::causal(), 1, 1, 8, 8,
@@ -887,7 +890,9 @@ TEST(BlockMask, SummaryAndBadArgumentsNameWhatIsWrong) {
       "[create_block_mask] block_size must be >= 1, got (16, 0)");
   // A mask whose tensors are for another batch, or another device, is refused by the mask.
   expect_error_containing(
-      [] { attnkit::create_block_mask(Mask::key_padding(torch::tensor({3, 5})), 3, 1, 8, 8); },
+      [] {
+        attnkit::create_block_mask(Mask::key_padding(torch::tensor({3, 5})), 3, 1, 8, 8);
+      },
       "[create_block_mask] mask: key_padding lengths must have shape (3) (the batch), got [2]");
   expect_error_containing([] { attnkit::BlockMask().sparsity(); },
                           "[BlockMask::sparsity] an empty BlockMask");
@@ -900,7 +905,8 @@ TEST(BlockMask, SummaryAndBadArgumentsNameWhatIsWrong) {
   }
 }
 
-// PyTorch's own create_block_mask (2.5 and later) on the same masks: scripts/block_mask_reference.py.
+// PyTorch's own create_block_mask (2.5 and later) on the same masks:
+// scripts/block_mask_reference.py.
 TEST(BlockMaskReference, EqualsPyTorchsCreateBlockMask) {
   const auto file = ::testing::TempDir() + "block_masks_pytorch.pt";
   const auto [status, output] = attnkit::testing::run_leg_python(

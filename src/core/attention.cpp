@@ -331,8 +331,7 @@ torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& key,
 }
 
 AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::Tensor& key,
-                                       const torch::Tensor& value,
-                                       const AttentionOptions& given) {
+                                       const torch::Tensor& value, const AttentionOptions& given) {
   const auto options = resolve_block_mask(kFn, given);
   check_attention_arguments(query, key, value, options);
   TORCH_CHECK(

@@ -48,9 +48,10 @@ torch::Tensor stripe_verdicts(const Mask& mask, int64_t B, int64_t H, int64_t q0
   allowed = allowed.expand({allowed.size(0), allowed.size(1), bq, span});
   const int64_t padded = blocks * kv_block;
   if (padded > span) {
-    allowed = torch::cat({allowed, torch::zeros({allowed.size(0), allowed.size(1), bq, padded - span},
-                                                allowed.options())},
-                         3);
+    allowed = torch::cat(
+        {allowed,
+         torch::zeros({allowed.size(0), allowed.size(1), bq, padded - span}, allowed.options())},
+        3);
   }
   // (b, h, bq, blocks * kv_block) -> (b, h, bq, blocks, kv_block) -> (b, h, blocks): bool
   // reductions (any, all), no count in a wider type.
@@ -98,8 +99,7 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
   TORCH_CHECK(Q_LEN >= 1 && KV_LEN >= 1, kCreateFn, " Q_LEN and KV_LEN must be >= 1, got Q_LEN ",
               Q_LEN, " and KV_LEN ", KV_LEN);
   const int64_t qb = options.q_block_size(), kb = options.kv_block_size();
-  TORCH_CHECK(qb >= 1 && kb >= 1, kCreateFn, " block_size must be >= 1, got (", qb, ", ", kb,
-              ")");
+  TORCH_CHECK(qb >= 1 && kb >= 1, kCreateFn, " block_size must be >= 1, got (", qb, ", ", kb, ")");
   const auto& device = options.device();
   mask.check(kCreateFn, B, H, Q_LEN, KV_LEN, device);
 
@@ -144,7 +144,8 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
     }
     if (hi < lo)
       continue;
-    PendingStripe stripe{i, lo, hi + 1 - lo, std::vector<char>(static_cast<size_t>(B * (hi + 1 - lo)))};
+    PendingStripe stripe{i, lo, hi + 1 - lo,
+                         std::vector<char>(static_cast<size_t>(B * (hi + 1 - lo)))};
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t j = lo; j <= hi; ++j)
         stripe.wanted[static_cast<size_t>(b * stripe.blocks + j - lo)] =
@@ -183,20 +184,21 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
 
 TileKind BlockMask::kind(int64_t batch, int64_t head, int64_t q_block, int64_t kv_block) const {
   const int64_t b = batch_ == 1 ? 0 : batch, h = heads_ == 1 ? 0 : head;
-  return (*kinds_)[static_cast<size_t>(((b * heads_ + h) * num_q_blocks() + q_block) *
-                                           num_kv_blocks() +
-                                       kv_block)];
+  return (*kinds_)[static_cast<size_t>(
+      ((b * heads_ + h) * num_q_blocks() + q_block) * num_kv_blocks() + kv_block)];
 }
 
 double BlockMask::sparsity() const {
-  TORCH_CHECK(defined(), "[BlockMask::sparsity] an empty BlockMask; make one with create_block_mask");
+  TORCH_CHECK(defined(),
+              "[BlockMask::sparsity] an empty BlockMask; make one with create_block_mask");
   const auto visited = std::count_if(kinds_->begin(), kinds_->end(),
                                      [](TileKind k) { return k != TileKind::kEmpty; });
   return 100.0 * (1.0 - static_cast<double>(visited) / static_cast<double>(kinds_->size()));
 }
 
 torch::Tensor BlockMask::to_dense() const {
-  TORCH_CHECK(defined(), "[BlockMask::to_dense] an empty BlockMask; make one with create_block_mask");
+  TORCH_CHECK(defined(),
+              "[BlockMask::to_dense] an empty BlockMask; make one with create_block_mask");
   auto dense = torch::empty({batch_, heads_, num_q_blocks(), num_kv_blocks()}, torch::kBool);
   auto* out = dense.data_ptr<bool>();
   for (size_t i = 0; i < kinds_->size(); ++i)
@@ -209,9 +211,9 @@ std::string BlockMask::to_string() const {
     return "BlockMask(empty)";
   std::ostringstream out;
   out << "BlockMask(shape=(" << batch_ << ", " << heads_ << ", " << q_len_ << ", " << kv_len_
-      << "), block_size=(" << q_block_size_ << ", " << kv_block_size_ << "), sparsity="
-      << std::fixed << std::setprecision(2) << sparsity() << "%, mask=" << mask_.to_string()
-      << ", device=" << device_ << ")";
+      << "), block_size=(" << q_block_size_ << ", " << kv_block_size_
+      << "), sparsity=" << std::fixed << std::setprecision(2) << sparsity()
+      << "%, mask=" << mask_.to_string() << ", device=" << device_ << ")";
   // A picture of batch 0, head 0 when it fits a screen.
   if (num_q_blocks() <= 32 && num_kv_blocks() <= 64) {
     for (int64_t i = 0; i < num_q_blocks(); ++i) {
@@ -230,8 +232,8 @@ void BlockMask::check(const char* fn, int64_t batch, int64_t heads, int64_t num_
   TORCH_CHECK(defined(), fn, " block_mask is an empty BlockMask; make one with create_block_mask");
   const bool fits = (batch_ == 1 || batch_ == batch) && (heads_ == 1 || heads_ == heads) &&
                     q_len_ == num_queries && kv_len_ == num_keys && device_ == device;
-  TORCH_CHECK(fits, fn, " block_mask was made for (B, H, Q_LEN, KV_LEN) = (", batch_, ", ",
-              heads_, ", ", q_len_, ", ", kv_len_, ") on ", device_,
+  TORCH_CHECK(fits, fn, " block_mask was made for (B, H, Q_LEN, KV_LEN) = (", batch_, ", ", heads_,
+              ", ", q_len_, ", ", kv_len_, ") on ", device_,
               ", but the attention is (batch, heads, num_queries, num_keys) = (", batch, ", ",
               heads, ", ", num_queries, ", ", num_keys, ") on ", device,
               " (B and H of 1 serve any); make one for this shape with create_block_mask");

@@ -211,8 +211,8 @@ torch::Tensor block_scores(const torch::Tensor& q_block, const torch::Tensor& k_
 // A tile's verdict, with the mask's entries evaluated for a partial one.
 TileMask verdict_of(const ChunkedCall& call, const TileVisit& visit, const Tile& tile,
                     const torch::Device& device) {
-  return {visit.kind,
-          visit.kind == TileKind::kPartial ? call.mask.tile_allowed(tile, device) : torch::Tensor()};
+  return {visit.kind, visit.kind == TileKind::kPartial ? call.mask.tile_allowed(tile, device)
+                                                       : torch::Tensor()};
 }
 
 // -inf where a partial tile's entries may not attend.

@@ -235,11 +235,10 @@ struct BlockMaskNode final : MaskNode {
   }
   c10::optional<TileKind> kind(const Tile& t) const override {
     const int64_t qb = blocks.q_block_size(), kb = blocks.kv_block_size();
-    const bool one_block =
-        t.query_begin % qb == 0 && t.key_begin % kb == 0 && t.query_begin < blocks.q_len() &&
-        t.key_begin < blocks.kv_len() &&
-        t.queries == std::min(qb, blocks.q_len() - t.query_begin) &&
-        t.keys == std::min(kb, blocks.kv_len() - t.key_begin);
+    const bool one_block = t.query_begin % qb == 0 && t.key_begin % kb == 0 &&
+                           t.query_begin < blocks.q_len() && t.key_begin < blocks.kv_len() &&
+                           t.queries == std::min(qb, blocks.q_len() - t.query_begin) &&
+                           t.keys == std::min(kb, blocks.kv_len() - t.key_begin);
     if (!one_block)
       return blocks.mask().structural_kind(t);
     const int64_t i = t.query_begin / qb, j = t.key_begin / kb;

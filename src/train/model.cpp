@@ -205,16 +205,16 @@ void check_model_config(const ModelConfig& c) {
   TORCH_CHECK(c.kv_groups == 0 || kind.kv_group_choice, "--kv-groups ", c.kv_groups,
               ": only --module gqa has a choice of key/value groups (mqa has 1), got --module ",
               c.module);
-  TORCH_CHECK(!kind.kv_group_choice || c.heads % gqa_groups(c) == 0, "--kv-groups ",
-              gqa_groups(c), " must divide --heads ", c.heads, " for --module gqa");
+  TORCH_CHECK(!kind.kv_group_choice || c.heads % gqa_groups(c) == 0, "--kv-groups ", gqa_groups(c),
+              " must divide --heads ", c.heads, " for --module gqa");
   TORCH_CHECK(c.window >= 0, "--window: expected >= 1 (0 = no window), got ", c.window);
   const auto windowed = names_where([](const ModuleKind& k) { return k.windowed; }, "and");
   TORCH_CHECK(c.window == 0 || kind.windowed, "--window ", c.window, ": only ", windowed,
               " have a sliding window, got --module ", c.module);
   TORCH_CHECK(c.window == 0 || c.causal, "--window ", c.window,
               " limits how far back a token looks, so it needs a causal task");
-  TORCH_CHECK(!(c.rope || c.qk_norm) || kind.windowed, c.rope ? "--rope" : "--qk-norm",
-              ": only ", windowed, " take it, got --module ", c.module);
+  TORCH_CHECK(!(c.rope || c.qk_norm) || kind.windowed, c.rope ? "--rope" : "--qk-norm", ": only ",
+              windowed, " take it, got --module ", c.module);
   TORCH_CHECK(!c.rope || (c.d_model / c.heads) % 2 == 0, "--rope rotates pairs of a head's ",
               "features, so d-model / heads must be even, got ", c.d_model, " / ", c.heads, " = ",
               c.d_model / c.heads);
@@ -350,9 +350,9 @@ torch::Tensor AttentionModelImpl::run(const torch::Tensor& tokens,
     // lists serve each layer's tiles, and the documents' ids are compared only on the tiles
     // where documents meet. Block size 128: the modules' default chunk size.
     const auto n = tokens.size(1);
-    mask = Mask::from_block_mask(create_block_mask(
-        Mask::documents(document_ids, /*causal=*/config_.causal), tokens.size(0), 1, n, n,
-        BlockMaskOptions().device(tokens.device())));
+    mask = Mask::from_block_mask(
+        create_block_mask(Mask::documents(document_ids, /*causal=*/config_.causal), tokens.size(0),
+                          1, n, n, BlockMaskOptions().device(tokens.device())));
     positions = positions_in_documents(document_ids);
   }
   auto x = embed(tokens, positions);

@@ -47,8 +47,7 @@ struct ModelConfig {
 struct BoundAttention {
   std::shared_ptr<torch::nn::Module> module;
   // forward_with_weights (the book's path, for attention maps) and forward (the backend's).
-  std::function<functional::AttentionOutput(const torch::Tensor&, const Mask&)>
-      attend_with_weights;
+  std::function<functional::AttentionOutput(const torch::Tensor&, const Mask&)> attend_with_weights;
   std::function<torch::Tensor(const torch::Tensor&, const Mask&)> attend;
   // Modules with a KV cache only: forward_with_cache (lengths undefined: a uniform step)
   // and make_kv_cache(batch, capacity).
