@@ -320,21 +320,27 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
     namespace F = attnkit::functional;
     const bool causal = c.causal;
     const auto window = window_of(c);
-    const auto chunks = F::ChunkedOptions()
-                            .is_causal(causal)
-                            .window_size(window)
-                            .block_size(c.chunk_size)
-                            .key_block_size(c.key_chunk_size);
+    attnkit::Mask mask;
+    if (causal)
+      mask = window ? attnkit::Mask::causal().sliding_window(*window) : attnkit::Mask::causal();
+    const auto core = F::AttentionOptions()
+                          .mask(mask)
+                          .query_block_size(c.chunk_size)
+                          .key_block_size(c.key_chunk_size)
+                          .backend(name == "chunked-core" ? attnkit::AttentionBackend::kChunked
+                                                          : attnkit::AttentionBackend::kMath);
     impl = {std::make_shared<torch::nn::Module>(), [=](const torch::Tensor& x) {
               // (b, n, d) -> (b, n, h, hd) -> (b, h, n, hd)
               const auto heads = x.view({x.size(0), x.size(1), h, -1}).transpose(1, 2);
-              if (name == "chunked-core")
-                return F::chunked_attention(heads, heads, heads, chunks);
-              if (name == "fused-core")
+              if (name == "fused-core") {
+        // The loop-nest kernel itself, on any LibTorch: its own entry point.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
                 return F::fused_attention(heads, heads, heads,
                                           F::FusedOptions().is_causal(causal).window_size(window));
-              return F::scaled_dot_product_attention(
-                  heads, heads, heads, F::SdpaOptions().is_causal(causal).window_size(window));
+#pragma GCC diagnostic pop
+              }
+              return F::attention(heads, heads, heads, core);
             }};
   } else if (name == "combined") {
     attnkit::MultiHeadAttentionCombinedQKV m(mha_options);
@@ -489,8 +495,9 @@ int main(int argc, char** argv) {
       "FLOPs: QKV 6*b*n*d^2, out 2*b*n*d^2, core 4*b*n^2*d (halved when causal: model FLOPs; "
       "not halved for paths that compute the masked half: executed FLOPs); backward 2x "
       "forward for the GEMMs, 2.5x for the core. math-core, chunked-core and fused-core time the "
-      "attention core alone (functional::scaled_dot_product_attention, chunked_attention, "
-      "fused_attention) on x viewed as (b, h, n, hd): no projections, core FLOPs only. With "
+      "attention core alone (functional::attention with the math and chunked backends, and "
+      "attnkit's loop-nest kernel) on x viewed as (b, h, n, hd): no projections, core FLOPs only. "
+      "With "
       "--window W the core counts the keys each query sees (about W each; executed FLOPs "
       "only for chunked and the fused kernel, which skip the keys outside the window).");
   std::string names;

@@ -88,8 +88,9 @@ void backends() {
   // The attention core alone, on (b, h, n, head_dim) queries, keys and values.
   auto q = torch::rand({2, 4, 16, 16}), k = torch::rand({2, 4, 16, 16}),
        v = torch::rand({2, 4, 16, 16});
-  auto context = attnkit::functional::scaled_dot_product_attention(
-      q, k, v, attnkit::functional::SdpaOptions().is_causal(true));  // (2, 4, 16, 16)
+  auto context = attnkit::functional::attention(
+      q, k, v, attnkit::functional::AttentionOptions().mask(attnkit::Mask::causal()));
+  // (2, 4, 16, 16)
   // [doc:end]
   TORCH_CHECK(y.sizes() == x.sizes() && context.sizes() == q.sizes());
 }

@@ -4,9 +4,18 @@
 #include "attnkit/functional.h"
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/threads.h"
+#include "core/kernels.h"
+#include "core/planner.h"
 #include "test_support.h"
 
+#include <array>
+#include <set>
+
 #include <torch/version.h>
+
+// These tests also hold the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions)
+// to the core they forward to.
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
 namespace F = attnkit::functional;
 using attnkit::AttentionBackend;
@@ -780,4 +789,257 @@ TEST(GroupedAndWindowedAttention, BadArgumentsNameWhatIsWrong) {
       "true");
   expect_error_containing([&] { F::causal_mask(2, 2, torch::kCPU, 0, -3); },
                           "[causal_mask] window_size must be >= 1, got -3");
+}
+
+// ---- the planner (src/core/planner.cpp) ---------------------------------------------------
+
+namespace {
+
+using attnkit::Mask;
+using attnkit::detail::AttentionCall;
+using attnkit::detail::Kernel;
+using attnkit::detail::StepKind;
+
+// A call the planner meets, with its answer from the dense math core: the context on the
+// rows that count (a ragged row's padding queries are nobody's), and the weights when asked.
+struct PlannerCase {
+  std::string name;
+  AttentionCall call;
+  torch::Tensor expected;          // (b, h, n, hd_v)
+  torch::Tensor expected_weights;  // with call.with_weights
+  torch::Tensor counted_rows;      // (b, 1, n, 1) bool: the query rows compared
+};
+
+// The reference, independent of the planner: keys and values repeated for their query
+// heads, and `allowed` (b, h|1, n, m) as a dense mask.
+std::pair<torch::Tensor, torch::Tensor> reference(const AttentionCall& call,
+                                                  const torch::Tensor& allowed) {
+  const auto group = call.query.size(1) / call.key.size(1);
+  attnkit::detail::MathMasking masking;
+  masking.allowed = allowed;
+  const auto out = attnkit::detail::math_attention(call.query, call.key.repeat_interleave(group, 1),
+                                                   call.value.repeat_interleave(group, 1), masking,
+                                                   call.options.scale(), 0.0, false);
+  return {out.context, out.weights};
+}
+
+// allowed (n, m): query i at key position offset + i sees keys in (offset + i - window,
+// offset + i] (window 0: every earlier key) and before `end`.
+torch::Tensor causal_allowed(int64_t n, int64_t m, int64_t offset, int64_t window, int64_t end) {
+  const auto i = torch::arange(n).view({-1, 1}) + offset;
+  const auto j = torch::arange(m).view({1, -1});
+  auto allowed = (j <= i).logical_and(j < end);
+  if (window > 0)
+    allowed = allowed.logical_and(j > i - window);
+  return allowed;
+}
+
+std::vector<PlannerCase> planner_cases() {
+  torch::manual_seed(5);
+  const int64_t b = 2, h = 4, hd = 8;  // key/value heads: 2 (grouped-query)
+  const auto qkv = [&](int64_t n, int64_t m, int64_t kv_heads) {
+    return std::array<torch::Tensor, 3>{torch::randn({b, h, n, hd}),
+                                        torch::randn({b, kv_heads, m, hd}),
+                                        torch::randn({b, kv_heads, m, hd})};
+  };
+  std::vector<PlannerCase> cases;
+  const auto add = [&](const std::string& name, AttentionCall call, const torch::Tensor& allowed,
+                       torch::Tensor counted_rows = {}) {
+    const auto [context, weights] = reference(call, allowed);
+    if (!counted_rows.defined())
+      counted_rows = torch::ones({1, 1, call.query.size(2), 1}, torch::kBool);
+    cases.push_back(
+        {name, call, context, call.with_weights ? weights : torch::Tensor(), counted_rows});
+  };
+  const auto sequence = [&](const F::AttentionOptions& options, int64_t n = 12, int64_t m = 12,
+                            int64_t kv_heads = 2) {
+    const auto [q, k, v] = qkv(n, m, kv_heads);
+    AttentionCall call;
+    call.query = q, call.key = k, call.value = v, call.options = options;
+    return call;
+  };
+  const auto dense = [](const Mask& mask, const AttentionCall& call) {
+    return mask.dense(call.query.size(0), call.query.size(1), call.query.size(2), call.key.size(2),
+                      torch::kCPU);
+  };
+  for (const auto& [name, mask] : std::vector<std::pair<std::string, Mask>>{
+           {"no mask", Mask()},
+           {"causal", Mask::causal()},
+           {"sliding window", Mask::causal().sliding_window(3)},
+           {"documents", Mask::documents(torch::tensor({0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2}),
+                                         /*causal=*/true)}}) {
+    const auto call = sequence(F::AttentionOptions().mask(mask));
+    add(name, call, mask.is_none() ? torch::Tensor() : dense(mask, call));
+  }
+  {
+    // Past the loop nest's tile (n * m > kFusedAttentionMaxTile).
+    const auto call = sequence(F::AttentionOptions().mask(Mask::causal()), 80, 80);
+    add("long causal", call, causal_allowed(80, 80, 0, 0, 80));
+  }
+  {
+    const auto call = sequence(F::AttentionOptions().mask(Mask::causal(7)), 5, 12);
+    add("causal at offset 7", call, causal_allowed(5, 12, 7, 0, 12));
+  }
+  {
+    const auto call = sequence(F::AttentionOptions().scale(0.3).mask(Mask::causal()));
+    add("scale 0.3", call, causal_allowed(12, 12, 0, 0, 12));
+  }
+  {
+    // softcap(1) changes every score: a kernel that ignores it answers differently.
+    auto call = sequence(F::AttentionOptions().score_mod(attnkit::score_mods::softcap(1.0)));
+    const auto capped = call;
+    const auto group = call.query.size(1) / call.key.size(1);
+    const auto scores =
+        torch::matmul(call.query, call.key.repeat_interleave(group, 1).transpose(-2, -1)) /
+        std::sqrt(static_cast<double>(hd));
+    const auto weights = torch::softmax(torch::tanh(scores), -1);
+    cases.push_back(PlannerCase{"score_mod softcap", capped,
+                                torch::matmul(weights, call.value.repeat_interleave(group, 1)),
+                                torch::Tensor(), torch::ones({1, 1, 12, 1}, torch::kBool)});
+  }
+  {
+    auto call = sequence(F::AttentionOptions().mask(Mask::causal()));
+    call.with_weights = true;
+    add("with weights", call, causal_allowed(12, 12, 0, 0, 12));
+  }
+  {
+    // Self-attention heads that are views of one packed projection (b, n, 3 * h * hd).
+    const int64_t n = 10;
+    const auto packed = torch::randn({b, n, 3 * h * hd});
+    const auto parts = packed.chunk(3, -1);
+    const auto heads = [&](const torch::Tensor& t) {
+      return t.view({b, n, h, hd}).transpose(1, 2);  // (b, n, h * hd) -> (b, h, n, hd)
+    };
+    AttentionCall call;
+    call.query = heads(parts[0]), call.key = heads(parts[1]), call.value = heads(parts[2]);
+    call.options.mask(Mask::causal());
+    call.packed_qkv = packed;
+    add("packed projection", call, causal_allowed(n, n, 0, 0, n));
+  }
+  for (const auto& [name, window] : std::vector<std::pair<std::string, int64_t>>{
+           {"cached decode", 0}, {"cached decode, window 3", 3}}) {
+    auto mask = Mask::causal(8);
+    if (window > 0)
+      mask = mask.sliding_window(window);
+    auto call = sequence(F::AttentionOptions().mask(mask), 1, 9);
+    call.step = StepKind::kCached;
+    add(name, call, causal_allowed(1, 9, 8, window, 9));
+  }
+  {
+    auto call = sequence(F::AttentionOptions().mask(Mask::causal(5)), 4, 9);
+    call.step = StepKind::kCached;
+    add("cached prefill", call, causal_allowed(4, 9, 5, 0, 9));
+  }
+  {
+    // MLA's absorbed decode: one key/value head of latents, the heads' scale.
+    const int64_t latent = 6, m = 7;
+    AttentionCall call;
+    call.query = torch::randn({b, h, 1, latent});
+    call.key = torch::randn({b, 1, m, latent});
+    call.value = call.key;
+    call.options.mask(Mask::causal(m - 1)).scale(1.0 / std::sqrt(static_cast<double>(hd)));
+    call.step = StepKind::kCached;
+    add("absorbed latent decode", call, torch::Tensor());
+  }
+  for (const auto& [n, window] : std::vector<std::pair<int64_t, int64_t>>{{1, 0}, {3, 0}, {3, 2}}) {
+    const std::vector<int64_t> offsets{2, 5}, ends{n == 1 ? 3 : 5, 6};
+    auto call = sequence(F::AttentionOptions(), n, 8);
+    call.step = StepKind::kRagged;
+    call.query_offsets = torch::tensor(offsets);
+    call.key_ends = torch::tensor(ends);
+    call.window = window;
+    std::vector<torch::Tensor> allowed, counted;
+    for (size_t r = 0; r < offsets.size(); ++r) {
+      allowed.push_back(causal_allowed(n, 8, offsets[r], window, ends[r]));
+      counted.push_back(torch::arange(n) < ends[r] - offsets[r]);
+    }
+    add(c10::str("ragged step of ", n, window > 0 ? c10::str(", window ", window) : ""), call,
+        torch::stack(allowed).unsqueeze(1), torch::stack(counted).view({b, 1, n, 1}));
+  }
+  return cases;
+}
+
+// What is wrong with the planner's answer to `c` under `backend` (a module's preference);
+// "" when it is right.
+std::string planner_error(const PlannerCase& c, AttentionBackend backend) {
+  auto call = c.call;
+  call.options.backend(backend);
+  call.backend_is_preference = true;
+  try {
+    const torch::NoGradGuard no_grad;  // inference kernels refuse autograd
+    const auto out = attnkit::detail::run_attention(call);
+    const auto rows = c.counted_rows.expand_as(c.expected);
+    if (!out.context.defined() || out.context.sizes() != c.expected.sizes())
+      return "a context of the wrong shape";
+    if (!torch::allclose(out.context.masked_select(rows), c.expected.masked_select(rows), 1e-4,
+                         1e-5))
+      return "a wrong context";
+    if (c.expected_weights.defined() &&
+        (!out.weights.defined() || !torch::allclose(out.weights, c.expected_weights, 1e-4, 1e-5)))
+      return "wrong or missing weights";
+  } catch (const c10::Error& error) {
+    return c10::str("an error: ", error.what_without_backtrace());
+  }
+  return "";
+}
+
+const std::vector<AttentionBackend> kBackends{AttentionBackend::kAuto, AttentionBackend::kMath,
+                                              AttentionBackend::kFused, AttentionBackend::kChunked};
+
+}  // namespace
+
+// Every kernel the planner picks, for every kind of call and backend, answers as the math
+// core does; and every kernel that can be picked on this LibTorch is picked by some case.
+TEST(Planner, EveryPlannedKernelAnswersAsTheMathCore) {
+  std::set<std::string> picked;
+  for (const auto& c : planner_cases()) {
+    for (const auto backend : kBackends) {
+      SCOPED_TRACE(c.name + ", backend " + attnkit::backend_name(backend));
+      auto call = c.call;
+      call.options.backend(backend);
+      call.backend_is_preference = true;
+      picked.insert(attnkit::detail::plan_attention(call).name);
+      EXPECT_EQ(planner_error(c, backend), "");
+    }
+  }
+  std::set<std::string> expected{"decode", "ragged_loop_nest", "sdpa", "chunked", "math"};
+  if (!attnkit::detail::libtorch_has_sdpa()) {
+    expected.insert("loop_nest");
+    expected.insert("packed_loop_nest");
+  }
+  EXPECT_EQ(picked, expected);
+}
+
+// The mutation check: a kernel made to claim every call (its predicate lacks nothing) gives a
+// wrong answer or an error on some case, so the check above would catch a predicate that
+// claims a problem its kernel cannot run.
+TEST(Planner, AKernelThatClaimsWhatItCannotRunFailsTheCases) {
+  const auto cases = planner_cases();
+  for (const auto& spec : attnkit::detail::kernel_table()) {
+    if (spec.kernel == Kernel::kMath)
+      continue;  // the fallback runs everything
+    SCOPED_TRACE(spec.name);
+    const attnkit::detail::KernelClaimsEverything mutant(spec.kernel);
+    int failures = 0;
+    for (const auto& c : cases) {
+      for (const auto backend : kBackends)
+        failures += planner_error(c, backend).empty() ? 0 : 1;
+    }
+    EXPECT_GT(failures, 0) << spec.name << " claimed every case and answered them all";
+  }
+}
+
+// A demanded backend's refusal names what it lacks; a module's preference gives way.
+TEST(Planner, ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay) {
+  auto c = planner_cases()[3];  // documents
+  ASSERT_EQ(c.name, "documents");
+  c.call.options.backend(AttentionBackend::kFused);
+  expect_error_containing(
+      [&] { attnkit::detail::plan_attention(c.call); },
+      "[attention] backend fused cannot run this: the fused backend takes only causal and "
+      "sliding-window masks, not ");
+  c.call.backend_is_preference = true;
+  EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "chunked");
+  c.call.with_weights = true;
+  EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "math");
 }

@@ -6,6 +6,10 @@
 
 #include "test_support.h"
 
+// These tests also hold the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions)
+// to the core they forward to.
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
 namespace F = attnkit::functional;
 using namespace attnkit::testing;
 

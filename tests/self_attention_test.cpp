@@ -5,6 +5,10 @@
 #include "attnkit/functional.h"
 #include "test_support.h"
 
+// These tests also hold the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions)
+// to the core they forward to.
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
 namespace F = attnkit::functional;
 using attnkit::SelfAttentionV1;
 using attnkit::SelfAttentionV2;

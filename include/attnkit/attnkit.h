@@ -7,6 +7,7 @@
 #include "attnkit/block_mask.h"
 #include "attnkit/book_steps.h"
 #include "attnkit/causal_attention.h"
+#include "attnkit/decode.h"
 #include "attnkit/functional.h"
 #include "attnkit/generate.h"
 #include "attnkit/grouped_query_attention.h"

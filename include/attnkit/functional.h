@@ -1,10 +1,13 @@
 #pragma once
 
 /// Stateless attention pieces: `causal_mask`, and the earlier entry points
-/// `scaled_dot_product_attention`, `chunked_attention` and `fused_attention` with their
-/// option structs, kept as thin aliases of the one core, `attention` (attnkit/attention.h),
-/// which every attnkit module calls. The notebooks' teaching steps are in
-/// attnkit/book_steps.h (included here, so code that found them here still compiles).
+/// `scaled_dot_product_attention`, `chunked_attention`, `fused_attention` and
+/// `fused_backend_attention` with their option structs `SdpaOptions`, `ChunkedOptions` and
+/// `FusedOptions`: deprecated adapters of the one core, `attention(q, k, v,
+/// AttentionOptions)` (attnkit/attention.h), which every attnkit module calls. Each option
+/// struct's deprecation message names its replacement; docs/masks.md maps their fields. The
+/// notebooks' teaching steps are in attnkit/book_steps.h (included here, so code that found
+/// them here still compiles).
 
 #include <torch/torch.h>
 
@@ -26,9 +29,19 @@ torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys,
                           const torch::Device& device = torch::kCPU, int64_t query_offset = 0,
                           c10::optional<int64_t> window_size = c10::nullopt);
 
-/// Options for `scaled_dot_product_attention`.
+// The adapters' declarations name their own deprecated types; a caller is warned where it
+// names them.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+/// Options for `scaled_dot_product_attention`. Deprecated: use
+/// `attention_with_weights(q, k, v, AttentionOptions().mask(Mask::causal()).backend(kMath))`.
 /// Example: `SdpaOptions().is_causal(true).dropout_p(0.1).training(true)`.
-struct SdpaOptions {
+struct [[deprecated(
+    "use functional::attention / attention_with_weights with AttentionOptions: attn_mask "
+    "becomes mask(Mask::from_tensor(attn_mask.logical_not())), is_causal + query_offset + "
+    "window_size become mask(Mask::causal(offset).sliding_window(w)), and backend(kMath) "
+    "keeps the book's math")]] SdpaOptions {
   /// Bool mask broadcastable to (..., n, m); `true` marks a key a query must not see.
   /// A row that masks every key gets all-zero weights (never NaN).
   TORCH_ARG(torch::Tensor, attn_mask) = {};
@@ -71,9 +84,13 @@ torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const tor
                                            const torch::Tensor& value,
                                            const SdpaOptions& options = {});
 
-/// Options for `chunked_attention`.
+/// Options for `chunked_attention`. Deprecated: use `attention(q, k, v, AttentionOptions()
+/// .mask(Mask::causal()).backend(AttentionBackend::kChunked).query_block_size(64))`.
 /// Example: `ChunkedOptions().is_causal(true).block_size(64)`.
-struct ChunkedOptions {
+struct [[deprecated(
+    "use functional::attention with AttentionOptions().backend(AttentionBackend::kChunked): "
+    "is_causal + query_offset + window_size become mask(Mask::causal(offset).sliding_window(w)), "
+    "block_size becomes query_block_size")]] ChunkedOptions {
   /// Causal mask `causal_mask(n, m, device, query_offset)`; key blocks above it are skipped.
   TORCH_ARG(bool, is_causal) = false;
   /// With `is_causal`: the key position of query 0 (see `causal_mask`); 0 aligns the mask
@@ -103,9 +120,14 @@ struct ChunkedOptions {
 torch::Tensor chunked_attention(const torch::Tensor& query, const torch::Tensor& key,
                                 const torch::Tensor& value, const ChunkedOptions& options = {});
 
-/// Options for `fused_attention`.
+/// Options for `fused_attention`, `fused_packed_attention` and `fused_backend_attention`.
+/// Deprecated: use `attention(q, k, v, AttentionOptions().mask(Mask::causal())
+/// .backend(AttentionBackend::kFused))`.
 /// Example: `FusedOptions().is_causal(true).dropout_p(0.1).training(true)`.
-struct FusedOptions {
+struct [[deprecated(
+    "use functional::attention with AttentionOptions().backend(AttentionBackend::kFused): "
+    "is_causal + query_offset + window_size become "
+    "mask(Mask::causal(offset).sliding_window(w))")]] FusedOptions {
   /// Causal mask `causal_mask(n, m, device, query_offset)`.
   TORCH_ARG(bool, is_causal) = false;
   /// With `is_causal`: the key position of query 0 (see `causal_mask`); 0 aligns the mask
@@ -164,5 +186,7 @@ bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
 /// Example: `fused_backend_attention(q, k, v, FusedOptions().is_causal(true))`.
 torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::Tensor& key,
                                       const torch::Tensor& value, const FusedOptions& options = {});
+
+#pragma GCC diagnostic pop
 
 }  // namespace attnkit::functional

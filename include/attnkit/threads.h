@@ -10,8 +10,12 @@
 ///
 /// Example: `attnkit::set_num_threads(4); std::cout << attnkit::blas_threads().name;`
 
+#include <cstdint>
+#include <functional>
 #include <ostream>
 #include <string>
+
+#include <c10/core/Device.h>
 
 namespace attnkit {
 
@@ -33,5 +37,26 @@ BlasThreads blas_threads();
 /// Sets LibTorch's intra-op threads (torch::set_num_threads) and, where the BLAS is one of
 /// those blas_threads() knows, the BLAS's threads, both to `num_threads` (>= 1).
 void set_num_threads(int num_threads);
+
+/// While one is alive, the BLAS (OpenBLAS or BLIS) runs on one thread; the last one to go
+/// restores the count it found. Holders may nest and overlap across threads; BLAS calls that
+/// other threads of the process make meanwhile also run single-threaded. For code that runs
+/// its own parallel tasks, each with BLAS calls (docs/threads.md).
+/// Example: `{ attnkit::SingleThreadedBlas one; model->forward(x); }`.
+class SingleThreadedBlas {
+ public:
+  SingleThreadedBlas();
+  ~SingleThreadedBlas();
+  SingleThreadedBlas(const SingleThreadedBlas&) = delete;
+  SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
+};
+
+/// Runs task(t) for every t in [0, num_tasks) on at::get_num_threads() workers (capped by
+/// num_tasks; one on a GPU or inside a parallel region), as attnkit's kernels run theirs:
+/// workers take the next task as they finish one, so list the costly tasks first. With
+/// several workers, grad mode is off in them (it is per thread) and the BLAS runs on one
+/// thread. Example: `attnkit::run_tasks(4, torch::kCPU, [&](int64_t t) { part(t); });`.
+void run_tasks(int64_t num_tasks, const c10::Device& device,
+               const std::function<void(int64_t)>& task);
 
 }  // namespace attnkit

@@ -1,6 +1,6 @@
-// attnkit::functional::attention: argument checks, the choice of backend, and the math core
-// every other path is tested against. The kernels: src/core/chunked.cpp and
-// src/core/fused_attention.cpp; the masks: src/core/mask.cpp.
+// attnkit::functional::attention: argument checks, the score functions, and the math core
+// every other path is tested against. The choice of kernel: src/core/planner.cpp; the masks:
+// src/core/mask.cpp.
 
 #include "attnkit/attention.h"
 
@@ -14,6 +14,7 @@
 #include "core/attention_layout.h"
 #include "core/checks.h"
 #include "core/kernels.h"
+#include "core/planner.h"
 
 namespace attnkit {
 
@@ -126,6 +127,10 @@ std::vector<torch::Tensor> score_mod_parameters(const ScoreMod& score_mod,
   return parameters;
 }
 
+torch::Tensor attention_dropout(const torch::Tensor& weights, double dropout_p, bool training) {
+  return torch::dropout(weights, dropout_p, training);
+}
+
 functional::AttentionOutput math_attention(const torch::Tensor& query, const torch::Tensor& key,
                                            const torch::Tensor& value, const MathMasking& masking,
                                            c10::optional<double> scale, double dropout_p,
@@ -160,7 +165,7 @@ functional::AttentionOutput math_attention(const torch::Tensor& query, const tor
     if (!allowed.device().is_cpu() || no_key.any().item<bool>())
       weights = weights.masked_fill(no_key, 0.0);
   }
-  weights = functional::dropout_weights(weights, dropout_p, training);
+  weights = attention_dropout(weights, dropout_p, training);
   return {torch::matmul(weights, value), weights};
 }
 
@@ -238,96 +243,39 @@ AttentionOptions resolve_block_mask(const char* fn, const AttentionOptions& opti
   return resolved;
 }
 
-// The math core on 4-D inputs: key/value heads repeated for their query heads, the dense
-// mask, index tensors for a score function.
-AttentionOutput math_backend(const torch::Tensor& q4, const torch::Tensor& k4,
-                             const torch::Tensor& v4, const AttentionOptions& options) {
-  const int64_t batch = q4.size(0), heads = q4.size(1), n = q4.size(2), m = k4.size(2);
-  const int64_t group = heads / k4.size(1);
-  detail::MathMasking masking;
-  if (!options.mask().is_none())
-    masking.allowed = options.mask().dense(batch, heads, n, m, q4.device());
-  if (options.score_mod()) {
-    masking.score_mod = options.score_mod();
-    const auto index = torch::dtype(torch::kInt64).device(q4.device());
-    masking.index = {torch::arange(batch, index).view({-1, 1, 1, 1}),
-                     torch::arange(heads, index).view({1, -1, 1, 1}),
-                     torch::arange(n, index).view({1, 1, -1, 1}),
-                     torch::arange(m, index).view({1, 1, 1, -1})};
-  }
-  const auto k = group == 1 ? k4 : k4.repeat_interleave(group, 1);
-  const auto v = group == 1 ? v4 : v4.repeat_interleave(group, 1);
-  return detail::math_attention(q4, k, v, masking, options.scale(), options.dropout_p(),
-                                options.training());
-}
-
-// LibTorch's SDPA (2.x) or attnkit's CPU kernels (1.13), for the masks it takes.
-torch::Tensor fused_backend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const AttentionOptions& options) {
-  int64_t offset = 0, window = 0;
-  const bool causal = options.mask().is_causal(&offset, &window);
-  auto fused = FusedOptions()
-                   .is_causal(causal)
-                   .query_offset(offset)
-                   .dropout_p(options.dropout_p())
-                   .training(options.training());
-  if (window > 0)
-    fused.window_size(window);
-  return fused_backend_attention(q, k, v, fused);
+// The call of attention(query, key, value, options) for the planner, its inputs made 4-D.
+detail::AttentionCall call_of(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, const AttentionOptions& options) {
+  detail::AttentionCall call;
+  call.query = as_4d(query);
+  call.key = as_4d(key);
+  call.value = as_4d(value);
+  call.options = options;
+  return call;
 }
 
 }  // namespace
 
 std::string unsupported_reason(AttentionBackend backend, const torch::Tensor& query,
-                               const torch::Tensor& /*key*/, const torch::Tensor& /*value*/,
+                               const torch::Tensor& key, const torch::Tensor& value,
                                const AttentionOptions& options) {
-  if (backend != AttentionBackend::kFused)
-    return "";
-  if (options.score_mod())
-    return "the fused backend has no score functions (score_mod)";
-  const auto mask = resolve_block_mask(kFn, options).mask();
-  if (!mask.is_none() && !mask.is_causal()) {
-    return c10::str("the fused backend takes only causal and sliding-window masks, not ",
-                    mask.to_string());
-  }
-  if (options.scale().has_value() &&
-      *options.scale() != 1.0 / std::sqrt(static_cast<double>(query.size(-1)))) {
-    return c10::str("the fused backend has only the default scale 1/sqrt(head_dim), not ",
-                    *options.scale());
-  }
-  return "";
+  return detail::backend_lacks(backend,
+                               call_of(query, key, value, resolve_block_mask(kFn, options)));
 }
 
 AttentionBackend choose_backend(const torch::Tensor& query, const torch::Tensor& key,
                                 const torch::Tensor& value, const AttentionOptions& options) {
   if (options.backend() != AttentionBackend::kAuto)
     return options.backend();
-  return unsupported_reason(AttentionBackend::kFused, query, key, value, options).empty()
-             ? AttentionBackend::kFused
-             : AttentionBackend::kChunked;
+  return detail::plan_attention(call_of(query, key, value, resolve_block_mask(kFn, options)))
+      .backend;
 }
 
 torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& key,
                         const torch::Tensor& value, const AttentionOptions& given) {
   const auto options = resolve_block_mask(kFn, given);
   check_attention_arguments(query, key, value, options);
-  const auto backend = choose_backend(query, key, value, options);
-  const auto why = unsupported_reason(backend, query, key, value, options);
-  TORCH_CHECK(why.empty(), kFn, " backend ", backend_name(backend), " cannot run this: ", why,
-              "; use AttentionBackend::kAuto, kChunked or kMath");
-  const auto q4 = as_4d(query), k4 = as_4d(key), v4 = as_4d(value);
-  torch::Tensor out4;
-  switch (backend) {
-    case AttentionBackend::kMath:
-      out4 = math_backend(q4, k4, v4, options).context;
-      break;
-    case AttentionBackend::kFused:
-      out4 = fused_backend(q4, k4, v4, options);
-      break;
-    default:
-      out4 = detail::chunked_kernel(q4, k4, v4, options);
-  }
-  return as_rank_of(out4, query);
+  return as_rank_of(detail::run_attention(call_of(query, key, value, options)).context, query);
 }
 
 AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::Tensor& key,
@@ -339,9 +287,20 @@ AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::
       "[attention_with_weights] the weights come from the math backend, which builds ",
       "them; got backend ", backend_name(options.backend()),
       " (use kAuto or kMath, or attention() for the context alone)");
-  const auto out = math_backend(as_4d(query), as_4d(key), as_4d(value), options);
+  auto call = call_of(query, key, value, options);
+  call.with_weights = true;
+  const auto out = detail::run_attention(call);
   return {as_rank_of(out.context, query), as_rank_of(out.weights, query)};
 }
 
 }  // namespace functional
+
+namespace detail {
+
+functional::AttentionOutput run_checked_attention(const AttentionCall& call) {
+  functional::check_attention_arguments(call.query, call.key, call.value, call.options);
+  return run_attention(call);
+}
+
+}  // namespace detail
 }  // namespace attnkit

@@ -1,6 +1,6 @@
 #pragma once
 
-// AVX2 + FMA helpers of attnkit's CPU kernels (fused_attention.cpp, few_rows_linear.cpp,
+// AVX2 + FMA helpers of attnkit's CPU kernels (loop_nest_kernel.cpp, few_rows_linear.cpp,
 // decode_attention.cpp, row_softmax.h).
 // Each function is compiled for those instructions on its own (target attribute), so the
 // library still runs on any x86-64; callers take these paths only when has_avx2_fma().

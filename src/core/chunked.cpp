@@ -501,34 +501,3 @@ torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& ke
 }
 
 }  // namespace attnkit::detail
-
-namespace attnkit::functional {
-
-torch::Tensor chunked_attention(const torch::Tensor& query, const torch::Tensor& key,
-                                const torch::Tensor& value, const ChunkedOptions& options) {
-  const char* fn = "[chunked_attention]";
-  detail::check_qkv_layout(fn, query, key, value);
-  detail::check_window_size(fn, options.window_size(), options.is_causal());
-  TORCH_CHECK(options.block_size() >= 1, fn, " block_size must be >= 1, got ",
-              options.block_size());
-  TORCH_CHECK(options.key_block_size() >= 1, fn, " key_block_size must be >= 1, got ",
-              options.key_block_size());
-  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
-              " dropout_p must be in [0, 1), got ", options.dropout_p());
-  detail::check_query_offset(fn, options.query_offset());
-  Mask mask;
-  if (options.is_causal()) {
-    mask = Mask::causal(options.query_offset());
-    if (options.window_size().has_value())
-      mask = mask.sliding_window(*options.window_size());
-  }
-  return detail::chunked_kernel(query, key, value,
-                                AttentionOptions()
-                                    .mask(mask)
-                                    .dropout_p(options.dropout_p())
-                                    .training(options.training())
-                                    .query_block_size(options.block_size())
-                                    .key_block_size(options.key_block_size()));
-}
-
-}  // namespace attnkit::functional

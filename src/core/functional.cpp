@@ -3,8 +3,13 @@
 #include <cmath>
 #include <limits>
 
+#include "core/attention_layout.h"
 #include "core/checks.h"
 #include "core/kernels.h"
+#include "core/planner.h"
+
+// This file defines the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions).
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
 namespace attnkit::functional {
 
@@ -63,6 +68,30 @@ void check_sdpa_arguments(const torch::Tensor& q, const torch::Tensor& k, const 
   }
 }
 
+// The causal (and window) mask of the earlier options types as a Mask.
+Mask causal_option_mask(bool is_causal, int64_t query_offset,
+                        const c10::optional<int64_t>& window_size) {
+  if (!is_causal)
+    return {};
+  auto mask = Mask::causal(query_offset);
+  return window_size ? mask.sliding_window(*window_size) : mask;
+}
+
+// An earlier entry point's (..., n, hd) inputs as the planner's call under `options`, the
+// backend demanded; the context comes back in the query's shape.
+torch::Tensor run_as_call(const torch::Tensor& query, const torch::Tensor& key,
+                          const torch::Tensor& value, const AttentionOptions& options) {
+  detail::AttentionCall call;
+  call.query = detail::as_outer_heads(query);
+  call.key = detail::as_outer_heads(key);
+  call.value = detail::as_outer_heads(value);
+  call.options = options;
+  const auto out4 = detail::run_attention(call).context;
+  auto shape = query.sizes().vec();
+  shape.back() = out4.size(3);
+  return out4.reshape(shape);
+}
+
 }  // namespace
 
 AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& query,
@@ -96,6 +125,46 @@ AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& q
 torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const torch::Tensor& key,
                                            const torch::Tensor& value, const SdpaOptions& options) {
   return scaled_dot_product_attention_with_weights(query, key, value, options).context;
+}
+
+torch::Tensor chunked_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                const torch::Tensor& value, const ChunkedOptions& options) {
+  const char* fn = "[chunked_attention]";
+  detail::check_qkv_layout(fn, query, key, value);
+  detail::check_window_size(fn, options.window_size(), options.is_causal());
+  TORCH_CHECK(options.block_size() >= 1, fn, " block_size must be >= 1, got ",
+              options.block_size());
+  TORCH_CHECK(options.key_block_size() >= 1, fn, " key_block_size must be >= 1, got ",
+              options.key_block_size());
+  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
+              " dropout_p must be in [0, 1), got ", options.dropout_p());
+  detail::check_query_offset(fn, options.query_offset());
+  return run_as_call(query, key, value,
+                     AttentionOptions()
+                         .mask(causal_option_mask(options.is_causal(), options.query_offset(),
+                                                  options.window_size()))
+                         .dropout_p(options.dropout_p())
+                         .training(options.training())
+                         .backend(AttentionBackend::kChunked)
+                         .query_block_size(options.block_size())
+                         .key_block_size(options.key_block_size()));
+}
+
+torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                      const torch::Tensor& value, const FusedOptions& options) {
+  const char* fn = "[fused_backend_attention]";
+  detail::check_qkv_layout(fn, query, key, value);
+  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
+              " dropout_p must be in [0, 1), got ", options.dropout_p());
+  detail::check_query_offset(fn, options.query_offset());
+  detail::check_window_size(fn, options.window_size(), options.is_causal());
+  return run_as_call(query, key, value,
+                     AttentionOptions()
+                         .mask(causal_option_mask(options.is_causal(), options.query_offset(),
+                                                  options.window_size()))
+                         .dropout_p(options.dropout_p())
+                         .training(options.training())
+                         .backend(AttentionBackend::kFused));
 }
 
 }  // namespace attnkit::functional

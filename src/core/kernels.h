@@ -1,10 +1,12 @@
 #pragma once
 
-// The kernels behind attnkit's attention, for the core and the module glue: the math core
-// (dense, autograd), the chunked kernel (tiles read from a block mask, online softmax, its
-// own backward), the packed and ragged fused kernels (fused_attention.cpp), and the score
-// function helpers. Masks and score functions are read in the same (b, h, q_idx, kv_idx)
-// terms.
+// The kernels behind attnkit's attention, which only the planner (planner.cpp) chooses
+// among: the math core (dense, autograd; attention.cpp), the chunked kernel (tiles read from
+// a block mask, online softmax, its own backward; chunked.cpp), the loop-nest kernel over
+// split heads, a packed projection or a ragged step (loop_nest_attention.cpp), LibTorch's
+// SDPA (sdpa_kernel.cpp, which holds every LibTorch-version split) and the decode step
+// (decode_attention.h). Also the score function helpers. Masks and score functions are read
+// in the same (b, h, q_idx, kv_idx) terms.
 
 #include <vector>
 
@@ -40,26 +42,48 @@ torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& ke
                              const torch::Tensor& value,
                              const functional::AttentionOptions& options);
 
-/// MultiHeadAttention's kFused path on its packed (b, n, 3 * d_out) QKV projection, heads
-/// merged: (b, n, d_out). LibTorch 1.x only, where attnkit's CPU kernel reads the projection
-/// in place for short sequences; elsewhere, or past that kernel's size, an undefined tensor
-/// (the caller splits the heads). Defined in fused_attention.cpp, which holds every
-/// LibTorch-version split.
-torch::Tensor packed_fused_attention_if_fits(const torch::Tensor& qkv, int64_t num_heads,
-                                             const functional::FusedOptions& options);
+/// The loop-nest kernel (CPU, float32 or float64) on (..., n, hd) inputs with autograd: the
+/// causal mask with query_offset when `causal`, a sliding window when window > 0, dropout
+/// when dropout_p > 0, scale 1/sqrt(hd). Checks are the caller's.
+torch::Tensor loop_nest_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                  const torch::Tensor& value, bool causal, int64_t query_offset,
+                                  int64_t window, double dropout_p);
 
-/// The attention of a ragged multi-token step (KVCache::append_ragged's span) by attnkit's
-/// CPU loop-nest kernel, outside autograd: query i of row r sees key j when
-/// j <= query_offsets[r] + i, j < key_ends[r] and (window > 0) j > query_offsets[r] + i -
-/// window; a query that sees no key gets zeros, and so do row r's padding queries, past its
-/// first key_ends[r] - query_offsets[r] (the valid tokens). query (b, h, n, hd), keys and values
-/// (b, g, m, hd[_v]) with g dividing h; returns (b, h, n, hd_v) laid out as (b, n, h, hd_v).
-/// An undefined tensor where the kernel does not take them (not CPU float/double, autograd
-/// to record, n * m past its tile): the caller's masked path serves those.
-torch::Tensor ragged_fused_attention_if_fits(const torch::Tensor& query, const torch::Tensor& keys,
-                                             const torch::Tensor& values,
-                                             const torch::Tensor& query_offsets,
-                                             const torch::Tensor& key_ends, int64_t window);
+/// The loop-nest kernel on a packed (b, n, 3 * h * hd) QKV projection, read in place ->
+/// (b, n, h * hd), heads merged; backward writes qkv's gradient in one piece.
+torch::Tensor loop_nest_packed_attention(const torch::Tensor& qkv, int64_t num_heads, bool causal,
+                                         int64_t window, double dropout_p);
+
+/// Whether ragged_loop_nest_attention takes these: 4-D CPU float or double tensors of one
+/// dtype, g dividing h, n * m within kFusedAttentionMaxTile, no autograd to record.
+bool ragged_loop_nest_fits(const torch::Tensor& query, const torch::Tensor& keys,
+                           const torch::Tensor& values);
+
+/// The attention of a ragged multi-token step (KVCache::append_ragged's span), outside
+/// autograd: query i of row r sees key j when j <= query_offsets[r] + i, j < key_ends[r] and
+/// (window > 0) j > query_offsets[r] + i - window; a query that sees no key gets zeros, and
+/// so do row r's padding queries, past its first key_ends[r] - query_offsets[r]. query
+/// (b, h, n, hd), keys and values (b, g, m, hd[_v]) -> (b, h, n, hd_v) laid out as
+/// (b, n, h, hd_v). Refuses what ragged_loop_nest_fits refuses.
+torch::Tensor ragged_loop_nest_attention(const torch::Tensor& query, const torch::Tensor& keys,
+                                         const torch::Tensor& values,
+                                         const torch::Tensor& query_offsets,
+                                         const torch::Tensor& key_ends, int64_t window);
+
+/// Whether this LibTorch has its own scaled_dot_product_attention (2.0 and later).
+bool libtorch_has_sdpa();
+
+/// LibTorch's SDPA on (b, h, n, hd) queries and (b, g, m, hd) keys and values, g dividing h,
+/// scale 1/sqrt(hd): the causal mask with query_offset when `causal`, a sliding window when
+/// window_size > 0, dropout_p (0: none). On LibTorch 1.13, its stand-in: the chunked kernel
+/// on the CPU, the math core elsewhere. Any device and floating dtype; checks are the caller's.
+torch::Tensor sdpa_attention(const torch::Tensor& query, const torch::Tensor& key,
+                             const torch::Tensor& value, bool causal, int64_t query_offset,
+                             int64_t window_size, double dropout_p);
+
+/// The math core's dropout of the attention weights: the op behind Python's nn.Dropout, so
+/// a seed draws the book's masks.
+torch::Tensor attention_dropout(const torch::Tensor& weights, double dropout_p, bool training);
 
 /// Tensors with requires_grad that `score_mod` reads (leaves of the graph it builds on a
 /// probe score), which the chunked kernel hands gradients to.

@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include "attnkit/threads.h"
+
 // With an OpenMP LibTorch, at::parallel_for (inline) runs its body serially in code compiled
 // without OpenMP: attnkit's tasks would then run one by one while every op inside them
 // spreads over the threads, the nested pattern this file exists to avoid.
@@ -23,17 +25,8 @@
 
 namespace attnkit::detail {
 
-// While one is alive, the BLAS (OpenBLAS or BLIS; see attnkit/threads.h) runs on one
-// thread; the last one to go restores the count it found. Holders may nest and overlap
-// across threads; BLAS calls that other threads of the process make meanwhile also run
-// single-threaded.
-class SingleThreadedBlas {
- public:
-  SingleThreadedBlas();
-  ~SingleThreadedBlas();
-  SingleThreadedBlas(const SingleThreadedBlas&) = delete;
-  SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
-};
+// The BLAS on one thread while one is alive (attnkit/threads.h).
+using attnkit::SingleThreadedBlas;
 
 // Workers for num_tasks tasks on `device`: at::get_num_threads() capped by num_tasks; 1 on
 // a GPU (CUDA's current device and stream are per thread, and the host side is not the

@@ -1,7 +1,7 @@
 #pragma once
 
 // Softmax and dot product of one row, shared by attnkit's CPU attention kernels (the
-// loop-nest kernel in fused_attention.cpp, the decode step in decode_attention.cpp): AVX2 for
+// loop-nest kernel in loop_nest_kernel.cpp, the decode step in decode_attention.cpp): AVX2 for
 // float where the CPU has it (core/avx2.h), a portable loop otherwise.
 
 #include <algorithm>

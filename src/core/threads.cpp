@@ -66,8 +66,6 @@ void set_num_threads(int num_threads) {
     blas.set(num_threads);
 }
 
-namespace detail {
-
 SingleThreadedBlas::SingleThreadedBlas() {
   const auto& blas = blas_control();
   if (!blas.set)
@@ -89,6 +87,9 @@ SingleThreadedBlas::~SingleThreadedBlas() {
     blas.set(threads_before_single);
 }
 
-}  // namespace detail
+void run_tasks(int64_t num_tasks, const c10::Device& device,
+               const std::function<void(int64_t)>& task) {
+  detail::run_tasks(num_tasks, device, task);
+}
 
 }  // namespace attnkit

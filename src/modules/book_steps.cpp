@@ -7,6 +7,7 @@
 
 #include "attnkit/functional.h"
 #include "core/checks.h"
+#include "core/kernels.h"
 
 namespace attnkit::functional {
 
@@ -63,8 +64,7 @@ torch::Tensor causal_weights_by_masking(const torch::Tensor& attn_scores, int64_
 
 torch::Tensor dropout_weights(const torch::Tensor& attn_weights, double p, bool training) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, "[dropout_weights] p must be in [0, 1), got ", p);
-  // The op behind Python's nn.Dropout, so a seed draws the same mask.
-  return torch::dropout(attn_weights, p, training);
+  return detail::attention_dropout(attn_weights, p, training);
 }
 
 }  // namespace attnkit::functional

@@ -44,12 +44,14 @@ F::AttentionOutput CausalAttentionImpl::forward_with_weights(const torch::Tensor
   detail::check_forward_input("CausalAttention", x, {options.d_in(), options.context_length()},
                               W_query->weight);
   const auto num_tokens = x.size(1);
-  return F::scaled_dot_product_attention_with_weights(
-      W_query(x), W_key(x), W_value(x),
-      F::SdpaOptions()
-          .attn_mask(detail::mask_for(mask, num_tokens))
-          .dropout_p(options.dropout())
-          .training(is_training()));
+  // The buffer's corner, 1 = hidden, as the keys each query may see.
+  const auto allowed = detail::mask_for(mask, num_tokens).logical_not();
+  return F::attention_with_weights(W_query(x), W_key(x), W_value(x),
+                                   F::AttentionOptions()
+                                       .mask(Mask::from_tensor(allowed))
+                                       .dropout_p(options.dropout())
+                                       .training(is_training())
+                                       .backend(AttentionBackend::kMath));
 }
 
 torch::Tensor CausalAttentionImpl::forward(const torch::Tensor& x) {

@@ -15,7 +15,7 @@ constexpr const char* kName = "MultiHeadLatentAttention";
 
 detail::AttentionSettings settings_of(const MultiHeadLatentAttentionOptions& opt) {
   return {/*causal=*/true,  /*window_size=*/c10::nullopt, opt.dropout(), opt.backend(),
-          opt.chunk_size(), opt.key_chunk_size()};
+          opt.chunk_size(), opt.key_chunk_size(),         /*scale=*/{}};
 }
 
 // forward and forward_with_weights: keys and values up-projected from the latents
@@ -39,12 +39,11 @@ functional::AttentionOutput attend_inputs(MultiHeadLatentAttentionImpl& module,
   return {module.out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 
-// A decode step's heads (b, h, 1, hd) from queries (b, h, 1, hd) and latents (b, m, latent),
-// row r seeing latents [key_begin[r], key_end[r]) (all when empty); undefined where
-// decode_attention does not fit (the caller takes the general path).
+// A decode step's heads (b, h, 1, hd) from queries (b, h, 1, hd) and latents (b, m, latent):
+// with `rows` (a ragged append's span) row r sees latents [0, rows->ends[r]) up to its own
+// position, else every latent.
 torch::Tensor attend_latents(MultiHeadLatentAttentionImpl& module, const torch::Tensor& queries,
-                             const torch::Tensor& latents, const std::vector<int64_t>& key_begin,
-                             const std::vector<int64_t>& key_end) {
+                             const torch::Tensor& latents, const KVCache::RaggedSpan* rows) {
   // The up-projections absorbed into the query and the output (DeepSeek-V2's decode form):
   // head i's score of latent c is q_i . (W_UK_i c + b_UK_i), whose bias term is the same for
   // every key and so leaves the softmax unchanged; its output is W_UV_i (sum_j p_j c_j) +
@@ -55,10 +54,12 @@ torch::Tensor attend_latents(MultiHeadLatentAttentionImpl& module, const torch::
   const auto keys = latents.unsqueeze(1);  // (b, 1, m, latent): one key/value head
   const auto up_keys = module.W_UK->weight.view({h, hd, latent});
   const auto query_latents = torch::matmul(queries, up_keys);  // (b, h, 1, latent)
-  if (!detail::decode_attention_fits(query_latents, keys, keys))
-    return {};
-  const auto context_latents = detail::decode_attention(
-      query_latents, keys, keys, detail::default_scale(hd), key_begin, key_end);
+  // The scale of the heads' width, not the latents'.
+  auto settings = settings_of(module.options);
+  settings.scale = detail::default_scale(hd);
+  const auto context_latents = detail::attend_step(query_latents, keys, keys, settings,
+                                                   /*query_offset=*/latents.size(1) - 1,
+                                                   /*mask=*/{}, rows);
   auto context = torch::matmul(
       context_latents, module.W_UV->weight.view({h, hd, latent}).transpose(1, 2));  // (b, h, 1, hd)
   if (module.W_UV->bias.defined())
@@ -160,27 +161,23 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tens
   if (!new_lengths.empty()) {
     const auto span = cache.append_latent_ragged(new_latents, new_lengths);  // (b, m, latent)
     if (decode_step) {
-      const auto [begin, end] = detail::decode_key_ranges(span, /*window_size=*/c10::nullopt);
-      auto context = attend_latents(*this, queries, span.keys, begin, end);
-      if (context.defined())
-        return detail::project(out_proj, detail::merge_heads(context));
+      const auto context = attend_latents(*this, queries, span.keys, &span);
+      return detail::project(out_proj, detail::merge_heads(context));
     }
-    const auto context = detail::attend_ragged(queries, detail::split_heads(W_UK(span.keys), h),
-                                               detail::split_heads(W_UV(span.keys), h), span,
-                                               settings_of(options), mask);
+    const auto context = detail::attend_step(queries, detail::split_heads(W_UK(span.keys), h),
+                                             detail::split_heads(W_UV(span.keys), h),
+                                             settings_of(options), /*query_offset=*/0, mask, &span);
     return detail::project(out_proj, detail::merge_heads(context), tokens);
   }
   const int64_t start = cache.size();
   const auto latents = cache.append_latent(new_latents);  // (b, start + n, latent_dim)
   if (decode_step) {
-    const auto context = attend_latents(*this, queries, latents, {}, {});
-    if (context.defined())
-      return detail::project(out_proj, detail::merge_heads(context));
+    const auto context = attend_latents(*this, queries, latents, /*rows=*/nullptr);
+    return detail::project(out_proj, detail::merge_heads(context));
   }
-  const auto context = detail::attend(queries, detail::split_heads(W_UK(latents), h),
-                                      detail::split_heads(W_UV(latents), h), settings_of(options),
-                                      /*training=*/false, start, /*with_weights=*/false, mask)
-                           .context;
+  const auto context =
+      detail::attend_step(queries, detail::split_heads(W_UK(latents), h),
+                          detail::split_heads(W_UV(latents), h), settings_of(options), start, mask);
   return out_proj(detail::merge_heads(context));
 }
 

@@ -1,40 +1,75 @@
 #include "modules/module_attention.h"
 
 #include "core/checks.h"
-#include "core/decode_attention.h"
-#include "core/kernels.h"
+#include "core/planner.h"
 #include "modules/module_helpers.h"
 
 namespace attnkit::detail {
 
 namespace F = attnkit::functional;
 
-F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& keys,
+namespace {
+
+// The module's own causal (and window) mask for queries at key position query_offset + i.
+Mask module_mask(const AttentionSettings& settings, int64_t query_offset) {
+  if (!settings.causal)
+    return {};
+  const auto causal = Mask::causal(query_offset);
+  return settings.window_size ? causal.sliding_window(*settings.window_size) : causal;
+}
+
+// A module's call: its options as AttentionOptions, its backend a preference.
+AttentionCall module_call(const torch::Tensor& queries, const torch::Tensor& keys,
                           const torch::Tensor& values, const AttentionSettings& settings,
-                          bool training, int64_t query_offset, bool with_weights,
-                          const Mask& mask) {
-  Mask module_mask;
-  if (settings.causal) {
-    module_mask = Mask::causal(query_offset);
-    if (settings.window_size.has_value())
-      module_mask = module_mask.sliding_window(*settings.window_size);
-  }
-  auto options = F::AttentionOptions()
-                     .mask(module_mask & mask)
+                          bool training, const Mask& mask) {
+  AttentionCall call;
+  call.query = queries;
+  call.key = keys;
+  call.value = values;
+  call.options = F::AttentionOptions()
+                     .mask(mask)
+                     .scale(settings.scale)
                      .dropout_p(settings.dropout)
                      .training(training)
                      .backend(settings.backend)
                      .query_block_size(settings.chunk_size)
                      .key_block_size(settings.key_chunk_size);
-  // A module set to kFused runs what the fused kernels do not take (padding, documents, a
-  // mask_mod) on chunked, as kAuto would: the setting picks the fast path, it is not a demand.
-  if (settings.backend == AttentionBackend::kFused &&
-      !F::unsupported_reason(AttentionBackend::kFused, queries, keys, values, options).empty())
-    options.backend(AttentionBackend::kChunked);
-  if (with_weights || settings.backend == AttentionBackend::kMath)
-    return F::attention_with_weights(queries, keys, values,
-                                     options.backend(AttentionBackend::kMath));
-  return {F::attention(queries, keys, values, options), {}};
+  // The module's backend picks the fast path; a problem it cannot run (padding, documents,
+  // a mask_mod on kFused) runs where it can, as kAuto would.
+  call.backend_is_preference = true;
+  return call;
+}
+
+}  // namespace
+
+F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& keys,
+                          const torch::Tensor& values, const AttentionSettings& settings,
+                          bool training, int64_t query_offset, bool with_weights, const Mask& mask,
+                          const torch::Tensor& packed_qkv) {
+  auto call = module_call(queries, keys, values, settings, training,
+                          module_mask(settings, query_offset) & mask);
+  call.with_weights = with_weights;
+  call.packed_qkv = packed_qkv;
+  return run_checked_attention(call);
+}
+
+torch::Tensor attend_step(const torch::Tensor& queries, const torch::Tensor& keys,
+                          const torch::Tensor& values, const AttentionSettings& settings,
+                          int64_t query_offset, const Mask& mask, const KVCache::RaggedSpan* rows) {
+  if (rows == nullptr) {
+    auto call = module_call(queries, keys, values, settings, /*training=*/false,
+                            module_mask(settings, query_offset) & mask);
+    call.step = StepKind::kCached;
+    return run_checked_attention(call).context;
+  }
+  // Each row's own causal (and window) mask over its valid keys replaces the module's one
+  // query offset; the planner adds it.
+  auto call = module_call(queries, keys, values, settings, /*training=*/false, mask);
+  call.step = StepKind::kRagged;
+  call.query_offsets = rows->starts;
+  call.key_ends = rows->ends;
+  call.window = settings.window_size.value_or(0);
+  return run_checked_attention(call).context;
 }
 
 std::pair<torch::Tensor, torch::Tensor> key_value_inputs(
@@ -172,21 +207,7 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
   if (new_lengths.empty()) {
     const auto [rotated_queries, rotated_keys] = transform(queries, keys, cache.size());
     const auto span = cache.append(rotated_keys, values);
-    if (queries.size(2) == 1 && mask.is_none() &&
-        decode_attention_fits(rotated_queries, span.keys, span.values)) {
-      // The one query sits at key index query_offset and sees the keys before it, within
-      // the window (a rolling cache holds no more than the window).
-      const int64_t end = span.query_offset + 1;
-      const int64_t begin =
-          settings.window_size ? std::max<int64_t>(0, end - *settings.window_size) : 0;
-      const auto rows = static_cast<size_t>(queries.size(0));
-      return decode_attention(rotated_queries, span.keys, span.values,
-                              default_scale(queries.size(3)), std::vector<int64_t>(rows, begin),
-                              std::vector<int64_t>(rows, end));
-    }
-    return attend(rotated_queries, span.keys, span.values, settings, /*training=*/false,
-                  span.query_offset, /*with_weights=*/false, mask)
-        .context;
+    return attend_step(rotated_queries, span.keys, span.values, settings, span.query_offset, mask);
   }
   // Row r's token i at position starts[r] + i. A row whose padding would run past the RoPE
   // tables is rotated on its valid tokens alone (the padding is neither cached nor used).
@@ -214,55 +235,8 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
     }
   }
   const auto span = cache.append_ragged(rotated_keys, values, new_lengths);
-  return attend_ragged(rotated_queries, span.keys, span.values, span, settings, mask);
-}
-
-std::pair<std::vector<int64_t>, std::vector<int64_t>> decode_key_ranges(
-    const KVCache::RaggedSpan& span, const c10::optional<int64_t>& window_size) {
-  const auto starts = span.starts.to(torch::kCPU), ends = span.ends.to(torch::kCPU);
-  const auto* start = starts.data_ptr<int64_t>();
-  const auto* valid_end = ends.data_ptr<int64_t>();
-  const auto rows = static_cast<size_t>(starts.size(0));
-  std::vector<int64_t> begin(rows, 0), end(rows);
-  for (size_t r = 0; r < rows; ++r) {
-    end[r] = std::min(valid_end[r], start[r] + 1);
-    if (window_size)
-      begin[r] = std::max<int64_t>(0, start[r] + 1 - *window_size);
-  }
-  return {begin, end};
-}
-
-torch::Tensor attend_ragged(const torch::Tensor& queries, const torch::Tensor& keys,
-                            const torch::Tensor& values, const KVCache::RaggedSpan& span,
-                            const AttentionSettings& settings, const Mask& mask) {
-  if (queries.size(2) == 1 && mask.is_none() && decode_attention_fits(queries, keys, values)) {
-    const auto [begin, end] = decode_key_ranges(span, settings.window_size);
-    return decode_attention(queries, keys, values, default_scale(queries.size(3)), begin, end);
-  }
-  if (queries.size(2) > 1 && mask.is_none()) {
-    // A prefill or refill step of a ragged batch: each row's offset and end straight into the
-    // CPU loop-nest kernel, where the masked path below would build dense per-row masks.
-    auto context = ragged_fused_attention_if_fits(queries, keys, values, span.starts, span.ends,
-                                                  settings.window_size.value_or(0));
-    if (context.defined())
-      return context;
-  }
-  // Each row's own causal (and window) mask over its valid keys, in place of the module's one
-  // query offset: key j for query i of row r when j <= starts[r] + i and j < ends[r].
-  auto causal = Mask::causal(span.starts);
-  if (settings.window_size)
-    causal = causal.sliding_window(*settings.window_size);
-  const auto rows = causal & Mask::key_padding(span.ends);
-  auto row_settings = settings;
-  row_settings.causal = false;
-  // A decode step (one query per row) scores one row per head: the math path costs no
-  // quadratic memory there and has the least overhead, while the fused kernels hand a
-  // per-row mask to the chunked one, tile by tile and row by row.
-  if (queries.size(2) == 1)
-    row_settings.backend = AttentionBackend::kMath;
-  return attend(queries, keys, values, row_settings, /*training=*/false,
-                /*query_offset=*/0, /*with_weights=*/false, rows & mask)
-      .context;
+  return attend_step(rotated_queries, span.keys, span.values, settings, /*query_offset=*/0, mask,
+                     &span);
 }
 
 RopeTables reset_query_key_transform(const char* name, torch::nn::Module& module,

@@ -26,17 +26,28 @@ struct AttentionSettings {
   AttentionBackend backend = AttentionBackend::kMath;
   int64_t chunk_size = 128;
   int64_t key_chunk_size = 1024;
+  c10::optional<double> scale;  // unset: 1 / sqrt(head_dim)
 };
 
 /// Queries (b, h, n, hd) against keys and values (b, g, m, hd) with g dividing h, query i at
-/// key position query_offset + i -> context (b, h, n, hd), by `settings.backend`, under the
-/// module's causal/window mask and `mask` together; with
-/// `with_weights` (or the math backend) the math core, which also returns the weights
-/// (b, h, n, m).
+/// key position query_offset + i -> context (b, h, n, hd), described to the planner under the
+/// module's causal/window mask and `mask` together, `settings.backend` a preference; with
+/// `with_weights` also the weights (b, h, n, m) (the math core). `packed_qkv`: the (b, n,
+/// 3 * h * hd) projection the three are views of, where they are.
 functional::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& keys,
                                    const torch::Tensor& values, const AttentionSettings& settings,
                                    bool training, int64_t query_offset = 0,
-                                   bool with_weights = false, const Mask& mask = {});
+                                   bool with_weights = false, const Mask& mask = {},
+                                   const torch::Tensor& packed_qkv = {});
+
+/// A cached step's attention (inference): new queries (b, h, n, hd) against the cache's keys
+/// and values (b, g, m, hd). Without `rows`, query i sits at key position query_offset + i
+/// under the module's mask and `mask`; with `rows` (a ragged append's span), row r's queries
+/// sit at rows->starts[r] and see its keys before rows->ends[r], and `mask`.
+torch::Tensor attend_step(const torch::Tensor& queries, const torch::Tensor& keys,
+                          const torch::Tensor& values, const AttentionSettings& settings,
+                          int64_t query_offset, const Mask& mask,
+                          const KVCache::RaggedSpan* rows = nullptr);
 
 /// The inputs of the keys and values of forward(query, key, value): query itself for
 /// self-attention (key and value undefined), else key and value (value defaults to key),
@@ -105,19 +116,6 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
                             const torch::Tensor& keys, const torch::Tensor& values, KVCache& cache,
                             const AttentionSettings& settings, const Mask& mask,
                             const std::vector<int64_t>& new_lengths);
-
-/// A ragged decode step's key range per row (detail::decode_attention's key_begin, key_end):
-/// row r's one query sees keys [starts[r] - window + 1, starts[r]] of its span, none past
-/// ends[r]; without a window from key 0.
-std::pair<std::vector<int64_t>, std::vector<int64_t>> decode_key_ranges(
-    const KVCache::RaggedSpan& span, const c10::optional<int64_t>& window_size);
-
-/// The attention of a ragged append's queries (b, h, n, hd) over its span (KVCache::append_ragged
-/// or append_latent_ragged, keys and values made heads): each row's causal mask over its own
-/// valid keys (and window), and `mask` -> context (b, h, n, hd).
-torch::Tensor attend_ragged(const torch::Tensor& queries, const torch::Tensor& keys,
-                            const torch::Tensor& values, const KVCache::RaggedSpan& span,
-                            const AttentionSettings& settings, const Mask& mask);
 
 /// A module's reset() for its rope and qk_norm options: refuses an odd head width with RoPE
 /// and a rope context_length < 1; returns the tables (undefined without rope) and registers

@@ -53,8 +53,8 @@ std::vector<std::pair<std::string, torch::Tensor>> python_mask_state(
 
 // The settings the attention core gets from the module's options.
 detail::AttentionSettings settings_of(const MultiHeadAttentionOptions& opt) {
-  return {opt.causal(),  opt.sliding_window_size(), opt.dropout(),
-          opt.backend(), opt.chunk_size(),          opt.key_chunk_size()};
+  return {opt.causal(),     opt.sliding_window_size(), opt.dropout(), opt.backend(),
+          opt.chunk_size(), opt.key_chunk_size(),      /*scale=*/{}};
 }
 
 // Seed 001's layout: (b, n, 3 * d_out) -> 3 x (b, h, n, hd).
@@ -277,25 +277,14 @@ torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const 
                                        : torch::Tensor();
   const auto qkv = torch::nn::functional::linear(x, weight, bias);  // (b, n, 3 * d_out)
   const auto h = options.num_heads();
-  if (options.backend() == AttentionBackend::kFused && mask.is_none() && !transform.active()) {
-    // On LibTorch 1.x, a kernel that reads the packed projection in place, for short inputs.
-    const auto merged =
-        detail::packed_fused_attention_if_fits(qkv, h,
-                                               F::FusedOptions()
-                                                   .is_causal(options.causal())
-                                                   .window_size(options.sliding_window_size())
-                                                   .dropout_p(options.dropout())
-                                                   .training(is_training()));
-    if (merged.defined())
-      return out_proj(merged);
-  }
   const auto qkv_parts = qkv.chunk(3, -1);
   const auto [queries, keys] = transform(detail::split_heads(qkv_parts[0], h),
                                          detail::split_heads(qkv_parts[1], h), int64_t{0});
   const auto values = detail::split_heads(qkv_parts[2], h);
-  const auto context =
-      detail::attend(queries, keys, values, settings_of(options), is_training(), 0, false, mask)
-          .context;
+  // Without a transform, the heads are views of qkv, which a kernel may read in place.
+  const auto context = detail::attend(queries, keys, values, settings_of(options), is_training(), 0,
+                                      false, mask, transform.active() ? torch::Tensor() : qkv)
+                           .context;
   return out_proj(detail::merge_heads(context));
 }
 

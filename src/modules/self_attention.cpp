@@ -49,7 +49,8 @@ F::AttentionOutput SelfAttentionV1Impl::forward_with_weights(const torch::Tensor
   const auto keys = torch::matmul(x, W_key);  // (..., n, d_out)
   const auto queries = torch::matmul(x, W_query);
   const auto values = torch::matmul(x, W_value);
-  return F::scaled_dot_product_attention_with_weights(queries, keys, values);
+  return F::attention_with_weights(queries, keys, values,
+                                   F::AttentionOptions().backend(AttentionBackend::kMath));
 }
 
 void SelfAttentionV1Impl::copy_weights_from(const SelfAttentionV2Impl& v2) {
@@ -103,7 +104,8 @@ F::AttentionOutput SelfAttentionV2Impl::forward_with_weights(const torch::Tensor
   detail::check_forward_input("SelfAttentionV2", x,
                               {options.d_in(), /*context_length=*/0, /*allow_unbatched=*/true},
                               W_query->weight);
-  return F::scaled_dot_product_attention_with_weights(W_query(x), W_key(x), W_value(x));
+  return F::attention_with_weights(W_query(x), W_key(x), W_value(x),
+                                   F::AttentionOptions().backend(AttentionBackend::kMath));
 }
 
 }  // namespace attnkit

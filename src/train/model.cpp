@@ -4,7 +4,6 @@
 #include <utility>
 
 #include "attnkit/attnkit.h"
-#include "modules/module_helpers.h"
 
 namespace attnkit::train {
 
@@ -278,13 +277,13 @@ torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache,
   x = x + attention_.attend_with_cache(attention_norm_(x), cache, lengths);
   if (feed_forward_) {
     // Norm, Linear, GELU, Dropout (a no-op: caches are for inference), Linear, each per
-    // token: a one-row step's products through detail::project, a mostly padded ragged
+    // token: a one-row step's products through attnkit::project, a mostly padded ragged
     // step's whole feed-forward on its valid tokens.
     const auto feed_forward = [&](const torch::Tensor& h) {
-      return detail::project(feed_forward_down_,
-                             torch::gelu(detail::project(feed_forward_up_, feed_forward_norm_(h))));
+      return attnkit::project(feed_forward_down_, torch::gelu(attnkit::project(
+                                                      feed_forward_up_, feed_forward_norm_(h))));
     };
-    const detail::ValidTokens valid(x, host_lengths(lengths));
+    const attnkit::ValidTokens valid(x, host_lengths(lengths));
     x = valid.packs() ? valid.add_to(x, feed_forward(valid.pack(x))) : x + feed_forward(x);
   }
   return x;
@@ -383,7 +382,7 @@ torch::Tensor AttentionModelImpl::logits_with_cache(const torch::Tensor& tokens,
   for (size_t i = 0; i < caches.size(); ++i) {
     x = blocks_[i]->as<BlockImpl>()->forward_with_cache(x, caches[i]);
   }
-  return detail::project(head_, final_norm_(x));
+  return attnkit::project(head_, final_norm_(x));
 }
 
 torch::Tensor AttentionModelImpl::ragged_logits_with_cache(const torch::Tensor& tokens,
@@ -402,10 +401,10 @@ torch::Tensor AttentionModelImpl::ragged_logits_with_cache(const torch::Tensor& 
   for (size_t i = 0; i < caches.size(); ++i) {
     x = blocks_[i]->as<BlockImpl>()->forward_with_cache(x, caches[i], lengths);
   }
-  const detail::ValidTokens valid(x, host_lengths(lengths));
+  const attnkit::ValidTokens valid(x, host_lengths(lengths));
   if (valid.packs())  // the norm and head per token: on the valid tokens alone
-    return valid.unpack(detail::project(head_, final_norm_(valid.pack(x))));
-  return detail::project(head_, final_norm_(x));
+    return valid.unpack(attnkit::project(head_, final_norm_(valid.pack(x))));
+  return attnkit::project(head_, final_norm_(x));
 }
 
 std::vector<KVCache> AttentionModelImpl::make_kv_caches(int64_t batch, int64_t capacity) {

@@ -19,7 +19,6 @@
 
 #include "attnkit/threads.h"
 #include "checkpoint.h"
-#include "core/parallel.h"
 #include "flat_adamw.h"
 #include "gradient_sync.h"
 #include "heatmap.h"
@@ -116,7 +115,7 @@ Batch part_of(const Batch& batch, int64_t part, int64_t parts) {
 // worker. Why: at toy sizes a batch's ops are too small to spread over cores (each op's
 // OpenMP region costs more than it saves, and the idle workers spin on the cores the BLAS
 // wants), while whole forward and backward passes keep every core busy. Inside a worker
-// LibTorch's ops run serially and the BLAS on one thread (detail::run_tasks). The parts'
+// LibTorch's ops run serially and the BLAS on one thread (attnkit::run_tasks). The parts'
 // gradients are summed in part order, so a run repeats exactly at a given share count.
 BatchScore forward_backward_in_shares(AttentionModel& model, const Batch& batch,
                                       const torch::Device& device, bool count_correct,
@@ -125,7 +124,7 @@ BatchScore forward_backward_in_shares(AttentionModel& model, const Batch& batch,
   const auto scored = batch.loss_mask.sum().item<int64_t>();
   std::vector<torch::Tensor> losses(shares), flat_gradients(shares);
   std::vector<int64_t> corrects(shares);
-  detail::run_tasks(shares, device, [&](int64_t part) {
+  attnkit::run_tasks(shares, device, [&](int64_t part) {
     torch::AutoGradMode grad_mode(true);  // run_tasks turns it off in its workers
     const auto s = score(model, part_of(batch, part, shares), device, count_correct);
     // This part's share of the mean over the whole batch's scored positions.
@@ -164,7 +163,7 @@ Evaluation evaluate(AttentionModel& model, const std::vector<Batch>& batches,
     // Each part on its own worker, as in training (forward_backward_in_shares).
     const int64_t parts = std::min<int64_t>(shares, batch.inputs.size(0));
     std::vector<BatchScore> part_scores(parts);
-    detail::run_tasks(parts, device, [&](int64_t part) {
+    attnkit::run_tasks(parts, device, [&](int64_t part) {
       part_scores[part] = score(model, part_of(batch, part, parts), device, true);
     });
     for (const auto& s : part_scores) {
@@ -591,7 +590,7 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   const int64_t eval_shares = device.is_cpu() ? threads : 1;  // no dropout there
   // With shares every BLAS call runs inside a worker, on one thread; pinned for the whole run
   // (evaluation and sampling too), so that no BLAS thread spins on a worker's core.
-  std::optional<detail::SingleThreadedBlas> blas_on_one_thread;
+  std::optional<attnkit::SingleThreadedBlas> blas_on_one_thread;
   if (device.is_cpu() && threads > 1)
     blas_on_one_thread.emplace();
   torch::manual_seed(config.seed);

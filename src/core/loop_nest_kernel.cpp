@@ -15,40 +15,25 @@
 // end (the kernel's tensors are small). A sliding window limits each row's softmax, context
 // and gradient sums to the keys in its window.
 
+#include "core/loop_nest_kernel.h"
+
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/version.h>
 
-#include "attnkit/functional.h"
 #include "core/attention_layout.h"
 #include "core/avx2.h"
 #include "core/parallel.h"
 #include "core/row_softmax.h"
 
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-#include <ATen/SDPBackend.h>
-#endif
-
-namespace attnkit::functional {
-
-namespace {
-
-using detail::as_outer_heads;
-using detail::dot;
-using detail::shaped_like;
-using detail::softmax_row;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
+namespace attnkit::detail::loop_nest {
 
 // A (rows, cols) matrix with unit-stride rows.
 template <typename T>
@@ -76,15 +61,11 @@ struct Slices {
   }
 };
 
-// (..., n, f) -> (outer, heads, n, f) with a unit-stride last dimension (a view when it can be).
 torch::Tensor unit_stride_slices(const torch::Tensor& t) {
   auto t4 = as_outer_heads(t);
   return t4.stride(3) == 1 ? t4 : t4.contiguous();
 }
 
-// An uninitialised (outer, heads, n, f) tensor laid out as (outer, n, heads, f): the layout
-// a projection split into heads has, so merging the heads back (or the backward of the
-// split) needs no copy.
 torch::Tensor empty_heads_interleaved(int64_t outer, int64_t heads, int64_t n, int64_t f,
                                       const torch::TensorOptions& options) {
   return torch::empty({outer, n, heads, f}, options).transpose(1, 2);
@@ -431,24 +412,9 @@ void backward_slice(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<cons
 // Slices per task of at::parallel_for: a slice is a few microseconds of work.
 constexpr int64_t kSlicesPerTask = 16;
 
-// Per outer row b of a ragged batch (causal, inference): its queries' key offset, its keys'
-// end, and its valid queries: the first key_ends[b] - query_offsets[b] rows, the rest padding.
-struct RowBounds {
-  const int64_t* query_offsets;
-  const int64_t* key_ends;
-};
-
-// Runs the forward kernel on (outer, heads, n, f) views with unit-stride rows, writing out4
-// (n, dv per slice); returns the weights (outer, heads, n, m) and the scaled dropout mask
-// (undefined without dropout) that backward needs. With `rows` (no weights returned, no
-// dropout), each outer row takes its query offset and key end from there instead of
-// query_offset, and its padding queries get zeros.
-std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
-                                                    const torch::Tensor& k4,
-                                                    const torch::Tensor& v4, torch::Tensor& out4,
-                                                    bool causal, int64_t query_offset,
-                                                    int64_t window, double dropout_p,
-                                                    const RowBounds* rows = nullptr) {
+std::pair<torch::Tensor, torch::Tensor> run_forward(
+    const torch::Tensor& q4, const torch::Tensor& k4, const torch::Tensor& v4, torch::Tensor& out4,
+    bool causal, int64_t query_offset, int64_t window, double dropout_p, const RowBounds* rows) {
   TORCH_INTERNAL_ASSERT(!rows || dropout_p == 0.0, "ragged rows are for inference");
   const int64_t outer = q4.size(0), heads = q4.size(1);
   const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal, query_offset, window};
@@ -490,9 +456,6 @@ std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q4,
   return {weights, keep};
 }
 
-// Runs the backward kernel: fills grad_q4, grad_k4 and grad_v4 ((outer, heads, rows, f)
-// views with unit-stride rows, all three with the query heads) from grad_out4 and what
-// run_forward returned.
 void run_backward(const torch::Tensor& q4, const torch::Tensor& k4, const torch::Tensor& v4,
                   const torch::Tensor& grad_out4, const torch::Tensor& weights,
                   const torch::Tensor& keep, bool causal, int64_t query_offset, int64_t window,
@@ -518,8 +481,6 @@ void run_backward(const torch::Tensor& q4, const torch::Tensor& k4, const torch:
   });
 }
 
-// Per-query-head key or value gradients (outer, heads, m, f) -> (outer, kv_heads, m, f),
-// summed over each group's query heads.
 torch::Tensor sum_over_groups(const torch::Tensor& grad4, int64_t kv_heads) {
   const int64_t heads = grad4.size(1);
   if (heads == kv_heads)
@@ -528,318 +489,4 @@ torch::Tensor sum_over_groups(const torch::Tensor& grad4, int64_t kv_heads) {
   return grad4.unflatten(1, {kv_heads, heads / kv_heads}).sum(2);
 }
 
-struct FusedAttention : public torch::autograd::Function<FusedAttention> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, bool causal, int64_t query_offset,
-                               int64_t window, double dropout_p) {
-    const auto q4 = unit_stride_slices(q), k4 = unit_stride_slices(k), v4 = unit_stride_slices(v);
-    auto out4 =
-        empty_heads_interleaved(q4.size(0), q4.size(1), q4.size(2), v4.size(3), q.options());
-    const auto [weights, keep] =
-        run_forward(q4, k4, v4, out4, causal, query_offset, window, dropout_p);
-    ctx->save_for_backward({q, k, v, weights, keep});
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["query_offset"] = query_offset;
-    ctx->saved_data["window"] = window;
-    return shaped_like(out4, q);
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto q4 = unit_stride_slices(saved[0]), k4 = unit_stride_slices(saved[1]),
-               v4 = unit_stride_slices(saved[2]);
-    const int64_t outer = q4.size(0), heads = q4.size(1);
-    auto grad_q4 = empty_heads_interleaved(outer, heads, q4.size(2), q4.size(3), q4.options());
-    auto grad_k4 = empty_heads_interleaved(outer, heads, k4.size(2), k4.size(3), k4.options());
-    auto grad_v4 = empty_heads_interleaved(outer, heads, v4.size(2), v4.size(3), v4.options());
-    run_backward(q4, k4, v4, unit_stride_slices(grads[0]), saved[3], saved[4],
-                 ctx->saved_data["causal"].toBool(), ctx->saved_data["query_offset"].toInt(),
-                 ctx->saved_data["window"].toInt(), grad_q4, grad_k4, grad_v4);
-    const int64_t kv_heads = k4.size(1);
-    variable_list grads_in{shaped_like(grad_q4, saved[0]),
-                           shaped_like(sum_over_groups(grad_k4, kv_heads), saved[1]),
-                           shaped_like(sum_over_groups(grad_v4, kv_heads), saved[2])};
-    grads_in.resize(7);  // none for the four non-tensor arguments
-    return grads_in;
-  }
-};
-
-// The (b, h, n, hd) views of part `index` (0 queries, 1 keys, 2 values) of a packed
-// (b, n, 3 * h * hd) tensor: no copy.
-torch::Tensor packed_part(const torch::Tensor& packed, int64_t index, int64_t heads) {
-  const int64_t b = packed.size(0), n = packed.size(1), width = packed.size(2) / 3;
-  // (b, n, width) -> (b, n, h, hd) -> (b, h, n, hd)
-  return packed.narrow(2, index * width, width).view({b, n, heads, width / heads}).transpose(1, 2);
-}
-
-// Attention on packed projections: one input, so backward writes the three gradients into
-// one (b, n, 3 * d) tensor instead of autograd concatenating three.
-struct FusedPackedAttention : public torch::autograd::Function<FusedPackedAttention> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& qkv, int64_t heads,
-                               bool causal, int64_t window, double dropout_p) {
-    const int64_t b = qkv.size(0), n = qkv.size(1), width = qkv.size(2) / 3;
-    auto out4 = empty_heads_interleaved(b, heads, n, width / heads, qkv.options());
-    const auto [weights, keep] = run_forward(packed_part(qkv, 0, heads), packed_part(qkv, 1, heads),
-                                             packed_part(qkv, 2, heads), out4, causal,
-                                             /*query_offset=*/0, window, dropout_p);
-    ctx->save_for_backward({qkv, weights, keep});
-    ctx->saved_data["heads"] = heads;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window"] = window;
-    // (b, h, n, hd) laid out as (b, n, h, hd) -> (b, n, h * hd): a view
-    return out4.transpose(1, 2).view({b, n, width});
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto& qkv = saved[0];
-    const int64_t heads = ctx->saved_data["heads"].toInt();
-    auto grad_qkv = torch::empty_like(qkv, torch::MemoryFormat::Contiguous);
-    auto grad_q4 = packed_part(grad_qkv, 0, heads), grad_k4 = packed_part(grad_qkv, 1, heads),
-         grad_v4 = packed_part(grad_qkv, 2, heads);
-    const auto& grad_out = grads[0];  // (b, n, h * hd)
-    // (b, n, h * hd) -> (b, n, h, hd) -> (b, h, n, hd)
-    const auto grad_out4 = unit_stride_slices(
-        grad_out.reshape({grad_out.size(0), grad_out.size(1), heads, -1}).transpose(1, 2));
-    run_backward(packed_part(qkv, 0, heads), packed_part(qkv, 1, heads), packed_part(qkv, 2, heads),
-                 grad_out4, saved[1], saved[2], ctx->saved_data["causal"].toBool(),
-                 /*query_offset=*/0, ctx->saved_data["window"].toInt(), grad_q4, grad_k4, grad_v4);
-    return {grad_qkv, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-  }
-};
-
-// Fails unless the tensors (`what` names them) are on CPU and all float32 or all float64.
-void check_cpu_floating(const char* fn, const char* what,
-                        const std::vector<torch::Tensor>& tensors) {
-  for (const auto& t : tensors) {
-    TORCH_CHECK(t.device().is_cpu(), fn, " runs on CPU only, got a tensor on ", t.device(),
-                "; use scaled_dot_product_attention elsewhere");
-  }
-  const auto dtype = tensors.front().scalar_type();
-  bool same = dtype == torch::kFloat || dtype == torch::kDouble;
-  std::string got;
-  for (const auto& t : tensors) {
-    same = same && t.scalar_type() == dtype;
-    got += (got.empty() ? "" : ", ") + std::string(c10::toString(t.scalar_type()));
-  }
-  TORCH_CHECK(same, fn, " expected ", what, " to be float32 or float64 (one dtype), got ", got);
-}
-
-void check_fused_options(const char* fn, const FusedOptions& options) {
-  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
-              " dropout_p must be in [0, 1), got ", options.dropout_p());
-  detail::check_query_offset(fn, options.query_offset());
-  detail::check_window_size(fn, options.window_size(), options.is_causal());
-}
-
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-// LibTorch's CPU flash kernel runs its (batch, head, query block) tasks in a parallel loop
-// and calls the BLAS inside them, where OpenBLAS, keeping one thread per core of its own,
-// oversubscribes the cores: at 2 threads its forward+backward ran slower than at 1
-// (docs/threads.md). This runs the kernel with the BLAS single-threaded, forward and
-// backward, as attnkit's own kernels run theirs. Backward goes through the kernel's own
-// autograd graph, built in forward on detached inputs and kept in the node.
-struct SingleThreadedBlasSdpa : public torch::autograd::Function<SingleThreadedBlasSdpa> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& query,
-                               const torch::Tensor& key, const torch::Tensor& value,
-                               const c10::optional<at::Tensor>& visible, bool is_causal,
-                               bool enable_gqa) {
-    const detail::SingleThreadedBlas single_threaded_blas;
-    const torch::AutoGradMode grad_mode(true);
-    std::vector<torch::Tensor> graph{torch::Tensor(), query.detach(), key.detach(), value.detach()};
-    for (size_t i = 1; i < graph.size(); ++i)
-      graph[i].requires_grad_(std::array{query, key, value}[i - 1].requires_grad());
-    graph[0] = at::scaled_dot_product_attention(graph[1], graph[2], graph[3], visible,
-                                                /*dropout_p=*/0.0, is_causal,
-                                                /*scale=*/c10::nullopt, enable_gqa);
-    auto output = graph[0].detach();
-    ctx->saved_data["graph"] = graph;  // output, query, key, value
-    return output;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto graph = ctx->saved_data["graph"].toTensorVector();
-    std::vector<torch::Tensor> inputs;
-    for (size_t i = 1; i < graph.size(); ++i) {
-      if (graph[i].requires_grad())
-        inputs.push_back(graph[i]);
-    }
-    variable_list result(6);  // one per forward argument
-    if (!grads[0].defined() || inputs.empty())
-      return result;
-    const detail::SingleThreadedBlas single_threaded_blas;
-    // Kept for a second backward through the outer graph (retain_graph); freed with the node.
-    const auto input_grads = torch::autograd::grad({graph[0]}, inputs, {grads[0]},
-                                                   /*retain_graph=*/true);
-    for (size_t i = 1, next = 0; i < graph.size(); ++i) {
-      if (graph[i].requires_grad())
-        result[i - 1] = input_grads[next++];
-    }
-    return result;
-  }
-};
-
-// Whether LibTorch would run its CPU flash kernel on more than one thread, where the BLAS
-// needs pinning (dropout, which the flash kernel lacks, sends it to the math path).
-bool sdpa_runs_parallel_flash(const torch::Tensor& query, const torch::Tensor& key,
-                              const torch::Tensor& value, const c10::optional<at::Tensor>& visible,
-                              double dropout_p, bool is_causal, bool enable_gqa) {
-  if (!query.device().is_cpu() || detail::worker_count(2, query.device()) < 2)
-    return false;
-  const auto backend = at::_fused_sdp_choice(query, key, value, visible, dropout_p, is_causal,
-                                             /*scale=*/c10::nullopt, enable_gqa);
-  return backend == static_cast<int64_t>(at::SDPBackend::flash_attention);
-}
-#endif
-
-}  // namespace
-
-torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& key,
-                              const torch::Tensor& value, const FusedOptions& options) {
-  const char* fn = "[fused_attention]";
-  detail::check_qkv_layout(fn, query, key, value);
-  check_cpu_floating(fn, "query, key and value", {query, key, value});
-  check_fused_options(fn, options);
-  const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-  return FusedAttention::apply(query, key, value, options.is_causal(), options.query_offset(),
-                               options.window_size().value_or(0), dropout_p);
-}
-
-torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
-                                     const FusedOptions& options) {
-  const char* fn = "[fused_packed_attention]";
-  TORCH_CHECK(qkv.defined() && qkv.dim() == 3, fn, " qkv: expected (b, n, 3 * d), got ",
-              qkv.defined() ? detail::shape_string(qkv) : "an undefined tensor");
-  TORCH_CHECK(num_heads >= 1 && qkv.size(2) % (3 * num_heads) == 0, fn, " qkv's last dimension ",
-              qkv.size(2), " must be 3 * num_heads * head_dim, with num_heads = ", num_heads);
-  TORCH_CHECK(qkv.size(1) >= 1, fn, " qkv must hold at least one token");
-  check_cpu_floating(fn, "qkv", {qkv});
-  check_fused_options(fn, options);
-  TORCH_CHECK(options.query_offset() == 0, fn,
-              " queries and keys are the same tokens, so query_offset must be 0, got ",
-              options.query_offset());
-  const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-  return FusedPackedAttention::apply(qkv, num_heads, options.is_causal(),
-                                     options.window_size().value_or(0), dropout_p);
-}
-
-torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::Tensor& key,
-                                      const torch::Tensor& value, const FusedOptions& options) {
-  const char* fn = "[fused_backend_attention]";
-  const int64_t group_size = detail::check_qkv_layout(fn, query, key, value);
-  check_fused_options(fn, options);
-  const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-#if TORCH_VERSION_MAJOR >= 2
-  // Flash / memory-efficient kernels on CUDA, a flash kernel on CPU (from 2.1). LibTorch's
-  // is_causal aligns the mask top-left whatever n and m are, and knows no window, so it
-  // serves offset 0 without a window; a one-token decode step (query 0 sees every key)
-  // needs no mask, and anything else an explicit one.
-  const int64_t num_queries = query.size(-2), num_keys = key.size(-2);
-  const int64_t offset = options.query_offset();
-  const auto& window = options.window_size();
-  // Whether the window hides a key from some query: the last query's distance to key 0.
-  const bool window_masks = window.has_value() && offset + num_queries - 1 >= *window;
-  bool is_causal = false;
-  c10::optional<at::Tensor> visible;  // true = attend
-  if (options.is_causal()) {
-    if (offset == 0 && !window_masks) {
-      is_causal = true;
-    } else if (offset < num_keys - 1 || window_masks) {
-      visible = causal_mask(num_queries, num_keys, query.device(), offset, window).logical_not();
-    }
-  }
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-  const bool enable_gqa = group_size > 1;
-  if (sdpa_runs_parallel_flash(query, key, value, visible, dropout_p, is_causal, enable_gqa)) {
-    const bool any_grad = query.requires_grad() || key.requires_grad() || value.requires_grad();
-    if (torch::GradMode::is_enabled() && any_grad)
-      return SingleThreadedBlasSdpa::apply(query, key, value, visible, is_causal, enable_gqa);
-    const detail::SingleThreadedBlas single_threaded_blas;
-    return at::scaled_dot_product_attention(query, key, value, visible, dropout_p, is_causal,
-                                            /*scale=*/c10::nullopt, enable_gqa);
-  }
-  return at::scaled_dot_product_attention(query, key, value, visible, dropout_p, is_causal,
-                                          /*scale=*/c10::nullopt, enable_gqa);
-#else
-  // No grouped-query support before 2.5: the key/value heads repeated for their groups.
-  return at::scaled_dot_product_attention(query, key.repeat_interleave(group_size, -3),
-                                          value.repeat_interleave(group_size, -3), visible,
-                                          dropout_p, is_causal);
-#endif
-#else
-  // LibTorch 1.13 has no fused attention kernel: attnkit's own on CPU, the loop-nest kernel
-  // for short sequences and the blocked one past it (faster than the math core, memory linear
-  // in n, and parallel over heads and blocks); the math core elsewhere.
-  (void)group_size;
-  if (fused_attention_fits(query.size(-2), key.size(-2), query.options()))
-    return fused_attention(query, key, value, options);
-  if (query.device().is_cpu()) {
-    return chunked_attention(query, key, value,
-                             ChunkedOptions()
-                                 .is_causal(options.is_causal())
-                                 .query_offset(options.query_offset())
-                                 .window_size(options.window_size())
-                                 .dropout_p(dropout_p)
-                                 .training(dropout_p > 0));
-  }
-  return scaled_dot_product_attention(query, key, value,
-                                      SdpaOptions()
-                                          .is_causal(options.is_causal())
-                                          .query_offset(options.query_offset())
-                                          .window_size(options.window_size())
-                                          .dropout_p(dropout_p)
-                                          .training(dropout_p > 0));
-#endif
-}
-
-bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
-                          const torch::TensorOptions& options) {
-  const auto dtype = options.dtype();
-  return options.device().is_cpu() && (dtype == torch::kFloat || dtype == torch::kDouble) &&
-         num_queries * num_keys <= kFusedAttentionMaxTile;
-}
-
-}  // namespace attnkit::functional
-
-namespace attnkit::detail {
-
-torch::Tensor ragged_fused_attention_if_fits(const torch::Tensor& query, const torch::Tensor& keys,
-                                             const torch::Tensor& values,
-                                             const torch::Tensor& query_offsets,
-                                             const torch::Tensor& key_ends, int64_t window) {
-  const auto dtype = query.scalar_type();
-  const bool records_history =
-      torch::GradMode::is_enabled() &&
-      (query.requires_grad() || keys.requires_grad() || values.requires_grad());
-  if (query.dim() != 4 || keys.dim() != 4 || values.dim() != 4 || records_history ||
-      keys.scalar_type() != dtype || values.scalar_type() != dtype || !keys.device().is_cpu() ||
-      !values.device().is_cpu() || query.size(1) % keys.size(1) != 0 ||
-      !functional::fused_attention_fits(query.size(2), keys.size(2), query.options())) {
-    return {};
-  }
-  using functional::unit_stride_slices;
-  const auto offsets = query_offsets.to(torch::kCPU, torch::kInt64).contiguous();
-  const auto ends = key_ends.to(torch::kCPU, torch::kInt64).contiguous();
-  const functional::RowBounds rows{offsets.data_ptr<int64_t>(), ends.data_ptr<int64_t>()};
-  const auto q4 = unit_stride_slices(query), k4 = unit_stride_slices(keys),
-             v4 = unit_stride_slices(values);
-  auto out4 = functional::empty_heads_interleaved(q4.size(0), q4.size(1), q4.size(2), v4.size(3),
-                                                  query.options());
-  functional::run_forward(q4, k4, v4, out4, /*causal=*/true, /*query_offset=*/0, window,
-                          /*dropout_p=*/0.0, &rows);
-  return out4;
-}
-
-torch::Tensor packed_fused_attention_if_fits(const torch::Tensor& qkv, int64_t num_heads,
-                                             const functional::FusedOptions& options) {
-#if TORCH_VERSION_MAJOR < 2
-  const int64_t n = qkv.size(1);
-  if (functional::fused_attention_fits(n, n, qkv.options()))
-    return functional::fused_packed_attention(qkv, num_heads, options);
-#else
-  (void)qkv, (void)num_heads, (void)options;  // LibTorch's SDPA reads the split heads
-#endif
-  return {};
-}
-
-}  // namespace attnkit::detail
+}  // namespace attnkit::detail::loop_nest

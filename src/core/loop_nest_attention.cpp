@@ -1,0 +1,221 @@
+// The loop-nest kernel's entry points (the kernel itself: loop_nest_kernel.cpp): autograd
+// functions over split heads and over a packed QKV projection, the ragged inference step,
+// and the public fused_attention / fused_packed_attention.
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "attnkit/functional.h"
+#include "core/attention_layout.h"
+#include "core/checks.h"
+#include "core/kernels.h"
+#include "core/loop_nest_kernel.h"
+
+// This file defines the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions).
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+namespace attnkit::detail {
+
+namespace {
+
+using loop_nest::empty_heads_interleaved;
+using loop_nest::run_backward;
+using loop_nest::run_forward;
+using loop_nest::sum_over_groups;
+using loop_nest::unit_stride_slices;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct FusedAttention : public torch::autograd::Function<FusedAttention> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, bool causal, int64_t query_offset,
+                               int64_t window, double dropout_p) {
+    const auto q4 = unit_stride_slices(q), k4 = unit_stride_slices(k), v4 = unit_stride_slices(v);
+    auto out4 =
+        empty_heads_interleaved(q4.size(0), q4.size(1), q4.size(2), v4.size(3), q.options());
+    const auto [weights, keep] =
+        run_forward(q4, k4, v4, out4, causal, query_offset, window, dropout_p);
+    ctx->save_for_backward({q, k, v, weights, keep});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["query_offset"] = query_offset;
+    ctx->saved_data["window"] = window;
+    return shaped_like(out4, q);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto q4 = unit_stride_slices(saved[0]), k4 = unit_stride_slices(saved[1]),
+               v4 = unit_stride_slices(saved[2]);
+    const int64_t outer = q4.size(0), heads = q4.size(1);
+    auto grad_q4 = empty_heads_interleaved(outer, heads, q4.size(2), q4.size(3), q4.options());
+    auto grad_k4 = empty_heads_interleaved(outer, heads, k4.size(2), k4.size(3), k4.options());
+    auto grad_v4 = empty_heads_interleaved(outer, heads, v4.size(2), v4.size(3), v4.options());
+    run_backward(q4, k4, v4, unit_stride_slices(grads[0]), saved[3], saved[4],
+                 ctx->saved_data["causal"].toBool(), ctx->saved_data["query_offset"].toInt(),
+                 ctx->saved_data["window"].toInt(), grad_q4, grad_k4, grad_v4);
+    const int64_t kv_heads = k4.size(1);
+    variable_list grads_in{shaped_like(grad_q4, saved[0]),
+                           shaped_like(sum_over_groups(grad_k4, kv_heads), saved[1]),
+                           shaped_like(sum_over_groups(grad_v4, kv_heads), saved[2])};
+    grads_in.resize(7);  // none for the four non-tensor arguments
+    return grads_in;
+  }
+};
+
+// The (b, h, n, hd) views of part `index` (0 queries, 1 keys, 2 values) of a packed
+// (b, n, 3 * h * hd) tensor: no copy.
+torch::Tensor packed_part(const torch::Tensor& packed, int64_t index, int64_t heads) {
+  const int64_t b = packed.size(0), n = packed.size(1), width = packed.size(2) / 3;
+  // (b, n, width) -> (b, n, h, hd) -> (b, h, n, hd)
+  return packed.narrow(2, index * width, width).view({b, n, heads, width / heads}).transpose(1, 2);
+}
+
+// Attention on packed projections: one input, so backward writes the three gradients into
+// one (b, n, 3 * d) tensor instead of autograd concatenating three.
+struct FusedPackedAttention : public torch::autograd::Function<FusedPackedAttention> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& qkv, int64_t heads,
+                               bool causal, int64_t window, double dropout_p) {
+    const int64_t b = qkv.size(0), n = qkv.size(1), width = qkv.size(2) / 3;
+    auto out4 = empty_heads_interleaved(b, heads, n, width / heads, qkv.options());
+    const auto [weights, keep] = run_forward(packed_part(qkv, 0, heads), packed_part(qkv, 1, heads),
+                                             packed_part(qkv, 2, heads), out4, causal,
+                                             /*query_offset=*/0, window, dropout_p);
+    ctx->save_for_backward({qkv, weights, keep});
+    ctx->saved_data["heads"] = heads;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window;
+    // (b, h, n, hd) laid out as (b, n, h, hd) -> (b, n, h * hd): a view
+    return out4.transpose(1, 2).view({b, n, width});
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& qkv = saved[0];
+    const int64_t heads = ctx->saved_data["heads"].toInt();
+    auto grad_qkv = torch::empty_like(qkv, torch::MemoryFormat::Contiguous);
+    auto grad_q4 = packed_part(grad_qkv, 0, heads), grad_k4 = packed_part(grad_qkv, 1, heads),
+         grad_v4 = packed_part(grad_qkv, 2, heads);
+    const auto& grad_out = grads[0];  // (b, n, h * hd)
+    // (b, n, h * hd) -> (b, n, h, hd) -> (b, h, n, hd)
+    const auto grad_out4 = unit_stride_slices(
+        grad_out.reshape({grad_out.size(0), grad_out.size(1), heads, -1}).transpose(1, 2));
+    run_backward(packed_part(qkv, 0, heads), packed_part(qkv, 1, heads), packed_part(qkv, 2, heads),
+                 grad_out4, saved[1], saved[2], ctx->saved_data["causal"].toBool(),
+                 /*query_offset=*/0, ctx->saved_data["window"].toInt(), grad_q4, grad_k4, grad_v4);
+    return {grad_qkv, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// Fails unless the tensors (`what` names them) are on CPU and all float32 or all float64.
+void check_cpu_floating(const char* fn, const char* what,
+                        const std::vector<torch::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu(), fn, " runs on CPU only, got a tensor on ", t.device(),
+                "; use scaled_dot_product_attention elsewhere");
+  }
+  const auto dtype = tensors.front().scalar_type();
+  bool same = dtype == torch::kFloat || dtype == torch::kDouble;
+  std::string got;
+  for (const auto& t : tensors) {
+    same = same && t.scalar_type() == dtype;
+    got += (got.empty() ? "" : ", ") + std::string(c10::toString(t.scalar_type()));
+  }
+  TORCH_CHECK(same, fn, " expected ", what, " to be float32 or float64 (one dtype), got ", got);
+}
+
+void check_fused_options(const char* fn, const functional::FusedOptions& options) {
+  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
+              " dropout_p must be in [0, 1), got ", options.dropout_p());
+  check_query_offset(fn, options.query_offset());
+  check_window_size(fn, options.window_size(), options.is_causal());
+}
+
+}  // namespace
+
+torch::Tensor loop_nest_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                  const torch::Tensor& value, bool causal, int64_t query_offset,
+                                  int64_t window, double dropout_p) {
+  return FusedAttention::apply(query, key, value, causal, query_offset, window, dropout_p);
+}
+
+torch::Tensor loop_nest_packed_attention(const torch::Tensor& qkv, int64_t num_heads, bool causal,
+                                         int64_t window, double dropout_p) {
+  return FusedPackedAttention::apply(qkv, num_heads, causal, window, dropout_p);
+}
+
+bool ragged_loop_nest_fits(const torch::Tensor& query, const torch::Tensor& keys,
+                           const torch::Tensor& values) {
+  const auto dtype = query.scalar_type();
+  const bool records_history =
+      torch::GradMode::is_enabled() &&
+      (query.requires_grad() || keys.requires_grad() || values.requires_grad());
+  return query.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && !records_history &&
+         keys.scalar_type() == dtype && values.scalar_type() == dtype && keys.device().is_cpu() &&
+         values.device().is_cpu() && query.size(1) % keys.size(1) == 0 &&
+         functional::fused_attention_fits(query.size(2), keys.size(2), query.options());
+}
+
+torch::Tensor ragged_loop_nest_attention(const torch::Tensor& query, const torch::Tensor& keys,
+                                         const torch::Tensor& values,
+                                         const torch::Tensor& query_offsets,
+                                         const torch::Tensor& key_ends, int64_t window) {
+  TORCH_CHECK(ragged_loop_nest_fits(query, keys, values),
+              "[ragged_loop_nest_attention] expected CPU float or double (b, h, n, hd) queries "
+              "and (b, g, m, hd) keys and values of one dtype, n * m <= ",
+              functional::kFusedAttentionMaxTile, " and no autograd; got query ",
+              shape_string(query), " ", query.scalar_type(), " on ", query.device(), ", keys ",
+              shape_string(keys));
+  const auto offsets = query_offsets.to(torch::kCPU, torch::kInt64).contiguous();
+  const auto ends = key_ends.to(torch::kCPU, torch::kInt64).contiguous();
+  const loop_nest::RowBounds rows{offsets.data_ptr<int64_t>(), ends.data_ptr<int64_t>()};
+  const auto q4 = unit_stride_slices(query), k4 = unit_stride_slices(keys),
+             v4 = unit_stride_slices(values);
+  auto out4 =
+      empty_heads_interleaved(q4.size(0), q4.size(1), q4.size(2), v4.size(3), query.options());
+  run_forward(q4, k4, v4, out4, /*causal=*/true, /*query_offset=*/0, window,
+              /*dropout_p=*/0.0, &rows);
+  return out4;
+}
+
+}  // namespace attnkit::detail
+
+namespace attnkit::functional {
+
+torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, const FusedOptions& options) {
+  const char* fn = "[fused_attention]";
+  detail::check_qkv_layout(fn, query, key, value);
+  detail::check_cpu_floating(fn, "query, key and value", {query, key, value});
+  detail::check_fused_options(fn, options);
+  const double dropout_p = options.training() ? options.dropout_p() : 0.0;
+  return detail::loop_nest_attention(query, key, value, options.is_causal(), options.query_offset(),
+                                     options.window_size().value_or(0), dropout_p);
+}
+
+torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
+                                     const FusedOptions& options) {
+  const char* fn = "[fused_packed_attention]";
+  TORCH_CHECK(qkv.defined() && qkv.dim() == 3, fn, " qkv: expected (b, n, 3 * d), got ",
+              qkv.defined() ? detail::shape_string(qkv) : "an undefined tensor");
+  TORCH_CHECK(num_heads >= 1 && qkv.size(2) % (3 * num_heads) == 0, fn, " qkv's last dimension ",
+              qkv.size(2), " must be 3 * num_heads * head_dim, with num_heads = ", num_heads);
+  TORCH_CHECK(qkv.size(1) >= 1, fn, " qkv must hold at least one token");
+  detail::check_cpu_floating(fn, "qkv", {qkv});
+  detail::check_fused_options(fn, options);
+  TORCH_CHECK(options.query_offset() == 0, fn,
+              " queries and keys are the same tokens, so query_offset must be 0, got ",
+              options.query_offset());
+  const double dropout_p = options.training() ? options.dropout_p() : 0.0;
+  return detail::loop_nest_packed_attention(qkv, num_heads, options.is_causal(),
+                                            options.window_size().value_or(0), dropout_p);
+}
+
+bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
+                          const torch::TensorOptions& options) {
+  const auto dtype = options.dtype();
+  return options.device().is_cpu() && (dtype == torch::kFloat || dtype == torch::kDouble) &&
+         num_queries * num_keys <= kFusedAttentionMaxTile;
+}
+
+}  // namespace attnkit::functional

@@ -1,0 +1,335 @@
+// The planner (planner.h): one table of kernels, each with what it serves and a predicate
+// that names what it lacks, and the one place that runs them.
+
+#include "core/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
+#include "core/decode_attention.h"
+#include "core/kernels.h"
+
+namespace attnkit::detail {
+
+namespace {
+
+namespace F = attnkit::functional;
+
+// The test hook's kernel, if any (KernelClaimsEverything).
+std::optional<Kernel> g_claims_everything;
+
+int64_t query_tokens(const AttentionCall& call) {
+  return call.query.size(2);
+}
+
+double dropout_of(const AttentionCall& call) {
+  return call.options.training() ? call.options.dropout_p() : 0.0;
+}
+
+bool has_default_scale(const AttentionCall& call) {
+  const auto& scale = call.options.scale();
+  return !scale.has_value() || *scale == default_scale(call.query.size(3));
+}
+
+// The call's mask as the fused kernels take it: none, or causal with an offset and a window.
+struct CausalMask {
+  bool causal = false;
+  int64_t query_offset = 0;
+  int64_t window = 0;  // 0: none
+};
+
+std::optional<CausalMask> as_causal(const Mask& mask) {
+  CausalMask result;
+  if (mask.is_none())
+    return result;
+  if (!mask.is_causal(&result.query_offset, &result.window))
+    return std::nullopt;
+  result.causal = true;
+  return result;
+}
+
+// Which keys each query sees, as every kernel but the inference ones needs it: for a ragged
+// step each row's causal mask over its own valid keys (and window) joins the call's mask.
+Mask effective_mask(const AttentionCall& call) {
+  if (call.step != StepKind::kRagged)
+    return call.options.mask();
+  auto rows = Mask::causal(call.query_offsets);
+  if (call.window > 0)
+    rows = rows.sliding_window(call.window);
+  return rows & Mask::key_padding(call.key_ends) & call.options.mask();
+}
+
+// What every fused kernel (loop nest, packed loop nest, SDPA) lacks.
+std::string fused_lacks(const AttentionCall& call) {
+  if (call.options.score_mod())
+    return "the fused backend has no score functions (score_mod)";
+  const auto mask = effective_mask(call);
+  if (!as_causal(mask)) {
+    return c10::str("the fused backend takes only causal and sliding-window masks, not ",
+                    mask.to_string());
+  }
+  if (!has_default_scale(call)) {
+    return c10::str("the fused backend has only the default scale 1/sqrt(head_dim), not ",
+                    *call.options.scale());
+  }
+  if (call.with_weights)
+    return "the fused backend returns no weights (the math backend builds them)";
+  return "";
+}
+
+std::string no_sdpa_lacks() {
+  return libtorch_has_sdpa() ? "LibTorch 2.x runs the fused backend on its own SDPA" : "";
+}
+
+std::string decode_lacks(const AttentionCall& call) {
+  if (call.step == StepKind::kSequence)
+    return "the decode kernel serves cached steps only";
+  if (query_tokens(call) != 1)
+    return c10::str("the decode kernel takes one query per row, not ", query_tokens(call));
+  if (call.options.score_mod())
+    return "the decode kernel has no score functions (score_mod)";
+  if (call.step == StepKind::kRagged ? !call.options.mask().is_none()
+                                     : !as_causal(call.options.mask())) {
+    return c10::str("the decode kernel takes only the cache's causal mask, not ",
+                    call.options.mask().to_string());
+  }
+  if (dropout_of(call) > 0.0)
+    return "the decode kernel has no dropout (inference)";
+  if (call.with_weights)
+    return "the decode kernel returns no weights";
+  if (!decode_attention_fits(call.query, call.key, call.value)) {
+    return "the decode kernel needs CPU float32 or float64 inputs with contiguous last "
+           "dimensions and no autograd to record";
+  }
+  return "";
+}
+
+std::string ragged_loop_nest_lacks(const AttentionCall& call) {
+  if (call.step != StepKind::kRagged)
+    return "the ragged loop nest serves ragged steps only";
+  if (query_tokens(call) == 1)
+    return "a one-query ragged step is the decode kernel's";
+  if (!call.options.mask().is_none() || call.options.score_mod() || !has_default_scale(call) ||
+      call.with_weights) {
+    return "the ragged loop nest takes no mask, score function, scale or weights";
+  }
+  if (!ragged_loop_nest_fits(call.query, call.key, call.value)) {
+    return c10::str("the ragged loop nest needs CPU float32 or float64 inputs, n * m <= ",
+                    F::kFusedAttentionMaxTile, " and no autograd to record");
+  }
+  return "";
+}
+
+// What the loop nest on split heads or on a packed projection lacks beyond fused_lacks.
+std::string loop_nest_lacks(const AttentionCall& call) {
+  auto why = fused_lacks(call);
+  if (why.empty())
+    why = no_sdpa_lacks();
+  if (why.empty() &&
+      !F::fused_attention_fits(query_tokens(call), call.key.size(2), call.query.options())) {
+    why = c10::str("the loop nest needs CPU float32 or float64 inputs with n * m <= ",
+                   F::kFusedAttentionMaxTile);
+  }
+  return why;
+}
+
+std::string packed_loop_nest_lacks(const AttentionCall& call) {
+  if (!call.packed_qkv.defined())
+    return "the packed loop nest needs the packed QKV projection";
+  const auto mask = as_causal(call.options.mask());
+  if (mask && mask->query_offset != 0)
+    return "the packed loop nest's queries and keys are the same tokens (query offset 0)";
+  return loop_nest_lacks(call);
+}
+
+std::string sdpa_lacks(const AttentionCall& call) {
+  return fused_lacks(call);
+}
+
+std::string chunked_lacks(const AttentionCall& call) {
+  if (call.with_weights)
+    return "the chunked backend returns no weights (the math backend builds them)";
+  // One query per row scores one row per head: the math core costs no quadratic memory there
+  // and has the least overhead, where tiles would be read row by row.
+  if (call.step == StepKind::kRagged && query_tokens(call) == 1)
+    return "a one-query ragged step runs best on the math core";
+  return "";
+}
+
+std::string math_lacks(const AttentionCall&) {
+  return "";
+}
+
+bool claims(const KernelSpec& spec, const AttentionCall& call) {
+  return g_claims_everything == spec.kernel || spec.lacks(call).empty();
+}
+
+bool serves(const KernelSpec& spec, AttentionBackend requested) {
+  return requested == AttentionBackend::kAuto || spec.backend == AttentionBackend::kAuto ||
+         spec.backend == requested;
+}
+
+const KernelSpec* first_claiming(const AttentionCall& call, AttentionBackend requested) {
+  for (const auto& spec : kernel_table()) {
+    if (serves(spec, requested) && claims(spec, call))
+      return &spec;
+  }
+  return nullptr;
+}
+
+// The math core on the call's 4-D inputs: key/value heads repeated for their query heads,
+// the dense mask, index tensors for a score function.
+F::AttentionOutput run_math(const AttentionCall& call, const Mask& mask) {
+  const auto &q4 = call.query, &k4 = call.key, &v4 = call.value;
+  const auto& options = call.options;
+  const int64_t batch = q4.size(0), heads = q4.size(1), n = q4.size(2), m = k4.size(2);
+  const int64_t group = heads / k4.size(1);
+  MathMasking masking;
+  if (!mask.is_none())
+    masking.allowed = mask.dense(batch, heads, n, m, q4.device());
+  if (options.score_mod()) {
+    masking.score_mod = options.score_mod();
+    const auto index = torch::dtype(torch::kInt64).device(q4.device());
+    masking.index = {torch::arange(batch, index).view({-1, 1, 1, 1}),
+                     torch::arange(heads, index).view({1, -1, 1, 1}),
+                     torch::arange(n, index).view({1, 1, -1, 1}),
+                     torch::arange(m, index).view({1, 1, 1, -1})};
+  }
+  const auto k = group == 1 ? k4 : k4.repeat_interleave(group, 1);
+  const auto v = group == 1 ? v4 : v4.repeat_interleave(group, 1);
+  return math_attention(q4, k, v, masking, options.scale(), options.dropout_p(),
+                        options.training());
+}
+
+// Row r's keys [begin[r], end[r]) for the decode kernel's one query per row.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> decode_ranges(const AttentionCall& call) {
+  const auto rows = static_cast<size_t>(call.query.size(0));
+  const int64_t m = call.key.size(2);
+  if (call.step == StepKind::kRagged) {
+    const auto starts = call.query_offsets.to(torch::kCPU, torch::kInt64).contiguous();
+    const auto ends = call.key_ends.to(torch::kCPU, torch::kInt64).contiguous();
+    const auto* start = starts.data_ptr<int64_t>();
+    const auto* valid_end = ends.data_ptr<int64_t>();
+    std::vector<int64_t> begin(rows, 0), end(rows);
+    for (size_t r = 0; r < rows; ++r) {
+      end[r] = std::min(valid_end[r], start[r] + 1);
+      if (call.window > 0)
+        begin[r] = std::max<int64_t>(0, start[r] + 1 - call.window);
+    }
+    return {begin, end};
+  }
+  const auto mask = as_causal(call.options.mask());
+  TORCH_CHECK(mask.has_value(), "[decode kernel] a cached step's mask must be causal, got ",
+              call.options.mask().to_string());
+  const int64_t end = mask->causal ? std::min(m, mask->query_offset + 1) : m;
+  const int64_t begin = mask->window > 0 ? std::max<int64_t>(0, end - mask->window) : 0;
+  return {std::vector<int64_t>(rows, begin), std::vector<int64_t>(rows, end)};
+}
+
+torch::Tensor run_kernel(Kernel kernel, const AttentionCall& call) {
+  const auto &q = call.query, &k = call.key, &v = call.value;
+  const double dropout_p = dropout_of(call);
+  const auto fused_mask = [&] {
+    const auto mask = as_causal(effective_mask(call));
+    TORCH_CHECK(mask.has_value(), "[planner] the fused kernels take causal masks only, got ",
+                effective_mask(call).to_string());
+    return *mask;
+  };
+  switch (kernel) {
+    case Kernel::kDecode: {
+      const auto [begin, end] = decode_ranges(call);
+      return decode_attention(q, k, v, call.options.scale().value_or(default_scale(q.size(3))),
+                              begin, end);
+    }
+    case Kernel::kRaggedLoopNest:
+      TORCH_CHECK(call.step == StepKind::kRagged,
+                  "[planner] the ragged loop nest needs the "
+                  "rows' query offsets and key ends");
+      return ragged_loop_nest_attention(q, k, v, call.query_offsets, call.key_ends, call.window);
+    case Kernel::kPackedLoopNest: {
+      TORCH_CHECK(call.packed_qkv.defined(),
+                  "[planner] the packed loop nest needs the packed "
+                  "QKV projection");
+      const auto mask = fused_mask();
+      const auto merged = loop_nest_packed_attention(call.packed_qkv, q.size(1), mask.causal,
+                                                     mask.window, dropout_p);
+      // (b, n, h * hd) -> (b, n, h, hd) -> (b, h, n, hd): a view
+      return merged.view({q.size(0), q.size(2), q.size(1), -1}).transpose(1, 2);
+    }
+    case Kernel::kLoopNest: {
+      const auto mask = fused_mask();
+      return loop_nest_attention(q, k, v, mask.causal, mask.query_offset, mask.window, dropout_p);
+    }
+    case Kernel::kSdpa: {
+      const auto mask = fused_mask();
+      return sdpa_attention(q, k, v, mask.causal, mask.query_offset, mask.window, dropout_p);
+    }
+    case Kernel::kChunked: {
+      auto options = call.options;
+      return chunked_kernel(q, k, v, options.mask(effective_mask(call)));
+    }
+    case Kernel::kMath:
+      break;
+  }
+  return run_math(call, effective_mask(call)).context;
+}
+
+}  // namespace
+
+const std::vector<KernelSpec>& kernel_table() {
+  static const std::vector<KernelSpec> table{
+      {Kernel::kDecode, "decode", AttentionBackend::kAuto, decode_lacks},
+      {Kernel::kRaggedLoopNest, "ragged_loop_nest", AttentionBackend::kAuto,
+       ragged_loop_nest_lacks},
+      {Kernel::kPackedLoopNest, "packed_loop_nest", AttentionBackend::kFused,
+       packed_loop_nest_lacks},
+      {Kernel::kLoopNest, "loop_nest", AttentionBackend::kFused, loop_nest_lacks},
+      {Kernel::kSdpa, "sdpa", AttentionBackend::kFused, sdpa_lacks},
+      {Kernel::kChunked, "chunked", AttentionBackend::kChunked, chunked_lacks},
+      {Kernel::kMath, "math", AttentionBackend::kMath, math_lacks},
+  };
+  return table;
+}
+
+std::string backend_lacks(AttentionBackend backend, const AttentionCall& call) {
+  if (backend == AttentionBackend::kAuto || first_claiming(call, backend) != nullptr)
+    return "";
+  // The family's most general kernel is its last.
+  const KernelSpec* general = nullptr;
+  for (const auto& spec : kernel_table()) {
+    if (spec.backend == backend)
+      general = &spec;
+  }
+  TORCH_INTERNAL_ASSERT(general != nullptr, "no kernel serves backend ", backend_name(backend));
+  return general->lacks(call);
+}
+
+const KernelSpec& plan_attention(const AttentionCall& call) {
+  const auto requested = call.options.backend();
+  if (const auto* spec = first_claiming(call, requested))
+    return *spec;
+  TORCH_CHECK(call.backend_is_preference, "[attention] backend ", backend_name(requested),
+              " cannot run this: ", backend_lacks(requested, call),
+              "; use AttentionBackend::kAuto, kChunked or kMath");
+  const auto* spec = first_claiming(call, AttentionBackend::kAuto);
+  TORCH_INTERNAL_ASSERT(spec != nullptr, "the math kernel claims every call");
+  return *spec;
+}
+
+F::AttentionOutput run_attention(const AttentionCall& call) {
+  const auto& spec = plan_attention(call);
+  if (spec.kernel == Kernel::kMath)
+    return run_math(call, effective_mask(call));
+  return {run_kernel(spec.kernel, call), {}};
+}
+
+KernelClaimsEverything::KernelClaimsEverything(Kernel kernel) {
+  g_claims_everything = kernel;
+}
+
+KernelClaimsEverything::~KernelClaimsEverything() {
+  g_claims_everything.reset();
+}
+
+}  // namespace attnkit::detail

@@ -1,0 +1,167 @@
+// The LibTorch-SDPA kernel: LibTorch's own scaled_dot_product_attention behind the fused
+// backend, and, as its stand-in on LibTorch 1.13 (which has none), attnkit's chunked kernel
+// on the CPU and the math core elsewhere. Every LibTorch-version split of the library lives
+// in this file: the planner (planner.cpp) asks libtorch_has_sdpa().
+//
+// From 2.5 on, LibTorch's CPU flash kernel is run with the BLAS pinned to one thread where
+// it would oversubscribe the cores (docs/threads.md).
+
+#include <array>
+#include <cmath>
+#include <vector>
+
+#include <torch/version.h>
+
+#include "attnkit/functional.h"
+#include "core/kernels.h"
+#include "core/parallel.h"
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+#include <ATen/SDPBackend.h>
+#endif
+
+namespace attnkit::detail {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+// LibTorch's CPU flash kernel runs its (batch, head, query block) tasks in a parallel loop
+// and calls the BLAS inside them, where OpenBLAS, keeping one thread per core of its own,
+// oversubscribes the cores: at 2 threads its forward+backward ran slower than at 1
+// (docs/threads.md). This runs the kernel with the BLAS single-threaded, forward and
+// backward, as attnkit's own kernels run theirs. Backward goes through the kernel's own
+// autograd graph, built in forward on detached inputs and kept in the node.
+struct SingleThreadedBlasSdpa : public torch::autograd::Function<SingleThreadedBlasSdpa> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& query,
+                               const torch::Tensor& key, const torch::Tensor& value,
+                               const c10::optional<at::Tensor>& visible, bool is_causal,
+                               bool enable_gqa) {
+    const SingleThreadedBlas single_threaded_blas;
+    const torch::AutoGradMode grad_mode(true);
+    std::vector<torch::Tensor> graph{torch::Tensor(), query.detach(), key.detach(), value.detach()};
+    for (size_t i = 1; i < graph.size(); ++i)
+      graph[i].requires_grad_(std::array{query, key, value}[i - 1].requires_grad());
+    graph[0] = at::scaled_dot_product_attention(graph[1], graph[2], graph[3], visible,
+                                                /*dropout_p=*/0.0, is_causal,
+                                                /*scale=*/c10::nullopt, enable_gqa);
+    auto output = graph[0].detach();
+    ctx->saved_data["graph"] = graph;  // output, query, key, value
+    return output;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto graph = ctx->saved_data["graph"].toTensorVector();
+    std::vector<torch::Tensor> inputs;
+    for (size_t i = 1; i < graph.size(); ++i) {
+      if (graph[i].requires_grad())
+        inputs.push_back(graph[i]);
+    }
+    variable_list result(6);  // one per forward argument
+    if (!grads[0].defined() || inputs.empty())
+      return result;
+    const SingleThreadedBlas single_threaded_blas;
+    // Kept for a second backward through the outer graph (retain_graph); freed with the node.
+    const auto input_grads = torch::autograd::grad({graph[0]}, inputs, {grads[0]},
+                                                   /*retain_graph=*/true);
+    for (size_t i = 1, next = 0; i < graph.size(); ++i) {
+      if (graph[i].requires_grad())
+        result[i - 1] = input_grads[next++];
+    }
+    return result;
+  }
+};
+
+// Whether LibTorch would run its CPU flash kernel on more than one thread, where the BLAS
+// needs pinning (dropout, which the flash kernel lacks, sends it to the math path).
+bool sdpa_runs_parallel_flash(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, const c10::optional<at::Tensor>& visible,
+                              double dropout_p, bool is_causal, bool enable_gqa) {
+  if (!query.device().is_cpu() || worker_count(2, query.device()) < 2)
+    return false;
+  const auto backend = at::_fused_sdp_choice(query, key, value, visible, dropout_p, is_causal,
+                                             /*scale=*/c10::nullopt, enable_gqa);
+  return backend == static_cast<int64_t>(at::SDPBackend::flash_attention);
+}
+#endif
+
+}  // namespace
+
+bool libtorch_has_sdpa() {
+  return TORCH_VERSION_MAJOR >= 2;
+}
+
+torch::Tensor sdpa_attention(const torch::Tensor& query, const torch::Tensor& key,
+                             const torch::Tensor& value, bool causal, int64_t query_offset,
+                             int64_t window_size, double dropout_p) {
+  const int64_t group_size = query.size(1) / key.size(1);
+#if TORCH_VERSION_MAJOR >= 2
+  // Flash / memory-efficient kernels on CUDA, a flash kernel on CPU (from 2.1). LibTorch's
+  // is_causal aligns the mask top-left whatever n and m are, and knows no window, so it
+  // serves query_offset 0 without a window; a one-token decode step (query 0 sees every key)
+  // needs no mask, and anything else an explicit one.
+  const int64_t num_queries = query.size(-2), num_keys = key.size(-2);
+  const c10::optional<int64_t> window =
+      window_size > 0 ? c10::optional<int64_t>(window_size) : c10::nullopt;
+  // Whether the window hides a key from some query: the last query's distance to key 0.
+  const bool window_masks = window.has_value() && query_offset + num_queries - 1 >= *window;
+  bool is_causal = false;
+  c10::optional<at::Tensor> visible;  // true = attend
+  if (causal) {
+    if (query_offset == 0 && !window_masks) {
+      is_causal = true;
+    } else if (query_offset < num_keys - 1 || window_masks) {
+      visible = functional::causal_mask(num_queries, num_keys, query.device(), query_offset, window)
+                    .logical_not();
+    }
+  }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  const bool enable_gqa = group_size > 1;
+  if (sdpa_runs_parallel_flash(query, key, value, visible, dropout_p, is_causal, enable_gqa)) {
+    const bool any_grad = query.requires_grad() || key.requires_grad() || value.requires_grad();
+    if (torch::GradMode::is_enabled() && any_grad)
+      return SingleThreadedBlasSdpa::apply(query, key, value, visible, is_causal, enable_gqa);
+    const SingleThreadedBlas single_threaded_blas;
+    return at::scaled_dot_product_attention(query, key, value, visible, dropout_p, is_causal,
+                                            /*scale=*/c10::nullopt, enable_gqa);
+  }
+  return at::scaled_dot_product_attention(query, key, value, visible, dropout_p, is_causal,
+                                          /*scale=*/c10::nullopt, enable_gqa);
+#else
+  // No grouped-query support before 2.5: the key/value heads repeated for their groups.
+  return at::scaled_dot_product_attention(query, key.repeat_interleave(group_size, -3),
+                                          value.repeat_interleave(group_size, -3), visible,
+                                          dropout_p, is_causal);
+#endif
+#else
+  // LibTorch 1.13 has no fused attention kernel: attnkit's chunked kernel on the CPU (faster
+  // than the math core, memory linear in n, parallel over heads and blocks), the math core
+  // elsewhere.
+  Mask mask;
+  if (causal) {
+    mask = Mask::causal(query_offset);
+    if (window_size > 0)
+      mask = mask.sliding_window(window_size);
+  }
+  if (query.device().is_cpu()) {
+    return chunked_kernel(
+        query, key, value,
+        functional::AttentionOptions().mask(mask).dropout_p(dropout_p).training(dropout_p > 0.0));
+  }
+  MathMasking masking;
+  if (causal) {
+    masking.allowed = functional::causal_mask(
+                          query.size(2), key.size(2), query.device(), query_offset,
+                          window_size > 0 ? c10::optional<int64_t>(window_size) : c10::nullopt)
+                          .logical_not();
+  }
+  return math_attention(query, key.repeat_interleave(group_size, 1),
+                        value.repeat_interleave(group_size, 1), masking, c10::nullopt, dropout_p,
+                        dropout_p > 0.0)
+      .context;
+#endif
+}
+
+}  // namespace attnkit::detail
