@@ -573,30 +573,7 @@ int64_t step_shares(const TrainConfig& c, const torch::Device& device, int threa
   return std::min<int64_t>(threads, std::max<int64_t>(c.batch_size, 1));
 }
 
-}  // namespace
-
-TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomic<bool>* stop,
-                  Collectives* ranks) {
-  const auto wall_start = Clock::now();
-  const auto device = resolve_device(config.device);
-  const auto one_process = single_process();
-  Collectives& group = ranks != nullptr ? *ranks : *one_process;
-  const int rank = group.rank(), world_size = group.world_size();
-  group.check_same_on_every_rank("flags", rank_agreement_text(config));
-  check_global_batch(config.batch_size, world_size);
-  const int threads = run_threads(config, local_ranks(world_size));
-  attnkit::set_num_threads(threads);
-  const int64_t shares = step_shares(config, device, threads);
-  const int64_t eval_shares = device.is_cpu() ? threads : 1;  // no dropout there
-  // With shares every BLAS call runs inside a worker, on one thread; pinned for the whole run
-  // (evaluation and sampling too), so that no BLAS thread spins on a worker's core.
-  std::optional<attnkit::SingleThreadedBlas> blas_on_one_thread;
-  if (device.is_cpu() && threads > 1)
-    blas_on_one_thread.emplace();
-  torch::manual_seed(config.seed);
-  auto data_generator = at::detail::createCPUGenerator(config.seed);
-
-  const auto task = make_task(config.task, config.seq_len, config.seed, config.data, config.pack);
+ModelConfig model_config_of(const TrainConfig& config, const Task& task) {
   ModelConfig model_config;
   model_config.module = config.module;
   model_config.backend = config.backend;
@@ -605,231 +582,319 @@ TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomi
   model_config.latent_dim = config.latent_dim;
   model_config.rope = config.rope;
   model_config.qk_norm = config.qk_norm;
-  model_config.vocab_size = task->vocab_size();
-  model_config.context_length = task->input_length();
+  model_config.vocab_size = task.vocab_size();
+  model_config.context_length = task.input_length();
   model_config.d_model = config.d_model;
   model_config.heads = config.heads;
   model_config.layers = config.layers;
   model_config.dropout = config.dropout;
   model_config.ffn = config.ffn;
-  model_config.causal = task->causal();
-  TORCH_CHECK(task->input_length() <= kMaxContext, "--seq-len ", config.seq_len, ": task ",
-              config.task, " would need context_length ", task->input_length(), ", more than the ",
+  model_config.causal = task.causal();
+  TORCH_CHECK(task.input_length() <= kMaxContext, "--seq-len ", config.seq_len, ": task ",
+              config.task, " would need context_length ", task.input_length(), ", more than the ",
               kMaxContext, " attnkit-train allows");
-  AttentionModel model(model_config);
-  model->to(device);
-  FlatAdamW optimizer(model->parameters(), config.lr, config.weight_decay);
-  // Each rank its own dropout stream; rank 0 keeps the one a single process has.
-  if (rank > 0)
-    torch::manual_seed(config.seed + static_cast<uint64_t>(rank));
-  const auto eval_batches = task->eval_batches(256);
-  const bool text = config.task == "text";
-  const bool main_rank = group.is_main();
-  const bool verbose = !config.quiet && main_rank;
+  return model_config;
+}
 
-  TrainingState state;
+// One call of train(): setup (the constructor), then steps, evaluations with their
+// checkpoints, and the report.
+class TrainingRun {
+ public:
+  TrainingRun(const TrainConfig& config, std::ostream& out, const std::atomic<bool>* stop,
+              Collectives* ranks);
+  TrainResult run();
+
+ private:
+  void print_setup();
+  // One optimisation step: this rank's share of the batch forward and backward, the ranks'
+  // gradients summed, the update, the running figures and the progress bar.
+  void step(int64_t step);
+  // The held-out evaluation (main rank), its metrics and line, and a checkpoint.
+  void evaluate(int64_t step);
+  void save(bool improved);
+  // The final evaluation, metrics, summary, sample and heatmap (main rank).
+  TrainResult report();
+  bool stop_requested() const { return stop_ != nullptr && stop_->load(); }
+
+  const TrainConfig& config_;
+  std::ostream& out_;
+  const std::atomic<bool>* stop_;
+  const Clock::time_point wall_start_ = Clock::now();
+  const torch::Device device_;
+  const std::unique_ptr<Collectives> one_process_;
+  Collectives& group_;
+  const int rank_, world_size_;
+  int threads_ = 1;
+  int64_t shares_ = 1, eval_shares_ = 1;
+  std::optional<attnkit::SingleThreadedBlas> blas_on_one_thread_;
+  at::Generator data_generator_;
+  std::unique_ptr<Task> task_;
+  AttentionModel model_{nullptr};
+  std::optional<FlatAdamW> optimizer_;
+  std::vector<Batch> eval_batches_;
+  bool text_ = false, main_rank_ = false, verbose_ = false;
+  TrainingState state_;
+  std::unique_ptr<GradientSync> gradient_sync_;
+  std::optional<MetricsWriter> metrics_;
+  TrainResult result_;
+  double train_seconds_ = 0.0;
+  int64_t tokens_ = 0;
+  double smoothed_loss_ = 0.0, smoothed_accuracy_ = 0.0;
+  int64_t first_step_ = 1;
+  int64_t saved_step_ = 0;    // the step of the last checkpoint this run wrote
+  bool stop_agreed_ = false;  // some rank was asked to stop during the last step
+};
+
+TrainingRun::TrainingRun(const TrainConfig& config, std::ostream& out,
+                         const std::atomic<bool>* stop, Collectives* ranks)
+    : config_(config),
+      out_(out),
+      stop_(stop),
+      device_(resolve_device(config.device)),
+      one_process_(single_process()),
+      group_(ranks != nullptr ? *ranks : *one_process_),
+      rank_(group_.rank()),
+      world_size_(group_.world_size()) {
+  group_.check_same_on_every_rank("flags", rank_agreement_text(config));
+  check_global_batch(config.batch_size, world_size_);
+  threads_ = run_threads(config, local_ranks(world_size_));
+  attnkit::set_num_threads(threads_);
+  shares_ = step_shares(config, device_, threads_);
+  eval_shares_ = device_.is_cpu() ? threads_ : 1;  // no dropout there
+  // With shares every BLAS call runs inside a worker, on one thread; pinned for the whole run
+  // (evaluation and sampling too), so that no BLAS thread spins on a worker's core.
+  if (device_.is_cpu() && threads_ > 1)
+    blas_on_one_thread_.emplace();
+  torch::manual_seed(config.seed);
+  data_generator_ = at::detail::createCPUGenerator(config.seed);
+
+  task_ = make_task(config.task, config.seq_len, config.seed, config.data, config.pack);
+  model_ = AttentionModel(model_config_of(config, *task_));
+  model_->to(device_);
+  optimizer_.emplace(model_->parameters(), config.lr, config.weight_decay);
+  // Each rank its own dropout stream; rank 0 keeps the one a single process has.
+  if (rank_ > 0)
+    torch::manual_seed(config.seed + static_cast<uint64_t>(rank_));
+  eval_batches_ = task_->eval_batches(256);
+  text_ = config.task == "text";
+  main_rank_ = group_.is_main();
+  verbose_ = !config.quiet && main_rank_;
+
   if (!config.resume.empty()) {
-    state = load_checkpoint(config.resume, checkpoint_fields(config), model, optimizer,
-                            data_generator, rank);
-    optimizer.set_lr(config.lr);  // this run's --lr and --weight-decay
-    optimizer.set_weight_decay(config.weight_decay);
-    if (verbose)
-      Line(out) << "resumed from " << config.resume << " at step " << state.step << "\n";
+    state_ = load_checkpoint(config.resume, checkpoint_fields(config), model_, *optimizer_,
+                             data_generator_, rank_);
+    optimizer_->set_lr(config.lr);  // this run's --lr and --weight-decay
+    optimizer_->set_weight_decay(config.weight_decay);
+    if (verbose_)
+      Line(out) << "resumed from " << config.resume << " at step " << state_.step << "\n";
   }
-  group.broadcast_from_main(optimizer.flat_values());  // the same start on every rank
-  std::unique_ptr<GradientSync> gradient_sync;
-  if (world_size > 1) {
-    gradient_sync = std::make_unique<GradientSync>(
-        model->parameters(), optimizer.flat_gradients(), group,
+  group_.broadcast_from_main(optimizer_->flat_values());  // the same start on every rank
+  if (world_size_ > 1) {
+    gradient_sync_ = std::make_unique<GradientSync>(
+        model_->parameters(), optimizer_->flat_gradients(), group_,
         static_cast<int64_t>(std::llround(config.bucket_mb * (1 << 20))));
   }
-  if (verbose) {
-    print_config_table(out, config, *task);
-    if (device.is_cpu()) {
-      // What really runs: LibTorch's threads, the BLAS's, and how a step uses them.
-      Line line(out);
-      line << "threads: LibTorch " << torch::get_num_threads() << ", " << attnkit::blas_threads();
-      if (shares > 1)
-        line << "; each step's batch in " << shares << " shares, one per thread";
-      else if (threads > 1)
-        line << "; a step with dropout on 1 (its masks need one order of draws)";
-      line << "\n";
-    }
-    if (world_size > 1) {
-      const auto buckets = gradient_sync->bucket_sizes();
-      Line(out) << "data-parallel: " << world_size << " ranks (" << group.backend() << "), "
-                << config.batch_size << " sequences per step in all, "
-                << optimizer.flat_gradients().numel() << " gradients summed in " << buckets.size()
-                << (buckets.size() == 1 ? " allreduce after backward\n"
-                                        : " buckets started during backward\n");
+  if (verbose_)
+    print_setup();
+  metrics_.emplace(main_rank_ ? config.metrics : std::string(), text_);
+  result_.world_size = world_size_;
+}
+
+void TrainingRun::print_setup() {
+  print_config_table(out_, config_, *task_);
+  if (device_.is_cpu()) {
+    // What really runs: LibTorch's threads, the BLAS's, and how a step uses them.
+    Line line(out_);
+    line << "threads: LibTorch " << torch::get_num_threads() << ", " << attnkit::blas_threads();
+    if (shares_ > 1)
+      line << "; each step's batch in " << shares_ << " shares, one per thread";
+    else if (threads_ > 1)
+      line << "; a step with dropout on 1 (its masks need one order of draws)";
+    line << "\n";
+  }
+  if (world_size_ > 1) {
+    const auto buckets = gradient_sync_->bucket_sizes();
+    Line(out_) << "data-parallel: " << world_size_ << " ranks (" << group_.backend() << "), "
+               << config_.batch_size << " sequences per step in all, "
+               << optimizer_->flat_gradients().numel() << " gradients summed in " << buckets.size()
+               << (buckets.size() == 1 ? " allreduce after backward\n"
+                                       : " buckets started during backward\n");
+  }
+}
+
+void TrainingRun::save(bool improved) {
+  if (config_.save.empty())
+    return;
+  // Every rank takes part in gathering the dropout streams; rank 0 writes.
+  torch::Tensor cpu_rng_by_rank;
+  if (world_size_ > 1) {
+    cpu_rng_by_rank =
+        torch::stack(group_.gather_all(at::detail::getDefaultCPUGenerator().get_state()));
+  }
+  if (main_rank_) {
+    save_checkpoint(config_.save, checkpoint_fields(config_), model_, *optimizer_, state_,
+                    data_generator_, cpu_rng_by_rank);
+    if (improved) {
+      save_checkpoint(best_checkpoint_path(config_.save), checkpoint_fields(config_), model_,
+                      *optimizer_, state_, data_generator_, cpu_rng_by_rank);
     }
   }
-  MetricsWriter metrics(main_rank ? config.metrics : std::string(), text);
+  saved_step_ = state_.step;
+}
 
-  TrainResult result;
-  result.world_size = world_size;
-  double train_seconds = 0.0;
-  int64_t tokens = 0;
-  double smoothed_loss = 0.0;
-  double smoothed_accuracy = 0.0;
-  int64_t saved_step = 0;  // the step of the last checkpoint this run wrote
-  const auto save = [&](bool improved) {
-    if (config.save.empty())
-      return;
-    // Every rank takes part in gathering the dropout streams; rank 0 writes.
-    torch::Tensor cpu_rng_by_rank;
-    if (world_size > 1) {
-      cpu_rng_by_rank =
-          torch::stack(group.gather_all(at::detail::getDefaultCPUGenerator().get_state()));
-    }
-    if (main_rank) {
-      save_checkpoint(config.save, checkpoint_fields(config), model, optimizer, state,
-                      data_generator, cpu_rng_by_rank);
-      if (improved) {
-        save_checkpoint(best_checkpoint_path(config.save), checkpoint_fields(config), model,
-                        optimizer, state, data_generator, cpu_rng_by_rank);
-      }
-    }
-    saved_step = state.step;
-  };
+void TrainingRun::step(int64_t step) {
+  const auto step_start = Clock::now();
+  // Every rank draws the whole global batch from the shared stream and keeps its share.
+  const auto batch = task_->train_batch(config_.batch_size, data_generator_);
+  const auto share = part_of(batch, rank_, world_size_);
+  // A step with dropout runs on one thread: one batch's ops at toy sizes are slower spread
+  // over cores (0.6x at 2 threads here), and shares are not an option (step_shares).
+  std::optional<OneThread> serial_step;
+  if (shares_ == 1 && device_.is_cpu() && threads_ > 1)
+    serial_step.emplace();
+  const auto s = shares_ > 1
+                     ? forward_backward_in_shares(model_, share, device_, config_.progress_bar,
+                                                  shares_, optimizer_->flat_gradients())
+                     : score(model_, share, device_, /*count_correct=*/config_.progress_bar);
+  // This rank's part of the mean over the whole batch's scored positions: the parts'
+  // gradients then sum to the whole batch's.
+  const auto scored = world_size_ == 1 ? s.scored : batch.loss_mask.sum().item<int64_t>();
+  const auto loss_part =
+      world_size_ == 1 ? s.loss
+                       : s.loss * (static_cast<double>(s.scored) / std::max<int64_t>(scored, 1));
+  double loss = loss_part.item<double>();
+  double correct = static_cast<double>(s.correct);
+  if (world_size_ > 1) {
+    // One small collective: the batch's loss and correct count, and whether to stop.
+    auto totals = torch::tensor({loss, correct, stop_requested() ? 1.0 : 0.0}, torch::kDouble);
+    group_.sum(totals);
+    loss = totals[0].item<double>();
+    correct = totals[1].item<double>();
+    stop_agreed_ = totals[2].item<double>() > 0;
+  }
+  if (!std::isfinite(loss)) {
+    throw NonFiniteLoss(non_finite_message("loss", loss, step, config_, saved_step_));
+  }
+  if (shares_ == 1) {  // else forward_backward_in_shares has written the gradients
+    optimizer_->zero_grad();
+    if (gradient_sync_)
+      gradient_sync_->before_backward();
+    loss_part.backward();
+  } else if (gradient_sync_) {
+    gradient_sync_->before_backward();  // no hook fires now: after_backward sums every bucket
+  }
+  if (gradient_sync_)
+    result_.allreduce_seconds += gradient_sync_->after_backward();  // what backward did not hide
+  optimizer_->clip_grad_norm(config_.clip_norm);
+  optimizer_->step();
+  serial_step.reset();
+  state_.step = step;
+  train_seconds_ += seconds_since(step_start);
+  tokens_ += batch.inputs.numel();
+  result_.losses.push_back(loss);
+  smoothed_loss_ = step == first_step_ ? loss : 0.95 * smoothed_loss_ + 0.05 * loss;
+  const double accuracy = scored ? correct / static_cast<double>(scored) : 0.0;
+  smoothed_accuracy_ = step == first_step_ ? accuracy : 0.95 * smoothed_accuracy_ + 0.05 * accuracy;
+  if (verbose_ && config_.progress_bar) {
+    const double eta = train_seconds_ / (step - first_step_ + 1) * (config_.steps - step);
+    draw_progress(out_, step, config_.steps, smoothed_loss_, smoothed_accuracy_, text_,
+                  tokens_ / std::max(train_seconds_, 1e-9), eta);
+  }
+}
 
-  model->train();
-  const int64_t first_step = state.step + 1;
-  bool stop_agreed = false;  // some rank was asked to stop during the last step
-  const auto stop_requested = [&] { return stop != nullptr && stop->load(); };
-  for (int64_t step = first_step; step <= config.steps; ++step) {
-    if (world_size == 1 ? stop_requested() : stop_agreed) {
-      result.interrupted = true;
+void TrainingRun::evaluate(int64_t step) {
+  bool improved = false;
+  if (main_rank_) {
+    const auto evaluation =
+        ::attnkit::train::evaluate(model_, eval_batches_, device_, eval_shares_);
+    if (!std::isfinite(evaluation.loss)) {
+      // The update broke the weights: stop before they overwrite a good checkpoint.
+      throw NonFiniteLoss(
+          non_finite_message("held-out loss", evaluation.loss, step, config_, saved_step_));
+    }
+    improved = evaluation.loss < state_.best_loss;
+    if (improved)
+      state_.best_loss = evaluation.loss;
+    const double tokens_per_s = tokens_ / std::max(train_seconds_, 1e-9);
+    metrics_->write(step, evaluation, smoothed_loss_, tokens_per_s, seconds_since(wall_start_),
+                    /*final=*/false);
+    if (verbose_) {
+      Line(out_) << (config_.progress_bar ? "\n" : "") << "step " << step << "/" << config_.steps
+                 << " | train loss " << std::fixed << std::setprecision(4) << smoothed_loss_
+                 << " | " << format_eval(evaluation, text_) << " | " << std::setprecision(0)
+                 << tokens_per_s << " tok/s\n";
+    }
+  }
+  save(improved);
+}
+
+TrainResult TrainingRun::run() {
+  model_->train();
+  first_step_ = state_.step + 1;
+  for (int64_t step = first_step_; step <= config_.steps; ++step) {
+    if (world_size_ == 1 ? stop_requested() : stop_agreed_) {
+      result_.interrupted = true;
       break;
     }
-    const auto step_start = Clock::now();
-    // Every rank draws the whole global batch from the shared stream and keeps its share.
-    const auto batch = task->train_batch(config.batch_size, data_generator);
-    const auto share = part_of(batch, rank, world_size);
-    // A step with dropout runs on one thread: one batch's ops at toy sizes are slower spread
-    // over cores (0.6x at 2 threads here), and shares are not an option (step_shares).
-    std::optional<OneThread> serial_step;
-    if (shares == 1 && device.is_cpu() && threads > 1)
-      serial_step.emplace();
-    const auto s = shares > 1
-                       ? forward_backward_in_shares(model, share, device, config.progress_bar,
-                                                    shares, optimizer.flat_gradients())
-                       : score(model, share, device, /*count_correct=*/config.progress_bar);
-    // This rank's part of the mean over the whole batch's scored positions: the parts'
-    // gradients then sum to the whole batch's.
-    const auto scored = world_size == 1 ? s.scored : batch.loss_mask.sum().item<int64_t>();
-    const auto loss_part =
-        world_size == 1 ? s.loss
-                        : s.loss * (static_cast<double>(s.scored) / std::max<int64_t>(scored, 1));
-    double loss = loss_part.item<double>();
-    double correct = static_cast<double>(s.correct);
-    if (world_size > 1) {
-      // One small collective: the batch's loss and correct count, and whether to stop.
-      auto totals = torch::tensor({loss, correct, stop_requested() ? 1.0 : 0.0}, torch::kDouble);
-      group.sum(totals);
-      loss = totals[0].item<double>();
-      correct = totals[1].item<double>();
-      stop_agreed = totals[2].item<double>() > 0;
-    }
-    if (!std::isfinite(loss)) {
-      throw NonFiniteLoss(non_finite_message("loss", loss, step, config, saved_step));
-    }
-    if (shares == 1) {  // else forward_backward_in_shares has written the gradients
-      optimizer.zero_grad();
-      if (gradient_sync)
-        gradient_sync->before_backward();
-      loss_part.backward();
-    } else if (gradient_sync) {
-      gradient_sync->before_backward();  // no hook fires now: after_backward sums every bucket
-    }
-    if (gradient_sync)
-      result.allreduce_seconds += gradient_sync->after_backward();  // what backward did not hide
-    optimizer.clip_grad_norm(config.clip_norm);
-    optimizer.step();
-    serial_step.reset();
-    state.step = step;
-    train_seconds += seconds_since(step_start);
-    tokens += batch.inputs.numel();
-    result.losses.push_back(loss);
-    smoothed_loss = step == first_step ? loss : 0.95 * smoothed_loss + 0.05 * loss;
-    const double accuracy = scored ? correct / static_cast<double>(scored) : 0.0;
-    smoothed_accuracy = step == first_step ? accuracy : 0.95 * smoothed_accuracy + 0.05 * accuracy;
-    const double tokens_per_s = tokens / std::max(train_seconds, 1e-9);
-
-    if (verbose && config.progress_bar) {
-      const double eta = train_seconds / (step - first_step + 1) * (config.steps - step);
-      draw_progress(out, step, config.steps, smoothed_loss, smoothed_accuracy, text, tokens_per_s,
-                    eta);
-    }
-    if (step % config.eval_every == 0 || step == config.steps) {
-      bool improved = false;
-      if (main_rank) {
-        const auto evaluation = evaluate(model, eval_batches, device, eval_shares);
-        if (!std::isfinite(evaluation.loss)) {
-          // The update broke the weights: stop before they overwrite a good checkpoint.
-          throw NonFiniteLoss(
-              non_finite_message("held-out loss", evaluation.loss, step, config, saved_step));
-        }
-        improved = evaluation.loss < state.best_loss;
-        if (improved)
-          state.best_loss = evaluation.loss;
-        metrics.write(step, evaluation, smoothed_loss, tokens_per_s, seconds_since(wall_start),
-                      /*final=*/false);
-        if (verbose) {
-          Line(out) << (config.progress_bar ? "\n" : "") << "step " << step << "/" << config.steps
-                    << " | train loss " << std::fixed << std::setprecision(4) << smoothed_loss
-                    << " | " << format_eval(evaluation, text) << " | " << std::setprecision(0)
-                    << tokens_per_s << " tok/s\n";
-        }
-      }
-      save(improved);
-    }
+    this->step(step);
+    if (step % config_.eval_every == 0 || step == config_.steps)
+      evaluate(step);
   }
-  if (result.interrupted) {
+  if (result_.interrupted)
     save(/*improved=*/false);
-  }
+  return report();
+}
 
-  result.last_step = state.step;
-  result.train_seconds = train_seconds;
-  result.tokens_per_second = tokens / std::max(train_seconds, 1e-9);
-  if (!main_rank)
+TrainResult TrainingRun::report() {
+  auto& result = result_;
+  result.last_step = state_.step;
+  result.train_seconds = train_seconds_;
+  result.tokens_per_second = tokens_ / std::max(train_seconds_, 1e-9);
+  if (!main_rank_)
     return result;
-  result.final_evaluation = evaluate(model, eval_batches, device, eval_shares);
-  result.wall_seconds = seconds_since(wall_start);
-  metrics.write(state.step, result.final_evaluation, smoothed_loss, result.tokens_per_second,
-                result.wall_seconds, /*final=*/true);
-
+  result.final_evaluation =
+      ::attnkit::train::evaluate(model_, eval_batches_, device_, eval_shares_);
+  result.wall_seconds = seconds_since(wall_start_);
+  metrics_->write(state_.step, result.final_evaluation, smoothed_loss_, result.tokens_per_second,
+                  result.wall_seconds, /*final=*/true);
   {
-    Line summary(out);  // the summary, baselines and sample in one write
-    summary << (result.interrupted ? "interrupted" : "done") << " after step " << state.step << ": "
-            << format_eval(result.final_evaluation, text) << " | " << std::fixed
+    Line summary(out_);  // the summary, baselines and sample in one write
+    summary << (result.interrupted ? "interrupted" : "done") << " after step " << state_.step
+            << ": " << format_eval(result.final_evaluation, text_) << " | " << std::fixed
             << std::setprecision(1) << result.wall_seconds << " s wall, " << std::setprecision(0)
             << result.tokens_per_second << " tokens/s";
-    if (world_size > 1) {
-      summary << " on " << world_size << " ranks, gradient allreduce " << std::setprecision(1)
-              << 100.0 * result.allreduce_seconds / std::max(train_seconds, 1e-9)
+    if (world_size_ > 1) {
+      summary << " on " << world_size_ << " ranks, gradient allreduce " << std::setprecision(1)
+              << 100.0 * result.allreduce_seconds / std::max(train_seconds_, 1e-9)
               << "% of the steps";
     }
     summary << "\n";
-    if (text) {
-      summary << std::setprecision(2) << "corpus baselines: unigram " << task->unigram_entropy()
-              << ", bigram " << task->bigram_entropy() << " bits/byte; model "
+    if (text_) {
+      summary << std::setprecision(2) << "corpus baselines: unigram " << task_->unigram_entropy()
+              << ", bigram " << task_->bigram_entropy() << " bits/byte; model "
               << result.final_evaluation.bits_per_byte << " ("
-              << task->bigram_entropy() - result.final_evaluation.bits_per_byte
+              << task_->bigram_entropy() - result.final_evaluation.bits_per_byte
               << " below bigram)\n";
-      if (config.sample > 0 && config.prompts.empty()) {
-        summary << sample_text(model, *task, device, config) << "\n";
-      } else if (config.sample > 0) {
-        summary << sample_prompts(model, device, config) << "\n";
+      if (config_.sample > 0 && config_.prompts.empty()) {
+        summary << sample_text(model_, *task_, device_, config_) << "\n";
+      } else if (config_.sample > 0) {
+        summary << sample_prompts(model_, device_, config_) << "\n";
       }
     }
   }
-  if (!config.dump_attention.empty()) {
-    dump_attention(config.dump_attention, model, *task, device);
-    if (verbose)
-      Line(out) << "attention heatmap written to " << config.dump_attention << "\n";
+  if (!config_.dump_attention.empty()) {
+    dump_attention(config_.dump_attention, model_, *task_, device_);
+    if (verbose_)
+      Line(out_) << "attention heatmap written to " << config_.dump_attention << "\n";
   }
   return result;
+}
+
+}  // namespace
+
+TrainResult train(const TrainConfig& config, std::ostream& out, const std::atomic<bool>* stop,
+                  Collectives* ranks) {
+  return TrainingRun(config, out, stop, ranks).run();
 }
 
 }  // namespace attnkit::train
