@@ -22,7 +22,9 @@ namespace attnkit {
 /// FlexAttention's `mask_mod(b, h, q_idx, kv_idx) -> bool`, called on broadcastable int64
 /// index tensors covering a whole tile at once (b (B,1,1,1), h (1,H,1,1), q_idx (1,1,n,1),
 /// kv_idx (1,1,1,m) or blocks of them). It returns a bool tensor broadcastable to their
-/// broadcast shape, true where the query may attend to the key.
+/// broadcast shape, true where the query may attend to the key. It should be a pure function
+/// of its arguments: `create_block_mask` calls it for several query blocks at once, from
+/// LibTorch's worker threads on the CPU.
 /// Example: `[](auto b, auto h, auto q, auto kv) { return kv <= q; }` (causal).
 using MaskMod =
     std::function<torch::Tensor(const torch::Tensor& b, const torch::Tensor& h,

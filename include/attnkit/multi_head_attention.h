@@ -84,6 +84,8 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// The Python class's `mask` buffer: triu(ones(context_length, context_length), 1) in the
   /// parameters' dtype, for the state dict (PythonOnlyState).
   std::vector<std::pair<std::string, torch::Tensor>> python_only_state() const override;
+  /// {"mask"}, without making the n^2 buffer.
+  std::vector<std::string> python_only_keys() const override { return {"mask"}; }
 
   /// Self-attention `forward(x)`: (b, n, d_in) -> (b, n, d_out). Cross-attention
   /// `forward(query, key, value)`: queries from query (b, n, d_in), keys and values from
@@ -186,6 +188,8 @@ class MultiHeadAttentionCombinedQKVImpl
   /// The Python class's `mask` buffer: triu(ones(context_length, context_length), 1) in the
   /// parameters' dtype, for the state dict (PythonOnlyState).
   std::vector<std::pair<std::string, torch::Tensor>> python_only_state() const override;
+  /// {"mask"}, without making the n^2 buffer.
+  std::vector<std::string> python_only_keys() const override { return {"mask"}; }
 
   /// Self-attention (b, n, d_in) -> (b, n, d_out) under the module's mask and `mask`, computed
   /// by `options.backend()`. One projection makes queries, keys and values from one input, so

@@ -20,6 +20,14 @@ class PythonOnlyState {
   virtual ~PythonOnlyState() = default;
   /// The entries, keyed relative to the module ("mask"), as the Python `state_dict()` has them.
   virtual std::vector<std::pair<std::string, torch::Tensor>> python_only_state() const = 0;
+  /// Their keys alone, which a load accepts and ignores; override where making the entries
+  /// costs (the default makes them).
+  virtual std::vector<std::string> python_only_keys() const {
+    std::vector<std::string> keys;
+    for (const auto& entry : python_only_state())
+      keys.push_back(entry.first);
+    return keys;
+  }
 };
 
 }  // namespace attnkit

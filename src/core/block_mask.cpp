@@ -1,7 +1,8 @@
 // attnkit::BlockMask: a Mask judged once per tile for one problem shape. The structure of the
 // mask settles most tiles without evaluating them (Mask::structural_kind); the others, per
-// query block, are evaluated in one call over the span of key blocks they cover, and their
-// verdicts cross to the host in one transfer at the end. The lists are then
+// query block, are evaluated over the span of key blocks they cover, in cache-sized pieces,
+// the query blocks in parallel on the CPU, and their verdicts cross to the host in one
+// transfer at the end. The lists are then
 // built on the host (a few bytes per tile) and moved to the mask's device.
 
 #include "attnkit/block_mask.h"
@@ -11,6 +12,7 @@
 #include <sstream>
 
 #include "core/checks.h"
+#include "core/parallel.h"
 
 namespace attnkit {
 
@@ -29,13 +31,15 @@ struct PendingStripe {
   std::vector<char> wanted;  // (B, blocks), row-major
 };
 
-// What each (batch, head, key block) tile of one stripe holds: queries [q0, q0 + bq)
-// against key blocks [first, first + blocks), int8 (B, H, blocks) flattened: 0 no allowed
-// entry, 1 some, 2 all of its q_block x kv_block (a short block, padded with masked entries,
-// never has all).
-torch::Tensor stripe_verdicts(const Mask& mask, int64_t B, int64_t H, int64_t q0, int64_t bq,
-                              int64_t qb, int64_t first, int64_t blocks, int64_t kv_block,
-                              int64_t kv_len, const torch::Device& device) {
+// Mask entries evaluated at once per (batch, head) slice: a piece of a stripe stays in the
+// L2 cache of the development machine (2 MiB per core) while it is reduced.
+constexpr int64_t kPieceEntries = int64_t{1} << 18;
+
+// The verdicts (B, H, blocks) of key blocks [first, first + blocks) for queries [q0, q0 + bq),
+// as stripe_verdicts gives them.
+torch::Tensor piece_verdicts(const Mask& mask, int64_t B, int64_t H, int64_t q0, int64_t bq,
+                             int64_t qb, int64_t first, int64_t blocks, int64_t kv_block,
+                             int64_t kv_len, const torch::Device& device) {
   const auto index = torch::dtype(torch::kInt64).device(device);
   const int64_t k0 = first * kv_block, span = std::min(kv_len, (first + blocks) * kv_block) - k0;
   auto allowed = mask.allowed(torch::arange(B, index).view({-1, 1, 1, 1}),
@@ -61,7 +65,23 @@ torch::Tensor stripe_verdicts(const Mask& mask, int64_t B, int64_t H, int64_t q0
   auto all = tiles.all(-1).all(-1);
   if (bq < qb)
     all = torch::zeros_like(all);  // a short query block: padded with masked rows
-  return (any.to(torch::kInt8) + all.to(torch::kInt8)).expand({B, H, blocks}).reshape({-1});
+  return (any.to(torch::kInt8) + all.to(torch::kInt8)).expand({B, H, blocks});
+}
+
+// What each (batch, head, key block) tile of one stripe holds: queries [q0, q0 + bq)
+// against key blocks [first, first + blocks), int8 (B, H, blocks) flattened: 0 no allowed
+// entry, 1 some, 2 all of its q_block x kv_block (a short block, padded with masked entries,
+// never has all). Evaluated in pieces of about kPieceEntries entries per slice.
+torch::Tensor stripe_verdicts(const Mask& mask, int64_t B, int64_t H, int64_t q0, int64_t bq,
+                              int64_t qb, int64_t first, int64_t blocks, int64_t kv_block,
+                              int64_t kv_len, const torch::Device& device) {
+  const int64_t piece = std::max<int64_t>(1, kPieceEntries / (bq * kv_block));
+  std::vector<torch::Tensor> pieces;
+  for (int64_t j = first; j < first + blocks; j += piece) {
+    pieces.push_back(piece_verdicts(mask, B, H, q0, bq, qb, j, std::min(piece, first + blocks - j),
+                                    kv_block, kv_len, device));
+  }
+  return (pieces.size() == 1 ? pieces[0] : torch::cat(pieces, 2)).reshape({-1});
 }
 
 // FlexAttention's ordered form of one kind: per row the count, and the indices of the row's
@@ -119,7 +139,6 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
     return static_cast<size_t>(((b * H + h) * nq + i) * nk + j);
   };
   std::vector<PendingStripe> pending;
-  std::vector<torch::Tensor> verdicts;
   std::vector<char> undecided(static_cast<size_t>(B * nk));
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t q0 = i * qb, bq = std::min(qb, Q_LEN - q0);
@@ -151,11 +170,19 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
         stripe.wanted[static_cast<size_t>(b * stripe.blocks + j - lo)] =
             undecided[static_cast<size_t>(b * nk + j)];
     }
-    verdicts.push_back(
-        stripe_verdicts(mask, B, H, q0, bq, qb, lo, stripe.blocks, kb, KV_LEN, device));
     pending.push_back(std::move(stripe));
   }
   if (!pending.empty()) {
+    // The stripes are independent: evaluated on the CPU's workers (a mask_mod may thus be
+    // called from several threads at once), serially on a GPU.
+    std::vector<torch::Tensor> verdicts(pending.size());
+    detail::run_tasks(static_cast<int64_t>(pending.size()), device, [&](int64_t t) {
+      const auto& stripe = pending[static_cast<size_t>(t)];
+      const int64_t q0 = stripe.q_block * qb;
+      verdicts[static_cast<size_t>(t)] =
+          stripe_verdicts(mask, B, H, q0, std::min(qb, Q_LEN - q0), qb, stripe.first, stripe.blocks,
+                          kb, KV_LEN, device);
+    });
     const auto host = torch::cat(verdicts).to(torch::kCPU).contiguous();  // the one transfer
     const int8_t* verdict = host.data_ptr<int8_t>();
     for (const auto& stripe : pending) {

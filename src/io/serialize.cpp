@@ -80,13 +80,13 @@ std::vector<char> torch_save_bytes(const StateDict& dict) {
   return bytes;
 }
 
-// Calls `visit(prefix, entries)` for the module and each submodule that keeps Python-only
+// Calls `visit(prefix, holder)` for the module and each submodule that keeps Python-only
 // state: prefix "" for the module itself, "<submodule path>." for the others.
 template <typename Visit>
 void for_each_python_only_state(const torch::nn::Module& module, Visit visit) {
   const auto visit_one = [&](const std::string& prefix, const torch::nn::Module& m) {
     if (const auto* holder = dynamic_cast<const PythonOnlyState*>(&m))
-      visit(prefix, holder->python_only_state());
+      visit(prefix, *holder);
   };
   visit_one("", module);
   // include_self = false: the root may not be owned by a shared_ptr.
@@ -104,8 +104,8 @@ StateDict state_dict(const torch::nn::Module& module) {
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     dict.insert(item.key(), item.value().detach());
   }
-  for_each_python_only_state(module, [&](const std::string& prefix, const auto& entries) {
-    for (const auto& [key, value] : entries)
+  for_each_python_only_state(module, [&](const std::string& prefix, const PythonOnlyState& holder) {
+    for (const auto& [key, value] : holder.python_only_state())
       dict.insert(prefix + key, value.detach());
   });
   return dict;
@@ -144,9 +144,9 @@ namespace {
 // The keys a load accepts and ignores: the Python-only state of the module and its submodules.
 std::vector<std::string> python_only_keys(const torch::nn::Module& module) {
   std::vector<std::string> keys;
-  for_each_python_only_state(module, [&](const std::string& prefix, const auto& entries) {
-    for (const auto& entry : entries)
-      keys.push_back(prefix + entry.first);
+  for_each_python_only_state(module, [&](const std::string& prefix, const PythonOnlyState& holder) {
+    for (const auto& key : holder.python_only_keys())
+      keys.push_back(prefix + key);
   });
   return keys;
 }
