@@ -10,9 +10,8 @@ namespace {
 
 constexpr const char* kName = "GroupedQueryAttention";
 
-detail::AttentionSettings settings_of(const GroupedQueryAttentionOptions& opt) {
-  return {/*causal=*/true,  opt.sliding_window_size(), opt.dropout(), opt.backend(),
-          opt.chunk_size(), opt.key_chunk_size(),      /*scale=*/{}};
+detail::ModuleAttention settings_of(const GroupedQueryAttentionOptions& opt) {
+  return detail::module_attention_of(opt, /*causal=*/true, opt.sliding_window_size());
 }
 
 detail::CacheLayout cache_layout_of(const GroupedQueryAttentionOptions& opt) {

@@ -13,9 +13,8 @@ namespace {
 
 constexpr const char* kName = "MultiHeadLatentAttention";
 
-detail::AttentionSettings settings_of(const MultiHeadLatentAttentionOptions& opt) {
-  return {/*causal=*/true,  /*window_size=*/c10::nullopt, opt.dropout(), opt.backend(),
-          opt.chunk_size(), opt.key_chunk_size(),         /*scale=*/{}};
+detail::ModuleAttention settings_of(const MultiHeadLatentAttentionOptions& opt) {
+  return detail::module_attention_of(opt, /*causal=*/true, /*window_size=*/c10::nullopt);
 }
 
 // forward and forward_with_weights: keys and values up-projected from the latents
@@ -56,7 +55,7 @@ torch::Tensor attend_latents(MultiHeadLatentAttentionImpl& module, const torch::
   const auto query_latents = torch::matmul(queries, up_keys);  // (b, h, 1, latent)
   // The scale of the heads' width, not the latents'.
   auto settings = settings_of(module.options);
-  settings.scale = detail::default_scale(hd);
+  settings.options.scale(detail::default_scale(hd));
   const auto context_latents = detail::attend_step(query_latents, keys, keys, settings,
                                                    /*query_offset=*/latents.size(1) - 1,
                                                    /*mask=*/{}, rows);

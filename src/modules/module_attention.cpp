@@ -11,29 +11,23 @@ namespace F = attnkit::functional;
 namespace {
 
 // The module's own causal (and window) mask for queries at key position query_offset + i.
-Mask module_mask(const AttentionSettings& settings, int64_t query_offset) {
+Mask module_mask(const ModuleAttention& settings, int64_t query_offset) {
   if (!settings.causal)
     return {};
   const auto causal = Mask::causal(query_offset);
   return settings.window_size ? causal.sliding_window(*settings.window_size) : causal;
 }
 
-// A module's call: its options as AttentionOptions, its backend a preference.
+// A module's call: its options with the call's mask and mode, its backend a preference.
 AttentionCall module_call(const torch::Tensor& queries, const torch::Tensor& keys,
-                          const torch::Tensor& values, const AttentionSettings& settings,
+                          const torch::Tensor& values, const ModuleAttention& settings,
                           bool training, const Mask& mask) {
   AttentionCall call;
   call.query = queries;
   call.key = keys;
   call.value = values;
-  call.options = F::AttentionOptions()
-                     .mask(mask)
-                     .scale(settings.scale)
-                     .dropout_p(settings.dropout)
-                     .training(training)
-                     .backend(settings.backend)
-                     .query_block_size(settings.chunk_size)
-                     .key_block_size(settings.key_chunk_size);
+  call.options = settings.options;
+  call.options.mask(mask).training(training);
   // The module's backend picks the fast path; a problem it cannot run (padding, documents,
   // a mask_mod on kFused) runs where it can, as kAuto would.
   call.backend_is_preference = true;
@@ -43,7 +37,7 @@ AttentionCall module_call(const torch::Tensor& queries, const torch::Tensor& key
 }  // namespace
 
 F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& keys,
-                          const torch::Tensor& values, const AttentionSettings& settings,
+                          const torch::Tensor& values, const ModuleAttention& settings,
                           bool training, int64_t query_offset, bool with_weights, const Mask& mask,
                           const torch::Tensor& packed_qkv) {
   auto call = module_call(queries, keys, values, settings, training,
@@ -54,7 +48,7 @@ F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& key
 }
 
 torch::Tensor attend_step(const torch::Tensor& queries, const torch::Tensor& keys,
-                          const torch::Tensor& values, const AttentionSettings& settings,
+                          const torch::Tensor& values, const ModuleAttention& settings,
                           int64_t query_offset, const Mask& mask, const KVCache::RaggedSpan* rows) {
   if (rows == nullptr) {
     auto call = module_call(queries, keys, values, settings, /*training=*/false,
@@ -202,7 +196,7 @@ std::vector<int64_t> check_cached_call(const char* module, bool training, const 
 
 torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Tensor& queries,
                             const torch::Tensor& keys, const torch::Tensor& values, KVCache& cache,
-                            const AttentionSettings& settings, const Mask& mask,
+                            const ModuleAttention& settings, const Mask& mask,
                             const std::vector<int64_t>& new_lengths) {
   if (new_lengths.empty()) {
     const auto [rotated_queries, rotated_keys] = transform(queries, keys, cache.size());

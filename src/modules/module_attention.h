@@ -18,24 +18,36 @@
 
 namespace attnkit::detail {
 
-/// The attention options a module hands to the core.
-struct AttentionSettings {
+/// What a module hands to the core: the shape of its own mask (causal, and a window; each call
+/// brings its query offset) and the options of every call, as AttentionOptions (dropout,
+/// backend, block sizes, scale). Each call sets `mask` and `training`; the backend is a
+/// preference.
+struct ModuleAttention {
   bool causal = true;
   c10::optional<int64_t> window_size;
-  double dropout = 0.0;
-  AttentionBackend backend = AttentionBackend::kMath;
-  int64_t chunk_size = 128;
-  int64_t key_chunk_size = 1024;
-  c10::optional<double> scale;  // unset: 1 / sqrt(head_dim)
+  functional::AttentionOptions options;
 };
+
+/// A module's ModuleAttention from its options (dropout, backend, chunk_size, key_chunk_size)
+/// and the shape of its mask.
+template <typename ModuleOptions>
+ModuleAttention module_attention_of(const ModuleOptions& opt, bool causal,
+                                    c10::optional<int64_t> window_size) {
+  return {causal, window_size,
+          functional::AttentionOptions()
+              .dropout_p(opt.dropout())
+              .backend(opt.backend())
+              .query_block_size(opt.chunk_size())
+              .key_block_size(opt.key_chunk_size())};
+}
 
 /// Queries (b, h, n, hd) against keys and values (b, g, m, hd) with g dividing h, query i at
 /// key position query_offset + i -> context (b, h, n, hd), described to the planner under the
-/// module's causal/window mask and `mask` together, `settings.backend` a preference; with
+/// module's causal/window mask and `mask` together, `settings.options.backend()` a preference; with
 /// `with_weights` also the weights (b, h, n, m) (the math core). `packed_qkv`: the (b, n,
 /// 3 * h * hd) projection the three are views of, where they are.
 functional::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& keys,
-                                   const torch::Tensor& values, const AttentionSettings& settings,
+                                   const torch::Tensor& values, const ModuleAttention& settings,
                                    bool training, int64_t query_offset = 0,
                                    bool with_weights = false, const Mask& mask = {},
                                    const torch::Tensor& packed_qkv = {});
@@ -45,7 +57,7 @@ functional::AttentionOutput attend(const torch::Tensor& queries, const torch::Te
 /// under the module's mask and `mask`; with `rows` (a ragged append's span), row r's queries
 /// sit at rows->starts[r] and see its keys before rows->ends[r], and `mask`.
 torch::Tensor attend_step(const torch::Tensor& queries, const torch::Tensor& keys,
-                          const torch::Tensor& values, const AttentionSettings& settings,
+                          const torch::Tensor& values, const ModuleAttention& settings,
                           int64_t query_offset, const Mask& mask,
                           const KVCache::RaggedSpan* rows = nullptr);
 
@@ -114,7 +126,7 @@ struct QueryKeyTransform {
 /// else row r adds its first new_lengths[r] (KVCache::append_ragged), the rest padding.
 torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Tensor& queries,
                             const torch::Tensor& keys, const torch::Tensor& values, KVCache& cache,
-                            const AttentionSettings& settings, const Mask& mask,
+                            const ModuleAttention& settings, const Mask& mask,
                             const std::vector<int64_t>& new_lengths);
 
 /// A module's reset() for its rope and qk_norm options: refuses an odd head width with RoPE

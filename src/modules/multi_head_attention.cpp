@@ -52,9 +52,8 @@ std::vector<std::pair<std::string, torch::Tensor>> python_mask_state(
 }
 
 // The settings the attention core gets from the module's options.
-detail::AttentionSettings settings_of(const MultiHeadAttentionOptions& opt) {
-  return {opt.causal(),     opt.sliding_window_size(), opt.dropout(), opt.backend(),
-          opt.chunk_size(), opt.key_chunk_size(),      /*scale=*/{}};
+detail::ModuleAttention settings_of(const MultiHeadAttentionOptions& opt) {
+  return detail::module_attention_of(opt, opt.causal(), opt.sliding_window_size());
 }
 
 // Seed 001's layout: (b, n, 3 * d_out) -> 3 x (b, h, n, hd).
