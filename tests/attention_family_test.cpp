@@ -3,12 +3,15 @@
 // Their layout, every backend against math, their KV caches against the uncached forward
 // (with the rolling window and the latent cache), their cache sizes, and every refusal.
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "attnkit/attnkit.h"
 #include "module_factory.h"
 #include "test_support.h"
+
+#include <torch/version.h>
 
 using namespace attnkit;
 using namespace attnkit::testing;
@@ -379,3 +382,63 @@ TEST_P(AttentionFamilyDevices, EveryModuleAndBackendMatchesTheCpu) {
 }
 
 ATTNKIT_INSTANTIATE_DEVICE_TESTS(AttentionFamilyDevices);
+
+// The modules with 16-bit parameters and caches: forward, backward and cached decoding in
+// bfloat16 (and float16 where LibTorch has 16-bit CPU matrix products: 2.x), on every backend.
+// The 16-bit module is compared with a float32 copy of its own (rounded) weights on the same
+// rounded inputs: the projections round each result to the 8 (bfloat16) or 11 (float16)
+// mantissa bits, so outputs and gradients may differ by several of those roundings, 2^-8 or
+// 2^-11 relative each; the bound is 8 of them (measured: up to 6), relative to the tensor's
+// largest value. The key bias's gradient is zero in exact arithmetic (a bias on every key
+// shifts each query's scores by a constant), so it (any tensor under 1e-4 of x's gradient) is
+// measured against x's gradient instead.
+TEST(AttentionFamily, SixteenBitModulesTrainAndDecodeAsTheirFloat32Copies) {
+  std::vector<torch::ScalarType> dtypes{torch::kBFloat16};
+  if (TORCH_VERSION_MAJOR >= 2)
+    dtypes.push_back(torch::kHalf);  // 1.13 has no float16 matrix product on the CPU
+  const std::vector<std::vector<int64_t>> splits{{11}, {4, 1, 1, 5}, {3, 8}};
+  for (const auto dtype : dtypes) {
+    const double bound = 8.0 * (dtype == torch::kBFloat16 ? 1.0 / 256 : 1.0 / 2048);
+    for (const auto& label : kFamily) {
+      for (const auto backend : kBackends) {
+        SCOPED_TRACE(c10::str(label, " ", backend_name(backend), " ", dtype));
+        torch::manual_seed(61);
+        auto low = make_family_module(label);
+        torch::manual_seed(61);
+        auto wide = make_family_module(label);
+        for (auto* m : {&low, &wide}) {
+          m->set_backend(backend);
+          m->module->to(dtype);
+          m->module->eval();
+        }
+        wide.module->to(torch::kFloat);
+        const auto x = torch::randn({2, 11, 6}).to(dtype);
+        const auto probe = torch::randn({2, 11, 12}).to(dtype);
+        const auto got = output_and_grads(low, x, probe);
+        const auto expected = output_and_grads(wide, x.to(torch::kFloat), probe.to(torch::kFloat));
+        ASSERT_EQ(got.size(), expected.size());
+        for (size_t i = 0; i < got.size(); ++i) {
+          EXPECT_EQ(got[i].scalar_type(), dtype) << "tensor " << i;
+          const double own = expected[i].abs().max().item<double>();
+          const double of_x = expected[1].abs().max().item<double>();
+          const double scale = own > 1e-4 * of_x ? own : of_x;  // zero in exact arithmetic
+          const auto error =
+              (got[i].to(torch::kFloat) - expected[i]).abs().max().item<double>() / scale;
+          EXPECT_LE(error, bound) << "tensor " << i << " (0: output, 1: x's gradient, then the "
+                                  << "parameters' gradients)";
+        }
+        // The cache holds 16-bit keys and values; pieces agree with the uncached forward.
+        const torch::NoGradGuard no_grad;
+        auto cache = low.make_kv_cache(2, 11);
+        EXPECT_EQ(cache.keys().scalar_type(), dtype);
+        const auto full = low.forward(x).to(torch::kFloat);
+        for (const auto& pieces : splits) {
+          cache.reset();
+          const auto cached = forward_in_pieces(low, x, pieces, cache).to(torch::kFloat);
+          EXPECT_LE(((cached - full).abs().max() / full.abs().max()).item<double>(), bound)
+              << "pieces " << c10::IntArrayRef(pieces);
+        }
+      }
+    }
+  }
+}

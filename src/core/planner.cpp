@@ -305,7 +305,9 @@ std::string backend_lacks(AttentionBackend backend, const AttentionCall& call) {
   return general->lacks(call);
 }
 
-const KernelSpec& plan_attention(const AttentionCall& call) {
+namespace {
+
+const KernelSpec& plan_in_its_dtype(const AttentionCall& call) {
   const auto requested = call.options.backend();
   if (const auto* spec = first_claiming(call, requested))
     return *spec;
@@ -317,11 +319,55 @@ const KernelSpec& plan_attention(const AttentionCall& call) {
   return *spec;
 }
 
-F::AttentionOutput run_attention(const AttentionCall& call) {
-  const auto& spec = plan_attention(call);
+bool is_16bit(const torch::Tensor& tensor) {
+  return tensor.scalar_type() == torch::kBFloat16 || tensor.scalar_type() == torch::kHalf;
+}
+
+// Whether a call is computed in float32 and its result rounded once to its 16-bit dtype:
+// every 16-bit call but those that LibTorch's CUDA SDPA runs, whose kernels keep their
+// statistics and accumulators in float32 themselves. attnkit's kernels and LibTorch's CPU
+// ops would keep the scores, the softmax statistics, the accumulators and the gradients in
+// the 16-bit dtype (and 1.13 has no float16 matrix product on the CPU at all).
+bool runs_in_float32(const AttentionCall& call) {
+  if (!is_16bit(call.query))
+    return false;
+  if (!call.query.is_cuda())
+    return true;
+  const auto* spec = first_claiming(call, call.options.backend());
+  return spec == nullptr || spec->kernel != Kernel::kSdpa;
+}
+
+// The call on float32 copies of its inputs; autograd casts the gradients back to the inputs'
+// dtype once, at the end.
+AttentionCall in_float32(const AttentionCall& call) {
+  auto widened = call;
+  widened.query = call.query.to(torch::kFloat);
+  widened.key = call.key.to(torch::kFloat);
+  widened.value = call.value.to(torch::kFloat);
+  // The packed loop nest would read the 16-bit projection; the widened views serve instead.
+  widened.packed_qkv = torch::Tensor();
+  return widened;
+}
+
+F::AttentionOutput run_planned(const AttentionCall& call) {
+  const auto& spec = plan_in_its_dtype(call);
   if (spec.kernel == Kernel::kMath)
     return run_math(call, effective_mask(call));
   return {run_kernel(spec.kernel, call), {}};
+}
+
+}  // namespace
+
+const KernelSpec& plan_attention(const AttentionCall& call) {
+  return plan_in_its_dtype(runs_in_float32(call) ? in_float32(call) : call);
+}
+
+F::AttentionOutput run_attention(const AttentionCall& call) {
+  if (!runs_in_float32(call))
+    return run_planned(call);
+  const auto out = run_planned(in_float32(call));
+  const auto dtype = call.query.scalar_type();
+  return {out.context.to(dtype), out.weights.defined() ? out.weights.to(dtype) : out.weights};
 }
 
 KernelClaimsEverything::KernelClaimsEverything(Kernel kernel) {

@@ -76,12 +76,16 @@ struct KernelSpec {
 /// Every kernel, fast paths first, the math core (which lacks nothing) last.
 const std::vector<KernelSpec>& kernel_table();
 
-/// The kernel run_attention runs for `call`. A demanded backend that cannot run the call is a
+/// The kernel run_attention runs for `call` (for a 16-bit call computed in float32, the kernel
+/// of its float32 copy). A demanded backend that cannot run the call is a
 /// c10::Error that names the backend and what it lacks; a preferred one gives way to the
 /// first kernel of the table that can.
 const KernelSpec& plan_attention(const AttentionCall& call);
 
-/// Plans and runs `call` -> context (b, h, n, hd_v) and, with `with_weights`, the weights.
+/// Plans and runs `call` -> context (b, h, n, hd_v) and, with `with_weights`, the weights, in
+/// the inputs' dtype. bfloat16 and float16 are computed in float32 (scores, softmax
+/// statistics, accumulators, gradients) and rounded once, except where LibTorch's CUDA SDPA
+/// runs the call (its kernels accumulate in float32).
 functional::AttentionOutput run_attention(const AttentionCall& call);
 
 /// functional::attention's checks of the call's inputs and options (defined with them, in
