@@ -77,6 +77,16 @@ Mask causal_option_mask(bool is_causal, int64_t query_offset,
   return window_size ? mask.sliding_window(*window_size) : mask;
 }
 
+// A deprecated adapter's causal, offset, window and dropout options as AttentionOptions.
+template <typename AdapterOptions>
+AttentionOptions adapted_options(const AdapterOptions& options, AttentionBackend backend) {
+  return AttentionOptions()
+      .mask(causal_option_mask(options.is_causal(), options.query_offset(), options.window_size()))
+      .dropout_p(options.dropout_p())
+      .training(options.training())
+      .backend(backend);
+}
+
 // An earlier entry point's (..., n, hd) inputs as the planner's call under `options`, the
 // backend demanded; the context comes back in the query's shape.
 torch::Tensor run_as_call(const torch::Tensor& query, const torch::Tensor& key,
@@ -140,12 +150,7 @@ torch::Tensor chunked_attention(const torch::Tensor& query, const torch::Tensor&
               " dropout_p must be in [0, 1), got ", options.dropout_p());
   detail::check_query_offset(fn, options.query_offset());
   return run_as_call(query, key, value,
-                     AttentionOptions()
-                         .mask(causal_option_mask(options.is_causal(), options.query_offset(),
-                                                  options.window_size()))
-                         .dropout_p(options.dropout_p())
-                         .training(options.training())
-                         .backend(AttentionBackend::kChunked)
+                     adapted_options(options, AttentionBackend::kChunked)
                          .query_block_size(options.block_size())
                          .key_block_size(options.key_block_size()));
 }
@@ -158,13 +163,7 @@ torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::T
               " dropout_p must be in [0, 1), got ", options.dropout_p());
   detail::check_query_offset(fn, options.query_offset());
   detail::check_window_size(fn, options.window_size(), options.is_causal());
-  return run_as_call(query, key, value,
-                     AttentionOptions()
-                         .mask(causal_option_mask(options.is_causal(), options.query_offset(),
-                                                  options.window_size()))
-                         .dropout_p(options.dropout_p())
-                         .training(options.training())
-                         .backend(AttentionBackend::kFused));
+  return run_as_call(query, key, value, adapted_options(options, AttentionBackend::kFused));
 }
 
 }  // namespace attnkit::functional
