@@ -98,6 +98,11 @@ attnkit::cli::CommandLine make_command_line() {
       .value("Training", "lr", "AdamW learning rate", "0.003")
       .value("Training", "weight-decay", "AdamW weight decay", "0.01")
       .value("Training", "seed", "seed for weights, data and dropout", "1")
+      .value("Training", "dtype",
+             "float32 | bfloat16 | float16: the dtype of forward and backward; the weights "
+             "and AdamW state stay float32 (mixed precision), float16 with dynamic loss "
+             "scaling (float16 on the CPU needs LibTorch 2.x)",
+             "float32")
       .value("Training", "device", "auto | cpu | cuda | cuda:N (auto = CUDA when available)",
              "auto")
       .value("Training", "threads",
@@ -215,6 +220,7 @@ int main(int argc, char** argv) {
     config.lr = cli.number("lr");
     config.weight_decay = cli.number("weight-decay");
     config.seed = cli.unsigned_integer("seed");
+    config.dtype = cli.text("dtype");
     config.device = cli.text("device");
     config.threads = cli.integer("threads");
     config.eval_every = cli.integer("eval-every");
@@ -244,6 +250,7 @@ int main(int argc, char** argv) {
       TORCH_CHECK(world_size == nullptr, "--nproc ", nproc, " with WORLD_SIZE set (", world_size,
                   "): this process is a rank of another launcher's run; drop one of them");
       T::check_global_batch(config.batch_size, static_cast<int>(nproc));
+      T::check_dtype_ranks(config.dtype, static_cast<int>(nproc));
       return T::launch_local_ranks(static_cast<int>(nproc), rank_arguments(argc, argv), std::cerr);
     }
     const auto environment = T::read_rank_environment();

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs attnkit-train the way a user would and checks exit codes and messages:
 # every bad input is one line on stderr, exit 2, no stack dump; SIGINT saves and exits 130.
-# Usage: tests/cli_test.sh PATH/TO/attnkit-train SOURCE_DIR
+# Usage: tests/cli_test.sh PATH/TO/attnkit-train SOURCE_DIR LIBTORCH_VERSION
 set -u
 train=$1
 source_dir=$2
+libtorch_version=${3:?the LibTorch version attnkit-train was built with, e.g. 2.6.0}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 failures=0
@@ -166,6 +167,27 @@ expect 1 "became NaN at step 1; training stopped; nothing was saved" \
   -- "${quick[@]}" --lr 1e30 --eval-every 1 --save "$work/nan.pt"
 cmp -s "$work/run.pt" "$work/nan.pt" || { echo "FAIL: the good checkpoint was overwritten"; failures=$((failures + 1)); }
 expect 0 "" -- "${quick[@]}" --steps 6 --resume "$work/nan.pt" --quiet
+
+# Mixed precision (--dtype): bad names, float16 where the CPU has no float16 matrix product,
+# data-parallel ranks; bfloat16 learns the copy task; its checkpoint resumes in float32 and the
+# banner says so.
+expect 2 "--dtype: expected float32, bfloat16 or float16, got 'int8'" -- "${quick[@]}" --dtype int8
+expect 2 "--dtype bfloat16 with 2 ranks: data-parallel runs train in float32 for now" \
+  -- "${quick[@]}" --dtype bfloat16 --nproc 2
+expect_stdout "--dtype bfloat16 learns copy" "accuracy 100\.00%" \
+  "dtype +\| bfloat16 forward and backward; float32 weights and AdamW state" \
+  -- --dtype bfloat16 --steps 300 --eval-every 300 --threads 1 --save "$work/bf16.pt"
+expect_stdout "a bfloat16 checkpoint resumed in float32" \
+  "resumed from .*bf16\.pt at step 300 \(its steps ran in bfloat16; this run continues in float32\)" \
+  -- --steps 302 --eval-every 301 --threads 1 --resume "$work/bf16.pt"
+if [ "${libtorch_version%%.*}" -lt 2 ]; then
+  expect 2 "--dtype float16: this LibTorch has no float16 matrix products on the CPU" \
+    -- "${quick[@]}" --dtype float16
+else
+  expect_stdout "--dtype float16 with loss scaling" "accuracy 100\.00%" \
+    "dtype +\| float16 forward and backward; float32 weights and AdamW state, dynamic loss scaling" \
+    -- --dtype float16 --steps 300 --eval-every 300 --threads 1
+fi
 
 # SIGINT: finishes the step, saves, exits 130.
 checks=$((checks + 1))

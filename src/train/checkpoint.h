@@ -33,6 +33,9 @@ using CheckpointSettings = std::vector<std::pair<std::string, std::string>>;
 struct TrainingState {
   int64_t step = 0;
   double best_loss = std::numeric_limits<double>::infinity();
+  /// The --dtype the steps so far ran in (the weights are float32 whatever it is); a
+  /// checkpoint written before --dtype existed was float32.
+  std::string dtype = "float32";
 };
 
 /// Writes the checkpoint beside `path`, flushes it to disk and renames it: a crash leaves the

@@ -21,19 +21,20 @@ FlatAdamW::FlatAdamW(std::vector<torch::Tensor> parameters, double lr, double we
   gradients_ = torch::zeros({numel}, options);
   exp_avg_ = torch::zeros({numel}, options);
   exp_avg_sq_ = torch::zeros({numel}, options);
-  reattach();
+  view_as_flat(parameters_, values_, gradients_);
 }
 
-void FlatAdamW::reattach() {
+void view_as_flat(std::vector<torch::Tensor>& parameters, torch::Tensor& values,
+                  torch::Tensor& gradients) {
   torch::NoGradGuard no_grad;
   int64_t offset = 0;
-  for (auto& p : parameters_) {
+  for (auto& p : parameters) {
     const auto n = p.numel();
-    auto value = values_.narrow(0, offset, n);
+    auto value = values.narrow(0, offset, n);
     value.copy_(p.detach().reshape({n}));
     p.set_data(value.view(p.sizes()));
-    // Backward accumulates into a defined gradient in place, so it lands in gradients_.
-    p.mutable_grad() = gradients_.narrow(0, offset, n).view(p.sizes());
+    // Backward accumulates into a defined gradient in place, so it lands in `gradients`.
+    p.mutable_grad() = gradients.narrow(0, offset, n).view(p.sizes());
     offset += n;
   }
 }

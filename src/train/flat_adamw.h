@@ -16,6 +16,12 @@
 
 namespace attnkit::train {
 
+/// Makes `parameters` views of `values` and their gradients views of `gradients`, back to back
+/// in order (both (numel of them all), of the parameters' dtype and device), keeping their
+/// values. Backward then accumulates into `gradients` in place.
+void view_as_flat(std::vector<torch::Tensor>& parameters, torch::Tensor& values,
+                  torch::Tensor& gradients);
+
 class FlatAdamW {
  public:
   /// Takes over `parameters` (all on one device, one dtype): their data and gradients are
@@ -43,9 +49,6 @@ class FlatAdamW {
   void load(const attnkit::StateDict& dict, const std::string& prefix);
 
  private:
-  /// Makes the parameters views of the flat buffer, keeping their values.
-  void reattach();
-
   std::vector<torch::Tensor> parameters_;
   torch::Tensor values_;     // (numel) every parameter, back to back
   torch::Tensor gradients_;  // (numel) their gradients, the same layout

@@ -23,6 +23,7 @@
 #include "gradient_sync.h"
 #include "heatmap.h"
 #include "line.h"
+#include "mixed_precision.h"
 
 namespace attnkit::train {
 
@@ -84,7 +85,8 @@ BatchScore score(AttentionModel& model, const Batch& batch, const torch::Device&
   const auto targets =
       batch.targets.masked_fill(batch.loss_mask.logical_not(), kIgnored).to(device);  // (b, n)
   namespace nnf = torch::nn::functional;
-  BatchScore result{nnf::cross_entropy(logits.flatten(0, 1), targets.flatten(),
+  // The loss in float32 whatever the model's dtype (--dtype): log-softmax over the vocabulary.
+  BatchScore result{nnf::cross_entropy(logits.flatten(0, 1).to(torch::kFloat), targets.flatten(),
                                        nnf::CrossEntropyFuncOptions().ignore_index(kIgnored)),
                     0, batch.loss_mask.sum().item<int64_t>()};
   if (count_correct) {
@@ -119,7 +121,7 @@ Batch part_of(const Batch& batch, int64_t part, int64_t parts) {
 // gradients are summed in part order, so a run repeats exactly at a given share count.
 BatchScore forward_backward_in_shares(AttentionModel& model, const Batch& batch,
                                       const torch::Device& device, bool count_correct,
-                                      int64_t shares, torch::Tensor& gradients) {
+                                      int64_t shares, torch::Tensor& gradients, double loss_scale) {
   const auto parameters = model->parameters();  // the optimizer's flat layout, in order
   const auto scored = batch.loss_mask.sum().item<int64_t>();
   std::vector<torch::Tensor> losses(shares), flat_gradients(shares);
@@ -129,7 +131,8 @@ BatchScore forward_backward_in_shares(AttentionModel& model, const Batch& batch,
     const auto s = score(model, part_of(batch, part, shares), device, count_correct);
     // This part's share of the mean over the whole batch's scored positions.
     losses[part] = s.loss * (static_cast<double>(s.scored) / std::max<int64_t>(scored, 1));
-    const auto grads = torch::autograd::grad({losses[part]}, parameters, /*grad_outputs=*/{},
+    const auto grads = torch::autograd::grad({losses[part] * loss_scale}, parameters,
+                                             /*grad_outputs=*/{},
                                              /*retain_graph=*/false, /*create_graph=*/false,
                                              /*allow_unused=*/true);
     std::vector<torch::Tensor> pieces;  // each (numel) of its parameter
@@ -382,6 +385,17 @@ torch::Device resolve_device(const std::string& device) {
 
 namespace {
 
+// Whether this LibTorch multiplies float16 matrices on the CPU (2.x does, 1.13 does not).
+bool cpu_multiplies_float16() {
+  try {
+    const auto one = torch::ones({1, 1}, torch::kHalf);
+    torch::mm(one, one);
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
 // Fails now, not after minutes of training, when an output file cannot be created.
 void check_writable(const char* flag, const std::string& path) {
   if (path.empty())
@@ -437,6 +451,10 @@ TrainConfig resolve(TrainConfig c) {
               "--dump-attention: expected a file name ending in .png, got '", c.dump_attention,
               "'");
   const auto device = resolve_device(c.device);  // fails early for cuda without CUDA
+  const auto dtype = parse_train_dtype(c.dtype);
+  TORCH_CHECK(dtype != torch::kHalf || !device.is_cpu() || cpu_multiplies_float16(),
+              "--dtype float16: this LibTorch has no float16 matrix products on the CPU (1.13 "
+              "has none); use --dtype bfloat16, or a GPU");
   // One process; a launched rank chooses again knowing its machine's ranks (apps/train.cpp).
   c.dist_backend = choose_dist_backend(c.dist_backend, device, RankEnvironment{});
   check_backend_serves(c.dist_backend, device);
@@ -461,6 +479,10 @@ void print_config_table(std::ostream& out, const TrainConfig& c, const Task& tas
       {"ffn / dropout", std::string(c.ffn ? "yes" : "no") + " / " + c10::str(c.dropout)},
       {"steps / batch-size", std::to_string(c.steps) + " / " + std::to_string(c.batch_size)},
       {"lr / weight-decay", c10::str(c.lr) + " / " + c10::str(c.weight_decay)},
+      {"dtype", c.dtype == "float32"
+                    ? std::string("float32")
+                    : c.dtype + " forward and backward; float32 weights and AdamW state" +
+                          (c.dtype == "float16" ? ", dynamic loss scaling" : "")},
       {"seed / device / threads",
        std::to_string(c.seed) + " / " + resolve_device(c.device).str() + " / " +
            std::to_string(c.threads > 0 ? c.threads : torch::get_num_threads()) +
@@ -508,7 +530,8 @@ std::string rank_agreement_text(const TrainConfig& c) {
       {"metrics", c.metrics},
       {"dump-attention", c.dump_attention},
       {"dist-backend", c.dist_backend},
-      {"bucket-mb", c10::str(c.bucket_mb)}};
+      {"bucket-mb", c10::str(c.bucket_mb)},
+      {"dtype", c.dtype}};
   fields.insert(fields.end(), run.begin(), run.end());
   std::string text;
   for (const auto& [key, value] : fields)
@@ -520,6 +543,11 @@ void check_global_batch(int64_t batch_size, int world_size) {
   TORCH_CHECK(batch_size >= world_size, "--batch-size ", batch_size,
               " is the global batch and must give each of the ", world_size,
               " ranks at least one sequence");
+}
+
+void check_dtype_ranks(const std::string& dtype, int world_size) {
+  TORCH_CHECK(world_size == 1 || dtype == "float32", "--dtype ", dtype, " with ", world_size,
+              " ranks: data-parallel runs train in float32 for now; drop --dtype or --nproc");
 }
 
 namespace {
@@ -615,6 +643,9 @@ class TrainingRun {
   // The final evaluation, metrics, summary, sample and heatmap (main rank).
   TrainResult report();
   bool stop_requested() const { return stop_ != nullptr && stop_->load(); }
+  // The model that runs forward and backward: the 16-bit working copy with --dtype
+  // bfloat16 | float16, else the float32 model the optimizer updates.
+  AttentionModel& working_model() { return mixed_ ? mixed_->model() : model_; }
 
   const TrainConfig& config_;
   std::ostream& out_;
@@ -631,6 +662,7 @@ class TrainingRun {
   std::unique_ptr<Task> task_;
   AttentionModel model_{nullptr};
   std::optional<FlatAdamW> optimizer_;
+  std::optional<MixedPrecision> mixed_;
   std::vector<Batch> eval_batches_;
   bool text_ = false, main_rank_ = false, verbose_ = false;
   TrainingState state_;
@@ -685,10 +717,28 @@ TrainingRun::TrainingRun(const TrainConfig& config, std::ostream& out,
                              data_generator_, rank_);
     optimizer_->set_lr(config.lr);  // this run's --lr and --weight-decay
     optimizer_->set_weight_decay(config.weight_decay);
-    if (verbose_)
-      Line(out) << "resumed from " << config.resume << " at step " << state_.step << "\n";
+    if (verbose_) {
+      Line line(out);
+      line << "resumed from " << config.resume << " at step " << state_.step;
+      if (state_.dtype != config.dtype) {
+        line << " (its steps ran in " << state_.dtype << "; this run continues in " << config.dtype
+             << ")";
+      }
+      line << "\n";
+    }
   }
+  state_.dtype = config.dtype;
   group_.broadcast_from_main(optimizer_->flat_values());  // the same start on every rank
+  const auto dtype = parse_train_dtype(config.dtype);
+  if (dtype != torch::kFloat) {
+    check_dtype_ranks(config.dtype, world_size_);
+    // Building the working copy draws initial weights it then overwrites: the dropout stream
+    // stays the one the float32 run (and a resumed one) has.
+    auto generator = at::detail::getDefaultCPUGenerator();
+    const auto dropout_stream = generator.get_state();
+    mixed_.emplace(model_config_of(config, *task_), dtype, device_, optimizer_->flat_values());
+    generator.set_state(dropout_stream);
+  }
   if (world_size_ > 1) {
     gradient_sync_ = std::make_unique<GradientSync>(
         model_->parameters(), optimizer_->flat_gradients(), group_,
@@ -752,10 +802,13 @@ void TrainingRun::step(int64_t step) {
   std::optional<OneThread> serial_step;
   if (shares_ == 1 && device_.is_cpu() && threads_ > 1)
     serial_step.emplace();
-  const auto s = shares_ > 1
-                     ? forward_backward_in_shares(model_, share, device_, config_.progress_bar,
-                                                  shares_, optimizer_->flat_gradients())
-                     : score(model_, share, device_, /*count_correct=*/config_.progress_bar);
+  auto& model = working_model();
+  const double loss_scale = mixed_ ? mixed_->loss_scale() : 1.0;
+  const auto s = shares_ > 1 ? forward_backward_in_shares(
+                                   model, share, device_, config_.progress_bar, shares_,
+                                   mixed_ ? mixed_->flat_gradients() : optimizer_->flat_gradients(),
+                                   loss_scale)
+                             : score(model, share, device_, /*count_correct=*/config_.progress_bar);
   // This rank's part of the mean over the whole batch's scored positions: the parts'
   // gradients then sum to the whole batch's.
   const auto scored = world_size_ == 1 ? s.scored : batch.loss_mask.sum().item<int64_t>();
@@ -776,17 +829,23 @@ void TrainingRun::step(int64_t step) {
     throw NonFiniteLoss(non_finite_message("loss", loss, step, config_, saved_step_));
   }
   if (shares_ == 1) {  // else forward_backward_in_shares has written the gradients
-    optimizer_->zero_grad();
+    if (!mixed_)
+      optimizer_->zero_grad();  // the working copy's are zeroed as they are taken
     if (gradient_sync_)
       gradient_sync_->before_backward();
-    loss_part.backward();
+    (loss_scale == 1.0 ? loss_part : loss_part * loss_scale).backward();
   } else if (gradient_sync_) {
     gradient_sync_->before_backward();  // no hook fires now: after_backward sums every bucket
   }
   if (gradient_sync_)
     result_.allreduce_seconds += gradient_sync_->after_backward();  // what backward did not hide
-  optimizer_->clip_grad_norm(config_.clip_norm);
-  optimizer_->step();
+  // A 16-bit step whose gradients overflowed changes nothing (mixed_precision.h).
+  if (!mixed_ || mixed_->unscale_gradients_into(optimizer_->flat_gradients())) {
+    optimizer_->clip_grad_norm(config_.clip_norm);
+    optimizer_->step();
+    if (mixed_)
+      mixed_->copy_weights_from(optimizer_->flat_values());
+  }
   serial_step.reset();
   state_.step = step;
   train_seconds_ += seconds_since(step_start);
@@ -806,7 +865,7 @@ void TrainingRun::evaluate(int64_t step) {
   bool improved = false;
   if (main_rank_) {
     const auto evaluation =
-        ::attnkit::train::evaluate(model_, eval_batches_, device_, eval_shares_);
+        ::attnkit::train::evaluate(working_model(), eval_batches_, device_, eval_shares_);
     if (!std::isfinite(evaluation.loss)) {
       // The update broke the weights: stop before they overwrite a good checkpoint.
       throw NonFiniteLoss(
@@ -829,7 +888,7 @@ void TrainingRun::evaluate(int64_t step) {
 }
 
 TrainResult TrainingRun::run() {
-  model_->train();
+  working_model()->train();
   first_step_ = state_.step + 1;
   for (int64_t step = first_step_; step <= config_.steps; ++step) {
     if (world_size_ == 1 ? stop_requested() : stop_agreed_) {
@@ -852,8 +911,9 @@ TrainResult TrainingRun::report() {
   result.tokens_per_second = tokens_ / std::max(train_seconds_, 1e-9);
   if (!main_rank_)
     return result;
+  result.skipped_steps = mixed_ ? mixed_->skipped_steps() : 0;
   result.final_evaluation =
-      ::attnkit::train::evaluate(model_, eval_batches_, device_, eval_shares_);
+      ::attnkit::train::evaluate(working_model(), eval_batches_, device_, eval_shares_);
   result.wall_seconds = seconds_since(wall_start_);
   metrics_->write(state_.step, result.final_evaluation, smoothed_loss_, result.tokens_per_second,
                   result.wall_seconds, /*final=*/true);
@@ -868,6 +928,10 @@ TrainResult TrainingRun::report() {
               << 100.0 * result.allreduce_seconds / std::max(train_seconds_, 1e-9)
               << "% of the steps";
     }
+    if (result.skipped_steps > 0) {
+      summary << ", " << result.skipped_steps << " step(s) skipped for non-finite " << config_.dtype
+              << " gradients";
+    }
     summary << "\n";
     if (text_) {
       summary << std::setprecision(2) << "corpus baselines: unigram " << task_->unigram_entropy()
@@ -876,9 +940,9 @@ TrainResult TrainingRun::report() {
               << task_->bigram_entropy() - result.final_evaluation.bits_per_byte
               << " below bigram)\n";
       if (config_.sample > 0 && config_.prompts.empty()) {
-        summary << sample_text(model_, *task_, device_, config_) << "\n";
+        summary << sample_text(working_model(), *task_, device_, config_) << "\n";
       } else if (config_.sample > 0) {
-        summary << sample_prompts(model_, device_, config_) << "\n";
+        summary << sample_prompts(working_model(), device_, config_) << "\n";
       }
     }
   }

@@ -48,6 +48,9 @@ struct TrainConfig {
   double lr = 3e-3;
   double weight_decay = 0.01;
   double clip_norm = 1.0;
+  /// float32, or bfloat16 | float16: forward and backward in that dtype on a working copy,
+  /// float32 master weights and AdamW state (mixed_precision.h).
+  std::string dtype = "float32";
   // run
   uint64_t seed = 1;
   std::string device = "auto";
@@ -96,6 +99,7 @@ struct TrainResult {
   bool interrupted = false;
   int world_size = 1;
   double allreduce_seconds = 0.0;  // of train_seconds: summing the gradients over the ranks
+  int64_t skipped_steps = 0;       // --dtype 16-bit: steps skipped for non-finite gradients
 };
 
 /// Raised when the loss becomes NaN or infinite; the last good checkpoint stays in place.
@@ -119,6 +123,10 @@ TrainResult train(const TrainConfig& config, std::ostream& out,
 
 /// Fails unless a global batch of `batch_size` sequences gives each rank at least one.
 void check_global_batch(int64_t batch_size, int world_size);
+
+/// Fails for a 16-bit --dtype with more than one rank: mixed precision is single-process for
+/// now (the gradient buckets hook the float32 parameters, which backward does not reach).
+void check_dtype_ranks(const std::string& dtype, int world_size);
 
 /// The flags that every rank of a data-parallel run must share, one "name=value" per line.
 std::string rank_agreement_text(const TrainConfig& config);

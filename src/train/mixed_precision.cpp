@@ -1,0 +1,59 @@
+#include "mixed_precision.h"
+
+#include "flat_adamw.h"
+
+namespace attnkit::train {
+
+torch::ScalarType parse_train_dtype(const std::string& name) {
+  if (name == "float32")
+    return torch::kFloat;
+  if (name == "bfloat16")
+    return torch::kBFloat16;
+  TORCH_CHECK(name == "float16", "--dtype: expected float32, bfloat16 or float16, got '", name,
+              "'");
+  return torch::kHalf;
+}
+
+MixedPrecision::MixedPrecision(const ModelConfig& config, torch::ScalarType dtype,
+                               const torch::Device& device, const torch::Tensor& master_values)
+    : model_(config), dynamic_scale_(dtype == torch::kHalf) {
+  TORCH_CHECK(dtype == torch::kBFloat16 || dtype == torch::kHalf,
+              "[MixedPrecision] expected a 16-bit dtype, got ", dtype);
+  model_->to(device, dtype);
+  parameters_ = model_->parameters();
+  const auto options = master_values.options().dtype(dtype);
+  values_ = torch::empty({master_values.numel()}, options);
+  gradients_ = torch::zeros({master_values.numel()}, options);
+  view_as_flat(parameters_, values_, gradients_);
+  TORCH_CHECK(values_.numel() == master_values.numel(),
+              "[MixedPrecision] the working copy has another layout than the float32 model");
+  copy_weights_from(master_values);
+  if (dynamic_scale_)
+    scale_ = kInitialScale;
+}
+
+bool MixedPrecision::unscale_gradients_into(torch::Tensor& master_gradients) {
+  torch::NoGradGuard no_grad;
+  master_gradients.copy_(gradients_);
+  if (scale_ != 1.0)
+    master_gradients.div_(scale_);
+  const bool finite = master_gradients.isfinite().all().item<bool>();
+  if (!finite) {
+    ++skipped_;
+    finite_in_a_row_ = 0;
+    if (dynamic_scale_)
+      scale_ /= 2;
+  } else if (dynamic_scale_ && ++finite_in_a_row_ == kGrowthInterval) {
+    scale_ *= 2;
+    finite_in_a_row_ = 0;
+  }
+  gradients_.zero_();
+  return finite;
+}
+
+void MixedPrecision::copy_weights_from(const torch::Tensor& master_values) {
+  torch::NoGradGuard no_grad;
+  values_.copy_(master_values);
+}
+
+}  // namespace attnkit::train

@@ -1,0 +1,60 @@
+#pragma once
+
+// attnkit-train's mixed precision (--dtype bfloat16 | float16): the model's forward and
+// backward run on a 16-bit working copy, while the weights the optimizer updates and its
+// moments stay float32 (FlatAdamW over the float32 model, which checkpoints save). Each step
+// the working copy's gradients are widened into the float32 buffer and, after the update, the
+// float32 weights are rounded into the working copy: two copies of the flat buffers a step.
+//
+// float16's range is small enough that small gradients underflow, so its loss is scaled up
+// before backward and the gradients down after it, by a dynamic scale as PyTorch's
+// GradScaler keeps it: 2^16 to start, halved (and the step skipped) when a gradient is
+// infinite or NaN, doubled after 2,000 steps in a row without one. bfloat16 has float32's
+// range and runs unscaled; a step with a non-finite gradient is skipped there too.
+
+#include <string>
+
+#include <torch/torch.h>
+
+#include "model.h"
+
+namespace attnkit::train {
+
+/// "float32", "bfloat16" or "float16" as a dtype; anything else is an error naming --dtype.
+torch::ScalarType parse_train_dtype(const std::string& name);
+
+class MixedPrecision {
+ public:
+  /// A working copy in `dtype` of a model built from `config`, its weights those of
+  /// `master_values` (the float32 model's flat buffer, FlatAdamW::flat_values()).
+  MixedPrecision(const ModelConfig& config, torch::ScalarType dtype, const torch::Device& device,
+                 const torch::Tensor& master_values);
+
+  /// The 16-bit model: forward, backward, evaluation and sampling run on it.
+  AttentionModel& model() { return model_; }
+  /// Its gradients, back to back in the float32 model's layout.
+  torch::Tensor& flat_gradients() { return gradients_; }
+  /// What the loss is multiplied by before backward (1 for bfloat16).
+  double loss_scale() const { return scale_; }
+
+  /// The working copy's gradients, unscaled, into `master_gradients` (float32). Returns
+  /// whether they are all finite; when not, the step must be skipped, and the scale is
+  /// halved for the next one.
+  bool unscale_gradients_into(torch::Tensor& master_gradients);
+  /// The float32 weights after an update, rounded into the working copy.
+  void copy_weights_from(const torch::Tensor& master_values);
+  /// Steps skipped for non-finite gradients so far.
+  int64_t skipped_steps() const { return skipped_; }
+
+ private:
+  AttentionModel model_{nullptr};
+  std::vector<torch::Tensor> parameters_;
+  torch::Tensor values_, gradients_;  // (numel) of the working copy, in its dtype
+  double scale_ = 1.0;
+  bool dynamic_scale_ = false;
+  int64_t finite_in_a_row_ = 0, skipped_ = 0;
+  static constexpr double kInitialScale = 65536.0;
+  static constexpr int64_t kGrowthInterval = 2000;
+};
+
+}  // namespace attnkit::train
