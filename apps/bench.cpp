@@ -53,6 +53,8 @@ struct BenchConfig {
   // --layers / --block-mask: a stack of core attention calls per step, and who judges the mask.
   int64_t layers = 1;
   std::string block_mask = "per-call";
+  // --precision: errors against float64 instead of times.
+  bool precision = false;
 };
 
 // --mask KIND: "module" (--causal and --window), "documents:K" (each row K documents of
@@ -480,6 +482,84 @@ void write_json(const std::string& path, const BenchConfig& c, double sgemm,
   out << "]}\n";
 }
 
+// ---- --precision: each backend's error against float64, over the float32 floor -----------
+
+// The largest error of `got` against `exact`, relative to exact's largest value.
+double relative_error(const torch::Tensor& got, const torch::Tensor& exact) {
+  const auto wide = exact.to(torch::kDouble);
+  return ((got.to(torch::kDouble) - wide).abs().max() / wide.abs().max()).item<double>();
+}
+
+// Output and the gradients of q, k and v of sum(attention(q, k, v) * probe).
+std::vector<torch::Tensor> output_and_gradients(
+    const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
+    const torch::Tensor& probe, const attnkit::functional::AttentionOptions& options) {
+  auto q = q_in.detach().requires_grad_(true);
+  auto k = k_in.detach().requires_grad_(true);
+  auto v = v_in.detach().requires_grad_(true);
+  const auto out = attnkit::functional::attention(q, k, v, options);
+  (out * probe.to(out.scalar_type())).sum().backward();
+  return {out.detach(), q.grad(), k.grad(), v.grad()};
+}
+
+// For --mask and --score at --dtype: each backend's largest error of the output and of the
+// q, k, v gradients against float64 on the same (rounded) inputs, and as a multiple of the
+// float32 floor (float32 arithmetic on those inputs, each result rounded once to --dtype).
+void report_precision(const BenchConfig& c, const torch::TensorOptions& options) {
+  namespace F = attnkit::functional;
+  const int64_t hd = c.d_model / c.heads;
+  const auto device = options.device();
+  const auto dtype = options.dtype().toScalarType();
+  const auto q = torch::randn({c.batch, c.heads, c.tokens, hd}, options);
+  const auto k = torch::randn({c.batch, c.heads, c.tokens, hd}, options);
+  const auto v = torch::randn({c.batch, c.heads, c.tokens, hd}, options);
+  const auto probe = torch::randn({c.batch, c.heads, c.tokens, hd}, options);
+  const auto base = F::AttentionOptions()
+                        .mask(make_mask(c, device))
+                        .score_mod(make_score(c))
+                        .query_block_size(c.chunk_size)
+                        .key_block_size(c.key_chunk_size);
+  const auto with_backend = [&](attnkit::AttentionBackend backend) {
+    auto o = base;
+    return o.backend(backend);
+  };
+  const auto exact =
+      output_and_gradients(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble), probe,
+                           with_backend(attnkit::AttentionBackend::kMath));
+  const auto floor_run =
+      output_and_gradients(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), probe,
+                           with_backend(attnkit::AttentionBackend::kMath));
+  std::vector<double> floor(4);
+  for (size_t i = 0; i < 4; ++i)
+    floor[i] = relative_error(floor_run[i].to(dtype), exact[i]);
+  Line table(std::cout);
+  table << std::fixed << std::setprecision(4) << "float32 floor: output " << floor[0]
+        << ", gradients " << *std::min_element(floor.begin() + 1, floor.end()) << "-"
+        << *std::max_element(floor.begin() + 1, floor.end()) << "\n"
+        << "| backend | output | gradients (dq, dk, dv) | output / floor | gradients / floor |\n"
+        << "|---|---|---|---|---|\n";
+  for (const auto backend : {attnkit::AttentionBackend::kMath, attnkit::AttentionBackend::kChunked,
+                             attnkit::AttentionBackend::kFused}) {
+    const auto why_not = F::unsupported_reason(backend, q, k, v, with_backend(backend));
+    if (!why_not.empty()) {
+      table << "| " << attnkit::backend_name(backend) << " | not run: " << why_not << " | | | |\n";
+      continue;
+    }
+    const auto got = output_and_gradients(q, k, v, probe, with_backend(backend));
+    double grad_error = 0.0, grad_ratio = 0.0;
+    for (size_t i = 1; i < 4; ++i) {
+      const double error = relative_error(got[i], exact[i]);
+      grad_error = std::max(grad_error, error);
+      grad_ratio = std::max(grad_ratio, error / floor[i]);
+    }
+    const double out_error = relative_error(got[0], exact[0]);
+    table << "| " << attnkit::backend_name(backend) << " | " << out_error << " | " << grad_error
+          << " | " << std::setprecision(2) << out_error / floor[0] << "x | " << grad_ratio
+          << "x |\n"
+          << std::setprecision(4);
+  }
+}
+
 int fail(const std::string& message) {
   Line(std::cerr) << "attnkit-bench: " << message << "\n";
   return 2;
@@ -539,13 +619,22 @@ int main(int argc, char** argv) {
       .value("Run", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults", "0")
       .value("Run", "repeats", "timed runs per measurement (the median is reported)", "5")
       .value("Run", "warmup", "untimed runs first", "1");
+  cli.flag("Run", "precision",
+           "instead of timing: each backend's largest error against float64 (output and the "
+           "q, k, v gradients) for --mask and --score at --dtype, and as a multiple of the "
+           "float32 floor (float32 arithmetic rounded once to --dtype); --d-model / --heads "
+           "is the head width");
   cli.value("Output", "json", "also write the results as JSON to FILE")
       .flag("Output", "h,help", "show this help");
   cli.example("attnkit-bench --tokens 1024 --only mha,chunked --json bench.json",
               "the book's MHA against the chunked backend at n = 1024, results also as JSON")
       .example(
           "attnkit-bench --batch 64 --tokens 16 --d-model 64 --heads 4 --only math-core,fused-core",
-          "the attention core alone at attnkit-train's toy size");
+          "the attention core alone at attnkit-train's toy size")
+      .example(
+          "attnkit-bench --precision --dtype bfloat16 --batch 1 --heads 2 --d-model 128 "
+          "--tokens 4096 --mask padded",
+          "bfloat16 errors of every backend against float64, and over the float32 floor");
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
@@ -570,6 +659,7 @@ int main(int argc, char** argv) {
     c.score = cli.text("score");
     c.layers = cli.integer("layers");
     c.block_mask = cli.text("block-mask");
+    c.precision = cli.given("precision");
     std::stringstream only(cli.text("only"));
     for (std::string item; std::getline(only, item, ',');) {
       if (std::find(kImplementations.begin(), kImplementations.end(), item) ==
@@ -642,6 +732,15 @@ int main(int argc, char** argv) {
       attnkit::set_num_threads(static_cast<int>(c.threads));
     const auto tensor_options = torch::dtype(dtypes.at(c.dtype)).device(device);
     torch::manual_seed(0);
+    if (c.precision) {
+      Line(std::cout) << "attnkit-bench --precision: b=" << c.batch << " h=" << c.heads
+                      << " n=" << c.tokens << " hd=" << c.d_model / c.heads << " mask=" << c.mask
+                      << (c.causal ? " (causal)" : "") << " score=" << c.score << ", " << c.dtype
+                      << " on " << c.device << ", LibTorch " << TORCH_VERSION_MAJOR << "."
+                      << TORCH_VERSION_MINOR << "\n";
+      report_precision(c, tensor_options);
+      return 0;
+    }
     const double sgemm = sgemm_gflops(tensor_options);
     if (c.mask != "module") {
       // Keys each query sees, for the FLOP counts: the mask's dense form, counted once.
