@@ -959,12 +959,12 @@ std::vector<PlannerCase> planner_cases() {
   return cases;
 }
 
-// What is wrong with the planner's answer to `c` under `backend` (a module's preference);
-// "" when it is right.
-std::string planner_error(const PlannerCase& c, AttentionBackend backend) {
+// What is wrong with the planner's answer to `c` under `backend` (a module's preference, or
+// with `demanded` functional::attention's demand); "" when it is right.
+std::string planner_error(const PlannerCase& c, AttentionBackend backend, bool demanded = false) {
   auto call = c.call;
   call.options.backend(backend);
-  call.backend_is_preference = true;
+  call.backend_is_preference = !demanded;
   try {
     const torch::NoGradGuard no_grad;  // inference kernels refuse autograd
     const auto out = attnkit::detail::run_attention(call);
@@ -988,22 +988,30 @@ const std::vector<AttentionBackend> kBackends{AttentionBackend::kAuto, Attention
 
 }  // namespace
 
-// Every kernel the planner picks, for every kind of call and backend, answers as the math
-// core does; and every kernel that can be picked on this LibTorch is picked by some case.
+// Every kernel the planner picks, for every kind of call and backend, as a module's
+// preference and as a demand, answers as the math core does; and every kernel that can be
+// picked on this LibTorch is picked by some case.
 TEST(Planner, EveryPlannedKernelAnswersAsTheMathCore) {
   std::set<std::string> picked;
   for (const auto& c : planner_cases()) {
     for (const auto backend : kBackends) {
-      SCOPED_TRACE(c.name + ", backend " + attnkit::backend_name(backend));
-      auto call = c.call;
-      call.options.backend(backend);
-      call.backend_is_preference = true;
-      picked.insert(attnkit::detail::plan_attention(call).name);
-      EXPECT_EQ(planner_error(c, backend), "");
+      for (const bool demanded : {false, true}) {
+        SCOPED_TRACE(c.name + ", backend " + attnkit::backend_name(backend) +
+                     (demanded ? ", demanded" : ", preferred"));
+        auto call = c.call;
+        call.options.backend(backend);
+        call.backend_is_preference = !demanded;
+        if (demanded && !attnkit::detail::backend_lacks(backend, call).empty())
+          continue;  // refused, naming what it lacks (the test below)
+        picked.insert(attnkit::detail::plan_attention(call).name);
+        EXPECT_EQ(planner_error(c, backend, demanded), "");
+      }
     }
   }
   std::set<std::string> expected{"decode", "ragged_loop_nest", "sdpa", "chunked", "math"};
-  if (!attnkit::detail::libtorch_has_sdpa()) {
+  if (attnkit::detail::libtorch_has_sdpa()) {
+    expected.insert("sdpa_masked");  // a demanded fused backend with a mask beyond causal
+  } else {
     expected.insert("loop_nest");
     expected.insert("packed_loop_nest");
   }
@@ -1022,26 +1030,66 @@ TEST(Planner, AKernelThatClaimsWhatItCannotRunFailsTheCases) {
     const attnkit::detail::KernelClaimsEverything mutant(spec.kernel);
     int failures = 0;
     for (const auto& c : cases) {
-      for (const auto backend : kBackends)
-        failures += planner_error(c, backend).empty() ? 0 : 1;
+      for (const auto backend : kBackends) {
+        for (const bool demanded : {false, true})
+          failures += planner_error(c, backend, demanded).empty() ? 0 : 1;
+      }
     }
     EXPECT_GT(failures, 0) << spec.name << " claimed every case and answered them all";
   }
 }
 
-// A demanded backend's refusal names what it lacks; a module's preference gives way.
+// A demanded backend's refusal names what it lacks; a module's preference gives way. On
+// LibTorch 2.x a demanded fused backend runs a document mask through SDPA with the dense
+// mask; on the CPU a preference (and kAuto) keeps the faster chunked kernel.
 TEST(Planner, ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay) {
   auto c = planner_cases()[3];  // documents
   ASSERT_EQ(c.name, "documents");
   c.call.options.backend(AttentionBackend::kFused);
-  expect_error_containing(
-      [&] { attnkit::detail::plan_attention(c.call); },
-      "[attention] backend fused cannot run this: the fused backend takes only causal and "
-      "sliding-window masks, not ");
+  if (attnkit::detail::libtorch_has_sdpa()) {
+    EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "sdpa_masked");
+    auto capped = c.call;
+    capped.options.score_mod(attnkit::score_mods::softcap(5.0));
+    expect_error_containing(
+        [&] { attnkit::detail::plan_attention(capped); },
+        "[attention] backend fused cannot run this: the fused backend has no score functions");
+  } else {
+    expect_error_containing(
+        [&] { attnkit::detail::plan_attention(c.call); },
+        "[attention] backend fused cannot run this: the fused backend takes only causal and "
+        "sliding-window masks on LibTorch 1.x (2.x takes any mask through its SDPA), not ");
+  }
   c.call.backend_is_preference = true;
   EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "chunked");
+  auto automatic = c.call;
+  automatic.options.backend(AttentionBackend::kAuto);
+  EXPECT_STREQ(attnkit::detail::plan_attention(automatic).name, "chunked");
   c.call.with_weights = true;
   EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "math");
+}
+
+// The masked SDPA route builds a dense mask only within its budget (128 MiB of bools): a
+// demand past it is refused with the sizes, and kAuto runs it on the chunked kernel.
+TEST(Planner, TheMaskedSdpaRouteKeepsItsDenseMaskWithinItsBudget) {
+  AttentionCall call;
+  // 2 x 8,192 x 8,192 bools = 128 MiB: within; one more key passes it. Only the shapes
+  // matter to the planner: the inputs are expanded, never filled.
+  const auto inputs = [&](int64_t m) {
+    call.query = torch::zeros({1, 1, 1, 8}).expand({2, 1, 8192, 8});
+    call.key = torch::zeros({1, 1, 1, 8}).expand({2, 1, m, 8});
+    call.value = call.key;
+  };
+  call.options.mask(Mask::key_padding(torch::tensor({8000, 8100})))
+      .backend(AttentionBackend::kFused);
+  inputs(8192);
+  if (!attnkit::detail::libtorch_has_sdpa())
+    GTEST_SKIP() << "LibTorch 1.x: the fused backend has no masked route";
+  EXPECT_STREQ(attnkit::detail::plan_attention(call).name, "sdpa_masked");
+  inputs(8193);
+  expect_error_containing([&] { attnkit::detail::plan_attention(call); },
+                          "would take 134234112 bytes, more than its budget of 134217728");
+  call.options.backend(AttentionBackend::kAuto);
+  EXPECT_STREQ(attnkit::detail::plan_attention(call).name, "chunked");
 }
 
 namespace {

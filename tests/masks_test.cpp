@@ -427,14 +427,25 @@ TEST(Attention, BadArgumentsNameWhatIsWrong) {
       },
       "[attention] key/value heads (2) must divide query heads (3)");
   // A forced backend that lacks what the problem needs; weights from another backend.
-  expect_error_containing(
-      [&] {
-        run(AttentionOptions()
-                .backend(AttentionBackend::kFused)
-                .mask(Mask::key_padding(torch::tensor({7, 3}))));
-      },
-      "[attention] backend fused cannot run this: the fused backend takes only causal and "
-      "sliding-window masks, not key_padding(lengths)");
+  // A demanded fused backend takes any mask on LibTorch 2.x (SDPA with the dense mask); 1.x
+  // has no SDPA to take one.
+  const auto padded = AttentionOptions().mask(Mask::key_padding(torch::tensor({7, 3})));
+  if (TORCH_VERSION_MAJOR >= 2) {
+    auto fused = padded;
+    auto math = padded;
+    EXPECT_TRUE(tensors_close("fused with key padding",
+                              F::attention(q, k, k, fused.backend(AttentionBackend::kFused)),
+                              F::attention(q, k, k, math.backend(AttentionBackend::kMath)), 1e-5));
+  } else {
+    expect_error_containing(
+        [&] {
+          auto fused = padded;
+          run(fused.backend(AttentionBackend::kFused));
+        },
+        "[attention] backend fused cannot run this: the fused backend takes only causal and "
+        "sliding-window masks on LibTorch 1.x (2.x takes any mask through its SDPA), not "
+        "key_padding(lengths)");
+  }
   expect_error_containing(
       [&] {
         run(AttentionOptions().backend(AttentionBackend::kFused).score_mod(score_mods::softcap(2)));

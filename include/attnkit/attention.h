@@ -101,7 +101,8 @@ AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::
                                        const AttentionOptions& options = {});
 
 /// Why `backend` cannot run this problem ("" when it can): the fused backend has no score
-/// functions, no masks but causal and sliding-window ones, and only the default scale.
+/// functions and only the default scale; it takes causal and sliding-window masks, and on
+/// LibTorch 2.x any other mask as SDPA's dense bool mask (up to 128 MiB of bools).
 /// Example: `unsupported_reason(AttentionBackend::kFused, q, k, v, options)`.
 std::string unsupported_reason(AttentionBackend backend, const torch::Tensor& query,
                                const torch::Tensor& key, const torch::Tensor& value,

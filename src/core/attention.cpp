@@ -50,11 +50,12 @@ ScoreMod alibi(const torch::Tensor& slopes) {
   TORCH_CHECK(slopes.defined() && slopes.dim() == 1 && slopes.is_floating_point(),
               "[score_mods::alibi] slopes must be a 1-D floating tensor (heads), got ",
               slopes.defined() ? shape_string(slopes) : std::string("an undefined tensor"));
-  return [slopes](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor& h,
-                  const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
+  return detail::AdditiveScore{[slopes](const torch::Tensor& score, const torch::Tensor&,
+                                        const torch::Tensor& h, const torch::Tensor& q_idx,
+                                        const torch::Tensor& kv_idx) {
     // .to: slopes made on the CPU (alibi_slopes) serve scores on any device.
-    return score + slopes.to(h.device()).index({h}).to(score.scalar_type()) * (kv_idx - q_idx);
-  };
+    return slopes.to(h.device()).index({h}).to(score.scalar_type()) * (kv_idx - q_idx);
+  }};
 }
 
 torch::Tensor alibi_slopes(int64_t heads) {
@@ -75,13 +76,13 @@ ScoreMod relative_position_bias(const torch::Tensor& bias) {
       "[score_mods::relative_position_bias] bias must be a floating (heads, 2 D + 1) ",
       "tensor, got ", bias.defined() ? shape_string(bias) : std::string("an undefined tensor"));
   const int64_t max_distance = bias.size(1) / 2;
-  return
+  return detail::AdditiveScore{
       [bias, max_distance](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor& h,
                            const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
         const auto head = bias.size(0) == 1 ? torch::zeros_like(h) : h;
         const auto distance = (kv_idx - q_idx).clamp(-max_distance, max_distance) + max_distance;
-        return score + bias.to(h.device()).index({head, distance}).to(score.scalar_type());
-      };
+        return bias.to(h.device()).index({head, distance}).to(score.scalar_type());
+      }};
 }
 
 }  // namespace score_mods

@@ -8,6 +8,7 @@
 // (decode_attention.h). Also the score function helpers. Masks and score functions are read
 // in the same (b, h, q_idx, kv_idx) terms.
 
+#include <functional>
 #include <vector>
 
 #include <torch/torch.h>
@@ -16,6 +17,19 @@
 #include "attnkit/functional.h"
 
 namespace attnkit::detail {
+
+/// A score function that adds a bias to the score, `score + bias(score, b, h, q_idx,
+/// kv_idx)`, the bias in score's dtype (score is read for its dtype and device only): what
+/// score_mods::alibi and score_mods::relative_position_bias make, so that the planner can
+/// hand the bias to LibTorch's SDPA as a float mask (ScoreMod::target<AdditiveScore>()).
+struct AdditiveScore {
+  ScoreMod bias;
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
+                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const {
+    return score + bias(score, b, h, q_idx, kv_idx);
+  }
+};
 
 /// What the math core applies between the scores and the softmax.
 struct MathMasking {
@@ -80,6 +94,16 @@ bool libtorch_has_sdpa();
 torch::Tensor sdpa_attention(const torch::Tensor& query, const torch::Tensor& key,
                              const torch::Tensor& value, bool causal, int64_t query_offset,
                              int64_t window_size, double dropout_p);
+
+/// LibTorch's SDPA with a dense bool mask `visible` ((b or 1, h or 1, n, m), true = may
+/// attend; undefined: every key) and a float `bias` added to the scaled scores (broadcastable
+/// to (b, h, n, m); undefined: none; its gradient flows) on (b, h, n, hd) queries and
+/// (b, g, m, hd) keys and values, g dividing h, scale 1/sqrt(hd), dropout_p (0: none); a
+/// query that sees no key gets zeros. LibTorch 2.x (on 1.13 the math core stands in). Checks
+/// are the caller's.
+torch::Tensor sdpa_masked_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                    const torch::Tensor& value, const torch::Tensor& visible,
+                                    const torch::Tensor& bias, double dropout_p);
 
 /// The math core's dropout of the attention weights: the op behind Python's nn.Dropout, so
 /// a seed draws the book's masks.

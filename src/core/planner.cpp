@@ -147,6 +147,57 @@ std::string sdpa_lacks(const AttentionCall& call) {
   return fused_lacks(call);
 }
 
+// The most bytes of the dense mask that the masked SDPA route builds: bools (batch or 1) x n x
+// m, or with an additive score function floats (batch or 1) x heads x n x m.
+constexpr int64_t kDenseMaskBudget = int64_t{128} << 20;
+
+// The call's score function when it only adds a bias (alibi, relative_position_bias).
+const AdditiveScore* additive_score(const AttentionCall& call) {
+  const auto& score_mod = call.options.score_mod();
+  return score_mod ? score_mod.target<AdditiveScore>() : nullptr;
+}
+
+std::string sdpa_masked_lacks(const AttentionCall& call) {
+  const bool has_score_mod = static_cast<bool>(call.options.score_mod());
+  if (has_score_mod && additive_score(call) == nullptr) {
+    return "the fused backend has no score functions (score_mod) but additive biases on "
+           "LibTorch 2.x (score_mods::alibi, score_mods::relative_position_bias)";
+  }
+  if (call.with_weights)
+    return "the fused backend returns no weights (the math backend builds them)";
+  if (!has_default_scale(call)) {
+    return c10::str("the fused backend has only the default scale 1/sqrt(head_dim), not ",
+                    *call.options.scale());
+  }
+  const auto mask = effective_mask(call);
+  if (!libtorch_has_sdpa()) {
+    if (has_score_mod) {
+      return "the fused backend has no score functions (score_mod) on LibTorch 1.x (2.x takes "
+             "additive biases through its SDPA)";
+    }
+    return c10::str(
+        "the fused backend takes only causal and sliding-window masks on LibTorch 1.x (2.x "
+        "takes any mask through its SDPA), not ",
+        mask.to_string());
+  }
+  const int64_t rows = mask.is_none() ? 1 : call.query.size(0);
+  const int64_t per_entry = has_score_mod ? call.query.size(1) * 4 : 1;
+  const int64_t bytes = rows * per_entry * query_tokens(call) * call.key.size(2);
+  if (bytes > kDenseMaskBudget) {
+    return c10::str("the fused backend's dense form of ", mask.to_string(),
+                    has_score_mod ? " and the score function's bias" : "", " would take ", bytes,
+                    " bytes, more than its budget of ", kDenseMaskBudget);
+  }
+  // docs/benchmarks.md: the chunked kernel ran document and padding masks 1.1-5.5x faster
+  // than LibTorch 2.6's CPU SDPA with the dense mask.
+  if (call.query.is_cpu() &&
+      (call.backend_is_preference || call.options.backend() == AttentionBackend::kAuto)) {
+    return "on the CPU the chunked kernel runs masks and score functions faster than SDPA "
+           "with a dense mask; demand kFused for this route";
+  }
+  return "";
+}
+
 std::string chunked_lacks(const AttentionCall& call) {
   if (call.with_weights)
     return "the chunked backend returns no weights (the math backend builds them)";
@@ -265,6 +316,21 @@ torch::Tensor run_kernel(Kernel kernel, const AttentionCall& call) {
       const auto mask = fused_mask();
       return sdpa_attention(q, k, v, mask.causal, mask.query_offset, mask.window, dropout_p);
     }
+    case Kernel::kSdpaMasked: {
+      const int64_t b = q.size(0), h = q.size(1), n = q.size(2), m = k.size(2);
+      const auto mask = effective_mask(call);
+      const auto visible = mask.is_none() ? torch::Tensor() : mask.dense(b, h, n, m, q.device());
+      torch::Tensor bias;  // (1 or b, 1 or h, n, m)
+      if (const auto* additive = additive_score(call)) {
+        const auto index = torch::dtype(torch::kInt64).device(q.device());
+        bias = additive->bias(torch::zeros({}, q.options()),
+                              torch::arange(b, index).view({-1, 1, 1, 1}),
+                              torch::arange(h, index).view({1, -1, 1, 1}),
+                              torch::arange(n, index).view({1, 1, -1, 1}),
+                              torch::arange(m, index).view({1, 1, 1, -1}));
+      }
+      return sdpa_masked_attention(q, k, v, visible, bias, dropout_p);
+    }
     case Kernel::kChunked: {
       auto options = call.options;
       return chunked_kernel(q, k, v, options.mask(effective_mask(call)));
@@ -286,6 +352,7 @@ const std::vector<KernelSpec>& kernel_table() {
        packed_loop_nest_lacks},
       {Kernel::kLoopNest, "loop_nest", AttentionBackend::kFused, loop_nest_lacks},
       {Kernel::kSdpa, "sdpa", AttentionBackend::kFused, sdpa_lacks},
+      {Kernel::kSdpaMasked, "sdpa_masked", AttentionBackend::kFused, sdpa_masked_lacks},
       {Kernel::kChunked, "chunked", AttentionBackend::kChunked, chunked_lacks},
       {Kernel::kMath, "math", AttentionBackend::kMath, math_lacks},
   };

@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include <torch/version.h>
@@ -87,6 +88,34 @@ bool sdpa_runs_parallel_flash(const torch::Tensor& query, const torch::Tensor& k
 }
 #endif
 
+#if TORCH_VERSION_MAJOR >= 2
+// LibTorch's SDPA on (b, h, n, hd) queries and (b, g, m, hd) keys and values, g dividing h,
+// with the BLAS pinned where LibTorch's CPU flash kernel would oversubscribe the cores.
+torch::Tensor run_sdpa(const torch::Tensor& query, const torch::Tensor& key,
+                       const torch::Tensor& value, const c10::optional<at::Tensor>& visible,
+                       double dropout_p, bool is_causal) {
+  const int64_t group_size = query.size(1) / key.size(1);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  const bool enable_gqa = group_size > 1;
+  if (sdpa_runs_parallel_flash(query, key, value, visible, dropout_p, is_causal, enable_gqa)) {
+    const bool any_grad = query.requires_grad() || key.requires_grad() || value.requires_grad();
+    if (torch::GradMode::is_enabled() && any_grad)
+      return SingleThreadedBlasSdpa::apply(query, key, value, visible, is_causal, enable_gqa);
+    const SingleThreadedBlas single_threaded_blas;
+    return at::scaled_dot_product_attention(query, key, value, visible, dropout_p, is_causal,
+                                            /*scale=*/c10::nullopt, enable_gqa);
+  }
+  return at::scaled_dot_product_attention(query, key, value, visible, dropout_p, is_causal,
+                                          /*scale=*/c10::nullopt, enable_gqa);
+#else
+  // No grouped-query support before 2.5: the key/value heads repeated for their groups.
+  return at::scaled_dot_product_attention(query, key.repeat_interleave(group_size, -3),
+                                          value.repeat_interleave(group_size, -3), visible,
+                                          dropout_p, is_causal);
+#endif
+}
+#endif
+
 }  // namespace
 
 bool libtorch_has_sdpa() {
@@ -96,7 +125,6 @@ bool libtorch_has_sdpa() {
 torch::Tensor sdpa_attention(const torch::Tensor& query, const torch::Tensor& key,
                              const torch::Tensor& value, bool causal, int64_t query_offset,
                              int64_t window_size, double dropout_p) {
-  const int64_t group_size = query.size(1) / key.size(1);
 #if TORCH_VERSION_MAJOR >= 2
   // Flash / memory-efficient kernels on CUDA, a flash kernel on CPU (from 2.1). LibTorch's
   // is_causal aligns the mask top-left whatever n and m are, and knows no window, so it
@@ -117,28 +145,12 @@ torch::Tensor sdpa_attention(const torch::Tensor& query, const torch::Tensor& ke
                     .logical_not();
     }
   }
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-  const bool enable_gqa = group_size > 1;
-  if (sdpa_runs_parallel_flash(query, key, value, visible, dropout_p, is_causal, enable_gqa)) {
-    const bool any_grad = query.requires_grad() || key.requires_grad() || value.requires_grad();
-    if (torch::GradMode::is_enabled() && any_grad)
-      return SingleThreadedBlasSdpa::apply(query, key, value, visible, is_causal, enable_gqa);
-    const SingleThreadedBlas single_threaded_blas;
-    return at::scaled_dot_product_attention(query, key, value, visible, dropout_p, is_causal,
-                                            /*scale=*/c10::nullopt, enable_gqa);
-  }
-  return at::scaled_dot_product_attention(query, key, value, visible, dropout_p, is_causal,
-                                          /*scale=*/c10::nullopt, enable_gqa);
-#else
-  // No grouped-query support before 2.5: the key/value heads repeated for their groups.
-  return at::scaled_dot_product_attention(query, key.repeat_interleave(group_size, -3),
-                                          value.repeat_interleave(group_size, -3), visible,
-                                          dropout_p, is_causal);
-#endif
+  return run_sdpa(query, key, value, visible, dropout_p, is_causal);
 #else
   // LibTorch 1.13 has no fused attention kernel: attnkit's chunked kernel on the CPU (faster
   // than the math core, memory linear in n, parallel over heads and blocks), the math core
   // elsewhere.
+  const int64_t group_size = query.size(1) / key.size(1);
   Mask mask;
   if (causal) {
     mask = Mask::causal(query_offset);
@@ -162,6 +174,46 @@ torch::Tensor sdpa_attention(const torch::Tensor& query, const torch::Tensor& ke
                         dropout_p > 0.0)
       .context;
 #endif
+}
+
+torch::Tensor sdpa_masked_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                    const torch::Tensor& value, const torch::Tensor& visible,
+                                    const torch::Tensor& bias, double dropout_p) {
+  // A query that sees no key gets zeros, as everywhere in attnkit, where SDPA would give NaN:
+  // such a row sees every key, and its output is zeroed (so are its gradients).
+  torch::Tensor sees_some, attend;
+  if (visible.defined()) {
+    sees_some = visible.any(-1, /*keepdim=*/true);  // (b or 1, h or 1, n, 1)
+    attend = visible.logical_or(sees_some.logical_not());
+  }
+  // SDPA takes one mask: the bias where a key may be seen, -inf where not.
+  torch::Tensor mask = attend;
+  if (bias.defined()) {
+    const auto wide = bias.to(query.scalar_type());
+    mask = attend.defined()
+               ? wide.masked_fill(attend.logical_not(), -std::numeric_limits<double>::infinity())
+               : wide;
+  }
+#if TORCH_VERSION_MAJOR >= 2
+  auto context =
+      run_sdpa(query, key, value, mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt,
+               dropout_p, /*is_causal=*/false);
+#else
+  // No SDPA: the math core with the same mask and bias (the planner never picks this kernel
+  // here).
+  const int64_t group_size = query.size(1) / key.size(1);
+  MathMasking masking;
+  masking.allowed = attend;
+  if (bias.defined()) {
+    masking.score_mod = [bias](const torch::Tensor& score, auto&&...) { return score + bias; };
+    masking.index = {bias, bias, bias, bias};  // unread by the score function above
+  }
+  auto context = math_attention(query, key.repeat_interleave(group_size, 1),
+                                value.repeat_interleave(group_size, 1), masking, c10::nullopt,
+                                dropout_p, dropout_p > 0.0)
+                     .context;
+#endif
+  return sees_some.defined() ? context * sees_some.to(context.scalar_type()) : context;
 }
 
 }  // namespace attnkit::detail
