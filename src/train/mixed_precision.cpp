@@ -32,9 +32,14 @@ MixedPrecision::MixedPrecision(const ModelConfig& config, torch::ScalarType dtyp
     scale_ = kInitialScale;
 }
 
-bool MixedPrecision::unscale_gradients_into(torch::Tensor& master_gradients) {
+void MixedPrecision::move_gradients_into(torch::Tensor& master_gradients) {
   torch::NoGradGuard no_grad;
   master_gradients.copy_(gradients_);
+  gradients_.zero_();
+}
+
+bool MixedPrecision::unscale(torch::Tensor& master_gradients) {
+  torch::NoGradGuard no_grad;
   if (scale_ != 1.0)
     master_gradients.div_(scale_);
   const bool finite = master_gradients.isfinite().all().item<bool>();
@@ -47,7 +52,6 @@ bool MixedPrecision::unscale_gradients_into(torch::Tensor& master_gradients) {
     scale_ *= 2;
     finite_in_a_row_ = 0;
   }
-  gradients_.zero_();
   return finite;
 }
 

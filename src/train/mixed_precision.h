@@ -32,15 +32,15 @@ class MixedPrecision {
 
   /// The 16-bit model: forward, backward, evaluation and sampling run on it.
   AttentionModel& model() { return model_; }
-  /// Its gradients, back to back in the float32 model's layout.
-  torch::Tensor& flat_gradients() { return gradients_; }
   /// What the loss is multiplied by before backward (1 for bfloat16).
   double loss_scale() const { return scale_; }
 
-  /// The working copy's gradients, unscaled, into `master_gradients` (float32). Returns
-  /// whether they are all finite; when not, the step must be skipped, and the scale is
-  /// halved for the next one.
-  bool unscale_gradients_into(torch::Tensor& master_gradients);
+  /// The working copy's gradients (from backward) into `master_gradients` (float32, still
+  /// scaled); the copy's are zeroed for the next backward.
+  void move_gradients_into(torch::Tensor& master_gradients);
+  /// Divides `master_gradients` by the loss scale. Returns whether they are all finite; when
+  /// not, the step must be skipped, and the scale is halved for the next one.
+  bool unscale(torch::Tensor& master_gradients);
   /// The float32 weights after an update, rounded into the working copy.
   void copy_weights_from(const torch::Tensor& master_values);
   /// Steps skipped for non-finite gradients so far.

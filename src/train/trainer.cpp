@@ -804,11 +804,11 @@ void TrainingRun::step(int64_t step) {
     serial_step.emplace();
   auto& model = working_model();
   const double loss_scale = mixed_ ? mixed_->loss_scale() : 1.0;
-  const auto s = shares_ > 1 ? forward_backward_in_shares(
-                                   model, share, device_, config_.progress_bar, shares_,
-                                   mixed_ ? mixed_->flat_gradients() : optimizer_->flat_gradients(),
-                                   loss_scale)
-                             : score(model, share, device_, /*count_correct=*/config_.progress_bar);
+  // The shares' gradients are summed into the optimizer's float32 buffer whatever --dtype is.
+  const auto s = shares_ > 1
+                     ? forward_backward_in_shares(model, share, device_, config_.progress_bar,
+                                                  shares_, optimizer_->flat_gradients(), loss_scale)
+                     : score(model, share, device_, /*count_correct=*/config_.progress_bar);
   // This rank's part of the mean over the whole batch's scored positions: the parts'
   // gradients then sum to the whole batch's.
   const auto scored = world_size_ == 1 ? s.scored : batch.loss_mask.sum().item<int64_t>();
@@ -834,13 +834,15 @@ void TrainingRun::step(int64_t step) {
     if (gradient_sync_)
       gradient_sync_->before_backward();
     (loss_scale == 1.0 ? loss_part : loss_part * loss_scale).backward();
+    if (mixed_)
+      mixed_->move_gradients_into(optimizer_->flat_gradients());
   } else if (gradient_sync_) {
     gradient_sync_->before_backward();  // no hook fires now: after_backward sums every bucket
   }
   if (gradient_sync_)
     result_.allreduce_seconds += gradient_sync_->after_backward();  // what backward did not hide
   // A 16-bit step whose gradients overflowed changes nothing (mixed_precision.h).
-  if (!mixed_ || mixed_->unscale_gradients_into(optimizer_->flat_gradients())) {
+  if (!mixed_ || mixed_->unscale(optimizer_->flat_gradients())) {
     optimizer_->clip_grad_norm(config_.clip_norm);
     optimizer_->step();
     if (mixed_)
