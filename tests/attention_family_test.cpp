@@ -394,8 +394,20 @@ ATTNKIT_INSTANTIATE_DEVICE_TESTS(AttentionFamilyDevices);
 // measured against x's gradient instead.
 TEST(AttentionFamily, SixteenBitModulesTrainAndDecodeAsTheirFloat32Copies) {
   std::vector<torch::ScalarType> dtypes{torch::kBFloat16};
-  if (TORCH_VERSION_MAJOR >= 2)
-    dtypes.push_back(torch::kHalf);  // 1.13 has no float16 matrix product on the CPU
+  // 1.13 has no float16 matrix product on the CPU: its float16 modules are refused by name.
+  EXPECT_EQ(attnkit::cpu_multiplies_float16(), TORCH_VERSION_MAJOR >= 2);
+  if (attnkit::cpu_multiplies_float16()) {
+    dtypes.push_back(torch::kHalf);
+  } else {
+    auto m = make_family_module("gqa");
+    m.module->to(torch::kHalf);
+    expect_error_containing(
+        [&] {
+          m.forward(torch::randn({2, 11, 6}).to(torch::kHalf));
+        },
+        "[GroupedQueryAttention::forward] query: float16 on the CPU needs a LibTorch with "
+        "float16 matrix products (2.x; this one has none); use bfloat16 or float32, or a GPU");
+  }
   const std::vector<std::vector<int64_t>> splits{{11}, {4, 1, 1, 5}, {3, 8}};
   for (const auto dtype : dtypes) {
     const double bound = 8.0 * (dtype == torch::kBFloat16 ? 1.0 / 256 : 1.0 / 2048);

@@ -24,6 +24,11 @@ using ScoreMod = std::function<torch::Tensor(const torch::Tensor& score, const t
                                              const torch::Tensor& h, const torch::Tensor& q_idx,
                                              const torch::Tensor& kv_idx)>;
 
+/// Whether this LibTorch multiplies float16 matrices on the CPU (2.x does; 1.13 does not, so
+/// its float16 modules need a GPU). attnkit's attention core computes 16-bit inputs in
+/// float32 either way. Probed once.
+bool cpu_multiplies_float16();
+
 /// Ready-made score functions.
 namespace score_mods {
 

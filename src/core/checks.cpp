@@ -1,5 +1,7 @@
 #include "core/checks.h"
 
+#include "attnkit/attention.h"
+
 #include <sstream>
 
 namespace attnkit::detail {
@@ -82,6 +84,27 @@ void check_forward_input(const char* module, const torch::Tensor& x, const Input
   TORCH_CHECK(x.scalar_type() == reference.scalar_type(), "[", module, "::forward] ", argument,
               ": expected dtype ", reference.scalar_type(), " (the module's parameters), got ",
               x.scalar_type());
+  TORCH_CHECK(x.scalar_type() != torch::kHalf || !x.device().is_cpu() || cpu_multiplies_float16(),
+              "[", module, "::forward] ", argument,
+              ": float16 on the CPU needs a LibTorch with float16 matrix products (2.x; this "
+              "one has none); use bfloat16 or float32, or a GPU");
 }
 
 }  // namespace attnkit::detail
+
+namespace attnkit {
+
+bool cpu_multiplies_float16() {
+  static const bool multiplies = [] {
+    try {
+      const auto one = torch::ones({1, 1}, torch::kHalf);
+      torch::mm(one, one);
+      return true;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return multiplies;
+}
+
+}  // namespace attnkit

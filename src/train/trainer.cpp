@@ -385,17 +385,6 @@ torch::Device resolve_device(const std::string& device) {
 
 namespace {
 
-// Whether this LibTorch multiplies float16 matrices on the CPU (2.x does, 1.13 does not).
-bool cpu_multiplies_float16() {
-  try {
-    const auto one = torch::ones({1, 1}, torch::kHalf);
-    torch::mm(one, one);
-    return true;
-  } catch (const c10::Error&) {
-    return false;
-  }
-}
-
 // Fails now, not after minutes of training, when an output file cannot be created.
 void check_writable(const char* flag, const std::string& path) {
   if (path.empty())
@@ -452,7 +441,7 @@ TrainConfig resolve(TrainConfig c) {
               "'");
   const auto device = resolve_device(c.device);  // fails early for cuda without CUDA
   const auto dtype = parse_train_dtype(c.dtype);
-  TORCH_CHECK(dtype != torch::kHalf || !device.is_cpu() || cpu_multiplies_float16(),
+  TORCH_CHECK(dtype != torch::kHalf || !device.is_cpu() || attnkit::cpu_multiplies_float16(),
               "--dtype float16: this LibTorch has no float16 matrix products on the CPU (1.13 "
               "has none); use --dtype bfloat16, or a GPU");
   // One process; a launched rank chooses again knowing its machine's ranks (apps/train.cpp).
