@@ -103,6 +103,10 @@ attnkit::cli::CommandLine make_command_line() {
              "and AdamW state stay float32 (mixed precision), float16 with dynamic loss "
              "scaling (float16 on the CPU needs LibTorch 2.x)",
              "float32")
+      .flag("Training", "autocast",
+            "with --dtype bfloat16 | float16: no 16-bit working copy; the float32 model's "
+            "forward runs under LibTorch's autocast in that dtype (linear layers), and "
+            "--nproc works with it")
       .value("Training", "device", "auto | cpu | cuda | cuda:N (auto = CUDA when available)",
              "auto")
       .value("Training", "threads",
@@ -221,6 +225,7 @@ int main(int argc, char** argv) {
     config.weight_decay = cli.number("weight-decay");
     config.seed = cli.unsigned_integer("seed");
     config.dtype = cli.text("dtype");
+    config.autocast = cli.given("autocast");
     config.device = cli.text("device");
     config.threads = cli.integer("threads");
     config.eval_every = cli.integer("eval-every");
@@ -250,7 +255,7 @@ int main(int argc, char** argv) {
       TORCH_CHECK(world_size == nullptr, "--nproc ", nproc, " with WORLD_SIZE set (", world_size,
                   "): this process is a rank of another launcher's run; drop one of them");
       T::check_global_batch(config.batch_size, static_cast<int>(nproc));
-      T::check_dtype_ranks(config.dtype, static_cast<int>(nproc));
+      T::check_dtype_ranks(config.dtype, config.autocast, static_cast<int>(nproc));
       return T::launch_local_ranks(static_cast<int>(nproc), rank_arguments(argc, argv), std::cerr);
     }
     const auto environment = T::read_rank_environment();

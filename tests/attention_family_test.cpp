@@ -454,3 +454,52 @@ TEST(AttentionFamily, SixteenBitModulesTrainAndDecodeAsTheirFloat32Copies) {
     }
   }
 }
+
+// Under LibTorch's autocast a float32 module runs its projections in bfloat16 and answers in
+// bfloat16, within the bound of a bfloat16 copy of it (SixteenBitModules... above); its
+// gradients, taken after the guard, are float32. It takes inputs in bfloat16 there too (not
+// outside), and its float32 KV cache serves a decode in pieces.
+TEST(AttentionFamily, UnderAutocastFloat32ModulesRunInBfloat16) {
+  const double bound = 8.0 / 256;
+  for (const auto& label : kFamily) {
+    for (const auto backend : kBackends) {
+      SCOPED_TRACE(c10::str(label, " ", backend_name(backend)));
+      torch::manual_seed(63);
+      auto m = make_family_module(label);
+      m.set_backend(backend);
+      m.module->eval();
+      const auto x = torch::randn({2, 11, 6});
+      const auto probe = torch::randn({2, 11, 12});
+      const auto expected = output_and_grads(m, x, probe);
+      m.module->zero_grad();
+      auto x_grad = x.clone().requires_grad_(true);
+      torch::Tensor out;
+      {
+        attnkit::Autocast autocast(torch::kCPU, torch::kBFloat16);
+        out = m.forward(x_grad);
+        const torch::NoGradGuard no_grad;
+        EXPECT_EQ(m.forward(x.to(torch::kBFloat16)).scalar_type(), torch::kBFloat16);
+        auto cache = m.make_kv_cache(2, 11);
+        const auto cached = forward_in_pieces(m, x, {4, 1, 6}, cache).to(torch::kFloat);
+        const auto full = m.forward(x).to(torch::kFloat);
+        EXPECT_LE(((cached - full).abs().max() / full.abs().max()).item<double>(), bound);
+      }
+      EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+      (out.to(torch::kFloat) * probe).sum().backward();
+      std::vector<torch::Tensor> got{out.detach(), x_grad.grad()};
+      for (const auto& p : m.module->parameters())
+        got.push_back(p.grad());
+      ASSERT_EQ(got.size(), expected.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(got[i].scalar_type(), i == 0 ? torch::kBFloat16 : torch::kFloat) << i;
+        const double own = expected[i].abs().max().item<double>();
+        const double of_x = expected[1].abs().max().item<double>();
+        const double scale = own > 1e-4 * of_x ? own : of_x;  // zero in exact arithmetic
+        EXPECT_LE((got[i].to(torch::kFloat) - expected[i]).abs().max().item<double>() / scale,
+                  bound)
+            << "tensor " << i << " (0: output, 1: x's gradient, then the parameters')";
+      }
+      expect_error_containing([&] { m.forward(x.to(torch::kBFloat16)); }, "expected dtype Float");
+    }
+  }
+}

@@ -1,6 +1,7 @@
 // The fused and chunked kernels and backends against the math path: outputs and every
 // gradient.
 
+#include "attnkit/autocast.h"
 #include "attnkit/functional.h"
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/threads.h"
@@ -1068,6 +1069,52 @@ TEST(Planner, ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay) {
   EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "math");
 }
 
+// The public record names the kernel each call ran, with the dtype it computed in: demanded
+// backends, the weights, a 16-bit call (float32 inside), a module and a decode step. Records
+// nest: the innermost one gets the calls.
+TEST(Planner, TheKernelRecordNamesWhatRan) {
+  torch::manual_seed(9);
+  const auto q = torch::randn({1, 2, 8, 4}), k = torch::randn({1, 2, 8, 4}),
+             v = torch::randn({1, 2, 8, 4});
+  const auto causal = F::AttentionOptions().mask(Mask::causal());
+  F::KernelRecord outer;
+  F::attention(q, k, v, F::AttentionOptions(causal).backend(AttentionBackend::kChunked));
+  {
+    F::KernelRecord inner;
+    F::attention_with_weights(q, k, v, causal);
+    F::attention(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16),
+                 F::AttentionOptions(causal).backend(AttentionBackend::kChunked));
+    F::attention(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
+                 F::AttentionOptions(causal).backend(AttentionBackend::kMath));
+    ASSERT_EQ(inner.runs().size(), 3u);
+    EXPECT_EQ(inner.runs()[0].kernel, "math");
+    EXPECT_EQ(inner.runs()[1].kernel, "chunked");
+    EXPECT_EQ(inner.runs()[1].computed_in, torch::kFloat);
+    EXPECT_EQ(inner.runs()[2].computed_in, torch::kDouble);
+    EXPECT_EQ(inner.runs()[2].device, torch::Device(torch::kCPU));
+  }
+  const auto padding = F::AttentionOptions().mask(Mask::key_padding(torch::tensor({5})));
+  if (attnkit::detail::libtorch_has_sdpa()) {
+    F::attention(q, k, v, F::AttentionOptions(padding).backend(AttentionBackend::kFused));
+    EXPECT_EQ(outer.runs().back().kernel, "sdpa_masked");
+  }
+  F::attention(q, k, v, padding);  // kAuto on the CPU: the chunked kernel runs masks faster
+  EXPECT_EQ(outer.runs().back().kernel, "chunked");
+  attnkit::MultiHeadAttention mha(
+      MultiHeadAttentionOptions(4, 8, 16, 0.0, 2).backend(AttentionBackend::kChunked));
+  mha->eval();
+  const torch::NoGradGuard no_grad;
+  const auto x = torch::randn({1, 3, 4});
+  mha(x);
+  EXPECT_EQ(outer.runs().back().kernel, "chunked");
+  auto cache = mha->make_kv_cache(1, 4);
+  mha->forward_with_cache(x, cache);
+  mha->forward_with_cache(torch::randn({1, 1, 4}), cache);
+  EXPECT_EQ(outer.runs().back().kernel, "decode");
+  EXPECT_EQ(outer.runs().front().kernel, "chunked");
+  EXPECT_EQ(outer.runs().size(), attnkit::detail::libtorch_has_sdpa() ? 6u : 5u);
+}
+
 // The masked SDPA route builds a dense mask only within its budget (128 MiB of bools): a
 // demand past it is refused with the sizes, and kAuto runs it on the chunked kernel.
 TEST(Planner, TheMaskedSdpaRouteKeepsItsDenseMaskWithinItsBudget) {
@@ -1160,4 +1207,96 @@ TEST(SixteenBit, EveryBackendIsWithinTwiceTheFloat32Floor) {
       }
     }
   }
+}
+
+// Under LibTorch's autocast, attention runs on its inputs cast to the autocast dtype and is
+// computed as any 16-bit call: in float32 inside, rounded once. So it answers bit for bit as
+// the same call on inputs cast by hand, outputs and gradients, on every backend (were the
+// kernels' own matrix products cast down by autocast, they would not). Backward runs after
+// the guard, as in PyTorch.
+TEST(Autocast, AttentionAnswersAsOnInputsCastByHand) {
+  torch::manual_seed(8);
+  const int64_t b = 2, h = 2, n = 40, hd = 16;
+  const auto q = 2 * torch::randn({b, h, n, hd});
+  const auto k = 2 * torch::randn({b, h, n, hd});
+  const auto v = torch::randn({b, h, n, hd});
+  const auto probe = torch::randn({b, h, n, hd});
+  const std::vector<F::AttentionOptions> cases{
+      F::AttentionOptions().mask(Mask::causal()),
+      F::AttentionOptions().mask(Mask::key_padding(torch::tensor({40, 23}))),
+      F::AttentionOptions().mask(Mask::causal()).score_mod(attnkit::score_mods::softcap(2.0))};
+  for (const auto& mask : cases) {
+    for (const auto backend : kBackends) {
+      auto options = mask;
+      options.backend(backend).query_block_size(16).key_block_size(16);
+      if (!F::unsupported_reason(backend, q, k, v, options).empty())
+        continue;
+      SCOPED_TRACE(
+          c10::str(options.mask().to_string(), ", backend ", attnkit::backend_name(backend)));
+      const auto by_hand = output_and_grads(
+          [&](auto& a, auto& c, auto& d) {
+            return F::attention(a.to(torch::kBFloat16), c.to(torch::kBFloat16),
+                                d.to(torch::kBFloat16), options);
+          },
+          q, k, v, probe);
+      const auto under_autocast = output_and_grads(
+          [&](auto& a, auto& c, auto& d) {
+            attnkit::Autocast autocast(torch::kCPU, torch::kBFloat16);
+            return F::attention(a, c, d, options);
+          },
+          q, k, v, probe);
+      const char* names[] = {"output", "dq", "dk", "dv"};
+      for (size_t i = 0; i < by_hand.size(); ++i) {
+        EXPECT_EQ(under_autocast[i].scalar_type(), i == 0 ? torch::kBFloat16 : torch::kFloat)
+            << names[i];
+        EXPECT_TRUE(torch::equal(under_autocast[i], by_hand[i])) << names[i];
+      }
+    }
+  }
+  // Inputs of several floating dtypes are cast to one; float64 keeps its own, as PyTorch's
+  // autocast leaves it; without autocast, mixed dtypes are refused.
+  {
+    attnkit::Autocast autocast(torch::kCPU, torch::kBFloat16);
+    EXPECT_EQ(F::attention(q, k.to(torch::kBFloat16), v).scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(F::attention(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble))
+                  .scalar_type(),
+              torch::kDouble);
+    expect_error_containing([&] { F::attention(q.to(torch::kDouble), k, v); },
+                            "query, key and value must share a floating dtype, got Double, "
+                            "Float, Float");
+  }
+  expect_error_containing([&] { F::attention(q, k.to(torch::kBFloat16), v); },
+                          "query, key and value must share a floating dtype, got Float, "
+                          "BFloat16, Float");
+}
+
+// The guard turns autocast on for its device type and restores what it found; nested guards
+// keep the outer one's state; bad arguments are refused by name.
+TEST(Autocast, TheGuardRestoresTheStateItFoundAndRefusesBadArguments) {
+  const auto a = torch::randn({3, 3});
+  const auto product_dtype = [&] { return torch::mm(a, a).scalar_type(); };
+  EXPECT_EQ(product_dtype(), torch::kFloat);
+  {
+    attnkit::Autocast outer(torch::kCPU, torch::kBFloat16);
+    EXPECT_EQ(product_dtype(), torch::kBFloat16);
+    { attnkit::Autocast inner(torch::kCPU, torch::kBFloat16); }
+    EXPECT_EQ(product_dtype(), torch::kBFloat16);
+    // CUDA's switch is its own: the CPU's products are still cast.
+    { attnkit::Autocast cuda(torch::kCUDA, torch::kHalf); }
+    EXPECT_EQ(product_dtype(), torch::kBFloat16);
+  }
+  EXPECT_EQ(product_dtype(), torch::kFloat);
+  expect_error_containing([] { attnkit::Autocast guard(torch::kCPU, torch::kFloat); },
+                          "[Autocast] dtype: expected BFloat16 or Half, got Float");
+  expect_error_containing([] { attnkit::Autocast guard(torch::kMeta, torch::kBFloat16); },
+                          "[Autocast] device_type: expected cpu or cuda, got meta");
+  if (attnkit::cpu_multiplies_float16()) {
+    attnkit::Autocast half(torch::kCPU, torch::kHalf);
+    EXPECT_EQ(product_dtype(), torch::kHalf);
+  } else {
+    expect_error_containing([] { attnkit::Autocast guard(torch::kCPU, torch::kHalf); },
+                            "[Autocast] dtype Half on the CPU needs a LibTorch with float16 "
+                            "matrix products");
+  }
+  EXPECT_EQ(product_dtype(), torch::kFloat);
 }

@@ -169,11 +169,17 @@ cmp -s "$work/run.pt" "$work/nan.pt" || { echo "FAIL: the good checkpoint was ov
 expect 0 "" -- "${quick[@]}" --steps 6 --resume "$work/nan.pt" --quiet
 
 # Mixed precision (--dtype): bad names, float16 where the CPU has no float16 matrix product,
-# data-parallel ranks; bfloat16 learns the copy task; its checkpoint resumes in float32 and the
-# banner says so.
+# the working copy with data-parallel ranks, --autocast without a 16-bit dtype; bfloat16 learns
+# the copy task, with a working copy and under autocast; its checkpoint resumes in float32 and
+# the banner says so.
 expect 2 "--dtype: expected float32, bfloat16 or float16, got 'int8'" -- "${quick[@]}" --dtype int8
-expect 2 "--dtype bfloat16 with 2 ranks: data-parallel runs train in float32 for now" \
+expect 2 "--dtype bfloat16 with 2 ranks: the 16-bit working copy trains in one process; add --autocast" \
   -- "${quick[@]}" --dtype bfloat16 --nproc 2
+expect 2 "--autocast: give the dtype it runs in, --dtype bfloat16 or float16 (got --dtype float32)" \
+  -- "${quick[@]}" --autocast
+expect_stdout "--dtype bfloat16 --autocast learns copy" "accuracy 100\.00%" \
+  "dtype +\| bfloat16 autocast \(linear layers; attention computed in float32 inside\); float32 weights, gradients and AdamW state" \
+  -- --dtype bfloat16 --autocast --steps 300 --eval-every 300 --threads 1
 expect_stdout "--dtype bfloat16 learns copy" "accuracy 100\.00%" \
   "dtype +\| bfloat16 forward and backward; float32 weights and AdamW state" \
   -- --dtype bfloat16 --steps 300 --eval-every 300 --threads 1 --save "$work/bf16.pt"

@@ -57,6 +57,21 @@ if [ "$(wc -l <"$work/buckets.2")" -eq 50 ] && agree "$work/one.2" "$work/bucket
 else
   fail "2 ranks with gradient buckets differ from 1 process"
 fi
+# bfloat16 under autocast: backward writes float32 gradients, which the ranks sum as above.
+# 1e-3, not 1e-5: the ranks' bfloat16 products over half the batch round apart from one
+# process's (4e-5 apart over 30 steps here).
+"$train" "${small[@]}" --steps 30 --eval-every 1 --dtype bfloat16 --autocast \
+  --metrics "$work/one16.csv" >/dev/null 2>"$work/err" || fail "bfloat16 autocast: $(cat "$work/err")"
+"$train" "${small[@]}" --steps 30 --eval-every 1 --dtype bfloat16 --autocast \
+  --metrics "$work/two16.csv" --nproc 2 >/dev/null 2>"$work/err" ||
+  fail "bfloat16 autocast, --nproc 2: $(cat "$work/err")"
+column "$work/one16.csv" 2 >"$work/one16.2"
+column "$work/two16.csv" 2 >"$work/two16.2"
+if [ "$(wc -l <"$work/two16.2")" -eq 30 ] && agree "$work/one16.2" "$work/two16.2" 1e-3; then
+  pass "2 ranks under bfloat16 autocast match 1 process over 30 steps (1e-3 relative)"
+else
+  fail "2 ranks under bfloat16 autocast differ from 1 process"
+fi
 grep -q "on 2 ranks, gradient allreduce" "$work/out" &&
   pass "rank 0 reports the allreduce's share" || fail "no allreduce share in: $(cat "$work/out")"
 

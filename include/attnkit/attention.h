@@ -13,6 +13,10 @@
 #include "attnkit/mask.h"
 #include "attnkit/options.h"
 
+namespace attnkit::detail {
+struct KernelRecordAccess;
+}  // namespace attnkit::detail
+
 namespace attnkit {
 
 /// FlexAttention's `score_mod(score, b, h, q_idx, kv_idx) -> score`: applied to the scaled
@@ -117,6 +121,37 @@ std::string unsupported_reason(AttentionBackend backend, const torch::Tensor& qu
 /// fused backend where it supports the problem, else the chunked one.
 AttentionBackend choose_backend(const torch::Tensor& query, const torch::Tensor& key,
                                 const torch::Tensor& value, const AttentionOptions& options);
+
+/// One attention call as the planner ran it.
+struct KernelRun {
+  /// The kernel: "decode", "ragged_loop_nest", "packed_loop_nest", "loop_nest", "sdpa"
+  /// (LibTorch's SDPA; on 1.13 its stand-in, docs/backends.md), "sdpa_masked", "chunked" or
+  /// "math".
+  std::string kernel;
+  /// The dtype it computed in: a 16-bit call's float32, else the inputs' (under autocast,
+  /// the autocast dtype's).
+  c10::ScalarType computed_in;
+  /// The inputs' device.
+  c10::Device device;
+};
+
+/// The planner's record: while one is alive, every attention call that this thread makes
+/// (`attention`, the modules, decode steps) is appended to it, so a test or a tool can check
+/// which route ran. Records nest: each sees the calls made while it is the innermost.
+/// Example: `KernelRecord record; mha(x); EXPECT_EQ(record.runs().at(0).kernel, "chunked");`
+class KernelRecord {
+ public:
+  KernelRecord();
+  ~KernelRecord();
+  KernelRecord(const KernelRecord&) = delete;
+  KernelRecord& operator=(const KernelRecord&) = delete;
+  const std::vector<KernelRun>& runs() const { return runs_; }
+
+ private:
+  friend struct detail::KernelRecordAccess;  // the planner appends
+  std::vector<KernelRun> runs_;
+  KernelRecord* outer_;
+};
 
 }  // namespace functional
 }  // namespace attnkit

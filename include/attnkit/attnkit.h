@@ -4,6 +4,7 @@
 /// Example: `#include <attnkit/attnkit.h>` then `attnkit::MultiHeadAttention mha(...);`
 
 #include "attnkit/attention.h"
+#include "attnkit/autocast.h"
 #include "attnkit/block_mask.h"
 #include "attnkit/book_steps.h"
 #include "attnkit/causal_attention.h"

@@ -212,8 +212,10 @@ void check_attention_arguments(const torch::Tensor& q, const torch::Tensor& k,
                 ") must divide query heads (", q.size(1), "), got query ", shape_string(q),
                 " and key ", shape_string(k));
   }
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
-                  q.is_floating_point(),
+  // Under autocast they share the dtype they are cast to (detail::attention_dtype).
+  const auto q_dtype = detail::attention_dtype(q);
+  TORCH_CHECK(q_dtype == detail::attention_dtype(k) && q_dtype == detail::attention_dtype(v) &&
+                  q.is_floating_point() && k.is_floating_point() && v.is_floating_point(),
               kFn, " query, key and value must share a floating dtype, got ", q.scalar_type(), ", ",
               k.scalar_type(), ", ", v.scalar_type());
   TORCH_CHECK(q.device() == k.device() && k.device() == v.device(), kFn,

@@ -1,6 +1,7 @@
 #include "core/checks.h"
 
 #include "attnkit/attention.h"
+#include "core/planner.h"
 
 #include <sstream>
 
@@ -81,9 +82,12 @@ void check_forward_input(const char* module, const torch::Tensor& x, const Input
   TORCH_CHECK(x.device() == reference.device(), "[", module, "::forward] ", argument,
               ": expected device ", reference.device(),
               " (where the module's parameters are), got ", x.device());
-  TORCH_CHECK(x.scalar_type() == reference.scalar_type(), "[", module, "::forward] ", argument,
-              ": expected dtype ", reference.scalar_type(), " (the module's parameters), got ",
-              x.scalar_type());
+  // Under autocast, inputs in the autocast dtype are the parameters' as cast.
+  TORCH_CHECK(x.scalar_type() == reference.scalar_type() ||
+                  (x.is_floating_point() && attention_dtype(x) == attention_dtype(reference) &&
+                   attention_dtype(x) == x.scalar_type()),
+              "[", module, "::forward] ", argument, ": expected dtype ", reference.scalar_type(),
+              " (the module's parameters), got ", x.scalar_type());
   TORCH_CHECK(x.scalar_type() != torch::kHalf || !x.device().is_cpu() || cpu_multiplies_float16(),
               "[", module, "::forward] ", argument,
               ": float16 on the CPU needs a LibTorch with float16 matrix products (2.x; this "

@@ -357,6 +357,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &lse4 = saved[4];
     const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);

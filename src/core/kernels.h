@@ -11,12 +11,20 @@
 #include <functional>
 #include <vector>
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
 
 #include "attnkit/attention.h"
 #include "attnkit/functional.h"
 
 namespace attnkit::detail {
+
+/// Keeps LibTorch's autocast off while alive. The kernels choose their own dtypes (a 16-bit
+/// call is computed in float32), which autocast would cast back down; the planner runs every
+/// call under one, and the kernels' own backward functions run under one too.
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
+};
 
 /// A score function that adds a bias to the score, `score + bias(score, b, h, q_idx,
 /// kv_idx)`, the bias in score's dtype (score is read for its dtype and device only): what
@@ -86,6 +94,18 @@ torch::Tensor ragged_loop_nest_attention(const torch::Tensor& query, const torch
 
 /// Whether this LibTorch has its own scaled_dot_product_attention (2.0 and later).
 bool libtorch_has_sdpa();
+
+/// LibTorch's autocast on this thread for one device type: whether it is on, and its dtype.
+struct AutocastState {
+  bool enabled = false;
+  torch::ScalarType dtype = torch::kFloat;
+};
+
+/// The autocast state for `device_type` (kCPU and kCUDA; any other type: off).
+AutocastState autocast_state(c10::DeviceType device_type);
+
+/// Sets the autocast state for `device_type` (kCPU or kCUDA).
+void set_autocast_state(c10::DeviceType device_type, const AutocastState& state);
 
 /// LibTorch's SDPA on (b, h, n, hd) queries and (b, g, m, hd) keys and values, g dividing h,
 /// scale 1/sqrt(hd): the causal mask with query_offset when `causal`, a sliding window when

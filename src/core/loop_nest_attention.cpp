@@ -44,6 +44,7 @@ struct FusedAttention : public torch::autograd::Function<FusedAttention> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto q4 = unit_stride_slices(saved[0]), k4 = unit_stride_slices(saved[1]),
                v4 = unit_stride_slices(saved[2]);
@@ -90,6 +91,7 @@ struct FusedPackedAttention : public torch::autograd::Function<FusedPackedAttent
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
     const auto saved = ctx->get_saved_variables();
     const auto& qkv = saved[0];
     const int64_t heads = ctx->saved_data["heads"].toInt();

@@ -372,6 +372,23 @@ std::string backend_lacks(AttentionBackend backend, const AttentionCall& call) {
   return general->lacks(call);
 }
 
+// The innermost functional::KernelRecord of this thread, if any.
+thread_local F::KernelRecord* t_innermost_record = nullptr;
+
+struct KernelRecordAccess {
+  static void append(const AttentionCall& call, const KernelSpec& spec) {
+    if (t_innermost_record != nullptr) {
+      t_innermost_record->runs_.push_back(
+          {spec.name, call.query.scalar_type(), call.query.device()});
+    }
+  }
+  static void open(F::KernelRecord* record) {
+    record->outer_ = t_innermost_record;
+    t_innermost_record = record;
+  }
+  static void close(F::KernelRecord* record) { t_innermost_record = record->outer_; }
+};
+
 namespace {
 
 const KernelSpec& plan_in_its_dtype(const AttentionCall& call) {
@@ -404,38 +421,83 @@ bool runs_in_float32(const AttentionCall& call) {
   return spec == nullptr || spec->kernel != Kernel::kSdpa;
 }
 
-// The call on float32 copies of its inputs; autograd casts the gradients back to the inputs'
-// dtype once, at the end.
-AttentionCall in_float32(const AttentionCall& call) {
-  auto widened = call;
-  widened.query = call.query.to(torch::kFloat);
-  widened.key = call.key.to(torch::kFloat);
-  widened.value = call.value.to(torch::kFloat);
-  // The packed loop nest would read the 16-bit projection; the widened views serve instead.
-  widened.packed_qkv = torch::Tensor();
-  return widened;
+// The call on copies of its inputs in `dtype` (each a no-op where it has it already);
+// autograd casts the gradients back to the inputs' dtypes.
+AttentionCall in_dtype(const AttentionCall& call, torch::ScalarType dtype) {
+  auto cast = call;
+  cast.query = call.query.to(dtype);
+  cast.key = call.key.to(dtype);
+  cast.value = call.value.to(dtype);
+  // The packed loop nest would read the projection in its own dtype; the cast views serve.
+  if (call.query.scalar_type() != dtype)
+    cast.packed_qkv = torch::Tensor();
+  return cast;
+}
+
+// The call as it runs: under LibTorch's autocast, on its inputs in the autocast dtype.
+// (Read before a NoAutocast: inside one, LibTorch 1.13 reports autocast as off.)
+std::optional<AttentionCall> autocast_call(const AttentionCall& call) {
+  const auto dtype = attention_dtype(call.query);
+  if (dtype == call.query.scalar_type() && attention_dtype(call.key) == call.key.scalar_type() &&
+      attention_dtype(call.value) == call.value.scalar_type()) {
+    return std::nullopt;
+  }
+  return in_dtype(call, dtype);
 }
 
 F::AttentionOutput run_planned(const AttentionCall& call) {
   const auto& spec = plan_in_its_dtype(call);
+  KernelRecordAccess::append(call, spec);
   if (spec.kernel == Kernel::kMath)
     return run_math(call, effective_mask(call));
   return {run_kernel(spec.kernel, call), {}};
 }
 
-}  // namespace
-
-const KernelSpec& plan_attention(const AttentionCall& call) {
-  return plan_in_its_dtype(runs_in_float32(call) ? in_float32(call) : call);
-}
-
-F::AttentionOutput run_attention(const AttentionCall& call) {
+F::AttentionOutput run_in_its_precision(const AttentionCall& call) {
   if (!runs_in_float32(call))
     return run_planned(call);
-  const auto out = run_planned(in_float32(call));
+  const auto out = run_planned(in_dtype(call, torch::kFloat));
   const auto dtype = call.query.scalar_type();
   return {out.context.to(dtype), out.weights.defined() ? out.weights.to(dtype) : out.weights};
 }
+
+}  // namespace
+
+torch::ScalarType attention_dtype(const torch::Tensor& tensor) {
+  const auto own = tensor.scalar_type();
+  if (own == torch::kDouble || !tensor.is_floating_point())
+    return own;
+  const auto autocast = autocast_state(tensor.device().type());
+  return autocast.enabled ? autocast.dtype : own;
+}
+
+const KernelSpec& plan_attention(const AttentionCall& given) {
+  const auto autocast = autocast_call(given);
+  const auto& call = autocast ? *autocast : given;
+  return plan_in_its_dtype(runs_in_float32(call) ? in_dtype(call, torch::kFloat) : call);
+}
+
+F::AttentionOutput run_attention(const AttentionCall& given) {
+  const auto autocast = autocast_call(given);
+  NoAutocast no_autocast;
+  return run_in_its_precision(autocast ? *autocast : given);
+}
+
+}  // namespace attnkit::detail
+
+namespace attnkit::functional {
+
+KernelRecord::KernelRecord() : outer_(nullptr) {
+  detail::KernelRecordAccess::open(this);
+}
+
+KernelRecord::~KernelRecord() {
+  detail::KernelRecordAccess::close(this);
+}
+
+}  // namespace attnkit::functional
+
+namespace attnkit::detail {
 
 KernelClaimsEverything::KernelClaimsEverything(Kernel kernel) {
   g_claims_everything = kernel;

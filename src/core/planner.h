@@ -87,8 +87,15 @@ const KernelSpec& plan_attention(const AttentionCall& call);
 /// Plans and runs `call` -> context (b, h, n, hd_v) and, with `with_weights`, the weights, in
 /// the inputs' dtype. bfloat16 and float16 are computed in float32 (scores, softmax
 /// statistics, accumulators, gradients) and rounded once, except where LibTorch's CUDA SDPA
-/// runs the call (its kernels accumulate in float32).
+/// runs the call (its kernels accumulate in float32). Under LibTorch's autocast the inputs
+/// are first cast to the autocast dtype (attention_dtype), and the kernels run with autocast
+/// off.
 functional::AttentionOutput run_attention(const AttentionCall& call);
+
+/// The dtype a query, key or value runs attention in: under LibTorch's autocast for its
+/// device, the autocast dtype (float64 keeps its own, as PyTorch's autocast leaves it); else
+/// its own.
+torch::ScalarType attention_dtype(const torch::Tensor& tensor);
 
 /// functional::attention's checks of the call's inputs and options (defined with them, in
 /// attention.cpp), then run_attention: the modules' entry.

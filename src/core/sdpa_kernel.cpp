@@ -1,7 +1,8 @@
 // The LibTorch-SDPA kernel: LibTorch's own scaled_dot_product_attention behind the fused
 // backend, and, as its stand-in on LibTorch 1.13 (which has none), attnkit's chunked kernel
 // on the CPU and the math core elsewhere. Every LibTorch-version split of the library lives
-// in this file: the planner (planner.cpp) asks libtorch_has_sdpa().
+// in this file: the planner (planner.cpp) asks libtorch_has_sdpa(), and autocast's switches
+// (named per device type until 2.4, by a device-type argument since) are read and set here.
 //
 // From 2.5 on, LibTorch's CPU flash kernel is run with the BLAS pinned to one thread where
 // it would oversubscribe the cores (docs/threads.md).
@@ -11,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
 #include "attnkit/functional.h"
@@ -54,6 +56,7 @@ struct SingleThreadedBlasSdpa : public torch::autograd::Function<SingleThreadedB
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
     const auto graph = ctx->saved_data["graph"].toTensorVector();
     std::vector<torch::Tensor> inputs;
     for (size_t i = 1; i < graph.size(); ++i) {
@@ -121,6 +124,38 @@ torch::Tensor run_sdpa(const torch::Tensor& query, const torch::Tensor& key,
 bool libtorch_has_sdpa() {
   return TORCH_VERSION_MAJOR >= 2;
 }
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+AutocastState autocast_state(c10::DeviceType device_type) {
+  if (device_type != c10::DeviceType::CPU && device_type != c10::DeviceType::CUDA)
+    return {};
+  return {at::autocast::is_autocast_enabled(device_type),
+          at::autocast::get_autocast_dtype(device_type)};
+}
+
+void set_autocast_state(c10::DeviceType device_type, const AutocastState& state) {
+  at::autocast::set_autocast_enabled(device_type, state.enabled);
+  at::autocast::set_autocast_dtype(device_type, state.dtype);
+}
+#else
+AutocastState autocast_state(c10::DeviceType device_type) {
+  if (device_type == c10::DeviceType::CPU)
+    return {at::autocast::is_cpu_enabled(), at::autocast::get_autocast_cpu_dtype()};
+  if (device_type == c10::DeviceType::CUDA)
+    return {at::autocast::is_enabled(), at::autocast::get_autocast_gpu_dtype()};
+  return {};
+}
+
+void set_autocast_state(c10::DeviceType device_type, const AutocastState& state) {
+  if (device_type == c10::DeviceType::CPU) {
+    at::autocast::set_cpu_enabled(state.enabled);
+    at::autocast::set_autocast_cpu_dtype(state.dtype);
+  } else {
+    at::autocast::set_enabled(state.enabled);
+    at::autocast::set_autocast_gpu_dtype(state.dtype);
+  }
+}
+#endif
 
 torch::Tensor sdpa_attention(const torch::Tensor& query, const torch::Tensor& key,
                              const torch::Tensor& value, bool causal, int64_t query_offset,

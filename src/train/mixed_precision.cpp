@@ -14,11 +14,27 @@ torch::ScalarType parse_train_dtype(const std::string& name) {
   return torch::kHalf;
 }
 
+namespace {
+
+void check_16bit(torch::ScalarType dtype) {
+  TORCH_CHECK(dtype == torch::kBFloat16 || dtype == torch::kHalf,
+              "[MixedPrecision] expected a 16-bit dtype, got ", dtype);
+}
+
+}  // namespace
+
+MixedPrecision::MixedPrecision(AttentionModel& master, torch::ScalarType dtype)
+    : dynamic_scale_(dtype == torch::kHalf) {
+  check_16bit(dtype);
+  master->set_forward_autocast(dtype);
+  if (dynamic_scale_)
+    scale_ = kInitialScale;
+}
+
 MixedPrecision::MixedPrecision(const ModelConfig& config, torch::ScalarType dtype,
                                const torch::Device& device, const torch::Tensor& master_values)
     : model_(config), dynamic_scale_(dtype == torch::kHalf) {
-  TORCH_CHECK(dtype == torch::kBFloat16 || dtype == torch::kHalf,
-              "[MixedPrecision] expected a 16-bit dtype, got ", dtype);
+  check_16bit(dtype);
   model_->to(device, dtype);
   parameters_ = model_->parameters();
   const auto options = master_values.options().dtype(dtype);
@@ -33,6 +49,8 @@ MixedPrecision::MixedPrecision(const ModelConfig& config, torch::ScalarType dtyp
 }
 
 void MixedPrecision::move_gradients_into(torch::Tensor& master_gradients) {
+  if (!has_working_copy())
+    return;
   torch::NoGradGuard no_grad;
   master_gradients.copy_(gradients_);
   gradients_.zero_();
@@ -56,6 +74,8 @@ bool MixedPrecision::unscale(torch::Tensor& master_gradients) {
 }
 
 void MixedPrecision::copy_weights_from(const torch::Tensor& master_values) {
+  if (!has_working_copy())
+    return;
   torch::NoGradGuard no_grad;
   values_.copy_(master_values);
 }

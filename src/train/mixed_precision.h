@@ -6,6 +6,11 @@
 // the working copy's gradients are widened into the float32 buffer and, after the update, the
 // float32 weights are rounded into the working copy: two copies of the flat buffers a step.
 //
+// With --autocast there is no working copy: the float32 model runs forward under LibTorch's
+// autocast in the 16-bit dtype (its linear layers and matrix products; attnkit's attention
+// computes in float32 inside), and backward writes float32 gradients straight into the
+// optimizer's buffer, where data-parallel ranks sum them as in a float32 run.
+//
 // float16's range is small enough that small gradients underflow, so its loss is scaled up
 // before backward and the gradients down after it, by a dynamic scale as PyTorch's
 // GradScaler keeps it: 2^16 to start, halved (and the step skipped) when a gradient is
@@ -29,19 +34,25 @@ class MixedPrecision {
   /// `master_values` (the float32 model's flat buffer, FlatAdamW::flat_values()).
   MixedPrecision(const ModelConfig& config, torch::ScalarType dtype, const torch::Device& device,
                  const torch::Tensor& master_values);
+  /// Autocast instead of a working copy: `master`'s forward runs under LibTorch's autocast in
+  /// `dtype` from now on.
+  MixedPrecision(AttentionModel& master, torch::ScalarType dtype);
 
-  /// The 16-bit model: forward, backward, evaluation and sampling run on it.
+  /// Whether forward and backward run on a 16-bit working copy (else on the float32 model,
+  /// under autocast).
+  bool has_working_copy() const { return values_.defined(); }
+  /// The 16-bit working copy: forward, backward, evaluation and sampling run on it.
   AttentionModel& model() { return model_; }
   /// What the loss is multiplied by before backward (1 for bfloat16).
   double loss_scale() const { return scale_; }
 
   /// The working copy's gradients (from backward) into `master_gradients` (float32, still
-  /// scaled); the copy's are zeroed for the next backward.
+  /// scaled); the copy's are zeroed for the next backward. Nothing to do under autocast.
   void move_gradients_into(torch::Tensor& master_gradients);
   /// Divides `master_gradients` by the loss scale. Returns whether they are all finite; when
   /// not, the step must be skipped, and the scale is halved for the next one.
   bool unscale(torch::Tensor& master_gradients);
-  /// The float32 weights after an update, rounded into the working copy.
+  /// The float32 weights after an update, rounded into the working copy (if any).
   void copy_weights_from(const torch::Tensor& master_values);
   /// Steps skipped for non-finite gradients so far.
   int64_t skipped_steps() const { return skipped_; }

@@ -366,6 +366,9 @@ torch::Tensor AttentionModelImpl::run(const torch::Tensor& tokens,
 
 torch::Tensor AttentionModelImpl::forward(const torch::Tensor& tokens,
                                           const torch::Tensor& document_ids) {
+  std::optional<attnkit::Autocast> autocast;
+  if (forward_autocast_)
+    autocast.emplace(tokens.device().type(), *forward_autocast_);
   return run(tokens, document_ids, nullptr);
 }
 

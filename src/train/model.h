@@ -5,6 +5,7 @@
 // and a linear head over the vocabulary. The attention is any attnkit module.
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -144,6 +145,9 @@ class AttentionModelImpl : public torch::nn::Module, public CausalLanguageModel 
   std::vector<torch::Tensor> attention_maps(const torch::Tensor& tokens,
                                             const torch::Tensor& document_ids = {});
   const ModelConfig& config() const { return config_; }
+  /// forward from now on under LibTorch's autocast in `dtype` (attnkit::Autocast) on the
+  /// tokens' device; nullopt: none. The loss and backward stay outside it.
+  void set_forward_autocast(std::optional<torch::ScalarType> dtype) { forward_autocast_ = dtype; }
 
  private:
   torch::Tensor run(const torch::Tensor& tokens, const torch::Tensor& document_ids,
@@ -157,6 +161,7 @@ class AttentionModelImpl : public torch::nn::Module, public CausalLanguageModel 
   torch::nn::ModuleList blocks_{nullptr};
   torch::nn::LayerNorm final_norm_{nullptr};
   torch::nn::Linear head_{nullptr};
+  std::optional<torch::ScalarType> forward_autocast_;
 };
 TORCH_MODULE(AttentionModel);
 

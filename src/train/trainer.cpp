@@ -444,6 +444,9 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(dtype != torch::kHalf || !device.is_cpu() || attnkit::cpu_multiplies_float16(),
               "--dtype float16: this LibTorch has no float16 matrix products on the CPU (1.13 "
               "has none); use --dtype bfloat16, or a GPU");
+  TORCH_CHECK(!c.autocast || dtype != torch::kFloat,
+              "--autocast: give the dtype it runs in, --dtype bfloat16 or float16 (got --dtype ",
+              c.dtype, ")");
   // One process; a launched rank chooses again knowing its machine's ranks (apps/train.cpp).
   c.dist_backend = choose_dist_backend(c.dist_backend, device, RankEnvironment{});
   check_backend_serves(c.dist_backend, device);
@@ -468,10 +471,13 @@ void print_config_table(std::ostream& out, const TrainConfig& c, const Task& tas
       {"ffn / dropout", std::string(c.ffn ? "yes" : "no") + " / " + c10::str(c.dropout)},
       {"steps / batch-size", std::to_string(c.steps) + " / " + std::to_string(c.batch_size)},
       {"lr / weight-decay", c10::str(c.lr) + " / " + c10::str(c.weight_decay)},
-      {"dtype", c.dtype == "float32"
-                    ? std::string("float32")
-                    : c.dtype + " forward and backward; float32 weights and AdamW state" +
-                          (c.dtype == "float16" ? ", dynamic loss scaling" : "")},
+      {"dtype",
+       c.dtype == "float32"
+           ? std::string("float32")
+           : (c.autocast ? c.dtype + " autocast (linear layers; attention computed in float32 "
+                                     "inside); float32 weights, gradients and AdamW state"
+                         : c.dtype + " forward and backward; float32 weights and AdamW state") +
+                 (c.dtype == "float16" ? ", dynamic loss scaling" : "")},
       {"seed / device / threads",
        std::to_string(c.seed) + " / " + resolve_device(c.device).str() + " / " +
            std::to_string(c.threads > 0 ? c.threads : torch::get_num_threads()) +
@@ -520,7 +526,8 @@ std::string rank_agreement_text(const TrainConfig& c) {
       {"dump-attention", c.dump_attention},
       {"dist-backend", c.dist_backend},
       {"bucket-mb", c10::str(c.bucket_mb)},
-      {"dtype", c.dtype}};
+      {"dtype", c.dtype},
+      {"autocast", c.autocast ? "true" : "false"}};
   fields.insert(fields.end(), run.begin(), run.end());
   std::string text;
   for (const auto& [key, value] : fields)
@@ -534,9 +541,11 @@ void check_global_batch(int64_t batch_size, int world_size) {
               " ranks at least one sequence");
 }
 
-void check_dtype_ranks(const std::string& dtype, int world_size) {
-  TORCH_CHECK(world_size == 1 || dtype == "float32", "--dtype ", dtype, " with ", world_size,
-              " ranks: data-parallel runs train in float32 for now; drop --dtype or --nproc");
+void check_dtype_ranks(const std::string& dtype, bool autocast, int world_size) {
+  TORCH_CHECK(world_size == 1 || dtype == "float32" || autocast, "--dtype ", dtype, " with ",
+              world_size,
+              " ranks: the 16-bit working copy trains in one process; add --autocast (float32 "
+              "weights, forward under LibTorch's autocast), or drop --dtype or --nproc");
 }
 
 namespace {
@@ -634,7 +643,9 @@ class TrainingRun {
   bool stop_requested() const { return stop_ != nullptr && stop_->load(); }
   // The model that runs forward and backward: the 16-bit working copy with --dtype
   // bfloat16 | float16, else the float32 model the optimizer updates.
-  AttentionModel& working_model() { return mixed_ ? mixed_->model() : model_; }
+  AttentionModel& working_model() {
+    return mixed_ && mixed_->has_working_copy() ? mixed_->model() : model_;
+  }
 
   const TrainConfig& config_;
   std::ostream& out_;
@@ -720,13 +731,17 @@ TrainingRun::TrainingRun(const TrainConfig& config, std::ostream& out,
   group_.broadcast_from_main(optimizer_->flat_values());  // the same start on every rank
   const auto dtype = parse_train_dtype(config.dtype);
   if (dtype != torch::kFloat) {
-    check_dtype_ranks(config.dtype, world_size_);
-    // Building the working copy draws initial weights it then overwrites: the dropout stream
-    // stays the one the float32 run (and a resumed one) has.
-    auto generator = at::detail::getDefaultCPUGenerator();
-    const auto dropout_stream = generator.get_state();
-    mixed_.emplace(model_config_of(config, *task_), dtype, device_, optimizer_->flat_values());
-    generator.set_state(dropout_stream);
+    check_dtype_ranks(config.dtype, config.autocast, world_size_);
+    if (config.autocast) {
+      mixed_.emplace(model_, dtype);
+    } else {
+      // Building the working copy draws initial weights it then overwrites: the dropout
+      // stream stays the one the float32 run (and a resumed one) has.
+      auto generator = at::detail::getDefaultCPUGenerator();
+      const auto dropout_stream = generator.get_state();
+      mixed_.emplace(model_config_of(config, *task_), dtype, device_, optimizer_->flat_values());
+      generator.set_state(dropout_stream);
+    }
   }
   if (world_size_ > 1) {
     gradient_sync_ = std::make_unique<GradientSync>(
@@ -818,7 +833,7 @@ void TrainingRun::step(int64_t step) {
     throw NonFiniteLoss(non_finite_message("loss", loss, step, config_, saved_step_));
   }
   if (shares_ == 1) {  // else forward_backward_in_shares has written the gradients
-    if (!mixed_)
+    if (!mixed_ || !mixed_->has_working_copy())
       optimizer_->zero_grad();  // the working copy's are zeroed as they are taken
     if (gradient_sync_)
       gradient_sync_->before_backward();

@@ -51,6 +51,9 @@ struct TrainConfig {
   /// float32, or bfloat16 | float16: forward and backward in that dtype on a working copy,
   /// float32 master weights and AdamW state (mixed_precision.h).
   std::string dtype = "float32";
+  /// With a 16-bit dtype: no working copy; the float32 model's forward runs under LibTorch's
+  /// autocast in that dtype (data-parallel ranks allowed).
+  bool autocast = false;
   // run
   uint64_t seed = 1;
   std::string device = "auto";
@@ -124,9 +127,10 @@ TrainResult train(const TrainConfig& config, std::ostream& out,
 /// Fails unless a global batch of `batch_size` sequences gives each rank at least one.
 void check_global_batch(int64_t batch_size, int world_size);
 
-/// Fails for a 16-bit --dtype with more than one rank: mixed precision is single-process for
-/// now (the gradient buckets hook the float32 parameters, which backward does not reach).
-void check_dtype_ranks(const std::string& dtype, int world_size);
+/// Fails for a 16-bit --dtype with more than one rank unless --autocast: the working copy is
+/// single-process (the gradient buckets hook the float32 parameters, which its backward does
+/// not reach).
+void check_dtype_ranks(const std::string& dtype, bool autocast, int world_size);
 
 /// The flags that every rank of a data-parallel run must share, one "name=value" per line.
 std::string rank_agreement_text(const TrainConfig& config);
