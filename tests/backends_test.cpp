@@ -868,7 +868,11 @@ std::vector<PlannerCase> planner_cases() {
            {"causal", Mask::causal()},
            {"sliding window", Mask::causal().sliding_window(3)},
            {"documents", Mask::documents(torch::tensor({0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2}),
-                                         /*causal=*/true)}}) {
+                                         /*causal=*/true)},
+           // Not segments: every query sees key 0 and its own last two.
+           {"tensor mask", Mask::from_tensor(torch::eye(12, torch::kBool) |
+                                             torch::eye(12, 12, torch::kBool).roll(1, 1) |
+                                             torch::arange(12).eq(0).view({1, 12}))}}) {
     const auto call = sequence(F::AttentionOptions().mask(mask));
     add(name, call, mask.is_none() ? torch::Tensor() : dense(mask, call));
   }
@@ -1011,7 +1015,9 @@ TEST(Planner, EveryPlannedKernelAnswersAsTheMathCore) {
   }
   std::set<std::string> expected{"decode", "ragged_loop_nest", "sdpa", "chunked", "math"};
   if (attnkit::detail::libtorch_has_sdpa()) {
-    expected.insert("sdpa_masked");  // a demanded fused backend with a mask beyond causal
+    // A demanded fused backend with a mask beyond causal: documents as segments, others dense.
+    expected.insert("sdpa_varlen");
+    expected.insert("sdpa_masked");
   } else {
     expected.insert("loop_nest");
     expected.insert("packed_loop_nest");
@@ -1048,7 +1054,7 @@ TEST(Planner, ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay) {
   ASSERT_EQ(c.name, "documents");
   c.call.options.backend(AttentionBackend::kFused);
   if (attnkit::detail::libtorch_has_sdpa()) {
-    EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "sdpa_masked");
+    EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "sdpa_varlen");
     auto capped = c.call;
     capped.options.score_mod(attnkit::score_mods::softcap(5.0));
     expect_error_containing(
@@ -1096,7 +1102,7 @@ TEST(Planner, TheKernelRecordNamesWhatRan) {
   const auto padding = F::AttentionOptions().mask(Mask::key_padding(torch::tensor({5})));
   if (attnkit::detail::libtorch_has_sdpa()) {
     F::attention(q, k, v, F::AttentionOptions(padding).backend(AttentionBackend::kFused));
-    EXPECT_EQ(outer.runs().back().kernel, "sdpa_masked");
+    EXPECT_EQ(outer.runs().back().kernel, "sdpa_varlen");
   }
   F::attention(q, k, v, padding);  // kAuto on the CPU: the chunked kernel runs masks faster
   EXPECT_EQ(outer.runs().back().kernel, "chunked");
@@ -1126,7 +1132,8 @@ TEST(Planner, TheMaskedSdpaRouteKeepsItsDenseMaskWithinItsBudget) {
     call.key = torch::zeros({1, 1, 1, 8}).expand({2, 1, m, 8});
     call.value = call.key;
   };
-  call.options.mask(Mask::key_padding(torch::tensor({8000, 8100})))
+  // Not segments (those go to the variable-length route, which needs no dense mask).
+  call.options.mask(Mask::key_padding(torch::tensor({8000, 8100})) | Mask::causal())
       .backend(AttentionBackend::kFused);
   inputs(8192);
   if (!attnkit::detail::libtorch_has_sdpa())
@@ -1299,4 +1306,96 @@ TEST(Autocast, TheGuardRestoresTheStateItFoundAndRefusesBadArguments) {
                             "matrix products");
   }
   EXPECT_EQ(product_dtype(), torch::kFloat);
+}
+
+// The variable-length layout: key padding whose valid keys come first and documents that are
+// each one run of tokens, alone or with causal(), fall apart into dense segments; any other
+// mask does not.
+TEST(Varlen, PaddingAndDocumentsFallApartIntoSegments) {
+  using attnkit::detail::varlen_layout;
+  const auto segments = [](const attnkit::detail::VarlenLayout& layout) {
+    std::vector<std::vector<int64_t>> result;
+    for (const auto& s : layout.segments)
+      result.push_back({s.batch, s.q_begin, s.q_end, s.k_begin, s.k_end});
+    return result;
+  };
+  const auto lengths = Mask::key_padding(torch::tensor({5, 0}));
+  auto layout = varlen_layout(lengths, 2, 4, 6);
+  ASSERT_TRUE(layout.has_value());
+  EXPECT_FALSE(layout->causal);
+  EXPECT_EQ(segments(*layout),
+            (std::vector<std::vector<int64_t>>{{0, 0, 4, 0, 5}, {1, 0, 4, 0, 0}}));
+  layout = varlen_layout(Mask::causal() & lengths, 2, 4, 6);
+  ASSERT_TRUE(layout.has_value());
+  EXPECT_TRUE(layout->causal);
+  // The bool form (true = padding) with its padding at the end, and not.
+  const auto padding = torch::tensor({0, 0, 1, 1}).to(torch::kBool).view({1, 4});
+  layout = varlen_layout(Mask::key_padding(padding), 1, 3, 4);
+  ASSERT_TRUE(layout.has_value());
+  EXPECT_EQ(segments(*layout), (std::vector<std::vector<int64_t>>{{0, 0, 3, 0, 2}}));
+  EXPECT_FALSE(varlen_layout(Mask::key_padding(padding.flip(1)), 1, 3, 4).has_value());
+  layout = varlen_layout(Mask::documents(torch::tensor({{7, 7, 2, 2, 2}, {1, 1, 1, 1, 1}}), true),
+                         2, 5, 5);
+  ASSERT_TRUE(layout.has_value());
+  EXPECT_TRUE(layout->causal);
+  EXPECT_EQ(segments(*layout),
+            (std::vector<std::vector<int64_t>>{{0, 0, 2, 0, 2}, {0, 2, 5, 2, 5}, {1, 0, 5, 0, 5}}));
+  // A document met twice in a row, an offset or window, a tensor mask, `|`, two paddings.
+  EXPECT_FALSE(varlen_layout(Mask::documents(torch::tensor({0, 1, 0})), 1, 3, 3).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::causal(1) & lengths, 2, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::causal().sliding_window(2) & lengths, 2, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::from_tensor(torch::ones({4, 6}, torch::kBool)), 2, 4, 6));
+  EXPECT_FALSE(varlen_layout(Mask::causal() | lengths, 2, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(lengths & lengths, 2, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::causal(), 2, 4, 6).has_value());
+}
+
+// Packing puts each segment's tokens in a row of cu_seqlens-delimited buffers (FlashAttention's
+// varlen form) and unpacking puts results back, gradients included; attention on the packed
+// segments (one SDPA call each; on 1.13 its stand-in) answers as the math core, with a row
+// that has no valid key and grouped-query heads.
+TEST(Varlen, PackedSegmentsAnswerAsTheMathCore) {
+  torch::manual_seed(10);
+  const int64_t b = 3, h = 4, g = 2, n = 9, hd = 8;
+  const auto q = torch::randn({b, h, n, hd}), k = torch::randn({b, g, n, hd}),
+             v = torch::randn({b, g, n, hd}), probe = torch::randn({b, h, n, hd});
+  const auto padding = Mask::key_padding(torch::tensor({9, 4, 0}));
+  const auto packed =
+      attnkit::detail::pack_varlen(q, k, v, *attnkit::detail::varlen_layout(padding, b, n, n));
+  EXPECT_EQ(packed.cu_q, (std::vector<int64_t>{0, 9, 18, 27}));
+  EXPECT_EQ(packed.cu_k, (std::vector<int64_t>{0, 9, 13, 13}));
+  EXPECT_EQ(packed.key.sizes(), (std::vector<int64_t>{13, g, hd}));
+  EXPECT_TRUE(torch::equal(packed.key[10], k[1].select(1, 1)));  // row 1's second key
+  EXPECT_TRUE(
+      torch::equal(attnkit::detail::unpack_varlen(packed.query, packed.query_index, b, n), q));
+  const auto ids = torch::tensor({{0, 0, 0, 1, 1, 1, 1, 2, 2}});
+  for (const auto& mask :
+       {padding, Mask::causal() & padding, Mask::documents(ids.expand({b, n}).contiguous()),
+        Mask::documents(ids.expand({b, n}).contiguous(), true)}) {
+    SCOPED_TRACE(mask.to_string());
+    const auto layout = attnkit::detail::varlen_layout(mask, b, n, n);
+    ASSERT_TRUE(layout.has_value());
+    const auto got = output_and_grads(
+        [&](auto& a, auto& c, auto& d) {
+          return attnkit::detail::sdpa_varlen_attention(a, c, d, *layout, 0.0);
+        },
+        q, k, v, probe);
+    const auto expected = output_and_grads(
+        [&](auto& a, auto& c, auto& d) {
+          return F::attention(a, c, d,
+                              F::AttentionOptions().mask(mask).backend(AttentionBackend::kMath));
+        },
+        q, k, v, probe);
+    const char* names[] = {"output", "dq", "dk", "dv"};
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(tensors_close(names[i], got[i], expected[i], agreement(torch::kFloat)));
+  }
+  // On 2.x a demanded fused backend takes this route for these masks (planner.cpp); 1.x's
+  // refuses them (Planner.ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay).
+  if (attnkit::detail::libtorch_has_sdpa()) {
+    F::KernelRecord record;
+    F::attention(q, k, v, F::AttentionOptions().mask(padding).backend(AttentionBackend::kFused));
+    ASSERT_EQ(record.runs().size(), 1u);
+    EXPECT_EQ(record.runs()[0].kernel, "sdpa_varlen");
+  }
 }

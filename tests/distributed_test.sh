@@ -31,6 +31,27 @@ agree() {
     END { exit (n == 0 || bad > 0) }'
 }
 
+# Trains ARGS for STEPS steps on one process and on two ranks (adding the array two_ranks),
+# and passes when the held-out losses after every step agree to TOLERANCE (relative).
+# Usage: ranks_match_one_process NAME STEPS TOLERANCE ARGS...
+ranks_match_one_process() {
+  local name=$1 steps=$2 tolerance=$3 file=${1//[^a-z0-9]/_}
+  shift 3
+  "$train" "$@" --steps "$steps" --eval-every 1 --metrics "$work/$file.1.csv" >/dev/null \
+    2>"$work/err" || fail "$name, one process: $(cat "$work/err")"
+  "$train" "$@" --steps "$steps" --eval-every 1 --metrics "$work/$file.2.csv" --nproc 2 \
+    ${two_ranks[@]+"${two_ranks[@]}"} >/dev/null 2>"$work/err" ||
+    fail "$name, --nproc 2: $(cat "$work/err")"
+  column "$work/$file.1.csv" 2 >"$work/$file.1"
+  column "$work/$file.2.csv" 2 >"$work/$file.2"
+  if [ "$(wc -l <"$work/$file.2")" -eq "$steps" ] && agree "$work/$file.1" "$work/$file.2" "$tolerance"; then
+    pass "$name: 2 ranks match 1 process over $steps steps (held-out loss, $tolerance relative)"
+  else
+    fail "$name: 2 ranks differ from 1 process"
+  fi
+}
+
+two_ranks=()
 base=(--task copy --d-model 32 --heads 4 --threads 1 --quiet --batch-size 64)
 small=("${base[@]}" --device cpu)
 
@@ -60,18 +81,7 @@ fi
 # bfloat16 under autocast: backward writes float32 gradients, which the ranks sum as above.
 # 1e-3, not 1e-5: the ranks' bfloat16 products over half the batch round apart from one
 # process's (4e-5 apart over 30 steps here).
-"$train" "${small[@]}" --steps 30 --eval-every 1 --dtype bfloat16 --autocast \
-  --metrics "$work/one16.csv" >/dev/null 2>"$work/err" || fail "bfloat16 autocast: $(cat "$work/err")"
-"$train" "${small[@]}" --steps 30 --eval-every 1 --dtype bfloat16 --autocast \
-  --metrics "$work/two16.csv" --nproc 2 >/dev/null 2>"$work/err" ||
-  fail "bfloat16 autocast, --nproc 2: $(cat "$work/err")"
-column "$work/one16.csv" 2 >"$work/one16.2"
-column "$work/two16.csv" 2 >"$work/two16.2"
-if [ "$(wc -l <"$work/two16.2")" -eq 30 ] && agree "$work/one16.2" "$work/two16.2" 1e-3; then
-  pass "2 ranks under bfloat16 autocast match 1 process over 30 steps (1e-3 relative)"
-else
-  fail "2 ranks under bfloat16 autocast differ from 1 process"
-fi
+ranks_match_one_process "bfloat16 autocast" 30 1e-3 "${small[@]}" --dtype bfloat16 --autocast
 grep -q "on 2 ranks, gradient allreduce" "$work/out" &&
   pass "rank 0 reports the allreduce's share" || fail "no allreduce share in: $(cat "$work/out")"
 
@@ -206,18 +216,9 @@ fi
 if "$train" "${base[@]}" --device cuda --steps 1 >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
   # Gloo serves CUDA runs through host copies: two ranks sharing the GPU = one process on it.
-  cuda=("${base[@]}" --device cuda --steps 50 --eval-every 1)
-  "$train" "${cuda[@]}" --metrics "$work/gpu1.csv" >/dev/null 2>"$work/err" ||
-    fail "one process on CUDA: $(cat "$work/err")"
-  "$train" "${cuda[@]}" --metrics "$work/gpu2.csv" --nproc 2 --dist-backend gloo \
-    >/dev/null 2>"$work/err" || fail "--nproc 2 --dist-backend gloo on CUDA: $(cat "$work/err")"
-  column "$work/gpu1.csv" 2 >"$work/gpu1.2"
-  column "$work/gpu2.csv" 2 >"$work/gpu2.2"
-  if [ "$(wc -l <"$work/gpu2.2")" -eq 50 ] && agree "$work/gpu1.2" "$work/gpu2.2" 1e-5; then
-    pass "CUDA: 2 ranks (gloo) match 1 process over 50 steps (held-out loss, 1e-5 relative)"
-  else
-    fail "CUDA: 2 ranks (gloo) differ from 1 process"
-  fi
+  two_ranks=(--dist-backend gloo)
+  ranks_match_one_process "CUDA, gloo" 50 1e-5 "${base[@]}" --device cuda
+  two_ranks=()
   if [ "$gpus" -eq 1 ]; then
     # The default backend: NCCL only where each local rank has a GPU, so gloo here.
     "$train" --task copy --d-model 32 --heads 4 --batch-size 64 --steps 2 --device cuda \

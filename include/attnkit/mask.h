@@ -60,7 +60,8 @@ class BlockMask;
 
 namespace detail {
 struct MaskNode;
-}
+struct MaskAccess;  // the kernels' view of a mask's structure (src/core/mask.cpp)
+}  // namespace detail
 
 /// Which keys each query may attend to. A default-constructed Mask masks nothing.
 /// Masks combine with `&` (both allow) and `|` (either allows).
@@ -158,6 +159,7 @@ class Mask {
   torch::Tensor tile_allowed(const Tile& tile, const torch::Device& device) const;
 
  private:
+  friend struct detail::MaskAccess;
   explicit Mask(std::shared_ptr<const detail::MaskNode> node) : node_(std::move(node)) {}
   std::shared_ptr<const detail::MaskNode> node_;
 };

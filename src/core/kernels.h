@@ -9,6 +9,7 @@
 // in the same (b, h, q_idx, kv_idx) terms.
 
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -91,6 +92,48 @@ torch::Tensor ragged_loop_nest_attention(const torch::Tensor& query, const torch
                                          const torch::Tensor& values,
                                          const torch::Tensor& query_offsets,
                                          const torch::Tensor& key_ends, int64_t window);
+
+/// Attention that falls apart into independent dense blocks, FlashAttention's variable-length
+/// form: segment i is queries [q_begin, q_end) of row `batch` against its keys [k_begin,
+/// k_end), causal (query q_begin + t sees keys up to k_begin + t) or not; a query in no
+/// segment sees no key.
+struct VarlenSegment {
+  int64_t batch, q_begin, q_end, k_begin, k_end;
+};
+struct VarlenLayout {
+  std::vector<VarlenSegment> segments;
+  bool causal = false;
+};
+
+/// `mask` on `batch` rows of n queries and m keys as segments, when it is key padding whose
+/// valid keys are a prefix of each row, or documents(ids) whose every document is one run of
+/// tokens in its row, either alone or & causal() (offset 0, no window); else nullopt.
+std::optional<VarlenLayout> varlen_layout(const Mask& mask, int64_t batch, int64_t n, int64_t m);
+
+/// The segments' tokens packed as FlashAttention's varlen kernels take them: queries
+/// (total_q, h, hd), keys (total_k, g, hd), values (total_k, g, hd_v), segment i at rows
+/// [cu_q[i], cu_q[i + 1]) and [cu_k[i], cu_k[i + 1]); query_index (total_q) is each packed
+/// query's row in the (b * n) tokens, for unpacking.
+struct PackedVarlen {
+  torch::Tensor query, key, value, query_index;
+  std::vector<int64_t> cu_q, cu_k;
+};
+
+/// Packs (b, h, n, hd) queries and (b, g, m, hd) keys and values by `layout`.
+PackedVarlen pack_varlen(const torch::Tensor& query, const torch::Tensor& key,
+                         const torch::Tensor& value, const VarlenLayout& layout);
+
+/// A packed (total_q, h, hd_v) result back to (b, h, n, hd_v); queries in no segment get
+/// zeros. Differentiable.
+torch::Tensor unpack_varlen(const torch::Tensor& packed, const torch::Tensor& query_index,
+                            int64_t batch, int64_t n);
+
+/// Attention by `layout` on LibTorch's SDPA, one dense call per segment on the packed tokens
+/// (LibTorch 2.x; the CPU's stand-in for FlashAttention's varlen kernel), default scale,
+/// dropout_p (0: none); a segment without keys gives zeros.
+torch::Tensor sdpa_varlen_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                    const torch::Tensor& value, const VarlenLayout& layout,
+                                    double dropout_p);
 
 /// Whether this LibTorch has its own scaled_dot_product_attention (2.0 and later).
 bool libtorch_has_sdpa();

@@ -147,6 +147,49 @@ std::string sdpa_lacks(const AttentionCall& call) {
   return fused_lacks(call);
 }
 
+// What the SDPA routes for other masks (sdpa_varlen, sdpa_masked) lack on any mask: "" or why.
+std::string sdpa_routes_lack(const AttentionCall& call) {
+  if (call.with_weights)
+    return "the fused backend returns no weights (the math backend builds them)";
+  if (!has_default_scale(call)) {
+    return c10::str("the fused backend has only the default scale 1/sqrt(head_dim), not ",
+                    *call.options.scale());
+  }
+  return "";
+}
+
+// Whether a route that the CPU runs slower than the chunked kernel may take `call`: only a
+// demanded kFused there (docs/benchmarks.md), anything on other devices.
+bool cpu_route_allowed(const AttentionCall& call) {
+  return !call.query.is_cpu() ||
+         (!call.backend_is_preference && call.options.backend() == AttentionBackend::kFused);
+}
+
+std::string sdpa_varlen_lacks(const AttentionCall& call) {
+  if (!libtorch_has_sdpa())
+    return "LibTorch 1.x has no SDPA to run variable-length segments on";
+  if (call.options.score_mod())
+    return "the variable-length route has no score functions (score_mod)";
+  if (call.step != StepKind::kSequence)
+    return "the variable-length route serves whole sequences";
+  auto why = sdpa_routes_lack(call);
+  if (!why.empty())
+    return why;
+  // One SDPA call per segment: on the CPU no faster than the chunked kernel
+  // (docs/benchmarks.md), on CUDA unmeasured against the masked route (many small launches).
+  // Checked first: it spares kAuto the layout's host work.
+  if (call.backend_is_preference || call.options.backend() != AttentionBackend::kFused)
+    return "the variable-length route runs only where kFused is demanded";
+  const auto mask = effective_mask(call);
+  if (!varlen_layout(mask, call.query.size(0), query_tokens(call), call.key.size(2))) {
+    return c10::str(
+        "the variable-length route takes key padding (valid keys first) or documents (each "
+        "one run of tokens), alone or with causal(), not ",
+        mask.to_string());
+  }
+  return "";
+}
+
 // The most bytes of the dense mask that the masked SDPA route builds: bools (batch or 1) x n x
 // m, or with an additive score function floats (batch or 1) x heads x n x m.
 constexpr int64_t kDenseMaskBudget = int64_t{128} << 20;
@@ -163,12 +206,9 @@ std::string sdpa_masked_lacks(const AttentionCall& call) {
     return "the fused backend has no score functions (score_mod) but additive biases on "
            "LibTorch 2.x (score_mods::alibi, score_mods::relative_position_bias)";
   }
-  if (call.with_weights)
-    return "the fused backend returns no weights (the math backend builds them)";
-  if (!has_default_scale(call)) {
-    return c10::str("the fused backend has only the default scale 1/sqrt(head_dim), not ",
-                    *call.options.scale());
-  }
+  auto why = sdpa_routes_lack(call);
+  if (!why.empty())
+    return why;
   const auto mask = effective_mask(call);
   if (!libtorch_has_sdpa()) {
     if (has_score_mod) {
@@ -190,8 +230,7 @@ std::string sdpa_masked_lacks(const AttentionCall& call) {
   }
   // docs/benchmarks.md: the chunked kernel ran document and padding masks 1.1-5.5x faster
   // than LibTorch 2.6's CPU SDPA with the dense mask.
-  if (call.query.is_cpu() &&
-      (call.backend_is_preference || call.options.backend() == AttentionBackend::kAuto)) {
+  if (!cpu_route_allowed(call)) {
     return "on the CPU the chunked kernel runs masks and score functions faster than SDPA "
            "with a dense mask; demand kFused for this route";
   }
@@ -316,6 +355,12 @@ torch::Tensor run_kernel(Kernel kernel, const AttentionCall& call) {
       const auto mask = fused_mask();
       return sdpa_attention(q, k, v, mask.causal, mask.query_offset, mask.window, dropout_p);
     }
+    case Kernel::kSdpaVarlen: {
+      const auto layout = varlen_layout(effective_mask(call), q.size(0), q.size(2), k.size(2));
+      TORCH_CHECK(layout.has_value(), "[planner] the variable-length route needs segments, got ",
+                  effective_mask(call).to_string());
+      return sdpa_varlen_attention(q, k, v, *layout, dropout_p);
+    }
     case Kernel::kSdpaMasked: {
       const int64_t b = q.size(0), h = q.size(1), n = q.size(2), m = k.size(2);
       const auto mask = effective_mask(call);
@@ -352,6 +397,7 @@ const std::vector<KernelSpec>& kernel_table() {
        packed_loop_nest_lacks},
       {Kernel::kLoopNest, "loop_nest", AttentionBackend::kFused, loop_nest_lacks},
       {Kernel::kSdpa, "sdpa", AttentionBackend::kFused, sdpa_lacks},
+      {Kernel::kSdpaVarlen, "sdpa_varlen", AttentionBackend::kFused, sdpa_varlen_lacks},
       {Kernel::kSdpaMasked, "sdpa_masked", AttentionBackend::kFused, sdpa_masked_lacks},
       {Kernel::kChunked, "chunked", AttentionBackend::kChunked, chunked_lacks},
       {Kernel::kMath, "math", AttentionBackend::kMath, math_lacks},

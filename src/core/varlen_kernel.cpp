@@ -1,0 +1,85 @@
+// The variable-length route (kernels.h): attention whose mask falls apart into dense
+// segments (key padding with a valid prefix, packed documents) packed as FlashAttention's
+// varlen kernels take them, run one dense SDPA call per segment, and unpacked. The packing
+// is what a CUDA varlen call would take (cu_seqlens); the per-segment loop is the CPU's.
+
+#include <vector>
+
+#include "core/kernels.h"
+
+namespace attnkit::detail {
+
+namespace {
+
+// (b, heads, tokens, d) -> (b * tokens, heads, d), a token per row, then the rows `index`.
+torch::Tensor packed_rows(const torch::Tensor& x, const torch::Tensor& index) {
+  return x.transpose(1, 2).reshape({-1, x.size(1), x.size(3)}).index_select(0, index);
+}
+
+// Rows [begin, end) of a packed (total, heads, d) buffer as one (1, heads, end - begin, d)
+// sequence.
+torch::Tensor as_sequence(const torch::Tensor& packed, int64_t begin, int64_t end) {
+  return packed.slice(0, begin, end).transpose(0, 1).unsqueeze(0);
+}
+
+}  // namespace
+
+PackedVarlen pack_varlen(const torch::Tensor& query, const torch::Tensor& key,
+                         const torch::Tensor& value, const VarlenLayout& layout) {
+  const int64_t n = query.size(2), m = key.size(2);
+  PackedVarlen packed;
+  packed.cu_q.push_back(0);
+  packed.cu_k.push_back(0);
+  std::vector<int64_t> query_rows, key_rows;
+  for (const auto& s : layout.segments) {
+    for (int64_t i = s.q_begin; i < s.q_end; ++i)
+      query_rows.push_back(s.batch * n + i);
+    for (int64_t j = s.k_begin; j < s.k_end; ++j)
+      key_rows.push_back(s.batch * m + j);
+    packed.cu_q.push_back(static_cast<int64_t>(query_rows.size()));
+    packed.cu_k.push_back(static_cast<int64_t>(key_rows.size()));
+  }
+  packed.query_index = torch::tensor(query_rows, torch::kInt64).to(query.device());
+  const auto key_index = torch::tensor(key_rows, torch::kInt64).to(query.device());
+  packed.query = packed_rows(query, packed.query_index);
+  packed.key = packed_rows(key, key_index);
+  packed.value = packed_rows(value, key_index);
+  return packed;
+}
+
+torch::Tensor unpack_varlen(const torch::Tensor& packed, const torch::Tensor& query_index,
+                            int64_t batch, int64_t n) {
+  const int64_t heads = packed.size(1), d = packed.size(2);
+  const auto rows =
+      torch::zeros({batch * n, heads, d}, packed.options()).index_copy(0, query_index, packed);
+  // (b * n, h, d) -> (b, n, h, d) -> (b, h, n, d)
+  return rows.view({batch, n, heads, d}).transpose(1, 2);
+}
+
+torch::Tensor sdpa_varlen_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                    const torch::Tensor& value, const VarlenLayout& layout,
+                                    double dropout_p) {
+  const auto packed = pack_varlen(query, key, value, layout);
+  const int64_t heads = query.size(1), value_dim = value.size(3);
+  std::vector<torch::Tensor> outputs;  // each (segment's queries, h, hd_v)
+  for (size_t i = 0; i + 1 < packed.cu_q.size(); ++i) {
+    const int64_t q0 = packed.cu_q[i], q1 = packed.cu_q[i + 1];
+    const int64_t k0 = packed.cu_k[i], k1 = packed.cu_k[i + 1];
+    if (q0 == q1)
+      continue;
+    if (k0 == k1) {  // no key to see
+      outputs.push_back(torch::zeros({q1 - q0, heads, value_dim}, query.options()));
+      continue;
+    }
+    const auto out =
+        sdpa_attention(as_sequence(packed.query, q0, q1), as_sequence(packed.key, k0, k1),
+                       as_sequence(packed.value, k0, k1), layout.causal,
+                       /*query_offset=*/0, /*window_size=*/0, dropout_p);
+    outputs.push_back(out.squeeze(0).transpose(0, 1));  // (1, h, len, hd_v) -> (len, h, hd_v)
+  }
+  const auto all = outputs.empty() ? torch::zeros({0, heads, value_dim}, query.options())
+                                   : torch::cat(outputs, 0);
+  return unpack_varlen(all, packed.query_index, query.size(0), query.size(2));
+}
+
+}  // namespace attnkit::detail
