@@ -8,8 +8,8 @@
 #     same measure;
 #   speed: the chunked attention core (b 8, n 1,024, causal, d 768, 12 heads) in bfloat16
 #     against float32, forward and forward+backward medians, --turns alternating turns;
-#   training: attnkit-train's default text task in bfloat16 against float32 (bits per byte,
-#     tokens/s) and the copy task's accuracy in bfloat16.
+#   training: attnkit-train's default text task and copy task in float32, in bfloat16 with a
+#     working copy and in bfloat16 under autocast (bits per byte or accuracy, tokens/s).
 # Usage: scripts/bench_16bit.sh [--libtorch2] [--tokens 4096] [--threads 2] [--turns 3]
 #                               [--skip precision,speed,training]
 set -euo pipefail
@@ -94,10 +94,14 @@ fi
 if runs training; then
   train=build/apps/attnkit-train
   scripts/build.sh --target attnkit-train >/dev/null
-  for dtype in float32 bfloat16; do
-    echo "attnkit-train --task text --dtype $dtype --threads $threads (1.13):"
-    "$train" --task text --dtype "$dtype" --threads "$threads" | grep -E "^done|^corpus"
+  for precision in "float32" "bfloat16" "bfloat16 --autocast"; do
+    echo "attnkit-train --task text --dtype $precision --threads $threads (1.13):"
+    # shellcheck disable=SC2086  # "bfloat16 --autocast" is two words
+    "$train" --task text --dtype $precision --threads "$threads" | grep -E "^done|^corpus"
   done
-  echo "attnkit-train --dtype bfloat16 (copy) --threads $threads (1.13):"
-  "$train" --dtype bfloat16 --threads "$threads" | grep -E "^done"
+  for precision in "float32" "bfloat16" "bfloat16 --autocast"; do
+    echo "attnkit-train --dtype $precision (copy) --threads $threads (1.13):"
+    # shellcheck disable=SC2086
+    "$train" --dtype $precision --threads "$threads" | grep -E "^done"
+  done
 fi

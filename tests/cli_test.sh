@@ -193,6 +193,9 @@ else
   expect_stdout "--dtype float16 with loss scaling" "accuracy 100\.00%" \
     "dtype +\| float16 forward and backward; float32 weights and AdamW state, dynamic loss scaling" \
     -- --dtype float16 --steps 300 --eval-every 300 --threads 1
+  expect_stdout "--dtype float16 --autocast with loss scaling" "accuracy 100\.00%" \
+    "dtype +\| float16 autocast .*, dynamic loss scaling" \
+    -- --dtype float16 --autocast --steps 300 --eval-every 300 --threads 1
 fi
 
 # SIGINT: finishes the step, saves, exits 130.
