@@ -1348,6 +1348,10 @@ TEST(Varlen, PaddingAndDocumentsFallApartIntoSegments) {
   EXPECT_FALSE(varlen_layout(Mask::causal() | lengths, 2, 4, 6).has_value());
   EXPECT_FALSE(varlen_layout(lengths & lengths, 2, 4, 6).has_value());
   EXPECT_FALSE(varlen_layout(Mask::causal(), 2, 4, 6).has_value());
+  // Masks that do not fit the problem (Mask::check refuses them) do not fall apart either.
+  EXPECT_FALSE(varlen_layout(lengths, 3, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::key_padding(torch::tensor({7, 1})), 2, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::documents(torch::tensor({0, 0, 1})), 1, 4, 4).has_value());
 }
 
 // Packing puts each segment's tokens in a row of cu_seqlens-delimited buffers (FlashAttention's

@@ -349,10 +349,22 @@ std::optional<VarlenLayout> varlen_layout(const Mask& mask, int64_t batch, int64
   }
   if ((padding == nullptr) == (documents == nullptr))
     return std::nullopt;
+  // Masks that do not fit the problem are refused by Mask::check; here they only do not fall
+  // apart.
+  if (padding != nullptr &&
+      (padding->lengths.defined() ? padding->lengths.size(0) : padding->padding.size(0)) != batch) {
+    return std::nullopt;
+  }
+  if (documents != nullptr && (documents->ids.size(-1) != n ||
+                               (documents->ids.dim() == 2 && documents->ids.size(0) != batch))) {
+    return std::nullopt;
+  }
+  if (padding != nullptr && !padding->lengths.defined() && padding->padding.size(1) != m)
+    return std::nullopt;
   if (padding != nullptr) {
     for (int64_t r = 0; r < batch; ++r) {
       const int64_t valid = valid_prefix(*padding, r, m);
-      if (valid < 0)
+      if (valid < 0 || valid > m)
         return std::nullopt;
       layout.segments.push_back({r, 0, n, 0, valid});
     }
