@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <set>
 #include <tuple>
 
 #include <sys/wait.h>
@@ -1041,6 +1042,7 @@ class MaskReferenceDevices : public attnkit::testing::DeviceTest {};
 TEST_P(MaskReferenceDevices, EveryBackendMatchesThePythonReferenceInFloat64AndFloat32) {
   const auto golden = mask_golden();
   int64_t cases = 0, runs = 0;
+  F::KernelRecord record;  // which routes the reference checked
   for (const auto& item : golden) {
     const auto& key = item.key();  // case/<shape>/<mask>/<score>/out
     if (key.rfind("case/", 0) != 0 || key.size() < 4 || key.substr(key.size() - 4) != "/out")
@@ -1092,6 +1094,16 @@ TEST_P(MaskReferenceDevices, EveryBackendMatchesThePythonReferenceInFloat64AndFl
   }
   EXPECT_EQ(cases, 80) << "the reference file's cases";
   EXPECT_GT(runs, cases * 6);  // math, chunked and auto on both dtypes, fused where it can
+  std::set<std::string> kernels;
+  for (const auto& run : record.runs())
+    kernels.insert(run.kernel);
+  // On 2.x the demanded fused backend runs padding and documents as segments and the other
+  // masks and additive biases through SDPA's dense mask: both are checked here.
+  if (TORCH_VERSION_MAJOR >= 2) {
+    EXPECT_EQ(kernels.count("sdpa_varlen"), 1u);
+    EXPECT_EQ(kernels.count("sdpa_masked"), 1u);
+  }
+  EXPECT_EQ(kernels.count("chunked"), 1u);
 }
 
 ATTNKIT_INSTANTIATE_DEVICE_TESTS(MaskReferenceDevices);
