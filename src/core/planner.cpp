@@ -177,7 +177,7 @@ std::string sdpa_varlen_lacks(const AttentionCall& call) {
     return why;
   // One SDPA call per segment: on the CPU mostly slower than the chunked kernel (1.1-1.6x
   // forward+backward; docs/benchmarks.md), on CUDA unmeasured against the masked route.
-  // Checked first: it spares kAuto the layout's host work.
+  // Checked before the layout, whose host work kAuto is spared.
   if (call.backend_is_preference || call.options.backend() != AttentionBackend::kFused)
     return "the variable-length route runs only where kFused is demanded";
   const auto mask = effective_mask(call);
