@@ -12,10 +12,13 @@
 #                      in build-baseline/ from a git worktree, against this tree's, run in
 #                      turns (--turns, 7 by default), medians of the turns: the chunked core
 #                      (b 8, n 1,024, causal), toy decode (the text model) and GPT-2 small decode
-# Usage: scripts/bench_block_mask.sh [--libtorch2] [--threads 1,2] [--repeats 3]
-#                                    [--long-tokens 16384] [--baseline REV] [--turns 7]
+# Usage: scripts/bench_block_mask.sh [--libtorch2 | --only-libtorch2] [--threads 1,2]
+#                                    [--repeats 3] [--long-tokens 16384] [--baseline REV]
+#                                    [--turns 7] [--only-regression]
 #   --libtorch2  the same on LibTorch 2.6 too (build-libtorch2/, in the Debian 13 root); the
 #                baseline is then built there as well (build-baseline-libtorch2/)
+#   --only-libtorch2   LibTorch 2.6 alone
+#   --only-regression  with --baseline: the no-regression turns alone
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/bench_setup.sh
@@ -26,10 +29,14 @@ repeats=3
 long_tokens=16384
 baseline=""
 turns=7
+only_libtorch2=false
+only_regression=false
 while (($#)); do
   case "$1" in
     --threads) thread_counts=${2:?--threads needs a list, e.g. 1,2}; shift 2 ;;
     --libtorch2) libtorch2=true; shift ;;
+    --only-libtorch2) libtorch2=true only_libtorch2=true; shift ;;
+    --only-regression) only_regression=true; shift ;;
     --repeats) repeats=${2:?--repeats needs a number}; shift 2 ;;
     --long-tokens) long_tokens=${2:?--long-tokens needs a number}; shift 2 ;;
     --baseline) baseline=${2:?--baseline needs a git revision}; shift 2 ;;
@@ -37,6 +44,10 @@ while (($#)); do
     *) echo "bench_block_mask: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
+if $only_regression && [ -z "$baseline" ]; then
+  echo "bench_block_mask: --only-regression needs --baseline REV" >&2
+  exit 2
+fi
 bench_setup "$libtorch2" bench-block-mask
 scripts/build.sh --target attnkit-decode-bench >/dev/null
 $libtorch2 && scripts/debian13.sh bash -c \
@@ -46,6 +57,7 @@ declare -A run_in=([1.13]="" [2.6]="scripts/debian13.sh")
 declare -A build_of=([1.13]=build [2.6]=build-libtorch2)
 legs=(1.13)
 $libtorch2 && legs+=(2.6)
+$only_libtorch2 && legs=(2.6)
 
 # REV's programs, built once per leg in build-baseline[-libtorch2]/ from a worktree.
 if [ -n "$baseline" ]; then
@@ -83,7 +95,8 @@ ratio() { "$python" -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv
 median() { "$python" -c "import statistics, sys; print('%.2f' % statistics.median(map(float, sys.argv[1:])))" "$@"; }
 
 last_threads=${thread_counts##*,}
-for leg in "${legs[@]}"; do
+$only_regression && legs_of_targets=() || legs_of_targets=("${legs[@]}")
+for leg in ${legs_of_targets[@]+"${legs_of_targets[@]}"}; do
   dir=${build_of[$leg]}
   for threads in ${thread_counts//,/ }; do
     echo "== LibTorch $leg, $threads thread(s); medians in ms of $repeats (the long case: 1) =="
