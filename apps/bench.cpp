@@ -149,11 +149,11 @@ bool is_core_only(const std::string& name) {
 }
 
 // Whether `name` runs one of attnkit's CPU kernels, which skip the keys above the causal
-// diagonal: fused-core always, the fused backend on LibTorch 1.x on CPU (its loop-nest kernel
+// diagonal: fused-core on the CPU, the fused backend on LibTorch 1.x on CPU (its loop-nest kernel
 // or, past that kernel's tile, the chunked one).
 bool runs_attnkit_fused_kernel(const std::string& name, const torch::TensorOptions& options) {
   if (name == "fused-core")
-    return true;
+    return options.device().is_cpu();
   return name == "fused" && TORCH_VERSION_MAJOR < 2 && options.device().is_cpu();
 }
 
@@ -282,9 +282,11 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
     } else {
       impl = {m.ptr(), [m](const torch::Tensor& x) mutable { return m(x); }};
     }
-  } else if (is_core_only(name) && (c.mask != "module" || c.score != "none" || c.layers > 1)) {
+  } else if (is_core_only(name) && (c.mask != "module" || c.score != "none" || c.layers > 1 ||
+                                    !options.device().is_cpu())) {
     // x (b, n, d) viewed as (b, h, n, hd) serves as query, key and value; with --layers L,
-    // L calls in a row, each on the last one's output.
+    // L calls in a row, each on the last one's output. Off the CPU, fused-core is the fused
+    // backend demanded (the loop-nest kernel is the CPU's).
     namespace F = attnkit::functional;
     const auto mask = make_mask(c, options.device());
     const bool per_step = c.block_mask == "per-step" && !mask.is_none();
@@ -371,6 +373,7 @@ struct Result {
   std::string pass;
   double median_ms, min_ms, max_ms;
   double model_gflops, executed_gflops, sgemm_fraction, peak_memory_mb;
+  std::string kernels;  // the attention kernels that the planner ran in one pass, in order
 };
 
 Result measure(const std::string& name, bool backward, const BenchConfig& c,
@@ -392,12 +395,22 @@ Result measure(const std::string& name, bool backward, const BenchConfig& c,
   if (x.is_cuda())
     torch::cuda::synchronize();
   reset_peak_rss();
-  for (int64_t i = 0; i < c.warmup; ++i)
+  // The first run, warm-up or timed, records which kernels ran (a few pushes to a vector).
+  std::string kernels;
+  const auto run_recorded = [&](bool first) {
+    if (!first)
+      return run_once();
+    attnkit::functional::KernelRecord record;
     run_once();
+    for (const auto& run : record.runs())
+      kernels += (kernels.empty() ? "" : ",") + run.kernel;
+  };
+  for (int64_t i = 0; i < c.warmup; ++i)
+    run_recorded(i == 0);
   std::vector<double> ms;
   for (int64_t i = 0; i < c.repeats; ++i) {
     const auto start = Clock::now();
-    run_once();
+    run_recorded(c.warmup == 0 && i == 0);
     ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
   }
   std::sort(ms.begin(), ms.end());
@@ -416,7 +429,8 @@ Result measure(const std::string& name, bool backward, const BenchConfig& c,
           model_gflops,
           executed_gflops,
           model_gflops / sgemm,
-          x.is_cuda() ? -1.0 : peak_rss_mb()};
+          x.is_cuda() ? -1.0 : peak_rss_mb(),
+          kernels};
 }
 
 void print_table(const std::vector<Result>& results) {
@@ -433,6 +447,13 @@ void print_table(const std::vector<Result>& results) {
                     << 100 * r.sgemm_fraction << std::setw(11) << std::setprecision(0)
                     << r.peak_memory_mb << "\n";
   }
+  // Which of the planner's kernels each implementation ran (functional::KernelRecord).
+  Line line(std::cout);
+  line << "kernels:";
+  for (size_t i = 0; i < results.size(); i += 2)
+    line << " " << results[i].name << "="
+         << (results[i].kernels.empty() ? "-" : results[i].kernels);
+  line << "\n";
 }
 
 // The median time of one create_block_mask of --mask for (b, 1, n, n) (the mask itself is
@@ -576,7 +597,8 @@ int main(int argc, char** argv) {
       "not halved for paths that compute the masked half: executed FLOPs); backward 2x "
       "forward for the GEMMs, 2.5x for the core. math-core, chunked-core and fused-core time the "
       "attention core alone (functional::attention with the math and chunked backends, and "
-      "attnkit's loop-nest kernel) on x viewed as (b, h, n, hd): no projections, core FLOPs only. "
+      "attnkit's loop-nest kernel; on CUDA fused-core is functional::attention with the fused "
+      "backend demanded) on x viewed as (b, h, n, hd): no projections, core FLOPs only. "
       "With "
       "--window W the core counts the keys each query sees (about W each; executed FLOPs "
       "only for chunked and the fused kernel, which skip the keys outside the window).");

@@ -135,8 +135,36 @@ torch::Tensor sdpa_varlen_attention(const torch::Tensor& query, const torch::Ten
                                     const torch::Tensor& value, const VarlenLayout& layout,
                                     double dropout_p);
 
+/// Attention by `layout` on LibTorch's flash kernel (flash_attention): the packed segments in
+/// one call, or two where causal segments have more queries than keys; `scale` on the scores.
+torch::Tensor flash_varlen_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                     const torch::Tensor& value, const VarlenLayout& layout,
+                                     double scale, double dropout_p);
+
 /// Whether this LibTorch has its own scaled_dot_product_attention (2.0 and later).
 bool libtorch_has_sdpa();
+
+/// Whether LibTorch's FlashAttention-2 kernel (a CUDA build, 2.6 and later, a GPU of sm80 or
+/// later) runs on `device`: probed once per GPU.
+bool flash_kernel_available(const torch::Device& device);
+
+/// Variable-length segments as FlashAttention takes them: int32 offsets (segments + 1) on the
+/// inputs' device and the longest segment; cu_q undefined: the batched form.
+struct FlashSegments {
+  torch::Tensor cu_q, cu_k;
+  int64_t max_q = 0, max_k = 0;
+};
+
+/// LibTorch's flash kernel with autograd, in the inputs' 16-bit dtype (it keeps its
+/// statistics and accumulators in float32), dropout drawn on the device. Batched: (b, h, n,
+/// hd) queries and (b, g, m, hd) keys and values -> (b, h, n, hd); with segments: packed
+/// (total_q, h, hd) and (total_k, g, hd) -> (total_q, h, hd). Causal and windows align the
+/// last query with the last key of each segment (bottom-right); window > 0: each query sees
+/// itself and the window - 1 keys before it. Checks are the caller's (flash_kernel_available,
+/// g dividing h, hd a multiple of 8 up to 256, equal hd for values).
+torch::Tensor flash_attention(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, const FlashSegments& segments,
+                              bool causal, int64_t window, double scale, double dropout_p);
 
 /// LibTorch's autocast on this thread for one device type: whether it is on, and its dtype.
 struct AutocastState {

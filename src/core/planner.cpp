@@ -147,6 +147,64 @@ std::string sdpa_lacks(const AttentionCall& call) {
   return fused_lacks(call);
 }
 
+bool is_16bit(const torch::Tensor& tensor) {
+  return tensor.scalar_type() == torch::kBFloat16 || tensor.scalar_type() == torch::kHalf;
+}
+
+// What LibTorch's flash kernel runs of a call: the batched form with a causal window or at the
+// offset m - n (its bottom-right alignment), or the call's segments. Plain causal and no mask
+// are SDPA's, which runs the same kernel.
+struct FlashPlan {
+  int64_t window = 0;
+  std::optional<VarlenLayout> layout;
+};
+
+std::optional<FlashPlan> flash_plan(const AttentionCall& call) {
+  const auto mask = effective_mask(call);
+  const int64_t n = query_tokens(call), m = call.key.size(2);
+  if (const auto causal = as_causal(mask)) {
+    if (!causal->causal || (causal->window == 0 && causal->query_offset == 0))
+      return std::nullopt;
+    if (n > m || causal->query_offset != m - n)
+      return std::nullopt;
+    return FlashPlan{causal->window, std::nullopt};
+  }
+  if (call.step != StepKind::kSequence)
+    return std::nullopt;
+  auto layout = varlen_layout(mask, call.query.size(0), n, m);
+  if (!layout)
+    return std::nullopt;
+  return FlashPlan{0, std::move(layout)};
+}
+
+std::string flash_lacks(const AttentionCall& call) {
+  const auto &q = call.query, &k = call.key, &v = call.value;
+  if (!q.is_cuda())
+    return "LibTorch's flash kernel runs on CUDA only";
+  if (!is_16bit(q) || k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type())
+    return "LibTorch's flash kernel takes bfloat16 or float16 inputs of one dtype";
+  const int64_t hd = q.size(3);
+  if (hd % 8 != 0 || hd > 256 || v.size(3) != hd) {
+    return c10::str("LibTorch's flash kernel takes head sizes that are multiples of 8 up to 256, ",
+                    "equal for values, not ", hd, " and ", v.size(3));
+  }
+  if (call.options.score_mod())
+    return "LibTorch's flash kernel has no score functions (score_mod)";
+  if (call.with_weights)
+    return "the fused backend returns no weights (the math backend builds them)";
+  if (!flash_plan(call)) {
+    return c10::str(
+        "the flash route takes sliding windows and causal masks at the offset m - n, and key "
+        "padding or documents alone or with causal(), not ",
+        effective_mask(call).to_string());
+  }
+  if (!flash_kernel_available(q.device())) {
+    return "LibTorch's flash kernel is not in this LibTorch (a CUDA build, 2.6 or later) or "
+           "not on this GPU (sm80 or later)";
+  }
+  return "";
+}
+
 // What the SDPA routes for other masks (sdpa_varlen, sdpa_masked) lack on any mask: "" or why.
 std::string sdpa_routes_lack(const AttentionCall& call) {
   if (call.with_weights)
@@ -351,6 +409,16 @@ torch::Tensor run_kernel(Kernel kernel, const AttentionCall& call) {
       const auto mask = fused_mask();
       return loop_nest_attention(q, k, v, mask.causal, mask.query_offset, mask.window, dropout_p);
     }
+    case Kernel::kFlash: {
+      const auto plan = flash_plan(call);
+      TORCH_CHECK(plan.has_value(), "[planner] the flash route cannot run ",
+                  effective_mask(call).to_string());
+      const double scale = call.options.scale().value_or(default_scale(q.size(3)));
+      if (plan->layout)
+        return flash_varlen_attention(q, k, v, *plan->layout, scale, dropout_p);
+      return flash_attention(q, k, v, FlashSegments{}, /*causal=*/true, plan->window, scale,
+                             dropout_p);
+    }
     case Kernel::kSdpa: {
       const auto mask = fused_mask();
       return sdpa_attention(q, k, v, mask.causal, mask.query_offset, mask.window, dropout_p);
@@ -396,6 +464,7 @@ const std::vector<KernelSpec>& kernel_table() {
       {Kernel::kPackedLoopNest, "packed_loop_nest", AttentionBackend::kFused,
        packed_loop_nest_lacks},
       {Kernel::kLoopNest, "loop_nest", AttentionBackend::kFused, loop_nest_lacks},
+      {Kernel::kFlash, "flash", AttentionBackend::kFused, flash_lacks},
       {Kernel::kSdpa, "sdpa", AttentionBackend::kFused, sdpa_lacks},
       {Kernel::kSdpaVarlen, "sdpa_varlen", AttentionBackend::kFused, sdpa_varlen_lacks},
       {Kernel::kSdpaMasked, "sdpa_masked", AttentionBackend::kFused, sdpa_masked_lacks},
@@ -449,13 +518,9 @@ const KernelSpec& plan_in_its_dtype(const AttentionCall& call) {
   return *spec;
 }
 
-bool is_16bit(const torch::Tensor& tensor) {
-  return tensor.scalar_type() == torch::kBFloat16 || tensor.scalar_type() == torch::kHalf;
-}
-
 // Whether a call is computed in float32 and its result rounded once to its 16-bit dtype:
-// every 16-bit call but those that LibTorch's CUDA SDPA runs, whose kernels keep their
-// statistics and accumulators in float32 themselves. attnkit's kernels and LibTorch's CPU
+// every 16-bit call but those that LibTorch's CUDA SDPA or flash kernel runs, which keep
+// their statistics and accumulators in float32 themselves. attnkit's kernels and LibTorch's CPU
 // ops would keep the scores, the softmax statistics, the accumulators and the gradients in
 // the 16-bit dtype (and 1.13 has no float16 matrix product on the CPU at all).
 bool runs_in_float32(const AttentionCall& call) {
@@ -464,7 +529,7 @@ bool runs_in_float32(const AttentionCall& call) {
   if (!call.query.is_cuda())
     return true;
   const auto* spec = first_claiming(call, call.options.backend());
-  return spec == nullptr || spec->kernel != Kernel::kSdpa;
+  return spec == nullptr || (spec->kernel != Kernel::kSdpa && spec->kernel != Kernel::kFlash);
 }
 
 // The call on copies of its inputs in `dtype` (each a no-op where it has it already);

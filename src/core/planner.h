@@ -57,6 +57,7 @@ enum class Kernel {
   kRaggedLoopNest,  // a ragged multi-token step in one loop nest (CPU, small)
   kPackedLoopNest,  // the loop nest on a packed QKV projection (CPU, small, LibTorch 1.x)
   kLoopNest,        // the loop nest on split heads (CPU, small, LibTorch 1.x)
+  kFlash,           // LibTorch's flash kernel: windows, segments (CUDA, 16-bit, 2.6+)
   kSdpa,            // LibTorch's SDPA (its stand-in on 1.13)
   kSdpaVarlen,      // key padding or packed documents as dense segments on SDPA (2.x)
   kSdpaMasked,      // LibTorch's SDPA with the call's mask made dense (2.x)
@@ -67,7 +68,7 @@ enum class Kernel {
 /// A kernel as the planner sees it: which backend it serves and what it cannot run.
 struct KernelSpec {
   Kernel kernel;
-  /// "decode", "ragged_loop_nest", "packed_loop_nest", "loop_nest", "sdpa", "sdpa_varlen",
+  /// "decode", "ragged_loop_nest", "packed_loop_nest", "loop_nest", "flash", "sdpa", "sdpa_varlen",
   /// "sdpa_masked", "chunked", "math".
   const char* name;
   /// The backend whose choice it serves; kAuto: every backend (the inference kernels).

@@ -5,11 +5,15 @@
 // (named per device type until 2.4, by a device-type argument since) are read and set here.
 //
 // From 2.5 on, LibTorch's CPU flash kernel is run with the BLAS pinned to one thread where
-// it would oversubscribe the cores (docs/threads.md).
+// it would oversubscribe the cores (docs/threads.md). From 2.6 on, a CUDA build's private
+// FlashAttention-2 op (at::_flash_attention_forward, with its autograd formula) serves
+// variable-length segments and sliding windows (flash_kernel_available, flash_attention).
 
 #include <array>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <vector>
 
 #include <ATen/autocast_mode.h>
@@ -21,6 +25,10 @@
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
 #include <ATen/SDPBackend.h>
+#endif
+// The flash op's window arguments came in 2.6.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
+#define ATTNKIT_HAS_FLASH_OP 1
 #endif
 
 namespace attnkit::detail {
@@ -123,6 +131,64 @@ torch::Tensor run_sdpa(const torch::Tensor& query, const torch::Tensor& key,
 
 bool libtorch_has_sdpa() {
   return TORCH_VERSION_MAJOR >= 2;
+}
+
+bool flash_kernel_available(const torch::Device& device) {
+#ifdef ATTNKIT_HAS_FLASH_OP
+  if (!device.is_cuda())
+    return false;
+  static std::mutex mutex;
+  static std::map<c10::DeviceIndex, bool> known;  // per GPU: its architecture decides
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto index = device.has_index() ? device.index() : c10::DeviceIndex(0);
+  const auto found = known.find(index);
+  if (found != known.end())
+    return found->second;
+  // One probe of 8 tokens: LibTorch refuses where it was built without flash or the GPU
+  // lacks it (before sm80).
+  bool works = true;
+  try {
+    const torch::NoGradGuard no_grad;
+    const auto on = torch::TensorOptions().device(torch::Device(torch::kCUDA, index));
+    const auto tokens = torch::zeros({8, 1, 8}, on.dtype(torch::kBFloat16));
+    const auto cu = torch::tensor({0, 8}, torch::kInt32).to(on.device());
+    at::_flash_attention_forward(tokens, tokens, tokens, cu, cu, 8, 8, 0.0,
+                                 /*is_causal=*/false, /*return_debug_mask=*/false);
+  } catch (const c10::Error&) {
+    works = false;
+  }
+  known[index] = works;
+  return works;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+torch::Tensor flash_attention(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, const FlashSegments& segments,
+                              bool causal, int64_t window, double scale, double dropout_p) {
+#ifdef ATTNKIT_HAS_FLASH_OP
+  // Both sides of a window: the keys before each query (bottom-right aligned) and none after;
+  // -1 is FlashAttention's "no limit".
+  const c10::optional<int64_t> left(window > 0 ? window - 1 : -1);
+  const c10::optional<int64_t> right(window > 0 ? 0 : -1);
+  if (segments.cu_q.defined()) {
+    return std::get<0>(at::_flash_attention_forward(
+        query, key, value, segments.cu_q, segments.cu_k, segments.max_q, segments.max_k, dropout_p,
+        causal, /*return_debug_mask=*/false, scale, left, right));
+  }
+  // (b, h, n, hd) -> (b, n, h, hd): the batched form's layout, last dimension contiguous
+  const auto batched = [](const torch::Tensor& x) { return x.transpose(1, 2); };
+  const auto out = std::get<0>(at::_flash_attention_forward(
+      batched(query), batched(key), batched(value), c10::nullopt, c10::nullopt, query.size(2),
+      key.size(2), dropout_p, causal, /*return_debug_mask=*/false, scale, left, right));
+  return out.transpose(1, 2);  // (b, n, h, hd) -> (b, h, n, hd)
+#else
+  (void)query, (void)key, (void)value, (void)segments, (void)causal, (void)window, (void)scale,
+      (void)dropout_p;
+  TORCH_CHECK(false, "[flash_attention] needs a CUDA LibTorch 2.6 or later");
+#endif
 }
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)

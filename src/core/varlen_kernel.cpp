@@ -1,8 +1,9 @@
 // The variable-length route (kernels.h): attention whose mask falls apart into dense
 // segments (key padding with a valid prefix, packed documents) packed as FlashAttention's
-// varlen kernels take them, run one dense SDPA call per segment, and unpacked. The packing
-// is what a CUDA varlen call would take (cu_seqlens); the per-segment loop is the CPU's.
+// varlen kernels take them, and unpacked: on CUDA one call of LibTorch's flash kernel per
+// alignment (flash_varlen_attention), elsewhere one dense SDPA call per segment.
 
+#include <algorithm>
 #include <vector>
 
 #include "core/kernels.h"
@@ -80,6 +81,53 @@ torch::Tensor sdpa_varlen_attention(const torch::Tensor& query, const torch::Ten
   const auto all = outputs.empty() ? torch::zeros({0, heads, value_dim}, query.options())
                                    : torch::cat(outputs, 0);
   return unpack_varlen(all, packed.query_index, query.size(0), query.size(2));
+}
+
+torch::Tensor flash_varlen_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                     const torch::Tensor& value, const VarlenLayout& layout,
+                                     double scale, double dropout_p) {
+  // The layout's causal segments align top-left (query q_begin + t sees keys up to k_begin +
+  // t), flash's bottom-right: a causal segment's square part stays causal, and its queries
+  // past its last key, which see every key, join the non-causal call. Segments without keys
+  // stay out (their queries get zeros).
+  VarlenLayout causal_part{{}, true}, full_part{{}, false};
+  for (const auto& s : layout.segments) {
+    const int64_t q_len = s.q_end - s.q_begin, k_len = s.k_end - s.k_begin;
+    if (q_len == 0 || k_len == 0)
+      continue;
+    if (!layout.causal) {
+      full_part.segments.push_back(s);
+      continue;
+    }
+    const int64_t square = std::min(q_len, k_len);
+    causal_part.segments.push_back(
+        {s.batch, s.q_begin, s.q_begin + square, s.k_begin, s.k_begin + square});
+    if (q_len > k_len)
+      full_part.segments.push_back({s.batch, s.q_begin + k_len, s.q_end, s.k_begin, s.k_end});
+  }
+  std::vector<torch::Tensor> outputs, query_index;
+  for (const auto* part : {&causal_part, &full_part}) {
+    if (part->segments.empty())
+      continue;
+    const auto packed = pack_varlen(query, key, value, *part);
+    FlashSegments segments;
+    const auto offsets = [&](const std::vector<int64_t>& cu, int64_t& longest) {
+      for (size_t i = 0; i + 1 < cu.size(); ++i)
+        longest = std::max(longest, cu[i + 1] - cu[i]);
+      return torch::tensor(cu, torch::kInt64).to(query.device(), torch::kInt32);
+    };
+    segments.cu_q = offsets(packed.cu_q, segments.max_q);
+    segments.cu_k = offsets(packed.cu_k, segments.max_k);
+    outputs.push_back(flash_attention(packed.query, packed.key, packed.value, segments,
+                                      part->causal, /*window=*/0, scale, dropout_p));
+    query_index.push_back(packed.query_index);
+  }
+  const auto all = outputs.empty()
+                       ? torch::zeros({0, query.size(1), value.size(3)}, query.options())
+                       : torch::cat(outputs, 0);
+  const auto index = query_index.empty() ? torch::zeros({0}, torch::kInt64).to(query.device())
+                                         : torch::cat(query_index);
+  return unpack_varlen(all, index, query.size(0), query.size(2));
 }
 
 }  // namespace attnkit::detail
