@@ -498,7 +498,8 @@ void write_json(const std::string& path, const BenchConfig& c, double sgemm,
         << ", \"max_ms\": " << r.max_ms << ", \"model_gflops\": " << r.model_gflops
         << ", \"executed_gflops\": " << r.executed_gflops
         << ", \"sgemm_fraction\": " << r.sgemm_fraction
-        << ", \"peak_memory_mb\": " << r.peak_memory_mb << "}";
+        << ", \"peak_memory_mb\": " << r.peak_memory_mb << ", \"kernels\": \"" << r.kernels
+        << "\"}";
   }
   out << "]}\n";
 }

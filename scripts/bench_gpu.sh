@@ -6,7 +6,7 @@
 #
 # attnkit: attnkit-bench --device cuda --dtype bfloat16 --only fused-core (functional::attention
 # with the fused backend demanded; the kernel the planner ran is printed) and, where listed,
-# chunked-core. PyTorch: scripts/bench_gpu.py (flex_attention through torch.compile, its
+# chunked-core and math-core. PyTorch: scripts/bench_gpu.py (flex_attention through torch.compile, its
 # BlockMask made once; SDPA with the dense bool mask, or the dense float bias for ALiBi).
 # Shapes: d 768, h 12 (head size 64), bfloat16. Medians of --repeats runs after 3 warm-ups.
 # Cases (--cases, comma-separated; default all): documents (n 16,384 as 16 causal documents),
@@ -38,16 +38,21 @@ declare -A spec=(
   [documents]="--mask documents:16 --batch 1 --tokens 16384|fused-core,chunked-core|flex,sdpa"
   [padding]="--mask padded --causal=false --batch 8 --tokens 1024|fused-core,chunked-core|flex,sdpa"
   [padding-causal]="--mask padded --batch 8 --tokens 1024|fused-core|sdpa"
-  [alibi]="--score alibi --batch 2 --tokens 1024|fused-core,chunked-core|flex,sdpa"
-  [softcap]="--score softcap --batch 8 --tokens 1024|chunked-core|flex"
+  [alibi]="--score alibi --batch 2 --tokens 1024|fused-core,chunked-core,math-core|flex,sdpa"
+  [softcap]="--score softcap --batch 8 --tokens 1024|chunked-core,math-core|flex"
   [window]="--window 1024 --batch 1 --tokens 16384|fused-core,chunked-core|sdpa"
   [causal]="--batch 8 --tokens 1024|fused-core|sdpa"
 )
 common=(--d-model 768 --heads 12 --dtype bfloat16 --repeats "$repeats" --warmup 3)
 
-# "name pass median" lines from attnkit-bench's table, and its kernels line.
+json=$(mktemp)
+trap 'rm -f "$json"' EXIT
+# "name pass median_ms=... kernels=..." lines from attnkit-bench's JSON (its table rounds to
+# 0.1 ms).
 attnkit_rows() {
-  awk '/^(fused|chunked)-core/ {print $1, $2, $3} /^kernels:/ {print}'
+  "$python" -c 'import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    print("%s %s median_ms=%.3f kernels=%s" % (r["name"], r["pass"], r["median_ms"], r["kernels"]))' "$json"
 }
 
 IFS=, read -r -a wanted <<<"$cases"
@@ -56,12 +61,12 @@ for case_name in "${wanted[@]}"; do
   IFS='|' read -r shape ours theirs <<<"${spec[$case_name]}"
   read -r -a shape_flags <<<"$shape"
   echo "== $case_name: $shape"
-  "$bench" --device cuda --only "$ours" "${shape_flags[@]}" "${common[@]}" | attnkit_rows
+  "$bench" --device cuda --only "$ours" "${shape_flags[@]}" "${common[@]}" --json "$json" \
+    >/dev/null && attnkit_rows
   # bench_gpu.py takes the same mask flags (--mask module, --window, --score, --causal).
   py_flags=()
   for flag in "${shape_flags[@]}"; do py_flags+=("$flag"); done
   if [[ " ${shape_flags[*]} " != *" --mask "* ]]; then py_flags+=(--mask module); fi
   "$python" scripts/bench_gpu.py --only "$theirs" "${py_flags[@]}" --d-model 768 --heads 12 \
-    --dtype bfloat16 --repeats "$repeats" --warmup 3 |
-    sed 's/ median_ms=/ /; s/ min_ms=.*//'
+    --dtype bfloat16 --repeats "$repeats" --warmup 3 | sed 's/ min_ms=.*//'
 done

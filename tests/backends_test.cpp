@@ -1161,11 +1161,11 @@ double relative_error(const torch::Tensor& got, const torch::Tensor& reference) 
 // float32 floor (float32 arithmetic on the same 16-bit inputs, each result rounded once to
 // the dtype), errors relative to the largest value of the float64 result. Computed in the
 // 16-bit dtype itself they were 3-10x the floor; float16 on LibTorch 1.13 had no CPU matrix
-// product at all. On CUDA, LibTorch's fused kernels (sdpa, flash) compute in the 16-bit dtype
-// with float32 statistics and accumulators, rounding the weights to the dtype before they
-// meet the values, as PyTorch's own SDPA does: their bound is 5x (PyTorch 2.6's CPU SDPA is
-// at 4x on outputs and 5.6x on gradients in bfloat16). On CUDA the head size is 64, which the
-// fused kernels take, and the test checks which route kAuto chose, by the kernel record.
+// product at all. On CUDA, LibTorch's kernels (flash, and SDPA on any mask) compute in the
+// 16-bit dtype with float32 statistics and accumulators, rounding the weights to the dtype
+// before they meet the values, as PyTorch's own SDPA does: their bound is 5x (PyTorch 2.6's CPU
+// SDPA is at 4x on outputs and 5.6x on gradients in bfloat16). On CUDA the head size is 64, which
+// the fused kernels take, and the test checks which route kAuto chose, by the kernel record.
 class SixteenBitDevices : public DeviceTest {};
 
 TEST_P(SixteenBitDevices, EveryBackendMaskAndScoreFunctionIsWithinTheFloat32Floor) {
@@ -1234,7 +1234,8 @@ TEST_P(SixteenBitDevices, EveryBackendMaskAndScoreFunctionIsWithinTheFloat32Floo
         const auto got = run(q, k, v, backend);
         ASSERT_EQ(record.runs().size(), 1u);
         const std::string kernel = record.runs()[0].kernel;
-        const bool fused_16bit = kernel == "sdpa" || kernel == "flash";
+        const bool fused_16bit = kernel == "sdpa" || kernel == "flash" || kernel == "sdpa_masked" ||
+                                 kernel == "sdpa_varlen";
         if (on_cuda && backend == AttentionBackend::kAuto && dtype == torch::kBFloat16 &&
             attnkit::detail::flash_kernel_available(device())) {
           EXPECT_EQ(kernel, c.cuda_route);
@@ -1261,6 +1262,46 @@ TEST_P(SixteenBitDevices, EveryBackendMaskAndScoreFunctionIsWithinTheFloat32Floo
 }
 
 ATTNKIT_INSTANTIATE_DEVICE_TESTS(SixteenBitDevices);
+
+// On CUDA the flash route draws its dropout on the GPU from LibTorch's generator: a seed
+// repeats the draw, a new draw differs, and the draws average to the output without dropout
+// (inverted dropout keeps the expectation).
+TEST(FlashRoute, DropoutIsDrawnOnTheGpuFromTheSeed) {
+  if (!torch::cuda::is_available())
+    GTEST_SKIP() << "CUDA not available (torch::cuda::is_available() is false)";
+  const torch::Device cuda(torch::kCUDA, 0);
+  if (!attnkit::detail::flash_kernel_available(cuda))
+    GTEST_SKIP() << "LibTorch's flash kernel is not in this build or not on this GPU";
+  torch::manual_seed(11);
+  const auto on = torch::TensorOptions().device(cuda).dtype(torch::kBFloat16);
+  const int64_t n = 512;
+  const auto q = torch::randn({1, 4, n, 64}, on), k = torch::randn({1, 4, n, 64}, on),
+             v = torch::randn({1, 4, n, 64}, on);
+  const auto ids = torch::arange(n, torch::kLong).div(128, "floor").to(cuda);
+  auto options = F::AttentionOptions()
+                     .mask(Mask::documents(ids, /*causal=*/true))
+                     .dropout_p(0.25)
+                     .training(true);
+  F::KernelRecord record;
+  torch::manual_seed(3);
+  const auto first = F::attention(q, k, v, options);
+  torch::manual_seed(3);
+  const auto again = F::attention(q, k, v, options);
+  const auto next = F::attention(q, k, v, options);
+  const auto exact = F::attention(q, k, v, F::AttentionOptions(options).training(false));
+  for (const auto& run : record.runs())
+    EXPECT_EQ(run.kernel, "flash");
+  EXPECT_TRUE(torch::equal(first, again));
+  EXPECT_FALSE(torch::equal(first, next));
+  EXPECT_FALSE(torch::allclose(first, exact, 1e-2, 1e-2));
+  auto sum = torch::zeros_like(exact, torch::kFloat);
+  const int draws = 256;
+  for (int i = 0; i < draws; ++i)
+    sum += F::attention(q, k, v, options).to(torch::kFloat);
+  const double off = (sum / draws - exact.to(torch::kFloat)).abs().mean().item<double>();
+  const double scale = exact.to(torch::kFloat).abs().mean().item<double>();
+  EXPECT_LT(off, 0.1 * scale) << "the mean of " << draws << " draws is off by " << off;
+}
 
 // Under LibTorch's autocast, attention runs on its inputs cast to the autocast dtype and is
 // computed as any 16-bit call: in float32 inside, rounded once. So it answers bit for bit as

@@ -120,7 +120,11 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
               Q_LEN, " and KV_LEN ", KV_LEN);
   const int64_t qb = options.q_block_size(), kb = options.kv_block_size();
   TORCH_CHECK(qb >= 1 && kb >= 1, kCreateFn, " block_size must be >= 1, got (", qb, ", ", kb, ")");
-  const auto& device = options.device();
+  // "cuda" names the current GPU: its index, as the tensors on it report their device.
+  const auto device =
+      options.device().is_cpu() || options.device().has_index()
+          ? options.device()
+          : torch::empty({0}, torch::TensorOptions().device(options.device())).device();
   mask.check(kCreateFn, B, H, Q_LEN, KV_LEN, device);
 
   BlockMask result;

@@ -518,18 +518,24 @@ const KernelSpec& plan_in_its_dtype(const AttentionCall& call) {
   return *spec;
 }
 
+bool runs_on_libtorch_cuda_kernels(Kernel kernel) {
+  return kernel == Kernel::kFlash || kernel == Kernel::kSdpa || kernel == Kernel::kSdpaVarlen ||
+         kernel == Kernel::kSdpaMasked;
+}
+
 // Whether a call is computed in float32 and its result rounded once to its 16-bit dtype:
-// every 16-bit call but those that LibTorch's CUDA SDPA or flash kernel runs, which keep
-// their statistics and accumulators in float32 themselves. attnkit's kernels and LibTorch's CPU
-// ops would keep the scores, the softmax statistics, the accumulators and the gradients in
-// the 16-bit dtype (and 1.13 has no float16 matrix product on the CPU at all).
+// every 16-bit call but those that LibTorch's CUDA kernels run (SDPA on any mask, the flash
+// kernel), which keep their statistics and accumulators in float32 themselves. attnkit's
+// kernels and LibTorch's CPU ops would keep the scores, the softmax statistics, the
+// accumulators and the gradients in the 16-bit dtype (and 1.13 has no float16 matrix product
+// on the CPU at all).
 bool runs_in_float32(const AttentionCall& call) {
   if (!is_16bit(call.query))
     return false;
   if (!call.query.is_cuda())
     return true;
   const auto* spec = first_claiming(call, call.options.backend());
-  return spec == nullptr || (spec->kernel != Kernel::kSdpa && spec->kernel != Kernel::kFlash);
+  return spec == nullptr || !runs_on_libtorch_cuda_kernels(spec->kernel);
 }
 
 // The call on copies of its inputs in `dtype` (each a no-op where it has it already);
