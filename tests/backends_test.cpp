@@ -1172,9 +1172,11 @@ TEST_P(SixteenBitDevices, EveryBackendMaskAndScoreFunctionIsWithinTheFloat32Floo
   const int64_t b = 2, h = 4, n = 256, hd = 64;
   torch::manual_seed(7);
   const auto on = torch::TensorOptions().device(device());
-  const auto lengths = torch::tensor({256, 150});
+  // Masks live on the attention's device.
+  const auto lengths = torch::tensor({256, 150}).to(device());
   const auto ids = torch::cat({torch::zeros({100}, torch::kLong), torch::ones({90}, torch::kLong),
-                               torch::full({66}, 2, torch::kLong)});
+                               torch::full({66}, 2, torch::kLong)})
+                       .to(device());
   const auto allowed = torch::rand({b, 1, n, n}).lt(0.7).logical_or(torch::eye(n).to(torch::kBool));
   const auto slopes = attnkit::score_mods::alibi_slopes(h);
   const auto relative = torch::randn({h, 2 * 32 + 1});
