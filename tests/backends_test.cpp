@@ -1483,6 +1483,67 @@ TEST(Varlen, PackedSegmentsAnswerAsTheMathCore) {
     for (size_t i = 0; i < got.size(); ++i)
       EXPECT_TRUE(tensors_close(names[i], got[i], expected[i], agreement(torch::kFloat)));
   }
+  // FlashAttention's form (flash_varlen_attention on CUDA): the bottom-right parts of each
+  // layout, every part's segments run as FlashAttention aligns them (a causal segment's last
+  // query sees up to its last key; here the math core with that offset), answer as the
+  // math core on the whole mask too.
+  const auto bottom_right = [](const attnkit::detail::PackedVarlen& part, bool causal) {
+    std::vector<torch::Tensor> outputs;
+    for (size_t i = 0; i + 1 < part.cu_q.size(); ++i) {
+      const auto segment = [&](const torch::Tensor& x, const std::vector<int64_t>& cu) {
+        // (len, heads, d) rows -> (1, heads, len, d)
+        return x.slice(0, cu[i], cu[i + 1]).transpose(0, 1).unsqueeze(0);
+      };
+      const int64_t q_len = part.cu_q[i + 1] - part.cu_q[i];
+      const int64_t k_len = part.cu_k[i + 1] - part.cu_k[i];
+      const auto out =
+          F::attention(segment(part.query, part.cu_q), segment(part.key, part.cu_k),
+                       segment(part.value, part.cu_k),
+                       F::AttentionOptions()
+                           .mask(causal ? Mask::causal(k_len - q_len) : Mask())
+                           .backend(AttentionBackend::kMath));
+      outputs.push_back(out.squeeze(0).transpose(0, 1));  // (1, h, len, d) -> (len, h, d)
+    }
+    return torch::cat(outputs, 0);
+  };
+  const auto lengths = torch::tensor({9, 4, 0});
+  for (const auto& mask : {Mask::causal() & Mask::key_padding(lengths), Mask::key_padding(lengths),
+                           Mask::documents(ids.expand({b, n}).contiguous(), true),
+                           Mask::causal() & Mask::key_padding(torch::tensor({0, 0, 0}))}) {
+    SCOPED_TRACE(c10::str("bottom-right parts of ", mask.to_string()));
+    const auto layout = attnkit::detail::varlen_layout(mask, b, n, n);
+    ASSERT_TRUE(layout.has_value());
+    const auto got = output_and_grads(
+        [&](auto& a, auto& c, auto& d) {
+          // + 0: every input in the graph, so that a layout with no part (no row has a key)
+          // gives zero gradients to compare too
+          return attnkit::detail::run_bottom_right_parts(a, c, d, *layout, bottom_right) +
+                 0 * (a.sum() + c.sum() + d.sum());
+        },
+        q, k, v, probe);
+    const auto expected = output_and_grads(
+        [&](auto& a, auto& c, auto& d) {
+          return F::attention(a, c, d,
+                              F::AttentionOptions().mask(mask).backend(AttentionBackend::kMath));
+        },
+        q, k, v, probe);
+    const char* names[] = {"output", "dq", "dk", "dv"};
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(tensors_close(names[i], got[i], expected[i], agreement(torch::kFloat)));
+    }
+  }
+  // Row 1 of causal padding (4 of 9 keys): its square part is causal, its last 5 queries see
+  // every key; row 2 has no key and stays out.
+  const auto parts = attnkit::detail::bottom_right_parts(
+      *attnkit::detail::varlen_layout(Mask::causal() & Mask::key_padding(lengths), b, n, n));
+  ASSERT_EQ(parts.size(), 2u);
+  EXPECT_TRUE(parts[0].causal);
+  EXPECT_FALSE(parts[1].causal);
+  ASSERT_EQ(parts[0].segments.size(), 2u);
+  EXPECT_EQ(parts[0].segments[1].q_end, 4);
+  ASSERT_EQ(parts[1].segments.size(), 1u);
+  EXPECT_EQ(parts[1].segments[0].q_begin, 4);
+  EXPECT_EQ(parts[1].segments[0].k_end, 4);
   // On 2.x a demanded fused backend takes this route for these masks (planner.cpp); 1.x's
   // refuses them (Planner.ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay).
   if (attnkit::detail::libtorch_has_sdpa()) {

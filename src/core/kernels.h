@@ -135,8 +135,25 @@ torch::Tensor sdpa_varlen_attention(const torch::Tensor& query, const torch::Ten
                                     const torch::Tensor& value, const VarlenLayout& layout,
                                     double dropout_p);
 
-/// Attention by `layout` on LibTorch's flash kernel (flash_attention): the packed segments in
-/// one call, or two where causal segments have more queries than keys; `scale` on the scores.
+/// `layout` as FlashAttention runs it, whose causal masks align each segment's last query with
+/// its last key (bottom-right), where the layout's align its first ones: a causal segment's
+/// square part stays causal, and its queries past its last key, which see every key, form a
+/// non-causal part. Segments without queries or keys are left out (their queries get zeros).
+/// One or two layouts, none empty; none where no segment has both.
+std::vector<VarlenLayout> bottom_right_parts(const VarlenLayout& layout);
+
+/// One part's attention: its packed segments, causal bottom-right or not ->
+/// (total_q, h, hd_v).
+using VarlenPartKernel = std::function<torch::Tensor(const PackedVarlen&, bool causal)>;
+
+/// Attention by `layout` through its bottom_right_parts, each packed and run by `run_part`,
+/// the results unpacked together (queries in no part get zeros); differentiable.
+torch::Tensor run_bottom_right_parts(const torch::Tensor& query, const torch::Tensor& key,
+                                     const torch::Tensor& value, const VarlenLayout& layout,
+                                     const VarlenPartKernel& run_part);
+
+/// Attention by `layout` on LibTorch's flash kernel (flash_attention): run_bottom_right_parts,
+/// one flash call per part; `scale` on the scores.
 torch::Tensor flash_varlen_attention(const torch::Tensor& query, const torch::Tensor& key,
                                      const torch::Tensor& value, const VarlenLayout& layout,
                                      double scale, double dropout_p);

@@ -83,13 +83,7 @@ torch::Tensor sdpa_varlen_attention(const torch::Tensor& query, const torch::Ten
   return unpack_varlen(all, packed.query_index, query.size(0), query.size(2));
 }
 
-torch::Tensor flash_varlen_attention(const torch::Tensor& query, const torch::Tensor& key,
-                                     const torch::Tensor& value, const VarlenLayout& layout,
-                                     double scale, double dropout_p) {
-  // The layout's causal segments align top-left (query q_begin + t sees keys up to k_begin +
-  // t), flash's bottom-right: a causal segment's square part stays causal, and its queries
-  // past its last key, which see every key, join the non-causal call. Segments without keys
-  // stay out (their queries get zeros).
+std::vector<VarlenLayout> bottom_right_parts(const VarlenLayout& layout) {
   VarlenLayout causal_part{{}, true}, full_part{{}, false};
   for (const auto& s : layout.segments) {
     const int64_t q_len = s.q_end - s.q_begin, k_len = s.k_end - s.k_begin;
@@ -99,17 +93,42 @@ torch::Tensor flash_varlen_attention(const torch::Tensor& query, const torch::Te
       full_part.segments.push_back(s);
       continue;
     }
+    // Query q_begin + t sees keys up to k_begin + t: the square part aligns both ways.
     const int64_t square = std::min(q_len, k_len);
     causal_part.segments.push_back(
         {s.batch, s.q_begin, s.q_begin + square, s.k_begin, s.k_begin + square});
     if (q_len > k_len)
       full_part.segments.push_back({s.batch, s.q_begin + k_len, s.q_end, s.k_begin, s.k_end});
   }
+  std::vector<VarlenLayout> parts;
+  for (auto* part : {&causal_part, &full_part}) {
+    if (!part->segments.empty())
+      parts.push_back(std::move(*part));
+  }
+  return parts;
+}
+
+torch::Tensor run_bottom_right_parts(const torch::Tensor& query, const torch::Tensor& key,
+                                     const torch::Tensor& value, const VarlenLayout& layout,
+                                     const VarlenPartKernel& run_part) {
   std::vector<torch::Tensor> outputs, query_index;
-  for (const auto* part : {&causal_part, &full_part}) {
-    if (part->segments.empty())
-      continue;
-    const auto packed = pack_varlen(query, key, value, *part);
+  for (const auto& part : bottom_right_parts(layout)) {
+    const auto packed = pack_varlen(query, key, value, part);
+    outputs.push_back(run_part(packed, part.causal));
+    query_index.push_back(packed.query_index);
+  }
+  if (outputs.empty()) {
+    return torch::zeros({query.size(0), query.size(1), query.size(2), value.size(3)},
+                        query.options());
+  }
+  return unpack_varlen(torch::cat(outputs, 0), torch::cat(query_index), query.size(0),
+                       query.size(2));
+}
+
+torch::Tensor flash_varlen_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                     const torch::Tensor& value, const VarlenLayout& layout,
+                                     double scale, double dropout_p) {
+  const auto run_part = [&](const PackedVarlen& packed, bool causal) {
     FlashSegments segments;
     const auto offsets = [&](const std::vector<int64_t>& cu, int64_t& longest) {
       for (size_t i = 0; i + 1 < cu.size(); ++i)
@@ -118,16 +137,10 @@ torch::Tensor flash_varlen_attention(const torch::Tensor& query, const torch::Te
     };
     segments.cu_q = offsets(packed.cu_q, segments.max_q);
     segments.cu_k = offsets(packed.cu_k, segments.max_k);
-    outputs.push_back(flash_attention(packed.query, packed.key, packed.value, segments,
-                                      part->causal, /*window=*/0, scale, dropout_p));
-    query_index.push_back(packed.query_index);
-  }
-  const auto all = outputs.empty()
-                       ? torch::zeros({0, query.size(1), value.size(3)}, query.options())
-                       : torch::cat(outputs, 0);
-  const auto index = query_index.empty() ? torch::zeros({0}, torch::kInt64).to(query.device())
-                                         : torch::cat(query_index);
-  return unpack_varlen(all, index, query.size(0), query.size(2));
+    return flash_attention(packed.query, packed.key, packed.value, segments, causal,
+                           /*window=*/0, scale, dropout_p);
+  };
+  return run_bottom_right_parts(query, key, value, layout, run_part);
 }
 
 }  // namespace attnkit::detail
