@@ -1461,18 +1461,9 @@ TEST(Varlen, PackedSegmentsAnswerAsTheMathCore) {
   EXPECT_TRUE(torch::equal(packed.key[10], k[1].select(1, 1)));  // row 1's second key
   EXPECT_TRUE(
       torch::equal(attnkit::detail::unpack_varlen(packed.query, packed.query_index, b, n), q));
-  const auto ids = torch::tensor({{0, 0, 0, 1, 1, 1, 1, 2, 2}});
-  for (const auto& mask :
-       {padding, Mask::causal() & padding, Mask::documents(ids.expand({b, n}).contiguous()),
-        Mask::documents(ids.expand({b, n}).contiguous(), true)}) {
-    SCOPED_TRACE(mask.to_string());
-    const auto layout = attnkit::detail::varlen_layout(mask, b, n, n);
-    ASSERT_TRUE(layout.has_value());
-    const auto got = output_and_grads(
-        [&](auto& a, auto& c, auto& d) {
-          return attnkit::detail::sdpa_varlen_attention(a, c, d, *layout, 0.0);
-        },
-        q, k, v, probe);
+  // `attention` (output and q, k, v gradients) against the math core on `mask`.
+  const auto expect_as_math = [&](const Mask& mask, const AttentionFn& attention) {
+    const auto got = output_and_grads(attention, q, k, v, probe);
     const auto expected = output_and_grads(
         [&](auto& a, auto& c, auto& d) {
           return F::attention(a, c, d,
@@ -1482,6 +1473,17 @@ TEST(Varlen, PackedSegmentsAnswerAsTheMathCore) {
     const char* names[] = {"output", "dq", "dk", "dv"};
     for (size_t i = 0; i < got.size(); ++i)
       EXPECT_TRUE(tensors_close(names[i], got[i], expected[i], agreement(torch::kFloat)));
+  };
+  const auto ids = torch::tensor({{0, 0, 0, 1, 1, 1, 1, 2, 2}});
+  for (const auto& mask :
+       {padding, Mask::causal() & padding, Mask::documents(ids.expand({b, n}).contiguous()),
+        Mask::documents(ids.expand({b, n}).contiguous(), true)}) {
+    SCOPED_TRACE(mask.to_string());
+    const auto layout = attnkit::detail::varlen_layout(mask, b, n, n);
+    ASSERT_TRUE(layout.has_value());
+    expect_as_math(mask, [&](auto& a, auto& c, auto& d) {
+      return attnkit::detail::sdpa_varlen_attention(a, c, d, *layout, 0.0);
+    });
   }
   // FlashAttention's form (flash_varlen_attention on CUDA): the bottom-right parts of each
   // layout, every part's segments run as FlashAttention aligns them (a causal segment's last
@@ -1496,12 +1498,11 @@ TEST(Varlen, PackedSegmentsAnswerAsTheMathCore) {
       };
       const int64_t q_len = part.cu_q[i + 1] - part.cu_q[i];
       const int64_t k_len = part.cu_k[i + 1] - part.cu_k[i];
-      const auto out =
-          F::attention(segment(part.query, part.cu_q), segment(part.key, part.cu_k),
-                       segment(part.value, part.cu_k),
-                       F::AttentionOptions()
-                           .mask(causal ? Mask::causal(k_len - q_len) : Mask())
-                           .backend(AttentionBackend::kMath));
+      const auto out = F::attention(segment(part.query, part.cu_q), segment(part.key, part.cu_k),
+                                    segment(part.value, part.cu_k),
+                                    F::AttentionOptions()
+                                        .mask(causal ? Mask::causal(k_len - q_len) : Mask())
+                                        .backend(AttentionBackend::kMath));
       outputs.push_back(out.squeeze(0).transpose(0, 1));  // (1, h, len, d) -> (len, h, d)
     }
     return torch::cat(outputs, 0);
@@ -1513,24 +1514,12 @@ TEST(Varlen, PackedSegmentsAnswerAsTheMathCore) {
     SCOPED_TRACE(c10::str("bottom-right parts of ", mask.to_string()));
     const auto layout = attnkit::detail::varlen_layout(mask, b, n, n);
     ASSERT_TRUE(layout.has_value());
-    const auto got = output_and_grads(
-        [&](auto& a, auto& c, auto& d) {
-          // + 0: every input in the graph, so that a layout with no part (no row has a key)
-          // gives zero gradients to compare too
-          return attnkit::detail::run_bottom_right_parts(a, c, d, *layout, bottom_right) +
-                 0 * (a.sum() + c.sum() + d.sum());
-        },
-        q, k, v, probe);
-    const auto expected = output_and_grads(
-        [&](auto& a, auto& c, auto& d) {
-          return F::attention(a, c, d,
-                              F::AttentionOptions().mask(mask).backend(AttentionBackend::kMath));
-        },
-        q, k, v, probe);
-    const char* names[] = {"output", "dq", "dk", "dv"};
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_TRUE(tensors_close(names[i], got[i], expected[i], agreement(torch::kFloat)));
-    }
+    expect_as_math(mask, [&](auto& a, auto& c, auto& d) {
+      // + 0: every input in the graph, so that a layout with no part (no row has a key)
+      // gives zero gradients to compare too
+      return attnkit::detail::run_bottom_right_parts(a, c, d, *layout, bottom_right) +
+             0 * (a.sum() + c.sum() + d.sum());
+    });
   }
   // Row 1 of causal padding (4 of 9 keys): its square part is causal, its last 5 queries see
   // every key; row 2 has no key and stays out.
