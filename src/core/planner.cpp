@@ -518,9 +518,11 @@ const KernelSpec& plan_in_its_dtype(const AttentionCall& call) {
   return *spec;
 }
 
+// Whether `kernel` runs on LibTorch's own CUDA kernels (on 1.13 `sdpa` is a stand-in: the
+// math core off the CPU).
 bool runs_on_libtorch_cuda_kernels(Kernel kernel) {
-  return kernel == Kernel::kFlash || kernel == Kernel::kSdpa || kernel == Kernel::kSdpaVarlen ||
-         kernel == Kernel::kSdpaMasked;
+  return libtorch_has_sdpa() && (kernel == Kernel::kFlash || kernel == Kernel::kSdpa ||
+                                 kernel == Kernel::kSdpaVarlen || kernel == Kernel::kSdpaMasked);
 }
 
 // Whether a call is computed in float32 and its result rounded once to its 16-bit dtype:
