@@ -32,6 +32,11 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ -x $bench ]] || { echo "bench_gpu.sh: --bench: no program at '$bench'" >&2; exit 2; }
+if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
+then
+  echo "bench_gpu.sh: --python: '$python' has no torch that sees a CUDA device" >&2
+  exit 2
+fi
 
 # case -> "shape flags|attnkit implementations|PyTorch implementations"
 declare -A spec=(
@@ -62,7 +67,8 @@ for case_name in "${wanted[@]}"; do
   read -r -a shape_flags <<<"$shape"
   echo "== $case_name: $shape"
   "$bench" --device cuda --only "$ours" "${shape_flags[@]}" "${common[@]}" --json "$json" \
-    >/dev/null && attnkit_rows
+    >/dev/null || { echo "bench_gpu.sh: attnkit-bench failed on case $case_name" >&2; exit 1; }
+  attnkit_rows
   # bench_gpu.py takes the same mask flags (--mask module, --window, --score, --causal).
   py_flags=()
   for flag in "${shape_flags[@]}"; do py_flags+=("$flag"); done
