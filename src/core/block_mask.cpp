@@ -121,10 +121,7 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
   const int64_t qb = options.q_block_size(), kb = options.kv_block_size();
   TORCH_CHECK(qb >= 1 && kb >= 1, kCreateFn, " block_size must be >= 1, got (", qb, ", ", kb, ")");
   // "cuda" names the current GPU: its index, as the tensors on it report their device.
-  const auto device =
-      options.device().is_cpu() || options.device().has_index()
-          ? options.device()
-          : torch::empty({0}, torch::TensorOptions().device(options.device())).device();
+  const auto device = detail::indexed_device(options.device());
   mask.check(kCreateFn, B, H, Q_LEN, KV_LEN, device);
 
   BlockMask result;

@@ -7,6 +7,12 @@
 
 namespace attnkit::detail {
 
+torch::Device indexed_device(const torch::Device& device) {
+  if (!device.is_cuda() || device.has_index() || !torch::cuda::is_available())
+    return device;
+  return torch::empty({0}, torch::TensorOptions().device(device)).device();
+}
+
 void check_positive_option(const char* module, const char* name, int64_t value) {
   TORCH_CHECK(value > 0, "[", module, "] option ", name, " must be > 0, got ", value);
 }

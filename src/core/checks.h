@@ -25,6 +25,10 @@ void check_query_offset(const char* fn, int64_t query_offset);
 /// window is a restriction of the causal mask).
 void check_window_size(const char* fn, const c10::optional<int64_t>& window_size, bool is_causal);
 
+/// `device` with its index, as the tensors on it report theirs: a bare "cuda" is the current
+/// GPU (where LibTorch sees one); any other device as it is.
+torch::Device indexed_device(const torch::Device& device);
+
 /// Query heads per key/value head of query (b, ..., H, n, hd) against key (b, ..., G, m, hd):
 /// 1 for tensors below 4-D (no head dimension) or with equal head counts; fails unless G
 /// divides H.

@@ -20,6 +20,7 @@
 #include <torch/version.h>
 
 #include "attnkit/functional.h"
+#include "core/checks.h"
 #include "core/kernels.h"
 #include "core/parallel.h"
 
@@ -135,12 +136,12 @@ bool libtorch_has_sdpa() {
 
 bool flash_kernel_available(const torch::Device& device) {
 #ifdef ATTNKIT_HAS_FLASH_OP
-  if (!device.is_cuda())
+  if (!device.is_cuda() || !torch::cuda::is_available())
     return false;
   static std::mutex mutex;
   static std::map<c10::DeviceIndex, bool> known;  // per GPU: its architecture decides
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto index = device.has_index() ? device.index() : c10::DeviceIndex(0);
+  const auto index = indexed_device(device).index();
   const auto found = known.find(index);
   if (found != known.end())
     return found->second;
