@@ -9,7 +9,8 @@
 #   speed: the chunked attention core (b 8, n 1,024, causal, d 768, 12 heads) in bfloat16
 #     against float32, forward and forward+backward medians, --turns alternating turns;
 #   training: attnkit-train's default text task and copy task in float32, in bfloat16 with a
-#     working copy and in bfloat16 under autocast (bits per byte or accuracy, tokens/s).
+#     working copy and in bfloat16 under autocast (bits per byte or accuracy, tokens/s), on
+#     each leg.
 # Usage: scripts/bench_16bit.sh [--libtorch2] [--tokens 4096] [--threads 2] [--turns 3]
 #                               [--skip precision,speed,training]
 set -euo pipefail
@@ -92,16 +93,23 @@ if runs speed; then
   done
 fi
 if runs training; then
-  train=build/apps/attnkit-train
   scripts/build.sh --target attnkit-train >/dev/null
-  for precision in "float32" "bfloat16" "bfloat16 --autocast"; do
-    echo "attnkit-train --task text --dtype $precision --threads $threads (1.13):"
-    # shellcheck disable=SC2086  # "bfloat16 --autocast" is two words
-    "$train" --task text --dtype $precision --threads "$threads" | grep -E "^done|^corpus"
-  done
-  for precision in "float32" "bfloat16" "bfloat16 --autocast"; do
-    echo "attnkit-train --dtype $precision (copy) --threads $threads (1.13):"
-    # shellcheck disable=SC2086
-    "$train" --dtype $precision --threads "$threads" | grep -E "^done"
+  trainers=("1.13:build/apps/attnkit-train")
+  if $libtorch2; then
+    scripts/debian13.sh cmake --build --preset libtorch2 --target attnkit-train >/dev/null
+    trainers+=("2.6:scripts/debian13.sh build-libtorch2/apps/attnkit-train")
+  fi
+  for trainer in "${trainers[@]}"; do
+    leg=${trainer%%:*} train=${trainer#*:}
+    for precision in "float32" "bfloat16" "bfloat16 --autocast"; do
+      echo "attnkit-train --task text --dtype $precision --threads $threads ($leg):"
+      # shellcheck disable=SC2086  # the trainer and "bfloat16 --autocast" are word lists
+      $train --task text --dtype $precision --threads "$threads" | grep -E "^done|^corpus"
+    done
+    for precision in "float32" "bfloat16" "bfloat16 --autocast"; do
+      echo "attnkit-train --dtype $precision (copy) --threads $threads ($leg):"
+      # shellcheck disable=SC2086
+      $train --dtype $precision --threads "$threads" | grep -E "^done"
+    done
   done
 fi
