@@ -154,11 +154,19 @@ TEST(ChunkedAttention, AnyRankAndStridedInputsMatchMath) {
   }
 }
 
-TEST(ChunkedAttention, DropoutIsSeededDifferentiableAndOffInEval) {
+class ChunkedAttentionDevices : public DeviceTest {};
+
+// The tile loop draws each block's dropout mask on the inputs' device, from a generator of
+// that device reseeded per block: the global seed repeats the output, backward redraws
+// forward's masks (finite differences), eval turns dropout off, and the draws average to the
+// output without dropout (inverted dropout keeps the expectation; a keep-probability of p
+// instead of 1 - p would be off by half).
+TEST_P(ChunkedAttentionDevices, DropoutIsSeededDifferentiableAndOffInEval) {
   torch::manual_seed(3);
-  const auto q = torch::randn({2, 2, 10, 4}, torch::kFloat64);
-  const auto k = torch::randn({2, 2, 10, 4}, torch::kFloat64);
-  const auto v = torch::randn({2, 2, 10, 4}, torch::kFloat64);
+  const auto on = torch::TensorOptions().dtype(torch::kFloat64).device(device());
+  const auto q = torch::randn({2, 2, 10, 4}, on);
+  const auto k = torch::randn({2, 2, 10, 4}, on);
+  const auto v = torch::randn({2, 2, 10, 4}, on);
   const auto train = F::ChunkedOptions()
                          .is_causal(true)
                          .dropout_p(0.3)
@@ -170,13 +178,24 @@ TEST(ChunkedAttention, DropoutIsSeededDifferentiableAndOffInEval) {
   const auto first = F::chunked_attention(q, k, v, train);
   torch::manual_seed(5);
   EXPECT_TENSOR_NEAR(F::chunked_attention(q, k, v, train), first, 0.0);
+  EXPECT_FALSE(torch::equal(F::chunked_attention(q, k, v, train), first));
   expect_dropout_off_in_eval_and_differentiable(
       [&](auto& a, auto& b, auto& c) { return F::chunked_attention(a, b, c, train); },
       [&](auto& a, auto& b, auto& c) {
         return F::chunked_attention(a, b, c, F::ChunkedOptions().is_causal(true));
       },
       q, k, v);
+  const auto exact = F::chunked_attention(q, k, v, F::ChunkedOptions().is_causal(true));
+  auto sum = torch::zeros_like(exact);
+  const int draws = 400;
+  for (int i = 0; i < draws; ++i)
+    sum += F::chunked_attention(q, k, v, train);
+  const double off = (sum / draws - exact).abs().mean().item<double>();
+  const double scale = exact.abs().mean().item<double>();
+  EXPECT_LT(off, 0.1 * scale) << "the mean of " << draws << " draws is off by " << off;
 }
+
+ATTNKIT_INSTANTIATE_DEVICE_TESTS(ChunkedAttentionDevices);
 
 // Restores LibTorch's and the BLAS's thread counts when a test that changes them ends.
 struct ThreadCountsRestorer {
