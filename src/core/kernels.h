@@ -113,10 +113,13 @@ std::optional<VarlenLayout> varlen_layout(const Mask& mask, int64_t batch, int64
 /// The segments' tokens packed as FlashAttention's varlen kernels take them: queries
 /// (total_q, h, hd), keys (total_k, g, hd), values (total_k, g, hd_v), segment i at rows
 /// [cu_q[i], cu_q[i + 1]) and [cu_k[i], cu_k[i + 1]); query_index (total_q) is each packed
-/// query's row in the (b * n) tokens, for unpacking.
+/// query's row in the (b * n) tokens, for unpacking. The offsets are on the host and, as
+/// int64 tensors, on the inputs' device too (for FlashAttention's cu_seqlens): the indices and
+/// the offsets reach the device in one copy.
 struct PackedVarlen {
   torch::Tensor query, key, value, query_index;
   std::vector<int64_t> cu_q, cu_k;
+  torch::Tensor cu_q_on_device, cu_k_on_device;
 };
 
 /// Packs (b, h, n, hd) queries and (b, g, m, hd) keys and values by `layout`.

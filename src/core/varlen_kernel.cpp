@@ -40,8 +40,22 @@ PackedVarlen pack_varlen(const torch::Tensor& query, const torch::Tensor& key,
     packed.cu_q.push_back(static_cast<int64_t>(query_rows.size()));
     packed.cu_k.push_back(static_cast<int64_t>(key_rows.size()));
   }
-  packed.query_index = torch::tensor(query_rows, torch::kInt64).to(query.device());
-  const auto key_index = torch::tensor(key_rows, torch::kInt64).to(query.device());
+  // One host-to-device copy (each such copy waits for the GPU's queue): query_rows, key_rows,
+  // cu_q, cu_k end to end, then views of their parts.
+  std::vector<int64_t> host = query_rows;
+  for (const auto* part : {&key_rows, &packed.cu_q, &packed.cu_k})
+    host.insert(host.end(), part->begin(), part->end());
+  const auto on_device = torch::tensor(host, torch::kInt64).to(query.device());
+  int64_t begin = 0;
+  const auto next = [&](size_t length) {
+    const auto part = on_device.narrow(0, begin, static_cast<int64_t>(length));
+    begin += static_cast<int64_t>(length);
+    return part;
+  };
+  packed.query_index = next(query_rows.size());
+  const auto key_index = next(key_rows.size());
+  packed.cu_q_on_device = next(packed.cu_q.size());
+  packed.cu_k_on_device = next(packed.cu_k.size());
   packed.query = packed_rows(query, packed.query_index);
   packed.key = packed_rows(key, key_index);
   packed.value = packed_rows(value, key_index);
@@ -129,14 +143,17 @@ torch::Tensor flash_varlen_attention(const torch::Tensor& query, const torch::Te
                                      const torch::Tensor& value, const VarlenLayout& layout,
                                      double scale, double dropout_p) {
   const auto run_part = [&](const PackedVarlen& packed, bool causal) {
-    FlashSegments segments;
-    const auto offsets = [&](const std::vector<int64_t>& cu, int64_t& longest) {
+    const auto longest = [](const std::vector<int64_t>& cu) {
+      int64_t most = 0;
       for (size_t i = 0; i + 1 < cu.size(); ++i)
-        longest = std::max(longest, cu[i + 1] - cu[i]);
-      return torch::tensor(cu, torch::kInt64).to(query.device(), torch::kInt32);
+        most = std::max(most, cu[i + 1] - cu[i]);
+      return most;
     };
-    segments.cu_q = offsets(packed.cu_q, segments.max_q);
-    segments.cu_k = offsets(packed.cu_k, segments.max_k);
+    FlashSegments segments;
+    segments.cu_q = packed.cu_q_on_device.to(torch::kInt32);  // on the device: no copy
+    segments.cu_k = packed.cu_k_on_device.to(torch::kInt32);
+    segments.max_q = longest(packed.cu_q);
+    segments.max_k = longest(packed.cu_k);
     return flash_attention(packed.query, packed.key, packed.value, segments, causal,
                            /*window=*/0, scale, dropout_p);
   };
