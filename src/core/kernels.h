@@ -113,9 +113,11 @@ std::optional<VarlenLayout> varlen_layout(const Mask& mask, int64_t batch, int64
 /// The segments' tokens packed as FlashAttention's varlen kernels take them: queries
 /// (total_q, h, hd), keys (total_k, g, hd), values (total_k, g, hd_v), segment i at rows
 /// [cu_q[i], cu_q[i + 1]) and [cu_k[i], cu_k[i + 1]); query_index (total_q) is each packed
-/// query's row in the (b * n) tokens, for unpacking. The offsets are on the host and, as
-/// int64 tensors, on the inputs' device too (for FlashAttention's cu_seqlens): the indices and
-/// the offsets reach the device in one copy.
+/// query's row in the (b * n) tokens, for unpacking, undefined where the segments take every
+/// query in order (then the packed queries are a view or a copy of the inputs, no gather; the
+/// keys likewise). The offsets are on the host and, as int64 tensors, on the inputs' device
+/// too (for FlashAttention's cu_seqlens): the indices and the offsets reach the device in one
+/// copy.
 struct PackedVarlen {
   torch::Tensor query, key, value, query_index;
   std::vector<int64_t> cu_q, cu_k;
@@ -126,8 +128,8 @@ struct PackedVarlen {
 PackedVarlen pack_varlen(const torch::Tensor& query, const torch::Tensor& key,
                          const torch::Tensor& value, const VarlenLayout& layout);
 
-/// A packed (total_q, h, hd_v) result back to (b, h, n, hd_v); queries in no segment get
-/// zeros. Differentiable.
+/// A packed (total_q, h, hd_v) result back to (b, h, n, hd_v) by query_index (undefined: the
+/// rows are every query in order); queries in no segment get zeros. Differentiable.
 torch::Tensor unpack_varlen(const torch::Tensor& packed, const torch::Tensor& query_index,
                             int64_t batch, int64_t n);
 

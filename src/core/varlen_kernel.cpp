@@ -12,9 +12,23 @@ namespace attnkit::detail {
 
 namespace {
 
-// (b, heads, tokens, d) -> (b * tokens, heads, d), a token per row, then the rows `index`.
+// (b, heads, tokens, d) -> (b * tokens, heads, d), a token per row (a view where x is the
+// head view of a (b, tokens, heads * d) projection), then the rows `index` (undefined: all).
 torch::Tensor packed_rows(const torch::Tensor& x, const torch::Tensor& index) {
-  return x.transpose(1, 2).reshape({-1, x.size(1), x.size(3)}).index_select(0, index);
+  const auto rows = x.transpose(1, 2).reshape({-1, x.size(1), x.size(3)});
+  return index.defined() ? rows.index_select(0, index) : rows;
+}
+
+// Whether `rows` is 0, 1, ..., total - 1: the segments take every token in order (documents
+// that cover the batch, queries of key padding), so packing needs no gather.
+bool every_row_in_order(const std::vector<int64_t>& rows, int64_t total) {
+  if (static_cast<int64_t>(rows.size()) != total)
+    return false;
+  for (int64_t i = 0; i < total; ++i) {
+    if (rows[static_cast<size_t>(i)] != i)
+      return false;
+  }
+  return true;
 }
 
 // Rows [begin, end) of a packed (total, heads, d) buffer as one (1, heads, end - begin, d)
@@ -40,22 +54,28 @@ PackedVarlen pack_varlen(const torch::Tensor& query, const torch::Tensor& key,
     packed.cu_q.push_back(static_cast<int64_t>(query_rows.size()));
     packed.cu_k.push_back(static_cast<int64_t>(key_rows.size()));
   }
-  // One host-to-device copy (each such copy waits for the GPU's queue): query_rows, key_rows,
-  // cu_q, cu_k end to end, then views of their parts.
-  std::vector<int64_t> host = query_rows;
-  for (const auto* part : {&key_rows, &packed.cu_q, &packed.cu_k})
-    host.insert(host.end(), part->begin(), part->end());
+  // Row indices only where a gather is needed; with the offsets in one host-to-device copy
+  // (each such copy waits for the GPU's queue), then views of its parts.
+  const bool all_queries = every_row_in_order(query_rows, query.size(0) * n);
+  const bool all_keys = every_row_in_order(key_rows, key.size(0) * m);
+  std::vector<int64_t> host;
+  for (const auto* part : {all_queries ? nullptr : &query_rows, all_keys ? nullptr : &key_rows,
+                           &packed.cu_q, &packed.cu_k}) {
+    if (part != nullptr)
+      host.insert(host.end(), part->begin(), part->end());
+  }
   const auto on_device = torch::tensor(host, torch::kInt64).to(query.device());
   int64_t begin = 0;
-  const auto next = [&](size_t length) {
-    const auto part = on_device.narrow(0, begin, static_cast<int64_t>(length));
-    begin += static_cast<int64_t>(length);
-    return part;
+  const auto next = [&](const std::vector<int64_t>& part) {
+    const auto length = static_cast<int64_t>(part.size());
+    begin += length;
+    return on_device.narrow(0, begin - length, length);
   };
-  packed.query_index = next(query_rows.size());
-  const auto key_index = next(key_rows.size());
-  packed.cu_q_on_device = next(packed.cu_q.size());
-  packed.cu_k_on_device = next(packed.cu_k.size());
+  if (!all_queries)
+    packed.query_index = next(query_rows);
+  const auto key_index = all_keys ? torch::Tensor() : next(key_rows);  // undefined: all
+  packed.cu_q_on_device = next(packed.cu_q);
+  packed.cu_k_on_device = next(packed.cu_k);
   packed.query = packed_rows(query, packed.query_index);
   packed.key = packed_rows(key, key_index);
   packed.value = packed_rows(value, key_index);
@@ -66,9 +86,11 @@ torch::Tensor unpack_varlen(const torch::Tensor& packed, const torch::Tensor& qu
                             int64_t batch, int64_t n) {
   const int64_t heads = packed.size(1), d = packed.size(2);
   const auto rows =
-      torch::zeros({batch * n, heads, d}, packed.options()).index_copy(0, query_index, packed);
+      query_index.defined()
+          ? torch::zeros({batch * n, heads, d}, packed.options()).index_copy(0, query_index, packed)
+          : packed;
   // (b * n, h, d) -> (b, n, h, d) -> (b, h, n, d)
-  return rows.view({batch, n, heads, d}).transpose(1, 2);
+  return rows.reshape({batch, n, heads, d}).transpose(1, 2);
 }
 
 torch::Tensor sdpa_varlen_attention(const torch::Tensor& query, const torch::Tensor& key,
@@ -135,6 +157,9 @@ torch::Tensor run_bottom_right_parts(const torch::Tensor& query, const torch::Te
     return torch::zeros({query.size(0), query.size(1), query.size(2), value.size(3)},
                         query.options());
   }
+  // An undefined index (every query in order) comes only from a part that has all the queries.
+  if (outputs.size() == 1)
+    return unpack_varlen(outputs.front(), query_index.front(), query.size(0), query.size(2));
   return unpack_varlen(torch::cat(outputs, 0), torch::cat(query_index), query.size(0),
                        query.size(2));
 }
