@@ -156,11 +156,11 @@ TEST(ChunkedAttention, AnyRankAndStridedInputsMatchMath) {
 
 class ChunkedAttentionDevices : public DeviceTest {};
 
-// The tile loop draws each block's dropout mask on the inputs' device, from a generator of
-// that device reseeded per block: the global seed repeats the output, backward redraws
-// forward's masks (finite differences), eval turns dropout off, and the draws average to the
-// output without dropout (inverted dropout keeps the expectation; a keep-probability of p
-// instead of 1 - p would be off by half).
+// The tile loop draws each block's dropout mask from a generator seeded per block, on every
+// device: the global seed repeats the output, backward redraws forward's masks (finite
+// differences), eval turns dropout off, and the draws average to the output without dropout
+// (inverted dropout keeps the expectation; a keep-probability of p instead of 1 - p would be
+// off by half).
 TEST_P(ChunkedAttentionDevices, DropoutIsSeededDifferentiableAndOffInEval) {
   torch::manual_seed(3);
   const auto on = torch::TensorOptions().dtype(torch::kFloat64).device(device());

@@ -63,9 +63,6 @@ struct ChunkedCall : torch::CustomClassHolder {
   double scale = 1.0;
   double dropout_p = 0.0;
   int64_t dropout_seed = -1;  // < 0: no dropout
-  // A copy of the default generator of the inputs' device, never drawn from: each block's
-  // keep-mask is drawn from a clone of it reseeded for that block, on the device.
-  at::Generator dropout_generator;
   int64_t query_block = 128;  // the block mask's query block when there is one
   int64_t key_block = 1024;
   int64_t head_group = 0;  // 0: plan it (forward)
@@ -232,21 +229,20 @@ torch::Tensor finite_max(const torch::Tensor& row_max, const BlockPlan& plan) {
 
 // The dropout keep-mask (scaled by 1 / (1 - p)) of one block, each head's drawn from a
 // generator seeded by the call's seed and the head's block position, so backward redraws the
-// same mask however the heads are grouped and whichever worker draws it. The generator is of
-// the inputs' device (mt19937 on the CPU, Philox on CUDA), so the mask is drawn where it is
-// used: no host-to-device copy in the tile loop.
+// same mask however the heads are grouped and whichever worker draws it. Drawn on the CPU
+// and copied: a generator of another device, reseeded per block, would be a clone of its
+// default one, and LibTorch 1.13's Generator::clone leaks the clone (LeakSanitizer).
 torch::Tensor dropout_scale(const torch::Tensor& like, const HeadGroup& at, int64_t q0, int64_t k0,
                             const BlockPlan& plan) {
-  auto keep = torch::empty(like.sizes(), like.options());
+  auto keep = torch::empty(like.sizes(), torch::dtype(like.scalar_type()));
   for (int64_t i = 0; i < at.g; ++i) {
     const auto block_index =
         ((at.o * plan.heads + at.h0 + i) * plan.num_queries + q0) * plan.num_keys + k0;
-    auto generator = plan.call.dropout_generator.clone();
-    generator.set_current_seed(static_cast<uint64_t>(plan.call.dropout_seed) +
-                               static_cast<uint64_t>(block_index));
+    auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(plan.call.dropout_seed) +
+                                                    static_cast<uint64_t>(block_index));
     keep[i].bernoulli_(1.0 - plan.call.dropout_p, generator);
   }
-  return keep.div_(1.0 - plan.call.dropout_p);
+  return keep.div_(1.0 - plan.call.dropout_p).to(like.device());
 }
 
 HeadGroup head_group_of(const BlockPlan& plan, int64_t pair) {
@@ -499,12 +495,8 @@ torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& ke
   call->key_block = options.key_block_size();
   call->dropout_p = options.dropout_p();
   // The seed comes from the global generator, so torch::manual_seed fixes the masks.
-  if (options.training() && options.dropout_p() > 0.0) {
+  if (options.training() && options.dropout_p() > 0.0)
     call->dropout_seed = torch::randint(0, int64_t{1} << 62, {1}, torch::kInt64).item<int64_t>();
-    auto device_default = at::globalContext().defaultGenerator(query.device());
-    const std::lock_guard<std::mutex> lock(device_default.mutex());
-    call->dropout_generator = device_default.clone();
-  }
   std::vector<torch::Tensor> parameters;
   if (call->score_mod && torch::GradMode::is_enabled())
     parameters = score_mod_parameters(call->score_mod, query.options());
