@@ -19,6 +19,7 @@
 #include "command_line.h"
 #include "train/line.h"
 #include "train/model.h"
+#include "train/trainer.h"
 
 using attnkit::train::Line;
 
@@ -48,9 +49,10 @@ int64_t weight_bytes_per_token(attnkit::train::AttentionModel& model) {
   return bytes;
 }
 
-// Read bandwidth of this machine in GB/s: the median of summing a 512 MiB float tensor.
-double read_bandwidth_gbs() {
-  const auto big = torch::ones({int64_t{128} << 20});
+// Read bandwidth of the device in GB/s: the median of summing a 512 MiB float tensor there
+// (item() waits for the sum, so a GPU's time is counted whole).
+double read_bandwidth_gbs(const torch::Device& device) {
+  const auto big = torch::ones({int64_t{128} << 20}, torch::TensorOptions().device(device));
   std::vector<double> rates;
   for (int i = 0; i < 5; ++i) {
     const auto start = Clock::now();
@@ -95,13 +97,14 @@ struct Run {
 // --batch-prompts: `count` prompts of min_length..max_length tokens generated one after
 // another and together; exit 1 when a row's tokens differ.
 int run_batch(attnkit::train::AttentionModel& model, const attnkit::train::ModelConfig& config,
-              int64_t count, int64_t min_length, int64_t max_length, int64_t new_tokens,
-              int64_t repeats, const std::string& json) {
+              const torch::Device& device, int64_t count, int64_t min_length, int64_t max_length,
+              int64_t new_tokens, int64_t repeats, const std::string& json) {
   std::vector<attnkit::GenerationRequest> requests;
   const auto lengths = torch::randint(min_length, max_length + 1, {count}, torch::kInt64);
   for (int64_t i = 0; i < count; ++i)
     requests.emplace_back(
-        torch::randint(0, config.vocab_size, {lengths[i].item<int64_t>()}, torch::kInt64));
+        torch::randint(0, config.vocab_size, {lengths[i].item<int64_t>()}, torch::kInt64)
+            .to(device));
   const auto options = attnkit::GenerateOptions(new_tokens);
   attnkit::generate(*model, requests, attnkit::GenerateOptions(2));  // warm-up
   const double total = static_cast<double>(count * new_tokens);
@@ -125,8 +128,8 @@ int run_batch(attnkit::train::AttentionModel& model, const attnkit::train::Model
                   << " (" << config.backend << "), vocab " << config.vocab_size << ", context "
                   << config.context_length << ", d " << config.d_model << ", " << config.heads
                   << " heads, " << config.layers << " layers, LibTorch " << TORCH_VERSION_MAJOR
-                  << "." << TORCH_VERSION_MINOR << ", " << torch::get_num_threads()
-                  << " thread(s) (" << attnkit::blas_threads() << ")\n"
+                  << "." << TORCH_VERSION_MINOR << ", " << device << ", "
+                  << torch::get_num_threads() << " thread(s) (" << attnkit::blas_threads() << ")\n"
                   << count << " prompts of " << lengths.min().item<int64_t>() << ".."
                   << lengths.max().item<int64_t>() << " tokens, " << new_tokens
                   << " new tokens each, greedy, median of " << repeats << "\n"
@@ -170,6 +173,7 @@ int main(int argc, char** argv) {
   cli.value("Run", "prompt", "prompt tokens", "4")
       .value("Run", "new-tokens", "tokens to generate", "200")
       .value("Run", "repeats", "timed runs of each mode (the median is reported)", "3")
+      .value("Run", "device", "auto | cpu | cuda | cuda:N (auto: a GPU when one is visible)", "cpu")
       .value("Run", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults", "1")
       .value("Run", "seed", "seed of the weights and the prompt", "123")
       .flag("Run", "no-uncached", "time only the cached mode")
@@ -195,7 +199,7 @@ int main(int argc, char** argv) {
           prompt_min = 0;
   uint64_t seed = 0;
   bool uncached = true, trace = false;
-  std::string json;
+  std::string json, device_name;
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
@@ -218,6 +222,7 @@ int main(int argc, char** argv) {
     new_tokens = cli.integer("new-tokens");
     repeats = cli.integer("repeats");
     threads = cli.integer("threads");
+    device_name = cli.text("device");
     seed = cli.unsigned_integer("seed");
     uncached = !cli.given("no-uncached");
     batch_prompts = cli.integer("batch-prompts");
@@ -251,13 +256,17 @@ int main(int argc, char** argv) {
     if (threads > 0)
       attnkit::set_num_threads(static_cast<int>(threads));
 
+    const auto device = attnkit::train::resolve_device(device_name);  // fails without CUDA
+
     torch::manual_seed(seed);
     attnkit::train::AttentionModel model(config);  // validates the sizes
+    model->to(device);
     model->eval();
     if (batch_prompts > 0)
-      return run_batch(model, config, batch_prompts, prompt_min, prompt_length, new_tokens, repeats,
-                       json);
-    const auto prompt = torch::randint(0, config.vocab_size, {1, prompt_length}, torch::kInt64);
+      return run_batch(model, config, device, batch_prompts, prompt_min, prompt_length, new_tokens,
+                       repeats, json);
+    const auto prompt =
+        torch::randint(0, config.vocab_size, {1, prompt_length}, torch::kInt64).to(device);
     const auto options = attnkit::GenerateOptions(new_tokens);
     attnkit::generate(*model, prompt, attnkit::GenerateOptions(2));  // warm-up
 
@@ -283,7 +292,7 @@ int main(int argc, char** argv) {
       cache_bytes += c.nbytes();
     const int64_t cache_bytes_per_token = caches.front().bytes_per_token();  // one layer
     const int64_t weights = weight_bytes_per_token(model);
-    const double bandwidth = read_bandwidth_gbs();
+    const double bandwidth = read_bandwidth_gbs(device);
     const double needed = static_cast<double>(weights) * runs.front().tokens_per_second / 1e9;
 
     Line(std::cout) << std::fixed << std::setprecision(1)
@@ -297,8 +306,8 @@ int main(int argc, char** argv) {
                     << ", vocab " << config.vocab_size << ", context " << config.context_length
                     << ", d " << config.d_model << ", " << config.heads << " heads, "
                     << config.layers << " layers, LibTorch " << TORCH_VERSION_MAJOR << "."
-                    << TORCH_VERSION_MINOR << ", " << torch::get_num_threads() << " thread(s) ("
-                    << attnkit::blas_threads() << ")\n"
+                    << TORCH_VERSION_MINOR << ", " << device << ", " << torch::get_num_threads()
+                    << " thread(s) (" << attnkit::blas_threads() << ")\n"
                     << "prompt " << prompt_length << ", " << new_tokens
                     << " new tokens, greedy, median of " << repeats << "\n";
     for (const auto& run : runs) {
@@ -317,8 +326,8 @@ int main(int argc, char** argv) {
                     << caches.front().capacity() << " held at most per layer)\n"
                     << std::setprecision(1) << "  weights " << weights / 1048576.0
                     << " MiB read per token -> " << needed << " GB/s at the cached rate, "
-                    << std::setprecision(0) << 100.0 * needed / bandwidth << "% of this machine's "
-                    << std::setprecision(1) << bandwidth << " GB/s read bandwidth\n";
+                    << std::setprecision(0) << 100.0 * needed / bandwidth << "% of " << device
+                    << "'s " << std::setprecision(1) << bandwidth << " GB/s read bandwidth\n";
     CacheTrace traced;
     if (trace) {
       traced = trace_caches(model, runs.front().tokens);
@@ -331,8 +340,9 @@ int main(int argc, char** argv) {
       std::ofstream out(json);
       TORCH_CHECK(out.good(), "--json: cannot write '", json, "'");
       out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \"" << TORCH_VERSION_MAJOR
-          << "." << TORCH_VERSION_MINOR << "\", \"threads\": " << torch::get_num_threads()
-          << ", \"blas\": \"" << attnkit::blas_threads().name
+          << "." << TORCH_VERSION_MINOR << "\", \"device\": \"" << device
+          << "\", \"threads\": " << torch::get_num_threads() << ", \"blas\": \""
+          << attnkit::blas_threads().name
           << "\", \"blas_threads\": " << attnkit::blas_threads().num_threads << ", \"module\": \""
           << config.module << "\", \"backend\": \"" << config.backend
           << "\", \"kv_groups\": " << config.kv_groups << ", \"window\": " << config.window

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what attnkit needs to build and test, from Debian's archive (12 on the host; 13
 # inside the root of scripts/debian13.sh, where the same names give LibTorch 2.6).
-# scripts/setup.sh --fuzz also installs what scripts/fuzz.sh needs. Idempotent: prints nothing and changes nothing when everything is already installed.
+# scripts/setup.sh --fuzz also installs what scripts/fuzz.sh needs, --pip what scripts/pip_torch.sh
+# needs to make pip's PyTorch's virtual environment. Idempotent: prints nothing and changes nothing when everything is already installed.
 set -euo pipefail
 
 packages=(
@@ -16,9 +17,10 @@ packages=(
 )
 
 # scripts/fuzz.sh: clang's libFuzzer and its OpenMP runtime.
-if [ "${1:-}" = "--fuzz" ]; then
-  packages+=(clang libclang-rt-dev libomp-dev)
-fi
+case "${1:-}" in
+  --fuzz) packages+=(clang libclang-rt-dev libomp-dev) ;;
+  --pip) packages+=(python3-venv python3-pip) ;;  # scripts/pip_torch.sh
+esac
 
 missing=()
 for package in "${packages[@]}"; do

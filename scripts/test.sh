@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds attnkit and runs every test (installs what is missing first).
-# Usage: scripts/test.sh [--asan | --libtorch2] [ctest arguments, e.g. -R MultiHead]
+# Usage: scripts/test.sh [--asan | --libtorch2 | --pip] [ctest arguments, e.g. -R MultiHead]
 #   (none)       Debian 12's LibTorch 1.13 on this machine, in build/.
 #   --asan       build in build-asan/ with AddressSanitizer + UndefinedBehaviorSanitizer and
 #                run the tests there (any sanitizer report fails the run); the package test is
@@ -8,6 +8,11 @@
 #   --libtorch2  the whole suite against Debian 13's LibTorch 2.6 and PyTorch 2.6, in
 #                build-libtorch2/, inside the Debian 13 root of scripts/debian13.sh (made with
 #                debootstrap on first use, a few minutes; reused after that).
+#   --pip        the whole suite against pip's LibTorch and PyTorch (scripts/pip_torch.sh pins the
+#                version and makes its virtual environment on first use, about a minute and 3 GB
+#                of downloads), in build-pip/. The index's torch is the CUDA build: this needs
+#                NVIDIA's CUDA toolkit to configure, links NCCL, and its CUDA tests skip without a
+#                GPU.
 #   --preset P   any preset of CMakePresets.json, with this machine's LibTorch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +28,19 @@ case "${1:-}" in
     shift
     exec scripts/debian13.sh scripts/test.sh --preset libtorch2 "$@"
     ;;
+  --pip)
+    preset=pip
+    shift
+    ;;
   --preset)
-    preset=${2:?--preset needs a name: default, debug, asan or libtorch2}
+    preset=${2:?--preset needs a name: default, debug, asan, libtorch2 or pip}
     shift 2
     ;;
 esac
 scripts/build.sh --preset "$preset"
+if [ "$preset" = pip ]; then
+  # The Python side of the cross-language tests: the same PyTorch as the LibTorch.
+  ATTNKIT_PYTHON=$(scripts/pip_torch.sh)
+  export ATTNKIT_PYTHON
+fi
 ctest --preset "$preset" "${extra[@]}" "$@"

@@ -2,7 +2,8 @@
 # Data-parallel attnkit-train on two processes over loopback (c10d, Gloo): the same losses as
 # one process on the same examples, resume, and the faults: a rank killed, SIGINT to the
 # launcher, a port in use, an incomplete environment, ranks started with different flags.
-# Usage: tests/distributed_test.sh PATH/TO/attnkit-train SOURCE_DIR
+# Usage: tests/distributed_test.sh PATH/TO/attnkit-train SOURCE_DIR [--gpu-only]
+#   --gpu-only: only the GPU section at the end (scripts/gpu_check.sh; it fails without a GPU).
 set -u
 train=$1
 cd "$2" || exit 1
@@ -55,6 +56,10 @@ two_ranks=()
 base=(--task copy --d-model 32 --heads 4 --threads 1 --quiet --batch-size 64)
 small=("${base[@]}" --device cpu)
 
+gpu_only=false
+[ "${3:-}" = --gpu-only ] && gpu_only=true
+
+if ! $gpu_only; then  # every section up to the GPU's
 # ---- the same losses as one process on the same examples ---------------------------------
 "$train" "${small[@]}" --steps 50 --eval-every 1 --metrics "$work/one.csv" >/dev/null 2>"$work/err" ||
   fail "one process: $(cat "$work/err")"
@@ -212,6 +217,8 @@ else
   fail "rank 1 with a different --lr: exit $code, $(cat "$work/rank1.err")"
 fi
 
+fi  # ! $gpu_only
+
 # ---- on a GPU (skipped without one) -------------------------------------------------------
 if "$train" "${base[@]}" --device cuda --steps 1 >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -237,6 +244,8 @@ if "$train" "${base[@]}" --device cuda --steps 1 >/dev/null 2>&1; then
       fail "NCCL with 2 ranks on 1 GPU: $(cat "$work/err")"
     fi
   fi
+elif $gpu_only; then
+  fail "--gpu-only: attnkit-train --device cuda does not run: $("$train" "${base[@]}" --device cuda --steps 1 2>&1 >/dev/null | head -c 300)"
 else
   echo "skip: no CUDA device, the GPU checks did not run"
 fi
