@@ -83,7 +83,8 @@ note() { summary+=("$*"); echo "gpu_check: $*"; }
 step() {
   local name=$1 limit=$2 t0=$SECONDS code
   shift 2
-  timeout --kill-after=10 "$limit" "$@" >"$logs/$name.log" 2>&1
+  # A new bash runs it, so that the steps written as functions (exported) run under timeout too.
+  timeout --kill-after=10 "$limit" bash -c '"$@"' "$name" "$@" >"$logs/$name.log" 2>&1
   code=$?
   if [[ $code -eq 124 || $code -eq 137 ]]; then
     note "$name: OUT OF TIME after ${limit} s (log: $logs/$name.log)"
@@ -110,6 +111,8 @@ build() {
     cmake --build build-gpu -j "$(nproc)" \
       --target attnkit_tests attnkit-train attnkit-bench attnkit-decode-bench
 }
+export -f build
+export torch_prefix deps python
 if ! step build 230 build; then
   tail -n 30 "$logs/build.log"
   echo "gpu_check: the build failed; nothing else ran ($((SECONDS - start)) s)"
@@ -128,6 +131,8 @@ suite() {
   for i in "${pids[@]}"; do wait "$i" || code=1; done
   return $code
 }
+export -f suite
+export shards logs
 step suite 110 suite
 # --gtest_brief prints only failures; the counts come from each shard's closing lines.
 shard_total() { cat "$logs"/suite.*.log | awk -v tag="$1" '$0 ~ tag { n += $4 } END { print n + 0 }'; }

@@ -8,6 +8,12 @@ foreach(input ATTNKIT_BINARY_DIR ATTNKIT_SOURCE_DIR WORK_DIR TORCH_DIR GENERATOR
     message(FATAL_ERROR "package_test.cmake: -D${input}=... is required")
   endif()
 endforeach()
+# LibTorch's own folder (TORCH_DIR is <it>/share/cmake/Torch) in the outside projects' prefix
+# path too, as a user of pip's LibTorch writes it: TorchConfig.cmake looks for its libraries in
+# its own folder only after the system's, where Debian's libtorch-dev may be.
+# (The environment's CMAKE_PREFIX_PATH: a list in -D would be split by run_step's ARGN.)
+get_filename_component(torch_root "${TORCH_DIR}/../../.." ABSOLUTE)
+set(configure ${CMAKE_COMMAND} -E env CMAKE_PREFIX_PATH=${torch_root} ${CMAKE_COMMAND})
 
 function(run_step what)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE result)
@@ -25,7 +31,7 @@ endfunction()
 
 file(REMOVE_RECURSE ${WORK_DIR})
 run_step("install" ${CMAKE_COMMAND} --install ${ATTNKIT_BINARY_DIR} --prefix ${WORK_DIR}/prefix)
-run_step("configure tiny_gpt" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/apps/tiny_gpt
+run_step("configure tiny_gpt" ${configure} -S ${ATTNKIT_SOURCE_DIR}/apps/tiny_gpt
   -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
   -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
 run_step("build tiny_gpt" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
@@ -47,14 +53,14 @@ endif()
 
 # The encoder-decoder of seed 001's shape (padded sources, cross-attention): it exits 1
 # unless greedy decoding reverses at least 90% of new strings.
-run_step("configure encoder_decoder" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/apps/encoder_decoder
+run_step("configure encoder_decoder" ${configure} -S ${ATTNKIT_SOURCE_DIR}/apps/encoder_decoder
   -B ${WORK_DIR}/encoder_decoder -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
   -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
 run_step("build encoder_decoder" ${CMAKE_COMMAND} --build ${WORK_DIR}/encoder_decoder)
 run_program("run encoder_decoder" ${WORK_DIR}/encoder_decoder/encoder_decoder)
 
 # The README's find_package lines, as examples/CMakeLists.txt holds them, and its example.
-run_step("configure examples" ${CMAKE_COMMAND} -S ${ATTNKIT_SOURCE_DIR}/examples
+run_step("configure examples" ${configure} -S ${ATTNKIT_SOURCE_DIR}/examples
   -B ${WORK_DIR}/examples -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
   -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
 run_step("build the README's example" ${CMAKE_COMMAND} --build ${WORK_DIR}/examples

@@ -1,11 +1,19 @@
 #include "gradient_sync.h"
 
 #include <chrono>
+#include <utility>
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 namespace attnkit::train {
+
+namespace {
+// How LibTorch hands out a gradient accumulator: std::shared_ptr<Node> up to 2.11,
+// c10::intrusive_ptr<Node> in 2.15.
+using AccumulatorHandle =
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::Tensor&>()));
+}  // namespace
 
 struct GradientSync::State {
   Collectives* group = nullptr;
@@ -15,10 +23,10 @@ struct GradientSync::State {
     int parameters = 0;
     int pending = 0;
   };
-  std::vector<Bucket> buckets;                 // in the order they start
-  std::vector<int> bucket_of;                  // parameter index -> bucket
-  std::vector<std::function<void()>> waiting;  // one per started bucket, in order
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keeps the hooks' nodes
+  std::vector<Bucket> buckets;                  // in the order they start
+  std::vector<int> bucket_of;                   // parameter index -> bucket
+  std::vector<std::function<void()>> waiting;   // one per started bucket, in order
+  std::vector<AccumulatorHandle> accumulators;  // keeps the hooks' nodes
 
   // Starts every bucket from the next one on that is ready: the same order on every rank.
   void start_ready() {
