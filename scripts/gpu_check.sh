@@ -9,7 +9,7 @@
 #   scripts/gpu_check.sh --prepare   on the machine without the GPU (Debian): copies the
 #                                    headers and static libraries that the GPU machine lacks
 #                                    (GoogleTest, cxxopts, stb, Gloo's headers) into .gpu-deps/
-#                                    (git-ignored, about 4 MB), to travel with the tree
+#                                    (git-ignored, 4.6 MB), to carry with the tree
 #   scripts/gpu_check.sh [--python PY] [--log-dir DIR]
 #                                    on the GPU machine: build, run, summarise. Without a GPU it
 #                                    says so and stops (exit 3) before building anything.
@@ -57,7 +57,6 @@ if [[ $mode == prepare ]]; then
   cp /usr/lib/x86_64-linux-gnu/libgtest*.a /usr/lib/x86_64-linux-gnu/libgmock*.a \
     "$deps/usr/lib/x86_64-linux-gnu/"
   cp -r /usr/lib/x86_64-linux-gnu/cmake/GTest "$deps/usr/lib/x86_64-linux-gnu/cmake/"
-  grep -qxF '/.gpu-deps/' .git/info/exclude 2>/dev/null || echo '/.gpu-deps/' >>.git/info/exclude
   echo "gpu_check: .gpu-deps/ ready ($(du -sh "$deps" | cut -f1)); carry it to the GPU machine"
   exit 0
 fi
