@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # pip's PyTorch, in a virtual environment that this script makes once and reuses: the third
-# LibTorch leg (scripts/test.sh --pip, --pip-cuda) and the Python side of its cross-language
-# tests. Prints the environment's python on its last line of output.
+# LibTorch leg (scripts/test.sh --pip) and the Python side of its cross-language
+# tests. Prints the path of the environment's python.
 #
-# Usage: scripts/pip_torch.sh [--print-prefix | --check]
+# Usage: scripts/pip_torch.sh [--print-prefix]
 #   (none)          make the environment if it is missing or holds another torch; print its python
 #   --print-prefix  the same, then print LibTorch's CMake prefix (torch.utils.cmake_prefix_path)
-#   --check         make nothing: exit 0 if the environment is ready, 1 if not
 #
 # The torch version is pinned here, and only here (ATTNKIT_PIP_TORCH overrides it for a
 # one-off try of another release). pip's torch for Linux x86-64 is the CUDA build: it brings
-# NVIDIA's CUDA libraries as wheels (nvidia-*), about 3.5 GB on disk; docs/building.md gives the
-# download's size and time on a fresh machine. On a machine without a GPU the same LibTorch
+# NVIDIA's CUDA libraries as wheels (nvidia-*): about 2.9 GB to download, 5.4 GB on disk, about a
+# minute here (docs/building.md). On a machine without a GPU the same LibTorch
 # runs on the CPU.
 #
 # Environment:
@@ -32,8 +31,7 @@ mode=make
 case "${1:-}" in
   "") ;;
   --print-prefix) mode=prefix ;;
-  --check) mode=check ;;
-  -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   *) echo "pip_torch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
 esac
 
@@ -44,7 +42,6 @@ installed_version() {
 }
 
 if [ "$(installed_version)" != "$version" ]; then
-  [ "$mode" = check ] && exit 1
   scripts/setup.sh --pip
   # One maker at a time: a second run (another CI leg, a benchmark) waits here.
   mkdir -p "$(dirname "$venv")"
@@ -53,7 +50,7 @@ if [ "$(installed_version)" != "$version" ]; then
   if [ "$(installed_version)" != "$version" ]; then
     start=$SECONDS
     echo "pip_torch: making $venv with torch $version from the Python package index" \
-         "(about 3 GB to download; minutes)" >&2
+         "(about 3 GB to download)" >&2
     /usr/bin/python3 -m venv --clear "$venv"
     "$python" -m pip install --quiet --disable-pip-version-check --upgrade pip >&2
     # numpy: torch warns without it, and the cross-language scripts use it.
@@ -64,8 +61,6 @@ if [ "$(installed_version)" != "$version" ]; then
          "$(du -sh "$venv" | cut -f1) on disk" >&2
   fi
 fi
-[ "$mode" = check ] && exit 0
-
 echo "$python"
 if [ "$mode" = prefix ]; then
   "$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)'

@@ -19,7 +19,7 @@ packages=(
 # scripts/fuzz.sh: clang's libFuzzer and its OpenMP runtime.
 case "${1:-}" in
   --fuzz) packages+=(clang libclang-rt-dev libomp-dev) ;;
-  --pip) packages+=(python3-venv python3-pip) ;;  # scripts/pip_torch.sh
+  --pip) packages+=(python3-venv) ;;  # scripts/pip_torch.sh (ensurepip brings pip)
 esac
 
 missing=()
