@@ -162,10 +162,9 @@ torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& k
 torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
                                      const FusedOptions& options = {});
 
-/// Largest n * m for which the fused backend of the modules uses `fused_attention`. Measured
-/// with attnkit-bench (fused-core against math-core, forward+backward, 2-core x86): at
-/// head_dim 64 the kernel wins at n = 32 and 64 and loses from n = 128; at head_dim 16 it
-/// still wins at n = 128.
+/// Largest n * m for which the fused backend of the modules uses `fused_attention` on
+/// LibTorch 1.x: the loop-nest kernel's limit, which the planner keeps beside that kernel
+/// (src/core/kernels.h, where its measurement is told).
 constexpr int64_t kFusedAttentionMaxTile = 64 * 64;
 
 /// Whether the modules' fused backend takes `fused_attention` for n queries and m keys of

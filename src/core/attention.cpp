@@ -300,6 +300,40 @@ AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::
 
 namespace detail {
 
+namespace {
+
+// The math core on the call's 4-D inputs: key/value heads repeated for their query heads,
+// the dense mask, index tensors for a score function.
+functional::AttentionOutput run_math(const KernelInput& input) {
+  const auto& call = input.call;
+  const auto &q4 = call.query, &k4 = call.key, &v4 = call.value;
+  const auto& options = call.options;
+  const int64_t batch = q4.size(0), heads = q4.size(1), n = q4.size(2), m = k4.size(2);
+  const int64_t group = heads / k4.size(1);
+  MathMasking masking;
+  if (!input.mask().is_none())
+    masking.allowed = input.mask().dense(batch, heads, n, m, q4.device());
+  if (options.score_mod()) {
+    masking.score_mod = options.score_mod();
+    const auto index = torch::dtype(torch::kInt64).device(q4.device());
+    masking.index = {torch::arange(batch, index).view({-1, 1, 1, 1}),
+                     torch::arange(heads, index).view({1, -1, 1, 1}),
+                     torch::arange(n, index).view({1, 1, -1, 1}),
+                     torch::arange(m, index).view({1, 1, 1, -1})};
+  }
+  const auto k = group == 1 ? k4 : k4.repeat_interleave(group, 1);
+  const auto v = group == 1 ? v4 : v4.repeat_interleave(group, 1);
+  return math_attention(q4, k, v, masking, options.scale(), options.dropout_p(),
+                        options.training());
+}
+
+}  // namespace
+
+KernelSpec math_spec() {
+  return {"math", AttentionBackend::kMath, /*runs_16bit_cuda_in_its_dtype=*/false,
+          [](const KernelInput&) { return KernelDecision{"", run_math}; }};
+}
+
 functional::AttentionOutput run_checked_attention(const AttentionCall& call) {
   functional::check_attention_arguments(call.query, call.key, call.value, call.options);
   return run_attention(call);

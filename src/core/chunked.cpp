@@ -503,4 +503,28 @@ torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& ke
   return functional::ChunkedAttention::apply(call, query, key, value, at::TensorList(parameters));
 }
 
+// The chunked kernel's spec.
+
+KernelSpec chunked_spec() {
+  return {"chunked", AttentionBackend::kChunked, /*runs_16bit_cuda_in_its_dtype=*/false,
+          [](const KernelInput& input) {
+            std::string why;
+            if (input.call.with_weights) {
+              why = "the chunked backend returns no weights (the math backend builds them)";
+            } else if (input.call.step == StepKind::kRagged && input.query_tokens() == 1) {
+              // One query per row scores one row per head: the math core costs no quadratic
+              // memory there and has the least overhead, where tiles would be read row by row.
+              why = "a one-query ragged step runs best on the math core";
+            }
+            return KernelDecision{std::move(why), [](const KernelInput& in) {
+                                    const auto& call = in.call;
+                                    auto options = call.options;
+                                    return functional::AttentionOutput{
+                                        chunked_kernel(call.query, call.key, call.value,
+                                                       options.mask(in.mask())),
+                                        {}};
+                                  }};
+          }};
+}
+
 }  // namespace attnkit::detail

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/kernels.h"
 #include "core/parallel.h"
 #include "core/row_softmax.h"
 
@@ -143,6 +144,73 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
     decode_rows<scalar_t>(query, keys, values, scale, key_begin, key_end, out);
   });
   return out.transpose(1, 2);
+}
+
+// The decode kernel's spec.
+
+namespace {
+
+std::string decode_declines(const KernelInput& input) {
+  const auto& call = input.call;
+  if (call.step == StepKind::kSequence)
+    return "the decode kernel serves cached steps only";
+  if (input.query_tokens() != 1)
+    return c10::str("the decode kernel takes one query per row, not ", input.query_tokens());
+  if (call.options.score_mod())
+    return "the decode kernel has no score functions (score_mod)";
+  // A ragged step's own causal masks are its rows' ranges; a cached step's is the call's.
+  if (call.step == StepKind::kRagged ? !call.options.mask().is_none() : !input.causal_span()) {
+    return c10::str("the decode kernel takes only the cache's causal mask, not ",
+                    call.options.mask().to_string());
+  }
+  if (input.dropout_p() > 0.0)
+    return "the decode kernel has no dropout (inference)";
+  if (call.with_weights)
+    return "the decode kernel returns no weights";
+  if (!decode_attention_fits(call.query, call.key, call.value)) {
+    return "the decode kernel needs CPU float32 or float64 inputs with contiguous last "
+           "dimensions and no autograd to record";
+  }
+  return "";
+}
+
+// Row r's keys [begin[r], end[r]) for the decode kernel's one query per row.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> decode_ranges(const KernelInput& input) {
+  const auto& call = input.call;
+  const auto rows = static_cast<size_t>(call.query.size(0));
+  const int64_t m = input.key_tokens();
+  if (call.step == StepKind::kRagged) {
+    const auto starts = call.ragged.query_offsets.to(torch::kCPU, torch::kInt64).contiguous();
+    const auto ends = call.ragged.key_ends.to(torch::kCPU, torch::kInt64).contiguous();
+    const auto* start = starts.data_ptr<int64_t>();
+    const auto* valid_end = ends.data_ptr<int64_t>();
+    std::vector<int64_t> begin(rows, 0), end(rows);
+    for (size_t r = 0; r < rows; ++r) {
+      end[r] = std::min(valid_end[r], start[r] + 1);
+      if (call.ragged.window > 0)
+        begin[r] = std::max<int64_t>(0, start[r] + 1 - call.ragged.window);
+    }
+    return {begin, end};
+  }
+  const auto& span = input.causal_span();
+  TORCH_CHECK(span.has_value(), "[decode kernel] a cached step's mask must be causal, got ",
+              input.mask().to_string());
+  const int64_t end = span->causal ? std::min(m, span->query_offset + 1) : m;
+  const int64_t begin = span->window > 0 ? std::max<int64_t>(0, end - span->window) : 0;
+  return {std::vector<int64_t>(rows, begin), std::vector<int64_t>(rows, end)};
+}
+
+functional::AttentionOutput run_decode(const KernelInput& input) {
+  const auto& call = input.call;
+  const auto [begin, end] = decode_ranges(input);
+  return {decode_attention(call.query, call.key, call.value, input.scale(), begin, end), {}};
+}
+
+}  // namespace
+
+KernelSpec decode_spec() {
+  return {"decode", AttentionBackend::kAuto, /*runs_16bit_cuda_in_its_dtype=*/false,
+          [](const KernelInput& input) { return KernelDecision{decode_declines(input), run_decode}; }};
 }
 
 }  // namespace attnkit::detail

@@ -17,8 +17,31 @@
 
 #include "attnkit/attention.h"
 #include "attnkit/functional.h"
+#include "core/kernel_spec.h"
 
 namespace attnkit::detail {
+
+/// Each kernel's spec, declared beside its code; the planner's table (planner.cpp) lists them
+/// in the order it asks them.
+KernelSpec decode_spec();            // decode_attention.cpp
+KernelSpec ragged_loop_nest_spec();  // loop_nest_attention.cpp
+KernelSpec packed_loop_nest_spec();  // loop_nest_attention.cpp
+KernelSpec loop_nest_spec();         // loop_nest_attention.cpp
+KernelSpec flash_spec();             // sdpa_kernel.cpp
+KernelSpec sdpa_spec();              // sdpa_kernel.cpp
+KernelSpec sdpa_varlen_spec();       // varlen_kernel.cpp
+KernelSpec sdpa_masked_spec();       // sdpa_kernel.cpp
+KernelSpec chunked_spec();           // chunked.cpp
+KernelSpec math_spec();              // attention.cpp
+
+/// Largest n * m the loop-nest kernels take. Measured with attnkit-bench (loop nest against
+/// the math core, forward+backward, 2-core x86): at head_dim 64 the loop nest wins at n = 32
+/// and 64 and loses from n = 128; at head_dim 16 it still wins at n = 128.
+constexpr int64_t kLoopNestMaxTile = 64 * 64;
+
+/// Whether the loop-nest kernels take n queries and m keys of tensors with `options`: CPU,
+/// float32 or float64, and n * m <= kLoopNestMaxTile.
+bool loop_nest_fits(int64_t num_queries, int64_t num_keys, const torch::TensorOptions& options);
 
 /// Keeps LibTorch's autocast off while alive. The kernels choose their own dtypes (a 16-bit
 /// call is computed in float32), which autocast would cast back down; the planner runs every
@@ -66,19 +89,18 @@ torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& ke
                              const functional::AttentionOptions& options);
 
 /// The loop-nest kernel (CPU, float32 or float64) on (..., n, hd) inputs with autograd: the
-/// causal mask with query_offset when `causal`, a sliding window when window > 0, dropout
-/// when dropout_p > 0, scale 1/sqrt(hd). Checks are the caller's.
+/// arguments' causal span and dropout, scale 1/sqrt(hd). Checks are the caller's.
 torch::Tensor loop_nest_attention(const torch::Tensor& query, const torch::Tensor& key,
-                                  const torch::Tensor& value, bool causal, int64_t query_offset,
-                                  int64_t window, double dropout_p);
+                                  const torch::Tensor& value, const FusedArguments& arguments);
 
 /// The loop-nest kernel on a packed (b, n, 3 * h * hd) QKV projection, read in place ->
-/// (b, n, h * hd), heads merged; backward writes qkv's gradient in one piece.
-torch::Tensor loop_nest_packed_attention(const torch::Tensor& qkv, int64_t num_heads, bool causal,
-                                         int64_t window, double dropout_p);
+/// (b, n, h * hd), heads merged; backward writes qkv's gradient in one piece. The queries are
+/// the keys' tokens: the span's query offset is not read (0).
+torch::Tensor loop_nest_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
+                                         const FusedArguments& arguments);
 
 /// Whether ragged_loop_nest_attention takes these: 4-D CPU float or double tensors of one
-/// dtype, g dividing h, n * m within kFusedAttentionMaxTile, no autograd to record.
+/// dtype, g dividing h, n * m within kLoopNestMaxTile, no autograd to record.
 bool ragged_loop_nest_fits(const torch::Tensor& query, const torch::Tensor& keys,
                            const torch::Tensor& values);
 
@@ -89,9 +111,7 @@ bool ragged_loop_nest_fits(const torch::Tensor& query, const torch::Tensor& keys
 /// (b, h, n, hd), keys and values (b, g, m, hd[_v]) -> (b, h, n, hd_v) laid out as
 /// (b, n, h, hd_v). Refuses what ragged_loop_nest_fits refuses.
 torch::Tensor ragged_loop_nest_attention(const torch::Tensor& query, const torch::Tensor& keys,
-                                         const torch::Tensor& values,
-                                         const torch::Tensor& query_offsets,
-                                         const torch::Tensor& key_ends, int64_t window);
+                                         const torch::Tensor& values, const RaggedRows& rows);
 
 /// Attention that falls apart into independent dense blocks, FlashAttention's variable-length
 /// form: segment i is queries [q_begin, q_end) of row `batch` against its keys [k_begin,
@@ -180,13 +200,14 @@ struct FlashSegments {
 /// LibTorch's flash kernel with autograd, in the inputs' 16-bit dtype (it keeps its
 /// statistics and accumulators in float32), dropout drawn on the device. Batched: (b, h, n,
 /// hd) queries and (b, g, m, hd) keys and values -> (b, h, n, hd); with segments: packed
-/// (total_q, h, hd) and (total_k, g, hd) -> (total_q, h, hd). Causal and windows align the
-/// last query with the last key of each segment (bottom-right); window > 0: each query sees
-/// itself and the window - 1 keys before it. Checks are the caller's (flash_kernel_available,
-/// g dividing h, hd a multiple of 8 up to 256, equal hd for values).
+/// (total_q, h, hd) and (total_k, g, hd) -> (total_q, h, hd). The span's causal mask and
+/// window align the last query with the last key of each segment (bottom-right; its query
+/// offset is not read); window > 0: each query sees itself and the window - 1 keys before it.
+/// `scale` on the scores. Checks are the caller's (flash_kernel_available, g dividing h, hd a
+/// multiple of 8 up to 256, equal hd for values).
 torch::Tensor flash_attention(const torch::Tensor& query, const torch::Tensor& key,
                               const torch::Tensor& value, const FlashSegments& segments,
-                              bool causal, int64_t window, double scale, double dropout_p);
+                              const FusedArguments& arguments, double scale);
 
 /// LibTorch's autocast on this thread for one device type: whether it is on, and its dtype.
 struct AutocastState {
@@ -201,12 +222,11 @@ AutocastState autocast_state(c10::DeviceType device_type);
 void set_autocast_state(c10::DeviceType device_type, const AutocastState& state);
 
 /// LibTorch's SDPA on (b, h, n, hd) queries and (b, g, m, hd) keys and values, g dividing h,
-/// scale 1/sqrt(hd): the causal mask with query_offset when `causal`, a sliding window when
-/// window_size > 0, dropout_p (0: none). On LibTorch 1.13, its stand-in: the chunked kernel
-/// on the CPU, the math core elsewhere. Any device and floating dtype; checks are the caller's.
+/// scale 1/sqrt(hd), with the arguments' causal span and dropout. On LibTorch 1.13, its
+/// stand-in: the chunked kernel on the CPU, the math core elsewhere. Any device and floating
+/// dtype; checks are the caller's.
 torch::Tensor sdpa_attention(const torch::Tensor& query, const torch::Tensor& key,
-                             const torch::Tensor& value, bool causal, int64_t query_offset,
-                             int64_t window_size, double dropout_p);
+                             const torch::Tensor& value, const FusedArguments& arguments);
 
 /// LibTorch's SDPA with a dense bool mask `visible` ((b or 1, h or 1, n, m), true = may
 /// attend; undefined: every key) and a float `bias` added to the scaled scores (broadcastable

@@ -136,14 +136,22 @@ void check_fused_options(const char* fn, const functional::FusedOptions& options
 }  // namespace
 
 torch::Tensor loop_nest_attention(const torch::Tensor& query, const torch::Tensor& key,
-                                  const torch::Tensor& value, bool causal, int64_t query_offset,
-                                  int64_t window, double dropout_p) {
-  return FusedAttention::apply(query, key, value, causal, query_offset, window, dropout_p);
+                                  const torch::Tensor& value, const FusedArguments& arguments) {
+  const auto& mask = arguments.mask;
+  return FusedAttention::apply(query, key, value, mask.causal, mask.query_offset, mask.window,
+                               arguments.dropout_p);
 }
 
-torch::Tensor loop_nest_packed_attention(const torch::Tensor& qkv, int64_t num_heads, bool causal,
-                                         int64_t window, double dropout_p) {
-  return FusedPackedAttention::apply(qkv, num_heads, causal, window, dropout_p);
+torch::Tensor loop_nest_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
+                                         const FusedArguments& arguments) {
+  return FusedPackedAttention::apply(qkv, num_heads, arguments.mask.causal, arguments.mask.window,
+                                     arguments.dropout_p);
+}
+
+bool loop_nest_fits(int64_t num_queries, int64_t num_keys, const torch::TensorOptions& options) {
+  const auto dtype = options.dtype();
+  return options.device().is_cpu() && (dtype == torch::kFloat || dtype == torch::kDouble) &&
+         num_queries * num_keys <= kLoopNestMaxTile;
 }
 
 bool ragged_loop_nest_fits(const torch::Tensor& query, const torch::Tensor& keys,
@@ -155,29 +163,124 @@ bool ragged_loop_nest_fits(const torch::Tensor& query, const torch::Tensor& keys
   return query.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && !records_history &&
          keys.scalar_type() == dtype && values.scalar_type() == dtype && keys.device().is_cpu() &&
          values.device().is_cpu() && query.size(1) % keys.size(1) == 0 &&
-         functional::fused_attention_fits(query.size(2), keys.size(2), query.options());
+         loop_nest_fits(query.size(2), keys.size(2), query.options());
 }
 
 torch::Tensor ragged_loop_nest_attention(const torch::Tensor& query, const torch::Tensor& keys,
-                                         const torch::Tensor& values,
-                                         const torch::Tensor& query_offsets,
-                                         const torch::Tensor& key_ends, int64_t window) {
+                                         const torch::Tensor& values, const RaggedRows& rows) {
   TORCH_CHECK(ragged_loop_nest_fits(query, keys, values),
               "[ragged_loop_nest_attention] expected CPU float or double (b, h, n, hd) queries "
               "and (b, g, m, hd) keys and values of one dtype, n * m <= ",
-              functional::kFusedAttentionMaxTile, " and no autograd; got query ",
-              shape_string(query), " ", query.scalar_type(), " on ", query.device(), ", keys ",
-              shape_string(keys));
-  const auto offsets = query_offsets.to(torch::kCPU, torch::kInt64).contiguous();
-  const auto ends = key_ends.to(torch::kCPU, torch::kInt64).contiguous();
-  const loop_nest::RowBounds rows{offsets.data_ptr<int64_t>(), ends.data_ptr<int64_t>()};
+              kLoopNestMaxTile, " and no autograd; got query ", shape_string(query), " ",
+              query.scalar_type(), " on ", query.device(), ", keys ", shape_string(keys));
+  const auto offsets = rows.query_offsets.to(torch::kCPU, torch::kInt64).contiguous();
+  const auto ends = rows.key_ends.to(torch::kCPU, torch::kInt64).contiguous();
+  const loop_nest::RowBounds bounds{offsets.data_ptr<int64_t>(), ends.data_ptr<int64_t>()};
   const auto q4 = unit_stride_slices(query), k4 = unit_stride_slices(keys),
              v4 = unit_stride_slices(values);
   auto out4 =
       empty_heads_interleaved(q4.size(0), q4.size(1), q4.size(2), v4.size(3), query.options());
-  run_forward(q4, k4, v4, out4, /*causal=*/true, /*query_offset=*/0, window,
-              /*dropout_p=*/0.0, &rows);
+  run_forward(q4, k4, v4, out4, /*causal=*/true, /*query_offset=*/0, rows.window,
+              /*dropout_p=*/0.0, &bounds);
   return out4;
+}
+
+// The loop-nest kernels' specs.
+
+namespace {
+
+std::string ragged_loop_nest_declines(const KernelInput& input) {
+  const auto& call = input.call;
+  if (call.step != StepKind::kRagged)
+    return "the ragged loop nest serves ragged steps only";
+  if (input.query_tokens() == 1)
+    return "a one-query ragged step is the decode kernel's";
+  if (!call.options.mask().is_none() || call.options.score_mod() || !input.has_default_scale() ||
+      call.with_weights) {
+    return "the ragged loop nest takes no mask, score function, scale or weights";
+  }
+  if (!ragged_loop_nest_fits(call.query, call.key, call.value)) {
+    return c10::str("the ragged loop nest needs CPU float32 or float64 inputs, n * m <= ",
+                    kLoopNestMaxTile, " and no autograd to record");
+  }
+  return "";
+}
+
+// What the loop nest on split heads or on a packed projection lacks beyond what every fused
+// kernel lacks.
+std::string loop_nest_declines(const KernelInput& input) {
+  auto why = fused_kernels_decline(input);
+  if (why.empty() && libtorch_has_sdpa())
+    why = "LibTorch 2.x runs the fused backend on its own SDPA";
+  if (why.empty() &&
+      !loop_nest_fits(input.query_tokens(), input.key_tokens(), input.call.query.options())) {
+    why = c10::str("the loop nest needs CPU float32 or float64 inputs with n * m <= ",
+                   kLoopNestMaxTile);
+  }
+  return why;
+}
+
+std::string packed_loop_nest_declines(const KernelInput& input) {
+  if (!input.call.packed_qkv.defined())
+    return "the packed loop nest needs the packed QKV projection";
+  const auto& span = input.causal_span();
+  if (span && span->query_offset != 0)
+    return "the packed loop nest's queries and keys are the same tokens (query offset 0)";
+  return loop_nest_declines(input);
+}
+
+// The arguments of a fused kernel: the call's causal span (none where it has none: what a
+// mutant runs) and its dropout.
+FusedArguments fused_arguments(const KernelInput& input) {
+  return {input.causal_span().value_or(CausalSpan{}), input.dropout_p()};
+}
+
+}  // namespace
+
+KernelSpec ragged_loop_nest_spec() {
+  return {"ragged_loop_nest", AttentionBackend::kAuto, /*runs_16bit_cuda_in_its_dtype=*/false,
+          [](const KernelInput& input) {
+            return KernelDecision{
+                ragged_loop_nest_declines(input), [](const KernelInput& in) {
+                  const auto& call = in.call;
+                  TORCH_CHECK(call.step == StepKind::kRagged,
+                              "[ragged_loop_nest] needs the rows' query offsets and key ends");
+                  return functional::AttentionOutput{
+                      ragged_loop_nest_attention(call.query, call.key, call.value, call.ragged),
+                      {}};
+                }};
+          }};
+}
+
+KernelSpec packed_loop_nest_spec() {
+  return {"packed_loop_nest", AttentionBackend::kFused, /*runs_16bit_cuda_in_its_dtype=*/false,
+          [](const KernelInput& input) {
+            auto why = packed_loop_nest_declines(input);
+            return KernelDecision{
+                std::move(why), [arguments = fused_arguments(input)](const KernelInput& in) {
+                  const auto& q = in.call.query;
+                  TORCH_CHECK(in.call.packed_qkv.defined(),
+                              "[packed_loop_nest] needs the packed QKV projection");
+                  const auto merged =
+                      loop_nest_packed_attention(in.call.packed_qkv, q.size(1), arguments);
+                  // (b, n, h * hd) -> (b, n, h, hd) -> (b, h, n, hd): a view
+                  return functional::AttentionOutput{
+                      merged.view({q.size(0), q.size(2), q.size(1), -1}).transpose(1, 2), {}};
+                }};
+          }};
+}
+
+KernelSpec loop_nest_spec() {
+  return {"loop_nest", AttentionBackend::kFused, /*runs_16bit_cuda_in_its_dtype=*/false,
+          [](const KernelInput& input) {
+            auto why = loop_nest_declines(input);
+            return KernelDecision{
+                std::move(why), [arguments = fused_arguments(input)](const KernelInput& in) {
+                  const auto& call = in.call;
+                  return functional::AttentionOutput{
+                      loop_nest_attention(call.query, call.key, call.value, arguments), {}};
+                }};
+          }};
 }
 
 }  // namespace attnkit::detail
@@ -191,8 +294,10 @@ torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& k
   detail::check_cpu_floating(fn, "query, key and value", {query, key, value});
   detail::check_fused_options(fn, options);
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-  return detail::loop_nest_attention(query, key, value, options.is_causal(), options.query_offset(),
-                                     options.window_size().value_or(0), dropout_p);
+  return detail::loop_nest_attention(
+      query, key, value,
+      {{options.is_causal(), options.query_offset(), options.window_size().value_or(0)},
+       dropout_p});
 }
 
 torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
@@ -209,15 +314,14 @@ torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads
               " queries and keys are the same tokens, so query_offset must be 0, got ",
               options.query_offset());
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-  return detail::loop_nest_packed_attention(qkv, num_heads, options.is_causal(),
-                                            options.window_size().value_or(0), dropout_p);
+  return detail::loop_nest_packed_attention(
+      qkv, num_heads,
+      {{options.is_causal(), /*query_offset=*/0, options.window_size().value_or(0)}, dropout_p});
 }
 
 bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
                           const torch::TensorOptions& options) {
-  const auto dtype = options.dtype();
-  return options.device().is_cpu() && (dtype == torch::kFloat || dtype == torch::kDouble) &&
-         num_queries * num_keys <= kFusedAttentionMaxTile;
+  return detail::loop_nest_fits(num_queries, num_keys, options);
 }
 
 }  // namespace attnkit::functional

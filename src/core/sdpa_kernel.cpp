@@ -14,6 +14,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include <ATen/autocast_mode.h>
@@ -168,8 +169,11 @@ bool flash_kernel_available(const torch::Device& device) {
 
 torch::Tensor flash_attention(const torch::Tensor& query, const torch::Tensor& key,
                               const torch::Tensor& value, const FlashSegments& segments,
-                              bool causal, int64_t window, double scale, double dropout_p) {
+                              const FusedArguments& arguments, double scale) {
 #ifdef ATTNKIT_HAS_FLASH_OP
+  const bool causal = arguments.mask.causal;
+  const int64_t window = arguments.mask.window;
+  const double dropout_p = arguments.dropout_p;
   // Both sides of a window: the keys before each query (bottom-right aligned) and none after;
   // -1 is FlashAttention's "no limit".
   const c10::optional<int64_t> left(window > 0 ? window - 1 : -1);
@@ -186,8 +190,7 @@ torch::Tensor flash_attention(const torch::Tensor& query, const torch::Tensor& k
       key.size(2), dropout_p, causal, /*return_debug_mask=*/false, scale, left, right));
   return out.transpose(1, 2);  // (b, n, h, hd) -> (b, h, n, hd)
 #else
-  (void)query, (void)key, (void)value, (void)segments, (void)causal, (void)window, (void)scale,
-      (void)dropout_p;
+  (void)query, (void)key, (void)value, (void)segments, (void)arguments, (void)scale;
   TORCH_CHECK(false, "[flash_attention] needs a CUDA LibTorch 2.6 or later");
 #endif
 }
@@ -225,8 +228,11 @@ void set_autocast_state(c10::DeviceType device_type, const AutocastState& state)
 #endif
 
 torch::Tensor sdpa_attention(const torch::Tensor& query, const torch::Tensor& key,
-                             const torch::Tensor& value, bool causal, int64_t query_offset,
-                             int64_t window_size, double dropout_p) {
+                             const torch::Tensor& value, const FusedArguments& arguments) {
+  const bool causal = arguments.mask.causal;
+  const int64_t query_offset = arguments.mask.query_offset;
+  const int64_t window_size = arguments.mask.window;
+  const double dropout_p = arguments.dropout_p;
 #if TORCH_VERSION_MAJOR >= 2
   // Flash / memory-efficient kernels on CUDA, a flash kernel on CPU (from 2.1). LibTorch's
   // is_causal aligns the mask top-left whatever n and m are, and knows no window, so it
@@ -316,6 +322,181 @@ torch::Tensor sdpa_masked_attention(const torch::Tensor& query, const torch::Ten
                      .context;
 #endif
   return sees_some.defined() ? context * sees_some.to(context.scalar_type()) : context;
+}
+
+// The specs of the kernels on LibTorch's SDPA and flash ops.
+
+namespace {
+
+// What LibTorch's flash kernel runs of a call: the batched form with a causal window or at the
+// offset m - n (its bottom-right alignment), or the call's segments. Plain causal and no mask
+// are SDPA's, which runs the same kernel.
+struct FlashPlan {
+  int64_t window = 0;
+  std::optional<VarlenLayout> layout;
+};
+
+std::optional<FlashPlan> flash_plan(const KernelInput& input) {
+  const int64_t n = input.query_tokens(), m = input.key_tokens();
+  if (const auto& span = input.causal_span()) {
+    if (!span->causal || (span->window == 0 && span->query_offset == 0))
+      return std::nullopt;
+    if (n > m || span->query_offset != m - n)
+      return std::nullopt;
+    return FlashPlan{span->window, std::nullopt};
+  }
+  if (input.call.step != StepKind::kSequence)
+    return std::nullopt;
+  auto layout = varlen_layout(input.mask(), input.call.query.size(0), n, m);
+  if (!layout)
+    return std::nullopt;
+  return FlashPlan{0, std::move(layout)};
+}
+
+// Why the flash route declines `input`; `plan` gets its plan once it has one.
+std::string flash_declines(const KernelInput& input, std::optional<FlashPlan>& plan) {
+  const auto& call = input.call;
+  const auto &q = call.query, &k = call.key, &v = call.value;
+  if (!q.is_cuda())
+    return "LibTorch's flash kernel runs on CUDA only";
+  if (!is_16bit(q) || k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type())
+    return "LibTorch's flash kernel takes bfloat16 or float16 inputs of one dtype";
+  const int64_t hd = q.size(3);
+  if (hd % 8 != 0 || hd > 256 || v.size(3) != hd) {
+    return c10::str("LibTorch's flash kernel takes head sizes that are multiples of 8 up to 256, ",
+                    "equal for values, not ", hd, " and ", v.size(3));
+  }
+  if (call.options.score_mod())
+    return "LibTorch's flash kernel has no score functions (score_mod)";
+  if (call.with_weights)
+    return "the fused backend returns no weights (the math backend builds them)";
+  plan = flash_plan(input);
+  if (!plan) {
+    return c10::str(
+        "the flash route takes sliding windows and causal masks at the offset m - n, and key "
+        "padding or documents alone or with causal(), not ",
+        input.mask().to_string());
+  }
+  if (!flash_kernel_available(q.device())) {
+    return "LibTorch's flash kernel is not in this LibTorch (a CUDA build, 2.6 or later) or "
+           "not on this GPU (sm80 or later)";
+  }
+  return "";
+}
+
+// The most bytes of the dense mask that the masked SDPA route builds: bools (batch or 1) x n x
+// m, or with an additive score function floats (batch or 1) x heads x n x m.
+constexpr int64_t kDenseMaskBudget = int64_t{128} << 20;
+
+// The call's score function when it only adds a bias (alibi, relative_position_bias).
+const AdditiveScore* additive_score(const AttentionCall& call) {
+  const auto& score_mod = call.options.score_mod();
+  return score_mod ? score_mod.target<AdditiveScore>() : nullptr;
+}
+
+std::string sdpa_masked_declines(const KernelInput& input) {
+  const auto& call = input.call;
+  const bool has_score_mod = static_cast<bool>(call.options.score_mod());
+  if (has_score_mod && additive_score(call) == nullptr) {
+    return "the fused backend has no score functions (score_mod) but additive biases on "
+           "LibTorch 2.x (score_mods::alibi, score_mods::relative_position_bias)";
+  }
+  auto why = sdpa_routes_decline(input);
+  if (!why.empty())
+    return why;
+  const auto& mask = input.mask();
+  if (!libtorch_has_sdpa()) {
+    if (has_score_mod) {
+      return "the fused backend has no score functions (score_mod) on LibTorch 1.x (2.x takes "
+             "additive biases through its SDPA)";
+    }
+    return c10::str(
+        "the fused backend takes only causal and sliding-window masks on LibTorch 1.x (2.x "
+        "takes any mask through its SDPA), not ",
+        mask.to_string());
+  }
+  const int64_t rows = mask.is_none() ? 1 : call.query.size(0);
+  const int64_t per_entry = has_score_mod ? call.query.size(1) * 4 : 1;
+  const int64_t bytes = rows * per_entry * input.query_tokens() * input.key_tokens();
+  if (bytes > kDenseMaskBudget) {
+    return c10::str("the fused backend's dense form of ", mask.to_string(),
+                    has_score_mod ? " and the score function's bias" : "", " would take ", bytes,
+                    " bytes, more than its budget of ", kDenseMaskBudget);
+  }
+  // docs/benchmarks.md: the chunked kernel ran document and padding masks 1.1-5.5x faster
+  // than LibTorch 2.6's CPU SDPA with the dense mask.
+  if (!cpu_route_allowed(call)) {
+    return "on the CPU the chunked kernel runs masks and score functions faster than SDPA "
+           "with a dense mask; demand kFused for this route";
+  }
+  return "";
+}
+
+functional::AttentionOutput run_sdpa_masked(const KernelInput& input) {
+  const auto& call = input.call;
+  const auto &q = call.query, &k = call.key, &v = call.value;
+  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), m = k.size(2);
+  const auto& mask = input.mask();
+  const auto visible = mask.is_none() ? torch::Tensor() : mask.dense(b, h, n, m, q.device());
+  torch::Tensor bias;  // (1 or b, 1 or h, n, m)
+  if (const auto* additive = additive_score(call)) {
+    const auto index = torch::dtype(torch::kInt64).device(q.device());
+    bias = additive->bias(torch::zeros({}, q.options()),
+                          torch::arange(b, index).view({-1, 1, 1, 1}),
+                          torch::arange(h, index).view({1, -1, 1, 1}),
+                          torch::arange(n, index).view({1, 1, -1, 1}),
+                          torch::arange(m, index).view({1, 1, 1, -1}));
+  }
+  return {sdpa_masked_attention(q, k, v, visible, bias, input.dropout_p()), {}};
+}
+
+}  // namespace
+
+KernelSpec flash_spec() {
+  return {"flash", AttentionBackend::kFused, /*runs_16bit_cuda_in_its_dtype=*/true,
+          [](const KernelInput& input) {
+            std::optional<FlashPlan> plan;
+            auto why = flash_declines(input, plan);
+            return KernelDecision{
+                std::move(why), [plan = plan.value_or(FlashPlan{})](const KernelInput& in) {
+                  const auto& call = in.call;
+                  const FusedArguments arguments{
+                      CausalSpan{/*causal=*/true, /*query_offset=*/0, plan.window},
+                      in.dropout_p()};
+                  if (plan.layout) {
+                    return functional::AttentionOutput{
+                        flash_varlen_attention(call.query, call.key, call.value, *plan.layout,
+                                               in.scale(), in.dropout_p()),
+                        {}};
+                  }
+                  return functional::AttentionOutput{
+                      flash_attention(call.query, call.key, call.value, FlashSegments{},
+                                      arguments, in.scale()),
+                      {}};
+                }};
+          }};
+}
+
+KernelSpec sdpa_spec() {
+  return {"sdpa", AttentionBackend::kFused, /*runs_16bit_cuda_in_its_dtype=*/libtorch_has_sdpa(),
+          [](const KernelInput& input) {
+            auto why = fused_kernels_decline(input);
+            return KernelDecision{
+                std::move(why),
+                [span = input.causal_span().value_or(CausalSpan{})](const KernelInput& in) {
+                  const auto& call = in.call;
+                  return functional::AttentionOutput{
+                      sdpa_attention(call.query, call.key, call.value, {span, in.dropout_p()}),
+                      {}};
+                }};
+          }};
+}
+
+KernelSpec sdpa_masked_spec() {
+  return {"sdpa_masked", AttentionBackend::kFused,
+          /*runs_16bit_cuda_in_its_dtype=*/libtorch_has_sdpa(), [](const KernelInput& input) {
+            return KernelDecision{sdpa_masked_declines(input), run_sdpa_masked};
+          }};
 }
 
 }  // namespace attnkit::detail

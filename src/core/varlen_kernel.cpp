@@ -4,6 +4,7 @@
 // alignment (flash_varlen_attention), elsewhere one dense SDPA call per segment.
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "core/kernels.h"
@@ -110,8 +111,8 @@ torch::Tensor sdpa_varlen_attention(const torch::Tensor& query, const torch::Ten
     }
     const auto out =
         sdpa_attention(as_sequence(packed.query, q0, q1), as_sequence(packed.key, k0, k1),
-                       as_sequence(packed.value, k0, k1), layout.causal,
-                       /*query_offset=*/0, /*window_size=*/0, dropout_p);
+                       as_sequence(packed.value, k0, k1),
+                       {CausalSpan{layout.causal, /*query_offset=*/0, /*window=*/0}, dropout_p});
     outputs.push_back(out.squeeze(0).transpose(0, 1));  // (1, h, len, hd_v) -> (len, h, hd_v)
   }
   const auto all = outputs.empty() ? torch::zeros({0, heads, value_dim}, query.options())
@@ -179,10 +180,62 @@ torch::Tensor flash_varlen_attention(const torch::Tensor& query, const torch::Te
     segments.cu_k = packed.cu_k_on_device.to(torch::kInt32);
     segments.max_q = longest(packed.cu_q);
     segments.max_k = longest(packed.cu_k);
-    return flash_attention(packed.query, packed.key, packed.value, segments, causal,
-                           /*window=*/0, scale, dropout_p);
+    return flash_attention(packed.query, packed.key, packed.value, segments,
+                           {CausalSpan{causal, /*query_offset=*/0, /*window=*/0}, dropout_p},
+                           scale);
   };
   return run_bottom_right_parts(query, key, value, layout, run_part);
+}
+
+// The variable-length SDPA route's spec.
+
+namespace {
+
+// Why the route declines `input`; `layout` gets the call's segments once it has them.
+std::string sdpa_varlen_declines(const KernelInput& input, std::optional<VarlenLayout>& layout) {
+  const auto& call = input.call;
+  if (!libtorch_has_sdpa())
+    return "LibTorch 1.x has no SDPA to run variable-length segments on";
+  if (call.options.score_mod())
+    return "the variable-length route has no score functions (score_mod)";
+  if (call.step != StepKind::kSequence)
+    return "the variable-length route serves whole sequences";
+  auto why = sdpa_routes_decline(input);
+  if (!why.empty())
+    return why;
+  // One SDPA call per segment: on the CPU mostly slower than the chunked kernel (1.1-1.6x
+  // forward+backward; docs/benchmarks.md), on CUDA unmeasured against the masked route.
+  // Checked before the layout, whose host work kAuto is spared.
+  if (call.backend_is_preference || call.options.backend() != AttentionBackend::kFused)
+    return "the variable-length route runs only where kFused is demanded";
+  layout = varlen_layout(input.mask(), call.query.size(0), input.query_tokens(),
+                         input.key_tokens());
+  if (!layout) {
+    return c10::str(
+        "the variable-length route takes key padding (valid keys first) or documents (each "
+        "one run of tokens), alone or with causal(), not ",
+        input.mask().to_string());
+  }
+  return "";
+}
+
+}  // namespace
+
+KernelSpec sdpa_varlen_spec() {
+  return {"sdpa_varlen", AttentionBackend::kFused, /*runs_16bit_cuda_in_its_dtype=*/libtorch_has_sdpa(),
+          [](const KernelInput& input) {
+            std::optional<VarlenLayout> layout;
+            auto why = sdpa_varlen_declines(input, layout);
+            return KernelDecision{
+                std::move(why),
+                [layout = layout.value_or(VarlenLayout{})](const KernelInput& in) {
+                  const auto& call = in.call;
+                  return functional::AttentionOutput{
+                      sdpa_varlen_attention(call.query, call.key, call.value, layout,
+                                            in.dropout_p()),
+                      {}};
+                }};
+          }};
 }
 
 }  // namespace attnkit::detail

@@ -60,9 +60,9 @@ torch::Tensor attend_step(const torch::Tensor& queries, const torch::Tensor& key
   // query offset; the planner adds it.
   auto call = module_call(queries, keys, values, settings, /*training=*/false, mask);
   call.step = StepKind::kRagged;
-  call.query_offsets = rows->starts;
-  call.key_ends = rows->ends;
-  call.window = settings.window_size.value_or(0);
+  call.ragged.query_offsets = rows->starts;
+  call.ragged.key_ends = rows->ends;
+  call.ragged.window = settings.window_size.value_or(0);
   return run_checked_attention(call).context;
 }
 

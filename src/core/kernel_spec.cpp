@@ -1,0 +1,87 @@
+// What the kernels' decisions read (kernel_spec.h): the call's derived facts, made once, and
+// the rules several kernels share.
+
+#include "core/kernel_spec.h"
+
+#include "core/decode_attention.h"
+#include "core/kernels.h"
+
+namespace attnkit::detail {
+
+double KernelInput::dropout_p() const {
+  return call.options.training() ? call.options.dropout_p() : 0.0;
+}
+
+double KernelInput::scale() const {
+  return call.options.scale().value_or(default_scale(call.query.size(3)));
+}
+
+bool KernelInput::has_default_scale() const {
+  const auto& scale = call.options.scale();
+  return !scale.has_value() || *scale == default_scale(call.query.size(3));
+}
+
+const Mask& KernelInput::mask() const {
+  if (!mask_) {
+    if (call.step != StepKind::kRagged) {
+      mask_ = call.options.mask();
+    } else {
+      auto rows = Mask::causal(call.ragged.query_offsets);
+      if (call.ragged.window > 0)
+        rows = rows.sliding_window(call.ragged.window);
+      mask_ = rows & Mask::key_padding(call.ragged.key_ends) & call.options.mask();
+    }
+  }
+  return *mask_;
+}
+
+const std::optional<CausalSpan>& KernelInput::causal_span() const {
+  if (!causal_span_) {
+    CausalSpan span;
+    if (mask().is_none())
+      causal_span_.emplace(span);
+    else if ((span.causal = mask().is_causal(&span.query_offset, &span.window)))
+      causal_span_.emplace(span);
+    else
+      causal_span_.emplace(std::nullopt);
+  }
+  return *causal_span_;
+}
+
+std::string fused_kernels_decline(const KernelInput& input) {
+  const auto& call = input.call;
+  if (call.options.score_mod())
+    return "the fused backend has no score functions (score_mod)";
+  if (!input.causal_span()) {
+    return c10::str("the fused backend takes only causal and sliding-window masks, not ",
+                    input.mask().to_string());
+  }
+  if (!input.has_default_scale()) {
+    return c10::str("the fused backend has only the default scale 1/sqrt(head_dim), not ",
+                    *call.options.scale());
+  }
+  if (call.with_weights)
+    return "the fused backend returns no weights (the math backend builds them)";
+  return "";
+}
+
+std::string sdpa_routes_decline(const KernelInput& input) {
+  if (input.call.with_weights)
+    return "the fused backend returns no weights (the math backend builds them)";
+  if (!input.has_default_scale()) {
+    return c10::str("the fused backend has only the default scale 1/sqrt(head_dim), not ",
+                    *input.call.options.scale());
+  }
+  return "";
+}
+
+bool cpu_route_allowed(const AttentionCall& call) {
+  return !call.query.is_cpu() ||
+         (!call.backend_is_preference && call.options.backend() == AttentionBackend::kFused);
+}
+
+bool is_16bit(const torch::Tensor& tensor) {
+  return tensor.scalar_type() == torch::kBFloat16 || tensor.scalar_type() == torch::kHalf;
+}
+
+}  // namespace attnkit::detail

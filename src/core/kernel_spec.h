@@ -1,0 +1,143 @@
+#pragma once
+
+// A kernel as the planner sees it: one spec beside the kernel's code (its name, the backend it
+// serves, its 16-bit policy and its decision), and the call that every decision reads. The
+// planner (planner.h) only walks a table of specs; each kernel file declares its own spec
+// (kernels.h lists them).
+//
+// A decision is a plan or the reason the kernel declines, computed once: what a kernel worked
+// out to accept a call (a layout, a causal span) is what its run uses.
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "attnkit/attention.h"
+
+namespace attnkit::detail {
+
+/// What kind of step a call is; the inference kernels serve only cached steps.
+enum class StepKind {
+  /// Whole sequences: a training forward (and its backward), a prefill, an encoder.
+  kSequence,
+  /// New queries against a KV cache's keys, at one query offset for every row (inference).
+  kCached,
+  /// A ragged cached step: row r's queries at their own offset, its keys ending at their own
+  /// end (inference).
+  kRagged,
+};
+
+/// The rows of a ragged step: query i of row r sits at key position query_offsets[r] + i and
+/// sees keys before key_ends[r] ((b) int64 tensors), within `window` positions (0: no window).
+struct RaggedRows {
+  torch::Tensor query_offsets, key_ends;
+  int64_t window = 0;
+};
+
+/// One attention call as its caller describes it.
+struct AttentionCall {
+  /// (b, h, n, hd) queries against (b, g, m, hd) keys and (b, g, m, hd_v) values, g | h.
+  torch::Tensor query, key, value;
+  /// The mask (for kRagged: on top of each row's own causal mask), score function, scale,
+  /// dropout, tile sizes and the backend asked for.
+  functional::AttentionOptions options;
+  /// Whether options.backend() is a preference (a module's option: a problem its kernels
+  /// cannot run goes to one that can) or a demand (functional::attention: refused, naming
+  /// what the backend lacks).
+  bool backend_is_preference = false;
+  /// The weights too, (b, h, n, m): only the math core builds them.
+  bool with_weights = false;
+  StepKind step = StepKind::kSequence;
+  /// kRagged: each row's query offset, key end and the window.
+  RaggedRows ragged;
+  /// The (b, n, 3 * h * hd) projection that query, key and value are the head views of, when
+  /// they are (self-attention without a transform between the projection and attention).
+  torch::Tensor packed_qkv;
+};
+
+/// A mask as the fused kernels take it: none (causal false), or query i seeing keys up to
+/// query_offset + i, and with window > 0 only the `window` keys up to there.
+struct CausalSpan {
+  bool causal = false;
+  int64_t query_offset = 0;
+  int64_t window = 0;  // 0: none
+};
+
+/// What the fused kernels (loop nest, SDPA, flash) take besides their tensors.
+struct FusedArguments {
+  CausalSpan mask;
+  double dropout_p = 0.0;  // 0: none
+};
+
+/// A call as the kernels' decisions read it: the call, and what is derived from it, each made
+/// at most once per call (on first use) and shared by every kernel the planner asks.
+class KernelInput {
+ public:
+  explicit KernelInput(const AttentionCall& call) : call(call) {}
+
+  const AttentionCall& call;
+
+  int64_t query_tokens() const { return call.query.size(2); }
+  int64_t key_tokens() const { return call.key.size(2); }
+  /// The dropout probability the call trains with; 0 outside training.
+  double dropout_p() const;
+  /// The call's scale, or the default 1/sqrt(head_dim).
+  double scale() const;
+  bool has_default_scale() const;
+  /// Which keys each query sees: the call's mask, joined for a ragged step by each row's
+  /// causal mask over its valid keys (and window).
+  const Mask& mask() const;
+  /// mask() as a causal span; nullopt when it is none of: no mask, causal, sliding window.
+  const std::optional<CausalSpan>& causal_span() const;
+
+ private:
+  mutable std::optional<Mask> mask_;
+  mutable std::optional<std::optional<CausalSpan>> causal_span_;
+};
+
+/// A kernel's answer to one call.
+struct KernelDecision {
+  /// Why the kernel cannot run the call; "" when it can.
+  std::string declined;
+  /// Runs the call with the plan the decision made (for a declined call, the plan as far as
+  /// it got: what the mutation test makes a kernel run regardless). Always set.
+  std::function<functional::AttentionOutput(const KernelInput&)> run;
+};
+
+/// A kernel as the planner sees it.
+struct KernelSpec {
+  /// "decode", "ragged_loop_nest", "packed_loop_nest", "loop_nest", "flash", "sdpa",
+  /// "sdpa_varlen", "sdpa_masked", "chunked", "math": the name functional::KernelRecord gives.
+  const char* name;
+  /// The backend whose choice it serves; kAuto: every backend (the inference kernels).
+  AttentionBackend backend;
+  /// Whether a 16-bit CUDA call runs in its own dtype (LibTorch's CUDA kernels, which keep
+  /// their statistics and accumulators in float32); false: attnkit computes it in float32 and
+  /// rounds the result once.
+  bool runs_16bit_cuda_in_its_dtype;
+  /// Its decision on a call.
+  std::function<KernelDecision(const KernelInput&)> decide;
+};
+
+/// Kernels in the order the planner asks them: fast paths first, a fallback that takes every
+/// call last.
+using KernelTable = std::vector<KernelSpec>;
+
+// Rules that several kernels' decisions share.
+
+/// What every fused kernel (loop nest, packed loop nest, SDPA) lacks for `input`: "" or why.
+std::string fused_kernels_decline(const KernelInput& input);
+
+/// What the SDPA routes for any mask (sdpa_varlen, sdpa_masked) lack: "" or why.
+std::string sdpa_routes_decline(const KernelInput& input);
+
+/// Whether a route that the CPU runs slower than the chunked kernel may take the call: only a
+/// demanded kFused there (docs/benchmarks.md), anything on other devices.
+bool cpu_route_allowed(const AttentionCall& call);
+
+bool is_16bit(const torch::Tensor& tensor);
+
+}  // namespace attnkit::detail
