@@ -138,7 +138,8 @@ functional::AttentionOutput math_attention(const torch::Tensor& query, const tor
                                            bool training) {
   // A fresh (..., n, m) product, so the scale and the mask go in place where no score
   // function needs the scores: fewer passes over the largest tensor.
-  auto scores = functional::attention_scores(query, key);
+  // (..., n, hd) @ (..., hd, m) -> (..., n, m)
+  auto scores = torch::matmul(query, key.transpose(-2, -1));
   // Divide (not multiply by the reciprocal) so float32 results are bit-identical to the book.
   if (scale.has_value()) {
     scores.mul_(*scale);

@@ -3,17 +3,11 @@
 // The fused decode step's attention (decode_attention.cpp): one query token per row against
 // cached keys and values, read in place, every head in one loop.
 
-#include <cmath>
 #include <vector>
 
 #include <torch/torch.h>
 
 namespace attnkit::detail {
-
-/// The book's scale, 1 / sqrt(head_dim).
-inline double default_scale(int64_t head_dim) {
-  return 1.0 / std::sqrt(static_cast<double>(head_dim));
-}
 
 /// Whether decode_attention takes these: one query per row, (b, h, 1, hd) on the CPU, float
 /// or double like the keys and values, last dimensions contiguous, h a multiple of the key

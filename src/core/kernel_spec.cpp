@@ -3,7 +3,6 @@
 
 #include "core/kernel_spec.h"
 
-#include "core/decode_attention.h"
 #include "core/kernels.h"
 
 namespace attnkit::detail {

@@ -8,6 +8,7 @@
 // A decision is a plan or the reason the kernel declines, computed once: what a kernel worked
 // out to accept a call (a layout, a causal span) is what its run uses.
 
+#include <cmath>
 #include <functional>
 #include <optional>
 #include <string>
@@ -18,6 +19,11 @@
 #include "attnkit/attention.h"
 
 namespace attnkit::detail {
+
+/// The book's scale, 1 / sqrt(head_dim).
+inline double default_scale(int64_t head_dim) {
+  return 1.0 / std::sqrt(static_cast<double>(head_dim));
+}
 
 /// What kind of step a call is; the inference kernels serve only cached steps.
 enum class StepKind {

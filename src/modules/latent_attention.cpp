@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "core/checks.h"
-#include "core/decode_attention.h"
+#include "core/kernel_spec.h"
 #include "modules/module_attention.h"
 #include "modules/module_helpers.h"
 

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Checks the library's layers (docs/architecture.md, "Layers"): each file of src/ and each
+public header includes only headers of its own layer and of the layers below it.
+
+Layers, lowest first: core; modules; inference and io (side by side: neither includes the
+other); train. A header of src/<layer>/ belongs to that layer, a public header to the layer
+that PUBLIC_LAYERS names (where its code lives). Exits 1 and names each include that breaks a
+rule, or a public header that no layer claims.
+
+Usage: scripts/check_layers.py [--root DIR] | --self-test
+"""
+
+import argparse
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+RANK = {"core": 0, "modules": 1, "inference": 2, "io": 2, "train": 3}
+
+# Each public header's layer: the folder of src/ that holds its code.
+PUBLIC_LAYERS = {
+    "attention.h": "core",
+    "autocast.h": "core",
+    "block_mask.h": "core",
+    "book_steps.h": "core",
+    "functional.h": "core",
+    "mask.h": "core",
+    # Every option struct (data only) and AttentionBackend, whose names core/attention.cpp
+    # defines.
+    "options.h": "core",
+    "rope.h": "core",
+    "threads.h": "core",
+    "version.h": "core",
+    "causal_attention.h": "modules",
+    "decode.h": "modules",
+    "grouped_query_attention.h": "modules",
+    "kv_cache.h": "modules",
+    "latent_attention.h": "modules",
+    "multi_head_attention.h": "modules",
+    "python_state.h": "modules",
+    "rms_norm.h": "modules",
+    "self_attention.h": "modules",
+    "generate.h": "inference",
+    "serialize.h": "io",
+    # Everything, for programs and models outside the library.
+    "attnkit.h": "train",
+}
+
+INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def layer_of_include(name, including_layer):
+    """The layer of a quoted include as a file of `including_layer` writes it; None: unknown."""
+    if name.startswith("attnkit/"):
+        return PUBLIC_LAYERS.get(name[len("attnkit/"):])
+    first = name.split("/")[0]
+    if first in RANK:
+        return first
+    # A header beside the file (src/train writes "model.h").
+    return including_layer if "/" not in name else None
+
+
+def may_include(own, other):
+    return other == own or RANK[other] < RANK[own]
+
+
+def check(root):
+    """The rules' breaches under `root`, one line each."""
+    problems = []
+    files = []
+    for layer in RANK:
+        for path in sorted((root / "src" / layer).rglob("*")):
+            if path.suffix in (".h", ".cpp", ".cu"):
+                files.append((path, layer))
+    public = root / "include" / "attnkit"
+    for path in sorted(public.glob("*.h")):
+        layer = PUBLIC_LAYERS.get(path.name)
+        if layer is None:
+            problems.append(f"{path.relative_to(root)}: a public header no layer claims "
+                            "(add it to PUBLIC_LAYERS in scripts/check_layers.py)")
+            continue
+        files.append((path, layer))
+    for path, layer in files:
+        for name in INCLUDE.findall(path.read_text(encoding="utf-8")):
+            if name.endswith(".h.in") or name == "attnkit/version.h":
+                continue
+            other = layer_of_include(name, layer)
+            if other is None:
+                problems.append(f'{path.relative_to(root)}: includes "{name}", which no layer '
+                                "claims")
+            elif not may_include(layer, other):
+                problems.append(f'{path.relative_to(root)} ({layer}) includes "{name}" '
+                                f"({other}): a layer may include only its own and those below")
+    return problems
+
+
+def self_test():
+    """Each kind of breach is reported, and a tree that keeps the rules passes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for layer in RANK:
+            (root / "src" / layer).mkdir(parents=True)
+        (root / "include" / "attnkit").mkdir(parents=True)
+        (root / "include" / "attnkit" / "mask.h").write_text('#include "attnkit/attention.h"\n')
+        (root / "src" / "core" / "a.cpp").write_text('#include "core/kernels.h"\n')
+        (root / "src" / "modules" / "b.cpp").write_text(
+            '#include "attnkit/mask.h"\n#include "core/planner.h"\n')
+        (root / "src" / "train" / "c.cpp").write_text('#include "model.h"\n')
+        assert check(root) == [], check(root)
+        (root / "src" / "core" / "d.cpp").write_text('#include "modules/module_attention.h"\n')
+        (root / "src" / "inference" / "e.cpp").write_text('#include "attnkit/serialize.h"\n')
+        (root / "include" / "attnkit" / "attention.h").write_text(
+            '#include "attnkit/kv_cache.h"\n')
+        (root / "include" / "attnkit" / "new_thing.h").write_text("")
+        (root / "src" / "io" / "f.cpp").write_text('#include "elsewhere/x.h"\n')
+        problems = check(root)
+        expected = [
+            'src/core/d.cpp (core) includes "modules/module_attention.h" (modules)',
+            'src/inference/e.cpp (inference) includes "attnkit/serialize.h" (io)',
+            'include/attnkit/attention.h (core) includes "attnkit/kv_cache.h" (modules)',
+            "include/attnkit/new_thing.h: a public header no layer claims",
+            'src/io/f.cpp: includes "elsewhere/x.h", which no layer claims',
+        ]
+        for text in expected:
+            assert any(p.startswith(text) for p in problems), (text, problems)
+        assert len(problems) == len(expected), problems
+    print("check_layers self-test: each kind of breach is reported")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
+    parser.add_argument("--self-test", action="store_true")
+    args = parser.parse_args()
+    if args.self_test:
+        self_test()
+        return 0
+    problems = check(args.root)
+    for problem in problems:
+        print(problem)
+    if problems:
+        return 1
+    print("layers hold: every include of src/ and include/attnkit/ is of its layer or below")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
