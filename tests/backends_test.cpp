@@ -3,6 +3,8 @@
 
 #include "attnkit/autocast.h"
 #include "attnkit/functional.h"
+#include "attnkit/grouped_query_attention.h"
+#include "attnkit/latent_attention.h"
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/threads.h"
 #include "core/kernels.h"
@@ -984,9 +986,9 @@ std::vector<PlannerCase> planner_cases() {
 
 // What is wrong with the planner's answer to `c` under `backend` (a module's preference, or
 // with `demanded` functional::attention's demand); "" when it is right.
-std::string planner_error(const PlannerCase& c, AttentionBackend backend, bool demanded = false,
-                          const attnkit::detail::KernelTable& table =
-                              attnkit::detail::kernel_table()) {
+std::string planner_error(
+    const PlannerCase& c, AttentionBackend backend, bool demanded = false,
+    const attnkit::detail::KernelTable& table = attnkit::detail::kernel_table()) {
   auto call = c.call;
   call.options.backend(backend);
   call.backend_is_preference = !demanded;
@@ -1071,6 +1073,45 @@ TEST(Planner, AKernelThatClaimsWhatItCannotRunFailsTheCases) {
     }
     EXPECT_GT(failures, 0) << table[i].name << " claimed every case and answered them all";
   }
+}
+
+// Every call a module makes reaches the planner: a forward, a cached prefill, a cached decode
+// step, a ragged prefill and a ragged decode step of each multi-head module (MLA's absorbed
+// decode among them) under every backend each leave exactly one record of the kernel that ran.
+TEST(Planner, EveryModuleCallLeavesOneKernelRecord) {
+  torch::manual_seed(4);
+  const auto x = torch::randn({2, 5, 8});
+  const auto lengths = torch::tensor({5, 3}, torch::kInt64);
+  const auto one_record = [](const std::string& what, const std::function<void()>& call) {
+    F::KernelRecord record;
+    call();
+    EXPECT_EQ(record.runs().size(), 1u) << what;
+  };
+  const auto check = [&](auto module, const std::string& name) {
+    module->eval();
+    const torch::NoGradGuard no_grad;
+    for (const auto backend : kBackends) {
+      SCOPED_TRACE(name + ", backend " + attnkit::backend_name(backend));
+      module->options.backend(backend);
+      one_record("forward", [&] { module(x); });
+      auto cache = module->make_kv_cache(2, 16);
+      one_record("cached prefill", [&] { module->forward_with_cache(x, cache); });
+      one_record("cached decode step",
+                 [&] { module->forward_with_cache(x.narrow(1, 0, 1), cache); });
+      auto ragged = module->make_kv_cache(2, 16);
+      one_record("ragged prefill", [&] { module->forward_with_cache(x, ragged, lengths); });
+      one_record("ragged decode step", [&] {
+        module->forward_with_cache(x.narrow(1, 0, 1), ragged, torch::ones({2}, torch::kInt64));
+      });
+    }
+  };
+  const auto mha = MultiHeadAttentionOptions(8, 8, 16, 0.0, 2);
+  check(attnkit::MultiHeadAttention(mha), "MultiHeadAttention");
+  check(attnkit::MultiHeadAttentionCombinedQKV(mha), "MultiHeadAttentionCombinedQKV");
+  check(attnkit::GroupedQueryAttention(attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2)),
+        "GroupedQueryAttention");
+  check(attnkit::MultiHeadLatentAttention(attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2)),
+        "MultiHeadLatentAttention");
 }
 
 // A demanded backend's refusal names what it lacks; a module's preference gives way. On

@@ -27,7 +27,7 @@ using loop_nest::unit_stride_slices;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct FusedAttention : public torch::autograd::Function<FusedAttention> {
+struct LoopNestFunction : public torch::autograd::Function<LoopNestFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, bool causal, int64_t query_offset,
                                int64_t window, double dropout_p) {
@@ -74,7 +74,7 @@ torch::Tensor packed_part(const torch::Tensor& packed, int64_t index, int64_t he
 
 // Attention on packed projections: one input, so backward writes the three gradients into
 // one (b, n, 3 * d) tensor instead of autograd concatenating three.
-struct FusedPackedAttention : public torch::autograd::Function<FusedPackedAttention> {
+struct PackedLoopNestFunction : public torch::autograd::Function<PackedLoopNestFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& qkv, int64_t heads,
                                bool causal, int64_t window, double dropout_p) {
     const int64_t b = qkv.size(0), n = qkv.size(1), width = qkv.size(2) / 3;
@@ -138,14 +138,14 @@ void check_fused_options(const char* fn, const functional::FusedOptions& options
 torch::Tensor loop_nest_attention(const torch::Tensor& query, const torch::Tensor& key,
                                   const torch::Tensor& value, const FusedArguments& arguments) {
   const auto& mask = arguments.mask;
-  return FusedAttention::apply(query, key, value, mask.causal, mask.query_offset, mask.window,
-                               arguments.dropout_p);
+  return LoopNestFunction::apply(query, key, value, mask.causal, mask.query_offset, mask.window,
+                                 arguments.dropout_p);
 }
 
 torch::Tensor loop_nest_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
                                          const FusedArguments& arguments) {
-  return FusedPackedAttention::apply(qkv, num_heads, arguments.mask.causal, arguments.mask.window,
-                                     arguments.dropout_p);
+  return PackedLoopNestFunction::apply(qkv, num_heads, arguments.mask.causal, arguments.mask.window,
+                                       arguments.dropout_p);
 }
 
 bool loop_nest_fits(int64_t num_queries, int64_t num_keys, const torch::TensorOptions& options) {

@@ -428,7 +428,7 @@ std::pair<torch::Tensor, torch::Tensor> run_forward(
     // math path's mask.
     keep = torch::empty_like(weights).bernoulli_(1.0 - dropout_p).div_(1.0 - dropout_p);
   }
-  AT_DISPATCH_FLOATING_TYPES(q4.scalar_type(), "fused_attention_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q4.scalar_type(), "loop_nest_forward", [&] {
     const Slices<const scalar_t> qs(q4), ks(k4), vs(v4);
     const Slices<scalar_t> os(out4);
     scalar_t* w = weights.defined() ? weights.data_ptr<scalar_t>() : nullptr;
@@ -463,7 +463,7 @@ void run_backward(const torch::Tensor& q4, const torch::Tensor& k4, const torch:
   const int64_t outer = q4.size(0), heads = q4.size(1);
   const SliceSizes z{q4.size(2), k4.size(2), q4.size(3), v4.size(3), causal, query_offset, window};
   const HeadGroups groups{heads, heads / k4.size(1)};
-  AT_DISPATCH_FLOATING_TYPES(q4.scalar_type(), "fused_attention_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q4.scalar_type(), "loop_nest_backward", [&] {
     const Slices<const scalar_t> qs(q4), ks(k4), vs(v4), gos(grad_out4);
     const Slices<scalar_t> gqs(grad_q4), gks(grad_k4), gvs(grad_v4);
     const scalar_t* w = weights.data_ptr<scalar_t>();

@@ -30,6 +30,12 @@ constexpr int64_t kCheckpointFormat = 3;
 /// The settings a checkpoint must share with the run that resumes it: (flag, value).
 using CheckpointSettings = std::vector<std::pair<std::string, std::string>>;
 
+struct TrainConfig;
+
+/// The settings of `config` that a checkpoint records and a resuming run must share (defined
+/// with the configuration, run_config.cpp).
+CheckpointSettings checkpoint_settings(const TrainConfig& config);
+
 struct TrainingState {
   int64_t step = 0;
   double best_loss = std::numeric_limits<double>::infinity();

@@ -1,3 +1,8 @@
+// The training loop: setup, steps (forward and backward in shares on the CPU, gradients
+// summed across ranks, AdamW on the flat buffer), evaluations with their checkpoints, and the
+// report; the threads and ranks a step runs on. The configuration is run_config.cpp's, what
+// a run writes besides checkpoints run_output.cpp's.
+
 #include "trainer.h"
 
 #include <fcntl.h>
@@ -21,51 +26,15 @@
 #include "checkpoint.h"
 #include "flat_adamw.h"
 #include "gradient_sync.h"
-#include "heatmap.h"
 #include "line.h"
 #include "mixed_precision.h"
+#include "run_output.h"
 
 namespace attnkit::train {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 constexpr int64_t kMaxContext = 1024;
-
-int64_t default_steps(const std::string& task) {
-  // Measured on 2 cores: every generated task is at 100% held-out accuracy well before
-  // 600 steps; text starts to overfit its 18 kB of training bytes after about 500.
-  return task == "text" ? 500 : 600;
-}
-
-bool ends_with(const std::string& text, const std::string& suffix) {
-  return text.size() >= suffix.size() &&
-         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// The settings a checkpoint must share with the run that resumes it. Checkpoints written
-// before --rope and --qk-norm existed lack them; restore_checkpoint reads a missing yes/no
-// setting as false.
-CheckpointSettings checkpoint_fields(const TrainConfig& c) {
-  const auto yes_no = [](bool b) { return std::string(b ? "true" : "false"); };
-  return {{"task", c.task},
-          {"seq-len", std::to_string(c.seq_len)},
-          {"module", c.module},
-          {"d-model", std::to_string(c.d_model)},
-          {"heads", std::to_string(c.heads)},
-          {"layers", std::to_string(c.layers)},
-          {"ffn", yes_no(c.ffn)},
-          {"kv-groups", std::to_string(c.kv_groups)},
-          {"window", std::to_string(c.window)},
-          {"latent-dim", std::to_string(c.latent_dim)},
-          {"rope", yes_no(c.rope)},
-          {"qk-norm", yes_no(c.qk_norm)}};
-}
 
 // Masked next-token cross-entropy and the number of correct predictions.
 struct BatchScore {
@@ -182,373 +151,6 @@ Evaluation evaluate(AttentionModel& model, const std::vector<Batch>& batches,
   e.bits_per_byte = e.loss / std::log(2.0);
   return e;
 }
-
-// ---- metrics file -----------------------------------------------------------------------
-
-class MetricsWriter {
- public:
-  MetricsWriter(const std::string& path, bool text_task) : text_task_(text_task) {
-    if (path.empty())
-      return;
-    csv_ = ends_with(path, ".csv");
-    out_.open(path, std::ios::trunc);
-    TORCH_CHECK(out_.good(), "--metrics: cannot write '", path, "'");
-    if (csv_) {
-      out_ << "step,loss," << (text_task_ ? "bits_per_byte" : "accuracy")
-           << ",train_loss,tokens_per_s,elapsed_s,final\n";
-    }
-  }
-
-  void write(int64_t step, const Evaluation& e, double train_loss, double tokens_per_s,
-             double elapsed_s, bool final) {
-    if (!out_.is_open())
-      return;
-    const double metric = text_task_ ? e.bits_per_byte : e.accuracy;
-    out_ << std::setprecision(6);
-    if (csv_) {
-      out_ << step << "," << e.loss << "," << metric << "," << train_loss << "," << tokens_per_s
-           << "," << elapsed_s << "," << (final ? "true" : "false") << "\n";
-    } else {
-      out_ << "{\"step\": " << step << ", \"loss\": " << e.loss << ", \""
-           << (text_task_ ? "bits_per_byte" : "accuracy") << "\": " << metric
-           << ", \"train_loss\": " << train_loss << ", \"tokens_per_s\": " << tokens_per_s
-           << ", \"elapsed_s\": " << elapsed_s << ", \"final\": " << (final ? "true" : "false")
-           << "}\n";
-    }
-    out_.flush();  // a killed run keeps every line written so far
-  }
-
- private:
-  bool text_task_;
-  bool csv_ = false;
-  std::ofstream out_;
-};
-
-// ---- progress ---------------------------------------------------------------------------
-
-std::string format_eval(const Evaluation& e, bool text) {
-  std::ostringstream s;
-  s << std::fixed << std::setprecision(4) << "held-out loss " << e.loss;
-  if (text) {
-    s << std::setprecision(3) << ", " << e.bits_per_byte << " bits/byte";
-  } else {
-    s << std::setprecision(2) << ", accuracy " << 100.0 * e.accuracy << "%";
-  }
-  return s.str();
-}
-
-void draw_progress(std::ostream& out, int64_t step, int64_t steps, double loss, double accuracy,
-                   bool text, double tokens_per_s, double eta_s) {
-  constexpr int kWidth = 24;
-  const int filled = static_cast<int>(kWidth * step / std::max<int64_t>(steps, 1));
-  Line line(out);
-  line << "\r[" << std::string(filled, '#') << std::string(kWidth - filled, '.') << "] step "
-       << step << "/" << steps << std::fixed << std::setprecision(4) << " loss " << loss;
-  if (!text)
-    line << std::setprecision(1) << " acc " << 100.0 * accuracy << "%";
-  line << std::setprecision(0) << " " << tokens_per_s << " tok/s ETA " << eta_s << "s   ";
-}
-
-// "sample (N bytes, KV cache, T tokens/s): [prompt]continuation": `length` bytes after the
-// first 16 of a held-out sequence, temperature 0.8, seeded by --seed.
-std::string sample_text(AttentionModel& model, const Task& task, const torch::Device& device,
-                        const TrainConfig& config) {
-  model->eval();
-  const auto sequence = task.eval_batches(1).front().inputs[0];
-  const int64_t prompt_length = std::min<int64_t>(16, sequence.size(0));
-  const auto prompt = sequence.slice(0, 0, prompt_length).unsqueeze(0).to(device);  // (1, n)
-  const auto start = Clock::now();
-  const auto tokens = generate(*model, prompt,
-                               GenerateOptions(config.sample)
-                                   .temperature(0.8)
-                                   .seed(config.seed)
-                                   .use_kv_cache(config.kv_cache))
-                          .to(torch::kCPU);
-  const double seconds = seconds_since(start);
-  const auto* ids = tokens.data_ptr<int64_t>();
-  const std::string text(ids, ids + tokens.size(1));
-  return c10::str("sample (", config.sample, " bytes, ",
-                  config.kv_cache ? "KV cache" : "no KV cache", ", ",
-                  static_cast<int64_t>(config.sample / std::max(seconds, 1e-9)), " tokens/s): [",
-                  text.substr(0, prompt_length), "]", text.substr(prompt_length));
-}
-
-// The non-empty lines of --prompts, each a prompt of bytes.
-std::vector<std::string> read_prompts(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  TORCH_CHECK(file, "--prompts: cannot read '", path, "'");
-  std::vector<std::string> prompts;
-  for (std::string line; std::getline(file, line);) {
-    if (!line.empty() && line.back() == '\r')
-      line.pop_back();
-    if (!line.empty())
-      prompts.push_back(line);
-  }
-  TORCH_CHECK(!prompts.empty(), "--prompts: '", path, "' has no non-empty line");
-  return prompts;
-}
-
-// "samples (K prompts in one batch, N bytes each, T tokens/s):" then "[prompt]continuation"
-// per line of --prompts, temperature 0.8, seeded by --seed.
-std::string sample_prompts(AttentionModel& model, const torch::Device& device,
-                           const TrainConfig& config) {
-  model->eval();
-  std::vector<GenerationRequest> requests;
-  const auto prompts = read_prompts(config.prompts);
-  for (const auto& prompt : prompts) {
-    const std::vector<int64_t> bytes(prompt.begin(), prompt.end());
-    requests.emplace_back(torch::tensor(bytes, torch::kInt64).bitwise_and(255).to(device));
-  }
-  const auto start = Clock::now();
-  const auto rows =
-      generate(*model, requests, GenerateOptions(config.sample).temperature(0.8).seed(config.seed));
-  const double seconds = seconds_since(start);
-  std::ostringstream text;
-  text << "samples (" << prompts.size() << " prompts in one batch, " << config.sample
-       << " bytes each, KV cache, "
-       << static_cast<int64_t>(static_cast<double>(config.sample * prompts.size()) /
-                               std::max(seconds, 1e-9))
-       << " tokens/s):";
-  for (size_t r = 0; r < rows.size(); ++r) {
-    const auto row = rows[r].to(torch::kCPU);
-    const auto* ids = row.data_ptr<int64_t>();
-    const std::string bytes(ids, ids + row.size(0));
-    text << "\n[" << prompts[r] << "]" << bytes.substr(prompts[r].size());
-  }
-  return text.str();
-}
-
-void dump_attention(const std::string& path, AttentionModel& model, const Task& task,
-                    const torch::Device& device) {
-  torch::NoGradGuard no_grad;
-  model->eval();
-  const auto example_batch = task.eval_batches(1).front();
-  const auto& example = example_batch.inputs;  // (1, n)
-  std::vector<std::string> labels;
-  for (int64_t i = 0; i < example.size(1); ++i) {
-    labels.push_back(task.token_label(example[0][i].item<int64_t>()));
-  }
-  std::vector<torch::Tensor> maps;
-  const auto& ids = example_batch.document_ids;  // (1, n) with --pack
-  for (const auto& layer :
-       model->attention_maps(example.to(device), ids.defined() ? ids.to(device) : ids)) {
-    maps.push_back(layer[0].cpu());  // (h, n, n)
-  }
-  write_attention_heatmap(path, maps, labels, model->config().module + " on " + task.name());
-}
-
-// `saved_step`: the step of the last checkpoint this run wrote (0: none).
-std::string non_finite_message(const char* what, double value, int64_t step,
-                               const TrainConfig& config, int64_t saved_step) {
-  std::string checkpoint = " (no --save given)";
-  if (!config.save.empty()) {
-    checkpoint = saved_step > 0 ? c10::str("; the last good checkpoint is ", config.save, " (step ",
-                                           saved_step, ")")
-                                : c10::str("; nothing was saved, ", config.save, " is unchanged");
-  }
-  return c10::str(what, " became ", std::isnan(value) ? "NaN" : "infinite", " at step ", step,
-                  "; training stopped", checkpoint, ". Try a smaller --lr (now ", config.lr, ")");
-}
-
-}  // namespace
-
-std::string best_checkpoint_path(const std::string& save_path) {
-  const auto dot = save_path.rfind('.');
-  const auto slash = save_path.rfind('/');
-  if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) {
-    return save_path + ".best";
-  }
-  return save_path.substr(0, dot) + ".best" + save_path.substr(dot);
-}
-
-torch::Device resolve_device(const std::string& device) {
-  if (device == "auto") {
-    return torch::cuda::is_available() ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
-  }
-  if (device == "cpu")
-    return torch::kCPU;
-  const bool cuda = device == "cuda" || device.rfind("cuda:", 0) == 0;
-  TORCH_CHECK(cuda, "--device: expected auto, cpu, cuda or cuda:N, got '", device, "'");
-  TORCH_CHECK(torch::cuda::is_available(), "--device ", device,
-              ": CUDA is not available (no GPU visible, or LibTorch built without CUDA); use "
-              "--device cpu");
-  if (device == "cuda")
-    return torch::Device(torch::kCUDA);
-  const auto index_text = device.substr(5);
-  char* end = nullptr;
-  const long index = std::strtol(index_text.c_str(), &end, 10);
-  TORCH_CHECK(!index_text.empty() && *end == '\0' && index >= 0 &&
-                  index < static_cast<long>(torch::cuda::device_count()),
-              "--device ", device, ": expected cuda:0..cuda:", torch::cuda::device_count() - 1);
-  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
-}
-
-namespace {
-
-// Fails now, not after minutes of training, when an output file cannot be created.
-void check_writable(const char* flag, const std::string& path) {
-  if (path.empty())
-    return;
-  const std::string probe = path + ".tmp";
-  const bool existed = std::ifstream(probe).good();
-  const bool writable = std::ofstream(probe, std::ios::app).good();
-  if (!existed)
-    std::remove(probe.c_str());
-  TORCH_CHECK(writable, flag, ": cannot write '", path, "' (does its directory exist?)");
-}
-
-}  // namespace
-
-TrainConfig resolve(TrainConfig c) {
-  if (c.backend.empty() && has_backends_and_kv_cache(c.module))
-    c.backend = "fused";
-  if (c.seq_len == 0)
-    c.seq_len = default_task_length(c.task);
-  if (c.layers == 0)
-    c.layers = (c.task == "recall" || c.task == "text") ? 2 : 1;
-  if (c.steps == 0)
-    c.steps = default_steps(c.task);
-  if (c.eval_every == 0)
-    c.eval_every = std::max<int64_t>(1, c.steps / 10);
-  TORCH_CHECK(c.steps >= 1, "--steps: expected >= 1, got ", c.steps);
-  TORCH_CHECK(c.batch_size >= 1, "--batch-size: expected >= 1, got ", c.batch_size);
-  TORCH_CHECK(c.lr > 0 && std::isfinite(c.lr), "--lr: expected a positive number, got ", c.lr);
-  TORCH_CHECK(c.weight_decay >= 0, "--weight-decay: expected >= 0, got ", c.weight_decay);
-  TORCH_CHECK(c.threads >= 0, "--threads: expected >= 0 (0 = the usable cores), got ", c.threads);
-  TORCH_CHECK(c.eval_every >= 1, "--eval-every: expected >= 1, got ", c.eval_every);
-  TORCH_CHECK(c.bucket_mb >= 0 && std::isfinite(c.bucket_mb),
-              "--bucket-mb: expected >= 0 (0 = one allreduce after backward), got ", c.bucket_mb);
-  TORCH_CHECK(c.sample >= 0, "--sample: expected >= 0, got ", c.sample);
-  TORCH_CHECK(!c.pack || c.task == "text",
-              "--pack: only the text task has documents to pack, got --task ", c.task);
-  TORCH_CHECK(!c.pack || takes_masks(c.module), "--pack: --module ", c.module,
-              " takes no mask, so it cannot keep packed documents apart; use mha, mha-combined, "
-              "gqa, mqa or mla");
-  TORCH_CHECK(c.sample == 0 || c.task == "text",
-              "--sample: only the text task generates, got --task ", c.task);
-  TORCH_CHECK(c.sample == 0 || !c.kv_cache || has_backends_and_kv_cache(c.module),
-              "--sample with --module ", c.module,
-              ": only mha, mha-combined, gqa, mqa and mla have a KV cache; add --no-kv-cache");
-  if (!c.prompts.empty()) {
-    TORCH_CHECK(c.sample > 0, "--prompts: give --sample N, the bytes to generate for each line");
-    TORCH_CHECK(c.kv_cache,
-                "--prompts: the lines are decoded together with KV caches; drop "
-                "--no-kv-cache");
-    read_prompts(c.prompts);  // fails now, not after training, on a file it cannot use
-  }
-  TORCH_CHECK(c.dump_attention.empty() || ends_with(c.dump_attention, ".png"),
-              "--dump-attention: expected a file name ending in .png, got '", c.dump_attention,
-              "'");
-  const auto device = resolve_device(c.device);  // fails early for cuda without CUDA
-  const auto dtype = parse_train_dtype(c.dtype);
-  TORCH_CHECK(dtype != torch::kHalf || !device.is_cpu() || attnkit::cpu_multiplies_float16(),
-              "--dtype float16: this LibTorch has no float16 matrix products on the CPU (1.13 "
-              "has none); use --dtype bfloat16, or a GPU");
-  TORCH_CHECK(!c.autocast || dtype != torch::kFloat,
-              "--autocast: give the dtype it runs in, --dtype bfloat16 or float16 (got --dtype ",
-              c.dtype, ")");
-  // One process; a launched rank chooses again knowing its machine's ranks (apps/train.cpp).
-  c.dist_backend = choose_dist_backend(c.dist_backend, device, RankEnvironment{});
-  check_backend_serves(c.dist_backend, device);
-  check_writable("--save", c.save);
-  check_writable("--metrics", c.metrics);
-  check_writable("--dump-attention", c.dump_attention);
-  return c;
-}
-
-void print_config_table(std::ostream& out, const TrainConfig& c, const Task& task) {
-  const std::vector<std::pair<std::string, std::string>> rows{
-      {"task", c.task + (task.causal() ? " (causal)" : " (bidirectional)") +
-                   (c.pack ? ", packed documents" : "")},
-      {"seq-len", std::to_string(c.seq_len) + " (" + std::to_string(task.input_length()) +
-                      " tokens per sequence, vocab " + std::to_string(task.vocab_size()) + ")"},
-      {"module", c.module + (c.backend.empty() ? "" : " (" + c.backend + " backend)") +
-                     (c.kv_groups > 0 ? ", kv-groups " + std::to_string(c.kv_groups) : "") +
-                     (c.window > 0 ? ", window " + std::to_string(c.window) : "") +
-                     (c.latent_dim > 0 ? ", latent-dim " + std::to_string(c.latent_dim) : "")},
-      {"d-model / heads / layers", std::to_string(c.d_model) + " / " + std::to_string(c.heads) +
-                                       " / " + std::to_string(c.layers)},
-      {"ffn / dropout", std::string(c.ffn ? "yes" : "no") + " / " + c10::str(c.dropout)},
-      {"steps / batch-size", std::to_string(c.steps) + " / " + std::to_string(c.batch_size)},
-      {"lr / weight-decay", c10::str(c.lr) + " / " + c10::str(c.weight_decay)},
-      {"dtype",
-       c.dtype == "float32"
-           ? std::string("float32")
-           : (c.autocast ? c.dtype + " autocast (linear layers; attention computed in float32 "
-                                     "inside); float32 weights, gradients and AdamW state"
-                         : c.dtype + " forward and backward; float32 weights and AdamW state") +
-                 (c.dtype == "float16" ? ", dynamic loss scaling" : "")},
-      {"seed / device / threads",
-       std::to_string(c.seed) + " / " + resolve_device(c.device).str() + " / " +
-           std::to_string(c.threads > 0 ? c.threads : torch::get_num_threads()) +
-           (c.threads > 0 ? "" : " (default)")},
-      {"eval-every", std::to_string(c.eval_every)},
-  };
-  size_t width = 9;
-  for (const auto& row : rows)
-    width = std::max(width, row.first.size());
-  Line table(out);  // the whole table in one write
-  table << "| " << std::left << std::setw(static_cast<int>(width)) << "Parameter"
-        << " | Value\n"
-        << "|" << std::string(width + 2, '-') << "|" << std::string(40, '-') << "\n";
-  for (const auto& [name, value] : rows) {
-    table << "| " << std::setw(static_cast<int>(width)) << name << " | " << value << "\n";
-  }
-  table << std::right;
-  if (c.task == "text") {
-    table << std::fixed << std::setprecision(2) << "corpus " << c.data << ": unigram entropy "
-          << task.unigram_entropy() << ", bigram entropy " << task.bigram_entropy()
-          << " bits/byte on the held-out 10%\n";
-  }
-}
-
-std::string rank_agreement_text(const TrainConfig& c) {
-  // Everything that changes what a rank computes or writes; not --device (a rank's own GPU),
-  // --threads (its machine's cores), nor how it prints.
-  auto fields = checkpoint_fields(c);
-  const std::vector<std::pair<std::string, std::string>> run{
-      {"backend", c.backend},
-      {"dropout", c10::str(c.dropout)},
-      {"data", c.data},
-      {"pack", c.pack ? "true" : "false"},
-      {"sample", std::to_string(c.sample)},
-      {"kv-cache", c.kv_cache ? "true" : "false"},
-      {"prompts", c.prompts},
-      {"steps", std::to_string(c.steps)},
-      {"batch-size", std::to_string(c.batch_size)},
-      {"lr", c10::str(c.lr)},
-      {"weight-decay", c10::str(c.weight_decay)},
-      {"seed", std::to_string(c.seed)},
-      {"eval-every", std::to_string(c.eval_every)},
-      {"save", c.save},
-      {"resume", c.resume},
-      {"metrics", c.metrics},
-      {"dump-attention", c.dump_attention},
-      {"dist-backend", c.dist_backend},
-      {"bucket-mb", c10::str(c.bucket_mb)},
-      {"dtype", c.dtype},
-      {"autocast", c.autocast ? "true" : "false"}};
-  fields.insert(fields.end(), run.begin(), run.end());
-  std::string text;
-  for (const auto& [key, value] : fields)
-    text += "--" + key + " " + value + "\n";
-  return text;
-}
-
-void check_global_batch(int64_t batch_size, int world_size) {
-  TORCH_CHECK(batch_size >= world_size, "--batch-size ", batch_size,
-              " is the global batch and must give each of the ", world_size,
-              " ranks at least one sequence");
-}
-
-void check_dtype_ranks(const std::string& dtype, bool autocast, int world_size) {
-  TORCH_CHECK(world_size == 1 || dtype == "float32" || autocast, "--dtype ", dtype, " with ",
-              world_size,
-              " ranks: the 16-bit working copy trains in one process; add --autocast (float32 "
-              "weights, forward under LibTorch's autocast), or drop --dtype or --nproc");
-}
-
-namespace {
 
 // LibTorch on one thread while it lives (the BLAS is pinned by the caller). With OpenMP it
 // sets the calling thread's OpenMP count, which at::get_num_threads() reads: LibTorch 1.13's
@@ -713,7 +315,7 @@ TrainingRun::TrainingRun(const TrainConfig& config, std::ostream& out,
   verbose_ = !config.quiet && main_rank_;
 
   if (!config.resume.empty()) {
-    state_ = load_checkpoint(config.resume, checkpoint_fields(config), model_, *optimizer_,
+    state_ = load_checkpoint(config.resume, checkpoint_settings(config), model_, *optimizer_,
                              data_generator_, rank_);
     optimizer_->set_lr(config.lr);  // this run's --lr and --weight-decay
     optimizer_->set_weight_decay(config.weight_decay);
@@ -786,10 +388,10 @@ void TrainingRun::save(bool improved) {
         torch::stack(group_.gather_all(at::detail::getDefaultCPUGenerator().get_state()));
   }
   if (main_rank_) {
-    save_checkpoint(config_.save, checkpoint_fields(config_), model_, *optimizer_, state_,
+    save_checkpoint(config_.save, checkpoint_settings(config_), model_, *optimizer_, state_,
                     data_generator_, cpu_rng_by_rank);
     if (improved) {
-      save_checkpoint(best_checkpoint_path(config_.save), checkpoint_fields(config_), model_,
+      save_checkpoint(best_checkpoint_path(config_.save), checkpoint_settings(config_), model_,
                       *optimizer_, state_, data_generator_, cpu_rng_by_rank);
     }
   }
