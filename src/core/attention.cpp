@@ -332,7 +332,9 @@ functional::AttentionOutput run_math(const KernelInput& input) {
 
 KernelSpec math_spec() {
   return {"math", AttentionBackend::kMath, /*runs_16bit_cuda_in_its_dtype=*/false,
-          [](const KernelInput&) { return KernelDecision{"", run_math}; }};
+          [](const KernelInput&) {
+            return KernelDecision{"", run_math};
+          }};
 }
 
 functional::AttentionOutput run_checked_attention(const AttentionCall& call) {

@@ -516,14 +516,14 @@ KernelSpec chunked_spec() {
               // memory there and has the least overhead, where tiles would be read row by row.
               why = "a one-query ragged step runs best on the math core";
             }
-            return KernelDecision{std::move(why), [](const KernelInput& in) {
-                                    const auto& call = in.call;
-                                    auto options = call.options;
-                                    return functional::AttentionOutput{
-                                        chunked_kernel(call.query, call.key, call.value,
-                                                       options.mask(in.mask())),
-                                        {}};
-                                  }};
+            return KernelDecision{
+                std::move(why), [](const KernelInput& in) {
+                  const auto& call = in.call;
+                  auto options = call.options;
+                  return functional::AttentionOutput{
+                      chunked_kernel(call.query, call.key, call.value, options.mask(in.mask())),
+                      {}};
+                }};
           }};
 }
 

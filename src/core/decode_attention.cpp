@@ -210,7 +210,9 @@ functional::AttentionOutput run_decode(const KernelInput& input) {
 
 KernelSpec decode_spec() {
   return {"decode", AttentionBackend::kAuto, /*runs_16bit_cuda_in_its_dtype=*/false,
-          [](const KernelInput& input) { return KernelDecision{decode_declines(input), run_decode}; }};
+          [](const KernelInput& input) {
+            return KernelDecision{decode_declines(input), run_decode};
+          }};
 }
 
 }  // namespace attnkit::detail

@@ -134,9 +134,15 @@ struct KernelRecordAccess {
 
 const KernelTable& kernel_table() {
   static const KernelTable table{
-      decode_spec(), ragged_loop_nest_spec(), packed_loop_nest_spec(),
-      loop_nest_spec(), flash_spec(), sdpa_spec(),
-      sdpa_varlen_spec(), sdpa_masked_spec(), chunked_spec(),
+      decode_spec(),
+      ragged_loop_nest_spec(),
+      packed_loop_nest_spec(),
+      loop_nest_spec(),
+      flash_spec(),
+      sdpa_spec(),
+      sdpa_varlen_spec(),
+      sdpa_masked_spec(),
+      chunked_spec(),
       math_spec(),
   };
   return table;

@@ -441,11 +441,10 @@ functional::AttentionOutput run_sdpa_masked(const KernelInput& input) {
   torch::Tensor bias;  // (1 or b, 1 or h, n, m)
   if (const auto* additive = additive_score(call)) {
     const auto index = torch::dtype(torch::kInt64).device(q.device());
-    bias = additive->bias(torch::zeros({}, q.options()),
-                          torch::arange(b, index).view({-1, 1, 1, 1}),
-                          torch::arange(h, index).view({1, -1, 1, 1}),
-                          torch::arange(n, index).view({1, 1, -1, 1}),
-                          torch::arange(m, index).view({1, 1, 1, -1}));
+    bias = additive->bias(
+        torch::zeros({}, q.options()), torch::arange(b, index).view({-1, 1, 1, 1}),
+        torch::arange(h, index).view({1, -1, 1, 1}), torch::arange(n, index).view({1, 1, -1, 1}),
+        torch::arange(m, index).view({1, 1, 1, -1}));
   }
   return {sdpa_masked_attention(q, k, v, visible, bias, input.dropout_p()), {}};
 }
@@ -461,8 +460,7 @@ KernelSpec flash_spec() {
                 std::move(why), [plan = plan.value_or(FlashPlan{})](const KernelInput& in) {
                   const auto& call = in.call;
                   const FusedArguments arguments{
-                      CausalSpan{/*causal=*/true, /*query_offset=*/0, plan.window},
-                      in.dropout_p()};
+                      CausalSpan{/*causal=*/true, /*query_offset=*/0, plan.window}, in.dropout_p()};
                   if (plan.layout) {
                     return functional::AttentionOutput{
                         flash_varlen_attention(call.query, call.key, call.value, *plan.layout,
@@ -470,8 +468,8 @@ KernelSpec flash_spec() {
                         {}};
                   }
                   return functional::AttentionOutput{
-                      flash_attention(call.query, call.key, call.value, FlashSegments{},
-                                      arguments, in.scale()),
+                      flash_attention(call.query, call.key, call.value, FlashSegments{}, arguments,
+                                      in.scale()),
                       {}};
                 }};
           }};
@@ -486,8 +484,7 @@ KernelSpec sdpa_spec() {
                 [span = input.causal_span().value_or(CausalSpan{})](const KernelInput& in) {
                   const auto& call = in.call;
                   return functional::AttentionOutput{
-                      sdpa_attention(call.query, call.key, call.value, {span, in.dropout_p()}),
-                      {}};
+                      sdpa_attention(call.query, call.key, call.value, {span, in.dropout_p()}), {}};
                 }};
           }};
 }

@@ -208,8 +208,8 @@ std::string sdpa_varlen_declines(const KernelInput& input, std::optional<VarlenL
   // Checked before the layout, whose host work kAuto is spared.
   if (call.backend_is_preference || call.options.backend() != AttentionBackend::kFused)
     return "the variable-length route runs only where kFused is demanded";
-  layout = varlen_layout(input.mask(), call.query.size(0), input.query_tokens(),
-                         input.key_tokens());
+  layout =
+      varlen_layout(input.mask(), call.query.size(0), input.query_tokens(), input.key_tokens());
   if (!layout) {
     return c10::str(
         "the variable-length route takes key padding (valid keys first) or documents (each "
@@ -222,20 +222,19 @@ std::string sdpa_varlen_declines(const KernelInput& input, std::optional<VarlenL
 }  // namespace
 
 KernelSpec sdpa_varlen_spec() {
-  return {"sdpa_varlen", AttentionBackend::kFused, /*runs_16bit_cuda_in_its_dtype=*/libtorch_has_sdpa(),
-          [](const KernelInput& input) {
-            std::optional<VarlenLayout> layout;
-            auto why = sdpa_varlen_declines(input, layout);
-            return KernelDecision{
-                std::move(why),
-                [layout = layout.value_or(VarlenLayout{})](const KernelInput& in) {
-                  const auto& call = in.call;
-                  return functional::AttentionOutput{
-                      sdpa_varlen_attention(call.query, call.key, call.value, layout,
-                                            in.dropout_p()),
-                      {}};
-                }};
-          }};
+  return {
+      "sdpa_varlen", AttentionBackend::kFused, /*runs_16bit_cuda_in_its_dtype=*/libtorch_has_sdpa(),
+      [](const KernelInput& input) {
+        std::optional<VarlenLayout> layout;
+        auto why = sdpa_varlen_declines(input, layout);
+        return KernelDecision{
+            std::move(why), [layout = layout.value_or(VarlenLayout{})](const KernelInput& in) {
+              const auto& call = in.call;
+              return functional::AttentionOutput{
+                  sdpa_varlen_attention(call.query, call.key, call.value, layout, in.dropout_p()),
+                  {}};
+            }};
+      }};
 }
 
 }  // namespace attnkit::detail
