@@ -29,8 +29,8 @@ MetricsWriter::MetricsWriter(const std::string& path, bool text_task) : text_tas
   }
 }
 
-void write(int64_t step, const Evaluation& e, double train_loss, double tokens_per_s,
-           double elapsed_s, bool final) {
+void MetricsWriter::write(int64_t step, const Evaluation& e, double train_loss, double tokens_per_s,
+                          double elapsed_s, bool final) {
   if (!out_.is_open())
     return;
   const double metric = text_task_ ? e.bits_per_byte : e.accuracy;
