@@ -50,6 +50,36 @@ std::vector<torch::Tensor> output_and_grads(
 using AttentionFn =
     std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
 
+// The reference every kernel here is held to: the math core through the public core,
+// attention(..., backend(kMath)), with the causal mask at `query_offset` and `window` when
+// `causal`, and dropout drawn as torch::dropout draws it (training when dropout_p > 0).
+torch::Tensor math_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             bool causal, int64_t query_offset = 0,
+                             c10::optional<int64_t> window = c10::nullopt, double dropout_p = 0.0) {
+  if (q.dim() > 4) {
+    // attention() takes ranks 2 to 4: (..., n, hd) -> (outer, n, hd), and back
+    const auto fold = [](const torch::Tensor& t) {
+      return t.reshape({-1, t.size(-2), t.size(-1)});
+    };
+    auto shape = q.sizes().vec();
+    shape.back() = v.size(-1);
+    return math_reference(fold(q), fold(k), fold(v), causal, query_offset, window, dropout_p)
+        .reshape(shape);
+  }
+  attnkit::Mask mask;
+  if (causal) {
+    mask = attnkit::Mask::causal(query_offset);
+    if (window.has_value())
+      mask = mask.sliding_window(*window);
+  }
+  return F::attention(q, k, v,
+                      F::AttentionOptions()
+                          .mask(mask)
+                          .backend(AttentionBackend::kMath)
+                          .dropout_p(dropout_p)
+                          .training(dropout_p > 0.0));
+}
+
 // `attention` against the math path on (q, k, v): output and the gradients of q, k and v of
 // sum(out * probe), at the agreement tolerance of q's dtype.
 void expect_matches_math(const AttentionFn& attention, const torch::Tensor& q,
@@ -58,9 +88,7 @@ void expect_matches_math(const AttentionFn& attention, const torch::Tensor& q,
                          c10::optional<int64_t> window_size = c10::nullopt) {
   const auto math = output_and_grads(
       [&](auto& a, auto& b, auto& c) {
-        return F::scaled_dot_product_attention(
-            a, b, c,
-            F::SdpaOptions().is_causal(causal).query_offset(query_offset).window_size(window_size));
+        return math_reference(a, b, c, causal, query_offset, window_size);
       },
       q, k, v, probe);
   const auto other = output_and_grads(attention, q, k, v, probe);
@@ -93,8 +121,7 @@ void expect_dropout_off_in_eval_and_differentiable(const AttentionFn& train,
   const auto with_dropout = train(q, k, v);
   const auto without = eval(q, k, v);
   EXPECT_FALSE(tensors_close("train vs eval", with_dropout, without, 1e-6));
-  EXPECT_TENSOR_NEAR(
-      without, F::scaled_dot_product_attention(q, k, v, F::SdpaOptions().is_causal(true)), 1e-10);
+  EXPECT_TENSOR_NEAR(without, math_reference(q, k, v, /*causal=*/true), 1e-10);
   torch::nn::Module holder;
   auto key = holder.register_parameter("key", k.clone());
   auto value = holder.register_parameter("value", v.clone());
@@ -331,8 +358,7 @@ TEST(FusedAttention, DropoutDrawsTheMathPathsMaskAndIsDifferentiable) {
   torch::manual_seed(5);
   const auto out = F::fused_attention(q, k, v, train);
   torch::manual_seed(5);
-  const auto math = F::scaled_dot_product_attention(
-      q, k, v, F::SdpaOptions().is_causal(true).dropout_p(0.3).training(true));
+  const auto math = math_reference(q, k, v, /*causal=*/true, 0, c10::nullopt, /*dropout_p=*/0.3);
   EXPECT_TENSOR_NEAR(out, math, 1e-10);
   expect_dropout_off_in_eval_and_differentiable(
       [&](auto& a, auto& b, auto& c) { return F::fused_attention(a, b, c, train); },
@@ -363,9 +389,8 @@ TEST(FusedAttention, PackedProjectionsMatchMathOnTheirHeads) {
           const auto split = [&](const torch::Tensor& t) {
             return t.view({b, n, heads, hd}).transpose(1, 2);  // (b, n, d) -> (b, h, n, hd)
           };
-          const auto context = F::scaled_dot_product_attention(
-              split(parts[0]), split(parts[1]), split(parts[2]),
-              F::SdpaOptions().is_causal(causal).dropout_p(dropout).training(true));
+          const auto context = math_reference(split(parts[0]), split(parts[1]), split(parts[2]),
+                                              causal, 0, c10::nullopt, dropout);
           out = context.transpose(1, 2).reshape({b, n, heads * hd});  // heads merged
         }
         (out * probe).sum().backward();
@@ -473,18 +498,14 @@ TEST(FusedBackend, MoreThreadsChangeNeitherResultsNorTheBlasSetting) {
   auto v = (k * 2).requires_grad_(true);
   (fused_backend(true)(q, k, v) * probe).sum().backward();
   auto v_math = (k * 2).requires_grad_(true);
-  (F::scaled_dot_product_attention(q, k, v_math, F::SdpaOptions().is_causal(true)) * probe)
-      .sum()
-      .backward();
+  (math_reference(q, k, v_math, /*causal=*/true) * probe).sum().backward();
   EXPECT_TRUE(tensors_close("grad v", v.grad(), v_math.grad(), agreement(torch::kFloat64)));
   {
     const torch::NoGradGuard no_grad;
     const auto out = fused_backend(true)(q, k, v);
     EXPECT_FALSE(out.requires_grad());
-    EXPECT_TRUE(
-        tensors_close("no-grad output", out,
-                      F::scaled_dot_product_attention(q, k, v, F::SdpaOptions().is_causal(true)),
-                      agreement(torch::kFloat64)));
+    EXPECT_TRUE(tensors_close("no-grad output", out, math_reference(q, k, v, /*causal=*/true),
+                              agreement(torch::kFloat64)));
   }
   EXPECT_EQ(torch::get_num_threads(), 2);
   if (attnkit::blas_threads().name != "unknown") {
@@ -532,11 +553,10 @@ TEST(DecodeShapedAttention, MathWithAnOffsetIsTheLastRowsOfFullCausalAttention) 
   const auto q = torch::randn({2, 3, 9, 4}, torch::kFloat64);
   const auto k = torch::randn({2, 3, 9, 4}, torch::kFloat64);
   const auto v = torch::randn({2, 3, 9, 5}, torch::kFloat64);
-  const auto full = F::scaled_dot_product_attention(q, k, v, F::SdpaOptions().is_causal(true));
+  const auto full = math_reference(q, k, v, /*causal=*/true);
   for (const int64_t n : {1, 4, 9}) {
     SCOPED_TRACE(c10::str("n ", n));
-    const auto last = F::scaled_dot_product_attention(
-        q.narrow(2, 9 - n, n), k, v, F::SdpaOptions().is_causal(true).query_offset(9 - n));
+    const auto last = math_reference(q.narrow(2, 9 - n, n), k, v, /*causal=*/true, 9 - n);
     EXPECT_TENSOR_NEAR(last, full.narrow(2, 9 - n, n), 1e-12);
   }
   EXPECT_TRUE(F::causal_mask(1, 10, torch::kCPU, 9).logical_not().all().item<bool>());
