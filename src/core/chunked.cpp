@@ -6,13 +6,13 @@
 // is), full tiles mask nothing, and only partial ones evaluate the mask, in forward and in
 // backward alike. The verdicts come from the block mask's host copy: no device
 // synchronisation in the tile loop. Beyond inputs and outputs, memory is one score tile
-// (head group x query block x key block) instead of the O(n^2) score matrix of the math path,
+// (head batch x query block x key block) instead of the O(n^2) score matrix of the math path,
 // so it grows linearly in n.
 //
 // Speed (LibTorch 1.13 CPU): the inputs are read in place through (outer, heads, n, f)
 // views, so the (b, h, n, hd) views of a QKV projection are not copied; the softmax scale
 // is applied to each query block (bq x hd), not to the scores (bq x bk); the block's
-// elementwise steps run in place; heads are processed in groups whose score block stays in
+// elementwise steps run in place; heads are processed in batches whose score block stays in
 // cache.
 //
 // Grouped-query attention: the query heads that share a key/value head are folded into the
@@ -43,7 +43,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr double kInfinity = std::numeric_limits<double>::infinity();
-// Bytes of one score tile (head group x query block x key block): a few MiB, near the L2
+// Bytes of one score tile (head batch x query block x key block): a few MiB, near the L2
 // size of the development machine (2 MiB per core); tuned by hand with attnkit-bench.
 constexpr int64_t kScoreBlockBytes = int64_t{4} << 20;
 
@@ -55,7 +55,7 @@ struct TileVisit {
 };
 
 // One call's settings and what forward learns for backward: the tiles it visited and the
-// head grouping, so backward visits the same tiles the same way.
+// head batching, so backward visits the same tiles the same way.
 struct ChunkedCall : torch::CustomClassHolder {
   Mask mask;
   BlockMask blocks;  // defined when the mask is not none
@@ -65,15 +65,15 @@ struct ChunkedCall : torch::CustomClassHolder {
   int64_t dropout_seed = -1;  // < 0: no dropout
   int64_t query_block = 128;  // the block mask's query block when there is one
   int64_t key_block = 1024;
-  int64_t head_group = 0;  // 0: plan it (forward)
-  // The key tiles each (outer, head group, query block) task visited, one list per task.
+  int64_t head_batch = 0;  // 0: plan it (forward)
+  // The key tiles each (outer, head batch, query block) task visited, one list per task.
   std::vector<std::vector<TileVisit>> visits;
 };
 
 // Where a block sits: outer index o, heads [h0, h0 + g).
-struct HeadGroup {
+struct HeadBatch {
   int64_t o, h0, g;
-  int64_t pair;  // o * num_head_groups + head group
+  int64_t pair;  // o * num_head_batches + head batch
 };
 
 struct BlockPlan {
@@ -85,7 +85,7 @@ struct BlockPlan {
   int64_t query_block;
   int64_t key_block;
   int64_t group_size;  // query heads per key/value head
-  int64_t head_group;  // query heads per bmm, a multiple of group_size
+  int64_t head_batch;  // query heads per bmm, a multiple of group_size
   double scale;
   // A row may see no key in a tile (or at all): its running maximum needs a guard.
   bool rows_may_be_empty;
@@ -99,34 +99,34 @@ struct BlockPlan {
         query_block(call.blocks.defined() ? call.blocks.q_block_size() : call.query_block),
         key_block(call.key_block),
         group_size(q4.size(1) / k4.size(1)),
-        head_group(call.head_group),
+        head_batch(call.head_batch),
         scale(call.scale),
         rows_may_be_empty(!call.mask.is_none() || call.score_mod) {
-    if (head_group > 0)
+    if (head_batch > 0)
       return;
-    // Head groups of equal size (a multiple of group_size) whose score tile fits
-    // kScoreBlockBytes, and at least as many (outer, head group) pairs as there are workers
+    // Head batches of equal size (a multiple of group_size) whose score tile fits
+    // kScoreBlockBytes, and at least as many (outer, head batch) pairs as there are workers
     // where the heads allow it: backward's tasks are those pairs.
     const int64_t block_bytes = query_block * key_block * static_cast<int64_t>(q4.element_size());
     const int64_t kv_heads = std::max<int64_t>(heads / group_size, 1);
     const int64_t fitting_heads = kScoreBlockBytes / std::max<int64_t>(block_bytes, 1);
-    int64_t groups = std::max<int64_t>(fitting_heads / group_size, 1);
-    groups = (kv_heads + groups - 1) / groups;  // kv heads per group -> number of groups
+    int64_t batches = std::max<int64_t>(fitting_heads / group_size, 1);
+    batches = (kv_heads + batches - 1) / batches;  // kv heads per batch -> number of batches
     const int64_t workers = detail::worker_count(outer * kv_heads, q4.device());
-    groups = std::min(std::max(groups, (workers + outer - 1) / outer), kv_heads);
-    head_group = (kv_heads + groups - 1) / groups * group_size;
+    batches = std::min(std::max(batches, (workers + outer - 1) / outer), kv_heads);
+    head_batch = (kv_heads + batches - 1) / batches * group_size;
   }
 
-  int64_t num_head_groups() const { return (heads + head_group - 1) / head_group; }
+  int64_t num_head_batches() const { return (heads + head_batch - 1) / head_batch; }
   int64_t num_query_blocks() const { return (num_queries + query_block - 1) / query_block; }
 
-  // The key tiles that query block [q0, q0 + bq) of a head group visits, at most key_block
+  // The key tiles that query block [q0, q0 + bq) of a head batch visits, at most key_block
   // wide: without a mask every key, in full tiles; with one, the block mask's non-empty key
   // blocks (a block is full for the group when it is for each of its heads), adjacent ones
   // taken together, partial when any of them is. Fewer, wider tiles: a causal query block
   // is one tile of up to key_block keys, not a full run and its diagonal block, since each
   // tile has a fixed cost of about 16 LibTorch ops (which weighs at n 1,024).
-  std::vector<TileVisit> key_tiles(const HeadGroup& at, int64_t q0) const {
+  std::vector<TileVisit> key_tiles(const HeadBatch& at, int64_t q0) const {
     std::vector<TileVisit> tiles;
     if (!call.blocks.defined()) {
       for (int64_t k0 = 0; k0 < num_keys; k0 += key_block)
@@ -162,14 +162,14 @@ struct BlockPlan {
   }
 };
 
-// Rows [r0, r0 + rows) of a head group of an (outer, heads, n, f) query-side tensor: a
+// Rows [r0, r0 + rows) of a head batch of an (outer, heads, n, f) query-side tensor: a
 // (g, rows, f) view.
-torch::Tensor block_of(const torch::Tensor& t4, const HeadGroup& at, int64_t r0, int64_t rows) {
+torch::Tensor block_of(const torch::Tensor& t4, const HeadBatch& at, int64_t r0, int64_t rows) {
   return t4.select(0, at.o).narrow(0, at.h0, at.g).narrow(1, r0, rows);
 }
 
 // The same rows of the key/value heads the group's query heads use: (g / group_size, rows, f).
-torch::Tensor kv_block_of(const torch::Tensor& t4, const HeadGroup& at, int64_t r0, int64_t rows,
+torch::Tensor kv_block_of(const torch::Tensor& t4, const HeadBatch& at, int64_t r0, int64_t rows,
                           const BlockPlan& plan) {
   return t4.select(0, at.o)
       .narrow(0, at.h0 / plan.group_size, at.g / plan.group_size)
@@ -187,7 +187,7 @@ torch::Tensor unfold_groups(const torch::Tensor& t, int64_t gs) {
   return gs == 1 ? t : t.view({t.size(0) * gs, t.size(1) / gs, t.size(2)});
 }
 
-Tile tile_at(const HeadGroup& at, int64_t q0, int64_t bq, int64_t k0, int64_t bk) {
+Tile tile_at(const HeadBatch& at, int64_t q0, int64_t bq, int64_t k0, int64_t bk) {
   return {at.o, at.h0, at.g, q0, bq, k0, bk};
 }
 
@@ -232,7 +232,7 @@ torch::Tensor finite_max(const torch::Tensor& row_max, const BlockPlan& plan) {
 // same mask however the heads are grouped and whichever worker draws it. Drawn on the CPU
 // and copied: a generator of another device, reseeded per block, would be a clone of its
 // default one, and LibTorch 1.13's Generator::clone leaks the clone (LeakSanitizer).
-torch::Tensor dropout_scale(const torch::Tensor& like, const HeadGroup& at, int64_t q0, int64_t k0,
+torch::Tensor dropout_scale(const torch::Tensor& like, const HeadBatch& at, int64_t q0, int64_t k0,
                             const BlockPlan& plan) {
   auto keep = torch::empty(like.sizes(), torch::dtype(like.scalar_type()));
   for (int64_t i = 0; i < at.g; ++i) {
@@ -245,29 +245,29 @@ torch::Tensor dropout_scale(const torch::Tensor& like, const HeadGroup& at, int6
   return keep.div_(1.0 - plan.call.dropout_p).to(like.device());
 }
 
-HeadGroup head_group_of(const BlockPlan& plan, int64_t pair) {
-  const int64_t o = pair / plan.num_head_groups();
-  const int64_t h0 = pair % plan.num_head_groups() * plan.head_group;
-  return {o, h0, std::min(plan.head_group, plan.heads - h0), pair};
+HeadBatch head_group_of(const BlockPlan& plan, int64_t pair) {
+  const int64_t o = pair / plan.num_head_batches();
+  const int64_t h0 = pair % plan.num_head_batches() * plan.head_batch;
+  return {o, h0, std::min(plan.head_batch, plan.heads - h0), pair};
 }
 
-// Calls visit(head group, q0, bq) for every query block, in parallel (src/core/parallel.h): the
-// tasks are (outer, head group, query block), the last query blocks (which see the most keys
+// Calls visit(head batch, q0, bq) for every query block, in parallel (src/core/parallel.h): the
+// tasks are (outer, head batch, query block), the last query blocks (which see the most keys
 // when causal) first.
 template <typename Visit>
 void for_each_query_block(const BlockPlan& plan, const torch::Device& device, Visit&& visit) {
-  const int64_t pairs = plan.outer * plan.num_head_groups(), blocks = plan.num_query_blocks();
+  const int64_t pairs = plan.outer * plan.num_head_batches(), blocks = plan.num_query_blocks();
   detail::run_tasks(pairs * blocks, device, [&](int64_t task) {
     const int64_t q0 = (blocks - 1 - task / pairs) * plan.query_block;
     visit(head_group_of(plan, task % pairs), q0, std::min(plan.query_block, plan.num_queries - q0));
   });
 }
 
-// Calls visit(head group) for every (outer, head group) pair, in parallel: backward's tasks,
+// Calls visit(head batch) for every (outer, head batch) pair, in parallel: backward's tasks,
 // as each pair's key and value gradients gather from all of its query blocks.
 template <typename Visit>
 void for_each_head_group(const BlockPlan& plan, const torch::Device& device, Visit&& visit) {
-  detail::run_tasks(plan.outer * plan.num_head_groups(), device,
+  detail::run_tasks(plan.outer * plan.num_head_batches(), device,
                     [&](int64_t task) { visit(head_group_of(plan, task)); });
 }
 
@@ -284,9 +284,9 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
                                const torch::Tensor& v, at::TensorList score_mod_parameters) {
     const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
     const BlockPlan plan(q4, k4, *call);
-    call->head_group = plan.head_group;
+    call->head_batch = plan.head_batch;
     call->visits.assign(
-        static_cast<size_t>(plan.outer * plan.num_head_groups() * plan.num_query_blocks()), {});
+        static_cast<size_t>(plan.outer * plan.num_head_batches() * plan.num_query_blocks()), {});
     const int64_t gs = plan.group_size;
     auto out_shape = q.sizes().vec();
     out_shape.back() = v.size(-1);
@@ -294,7 +294,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
     auto out4 = as_outer_heads(out);  // a view of the output, written block by block
     auto lse4 = torch::empty({plan.outer, plan.heads, plan.num_queries, 1}, q.options());
 
-    for_each_query_block(plan, q.device(), [&](const HeadGroup& at, int64_t q0, int64_t bq) {
+    for_each_query_block(plan, q.device(), [&](const HeadBatch& at, int64_t q0, int64_t bq) {
       const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
       auto acc = block_of(out4, at, q0, bq);                       // written in place
       torch::Tensor row_max, row_sum;
@@ -380,7 +380,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
     std::vector<torch::Tensor> parameter_grads(num_parameters);
     std::mutex parameter_grads_mutex;
 
-    const auto visit_query_block = [&](const HeadGroup& at, int64_t q0, int64_t bq,
+    const auto visit_query_block = [&](const HeadBatch& at, int64_t q0, int64_t bq,
                                        std::vector<torch::Tensor>& task_parameter_grads) {
       const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
       const auto grad_out_block = block_of(grad_out4, at, q0, bq);
@@ -445,7 +445,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
             .baddbmm_(fold_groups(grad_scores, gs).transpose(1, 2), q_rows);
       }
     };
-    for_each_head_group(plan, q.device(), [&](const HeadGroup& at) {
+    for_each_head_group(plan, q.device(), [&](const HeadBatch& at) {
       std::vector<torch::Tensor> task_parameter_grads(num_parameters);
       for (int64_t q0 = 0; q0 < plan.num_queries; q0 += plan.query_block) {
         visit_query_block(at, q0, std::min(plan.query_block, plan.num_queries - q0),

@@ -1,7 +1,7 @@
 #pragma once
 
 // attnkit's threading model (docs/threads.md): a kernel splits its work into independent
-// tasks (a head group, or a head group's query block) and runs them on at::get_num_threads()
+// tasks (a head batch, or a head batch's query block) and runs them on at::get_num_threads()
 // workers, one level of parallelism only. Inside a task every LibTorch op runs serially
 // (ATen does not nest parallel regions) and the BLAS runs on one thread, so that the OpenMP
 // workers and OpenBLAS's own threads never compete for the same cores.
