@@ -132,6 +132,24 @@ inline torch::Tensor journey_batch() {
   return torch::stack({journey_inputs(), journey_inputs()});
 }
 
+/// A function of (q, k, v), the form the kernels and backends are compared in.
+using AttentionFn =
+    std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
+
+/// Output and gradients of q, k, v of sum(attention(q, k, v) * probe), on clones of the inputs.
+inline std::vector<torch::Tensor> output_and_grads(const AttentionFn& attention,
+                                                   const torch::Tensor& q_in,
+                                                   const torch::Tensor& k_in,
+                                                   const torch::Tensor& v_in,
+                                                   const torch::Tensor& probe) {
+  auto q = q_in.clone().requires_grad_(true);
+  auto k = k_in.clone().requires_grad_(true);
+  auto v = v_in.clone().requires_grad_(true);
+  const auto out = attention(q, k, v);
+  (out * probe).sum().backward();
+  return {out.detach(), q.grad(), k.grad(), v.grad()};
+}
+
 /// Expects `message_part` inside the c10::Error thrown by `fn`.
 inline void expect_error_containing(const std::function<void()>& fn,
                                     const std::string& message_part) {

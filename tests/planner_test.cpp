@@ -1,0 +1,820 @@
+// The planner (src/core/planner.cpp) and its routes: every kernel it picks answers as the
+// math core, a kernel that claims too much is caught, demands and preferences, the kernel
+// record; 16-bit inputs, LibTorch's flash route, autocast and the variable-length segments.
+
+#include "core/planner.h"
+#include "attnkit/autocast.h"
+#include "attnkit/functional.h"
+#include "attnkit/grouped_query_attention.h"
+#include "attnkit/latent_attention.h"
+#include "attnkit/multi_head_attention.h"
+#include "core/kernels.h"
+#include "test_support.h"
+
+#include <set>
+
+#include <torch/version.h>
+
+namespace F = attnkit::functional;
+using attnkit::AttentionBackend;
+using attnkit::MultiHeadAttentionOptions;
+using namespace attnkit::testing;
+
+namespace {
+
+using attnkit::Mask;
+using attnkit::detail::AttentionCall;
+using attnkit::detail::StepKind;
+
+// A call the planner meets, with its answer from the dense math core: the context on the
+// rows that count (a ragged row's padding queries are nobody's), and the weights when asked.
+struct PlannerCase {
+  std::string name;
+  AttentionCall call;
+  torch::Tensor expected;          // (b, h, n, hd_v)
+  torch::Tensor expected_weights;  // with call.with_weights
+  torch::Tensor counted_rows;      // (b, 1, n, 1) bool: the query rows compared
+};
+
+// The reference, independent of the planner: keys and values repeated for their query
+// heads, and `allowed` (b, h|1, n, m) as a dense mask.
+std::pair<torch::Tensor, torch::Tensor> reference(const AttentionCall& call,
+                                                  const torch::Tensor& allowed) {
+  const auto group = call.query.size(1) / call.key.size(1);
+  attnkit::detail::MathMasking masking;
+  masking.allowed = allowed;
+  const auto out = attnkit::detail::math_attention(call.query, call.key.repeat_interleave(group, 1),
+                                                   call.value.repeat_interleave(group, 1), masking,
+                                                   call.options.scale(), 0.0, false);
+  return {out.context, out.weights};
+}
+
+// allowed (n, m): query i at key position offset + i sees keys in (offset + i - window,
+// offset + i] (window 0: every earlier key) and before `end`.
+torch::Tensor causal_allowed(int64_t n, int64_t m, int64_t offset, int64_t window, int64_t end) {
+  const auto i = torch::arange(n).view({-1, 1}) + offset;
+  const auto j = torch::arange(m).view({1, -1});
+  auto allowed = (j <= i).logical_and(j < end);
+  if (window > 0)
+    allowed = allowed.logical_and(j > i - window);
+  return allowed;
+}
+
+std::vector<PlannerCase> planner_cases() {
+  torch::manual_seed(5);
+  const int64_t b = 2, h = 4, hd = 8;  // key/value heads: 2 (grouped-query)
+  const auto qkv = [&](int64_t n, int64_t m, int64_t kv_heads) {
+    return std::array<torch::Tensor, 3>{torch::randn({b, h, n, hd}),
+                                        torch::randn({b, kv_heads, m, hd}),
+                                        torch::randn({b, kv_heads, m, hd})};
+  };
+  std::vector<PlannerCase> cases;
+  const auto add = [&](const std::string& name, AttentionCall call, const torch::Tensor& allowed,
+                       torch::Tensor counted_rows = {}) {
+    const auto [context, weights] = reference(call, allowed);
+    if (!counted_rows.defined())
+      counted_rows = torch::ones({1, 1, call.query.size(2), 1}, torch::kBool);
+    cases.push_back(
+        {name, call, context, call.with_weights ? weights : torch::Tensor(), counted_rows});
+  };
+  const auto sequence = [&](const F::AttentionOptions& options, int64_t n = 12, int64_t m = 12,
+                            int64_t kv_heads = 2) {
+    const auto [q, k, v] = qkv(n, m, kv_heads);
+    AttentionCall call;
+    call.query = q, call.key = k, call.value = v, call.options = options;
+    return call;
+  };
+  const auto dense = [](const Mask& mask, const AttentionCall& call) {
+    return mask.dense(call.query.size(0), call.query.size(1), call.query.size(2), call.key.size(2),
+                      torch::kCPU);
+  };
+  for (const auto& [name, mask] : std::vector<std::pair<std::string, Mask>>{
+           {"no mask", Mask()},
+           {"causal", Mask::causal()},
+           {"sliding window", Mask::causal().sliding_window(3)},
+           {"documents", Mask::documents(torch::tensor({0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2}),
+                                         /*causal=*/true)},
+           // Not segments: every query sees key 0 and its own last two.
+           {"tensor mask", Mask::from_tensor(torch::eye(12, torch::kBool) |
+                                             torch::eye(12, 12, torch::kBool).roll(1, 1) |
+                                             torch::arange(12).eq(0).view({1, 12}))}}) {
+    const auto call = sequence(F::AttentionOptions().mask(mask));
+    add(name, call, mask.is_none() ? torch::Tensor() : dense(mask, call));
+  }
+  {
+    // Past the loop nest's tile (n * m > kFusedAttentionMaxTile).
+    const auto call = sequence(F::AttentionOptions().mask(Mask::causal()), 80, 80);
+    add("long causal", call, causal_allowed(80, 80, 0, 0, 80));
+  }
+  {
+    const auto call = sequence(F::AttentionOptions().mask(Mask::causal(7)), 5, 12);
+    add("causal at offset 7", call, causal_allowed(5, 12, 7, 0, 12));
+  }
+  {
+    const auto call = sequence(F::AttentionOptions().scale(0.3).mask(Mask::causal()));
+    add("scale 0.3", call, causal_allowed(12, 12, 0, 0, 12));
+  }
+  {
+    // softcap(1) changes every score: a kernel that ignores it answers differently.
+    auto call = sequence(F::AttentionOptions().score_mod(attnkit::score_mods::softcap(1.0)));
+    const auto capped = call;
+    const auto group = call.query.size(1) / call.key.size(1);
+    const auto scores =
+        torch::matmul(call.query, call.key.repeat_interleave(group, 1).transpose(-2, -1)) /
+        std::sqrt(static_cast<double>(hd));
+    const auto weights = torch::softmax(torch::tanh(scores), -1);
+    cases.push_back(PlannerCase{"score_mod softcap", capped,
+                                torch::matmul(weights, call.value.repeat_interleave(group, 1)),
+                                torch::Tensor(), torch::ones({1, 1, 12, 1}, torch::kBool)});
+  }
+  {
+    auto call = sequence(F::AttentionOptions().mask(Mask::causal()));
+    call.with_weights = true;
+    add("with weights", call, causal_allowed(12, 12, 0, 0, 12));
+  }
+  {
+    // Self-attention heads that are views of one packed projection (b, n, 3 * h * hd).
+    const int64_t n = 10;
+    const auto packed = torch::randn({b, n, 3 * h * hd});
+    const auto parts = packed.chunk(3, -1);
+    const auto heads = [&](const torch::Tensor& t) {
+      return t.view({b, n, h, hd}).transpose(1, 2);  // (b, n, h * hd) -> (b, h, n, hd)
+    };
+    AttentionCall call;
+    call.query = heads(parts[0]), call.key = heads(parts[1]), call.value = heads(parts[2]);
+    call.options.mask(Mask::causal());
+    call.packed_qkv = packed;
+    add("packed projection", call, causal_allowed(n, n, 0, 0, n));
+  }
+  for (const auto& [name, window] : std::vector<std::pair<std::string, int64_t>>{
+           {"cached decode", 0}, {"cached decode, window 3", 3}}) {
+    auto mask = Mask::causal(8);
+    if (window > 0)
+      mask = mask.sliding_window(window);
+    auto call = sequence(F::AttentionOptions().mask(mask), 1, 9);
+    call.step = StepKind::kCached;
+    add(name, call, causal_allowed(1, 9, 8, window, 9));
+  }
+  {
+    auto call = sequence(F::AttentionOptions().mask(Mask::causal(5)), 4, 9);
+    call.step = StepKind::kCached;
+    add("cached prefill", call, causal_allowed(4, 9, 5, 0, 9));
+  }
+  {
+    // MLA's absorbed decode: one key/value head of latents, the heads' scale.
+    const int64_t latent = 6, m = 7;
+    AttentionCall call;
+    call.query = torch::randn({b, h, 1, latent});
+    call.key = torch::randn({b, 1, m, latent});
+    call.value = call.key;
+    call.options.mask(Mask::causal(m - 1)).scale(1.0 / std::sqrt(static_cast<double>(hd)));
+    call.step = StepKind::kCached;
+    add("absorbed latent decode", call, torch::Tensor());
+  }
+  for (const auto& [n, window] : std::vector<std::pair<int64_t, int64_t>>{{1, 0}, {3, 0}, {3, 2}}) {
+    const std::vector<int64_t> offsets{2, 5}, ends{n == 1 ? 3 : 5, 6};
+    auto call = sequence(F::AttentionOptions(), n, 8);
+    call.step = StepKind::kRagged;
+    call.ragged.query_offsets = torch::tensor(offsets);
+    call.ragged.key_ends = torch::tensor(ends);
+    call.ragged.window = window;
+    std::vector<torch::Tensor> allowed, counted;
+    for (size_t r = 0; r < offsets.size(); ++r) {
+      allowed.push_back(causal_allowed(n, 8, offsets[r], window, ends[r]));
+      counted.push_back(torch::arange(n) < ends[r] - offsets[r]);
+    }
+    add(c10::str("ragged step of ", n, window > 0 ? c10::str(", window ", window) : ""), call,
+        torch::stack(allowed).unsqueeze(1), torch::stack(counted).view({b, 1, n, 1}));
+  }
+  return cases;
+}
+
+// What is wrong with the planner's answer to `c` under `backend` (a module's preference, or
+// with `demanded` functional::attention's demand); "" when it is right.
+std::string planner_error(
+    const PlannerCase& c, AttentionBackend backend, bool demanded = false,
+    const attnkit::detail::KernelTable& table = attnkit::detail::kernel_table()) {
+  auto call = c.call;
+  call.options.backend(backend);
+  call.backend_is_preference = !demanded;
+  try {
+    const torch::NoGradGuard no_grad;  // inference kernels refuse autograd
+    const auto out = attnkit::detail::run_attention(call, table);
+    const auto rows = c.counted_rows.expand_as(c.expected);
+    if (!out.context.defined() || out.context.sizes() != c.expected.sizes())
+      return "a context of the wrong shape";
+    if (!torch::allclose(out.context.masked_select(rows), c.expected.masked_select(rows), 1e-4,
+                         1e-5))
+      return "a wrong context";
+    if (c.expected_weights.defined() &&
+        (!out.weights.defined() || !torch::allclose(out.weights, c.expected_weights, 1e-4, 1e-5)))
+      return "wrong or missing weights";
+  } catch (const c10::Error& error) {
+    return c10::str("an error: ", error.what_without_backtrace());
+  }
+  return "";
+}
+
+const std::vector<AttentionBackend> kBackends{AttentionBackend::kAuto, AttentionBackend::kMath,
+                                              AttentionBackend::kFused, AttentionBackend::kChunked};
+
+}  // namespace
+
+// Every kernel the planner picks, for every kind of call and backend, as a module's
+// preference and as a demand, answers as the math core does; and every kernel that can be
+// picked on this LibTorch is picked by some case.
+TEST(Planner, EveryPlannedKernelAnswersAsTheMathCore) {
+  std::set<std::string> picked;
+  for (const auto& c : planner_cases()) {
+    for (const auto backend : kBackends) {
+      for (const bool demanded : {false, true}) {
+        SCOPED_TRACE(c.name + ", backend " + attnkit::backend_name(backend) +
+                     (demanded ? ", demanded" : ", preferred"));
+        auto call = c.call;
+        call.options.backend(backend);
+        call.backend_is_preference = !demanded;
+        if (demanded && !attnkit::detail::backend_lacks(backend, call).empty())
+          continue;  // refused, naming what it lacks (the test below)
+        picked.insert(attnkit::detail::plan_attention(call).name);
+        EXPECT_EQ(planner_error(c, backend, demanded), "");
+      }
+    }
+  }
+  std::set<std::string> expected{"decode", "ragged_loop_nest", "sdpa", "chunked", "math"};
+  if (attnkit::detail::libtorch_has_sdpa()) {
+    // A demanded fused backend with a mask beyond causal: documents as segments, others dense.
+    expected.insert("sdpa_varlen");
+    expected.insert("sdpa_masked");
+  } else {
+    expected.insert("loop_nest");
+    expected.insert("packed_loop_nest");
+  }
+  EXPECT_EQ(picked, expected);
+}
+
+// The mutation check: a kernel made to claim every call (its decision declines nothing and
+// runs the plan it made) gives a wrong answer or an error on some case, so the check above
+// would catch a decision that takes a problem its kernel cannot run. The mutant lives in a
+// table of its own, handed to the planner; the library's table is untouched.
+TEST(Planner, AKernelThatClaimsWhatItCannotRunFailsTheCases) {
+  const auto cases = planner_cases();
+  const auto& table = attnkit::detail::kernel_table();
+  for (size_t i = 0; i < table.size(); ++i) {
+    if (std::string(table[i].name) == "math")
+      continue;  // the fallback runs everything
+    SCOPED_TRACE(table[i].name);
+    auto mutant = table;
+    mutant[i].decide = [decide = table[i].decide](const attnkit::detail::KernelInput& input) {
+      auto decision = decide(input);
+      decision.declined.clear();
+      return decision;
+    };
+    int failures = 0;
+    for (const auto& c : cases) {
+      for (const auto backend : kBackends) {
+        for (const bool demanded : {false, true})
+          failures += planner_error(c, backend, demanded, mutant).empty() ? 0 : 1;
+      }
+    }
+    EXPECT_GT(failures, 0) << table[i].name << " claimed every case and answered them all";
+  }
+}
+
+// Every call a module makes reaches the planner: a forward, a cached prefill, a cached decode
+// step, a ragged prefill and a ragged decode step of each multi-head module (MLA's absorbed
+// decode among them) under every backend each leave exactly one record of the kernel that ran.
+TEST(Planner, EveryModuleCallLeavesOneKernelRecord) {
+  torch::manual_seed(4);
+  const auto x = torch::randn({2, 5, 8});
+  const auto lengths = torch::tensor({5, 3}, torch::kInt64);
+  const auto one_record = [](const std::string& what, const std::function<void()>& call) {
+    F::KernelRecord record;
+    call();
+    EXPECT_EQ(record.runs().size(), 1u) << what;
+  };
+  const auto check = [&](auto module, const std::string& name) {
+    module->eval();
+    const torch::NoGradGuard no_grad;
+    for (const auto backend : kBackends) {
+      SCOPED_TRACE(name + ", backend " + attnkit::backend_name(backend));
+      module->options.backend(backend);
+      one_record("forward", [&] { module(x); });
+      auto cache = module->make_kv_cache(2, 16);
+      one_record("cached prefill", [&] { module->forward_with_cache(x, cache); });
+      one_record("cached decode step",
+                 [&] { module->forward_with_cache(x.narrow(1, 0, 1), cache); });
+      auto ragged = module->make_kv_cache(2, 16);
+      one_record("ragged prefill", [&] { module->forward_with_cache(x, ragged, lengths); });
+      one_record("ragged decode step", [&] {
+        module->forward_with_cache(x.narrow(1, 0, 1), ragged, torch::ones({2}, torch::kInt64));
+      });
+    }
+  };
+  const auto mha = MultiHeadAttentionOptions(8, 8, 16, 0.0, 2);
+  check(attnkit::MultiHeadAttention(mha), "MultiHeadAttention");
+  check(attnkit::MultiHeadAttentionCombinedQKV(mha), "MultiHeadAttentionCombinedQKV");
+  check(attnkit::GroupedQueryAttention(attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2)),
+        "GroupedQueryAttention");
+  check(attnkit::MultiHeadLatentAttention(attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2)),
+        "MultiHeadLatentAttention");
+}
+
+// A demanded backend's refusal names what it lacks; a module's preference gives way. On
+// LibTorch 2.x a demanded fused backend runs a document mask through SDPA with the dense
+// mask; on the CPU a preference (and kAuto) keeps the faster chunked kernel.
+TEST(Planner, ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay) {
+  auto c = planner_cases()[3];  // documents
+  ASSERT_EQ(c.name, "documents");
+  c.call.options.backend(AttentionBackend::kFused);
+  if (attnkit::detail::libtorch_has_sdpa()) {
+    EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "sdpa_varlen");
+    auto capped = c.call;
+    capped.options.score_mod(attnkit::score_mods::softcap(5.0));
+    expect_error_containing(
+        [&] { attnkit::detail::plan_attention(capped); },
+        "[attention] backend fused cannot run this: the fused backend has no score functions");
+  } else {
+    expect_error_containing(
+        [&] { attnkit::detail::plan_attention(c.call); },
+        "[attention] backend fused cannot run this: the fused backend takes only causal and "
+        "sliding-window masks on LibTorch 1.x (2.x takes any mask through its SDPA), not ");
+  }
+  c.call.backend_is_preference = true;
+  EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "chunked");
+  auto automatic = c.call;
+  automatic.options.backend(AttentionBackend::kAuto);
+  EXPECT_STREQ(attnkit::detail::plan_attention(automatic).name, "chunked");
+  c.call.with_weights = true;
+  EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "math");
+}
+
+// The public record names the kernel each call ran, with the dtype it computed in: demanded
+// backends, the weights, a 16-bit call (float32 inside), a module and a decode step. Records
+// nest: the innermost one gets the calls.
+TEST(Planner, TheKernelRecordNamesWhatRan) {
+  torch::manual_seed(9);
+  const auto q = torch::randn({1, 2, 8, 4}), k = torch::randn({1, 2, 8, 4}),
+             v = torch::randn({1, 2, 8, 4});
+  const auto causal = F::AttentionOptions().mask(Mask::causal());
+  F::KernelRecord outer;
+  F::attention(q, k, v, F::AttentionOptions(causal).backend(AttentionBackend::kChunked));
+  {
+    F::KernelRecord inner;
+    F::attention_with_weights(q, k, v, causal);
+    F::attention(q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16),
+                 F::AttentionOptions(causal).backend(AttentionBackend::kChunked));
+    F::attention(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
+                 F::AttentionOptions(causal).backend(AttentionBackend::kMath));
+    ASSERT_EQ(inner.runs().size(), 3u);
+    EXPECT_EQ(inner.runs()[0].kernel, "math");
+    EXPECT_EQ(inner.runs()[1].kernel, "chunked");
+    EXPECT_EQ(inner.runs()[1].computed_in, torch::kFloat);
+    EXPECT_EQ(inner.runs()[2].computed_in, torch::kDouble);
+    EXPECT_EQ(inner.runs()[2].device, torch::Device(torch::kCPU));
+  }
+  const auto padding = F::AttentionOptions().mask(Mask::key_padding(torch::tensor({5})));
+  if (attnkit::detail::libtorch_has_sdpa()) {
+    F::attention(q, k, v, F::AttentionOptions(padding).backend(AttentionBackend::kFused));
+    EXPECT_EQ(outer.runs().back().kernel, "sdpa_varlen");
+  }
+  F::attention(q, k, v, padding);  // kAuto on the CPU: the chunked kernel runs masks faster
+  EXPECT_EQ(outer.runs().back().kernel, "chunked");
+  attnkit::MultiHeadAttention mha(
+      MultiHeadAttentionOptions(4, 8, 16, 0.0, 2).backend(AttentionBackend::kChunked));
+  mha->eval();
+  const torch::NoGradGuard no_grad;
+  const auto x = torch::randn({1, 3, 4});
+  mha(x);
+  EXPECT_EQ(outer.runs().back().kernel, "chunked");
+  auto cache = mha->make_kv_cache(1, 4);
+  mha->forward_with_cache(x, cache);
+  mha->forward_with_cache(torch::randn({1, 1, 4}), cache);
+  EXPECT_EQ(outer.runs().back().kernel, "decode");
+  EXPECT_EQ(outer.runs().front().kernel, "chunked");
+  EXPECT_EQ(outer.runs().size(), attnkit::detail::libtorch_has_sdpa() ? 6u : 5u);
+}
+
+// The masked SDPA route builds a dense mask only within its budget (128 MiB of bools): a
+// demand past it is refused with the sizes, and kAuto runs it on the chunked kernel.
+TEST(Planner, TheMaskedSdpaRouteKeepsItsDenseMaskWithinItsBudget) {
+  AttentionCall call;
+  // 2 x 8,192 x 8,192 bools = 128 MiB: within; one more key passes it. Only the shapes
+  // matter to the planner: the inputs are expanded, never filled.
+  const auto inputs = [&](int64_t m) {
+    call.query = torch::zeros({1, 1, 1, 8}).expand({2, 1, 8192, 8});
+    call.key = torch::zeros({1, 1, 1, 8}).expand({2, 1, m, 8});
+    call.value = call.key;
+  };
+  // Not segments (those go to the variable-length route, which needs no dense mask).
+  call.options.mask(Mask::key_padding(torch::tensor({8000, 8100})) | Mask::causal())
+      .backend(AttentionBackend::kFused);
+  inputs(8192);
+  if (!attnkit::detail::libtorch_has_sdpa())
+    GTEST_SKIP() << "LibTorch 1.x: the fused backend has no masked route";
+  EXPECT_STREQ(attnkit::detail::plan_attention(call).name, "sdpa_masked");
+  inputs(8193);
+  expect_error_containing([&] { attnkit::detail::plan_attention(call); },
+                          "would take 134234112 bytes, more than its budget of 134217728");
+  call.options.backend(AttentionBackend::kAuto);
+  EXPECT_STREQ(attnkit::detail::plan_attention(call).name, "chunked");
+}
+
+namespace {
+
+// The largest error of `got` against `reference`, relative to the reference's largest value.
+double relative_error(const torch::Tensor& got, const torch::Tensor& reference) {
+  const auto exact = reference.to(torch::kDouble);
+  return ((got.to(torch::kDouble) - exact).abs().max() / exact.abs().max()).item<double>();
+}
+
+}  // namespace
+
+// bfloat16 and float16 are computed in float32 and rounded once: on every backend, for every
+// mask kind and score function, the output and the gradients of q, k and v are within 2x the
+// float32 floor (float32 arithmetic on the same 16-bit inputs, each result rounded once to
+// the dtype), errors relative to the largest value of the float64 result. Computed in the
+// 16-bit dtype itself they were 3-10x the floor; float16 on LibTorch 1.13 had no CPU matrix
+// product at all. On CUDA, LibTorch's kernels (flash, and SDPA on any mask) compute in the
+// 16-bit dtype with float32 statistics and accumulators, rounding the weights to the dtype
+// before they meet the values, as PyTorch's own SDPA does: their bound is 5x (PyTorch 2.6's CPU
+// SDPA is at 4x on outputs and 5.6x on gradients in bfloat16). On CUDA the head size is 64, which
+// the fused kernels take, and the test checks which route kAuto chose, by the kernel record.
+class SixteenBitDevices : public DeviceTest {};
+
+TEST_P(SixteenBitDevices, EveryBackendMaskAndScoreFunctionIsWithinTheFloat32Floor) {
+  const int64_t b = 2, h = 4, n = 256, hd = 64;
+  torch::manual_seed(7);
+  const auto on = torch::TensorOptions().device(device());
+  // Masks live on the attention's device.
+  const auto lengths = torch::tensor({256, 150}).to(device());
+  const auto ids = torch::cat({torch::zeros({100}, torch::kLong), torch::ones({90}, torch::kLong),
+                               torch::full({66}, 2, torch::kLong)})
+                       .to(device());
+  const auto allowed = torch::rand({b, 1, n, n}).lt(0.7).logical_or(torch::eye(n).to(torch::kBool));
+  const auto slopes = attnkit::score_mods::alibi_slopes(h);
+  const auto relative = torch::randn({h, 2 * 32 + 1});
+  struct Case {
+    std::string name;
+    F::AttentionOptions options;
+    std::string cuda_route;  // kAuto's kernel for bfloat16 on CUDA with LibTorch's flash kernel
+  };
+  const auto causal = Mask::causal();
+  const std::vector<Case> cases{
+      {"causal", F::AttentionOptions().mask(causal), "sdpa"},
+      {"sliding window", F::AttentionOptions().mask(causal.sliding_window(48)), "flash"},
+      {"padding", F::AttentionOptions().mask(Mask::key_padding(lengths)), "flash"},
+      {"causal padding", F::AttentionOptions().mask(Mask::key_padding(lengths) & causal), "flash"},
+      {"documents", F::AttentionOptions().mask(Mask::documents(ids, /*causal=*/true)), "flash"},
+      {"tensor", F::AttentionOptions().mask(Mask::from_tensor(allowed.to(device()))),
+       "sdpa_masked"},
+      {"mask_mod",
+       F::AttentionOptions().mask(Mask::from_function(
+           [](const torch::Tensor&, const torch::Tensor&, const torch::Tensor& q_idx,
+              const torch::Tensor& kv_idx) { return (q_idx - kv_idx).remainder(3).ne(1); })),
+       "sdpa_masked"},
+      {"softcap", F::AttentionOptions().mask(causal).score_mod(attnkit::score_mods::softcap(2.0)),
+       "chunked"},
+      {"alibi", F::AttentionOptions().mask(causal).score_mod(attnkit::score_mods::alibi(slopes)),
+       "sdpa_masked"},
+      {"relative position",
+       F::AttentionOptions().mask(causal).score_mod(
+           attnkit::score_mods::relative_position_bias(relative)),
+       "sdpa_masked"},
+  };
+  const bool on_cuda = device().is_cuda();
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    // Scores of a few units, as trained models have: the softmax is far from uniform.
+    const auto q = (2 * torch::randn({b, h, n, hd})).to(on.dtype(dtype));
+    const auto k = (2 * torch::randn({b, h, n, hd})).to(on.dtype(dtype));
+    const auto v = torch::randn({b, h, n, hd}).to(on.dtype(dtype));
+    const auto probe = torch::randn({b, h, n, hd}).to(on.dtype(dtype));
+    for (const auto& c : cases) {
+      const auto run = [&](const torch::Tensor& q_in, const torch::Tensor& k_in,
+                           const torch::Tensor& v_in, AttentionBackend backend) {
+        auto options = c.options;
+        options.backend(backend).query_block_size(64).key_block_size(64);
+        return output_and_grads(
+            [&](auto& a, auto& e, auto& f) { return F::attention(a, e, f, options); }, q_in, k_in,
+            v_in, probe.to(q_in.scalar_type()));
+      };
+      const auto exact = run(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
+                             AttentionBackend::kMath);
+      const auto floor = run(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat),
+                             AttentionBackend::kMath);
+      for (const auto backend : kBackends) {
+        if (!F::unsupported_reason(backend, q, k, v, c.options).empty())
+          continue;  // the fused backend's masks and score functions, on LibTorch 1.x
+        SCOPED_TRACE(c10::str(c.name, ", ", dtype, ", backend ", attnkit::backend_name(backend)));
+        F::KernelRecord record;
+        const auto got = run(q, k, v, backend);
+        ASSERT_EQ(record.runs().size(), 1u);
+        const std::string kernel = record.runs()[0].kernel;
+        const bool fused_16bit = kernel == "sdpa" || kernel == "flash" || kernel == "sdpa_masked" ||
+                                 kernel == "sdpa_varlen";
+        if (on_cuda && backend == AttentionBackend::kAuto && dtype == torch::kBFloat16 &&
+            attnkit::detail::flash_kernel_available(device())) {
+          EXPECT_EQ(kernel, c.cuda_route);
+        }
+        EXPECT_EQ(record.runs()[0].computed_in,
+                  on_cuda && fused_16bit ? dtype : torch::ScalarType(torch::kFloat));
+        const double bound = on_cuda && fused_16bit ? 5.0 : 2.0;
+        const char* names[] = {"output", "dq", "dk", "dv"};
+        for (size_t i = 0; i < got.size(); ++i) {
+          EXPECT_EQ(got[i].scalar_type(), dtype) << names[i];
+          const double floor_error = relative_error(floor[i].to(dtype), exact[i]);
+          const double error = relative_error(got[i], exact[i]);
+          EXPECT_LE(error, bound * floor_error)
+              << names[i] << " (" << kernel << "): the float32 floor is " << floor_error;
+          if (on_cuda) {
+            std::cout << "[16-bit] " << c.name << " " << dtype << " "
+                      << attnkit::backend_name(backend) << " " << kernel << " " << names[i] << " "
+                      << error / floor_error << "x floor\n";
+          }
+        }
+      }
+    }
+  }
+}
+
+ATTNKIT_INSTANTIATE_DEVICE_TESTS(SixteenBitDevices);
+
+// On CUDA the flash route draws its dropout on the GPU from LibTorch's generator: a seed
+// repeats the draw, a new draw differs, and the draws average to the output without dropout
+// (inverted dropout keeps the expectation).
+TEST(FlashRoute, DropoutIsDrawnOnTheGpuFromTheSeed) {
+  if (!torch::cuda::is_available())
+    GTEST_SKIP() << "CUDA not available (torch::cuda::is_available() is false)";
+  const torch::Device cuda(torch::kCUDA, 0);
+  if (!attnkit::detail::flash_kernel_available(cuda))
+    GTEST_SKIP() << "LibTorch's flash kernel is not in this build or not on this GPU";
+  torch::manual_seed(11);
+  const auto on = torch::TensorOptions().device(cuda).dtype(torch::kBFloat16);
+  const int64_t n = 512;
+  const auto q = torch::randn({1, 4, n, 64}, on), k = torch::randn({1, 4, n, 64}, on),
+             v = torch::randn({1, 4, n, 64}, on);
+  const auto ids = torch::arange(n, torch::kLong).div(128, "floor").to(cuda);
+  auto options = F::AttentionOptions()
+                     .mask(Mask::documents(ids, /*causal=*/true))
+                     .dropout_p(0.25)
+                     .training(true);
+  F::KernelRecord record;
+  torch::manual_seed(3);
+  const auto first = F::attention(q, k, v, options);
+  torch::manual_seed(3);
+  const auto again = F::attention(q, k, v, options);
+  const auto next = F::attention(q, k, v, options);
+  const auto exact = F::attention(q, k, v, F::AttentionOptions(options).training(false));
+  for (const auto& run : record.runs())
+    EXPECT_EQ(run.kernel, "flash");
+  EXPECT_TRUE(torch::equal(first, again));
+  EXPECT_FALSE(torch::equal(first, next));
+  EXPECT_FALSE(torch::allclose(first, exact, 1e-2, 1e-2));
+  auto sum = torch::zeros_like(exact, torch::kFloat);
+  const int draws = 256;
+  for (int i = 0; i < draws; ++i)
+    sum += F::attention(q, k, v, options).to(torch::kFloat);
+  const double off = (sum / draws - exact.to(torch::kFloat)).abs().mean().item<double>();
+  const double scale = exact.to(torch::kFloat).abs().mean().item<double>();
+  EXPECT_LT(off, 0.1 * scale) << "the mean of " << draws << " draws is off by " << off;
+}
+
+// Under LibTorch's autocast, attention runs on its inputs cast to the autocast dtype and is
+// computed as any 16-bit call: in float32 inside, rounded once. So it answers bit for bit as
+// the same call on inputs cast by hand, outputs and gradients, on every backend (were the
+// kernels' own matrix products cast down by autocast, they would not). Backward runs after
+// the guard, as in PyTorch.
+TEST(Autocast, AttentionAnswersAsOnInputsCastByHand) {
+  torch::manual_seed(8);
+  const int64_t b = 2, h = 2, n = 40, hd = 16;
+  const auto q = 2 * torch::randn({b, h, n, hd});
+  const auto k = 2 * torch::randn({b, h, n, hd});
+  const auto v = torch::randn({b, h, n, hd});
+  const auto probe = torch::randn({b, h, n, hd});
+  const std::vector<F::AttentionOptions> cases{
+      F::AttentionOptions().mask(Mask::causal()),
+      F::AttentionOptions().mask(Mask::key_padding(torch::tensor({40, 23}))),
+      F::AttentionOptions().mask(Mask::causal()).score_mod(attnkit::score_mods::softcap(2.0))};
+  for (const auto& mask : cases) {
+    for (const auto backend : kBackends) {
+      auto options = mask;
+      options.backend(backend).query_block_size(16).key_block_size(16);
+      if (!F::unsupported_reason(backend, q, k, v, options).empty())
+        continue;
+      SCOPED_TRACE(
+          c10::str(options.mask().to_string(), ", backend ", attnkit::backend_name(backend)));
+      const auto by_hand = output_and_grads(
+          [&](auto& a, auto& c, auto& d) {
+            return F::attention(a.to(torch::kBFloat16), c.to(torch::kBFloat16),
+                                d.to(torch::kBFloat16), options);
+          },
+          q, k, v, probe);
+      const auto under_autocast = output_and_grads(
+          [&](auto& a, auto& c, auto& d) {
+            attnkit::Autocast autocast(torch::kCPU, torch::kBFloat16);
+            return F::attention(a, c, d, options);
+          },
+          q, k, v, probe);
+      const char* names[] = {"output", "dq", "dk", "dv"};
+      for (size_t i = 0; i < by_hand.size(); ++i) {
+        EXPECT_EQ(under_autocast[i].scalar_type(), i == 0 ? torch::kBFloat16 : torch::kFloat)
+            << names[i];
+        EXPECT_TRUE(torch::equal(under_autocast[i], by_hand[i])) << names[i];
+      }
+    }
+  }
+  // Inputs of several floating dtypes are cast to one; float64 keeps its own, as PyTorch's
+  // autocast leaves it; without autocast, mixed dtypes are refused.
+  {
+    attnkit::Autocast autocast(torch::kCPU, torch::kBFloat16);
+    EXPECT_EQ(F::attention(q, k.to(torch::kBFloat16), v).scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(F::attention(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble))
+                  .scalar_type(),
+              torch::kDouble);
+    expect_error_containing([&] { F::attention(q.to(torch::kDouble), k, v); },
+                            "query, key and value must share a floating dtype, got Double, "
+                            "Float, Float");
+  }
+  expect_error_containing([&] { F::attention(q, k.to(torch::kBFloat16), v); },
+                          "query, key and value must share a floating dtype, got Float, "
+                          "BFloat16, Float");
+}
+
+// The guard turns autocast on for its device type and restores what it found; nested guards
+// keep the outer one's state; bad arguments are refused by name.
+TEST(Autocast, TheGuardRestoresTheStateItFoundAndRefusesBadArguments) {
+  const auto a = torch::randn({3, 3});
+  const auto product_dtype = [&] { return torch::mm(a, a).scalar_type(); };
+  EXPECT_EQ(product_dtype(), torch::kFloat);
+  {
+    attnkit::Autocast outer(torch::kCPU, torch::kBFloat16);
+    EXPECT_EQ(product_dtype(), torch::kBFloat16);
+    { attnkit::Autocast inner(torch::kCPU, torch::kBFloat16); }
+    EXPECT_EQ(product_dtype(), torch::kBFloat16);
+    // CUDA's switch is its own: the CPU's products are still cast.
+    { attnkit::Autocast cuda(torch::kCUDA, torch::kHalf); }
+    EXPECT_EQ(product_dtype(), torch::kBFloat16);
+  }
+  EXPECT_EQ(product_dtype(), torch::kFloat);
+  expect_error_containing([] { attnkit::Autocast guard(torch::kCPU, torch::kFloat); },
+                          "[Autocast] dtype: expected BFloat16 or Half, got Float");
+  expect_error_containing([] { attnkit::Autocast guard(torch::kMeta, torch::kBFloat16); },
+                          "[Autocast] device_type: expected cpu or cuda, got meta");
+  if (attnkit::cpu_multiplies_float16()) {
+    attnkit::Autocast half(torch::kCPU, torch::kHalf);
+    EXPECT_EQ(product_dtype(), torch::kHalf);
+  } else {
+    expect_error_containing([] { attnkit::Autocast guard(torch::kCPU, torch::kHalf); },
+                            "[Autocast] dtype Half on the CPU needs a LibTorch with float16 "
+                            "matrix products");
+  }
+  EXPECT_EQ(product_dtype(), torch::kFloat);
+}
+
+// The variable-length layout: key padding whose valid keys come first and documents that are
+// each one run of tokens, alone or with causal(), fall apart into dense segments; any other
+// mask does not.
+TEST(Varlen, PaddingAndDocumentsFallApartIntoSegments) {
+  using attnkit::detail::varlen_layout;
+  const auto segments = [](const attnkit::detail::VarlenLayout& layout) {
+    std::vector<std::vector<int64_t>> result;
+    for (const auto& s : layout.segments)
+      result.push_back({s.batch, s.q_begin, s.q_end, s.k_begin, s.k_end});
+    return result;
+  };
+  const auto lengths = Mask::key_padding(torch::tensor({5, 0}));
+  auto layout = varlen_layout(lengths, 2, 4, 6);
+  ASSERT_TRUE(layout.has_value());
+  EXPECT_FALSE(layout->causal);
+  EXPECT_EQ(segments(*layout),
+            (std::vector<std::vector<int64_t>>{{0, 0, 4, 0, 5}, {1, 0, 4, 0, 0}}));
+  layout = varlen_layout(Mask::causal() & lengths, 2, 4, 6);
+  ASSERT_TRUE(layout.has_value());
+  EXPECT_TRUE(layout->causal);
+  // The bool form (true = padding) with its padding at the end, and not.
+  const auto padding = torch::tensor({0, 0, 1, 1}).to(torch::kBool).view({1, 4});
+  layout = varlen_layout(Mask::key_padding(padding), 1, 3, 4);
+  ASSERT_TRUE(layout.has_value());
+  EXPECT_EQ(segments(*layout), (std::vector<std::vector<int64_t>>{{0, 0, 3, 0, 2}}));
+  EXPECT_FALSE(varlen_layout(Mask::key_padding(padding.flip(1)), 1, 3, 4).has_value());
+  layout = varlen_layout(Mask::documents(torch::tensor({{7, 7, 2, 2, 2}, {1, 1, 1, 1, 1}}), true),
+                         2, 5, 5);
+  ASSERT_TRUE(layout.has_value());
+  EXPECT_TRUE(layout->causal);
+  EXPECT_EQ(segments(*layout),
+            (std::vector<std::vector<int64_t>>{{0, 0, 2, 0, 2}, {0, 2, 5, 2, 5}, {1, 0, 5, 0, 5}}));
+  // A document met twice in a row, an offset or window, a tensor mask, `|`, two paddings.
+  EXPECT_FALSE(varlen_layout(Mask::documents(torch::tensor({0, 1, 0})), 1, 3, 3).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::causal(1) & lengths, 2, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::causal().sliding_window(2) & lengths, 2, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::from_tensor(torch::ones({4, 6}, torch::kBool)), 2, 4, 6));
+  EXPECT_FALSE(varlen_layout(Mask::causal() | lengths, 2, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(lengths & lengths, 2, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::causal(), 2, 4, 6).has_value());
+  // Masks that do not fit the problem (Mask::check refuses them) do not fall apart either.
+  EXPECT_FALSE(varlen_layout(lengths, 3, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::key_padding(torch::tensor({7, 1})), 2, 4, 6).has_value());
+  EXPECT_FALSE(varlen_layout(Mask::documents(torch::tensor({0, 0, 1})), 1, 4, 4).has_value());
+}
+
+// Packing puts each segment's tokens in a row of cu_seqlens-delimited buffers (FlashAttention's
+// varlen form) and unpacking puts results back, gradients included; attention on the packed
+// segments (one SDPA call each; on 1.13 its stand-in) answers as the math core, with a row
+// that has no valid key and grouped-query heads.
+TEST(Varlen, PackedSegmentsAnswerAsTheMathCore) {
+  torch::manual_seed(10);
+  const int64_t b = 3, h = 4, g = 2, n = 9, hd = 8;
+  const auto q = torch::randn({b, h, n, hd}), k = torch::randn({b, g, n, hd}),
+             v = torch::randn({b, g, n, hd}), probe = torch::randn({b, h, n, hd});
+  const auto padding = Mask::key_padding(torch::tensor({9, 4, 0}));
+  const auto packed =
+      attnkit::detail::pack_varlen(q, k, v, *attnkit::detail::varlen_layout(padding, b, n, n));
+  EXPECT_EQ(packed.cu_q, (std::vector<int64_t>{0, 9, 18, 27}));
+  EXPECT_EQ(packed.cu_k, (std::vector<int64_t>{0, 9, 13, 13}));
+  EXPECT_TRUE(torch::equal(packed.cu_q_on_device, torch::tensor(packed.cu_q)));
+  EXPECT_TRUE(torch::equal(packed.cu_k_on_device, torch::tensor(packed.cu_k)));
+  EXPECT_FALSE(packed.query_index.defined());  // every query, in order: no gather
+  EXPECT_EQ(packed.key.sizes(), (std::vector<int64_t>{13, g, hd}));
+  EXPECT_TRUE(torch::equal(packed.key[10], k[1].select(1, 1)));  // row 1's second key
+  EXPECT_TRUE(
+      torch::equal(attnkit::detail::unpack_varlen(packed.query, packed.query_index, b, n), q));
+  // `attention` (output and q, k, v gradients) against the math core on `mask`.
+  const auto expect_as_math = [&](const Mask& mask, const AttentionFn& attention) {
+    const auto got = output_and_grads(attention, q, k, v, probe);
+    const auto expected = output_and_grads(
+        [&](auto& a, auto& c, auto& d) {
+          return F::attention(a, c, d,
+                              F::AttentionOptions().mask(mask).backend(AttentionBackend::kMath));
+        },
+        q, k, v, probe);
+    const char* names[] = {"output", "dq", "dk", "dv"};
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(tensors_close(names[i], got[i], expected[i], agreement(torch::kFloat)));
+  };
+  const auto ids = torch::tensor({{0, 0, 0, 1, 1, 1, 1, 2, 2}});
+  for (const auto& mask :
+       {padding, Mask::causal() & padding, Mask::documents(ids.expand({b, n}).contiguous()),
+        Mask::documents(ids.expand({b, n}).contiguous(), true)}) {
+    SCOPED_TRACE(mask.to_string());
+    const auto layout = attnkit::detail::varlen_layout(mask, b, n, n);
+    ASSERT_TRUE(layout.has_value());
+    expect_as_math(mask, [&](auto& a, auto& c, auto& d) {
+      return attnkit::detail::sdpa_varlen_attention(a, c, d, *layout, 0.0);
+    });
+  }
+  // FlashAttention's form (flash_varlen_attention on CUDA): the bottom-right parts of each
+  // layout, every part's segments run as FlashAttention aligns them (a causal segment's last
+  // query sees up to its last key; here the math core with that offset), answer as the
+  // math core on the whole mask too.
+  const auto bottom_right = [](const attnkit::detail::PackedVarlen& part, bool causal) {
+    std::vector<torch::Tensor> outputs;
+    for (size_t i = 0; i + 1 < part.cu_q.size(); ++i) {
+      const auto segment = [&](const torch::Tensor& x, const std::vector<int64_t>& cu) {
+        // (len, heads, d) rows -> (1, heads, len, d)
+        return x.slice(0, cu[i], cu[i + 1]).transpose(0, 1).unsqueeze(0);
+      };
+      const int64_t q_len = part.cu_q[i + 1] - part.cu_q[i];
+      const int64_t k_len = part.cu_k[i + 1] - part.cu_k[i];
+      const auto out = F::attention(segment(part.query, part.cu_q), segment(part.key, part.cu_k),
+                                    segment(part.value, part.cu_k),
+                                    F::AttentionOptions()
+                                        .mask(causal ? Mask::causal(k_len - q_len) : Mask())
+                                        .backend(AttentionBackend::kMath));
+      outputs.push_back(out.squeeze(0).transpose(0, 1));  // (1, h, len, d) -> (len, h, d)
+    }
+    return torch::cat(outputs, 0);
+  };
+  const auto lengths = torch::tensor({9, 4, 0});
+  for (const auto& mask : {Mask::causal() & Mask::key_padding(lengths), Mask::key_padding(lengths),
+                           Mask::documents(ids.expand({b, n}).contiguous(), true),
+                           Mask::causal() & Mask::key_padding(torch::tensor({0, 0, 0}))}) {
+    SCOPED_TRACE(c10::str("bottom-right parts of ", mask.to_string()));
+    const auto layout = attnkit::detail::varlen_layout(mask, b, n, n);
+    ASSERT_TRUE(layout.has_value());
+    expect_as_math(mask, [&](auto& a, auto& c, auto& d) {
+      // + 0: every input in the graph, so that a layout with no part (no row has a key)
+      // gives zero gradients to compare too
+      return attnkit::detail::run_bottom_right_parts(a, c, d, *layout, bottom_right) +
+             0 * (a.sum() + c.sum() + d.sum());
+    });
+  }
+  // Row 1 of causal padding (4 of 9 keys): its square part is causal, its last 5 queries see
+  // every key; row 2 has no key and stays out.
+  const auto parts = attnkit::detail::bottom_right_parts(
+      *attnkit::detail::varlen_layout(Mask::causal() & Mask::key_padding(lengths), b, n, n));
+  ASSERT_EQ(parts.size(), 2u);
+  EXPECT_TRUE(parts[0].causal);
+  EXPECT_FALSE(parts[1].causal);
+  ASSERT_EQ(parts[0].segments.size(), 2u);
+  EXPECT_EQ(parts[0].segments[1].q_end, 4);
+  ASSERT_EQ(parts[1].segments.size(), 1u);
+  EXPECT_EQ(parts[1].segments[0].q_begin, 4);
+  EXPECT_EQ(parts[1].segments[0].k_end, 4);
+  // On 2.x a demanded fused backend takes this route for these masks (planner.cpp); 1.x's
+  // refuses them (Planner.ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay).
+  if (attnkit::detail::libtorch_has_sdpa()) {
+    F::KernelRecord record;
+    F::attention(q, k, v, F::AttentionOptions().mask(padding).backend(AttentionBackend::kFused));
+    ASSERT_EQ(record.runs().size(), 1u);
+    EXPECT_EQ(record.runs()[0].kernel, "sdpa_varlen");
+  }
+}
