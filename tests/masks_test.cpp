@@ -25,10 +25,6 @@
 #include "source_paths.h"
 #include "test_support.h"
 
-// These tests also hold the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions)
-// to the core they forward to.
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-
 namespace {
 
 using attnkit::AttentionBackend;

@@ -5,10 +5,6 @@
 #include "attnkit/functional.h"
 #include "test_support.h"
 
-// These tests also hold the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions)
-// to the core they forward to.
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-
 namespace F = attnkit::functional;
 using attnkit::MultiHeadAttention;
 using attnkit::MultiHeadAttentionCombinedQKV;
@@ -96,8 +92,9 @@ TEST(MultiHeadAttention, EncoderModeAppliesNoMask) {
   const auto split = [](const torch::Tensor& t) {
     return t.view({2, 5, 3, 2}).transpose(1, 2);  // (b, n, h * hd) -> (b, h, n, hd)
   };
-  const auto context = F::scaled_dot_product_attention(
-      split(encoder->W_query(x)), split(encoder->W_key(x)), split(encoder->W_value(x)));
+  const auto context =
+      F::attention(split(encoder->W_query(x)), split(encoder->W_key(x)), split(encoder->W_value(x)),
+                   F::AttentionOptions().backend(attnkit::AttentionBackend::kMath));
   // (b, h, n, hd) -> (b, n, h * hd)
   const auto expected = encoder->out_proj(context.transpose(1, 2).reshape({2, 5, 6}));
   EXPECT_TENSOR_NEAR(encoder(x), expected, kFloat32);

@@ -5,10 +5,6 @@
 #include "attnkit/functional.h"
 #include "test_support.h"
 
-// These tests also hold the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions)
-// to the core they forward to.
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-
 namespace F = attnkit::functional;
 using attnkit::SelfAttentionV1;
 using attnkit::SelfAttentionV2;
@@ -95,8 +91,8 @@ TEST(SelfAttentionV2, Seed003VariantFromTheSameProjections) {
   torch::NoGradGuard no_grad;
   const auto inputs = journey_inputs();
   const auto y =
-      F::scaled_dot_product_attention(sa->W_query(inputs), sa->W_key(inputs), sa->W_value(inputs),
-                                      F::SdpaOptions().scale(1.0 / 16));
+      F::attention(sa->W_query(inputs), sa->W_key(inputs), sa->W_value(inputs),
+                   F::AttentionOptions().scale(1.0 / 16).backend(attnkit::AttentionBackend::kMath));
   EXPECT_TENSOR_NEAR(y,
                      rows({{-0.5284, -0.1061},
                            {-0.5283, -0.1063},
