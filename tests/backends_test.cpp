@@ -16,10 +16,6 @@
 
 #include <torch/version.h>
 
-// These tests also hold the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions)
-// to the core they forward to.
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-
 namespace F = attnkit::functional;
 using attnkit::AttentionBackend;
 using attnkit::MultiHeadAttentionOptions;
@@ -32,6 +28,16 @@ namespace {
 struct Shape {
   int64_t batch, heads, num_queries, num_keys, head_dim, block, key_block;
 };
+
+// The causal mask at `query_offset`, with a sliding window when `window` is set; no mask when
+// not `causal`.
+attnkit::Mask causal_mask_of(bool causal, int64_t query_offset = 0,
+                             c10::optional<int64_t> window = c10::nullopt) {
+  if (!causal)
+    return {};
+  auto mask = attnkit::Mask::causal(query_offset);
+  return window.has_value() ? mask.sliding_window(*window) : mask;
+}
 
 // The reference every kernel here is held to: the math core through the public core,
 // attention(..., backend(kMath)), with the causal mask at `query_offset` and `window` when
@@ -49,15 +55,9 @@ torch::Tensor math_reference(const torch::Tensor& q, const torch::Tensor& k, con
     return math_reference(fold(q), fold(k), fold(v), causal, query_offset, window, dropout_p)
         .reshape(shape);
   }
-  attnkit::Mask mask;
-  if (causal) {
-    mask = attnkit::Mask::causal(query_offset);
-    if (window.has_value())
-      mask = mask.sliding_window(*window);
-  }
   return F::attention(q, k, v,
                       F::AttentionOptions()
-                          .mask(mask)
+                          .mask(causal_mask_of(causal, query_offset, window))
                           .backend(AttentionBackend::kMath)
                           .dropout_p(dropout_p)
                           .training(dropout_p > 0.0));
@@ -81,16 +81,46 @@ void expect_matches_math(const AttentionFn& attention, const torch::Tensor& q,
   }
 }
 
-AttentionFn chunked(bool causal, int64_t block, int64_t key_block) {
+// What a call of attention() asks for besides its tensors: the causal mask at an offset and
+// a window, the chunked kernel's tiles, dropout.
+struct CoreCall {
+  bool causal = false;
+  int64_t query_offset = 0;
+  c10::optional<int64_t> window;
+  int64_t query_block = 128, key_block = 1024;
+  double dropout_p = 0.0;
+  bool training = false;
+};
+
+// `backend` demanded through attention(), the public core.
+AttentionFn demanded(AttentionBackend backend, const CoreCall& c) {
   return [=](auto& q, auto& k, auto& v) {
-    return F::chunked_attention(
-        q, k, v, F::ChunkedOptions().is_causal(causal).block_size(block).key_block_size(key_block));
+    return F::attention(q, k, v,
+                        F::AttentionOptions()
+                            .mask(causal_mask_of(c.causal, c.query_offset, c.window))
+                            .backend(backend)
+                            .query_block_size(c.query_block)
+                            .key_block_size(c.key_block)
+                            .dropout_p(c.dropout_p)
+                            .training(c.training));
   };
 }
 
-AttentionFn fused(bool causal) {
+AttentionFn chunked(bool causal, int64_t block, int64_t key_block) {
+  CoreCall c;
+  c.causal = causal;
+  c.query_block = block;
+  c.key_block = key_block;
+  return demanded(AttentionBackend::kChunked, c);
+}
+
+// The loop-nest kernel itself (detail::loop_nest_attention), on any LibTorch: the planner runs
+// it for kFused on 1.x only, so the kernel is held to the math core directly.
+AttentionFn loop_nest(bool causal, int64_t query_offset = 0, int64_t window = 0,
+                      double dropout_p = 0.0) {
   return [=](auto& q, auto& k, auto& v) {
-    return F::fused_attention(q, k, v, F::FusedOptions().is_causal(causal));
+    return attnkit::detail::loop_nest_attention(
+        q, k, v, {attnkit::detail::CausalSpan{causal, query_offset, window}, dropout_p});
   };
 }
 
@@ -157,6 +187,8 @@ TEST(ChunkedAttention, MatchesMathOutputsAndGradients) {
 
 TEST(ChunkedAttention, AnyRankAndStridedInputsMatchMath) {
   for (const auto& q : inputs_of_any_rank_and_strides()) {
+    if (q.dim() > 4)
+      continue;  // attention() takes ranks 2 to 4 (the deprecated adapters more: functional_test)
     for (const bool causal : {false, true}) {
       SCOPED_TRACE(c10::str("shape ", q.sizes(), " causal ", causal));
       const auto probe = torch::randn(q.sizes(), torch::kFloat64);
@@ -179,29 +211,26 @@ TEST_P(ChunkedAttentionDevices, DropoutIsSeededDifferentiableAndOffInEval) {
   const auto q = torch::randn({2, 2, 10, 4}, on);
   const auto k = torch::randn({2, 2, 10, 4}, on);
   const auto v = torch::randn({2, 2, 10, 4}, on);
-  const auto train = F::ChunkedOptions()
-                         .is_causal(true)
-                         .dropout_p(0.3)
-                         .training(true)
-                         .block_size(4)
-                         .key_block_size(3);
+  CoreCall dropped;
+  dropped.causal = true;
+  dropped.query_block = 4;
+  dropped.key_block = 3;
+  dropped.dropout_p = 0.3;
+  dropped.training = true;
+  const auto train = demanded(AttentionBackend::kChunked, dropped);
+  const auto eval = chunked(/*causal=*/true, 128, 1024);
   // The masks come from the global generator: the same seed, the same output.
   torch::manual_seed(5);
-  const auto first = F::chunked_attention(q, k, v, train);
+  const auto first = train(q, k, v);
   torch::manual_seed(5);
-  EXPECT_TENSOR_NEAR(F::chunked_attention(q, k, v, train), first, 0.0);
-  EXPECT_FALSE(torch::equal(F::chunked_attention(q, k, v, train), first));
-  expect_dropout_off_in_eval_and_differentiable(
-      [&](auto& a, auto& b, auto& c) { return F::chunked_attention(a, b, c, train); },
-      [&](auto& a, auto& b, auto& c) {
-        return F::chunked_attention(a, b, c, F::ChunkedOptions().is_causal(true));
-      },
-      q, k, v);
-  const auto exact = F::chunked_attention(q, k, v, F::ChunkedOptions().is_causal(true));
+  EXPECT_TENSOR_NEAR(train(q, k, v), first, 0.0);
+  EXPECT_FALSE(torch::equal(train(q, k, v), first));
+  expect_dropout_off_in_eval_and_differentiable(train, eval, q, k, v);
+  const auto exact = eval(q, k, v);
   auto sum = torch::zeros_like(exact);
   const int draws = 400;
   for (int i = 0; i < draws; ++i)
-    sum += F::chunked_attention(q, k, v, train);
+    sum += train(q, k, v);
   const double off = (sum / draws - exact).abs().mean().item<double>();
   const double scale = exact.abs().mean().item<double>();
   EXPECT_LT(off, 0.1 * scale) << "the mean of " << draws << " draws is off by " << off;
@@ -227,19 +256,18 @@ TEST(ChunkedAttention, ThreadCountChangesNeitherResultsNorTheBlasSetting) {
   const auto k = torch::randn({2, 2, 37, 8}, torch::kFloat64);
   const auto v = torch::randn({2, 2, 37, 8}, torch::kFloat64);
   const auto probe = torch::randn({2, 4, 37, 8}, torch::kFloat64);
-  const auto options = F::ChunkedOptions()
-                           .is_causal(true)
-                           .window_size(9)
-                           .dropout_p(0.2)
-                           .training(true)
-                           .block_size(8)
-                           .key_block_size(16);
+  CoreCall windowed;
+  windowed.causal = true;
+  windowed.window = 9;
+  windowed.dropout_p = 0.2;
+  windowed.training = true;
+  windowed.query_block = 8;
+  windowed.key_block = 16;
+  const auto attention = demanded(AttentionBackend::kChunked, windowed);
   const auto run = [&](int threads) {
     attnkit::set_num_threads(threads);
     torch::manual_seed(5);
-    return output_and_grads(
-        [&](auto& a, auto& b, auto& c) { return F::chunked_attention(a, b, c, options); }, q, k, v,
-        probe);
+    return output_and_grads(attention, q, k, v, probe);
   };
   const auto serial = run(1);
   const auto parallel = run(3);
@@ -268,30 +296,6 @@ TEST(Threads, BadCountsAreRefusedAndChangeNothing) {
                             : attnkit::blas_threads().name + ", 2 threads");
 }
 
-TEST(ChunkedAttention, BadArgumentsNameWhatIsWrong) {
-  const auto q = torch::randn({2, 5, 4});
-  expect_error_containing(
-      [&] {
-        F::chunked_attention(q, torch::randn({2, 5, 3}), q);
-      },
-      "[chunked_attention] expected query (..., n, hd), key (..., m, hd)");
-  expect_error_containing([&] { F::chunked_attention(q, q, q, F::ChunkedOptions().block_size(0)); },
-                          "block_size must be >= 1, got 0");
-  expect_error_containing(
-      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().key_block_size(-2)); },
-      "key_block_size must be >= 1, got -2");
-  expect_error_containing(
-      [&] {
-        F::chunked_attention(q, torch::randn({3, 5, 4}), torch::randn({3, 5, 4}));
-      },
-      "[chunked_attention] expected query (..., n, hd), key (..., m, hd)");
-  expect_error_containing(
-      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().dropout_p(1.0)); },
-      "dropout_p must be in [0, 1), got 1");
-  expect_error_containing([&] { F::chunked_attention(torch::randn({4}), q, q); },
-                          "must have the same rank >= 2");
-}
-
 // `attention(causal)` against the math path, float32 and float64, causal and not, over
 // n = 1, n != m both ways, head_dim 1, widths below, at and past the fused kernel's 8-column
 // register block, and the toy size of attnkit-train (n = 16, hd = 16).
@@ -318,7 +322,7 @@ void expect_matches_math_on_kernel_shapes(const std::function<AttentionFn(bool)>
 }
 
 TEST(FusedAttention, MatchesMathOutputsAndGradients) {
-  expect_matches_math_on_kernel_shapes(fused);
+  expect_matches_math_on_kernel_shapes([](bool causal) { return loop_nest(causal); });
 }
 
 TEST(FusedAttention, AnyRankAndStridedInputsMatchMath) {
@@ -326,7 +330,7 @@ TEST(FusedAttention, AnyRankAndStridedInputsMatchMath) {
     for (const bool causal : {false, true}) {
       SCOPED_TRACE(c10::str("shape ", q.sizes(), " causal ", causal));
       const auto probe = torch::randn(q.sizes(), torch::kFloat64);
-      expect_matches_math(fused(causal), q, q.flip(-2), q * 2, probe, causal);
+      expect_matches_math(loop_nest(causal), q, q.flip(-2), q * 2, probe, causal);
     }
   }
 }
@@ -336,19 +340,14 @@ TEST(FusedAttention, DropoutDrawsTheMathPathsMaskAndIsDifferentiable) {
   const auto q = torch::randn({2, 2, 10, 4}, torch::kFloat64);
   const auto k = torch::randn({2, 2, 10, 4}, torch::kFloat64);
   const auto v = torch::randn({2, 2, 10, 4}, torch::kFloat64);
-  const auto train = F::FusedOptions().is_causal(true).dropout_p(0.3).training(true);
+  const auto train = loop_nest(/*causal=*/true, 0, 0, /*dropout_p=*/0.3);
   // Drawn from the global generator as torch::dropout draws: the math path's mask.
   torch::manual_seed(5);
-  const auto out = F::fused_attention(q, k, v, train);
+  const auto out = train(q, k, v);
   torch::manual_seed(5);
   const auto math = math_reference(q, k, v, /*causal=*/true, 0, c10::nullopt, /*dropout_p=*/0.3);
   EXPECT_TENSOR_NEAR(out, math, 1e-10);
-  expect_dropout_off_in_eval_and_differentiable(
-      [&](auto& a, auto& b, auto& c) { return F::fused_attention(a, b, c, train); },
-      [&](auto& a, auto& b, auto& c) {
-        return F::fused_attention(a, b, c, F::FusedOptions().is_causal(true).dropout_p(0.3));
-      },
-      q, k, v);
+  expect_dropout_off_in_eval_and_differentiable(train, loop_nest(/*causal=*/true), q, k, v);
 }
 
 TEST(FusedAttention, PackedProjectionsMatchMathOnTheirHeads) {
@@ -365,8 +364,8 @@ TEST(FusedAttention, PackedProjectionsMatchMathOnTheirHeads) {
         torch::manual_seed(23);
         torch::Tensor out;
         if (packed) {
-          out = F::fused_packed_attention(
-              qkv, heads, F::FusedOptions().is_causal(causal).dropout_p(dropout).training(true));
+          out = attnkit::detail::loop_nest_packed_attention(
+              qkv, heads, {attnkit::detail::CausalSpan{causal, 0, 0}, dropout});
         } else {
           const auto parts = qkv.chunk(3, -1);
           const auto split = [&](const torch::Tensor& t) {
@@ -387,68 +386,14 @@ TEST(FusedAttention, PackedProjectionsMatchMathOnTheirHeads) {
   }
 }
 
-TEST(FusedAttention, BadArgumentsNameWhatIsWrong) {
-  const auto q = torch::randn({2, 5, 4});
-  expect_error_containing(
-      [&] {
-        F::fused_attention(q, torch::randn({2, 5, 3}), q);
-      },
-      "[fused_attention] expected query (..., n, hd), key (..., m, hd)");
-  expect_error_containing([&] { F::fused_attention(torch::randn({4}), q, q); },
-                          "must have the same rank >= 2");
-  expect_error_containing(
-      [&] {
-        F::fused_attention(q, torch::randn({2, 0, 4}), q.narrow(1, 0, 0));
-      },
-      "[fused_attention] key must hold at least one token");
-  const auto half = q.to(torch::kHalf);
-  expect_error_containing(
-      [&] { F::fused_attention(half, half, half); },
-      "[fused_attention] expected query, key and value to be float32 or float64 (one dtype), "
-      "got Half, Half, Half");
-  expect_error_containing([&] { F::fused_attention(q, q.to(torch::kDouble), q); },
-                          "float32 or float64 (one dtype), got Float, Double, Float");
-  expect_error_containing([&] { F::fused_attention(q, q, q, F::FusedOptions().dropout_p(-0.1)); },
-                          "[fused_attention] dropout_p must be in [0, 1), got -0.1");
-  expect_error_containing(
-      [] {
-        F::fused_packed_attention(torch::randn({2, 5}), 1);
-      },
-      "[fused_packed_attention] qkv: expected (b, n, 3 * d), got [2, 5]");
-  expect_error_containing(
-      [] {
-        F::fused_packed_attention(torch::randn({2, 5, 12}), 3);
-      },
-      "qkv's last dimension 12 must be 3 * num_heads * head_dim, with num_heads = 3");
-  expect_error_containing(
-      [] {
-        F::fused_packed_attention(torch::randn({2, 5, 12}), 0);
-      },
-      "with num_heads = 0");
-  expect_error_containing(
-      [] {
-        F::fused_packed_attention(torch::randn({2, 0, 12}), 2);
-      },
-      "[fused_packed_attention] qkv must hold at least one token");
-  expect_error_containing(
-      [] {
-        F::fused_packed_attention(torch::randn({2, 5, 12}).to(torch::kHalf), 2);
-      },
-      "[fused_packed_attention] expected qkv to be float32 or float64 (one dtype), got Half");
-  // The modules' fused backend takes the kernel only where it is fast.
-  EXPECT_TRUE(F::fused_attention_fits(5, 5, q.options()));
-  EXPECT_TRUE(F::fused_attention_fits(64, 64, q.options().dtype(torch::kDouble)));
-  EXPECT_FALSE(F::fused_attention_fits(64, 65, q.options()));
-  EXPECT_FALSE(F::fused_attention_fits(5, 5, half.options()));
-}
-
 // The fused backend's attention on this LibTorch: LibTorch's own SDPA on >= 2.0, attnkit's
 // kernel or the math core on 1.13 (each CI leg tests its own).
 AttentionFn fused_backend(bool causal, double dropout_p = 0.0, bool training = false) {
-  return [=](auto& q, auto& k, auto& v) {
-    return F::fused_backend_attention(
-        q, k, v, F::FusedOptions().is_causal(causal).dropout_p(dropout_p).training(training));
-  };
+  CoreCall c;
+  c.causal = causal;
+  c.dropout_p = dropout_p;
+  c.training = training;
+  return demanded(AttentionBackend::kFused, c);
 }
 
 TEST(FusedBackend, MatchesMathOutputsAndGradients) {
@@ -471,9 +416,10 @@ TEST(FusedBackend, MoreThreadsChangeNeitherResultsNorTheBlasSetting) {
   const auto probe = torch::randn_like(q);
   expect_matches_math(fused_backend(true), q, k, k * 2, probe, /*causal=*/true);
   // A window sends an explicit mask; grouped heads share key/value heads.
-  const auto windowed = [](auto& a, auto& b, auto& c) {
-    return F::fused_backend_attention(a, b, c, F::FusedOptions().is_causal(true).window_size(7));
-  };
+  CoreCall window_of_7;
+  window_of_7.causal = true;
+  window_of_7.window = 7;
+  const auto windowed = demanded(AttentionBackend::kFused, window_of_7);
   expect_matches_math(windowed, q, k, k * 2, probe, true, /*query_offset=*/0, /*window_size=*/7);
   const auto k2 = k.narrow(1, 0, 2).contiguous();
   expect_matches_math(fused_backend(true), q, k2, k2 * 2, probe, true);
@@ -519,16 +465,6 @@ TEST(FusedBackend, DropoutHasTheRightDistributionAndIsOffInEval) {
       fused_backend(true, p, true), fused_backend(true, p, false), a, a.flip(-2), a * 2);
 }
 
-TEST(FusedBackend, BadArgumentsNameWhatIsWrong) {
-  const auto q = torch::randn({2, 2, 5, 4});
-  expect_error_containing(
-      [&] { F::fused_backend_attention(q, q, q, F::FusedOptions().dropout_p(1.0)); },
-      "[fused_backend_attention] dropout_p must be in [0, 1), got 1");
-  expect_error_containing(
-      [&] { F::fused_backend_attention(q, q.narrow(-1, 0, 3), q); },
-      "[fused_backend_attention] expected query (..., n, hd), key (..., m, hd)");
-}
-
 // Queries at the end of a longer key sequence, as decoding with a KV cache has them: the
 // causal mask aligned bottom-right (query i at key position m - n + i).
 TEST(DecodeShapedAttention, MathWithAnOffsetIsTheLastRowsOfFullCausalAttention) {
@@ -560,27 +496,19 @@ TEST(DecodeShapedAttention, EveryBackendMatchesMathWithAQueryOffset) {
   const std::vector<std::pair<std::string, std::function<AttentionFn(int64_t)>>> backends{
       {"chunked",
        [](int64_t offset) {
-         return [=](auto& q, auto& k, auto& v) {
-           return F::chunked_attention(q, k, v,
-                                       F::ChunkedOptions()
-                                           .is_causal(true)
-                                           .query_offset(offset)
-                                           .block_size(5)
-                                           .key_block_size(4));
-         };
+         CoreCall c;
+         c.causal = true;
+         c.query_offset = offset;
+         c.query_block = 5;
+         c.key_block = 4;
+         return demanded(AttentionBackend::kChunked, c);
        }},
-      {"fused kernel",
-       [](int64_t offset) {
-         return [=](auto& q, auto& k, auto& v) {
-           return F::fused_attention(q, k, v,
-                                     F::FusedOptions().is_causal(true).query_offset(offset));
-         };
-       }},
+      {"loop-nest kernel", [](int64_t offset) { return loop_nest(/*causal=*/true, offset); }},
       {"fused backend", [](int64_t offset) {
-         return [=](auto& q, auto& k, auto& v) {
-           return F::fused_backend_attention(
-               q, k, v, F::FusedOptions().is_causal(true).query_offset(offset));
-         };
+         CoreCall c;
+         c.causal = true;
+         c.query_offset = offset;
+         return demanded(AttentionBackend::kFused, c);
        }}};
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
     for (const auto& c : cases) {
@@ -598,30 +526,6 @@ TEST(DecodeShapedAttention, EveryBackendMatchesMathWithAQueryOffset) {
       }
     }
   }
-}
-
-TEST(DecodeShapedAttention, NegativeOffsetsAreRefusedEverywhere) {
-  const auto q = torch::randn({1, 2, 3, 4});
-  const char* expected = "query_offset must be >= 0 (the key position of query 0), got -1";
-  expect_error_containing(
-      [&] { F::scaled_dot_product_attention(q, q, q, F::SdpaOptions().query_offset(-1)); },
-      std::string("[scaled_dot_product_attention] ") + expected);
-  expect_error_containing(
-      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().query_offset(-1)); },
-      std::string("[chunked_attention] ") + expected);
-  expect_error_containing([&] { F::fused_attention(q, q, q, F::FusedOptions().query_offset(-1)); },
-                          std::string("[fused_attention] ") + expected);
-  expect_error_containing(
-      [&] { F::fused_backend_attention(q, q, q, F::FusedOptions().query_offset(-1)); },
-      std::string("[fused_backend_attention] ") + expected);
-  expect_error_containing([&] { F::causal_mask(2, 2, torch::kCPU, -1); },
-                          std::string("[causal_mask] ") + expected);
-  expect_error_containing(
-      [&] {
-        F::fused_packed_attention(torch::randn({1, 3, 12}), 2, F::FusedOptions().query_offset(1));
-      },
-      "[fused_packed_attention] queries and keys are the same tokens, so query_offset must be "
-      "0, got 1");
 }
 
 TEST(AttentionBackends, EveryBackendComputesTheSameModule) {
@@ -713,11 +617,12 @@ TEST(GroupedAndWindowedAttention, MathMatchesItsDefinition) {
   const auto q = torch::randn({2, 6, 5, 4}, torch::kFloat64);
   const auto k = torch::randn({2, 3, 7, 4}, torch::kFloat64);
   const auto v = torch::randn({2, 3, 7, 3}, torch::kFloat64);
-  const auto options = F::SdpaOptions().is_causal(true).query_offset(2).window_size(3);
-  const auto grouped = F::scaled_dot_product_attention_with_weights(q, k, v, options);
+  const auto options =
+      F::AttentionOptions().mask(causal_mask_of(/*causal=*/true, /*query_offset=*/2, /*window=*/3));
+  const auto grouped = F::attention_with_weights(q, k, v, options);
   for (int64_t h = 0; h < 6; ++h) {
-    const auto one = F::scaled_dot_product_attention_with_weights(
-        q.narrow(1, h, 1), k.narrow(1, h / 2, 1), v.narrow(1, h / 2, 1), options);
+    const auto one = F::attention_with_weights(q.narrow(1, h, 1), k.narrow(1, h / 2, 1),
+                                               v.narrow(1, h / 2, 1), options);
     EXPECT_TENSOR_NEAR(grouped.context.narrow(1, h, 1), one.context, 1e-14);
     EXPECT_TENSOR_NEAR(grouped.weights.narrow(1, h, 1), one.weights, 1e-14);
   }
@@ -738,23 +643,25 @@ TEST(GroupedAndWindowedAttention, EveryBackendMatchesMath) {
   const std::vector<std::pair<std::string, Backend>> backends{
       {"chunked",
        [](auto& q, auto& k, auto& v, int64_t offset, c10::optional<int64_t> window) {
-         return F::chunked_attention(q, k, v,
-                                     F::ChunkedOptions()
-                                         .is_causal(true)
-                                         .query_offset(offset)
-                                         .window_size(window)
-                                         .block_size(5)
-                                         .key_block_size(4));
+         CoreCall c;
+         c.causal = true;
+         c.query_offset = offset;
+         c.window = window;
+         c.query_block = 5;
+         c.key_block = 4;
+         return demanded(AttentionBackend::kChunked, c)(q, k, v);
        }},
-      {"fused kernel",
+      {"loop-nest kernel",
        [](auto& q, auto& k, auto& v, int64_t offset, c10::optional<int64_t> window) {
-         return F::fused_attention(
-             q, k, v, F::FusedOptions().is_causal(true).query_offset(offset).window_size(window));
+         return loop_nest(/*causal=*/true, offset, window.value_or(0))(q, k, v);
        }},
       {"fused backend",
        [](auto& q, auto& k, auto& v, int64_t offset, c10::optional<int64_t> window) {
-         return F::fused_backend_attention(
-             q, k, v, F::FusedOptions().is_causal(true).query_offset(offset).window_size(window));
+         CoreCall c;
+         c.causal = true;
+         c.query_offset = offset;
+         c.window = window;
+         return demanded(AttentionBackend::kFused, c)(q, k, v);
        }}};
   for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
     for (const int64_t kv_heads : {1, 2, 6}) {  // 6 query heads: MQA, GQA, MHA
@@ -780,38 +687,4 @@ TEST(GroupedAndWindowedAttention, EveryBackendMatchesMath) {
       }
     }
   }
-}
-
-TEST(GroupedAndWindowedAttention, BadArgumentsNameWhatIsWrong) {
-  const auto q = torch::randn({1, 6, 3, 4});
-  const auto k4 = torch::randn({1, 4, 3, 4});
-  const auto k8 = torch::randn({1, 8, 3, 4});
-  expect_error_containing([&] { F::scaled_dot_product_attention(q, k4, k4); },
-                          "[scaled_dot_product_attention] key and value heads (dim -3) must "
-                          "divide the query heads (grouped-query attention), got 4 key/value "
-                          "heads for 6 query heads");
-  expect_error_containing([&] { F::chunked_attention(q, k4, k4); },
-                          "[chunked_attention] key and value heads (dim -3) must divide");
-  expect_error_containing([&] { F::fused_attention(q, k4, k4); },
-                          "[fused_attention] key and value heads (dim -3) must divide");
-  expect_error_containing([&] { F::fused_backend_attention(q, k8, k8); },
-                          "[fused_backend_attention] key and value may have fewer heads (dim -3) "
-                          "than query, not more");
-  const auto window_zero = [](auto options) { return options.is_causal(true).window_size(0); };
-  expect_error_containing(
-      [&] { F::scaled_dot_product_attention(q, q, q, window_zero(F::SdpaOptions())); },
-      "[scaled_dot_product_attention] window_size must be >= 1, got 0");
-  expect_error_containing([&] { F::chunked_attention(q, q, q, window_zero(F::ChunkedOptions())); },
-                          "[chunked_attention] window_size must be >= 1, got 0");
-  expect_error_containing([&] { F::fused_attention(q, q, q, window_zero(F::FusedOptions())); },
-                          "[fused_attention] window_size must be >= 1, got 0");
-  expect_error_containing(
-      [&] { F::fused_backend_attention(q, q, q, window_zero(F::FusedOptions())); },
-      "[fused_backend_attention] window_size must be >= 1, got 0");
-  expect_error_containing(
-      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().window_size(2)); },
-      "[chunked_attention] window_size (2) restricts the causal mask, so it needs is_causal = "
-      "true");
-  expect_error_containing([&] { F::causal_mask(2, 2, torch::kCPU, 0, -3); },
-                          "[causal_mask] window_size must be >= 1, got -3");
 }

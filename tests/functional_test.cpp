@@ -322,3 +322,183 @@ TEST(ScaledDotProductAttention, BadArgumentsNameWhatIsWrong) {
       },
       "d_k must be > 0, got 0");
 }
+
+// ---- the deprecated adapters' own behaviour --------------------------------------------------
+// (the kernels behind them are held to the math core in backends_test.cpp and
+// planner_test.cpp, through attention())
+
+// The adapters take (..., n, hd) inputs of any rank, where attention() takes ranks 2 to 4:
+// a 5-D problem answers as the core on its leading dimensions folded into one.
+TEST(DeprecatedAdapters, TakeInputsOfAnyRank) {
+  torch::manual_seed(13);
+  const auto q = torch::randn({2, 1, 3, 7, 3}, torch::kFloat64);
+  const auto k = q.flip(-2), v = q * 2;
+  // (2, 1, 3, n, hd) -> (6, n, hd)
+  const auto fold = [](const torch::Tensor& t) { return t.reshape({-1, 7, 3}); };
+  for (const bool causal : {false, true}) {
+    SCOPED_TRACE(c10::str("causal ", causal));
+    const auto reference =
+        F::attention(fold(q), fold(k), fold(v),
+                     F::AttentionOptions()
+                         .mask(causal ? attnkit::Mask::causal() : attnkit::Mask())
+                         .backend(attnkit::AttentionBackend::kMath))
+            .view(q.sizes());
+    EXPECT_TENSOR_NEAR(F::scaled_dot_product_attention(q, k, v, F::SdpaOptions().is_causal(causal)),
+                       reference, 1e-12);
+    EXPECT_TENSOR_NEAR(
+        F::chunked_attention(q, k, v,
+                             F::ChunkedOptions().is_causal(causal).block_size(2).key_block_size(3)),
+        reference, 1e-10);
+    EXPECT_TENSOR_NEAR(F::fused_attention(q, k, v, F::FusedOptions().is_causal(causal)), reference,
+                       1e-10);
+    EXPECT_TENSOR_NEAR(F::fused_backend_attention(q, k, v, F::FusedOptions().is_causal(causal)),
+                       reference, 1e-10);
+  }
+}
+
+TEST(ChunkedAttention, BadArgumentsNameWhatIsWrong) {
+  const auto q = torch::randn({2, 5, 4});
+  expect_error_containing(
+      [&] {
+        F::chunked_attention(q, torch::randn({2, 5, 3}), q);
+      },
+      "[chunked_attention] expected query (..., n, hd), key (..., m, hd)");
+  expect_error_containing([&] { F::chunked_attention(q, q, q, F::ChunkedOptions().block_size(0)); },
+                          "block_size must be >= 1, got 0");
+  expect_error_containing(
+      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().key_block_size(-2)); },
+      "key_block_size must be >= 1, got -2");
+  expect_error_containing(
+      [&] {
+        F::chunked_attention(q, torch::randn({3, 5, 4}), torch::randn({3, 5, 4}));
+      },
+      "[chunked_attention] expected query (..., n, hd), key (..., m, hd)");
+  expect_error_containing(
+      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().dropout_p(1.0)); },
+      "dropout_p must be in [0, 1), got 1");
+  expect_error_containing([&] { F::chunked_attention(torch::randn({4}), q, q); },
+                          "must have the same rank >= 2");
+}
+
+TEST(FusedAttention, BadArgumentsNameWhatIsWrong) {
+  const auto q = torch::randn({2, 5, 4});
+  expect_error_containing(
+      [&] {
+        F::fused_attention(q, torch::randn({2, 5, 3}), q);
+      },
+      "[fused_attention] expected query (..., n, hd), key (..., m, hd)");
+  expect_error_containing([&] { F::fused_attention(torch::randn({4}), q, q); },
+                          "must have the same rank >= 2");
+  expect_error_containing(
+      [&] {
+        F::fused_attention(q, torch::randn({2, 0, 4}), q.narrow(1, 0, 0));
+      },
+      "[fused_attention] key must hold at least one token");
+  const auto half = q.to(torch::kHalf);
+  expect_error_containing(
+      [&] { F::fused_attention(half, half, half); },
+      "[fused_attention] expected query, key and value to be float32 or float64 (one dtype), "
+      "got Half, Half, Half");
+  expect_error_containing([&] { F::fused_attention(q, q.to(torch::kDouble), q); },
+                          "float32 or float64 (one dtype), got Float, Double, Float");
+  expect_error_containing([&] { F::fused_attention(q, q, q, F::FusedOptions().dropout_p(-0.1)); },
+                          "[fused_attention] dropout_p must be in [0, 1), got -0.1");
+  expect_error_containing(
+      [] {
+        F::fused_packed_attention(torch::randn({2, 5}), 1);
+      },
+      "[fused_packed_attention] qkv: expected (b, n, 3 * d), got [2, 5]");
+  expect_error_containing(
+      [] {
+        F::fused_packed_attention(torch::randn({2, 5, 12}), 3);
+      },
+      "qkv's last dimension 12 must be 3 * num_heads * head_dim, with num_heads = 3");
+  expect_error_containing(
+      [] {
+        F::fused_packed_attention(torch::randn({2, 5, 12}), 0);
+      },
+      "with num_heads = 0");
+  expect_error_containing(
+      [] {
+        F::fused_packed_attention(torch::randn({2, 0, 12}), 2);
+      },
+      "[fused_packed_attention] qkv must hold at least one token");
+  expect_error_containing(
+      [] {
+        F::fused_packed_attention(torch::randn({2, 5, 12}).to(torch::kHalf), 2);
+      },
+      "[fused_packed_attention] expected qkv to be float32 or float64 (one dtype), got Half");
+  // The modules' fused backend takes the kernel only where it is fast.
+  EXPECT_TRUE(F::fused_attention_fits(5, 5, q.options()));
+  EXPECT_TRUE(F::fused_attention_fits(64, 64, q.options().dtype(torch::kDouble)));
+  EXPECT_FALSE(F::fused_attention_fits(64, 65, q.options()));
+  EXPECT_FALSE(F::fused_attention_fits(5, 5, half.options()));
+}
+
+TEST(FusedBackend, BadArgumentsNameWhatIsWrong) {
+  const auto q = torch::randn({2, 2, 5, 4});
+  expect_error_containing(
+      [&] { F::fused_backend_attention(q, q, q, F::FusedOptions().dropout_p(1.0)); },
+      "[fused_backend_attention] dropout_p must be in [0, 1), got 1");
+  expect_error_containing(
+      [&] { F::fused_backend_attention(q, q.narrow(-1, 0, 3), q); },
+      "[fused_backend_attention] expected query (..., n, hd), key (..., m, hd)");
+}
+
+TEST(DecodeShapedAttention, NegativeOffsetsAreRefusedEverywhere) {
+  const auto q = torch::randn({1, 2, 3, 4});
+  const char* expected = "query_offset must be >= 0 (the key position of query 0), got -1";
+  expect_error_containing(
+      [&] { F::scaled_dot_product_attention(q, q, q, F::SdpaOptions().query_offset(-1)); },
+      std::string("[scaled_dot_product_attention] ") + expected);
+  expect_error_containing(
+      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().query_offset(-1)); },
+      std::string("[chunked_attention] ") + expected);
+  expect_error_containing([&] { F::fused_attention(q, q, q, F::FusedOptions().query_offset(-1)); },
+                          std::string("[fused_attention] ") + expected);
+  expect_error_containing(
+      [&] { F::fused_backend_attention(q, q, q, F::FusedOptions().query_offset(-1)); },
+      std::string("[fused_backend_attention] ") + expected);
+  expect_error_containing([&] { F::causal_mask(2, 2, torch::kCPU, -1); },
+                          std::string("[causal_mask] ") + expected);
+  expect_error_containing(
+      [&] {
+        F::fused_packed_attention(torch::randn({1, 3, 12}), 2, F::FusedOptions().query_offset(1));
+      },
+      "[fused_packed_attention] queries and keys are the same tokens, so query_offset must be "
+      "0, got 1");
+}
+
+TEST(GroupedAndWindowedAttention, BadArgumentsNameWhatIsWrong) {
+  const auto q = torch::randn({1, 6, 3, 4});
+  const auto k4 = torch::randn({1, 4, 3, 4});
+  const auto k8 = torch::randn({1, 8, 3, 4});
+  expect_error_containing([&] { F::scaled_dot_product_attention(q, k4, k4); },
+                          "[scaled_dot_product_attention] key and value heads (dim -3) must "
+                          "divide the query heads (grouped-query attention), got 4 key/value "
+                          "heads for 6 query heads");
+  expect_error_containing([&] { F::chunked_attention(q, k4, k4); },
+                          "[chunked_attention] key and value heads (dim -3) must divide");
+  expect_error_containing([&] { F::fused_attention(q, k4, k4); },
+                          "[fused_attention] key and value heads (dim -3) must divide");
+  expect_error_containing([&] { F::fused_backend_attention(q, k8, k8); },
+                          "[fused_backend_attention] key and value may have fewer heads (dim -3) "
+                          "than query, not more");
+  const auto window_zero = [](auto options) { return options.is_causal(true).window_size(0); };
+  expect_error_containing(
+      [&] { F::scaled_dot_product_attention(q, q, q, window_zero(F::SdpaOptions())); },
+      "[scaled_dot_product_attention] window_size must be >= 1, got 0");
+  expect_error_containing([&] { F::chunked_attention(q, q, q, window_zero(F::ChunkedOptions())); },
+                          "[chunked_attention] window_size must be >= 1, got 0");
+  expect_error_containing([&] { F::fused_attention(q, q, q, window_zero(F::FusedOptions())); },
+                          "[fused_attention] window_size must be >= 1, got 0");
+  expect_error_containing(
+      [&] { F::fused_backend_attention(q, q, q, window_zero(F::FusedOptions())); },
+      "[fused_backend_attention] window_size must be >= 1, got 0");
+  expect_error_containing(
+      [&] { F::chunked_attention(q, q, q, F::ChunkedOptions().window_size(2)); },
+      "[chunked_attention] window_size (2) restricts the causal mask, so it needs is_causal = "
+      "true");
+  expect_error_containing([&] { F::causal_mask(2, 2, torch::kCPU, 0, -3); },
+                          "[causal_mask] window_size must be >= 1, got -3");
+}
