@@ -42,8 +42,8 @@ struct BenchConfig {
   int64_t repeats = 5;
   int64_t warmup = 1;
   // Block sizes of the chunked backend (MultiHeadAttentionOptions' defaults).
-  int64_t chunk_size = attnkit::MultiHeadAttentionOptions(1, 1, 1, 0.0, 1).chunk_size();
-  int64_t key_chunk_size = attnkit::MultiHeadAttentionOptions(1, 1, 1, 0.0, 1).key_chunk_size();
+  int64_t chunk_size = attnkit::MultiHeadAttentionOptions(1, 1, 1, 0.0, 1).query_block_size();
+  int64_t key_chunk_size = attnkit::MultiHeadAttentionOptions(1, 1, 1, 0.0, 1).key_block_size();
   std::vector<std::string> only;
   std::string json;
   // --mask / --score: an attnkit::Mask and score function for the core implementations.
@@ -243,8 +243,8 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
   auto mha_options = attnkit::MultiHeadAttentionOptions(d, d, n, 0.0, h)
                          .causal(c.causal)
                          .sliding_window_size(window_of(c))
-                         .chunk_size(c.chunk_size)
-                         .key_chunk_size(c.key_chunk_size);
+                         .query_block_size(c.chunk_size)
+                         .key_block_size(c.key_chunk_size);
   Implementation impl;
   if (name == "wrapper") {
     TORCH_CHECK(c.causal, "--only wrapper: the CausalAttention wrapper is always causal");

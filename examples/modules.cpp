@@ -81,8 +81,8 @@ void backends() {
   attnkit::MultiHeadAttention chunked(
       attnkit::MultiHeadAttentionOptions(64, 64, /*context_length=*/1024, 0.0, /*num_heads=*/4)
           .backend(attnkit::AttentionBackend::kChunked)  // kMath (default), kFused, kChunked
-          .chunk_size(128)                               // query tokens per block
-          .key_chunk_size(1024));                        // key tokens per block
+          .query_block_size(128)                               // query tokens per block
+          .key_block_size(1024));                        // key tokens per block
   auto y = chunked(x);                                   // (2, 16, 64)
 
   // The attention core alone, on (b, h, n, head_dim) queries, keys and values.

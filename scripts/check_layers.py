@@ -32,6 +32,7 @@ PUBLIC_LAYERS = {
     "rope.h": "core",
     "threads.h": "core",
     "version.h": "core",
+    "cached_attention.h": "modules",
     "causal_attention.h": "modules",
     "decode.h": "modules",
     "grouped_query_attention.h": "modules",

@@ -25,31 +25,31 @@ CachedAttention make_family_module(const std::string& label) {
   const auto gqa = [&](int64_t groups) {
     return GroupedQueryAttentionOptions(d_in, d_out, 0.1, heads, groups)
         .qkv_bias(true)
-        .chunk_size(3)
-        .key_chunk_size(4);
+        .query_block_size(3)
+        .key_block_size(4);
   };
   if (label == "gqa")
-    return erase_cached(GroupedQueryAttention(gqa(2)));
+    return GroupedQueryAttention(gqa(2)).ptr();
   if (label == "mqa")
-    return erase_cached(GroupedQueryAttention(gqa(1)));
+    return GroupedQueryAttention(gqa(1)).ptr();
   if (label == "gqa window 3")
-    return erase_cached(GroupedQueryAttention(gqa(2).sliding_window_size(3)));
+    return GroupedQueryAttention(gqa(2).sliding_window_size(3)).ptr();
   const auto mha = MultiHeadAttentionOptions(d_in, d_out, 16, 0.1, heads)
                        .qkv_bias(true)
-                       .chunk_size(3)
-                       .key_chunk_size(4);
+                       .query_block_size(3)
+                       .key_block_size(4);
   if (label == "mha window 4")
-    return erase_cached(MultiHeadAttention(MultiHeadAttentionOptions(mha).sliding_window_size(4)));
+    return MultiHeadAttention(MultiHeadAttentionOptions(mha).sliding_window_size(4)).ptr();
   if (label == "mha-combined window 1")
-    return erase_cached(
-        MultiHeadAttentionCombinedQKV(MultiHeadAttentionOptions(mha).sliding_window_size(1)));
+    return 
+        MultiHeadAttentionCombinedQKV(MultiHeadAttentionOptions(mha).sliding_window_size(1)).ptr();
   TORCH_CHECK(label == "mla", "unknown module ", label);
-  return erase_cached(
+  return 
       MultiHeadLatentAttention(MultiHeadLatentAttentionOptions(d_in, d_out, 0.1, heads)
                                    .qkv_bias(true)
                                    .latent_dim(5)
-                                   .chunk_size(3)
-                                   .key_chunk_size(4)));
+                                   .query_block_size(3)
+                                   .key_block_size(4)).ptr();
 }
 
 const std::vector<std::string> kFamily{
@@ -58,12 +58,12 @@ const std::vector<std::string> kFamily{
 // Output and the gradient of every parameter and of x for sum(forward(x) * probe).
 std::vector<torch::Tensor> output_and_grads(CachedAttention& m, const torch::Tensor& x_in,
                                             const torch::Tensor& probe) {
-  m.module->zero_grad();
+  m->as_module()->zero_grad();
   auto x = x_in.clone().requires_grad_(true);
-  const auto out = m.forward(x);
+  const auto out = m->forward(x);
   (out * probe).sum().backward();
   std::vector<torch::Tensor> result{out.detach(), x.grad()};
-  for (const auto& p : m.module->parameters())
+  for (const auto& p : m->as_module()->parameters())
     result.push_back(p.grad().clone());
   return result;
 }
@@ -96,11 +96,11 @@ TEST(AttentionFamily, PrettyPrintShowsEveryOption) {
   EXPECT_EQ(gqa.str(),
             "attnkit::GroupedQueryAttention(d_in=8, d_out=12, dropout=0.1, num_heads=6, "
             "num_kv_groups=2, qkv_bias=false, sliding_window_size=5, backend=math, "
-            "chunk_size=128, key_chunk_size=1024)");
+            "query_block_size=128, key_block_size=1024)");
   MultiHeadLatentAttention(8, 12, 0.0, 2, true, 7)->pretty_print(mla);
   EXPECT_EQ(mla.str(),
             "attnkit::MultiHeadLatentAttention(d_in=8, d_out=12, dropout=0, num_heads=2, "
-            "qkv_bias=true, latent_dim=7, backend=math, chunk_size=128, key_chunk_size=1024)");
+            "qkv_bias=true, latent_dim=7, backend=math, query_block_size=128, key_block_size=1024)");
   MultiHeadAttention(8, 12, 4, 0.0, 2)->pretty_print(mha);
   EXPECT_NE(mha.str().find("causal=true, sliding_window_size=none, backend=math"),
             std::string::npos)
@@ -134,15 +134,15 @@ TEST(AttentionFamily, EveryBackendMatchesMathOutputsAndGradients) {
       for (const int64_t n : {1, 7, 11}) {
         torch::manual_seed(53);
         auto m = make_family_module(label);
-        m.module->to(dtype);
-        m.module->eval();
+        m->as_module()->to(dtype);
+        m->as_module()->eval();
         const auto x = torch::randn({2, n, 6}, torch::dtype(dtype));
         const auto probe = torch::randn({2, n, 12}, torch::dtype(dtype));
-        m.set_backend(AttentionBackend::kMath);
+        m->set_backend(AttentionBackend::kMath);
         const auto math = output_and_grads(m, x, probe);
         for (const auto backend : {AttentionBackend::kFused, AttentionBackend::kChunked}) {
           SCOPED_TRACE(c10::str(label, " ", backend_name(backend), " ", dtype, " n ", n));
-          m.set_backend(backend);
+          m->set_backend(backend);
           const auto other = output_and_grads(m, x, probe);
           ASSERT_EQ(other.size(), math.size());
           for (size_t i = 0; i < math.size(); ++i) {
@@ -175,11 +175,11 @@ TEST(AttentionFamily, CachedPiecesEqualTheUncachedForward) {
       for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
         torch::manual_seed(57);
         auto m = make_family_module(label);
-        m.set_backend(backend);
-        m.module->to(dtype);
-        m.module->eval();
+        m->set_backend(backend);
+        m->as_module()->to(dtype);
+        m->as_module()->eval();
         const auto x = torch::randn({2, 11, 6}, torch::dtype(dtype));
-        auto cache = m.make_kv_cache(2, 11);
+        auto cache = m->make_kv_cache(2, 11);
         expect_cached_pieces_match_forward(m, x, splits, cache,
                                            label + " " + backend_name(backend));
       }
@@ -225,6 +225,42 @@ TEST(AttentionFamily, CacheBytesPerTokenFollowTheLayout) {
   EXPECT_EQ(12 * mqa.bytes_per_token(), mha.bytes_per_token());
   EXPECT_EQ(16 * mla.bytes_per_token(), mha.bytes_per_token());
   EXPECT_TRUE(mla.is_latent());
+}
+
+TEST(AttentionFamily, EveryCachedModuleIsOneCachedAttentionLayer) {
+  // What a model sees through the interface is the module itself: its parameters, its
+  // backend, its outputs and its cache, the same as through the module's own holder.
+  const auto x = torch::randn({2, 7, 6});
+  for (const auto& label : kFamily) {
+    SCOPED_TRACE(label);
+    torch::manual_seed(5);
+    CachedAttention layer = make_family_module(label);
+    const auto module = layer->as_module();
+    module->eval();
+    EXPECT_EQ(module.get(), dynamic_cast<torch::nn::Module*>(layer.get()));
+    EXPECT_EQ(module->parameters().size(), module->named_parameters().size());
+    for (const auto backend : kBackends) {
+      layer->set_backend(backend);
+      EXPECT_EQ(layer->backend(), backend);
+      const auto through_weights = layer->forward_with_weights(x);
+      EXPECT_TRUE(tensors_close("forward", layer->forward(x), through_weights.context, 1e-5));
+      EXPECT_EQ(through_weights.weights.sizes(), (std::vector<int64_t>{2, 4, 7, 7}));
+      auto cache = layer->make_kv_cache(2, 7);
+      const auto first = layer->forward_with_cache(x.narrow(1, 0, 4), cache);
+      const auto rest =
+          layer->forward_with_cache(x.narrow(1, 4, 3), cache, torch::full({2}, 3, torch::kInt64));
+      EXPECT_TRUE(tensors_close("cached", torch::cat({first, rest}, 1), through_weights.context,
+                                1e-5));
+    }
+  }
+  // The module holders' own calls reach the same functions.
+  torch::manual_seed(5);
+  GroupedQueryAttention gqa(GroupedQueryAttentionOptions(6, 12, 0.0, 4, 2));
+  std::shared_ptr<CachedAttentionLayer> layer = gqa.ptr();
+  layer->set_backend(AttentionBackend::kChunked);
+  EXPECT_EQ(gqa->options.backend(), AttentionBackend::kChunked);
+  EXPECT_TRUE(tensors_close("holder", gqa(x), layer->forward(x), 0.0));
+  EXPECT_EQ(layer->as_module().get(), gqa.ptr().get());
 }
 
 TEST(AttentionFamily, RefusalsNameWhatIsWrong) {
@@ -346,13 +382,13 @@ TEST_P(AttentionFamilyDevices, EveryModuleAndBackendMatchesTheCpu) {
       auto reference = make_cached_attention(name, config);
       torch::manual_seed(5);  // the same initial parameters
       auto on_device = make_cached_attention(name, config);
-      on_device.module->to(device());
-      on_device.set_backend(backend);
+      on_device->as_module()->to(device());
+      on_device->set_backend(backend);
       const auto x = torch::randn({2, 13, 6});
       const auto probe = torch::randn({2, 13, 8});
       const auto run = [&](CachedAttention& m, const torch::Device& where) {
         auto input = x.to(where).detach().requires_grad_();  // a leaf on each device
-        const auto out = m.forward(input);
+        const auto out = m->forward(input);
         EXPECT_EQ(out.device().type(), where.type());
         (out * probe.to(where)).sum().backward();
         return std::make_pair(out.detach(), input.grad());
@@ -361,22 +397,22 @@ TEST_P(AttentionFamilyDevices, EveryModuleAndBackendMatchesTheCpu) {
       const auto [out, grad] = run(on_device, device());
       EXPECT_TRUE(tensors_close("output", out, expected, kAcrossDevices));
       EXPECT_TRUE(tensors_close("input grad", grad, expected_grad, kAcrossDevices));
-      const auto expected_params = reference.module->named_parameters();
-      for (const auto& p : on_device.module->named_parameters()) {
+      const auto expected_params = reference->as_module()->named_parameters();
+      for (const auto& p : on_device->as_module()->named_parameters()) {
         EXPECT_TRUE(tensors_close("grad " + p.key(), p.value().grad(),
                                   expected_params[p.key()].grad(), kAcrossDevices));
       }
       // Prefill 9 tokens, then one at a time: the full forward's rows.
-      on_device.module->eval();
+      on_device->as_module()->eval();
       torch::NoGradGuard no_grad;
       const auto x_device = x.to(device());
-      auto cache = on_device.make_kv_cache(2, 16);
+      auto cache = on_device->make_kv_cache(2, 16);
       std::vector<torch::Tensor> pieces{
-          on_device.forward_with_cache(x_device.slice(1, 0, 9), cache)};
+          on_device->forward_with_cache(x_device.slice(1, 0, 9), cache)};
       for (int64_t t = 9; t < 13; ++t)
-        pieces.push_back(on_device.forward_with_cache(x_device.slice(1, t, t + 1), cache));
+        pieces.push_back(on_device->forward_with_cache(x_device.slice(1, t, t + 1), cache));
       EXPECT_TRUE(tensors_close("cached decoding", torch::cat(pieces, 1),
-                                on_device.forward(x_device), kAcrossDevices));
+                                on_device->forward(x_device), kAcrossDevices));
     }
   }
 }
@@ -400,10 +436,10 @@ TEST(AttentionFamily, SixteenBitModulesTrainAndDecodeAsTheirFloat32Copies) {
     dtypes.push_back(torch::kHalf);
   } else {
     auto m = make_family_module("gqa");
-    m.module->to(torch::kHalf);
+    m->as_module()->to(torch::kHalf);
     expect_error_containing(
         [&] {
-          m.forward(torch::randn({2, 11, 6}).to(torch::kHalf));
+          m->forward(torch::randn({2, 11, 6}).to(torch::kHalf));
         },
         "[GroupedQueryAttention::forward] query: float16 on the CPU needs a LibTorch with "
         "float16 matrix products (2.x; this one has none); use bfloat16 or float32, or a GPU");
@@ -418,12 +454,12 @@ TEST(AttentionFamily, SixteenBitModulesTrainAndDecodeAsTheirFloat32Copies) {
         auto low = make_family_module(label);
         torch::manual_seed(61);
         auto wide = make_family_module(label);
-        for (auto* m : {&low, &wide}) {
+        for (const auto& m : {low, wide}) {
           m->set_backend(backend);
-          m->module->to(dtype);
-          m->module->eval();
+          m->as_module()->to(dtype);
+          m->as_module()->eval();
         }
-        wide.module->to(torch::kFloat);
+        wide->as_module()->to(torch::kFloat);
         const auto x = torch::randn({2, 11, 6}).to(dtype);
         const auto probe = torch::randn({2, 11, 12}).to(dtype);
         const auto got = output_and_grads(low, x, probe);
@@ -441,9 +477,9 @@ TEST(AttentionFamily, SixteenBitModulesTrainAndDecodeAsTheirFloat32Copies) {
         }
         // The cache holds 16-bit keys and values; pieces agree with the uncached forward.
         const torch::NoGradGuard no_grad;
-        auto cache = low.make_kv_cache(2, 11);
+        auto cache = low->make_kv_cache(2, 11);
         EXPECT_EQ(cache.keys().scalar_type(), dtype);
-        const auto full = low.forward(x).to(torch::kFloat);
+        const auto full = low->forward(x).to(torch::kFloat);
         for (const auto& pieces : splits) {
           cache.reset();
           const auto cached = forward_in_pieces(low, x, pieces, cache).to(torch::kFloat);
@@ -466,28 +502,28 @@ TEST(AttentionFamily, UnderAutocastFloat32ModulesRunInBfloat16) {
       SCOPED_TRACE(c10::str(label, " ", backend_name(backend)));
       torch::manual_seed(63);
       auto m = make_family_module(label);
-      m.set_backend(backend);
-      m.module->eval();
+      m->set_backend(backend);
+      m->as_module()->eval();
       const auto x = torch::randn({2, 11, 6});
       const auto probe = torch::randn({2, 11, 12});
       const auto expected = output_and_grads(m, x, probe);
-      m.module->zero_grad();
+      m->as_module()->zero_grad();
       auto x_grad = x.clone().requires_grad_(true);
       torch::Tensor out;
       {
         attnkit::Autocast autocast(torch::kCPU, torch::kBFloat16);
-        out = m.forward(x_grad);
+        out = m->forward(x_grad);
         const torch::NoGradGuard no_grad;
-        EXPECT_EQ(m.forward(x.to(torch::kBFloat16)).scalar_type(), torch::kBFloat16);
-        auto cache = m.make_kv_cache(2, 11);
+        EXPECT_EQ(m->forward(x.to(torch::kBFloat16)).scalar_type(), torch::kBFloat16);
+        auto cache = m->make_kv_cache(2, 11);
         const auto cached = forward_in_pieces(m, x, {4, 1, 6}, cache).to(torch::kFloat);
-        const auto full = m.forward(x).to(torch::kFloat);
+        const auto full = m->forward(x).to(torch::kFloat);
         EXPECT_LE(((cached - full).abs().max() / full.abs().max()).item<double>(), bound);
       }
       EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
       (out.to(torch::kFloat) * probe).sum().backward();
       std::vector<torch::Tensor> got{out.detach(), x_grad.grad()};
-      for (const auto& p : m.module->parameters())
+      for (const auto& p : m->as_module()->parameters())
         got.push_back(p.grad());
       ASSERT_EQ(got.size(), expected.size());
       for (size_t i = 0; i < got.size(); ++i) {
@@ -499,7 +535,7 @@ TEST(AttentionFamily, UnderAutocastFloat32ModulesRunInBfloat16) {
                   bound)
             << "tensor " << i << " (0: output, 1: x's gradient, then the parameters')";
       }
-      expect_error_containing([&] { m.forward(x.to(torch::kBFloat16)); }, "expected dtype Float");
+      expect_error_containing([&] { m->forward(x.to(torch::kBFloat16)); }, "expected dtype Float");
     }
   }
 }

@@ -537,8 +537,8 @@ TEST(AttentionBackends, EveryBackendComputesTheSameModule) {
         const auto options = MultiHeadAttentionOptions(6, 8, 12, 0.0, 2)
                                  .qkv_bias(true)
                                  .causal(causal)
-                                 .chunk_size(4)
-                                 .key_chunk_size(3);
+                                 .query_block_size(4)
+                                 .key_block_size(3);
         std::shared_ptr<torch::nn::Module> reference;
         if (combined) {
           reference = attnkit::MultiHeadAttentionCombinedQKV(options).ptr();
@@ -587,13 +587,13 @@ TEST(AttentionBackends, NamesParseAndBadOptionsAreNamed) {
   expect_error_containing([] { attnkit::parse_backend("flash"); },
                           "unknown backend 'flash'; expected math, fused, chunked or auto");
   expect_error_containing(
-      [] { attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).chunk_size(0)); },
-      "[MultiHeadAttention] option chunk_size must be > 0, got 0");
+      [] { attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).query_block_size(0)); },
+      "[MultiHeadAttention] option query_block_size must be > 0, got 0");
   expect_error_containing(
       [] {
-        attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).key_chunk_size(-1));
+        attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).key_block_size(-1));
       },
-      "[MultiHeadAttention] option key_chunk_size must be > 0, got -1");
+      "[MultiHeadAttention] option key_block_size must be > 0, got -1");
 }
 
 // ---- Grouped-query and sliding-window attention -----------------------------------------

@@ -1,8 +1,12 @@
 // attnkit/functional.h: the notebooks' step-by-step numbers and the attention core.
 
 #include "attnkit/functional.h"
+#include "attnkit/grouped_query_attention.h"
+#include "attnkit/latent_attention.h"
+#include "attnkit/multi_head_attention.h"
 
 #include <limits>
+#include <type_traits>
 
 #include "test_support.h"
 
@@ -501,4 +505,32 @@ TEST(GroupedAndWindowedAttention, BadArgumentsNameWhatIsWrong) {
       "true");
   expect_error_containing([&] { F::causal_mask(2, 2, torch::kCPU, 0, -3); },
                           "[causal_mask] window_size must be >= 1, got -3");
+}
+
+TEST(DeprecatedAdapters, ModuleOptionsKeepTheirOldBlockSizeNames) {
+  // chunk_size and key_chunk_size name query_block_size and key_block_size for one release,
+  // and chain with the module's own setters either way round.
+  auto mha = attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).chunk_size(5).causal(false);
+  static_assert(std::is_same<decltype(mha), attnkit::MultiHeadAttentionOptions>::value,
+                "the old setters return the module's options");
+  mha.key_chunk_size(7);
+  EXPECT_EQ(mha.query_block_size(), 5);
+  EXPECT_EQ(mha.key_block_size(), 7);
+  EXPECT_EQ(mha.chunk_size(), 5);
+  EXPECT_EQ(mha.key_chunk_size(), 7);
+  EXPECT_FALSE(mha.causal());
+  const auto gqa = attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 2, 1)
+                       .backend(attnkit::AttentionBackend::kChunked)
+                       .sliding_window_size(3)
+                       .key_chunk_size(9);
+  EXPECT_EQ(gqa.key_block_size(), 9);
+  EXPECT_EQ(gqa.sliding_window_size(), c10::optional<int64_t>(3));
+  EXPECT_EQ(gqa.backend(), attnkit::AttentionBackend::kChunked);
+  // The module reads the new names: a bad old-name value is refused under the new name.
+  expect_error_containing(
+      [] {
+        attnkit::MultiHeadLatentAttention(
+            attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2).chunk_size(0));
+      },
+      "[MultiHeadLatentAttention] option query_block_size must be > 0, got 0");
 }

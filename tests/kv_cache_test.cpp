@@ -24,9 +24,9 @@ namespace {
 
 CachedAttention make_module(const std::string& name, const MultiHeadAttentionOptions& options) {
   if (name == "MultiHeadAttention")
-    return erase_cached(MultiHeadAttention(options));
+    return MultiHeadAttention(options).ptr();
   TORCH_CHECK(name == "MultiHeadAttentionCombinedQKV", "unknown module ", name);
-  return erase_cached(MultiHeadAttentionCombinedQKV(options));
+  return MultiHeadAttentionCombinedQKV(options).ptr();
 }
 
 const std::vector<std::string> kModules{"MultiHeadAttention", "MultiHeadAttentionCombinedQKV"};
@@ -45,12 +45,12 @@ TEST(KVCache, PrefillChunkedPrefillAndDecodeEqualTheUncachedForward) {
         auto m = make_module(name, MultiHeadAttentionOptions(6, 12, 16, 0.1, 3)
                                        .qkv_bias(true)
                                        .backend(backend)
-                                       .chunk_size(3)
-                                       .key_chunk_size(4));
-        m.module->to(dtype);
-        m.module->eval();
+                                       .query_block_size(3)
+                                       .key_block_size(4));
+        m->as_module()->to(dtype);
+        m->as_module()->eval();
         const auto x = torch::randn({2, 11, 6}, torch::dtype(dtype));
-        auto cache = m.make_kv_cache(2, 0);
+        auto cache = m->make_kv_cache(2, 0);
         expect_cached_pieces_match_forward(m, x, splits, cache, name + " " + backend_name(backend));
       }
     }
@@ -212,9 +212,9 @@ void expect_python_cached_outputs(const std::string& directory, int expected_cas
         meta.at("dtype").toStringRef() == "float32" ? torch::kFloat32 : torch::kFloat64;
     auto m =
         make_cached_attention(meta.at("module").toStringRef(), module_config_of(meta.at("config")));
-    m.module->to(dtype);
-    m.module->eval();
-    load_state_dict(*m.module, dir + "/" + name + ".state.pt");
+    m->as_module()->to(dtype);
+    m->as_module()->eval();
+    load_state_dict(*m->as_module(), dir + "/" + name + ".state.pt");
     const auto x = golden.at("input").toTensor();
     const auto split_tensor = golden.at("splits").toTensor();
     const std::vector<int64_t> splits(split_tensor.data_ptr<int64_t>(),
@@ -222,8 +222,8 @@ void expect_python_cached_outputs(const std::string& directory, int expected_cas
     // Same LibTorch kernels as Python: rounding only (the golden tests' 1e-6 / 1e-12).
     const double atol = dtype == torch::kFloat32 ? 1e-6 : 1e-12;
     for (const auto backend : kBackends) {
-      m.set_backend(backend);
-      auto cache = m.make_kv_cache(x.size(0), /*capacity=*/x.size(1));
+      m->set_backend(backend);
+      auto cache = m->make_kv_cache(x.size(0), /*capacity=*/x.size(1));
       EXPECT_TRUE(tensors_close(name + " " + backend_name(backend),
                                 forward_in_pieces(m, x, splits, cache),
                                 golden.at("output").toTensor(),
@@ -264,35 +264,25 @@ train::ModelConfig text_model_config(const std::string& module, const std::strin
 
 namespace {
 
-// A module with forward(x) and forward_with_cache(x, cache, lengths), type-erased.
+// A cached attention layer under test, with its label.
 struct RaggedModule {
   std::string label;
-  std::shared_ptr<torch::nn::Module> module;
-  std::function<torch::Tensor(const torch::Tensor&)> forward;
-  std::function<torch::Tensor(const torch::Tensor&, KVCache&, const torch::Tensor&)> ragged;
-  std::function<KVCache(int64_t)> make_kv_cache;
-  std::function<void(AttentionBackend)> set_backend;
+  CachedAttention layer;
 };
 
-template <typename Holder>
-RaggedModule erase_ragged(std::string label, Holder holder, torch::Device device) {
-  holder->to(device, torch::kFloat64);
-  holder->eval();
+// The layer in float64 on `device`, its QK-norm weights (where it has them) away from 1.
+RaggedModule prepare_ragged(std::string label, CachedAttention layer, torch::Device device) {
+  const auto module = layer->as_module();
+  module->to(device, torch::kFloat64);
+  module->eval();
   {
     torch::NoGradGuard no_grad;
-    for (auto& parameter : holder->named_parameters()) {
+    for (auto& parameter : module->named_parameters()) {
       if (parameter.key().find("_norm.") != std::string::npos)
         parameter.value().uniform_(0.5, 1.5);  // so QK-norm's weights matter
     }
   }
-  return {std::move(label),
-          holder.ptr(),
-          [holder](const torch::Tensor& x) mutable { return holder(x); },
-          [holder](const torch::Tensor& x, KVCache& cache, const torch::Tensor& lengths) mutable {
-            return holder->forward_with_cache(x, cache, lengths);
-          },
-          [holder](int64_t batch) { return holder->make_kv_cache(batch, 24); },
-          [holder](AttentionBackend backend) mutable { holder->options.backend(backend); }};
+  return {std::move(label), std::move(layer)};
 }
 
 std::vector<RaggedModule> ragged_modules(torch::Device device) {
@@ -302,29 +292,31 @@ std::vector<RaggedModule> ragged_modules(torch::Device device) {
     const auto rope = positional ? c10::optional<RopeOptions>(RopeOptions(32)) : c10::nullopt;
     const std::string with = positional ? " with rope and qk_norm" : "";
     const auto mha = MultiHeadAttentionOptions(6, 8, 24, 0.0, 2).rope(rope).qk_norm(positional);
-    modules.push_back(erase_ragged("MultiHeadAttention" + with, MultiHeadAttention(mha), device));
-    modules.push_back(erase_ragged("MultiHeadAttentionCombinedQKV" + with,
-                                   MultiHeadAttentionCombinedQKV(mha), device));
-    modules.push_back(erase_ragged(
+    modules.push_back(prepare_ragged("MultiHeadAttention" + with, MultiHeadAttention(mha).ptr(), device));
+    modules.push_back(prepare_ragged("MultiHeadAttentionCombinedQKV" + with,
+                                     MultiHeadAttentionCombinedQKV(mha).ptr(), device));
+    modules.push_back(prepare_ragged(
         "GroupedQueryAttention" + with,
         GroupedQueryAttention(
-            GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2).rope(rope).qk_norm(positional)),
+            GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2).rope(rope).qk_norm(positional))
+            .ptr(),
         device));
     // Rolling caches of window 3: the rows pass it, the prefill of 7 by more than a window.
-    modules.push_back(erase_ragged(
+    modules.push_back(prepare_ragged(
         "MultiHeadAttention window 3" + with,
-        MultiHeadAttention(MultiHeadAttentionOptions(mha).sliding_window_size(3)), device));
+        MultiHeadAttention(MultiHeadAttentionOptions(mha).sliding_window_size(3)).ptr(), device));
     modules.push_back(
-        erase_ragged("GroupedQueryAttention window 3" + with,
+        prepare_ragged("GroupedQueryAttention window 3" + with,
                      GroupedQueryAttention(GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2)
                                                .rope(rope)
                                                .qk_norm(positional)
-                                               .sliding_window_size(3)),
+                                               .sliding_window_size(3))
+                         .ptr(),
                      device));
   }
-  modules.push_back(erase_ragged(
+  modules.push_back(prepare_ragged(
       "MultiHeadLatentAttention",
-      MultiHeadLatentAttention(MultiHeadLatentAttentionOptions(6, 8, 0.0, 2).latent_dim(3)),
+      MultiHeadLatentAttention(MultiHeadLatentAttentionOptions(6, 8, 0.0, 2).latent_dim(3)).ptr(),
       device));
   return modules;
 }
@@ -353,11 +345,11 @@ TEST_P(RaggedKVCacheDevices, EachRowEqualsThatRowAloneThroughPrefillChunksAndDec
   for (auto& attention : ragged_modules(device())) {
     std::vector<torch::Tensor> alone;
     for (const auto& sequence : sequences)
-      alone.push_back(attention.forward(sequence));
+      alone.push_back(attention.layer->forward(sequence));
     for (const auto backend : kBackends) {
-      attention.set_backend(backend);
+      attention.layer->set_backend(backend);
       const auto label = attention.label + " " + backend_name(backend);
-      auto cache = attention.make_kv_cache(3);
+      auto cache = attention.layer->make_kv_cache(3, /*capacity=*/24);
       std::vector<int64_t> done(3, 0);
       for (size_t s = 0; s < steps.size(); ++s) {
         const auto& step = steps[s];
@@ -365,7 +357,7 @@ TEST_P(RaggedKVCacheDevices, EachRowEqualsThatRowAloneThroughPrefillChunksAndDec
         auto x = torch::randn({3, n, 6}, torch::kFloat64).to(device());  // padding: random
         for (int64_t r = 0; r < 3; ++r)
           x[r].narrow(0, 0, step[r]).copy_(sequences[r][0].narrow(0, done[r], step[r]));
-        const auto out = attention.ragged(x, cache, torch::tensor(step, torch::kInt64));
+        const auto out = attention.layer->forward_with_cache(x, cache, torch::tensor(step, torch::kInt64));
         ASSERT_EQ(out.size(1), n) << label;
         EXPECT_EQ(out.device().type(), device().type()) << label;
         EXPECT_TRUE(torch::isfinite(out).all().item<bool>()) << label;

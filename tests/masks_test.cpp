@@ -468,8 +468,8 @@ TEST(MultiHeadAttentionMasks, PaddedRowsEqualEachSequenceAloneOnEveryBackend) {
       attnkit::MultiHeadAttention mha(attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2)
                                           .causal(causal)
                                           .backend(backend)
-                                          .chunk_size(4)
-                                          .key_chunk_size(3));
+                                          .query_block_size(4)
+                                          .key_block_size(3));
       mha->to(torch::kFloat64);
       // kFused in a module runs the padding mask, which its kernels do not take, on chunked.
       const auto padded = mha->forward(x, {}, {}, Mask::key_padding(torch::tensor(lengths)));
@@ -585,28 +585,28 @@ TEST_P(ModuleMasksDevices, EveryMultiHeadModuleTakesPaddingMasksInForwardAndItsC
     SCOPED_TRACE("MultiHeadAttention");
     expect_masked_module_rows_equal_each_sequence_alone(
         attnkit::MultiHeadAttention(
-            attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).chunk_size(4).key_chunk_size(3)),
+            attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).query_block_size(4).key_block_size(3)),
         device());
   }
   {
     SCOPED_TRACE("MultiHeadAttentionCombinedQKV");
     expect_masked_module_rows_equal_each_sequence_alone(
         attnkit::MultiHeadAttentionCombinedQKV(
-            attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).qkv_bias(true).chunk_size(4)),
+            attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).qkv_bias(true).query_block_size(4)),
         device());
   }
   {
     SCOPED_TRACE("GroupedQueryAttention");
     expect_masked_module_rows_equal_each_sequence_alone(
         attnkit::GroupedQueryAttention(
-            attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2).chunk_size(4).key_chunk_size(3)),
+            attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2).query_block_size(4).key_block_size(3)),
         device());
   }
   {
     SCOPED_TRACE("MultiHeadLatentAttention");
     expect_masked_module_rows_equal_each_sequence_alone(
         attnkit::MultiHeadLatentAttention(
-            attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2).latent_dim(4).chunk_size(4)),
+            attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2).latent_dim(4).query_block_size(4)),
         device());
   }
 }
@@ -842,7 +842,7 @@ TEST(BlockMask, AttentionFromABlockMaskEqualsAttentionFromTheMaskOnEveryBackend)
   // Through a module's mask argument, under its own causal mask: one block mask per step.
   attnkit::MultiHeadAttention mha(attnkit::MultiHeadAttentionOptions(8, 8, n, 0.0, 2)
                                       .backend(AttentionBackend::kChunked)
-                                      .chunk_size(8));
+                                      .query_block_size(8));
   const auto tokens = torch::randn({kBatch, n, 8}, dtype);
   mha->to(dtype);
   const auto padding = Mask::key_padding(torch::tensor({n, int64_t{17}}));

@@ -87,25 +87,8 @@ inline ModuleConfig module_config_of(const c10::IValue& config) {
   return c;
 }
 
-/// A module with a KV cache, behind one interface.
-struct CachedAttention {
-  std::shared_ptr<torch::nn::Module> module;
-  std::function<torch::Tensor(const torch::Tensor&)> forward;
-  std::function<torch::Tensor(const torch::Tensor&, KVCache&)> forward_with_cache;
-  std::function<KVCache(int64_t, int64_t)> make_kv_cache;
-  std::function<void(AttentionBackend)> set_backend;
-};
-
-template <typename Holder>
-CachedAttention erase_cached(Holder holder) {
-  return {
-      holder.ptr(), [holder](const torch::Tensor& x) mutable { return holder(x); },
-      [holder](const torch::Tensor& x, KVCache& cache) mutable {
-        return holder->forward_with_cache(x, cache);
-      },
-      [holder](int64_t batch, int64_t capacity) { return holder->make_kv_cache(batch, capacity); },
-      [holder](AttentionBackend backend) mutable { holder->options.backend(backend); }};
-}
+/// A module with a KV cache, through the interface they share.
+using CachedAttention = std::shared_ptr<CachedAttentionLayer>;
 
 /// The classes with a KV cache: the multi-head ones and the attention family.
 inline CachedAttention make_cached_attention(const std::string& name, const ModuleConfig& c) {
@@ -120,22 +103,25 @@ inline CachedAttention make_cached_attention(const std::string& name, const Modu
           .rope(c.rope)
           .qk_norm(c.qk_norm);
   if (name == "MultiHeadAttention")
-    return erase_cached(MultiHeadAttention(mha));
+    return MultiHeadAttention(mha).ptr();
   if (name == "MultiHeadAttentionCombinedQKV")
-    return erase_cached(MultiHeadAttentionCombinedQKV(mha));
+    return MultiHeadAttentionCombinedQKV(mha).ptr();
   if (name == "GroupedQueryAttention") {
-    return erase_cached(GroupedQueryAttention(
-        GroupedQueryAttentionOptions(c.d_in, c.d_out, c.dropout, c.num_heads, c.num_kv_groups)
-            .qkv_bias(c.qkv_bias)
-            .sliding_window_size(window)
-            .rope(c.rope)
-            .qk_norm(c.qk_norm)));
+    return GroupedQueryAttention(
+               GroupedQueryAttentionOptions(c.d_in, c.d_out, c.dropout, c.num_heads,
+                                            c.num_kv_groups)
+                   .qkv_bias(c.qkv_bias)
+                   .sliding_window_size(window)
+                   .rope(c.rope)
+                   .qk_norm(c.qk_norm))
+        .ptr();
   }
   TORCH_CHECK(name == "MultiHeadLatentAttention", "[make_attention] unknown module '", name, "'");
-  return erase_cached(MultiHeadLatentAttention(
-      MultiHeadLatentAttentionOptions(c.d_in, c.d_out, c.dropout, c.num_heads)
-          .qkv_bias(c.qkv_bias)
-          .latent_dim(latent)));
+  return MultiHeadLatentAttention(
+             MultiHeadLatentAttentionOptions(c.d_in, c.d_out, c.dropout, c.num_heads)
+                 .qkv_bias(c.qkv_bias)
+                 .latent_dim(latent))
+      .ptr();
 }
 
 /// A module of any attnkit class with a type-erased forward.
@@ -162,7 +148,7 @@ inline AnyAttention make_attention(const std::string& name, const ModuleConfig& 
                                            c.num_heads, c.qkv_bias));
   }
   auto cached = make_cached_attention(name, c);
-  return {cached.module, cached.forward};
+  return {cached->as_module(), [cached](const torch::Tensor& x) { return cached->forward(x); }};
 }
 
 /// x (b, n, d_in) fed in pieces of `splits` tokens through one cache -> (b, n, d_out).
@@ -171,7 +157,7 @@ inline torch::Tensor forward_in_pieces(CachedAttention& m, const torch::Tensor& 
   std::vector<torch::Tensor> outputs;
   int64_t start = 0;
   for (const auto length : splits) {
-    outputs.push_back(m.forward_with_cache(x.narrow(1, start, length), cache));
+    outputs.push_back(m->forward_with_cache(x.narrow(1, start, length), cache));
     start += length;
   }
   EXPECT_EQ(start, x.size(1)) << "the splits must cover x";
@@ -184,7 +170,7 @@ inline torch::Tensor forward_in_pieces(CachedAttention& m, const torch::Tensor& 
 inline void expect_cached_pieces_match_forward(CachedAttention& m, const torch::Tensor& x,
                                                const std::vector<std::vector<int64_t>>& splits,
                                                KVCache& cache, const std::string& label) {
-  const auto full = m.forward(x);
+  const auto full = m->forward(x);
   const auto bytes = cache.nbytes();
   for (const auto& pieces : splits) {
     SCOPED_TRACE(c10::str(label, " ", x.scalar_type(), " pieces ", c10::IntArrayRef(pieces)));

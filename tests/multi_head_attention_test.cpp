@@ -74,14 +74,14 @@ TEST(MultiHeadAttention, PrettyPrint) {
   EXPECT_EQ(mha.str(),
             "attnkit::MultiHeadAttention(d_in=8, d_out=8, context_length=16, dropout=0.1, "
             "num_heads=4, qkv_bias=false, causal=false, sliding_window_size=none, backend=math, "
-            "chunk_size=128, "
-            "key_chunk_size=1024)");
+            "query_block_size=128, "
+            "key_block_size=1024)");
   MultiHeadAttentionCombinedQKV(3, 4, 6, 0.0, 2, true)->pretty_print(combined);
   EXPECT_EQ(combined.str(),
             "attnkit::MultiHeadAttentionCombinedQKV(d_in=3, d_out=4, context_length=6, "
             "dropout=0, num_heads=2, qkv_bias=true, causal=true, sliding_window_size=none, "
-            "backend=math, chunk_size=128, "
-            "key_chunk_size=1024)");
+            "backend=math, query_block_size=128, "
+            "key_block_size=1024)");
 }
 
 TEST(MultiHeadAttention, EncoderModeAppliesNoMask) {

@@ -352,25 +352,25 @@ TEST_P(RopeModulesDevices, CachedDecodingEqualsForwardForEveryModuleAndBackend) 
         std::pair{"MultiHeadAttention", 4}}) {
     config.sliding_window_size = window;
     auto attention = make_cached_attention(name, config);
-    attention.module->to(device(), torch::kFloat64);
-    attention.module->eval();
+    attention->as_module()->to(device(), torch::kFloat64);
+    attention->as_module()->eval();
     {
       torch::NoGradGuard no_grad;
-      for (auto& parameter : attention.module->named_parameters()) {
+      for (auto& parameter : attention->as_module()->named_parameters()) {
         if (parameter.key().find("_norm.") != std::string::npos)
           parameter.value().uniform_(0.5, 1.5);
       }
     }
     for (const auto backend : kBackends) {
-      attention.set_backend(backend);
+      attention->set_backend(backend);
       const auto label = c10::str(name, " window ", window, " ", attnkit::backend_name(backend));
-      const auto expected = attention.forward(x);
-      auto cache = attention.make_kv_cache(2, 20);
+      const auto expected = attention->forward(x);
+      auto cache = attention->make_kv_cache(2, 20);
       torch::NoGradGuard no_grad;
-      std::vector<torch::Tensor> pieces{attention.forward_with_cache(x.narrow(1, 0, 5), cache),
-                                        attention.forward_with_cache(x.narrow(1, 5, 3), cache)};
+      std::vector<torch::Tensor> pieces{attention->forward_with_cache(x.narrow(1, 0, 5), cache),
+                                        attention->forward_with_cache(x.narrow(1, 5, 3), cache)};
       for (int64_t t = 8; t < 13; ++t)
-        pieces.push_back(attention.forward_with_cache(x.narrow(1, t, 1), cache));
+        pieces.push_back(attention->forward_with_cache(x.narrow(1, t, 1), cache));
       EXPECT_EQ(expected.device(), x.device()) << label;
       EXPECT_TRUE(tensors_close(label, torch::cat(pieces, 1), expected, 1e-10));
     }

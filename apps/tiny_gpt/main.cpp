@@ -46,50 +46,61 @@ struct ModelConfig {
   attnkit::RopeOptions rope = attnkit::RopeOptions(64);
 };
 
-// One decoder block: the interface TinyGpt uses, whatever the design.
+// One pre-norm decoder block: x + attention(norm(x)), then x + feed_forward(norm(x)). Any
+// attnkit attention layer with a KV cache attends; each design supplies its norms and
+// feed-forward.
 struct DecoderBlock : torch::nn::Module {
-  virtual torch::Tensor forward(torch::Tensor x) = 0;  // (b, n, d) -> (b, n, d)
+  explicit DecoderBlock(std::shared_ptr<attnkit::CachedAttentionLayer> layer)
+      : attention(std::move(layer)) {
+    register_module("attention", attention->as_module());
+  }
+
+  torch::Tensor forward(torch::Tensor x) {  // (b, n, d) -> (b, n, d)
+    x = x + attention->forward(attention_norm(x));
+    return x + feed_forward(feed_forward_norm(x));
+  }
   // The same for the next tokens of sequences whose earlier keys and values are in `cache`;
   // with `lengths` (b), row r brings its first lengths[r] tokens, the rest is padding.
-  virtual torch::Tensor forward_with_cache(torch::Tensor x, attnkit::KVCache& cache,
-                                           const torch::Tensor& lengths) = 0;
-  virtual attnkit::KVCache make_kv_cache(int64_t batch, int64_t capacity) = 0;
+  torch::Tensor forward_with_cache(torch::Tensor x, attnkit::KVCache& cache,
+                                   const torch::Tensor& lengths) {
+    x = x + attention->forward_with_cache(attention_norm(x), cache, lengths);
+    return x + feed_forward(feed_forward_norm(x));
+  }
+  attnkit::KVCache make_kv_cache(int64_t batch, int64_t capacity) {
+    return attention->make_kv_cache(batch, capacity);
+  }
+
+  virtual torch::Tensor attention_norm(const torch::Tensor& x) = 0;
+  virtual torch::Tensor feed_forward_norm(const torch::Tensor& x) = 0;
+  virtual torch::Tensor feed_forward(const torch::Tensor& x) = 0;
+
+  std::shared_ptr<attnkit::CachedAttentionLayer> attention;
 };
 
-// GPT-2 style pre-LayerNorm block: x + attention(norm(x)), then x + mlp(norm(x)).
+// GPT-2 style: LayerNorms, multi-head attention and a GELU MLP.
 struct GptBlock : DecoderBlock {
   GptBlock(const ModelConfig& c, double dropout)
-      : attention_norm(register_module(
+      : DecoderBlock(
+            attnkit::MultiHeadAttention(c.d_model, c.d_model, c.context_length, dropout, c.heads)
+                .ptr()),
+        attention_norm_(register_module(
             "attention_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})))),
-        attention(register_module(
-            "attention",
-            attnkit::MultiHeadAttention(c.d_model, c.d_model, c.context_length, dropout, c.heads))),
-        feed_forward_norm(register_module(
+        feed_forward_norm_(register_module(
             "feed_forward_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})))),
-        feed_forward(register_module(
+        feed_forward_(register_module(
             "feed_forward",
             torch::nn::Sequential(torch::nn::Linear(c.d_model, 4 * c.d_model), torch::nn::GELU(),
                                   torch::nn::Linear(4 * c.d_model, c.d_model)))) {}
 
-  torch::Tensor forward(torch::Tensor x) override {
-    x = x + attention(attention_norm(x));
-    return x + feed_forward->forward(feed_forward_norm(x));
+  torch::Tensor attention_norm(const torch::Tensor& x) override { return attention_norm_(x); }
+  torch::Tensor feed_forward_norm(const torch::Tensor& x) override {
+    return feed_forward_norm_(x);
   }
-  torch::Tensor forward_with_cache(torch::Tensor x, attnkit::KVCache& cache,
-                                   const torch::Tensor& lengths) override {
-    const auto normed = attention_norm(x);
-    x = x + (lengths.defined() ? attention->forward_with_cache(normed, cache, lengths)
-                               : attention->forward_with_cache(normed, cache));
-    return x + feed_forward->forward(feed_forward_norm(x));
-  }
-  attnkit::KVCache make_kv_cache(int64_t batch, int64_t capacity) override {
-    return attention->make_kv_cache(batch, capacity);
-  }
+  torch::Tensor feed_forward(const torch::Tensor& x) override { return feed_forward_->forward(x); }
 
-  torch::nn::LayerNorm attention_norm;
-  attnkit::MultiHeadAttention attention;
-  torch::nn::LayerNorm feed_forward_norm;
-  torch::nn::Sequential feed_forward;
+  torch::nn::LayerNorm attention_norm_;
+  torch::nn::LayerNorm feed_forward_norm_;
+  torch::nn::Sequential feed_forward_;
 };
 
 // Llama's feed-forward: fc3(silu(fc1(x)) * fc2(x)), no biases.
@@ -107,41 +118,31 @@ struct SwiGLUImpl : torch::nn::Module {
 };
 TORCH_MODULE(SwiGLU);
 
-// Llama style block: RMSNorm, grouped-query attention with RoPE (and QK-norm for Qwen3), SwiGLU.
+// Llama style: RMSNorm, grouped-query attention with RoPE (and QK-norm for Qwen3), SwiGLU.
 struct LlamaBlock : DecoderBlock {
   LlamaBlock(const ModelConfig& c, double dropout)
-      : attention_norm(register_module("attention_norm", norm(c))),
-        attention(register_module(
-            "attention",
-            attnkit::GroupedQueryAttention(attnkit::GroupedQueryAttentionOptions(
-                                               c.d_model, c.d_model, dropout, c.heads, c.kv_groups)
-                                               .rope(c.rope)
-                                               .qk_norm(c.qk_norm)))),
-        feed_forward_norm(register_module("feed_forward_norm", norm(c))),
-        feed_forward(register_module("feed_forward", SwiGLU(c.d_model, c.hidden))) {}
+      : DecoderBlock(attnkit::GroupedQueryAttention(
+                         attnkit::GroupedQueryAttentionOptions(c.d_model, c.d_model, dropout,
+                                                               c.heads, c.kv_groups)
+                             .rope(c.rope)
+                             .qk_norm(c.qk_norm))
+                         .ptr()),
+        attention_norm_(register_module("attention_norm", norm(c))),
+        feed_forward_norm_(register_module("feed_forward_norm", norm(c))),
+        feed_forward_(register_module("feed_forward", SwiGLU(c.d_model, c.hidden))) {}
   static attnkit::RMSNorm norm(const ModelConfig& c) {
     return attnkit::RMSNorm(attnkit::RMSNormOptions(c.d_model).eps(c.norm_eps));
   }
 
-  torch::Tensor forward(torch::Tensor x) override {
-    x = x + attention(attention_norm(x));
-    return x + feed_forward(feed_forward_norm(x));
+  torch::Tensor attention_norm(const torch::Tensor& x) override { return attention_norm_(x); }
+  torch::Tensor feed_forward_norm(const torch::Tensor& x) override {
+    return feed_forward_norm_(x);
   }
-  torch::Tensor forward_with_cache(torch::Tensor x, attnkit::KVCache& cache,
-                                   const torch::Tensor& lengths) override {
-    const auto normed = attention_norm(x);
-    x = x + (lengths.defined() ? attention->forward_with_cache(normed, cache, lengths)
-                               : attention->forward_with_cache(normed, cache));
-    return x + feed_forward(feed_forward_norm(x));
-  }
-  attnkit::KVCache make_kv_cache(int64_t batch, int64_t capacity) override {
-    return attention->make_kv_cache(batch, capacity);
-  }
+  torch::Tensor feed_forward(const torch::Tensor& x) override { return feed_forward_(x); }
 
-  attnkit::RMSNorm attention_norm;
-  attnkit::GroupedQueryAttention attention;
-  attnkit::RMSNorm feed_forward_norm;
-  SwiGLU feed_forward;
+  attnkit::RMSNorm attention_norm_;
+  attnkit::RMSNorm feed_forward_norm_;
+  SwiGLU feed_forward_;
 };
 
 // A torch::nn::Module and an attnkit::CausalLanguageModel, so attnkit::generate can decode it,

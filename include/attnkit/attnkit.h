@@ -7,6 +7,7 @@
 #include "attnkit/autocast.h"
 #include "attnkit/block_mask.h"
 #include "attnkit/book_steps.h"
+#include "attnkit/cached_attention.h"
 #include "attnkit/causal_attention.h"
 #include "attnkit/decode.h"
 #include "attnkit/functional.h"

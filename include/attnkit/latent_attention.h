@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "attnkit/attention.h"
+#include "attnkit/cached_attention.h"
 #include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
@@ -17,9 +18,12 @@ namespace attnkit {
 /// latent_dim=None)`: Linear `W_query` (d_in -> d_out), `W_DKV` (d_in -> latent_dim), `W_UK`
 /// and `W_UV` (latent_dim -> d_out), created in that order, and `out_proj` (d_out -> d_out,
 /// with bias). Keys W_UK(W_DKV(x)) and values W_UV(W_DKV(x)) are split into num_heads heads
-/// like the queries. Causal. Input (b, n, d_in); output (b, n, d_out).
+/// like the queries. Causal. Input (b, n, d_in); output (b, n, d_out); forward,
+/// forward_with_weights and forward_with_cache are CachedAttentionLayer's
+/// (attnkit/cached_attention.h).
 /// Example: `MultiHeadLatentAttention mla(MultiHeadLatentAttentionOptions(768, 768, 0.0, 12));`
-class MultiHeadLatentAttentionImpl : public torch::nn::Cloneable<MultiHeadLatentAttentionImpl> {
+class MultiHeadLatentAttentionImpl
+    : public CachedAttentionModule<MultiHeadLatentAttentionImpl> {
  public:
   /// Positional arguments in the order of the Python constructor (latent_dim 0: the default).
   MultiHeadLatentAttentionImpl(int64_t d_in, int64_t d_out, double dropout, int64_t num_heads,
@@ -41,35 +45,9 @@ class MultiHeadLatentAttentionImpl : public torch::nn::Cloneable<MultiHeadLatent
   /// The latent width in use: options.latent_dim(), or max(16, d_out / 8).
   int64_t latent_dim() const;
 
-  /// Self-attention `forward(x)`: (b, n, d_in) -> (b, n, d_out); cross-attention
-  /// `forward(query, key, value)` with keys and values from key and value (b, m, d_in), value
-  /// defaulting to key (keys are up-projected from the latents of key, values from those
-  /// of value). `mask` (docs/masks.md) combines with the causal and window mask, as in
-  /// MultiHeadAttention. Computed by `options.backend()`.
-  torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& key = {},
-                        const torch::Tensor& value = {}, const Mask& mask = {});
-
-  /// `forward`, also returning the attention weights (b, num_heads, n, m); the math path.
-  functional::AttentionOutput forward_with_weights(const torch::Tensor& query,
-                                                   const torch::Tensor& key = {},
-                                                   const torch::Tensor& value = {},
-                                                   const Mask& mask = {});
-
   /// A latent cache (`KVCache::latent`) for `forward_with_cache`: `batch` sequences of up to
   /// `capacity` (>= 1) positions, latent_dim() values per position.
-  KVCache make_kv_cache(int64_t batch, int64_t capacity) const;
-
-  /// Inference with a latent cache: x (b, n, d_in) holds the next n tokens; their latents are
-  /// appended, keys and values of every position are up-projected from the latents held, and
-  /// the rows forward() gives the n tokens over the whole sequence are returned. `mask` as
-  /// in forward: query index the row of x, key index the position in the cache.
-  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
-
-  /// A right-padded batch whose rows hold different numbers of new tokens, as
-  /// `MultiHeadAttention::forward_with_cache(x, cache, lengths)`: row r's first lengths[r]
-  /// tokens of x (b, n, d_in) continue its own sequence; the padding's latents are not cached.
-  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache,
-                                   const torch::Tensor& lengths, const Mask& mask = {});
+  KVCache make_kv_cache(int64_t batch, int64_t capacity) const override;
 
   /// The options this module was built with (reset() re-reads them).
   MultiHeadLatentAttentionOptions options;
@@ -85,10 +63,17 @@ class MultiHeadLatentAttentionImpl : public torch::nn::Cloneable<MultiHeadLatent
   torch::nn::Linear out_proj{nullptr};
 
  protected:
-  // forward(x) keeps working through torch::nn::AnyModule and Sequential.
-  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
-                           {2, torch::nn::AnyValue(torch::Tensor())},
-                           {3, torch::nn::AnyValue(Mask())})
+  // Keys are up-projected from the latents of key, values from those of value (one set when
+  // they are the same tensor).
+  functional::AttentionOutput attend_inputs(const torch::Tensor& query, const torch::Tensor& key,
+                                            const torch::Tensor& value, const Mask& mask,
+                                            bool with_weights) override;
+  // The new tokens' latents are appended; keys and values of every position come from the
+  // latents held. A one-token step without a mask reads the latents in place, with the
+  // up-projections absorbed into the query and the output; the padding's latents are not
+  // cached.
+  torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
+                                  const torch::Tensor& lengths, const Mask& mask) override;
 };
 
 /// Module holder for `MultiHeadLatentAttentionImpl` (shared-pointer semantics).

@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/cached_attention.h"
 #include "attnkit/causal_attention.h"
 #include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
@@ -60,9 +61,11 @@ TORCH_MODULE(MultiHeadAttentionWrapper);
 /// with bias). With `causal(false)` no mask is applied (encoder self-attention). Input
 /// (b, n, d_in); output (b, n, d_out). The Python class's `mask` buffer is not kept (n^2
 /// memory that nothing reads): `attnkit::state_dict` makes it at save time, so Python's strict
-/// load takes the file, and a load ignores it.
+/// load takes the file, and a load ignores it. forward, forward_with_weights and
+/// forward_with_cache are CachedAttentionLayer's (attnkit/cached_attention.h), each call
+/// within context_length tokens.
 /// Example: `MultiHeadAttention mha(MultiHeadAttentionOptions(768, 768, 1024, 0.1, 12));`
-class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImpl>,
+class MultiHeadAttentionImpl : public CachedAttentionModule<MultiHeadAttentionImpl>,
                                public PythonOnlyState {
  public:
   /// Positional arguments in the order of the Python constructor.
@@ -87,50 +90,11 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// {"mask"}, without making the n^2 buffer.
   std::vector<std::string> python_only_keys() const override { return {"mask"}; }
 
-  /// Self-attention `forward(x)`: (b, n, d_in) -> (b, n, d_out). Cross-attention
-  /// `forward(query, key, value)`: queries from query (b, n, d_in), keys and values from
-  /// key and value (b, m, d_in) (value defaults to key; m may differ from n). `mask`
-  /// (docs/masks.md) combines with the module's own causal and window settings, e.g.
-  /// `Mask::key_padding(lengths)` for padded batches or `Mask::documents(ids)` for packed
-  /// ones. Computed by `options.backend()`. With `rope`, self-attention only (token i at
-  /// position i); `qk_norm` normalises the heads in both.
-  /// Example: `mha->forward(x, {}, {}, attnkit::Mask::key_padding(lengths))`.
-  torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& key = {},
-                        const torch::Tensor& value = {}, const Mask& mask = {});
-
-  /// `forward`, also returning the attention weights (b, num_heads, n, m); always the math
-  /// path, since the other backends never form the weights.
-  functional::AttentionOutput forward_with_weights(const torch::Tensor& query,
-                                                   const torch::Tensor& key = {},
-                                                   const torch::Tensor& value = {},
-                                                   const Mask& mask = {});
-
   /// A KV cache for `forward_with_cache`: `batch` sequences of up to `capacity` positions
   /// (0: context_length, the most the module accepts), num_heads heads of
-  /// d_out / num_heads, in the parameters' dtype and on their device.
-  KVCache make_kv_cache(int64_t batch, int64_t capacity = 0) const;
-
-  /// Inference with a KV cache: x (b, n, d_in) holds the next n tokens of b sequences, at
-  /// positions [cache.size(), cache.size() + n). Their keys and values are appended to the
-  /// cache and their queries attend to every position held, with the causal mask aligned
-  /// bottom-right. Returns (b, n, d_out): the rows of forward() over the whole sequence, for
-  /// a prompt at once (prefill), in pieces, or a token at a time; computed by
-  /// `options.backend()`. `mask` combines with the causal one; its query index is the row of
-  /// x and its key index the position in the cache (0 .. cache.size() + n), e.g.
-  /// `Mask::key_padding` over those positions. With `rope`, the new queries and keys are
-  /// rotated at their positions before the keys enter the cache. Runs without autograd. Fails
-  /// (c10::Error) in training mode, with causal(false), with a mask on a rolling cache, and
-  /// when the positions would pass context_length, rope's context_length or the capacity.
-  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
-
-  /// A right-padded batch whose rows hold different numbers of new tokens: row r's first
-  /// lengths[r] tokens of x (b, n, d_in), `lengths` a (b) int64 tensor with entries in [0, n],
-  /// sit at positions [cache.lengths()[r], cache.lengths()[r] + lengths[r]) of its own
-  /// sequence, so a batch of prompts of different lengths is prefilled and decoded together.
-  /// Each row's outputs at its valid tokens equal that row run alone; those at padding are
-  /// finite and meaningless. Every cache kind, a rolling one too.
-  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache,
-                                   const torch::Tensor& lengths, const Mask& mask = {});
+  /// d_out / num_heads, in the parameters' dtype and on their device; with a sliding window a
+  /// rolling cache of sliding_window_size positions.
+  KVCache make_kv_cache(int64_t batch, int64_t capacity = 0) const override;
 
   /// The options this module was built with (reset() re-reads them).
   MultiHeadAttentionOptions options;
@@ -149,10 +113,17 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   detail::RopeTables rope_tables;
 
  protected:
-  // forward(x) keeps working through torch::nn::AnyModule and Sequential.
-  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
-                           {2, torch::nn::AnyValue(torch::Tensor())},
-                           {3, torch::nn::AnyValue(Mask())})
+  // Self-attention on a backend other than kMath projects with one GEMM over the three
+  // weights stacked, which the kernels may read in place; kMath and cross-attention project
+  // three times, as Python does. With `rope`, self-attention only (token i at position i);
+  // `qk_norm` normalises the heads in both.
+  functional::AttentionOutput attend_inputs(const torch::Tensor& query, const torch::Tensor& key,
+                                            const torch::Tensor& value, const Mask& mask,
+                                            bool with_weights) override;
+  // With `rope`, the new queries and keys are rotated at their positions before the keys
+  // enter the cache. Refused with causal(false), and past context_length or rope's.
+  torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
+                                  const torch::Tensor& lengths, const Mask& mask) override;
 };
 
 /// Module holder for `MultiHeadAttentionImpl` (shared-pointer semantics).
@@ -164,10 +135,11 @@ TORCH_MODULE(MultiHeadAttention);
 /// Layout of `qkv`'s 3 * d_out output features (seed 001's): grouped by head, and within a
 /// head query, key, value: feature `h * 3 * hd + j * hd + i` is element i of head h of
 /// j = 0 query, 1 key, 2 value. So `qkv(x).view({b, n, h, 3 * hd})` chunked in three along
-/// the last dimension gives each head's q, k, v.
+/// the last dimension gives each head's q, k, v. Self-attention only: forward's `key` and
+/// `value` are refused. The signatures are MultiHeadAttention's, so the two modules swap.
 /// Example: `MultiHeadAttentionCombinedQKV mha(MultiHeadAttentionOptions(64, 64, 32, 0.0, 4));`
 class MultiHeadAttentionCombinedQKVImpl
-    : public torch::nn::Cloneable<MultiHeadAttentionCombinedQKVImpl>,
+    : public CachedAttentionModule<MultiHeadAttentionCombinedQKVImpl>,
       public PythonOnlyState {
  public:
   /// Positional arguments in the order of the Python constructor.
@@ -191,42 +163,8 @@ class MultiHeadAttentionCombinedQKVImpl
   /// {"mask"}, without making the n^2 buffer.
   std::vector<std::string> python_only_keys() const override { return {"mask"}; }
 
-  /// Self-attention (b, n, d_in) -> (b, n, d_out) under the module's mask and `mask`, computed
-  /// by `options.backend()`. One projection makes queries, keys and values from one input, so
-  /// a `key` or `value` is refused (c10::Error): MultiHeadAttention does cross-attention. The
-  /// signature is MultiHeadAttention's, so the two modules swap.
-  torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& key = {},
-                        const torch::Tensor& value = {}, const Mask& mask = {});
-
-  /// `forward`, also returning the attention weights (b, num_heads, n, n); the math path.
-  functional::AttentionOutput forward_with_weights(const torch::Tensor& query,
-                                                   const torch::Tensor& key = {},
-                                                   const torch::Tensor& value = {},
-                                                   const Mask& mask = {});
-
-  /// A KV cache for `forward_with_cache`: `batch` sequences of up to `capacity` positions
-  /// (0: context_length, the most the module accepts), num_heads heads of
-  /// d_out / num_heads, in the parameters' dtype and on their device.
-  KVCache make_kv_cache(int64_t batch, int64_t capacity = 0) const;
-
-  /// Inference with a KV cache, as MultiHeadAttention's: x (b, n, d_in) holds the next n tokens of
-  /// b sequences, at positions [cache.size(), cache.size() + n). Their keys and values are appended
-  /// to the cache and their queries attend to every position held, with the causal mask aligned
-  /// bottom-right. Returns (b, n, d_out): the rows of forward() over the whole sequence, for
-  /// a prompt at once (prefill), in pieces, or a token at a time; computed by
-  /// `options.backend()`. `mask` as in MultiHeadAttention's. Runs without autograd. Fails
-  /// (c10::Error) in training mode, with causal(false), with a mask on a rolling cache, and
-  /// when the positions would pass context_length or the capacity.
-  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {});
-
-  /// A right-padded batch whose rows hold different numbers of new tokens: row r's first
-  /// lengths[r] tokens of x (b, n, d_in), `lengths` a (b) int64 tensor with entries in [0, n],
-  /// sit at positions [cache.lengths()[r], cache.lengths()[r] + lengths[r]) of its own
-  /// sequence, so a batch of prompts of different lengths is prefilled and decoded together.
-  /// Each row's outputs at its valid tokens equal that row run alone; those at padding are
-  /// finite and meaningless. Every cache kind, a rolling one too.
-  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache,
-                                   const torch::Tensor& lengths, const Mask& mask = {});
+  /// A KV cache for `forward_with_cache`, as MultiHeadAttention's.
+  KVCache make_kv_cache(int64_t batch, int64_t capacity = 0) const override;
 
   /// Copies a MultiHeadAttention's weights into `qkv` (in the layout above) and `out_proj`;
   /// both modules then compute the same function. Fails when the options differ.
@@ -244,9 +182,13 @@ class MultiHeadAttentionCombinedQKVImpl
   detail::RopeTables rope_tables;
 
  protected:
-  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())},
-                           {2, torch::nn::AnyValue(torch::Tensor())},
-                           {3, torch::nn::AnyValue(Mask())})
+  // Self-attention only: one projection makes queries, keys and values from one input, so a
+  // `key` or `value` is refused (c10::Error); MultiHeadAttention does cross-attention.
+  functional::AttentionOutput attend_inputs(const torch::Tensor& query, const torch::Tensor& key,
+                                            const torch::Tensor& value, const Mask& mask,
+                                            bool with_weights) override;
+  torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
+                                  const torch::Tensor& lengths, const Mask& mask) override;
 };
 
 /// Module holder for `MultiHeadAttentionCombinedQKVImpl` (shared-pointer semantics).

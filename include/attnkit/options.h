@@ -164,11 +164,58 @@ std::string backend_name(AttentionBackend backend);
 /// Example: `attnkit::parse_backend("chunked")`.
 AttentionBackend parse_backend(const std::string& name);
 
+/// What the options of every module with attention backends (MultiHeadAttention,
+/// GroupedQueryAttention, MultiHeadLatentAttention) share: the backend and the tile sizes of
+/// the blocked kernels, as in `functional::AttentionOptions`. Each setter returns the module's
+/// own options, so they chain with its other setters in any order.
+/// Example: `MultiHeadAttentionOptions(768, 768, 1024, 0.0, 12).backend(kChunked).causal(false)`.
+template <typename Options>
+struct AttentionBackendOptions {
+  /// How attention is computed; see `AttentionBackend`. A backend that cannot run a call (a
+  /// padding mask on kFused, say) hands it to one that can, as kAuto would.
+  Options& backend(AttentionBackend value) {
+    backend_ = value;
+    return self();
+  }
+  const AttentionBackend& backend() const noexcept { return backend_; }
+  /// Query tokens per tile of the chunked backend, and the block size of the block mask it
+  /// makes for a masked call (`functional::AttentionOptions::query_block_size`).
+  Options& query_block_size(int64_t value) {
+    query_block_size_ = value;
+    return self();
+  }
+  const int64_t& query_block_size() const noexcept { return query_block_size_; }
+  /// Key tokens per tile of the chunked backend at most.
+  Options& key_block_size(int64_t value) {
+    key_block_size_ = value;
+    return self();
+  }
+  const int64_t& key_block_size() const noexcept { return key_block_size_; }
+
+  /// The old name of `query_block_size`, kept for one release.
+  [[deprecated("use query_block_size")]] Options& chunk_size(int64_t value) {
+    return query_block_size(value);
+  }
+  [[deprecated("use query_block_size")]] int64_t chunk_size() const { return query_block_size_; }
+  /// The old name of `key_block_size`, kept for one release.
+  [[deprecated("use key_block_size")]] Options& key_chunk_size(int64_t value) {
+    return key_block_size(value);
+  }
+  [[deprecated("use key_block_size")]] int64_t key_chunk_size() const { return key_block_size_; }
+
+ private:
+  Options& self() { return static_cast<Options&>(*this); }
+
+  AttentionBackend backend_ = AttentionBackend::kMath;
+  int64_t query_block_size_ = 128;
+  int64_t key_block_size_ = 1024;
+};
+
 /// Options for `MultiHeadAttention` and `MultiHeadAttentionCombinedQKV` (Python
 /// `MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads, qkv_bias=False)`).
 /// `d_out` must be divisible by `num_heads`; each head has width `d_out / num_heads`.
 /// Example: `MultiHeadAttentionOptions(768, 768, 1024, 0.1, 12).causal(false)`.
-struct MultiHeadAttentionOptions {
+struct MultiHeadAttentionOptions : AttentionBackendOptions<MultiHeadAttentionOptions> {
   MultiHeadAttentionOptions(int64_t d_in, int64_t d_out, int64_t context_length, double dropout,
                             int64_t num_heads)
       : d_in_(d_in),
@@ -196,12 +243,6 @@ struct MultiHeadAttentionOptions {
   /// 0 <= i - j < sliding_window_size; its KV cache is a rolling buffer of that many
   /// positions. Unset: full causal attention. Must be >= 1 and needs `causal`.
   TORCH_ARG(c10::optional<int64_t>, sliding_window_size) = c10::nullopt;
-  /// How attention is computed; see `AttentionBackend`.
-  TORCH_ARG(AttentionBackend, backend) = AttentionBackend::kMath;
-  /// Query tokens per block of the chunked backend.
-  TORCH_ARG(int64_t, chunk_size) = 128;
-  /// Key tokens per block of the chunked backend.
-  TORCH_ARG(int64_t, key_chunk_size) = 1024;
   /// Rotary position embeddings on queries and keys (Llama, Qwen, Gemma); unset: none.
   /// Needs an even head width; self-attention only.
   TORCH_ARG(c10::optional<RopeOptions>, rope) = c10::nullopt;
@@ -219,7 +260,7 @@ using MultiHeadAttentionCombinedQKVOptions = MultiHeadAttentionOptions;
 /// num_kv_groups = 1 is multi-query attention, num_kv_groups = num_heads multi-head
 /// attention. Always causal; no length limit (no mask buffer).
 /// Example: `GroupedQueryAttentionOptions(768, 768, 0.0, 12, /*num_kv_groups=*/4)`.
-struct GroupedQueryAttentionOptions {
+struct GroupedQueryAttentionOptions : AttentionBackendOptions<GroupedQueryAttentionOptions> {
   GroupedQueryAttentionOptions(int64_t d_in, int64_t d_out, double dropout, int64_t num_heads,
                                int64_t num_kv_groups)
       : d_in_(d_in),
@@ -242,12 +283,6 @@ struct GroupedQueryAttentionOptions {
   TORCH_ARG(bool, qkv_bias) = false;
   /// Sliding-window attention, as in `MultiHeadAttentionOptions`. Unset: full causal.
   TORCH_ARG(c10::optional<int64_t>, sliding_window_size) = c10::nullopt;
-  /// How attention is computed; see `AttentionBackend`.
-  TORCH_ARG(AttentionBackend, backend) = AttentionBackend::kMath;
-  /// Query tokens per block of the chunked backend.
-  TORCH_ARG(int64_t, chunk_size) = 128;
-  /// Key tokens per block of the chunked backend.
-  TORCH_ARG(int64_t, key_chunk_size) = 1024;
   /// Rotary position embeddings on queries and keys, as in `MultiHeadAttentionOptions`.
   TORCH_ARG(c10::optional<RopeOptions>, rope) = c10::nullopt;
   /// QK-norm (Qwen3, Gemma 3), as in `MultiHeadAttentionOptions`.
@@ -259,7 +294,7 @@ struct GroupedQueryAttentionOptions {
 /// Keys and values are up-projected from a `latent_dim`-wide latent of each token, and the
 /// KV cache holds only the latents. Always causal; no length limit.
 /// Example: `MultiHeadLatentAttentionOptions(768, 768, 0.0, 12).latent_dim(96)`.
-struct MultiHeadLatentAttentionOptions {
+struct MultiHeadLatentAttentionOptions : AttentionBackendOptions<MultiHeadLatentAttentionOptions> {
   MultiHeadLatentAttentionOptions(int64_t d_in, int64_t d_out, double dropout, int64_t num_heads)
       : d_in_(d_in), d_out_(d_out), dropout_(dropout), num_heads_(num_heads) {}
 
@@ -275,12 +310,6 @@ struct MultiHeadLatentAttentionOptions {
   TORCH_ARG(bool, qkv_bias) = false;
   /// Width of the per-token latent; unset: max(16, d_out / 8), as in Python.
   TORCH_ARG(c10::optional<int64_t>, latent_dim) = c10::nullopt;
-  /// How attention is computed; see `AttentionBackend`.
-  TORCH_ARG(AttentionBackend, backend) = AttentionBackend::kMath;
-  /// Query tokens per block of the chunked backend.
-  TORCH_ARG(int64_t, chunk_size) = 128;
-  /// Key tokens per block of the chunked backend.
-  TORCH_ARG(int64_t, key_chunk_size) = 1024;
 };
 
 }  // namespace attnkit

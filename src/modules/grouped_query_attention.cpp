@@ -19,27 +19,6 @@ detail::CacheLayout cache_layout_of(const GroupedQueryAttentionOptions& opt) {
           /*latent=*/false};
 }
 
-// forward and forward_with_weights: (b, n, d) -> (b, h, n, hd) queries; (b, g, m, hd) keys
-// and values, never repeated; heads merged and projected.
-functional::AttentionOutput attend_inputs(GroupedQueryAttentionImpl& module,
-                                          const torch::Tensor& query, const torch::Tensor& key,
-                                          const torch::Tensor& value, const Mask& mask,
-                                          bool with_weights) {
-  const auto& opt = module.options;
-  const auto [key_input, value_input] =
-      detail::key_value_inputs(kName, query, key, value, {opt.d_in()}, module.W_query->weight);
-  detail::check_rope_forward(kName, module.rope_tables, query, key);
-  const auto g = opt.num_kv_groups();
-  const auto [queries, keys] =
-      detail::QueryKeyTransform{module.q_norm, module.k_norm, module.rope_tables}(
-          detail::split_heads(module.W_query(query), opt.num_heads()),
-          detail::split_heads(module.W_key(key_input), g), int64_t{0});
-  auto attended = detail::attend(queries, keys, detail::split_heads(module.W_value(value_input), g),
-                                 settings_of(opt), module.is_training(), /*query_offset=*/0,
-                                 with_weights, mask);
-  return {module.out_proj(detail::merge_heads(attended.context)), attended.weights};
-}
-
 }  // namespace
 
 GroupedQueryAttentionImpl::GroupedQueryAttentionImpl(const GroupedQueryAttentionOptions& options)
@@ -53,8 +32,8 @@ void GroupedQueryAttentionImpl::reset() {
   detail::check_positive_option(kName, "num_heads", options.num_heads());
   detail::check_positive_option(kName, "num_kv_groups", options.num_kv_groups());
   detail::check_dropout_option(kName, options.dropout());
-  detail::check_positive_option(kName, "chunk_size", options.chunk_size());
-  detail::check_positive_option(kName, "key_chunk_size", options.key_chunk_size());
+  detail::check_positive_option(kName, "query_block_size", options.query_block_size());
+  detail::check_positive_option(kName, "key_block_size", options.key_block_size());
   TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", kName,
               "] option d_out must be divisible by num_heads, got d_out = ", options.d_out(),
               ", num_heads = ", options.num_heads());
@@ -84,10 +63,7 @@ void GroupedQueryAttentionImpl::reset_parameters() {
   W_value->reset_parameters();
   W_query->reset_parameters();
   out_proj->reset_parameters();
-  if (options.qk_norm()) {
-    q_norm->reset_parameters();
-    k_norm->reset_parameters();
-  }
+  detail::reset_query_key_norms(q_norm, k_norm);
 }
 
 void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
@@ -97,22 +73,32 @@ void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
          << ", qkv_bias=" << detail::option_text(options.qkv_bias())
          << ", sliding_window_size=" << detail::option_text(options.sliding_window_size())
          << ", backend=" << backend_name(options.backend())
-         << ", chunk_size=" << options.chunk_size()
-         << ", key_chunk_size=" << options.key_chunk_size();
+         << ", query_block_size=" << options.query_block_size()
+         << ", key_block_size=" << options.key_block_size();
   detail::print_query_key_options(stream, options.rope(), options.qk_norm());
   stream << ")";
 }
 
-functional::AttentionOutput GroupedQueryAttentionImpl::forward_with_weights(
-    const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-    const Mask& mask) {
-  return attend_inputs(*this, query, key, value, mask, /*with_weights=*/true);
-}
-
-torch::Tensor GroupedQueryAttentionImpl::forward(const torch::Tensor& query,
-                                                 const torch::Tensor& key,
-                                                 const torch::Tensor& value, const Mask& mask) {
-  return attend_inputs(*this, query, key, value, mask, /*with_weights=*/false).context;
+// (b, n, d) -> (b, h, n, hd) queries; (b, g, m, hd) keys
+// and values, never repeated; heads merged and projected.
+functional::AttentionOutput GroupedQueryAttentionImpl::attend_inputs(const torch::Tensor& query,
+                                                                     const torch::Tensor& key,
+                                                                     const torch::Tensor& value,
+                                                                     const Mask& mask,
+                                                                     bool with_weights) {
+  const auto& opt = options;
+  const auto [key_input, value_input] =
+      detail::key_value_inputs(kName, query, key, value, {opt.d_in()}, W_query->weight);
+  detail::check_rope_forward(kName, rope_tables, query, key);
+  const auto g = opt.num_kv_groups();
+  const auto [queries, keys] =
+      detail::QueryKeyTransform{q_norm, k_norm, rope_tables}(
+          detail::split_heads(W_query(query), opt.num_heads()),
+          detail::split_heads(W_key(key_input), g), int64_t{0});
+  auto attended = detail::attend(queries, keys, detail::split_heads(W_value(value_input), g),
+                                 settings_of(opt), is_training(), /*query_offset=*/0,
+                                 with_weights, mask);
+  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 
 KVCache GroupedQueryAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
@@ -120,14 +106,9 @@ KVCache GroupedQueryAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity
                                    W_query->weight, batch, capacity);
 }
 
-torch::Tensor GroupedQueryAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache,
-                                                            const Mask& mask) {
-  return forward_with_cache(x, cache, torch::Tensor(), mask);
-}
-
-torch::Tensor GroupedQueryAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache,
-                                                            const torch::Tensor& lengths,
-                                                            const Mask& mask) {
+torch::Tensor GroupedQueryAttentionImpl::attend_new_tokens(const torch::Tensor& x, KVCache& cache,
+                                                           const torch::Tensor& lengths,
+                                                           const Mask& mask) {
   const auto new_lengths =
       detail::check_cached_call(kName, is_training(), x, options.d_in(), /*context_length=*/0,
                                 cache, cache_layout_of(options), W_query->weight, mask, lengths);

@@ -17,27 +17,6 @@ detail::ModuleAttention settings_of(const MultiHeadLatentAttentionOptions& opt) 
   return detail::module_attention_of(opt, /*causal=*/true, /*window_size=*/c10::nullopt);
 }
 
-// forward and forward_with_weights: keys and values up-projected from the latents
-// (b, m, latent_dim) of their inputs (one set when they are the same tensor).
-functional::AttentionOutput attend_inputs(MultiHeadLatentAttentionImpl& module,
-                                          const torch::Tensor& query, const torch::Tensor& key,
-                                          const torch::Tensor& value, const Mask& mask,
-                                          bool with_weights) {
-  const auto& opt = module.options;
-  const auto [key_input, value_input] =
-      detail::key_value_inputs(kName, query, key, value, {opt.d_in()}, module.W_query->weight);
-  const auto h = opt.num_heads();
-  const auto key_latents = module.W_DKV(key_input);
-  const auto value_latents =
-      value_input.is_same(key_input) ? key_latents : module.W_DKV(value_input);
-  auto attended =
-      detail::attend(detail::split_heads(module.W_query(query), h),
-                     detail::split_heads(module.W_UK(key_latents), h),
-                     detail::split_heads(module.W_UV(value_latents), h), settings_of(opt),
-                     module.is_training(), /*query_offset=*/0, with_weights, mask);
-  return {module.out_proj(detail::merge_heads(attended.context)), attended.weights};
-}
-
 // A decode step's heads (b, h, 1, hd) from queries (b, h, 1, hd) and latents (b, m, latent):
 // with `rows` (a ragged append's span) row r sees latents [0, rows->ends[r]) up to its own
 // position, else every latent.
@@ -83,8 +62,8 @@ void MultiHeadLatentAttentionImpl::reset() {
   detail::check_positive_option(kName, "d_out", options.d_out());
   detail::check_positive_option(kName, "num_heads", options.num_heads());
   detail::check_dropout_option(kName, options.dropout());
-  detail::check_positive_option(kName, "chunk_size", options.chunk_size());
-  detail::check_positive_option(kName, "key_chunk_size", options.key_chunk_size());
+  detail::check_positive_option(kName, "query_block_size", options.query_block_size());
+  detail::check_positive_option(kName, "key_block_size", options.key_block_size());
   if (options.latent_dim().has_value())
     detail::check_positive_option(kName, "latent_dim", *options.latent_dim());
   TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", kName,
@@ -118,20 +97,28 @@ void MultiHeadLatentAttentionImpl::pretty_print(std::ostream& stream) const {
          << ", num_heads=" << options.num_heads()
          << ", qkv_bias=" << detail::option_text(options.qkv_bias())
          << ", latent_dim=" << latent_dim() << ", backend=" << backend_name(options.backend())
-         << ", chunk_size=" << options.chunk_size()
-         << ", key_chunk_size=" << options.key_chunk_size() << ")";
+         << ", query_block_size=" << options.query_block_size()
+         << ", key_block_size=" << options.key_block_size() << ")";
 }
 
-functional::AttentionOutput MultiHeadLatentAttentionImpl::forward_with_weights(
+// Keys and values up-projected from the latents
+// (b, m, latent_dim) of their inputs (one set when they are the same tensor).
+functional::AttentionOutput MultiHeadLatentAttentionImpl::attend_inputs(
     const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-    const Mask& mask) {
-  return attend_inputs(*this, query, key, value, mask, /*with_weights=*/true);
-}
-
-torch::Tensor MultiHeadLatentAttentionImpl::forward(const torch::Tensor& query,
-                                                    const torch::Tensor& key,
-                                                    const torch::Tensor& value, const Mask& mask) {
-  return attend_inputs(*this, query, key, value, mask, /*with_weights=*/false).context;
+    const Mask& mask, bool with_weights) {
+  const auto& opt = options;
+  const auto [key_input, value_input] =
+      detail::key_value_inputs(kName, query, key, value, {opt.d_in()}, W_query->weight);
+  const auto h = opt.num_heads();
+  const auto key_latents = W_DKV(key_input);
+  const auto value_latents =
+      value_input.is_same(key_input) ? key_latents : W_DKV(value_input);
+  auto attended =
+      detail::attend(detail::split_heads(W_query(query), h),
+                     detail::split_heads(W_UK(key_latents), h),
+                     detail::split_heads(W_UV(value_latents), h), settings_of(opt),
+                     is_training(), /*query_offset=*/0, with_weights, mask);
+  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 
 KVCache MultiHeadLatentAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
@@ -139,15 +126,10 @@ KVCache MultiHeadLatentAttentionImpl::make_kv_cache(int64_t batch, int64_t capac
                                    /*context_length=*/0, W_query->weight, batch, capacity);
 }
 
-torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tensor& x,
-                                                               KVCache& cache, const Mask& mask) {
-  return forward_with_cache(x, cache, torch::Tensor(), mask);
-}
-
-torch::Tensor MultiHeadLatentAttentionImpl::forward_with_cache(const torch::Tensor& x,
-                                                               KVCache& cache,
-                                                               const torch::Tensor& lengths,
-                                                               const Mask& mask) {
+torch::Tensor MultiHeadLatentAttentionImpl::attend_new_tokens(const torch::Tensor& x,
+                                                              KVCache& cache,
+                                                              const torch::Tensor& lengths,
+                                                              const Mask& mask) {
   const auto new_lengths = detail::check_cached_call(
       kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
       {1, latent_dim(), 0, /*latent=*/true}, W_query->weight, mask, lengths);

@@ -233,6 +233,13 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
                      &span);
 }
 
+void reset_query_key_norms(RMSNorm& q_norm, RMSNorm& k_norm) {
+  if (q_norm.is_empty())
+    return;
+  q_norm->reset_parameters();
+  k_norm->reset_parameters();
+}
+
 RopeTables reset_query_key_transform(const char* name, torch::nn::Module& module,
                                      const c10::optional<RopeOptions>& rope, bool qk_norm,
                                      int64_t head_dim, RMSNorm& q_norm, RMSNorm& k_norm) {

@@ -28,7 +28,7 @@ struct ModuleAttention {
   functional::AttentionOptions options;
 };
 
-/// A module's ModuleAttention from its options (dropout, backend, chunk_size, key_chunk_size)
+/// A module's ModuleAttention from its options (dropout, backend, query_block_size, key_block_size)
 /// and the shape of its mask.
 template <typename ModuleOptions>
 ModuleAttention module_attention_of(const ModuleOptions& opt, bool causal,
@@ -37,8 +37,8 @@ ModuleAttention module_attention_of(const ModuleOptions& opt, bool causal,
           functional::AttentionOptions()
               .dropout_p(opt.dropout())
               .backend(opt.backend())
-              .query_block_size(opt.chunk_size())
-              .key_block_size(opt.key_chunk_size())};
+              .query_block_size(opt.query_block_size())
+              .key_block_size(opt.key_block_size())};
 }
 
 /// Queries (b, h, n, hd) against keys and values (b, g, m, hd) with g dividing h, query i at
@@ -135,6 +135,9 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
 RopeTables reset_query_key_transform(const char* name, torch::nn::Module& module,
                                      const c10::optional<RopeOptions>& rope, bool qk_norm,
                                      int64_t head_dim, RMSNorm& q_norm, RMSNorm& k_norm);
+
+/// reset_parameters() of the QK-norm weights, where the module has them (qk_norm).
+void reset_query_key_norms(RMSNorm& q_norm, RMSNorm& k_norm);
 
 /// pretty_print's text for the rope and qk_norm options, each only when set:
 /// `, rope=(context_length=4096, theta_base=10000, layout=split_half), qk_norm=true`.

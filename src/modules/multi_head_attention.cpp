@@ -1,5 +1,6 @@
 #include "attnkit/multi_head_attention.h"
 
+#include <tuple>
 #include <vector>
 
 #include "core/checks.h"
@@ -13,14 +14,16 @@ namespace F = attnkit::functional;
 
 namespace {
 
+constexpr const char* kName = "MultiHeadAttention";
+
 void check_multi_head_options(const char* name, const MultiHeadAttentionOptions& options) {
   detail::check_positive_option(name, "d_in", options.d_in());
   detail::check_positive_option(name, "d_out", options.d_out());
   detail::check_positive_option(name, "context_length", options.context_length());
   detail::check_positive_option(name, "num_heads", options.num_heads());
   detail::check_dropout_option(name, options.dropout());
-  detail::check_positive_option(name, "chunk_size", options.chunk_size());
-  detail::check_positive_option(name, "key_chunk_size", options.key_chunk_size());
+  detail::check_positive_option(name, "query_block_size", options.query_block_size());
+  detail::check_positive_option(name, "key_block_size", options.key_block_size());
   TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", name,
               "] option d_out must be divisible by num_heads, got d_out = ", options.d_out(),
               ", num_heads = ", options.num_heads());
@@ -37,8 +40,8 @@ void print_multi_head_options(std::ostream& stream, const char* name,
          << ", causal=" << detail::option_text(options.causal())
          << ", sliding_window_size=" << detail::option_text(options.sliding_window_size())
          << ", backend=" << backend_name(options.backend())
-         << ", chunk_size=" << options.chunk_size()
-         << ", key_chunk_size=" << options.key_chunk_size();
+         << ", query_block_size=" << options.query_block_size()
+         << ", key_block_size=" << options.key_block_size();
   detail::print_query_key_options(stream, options.rope(), options.qk_norm());
   stream << ")";
 }
@@ -97,15 +100,6 @@ torch::Tensor attend_with_cache(const torch::Tensor& queries, const torch::Tenso
   const auto context = detail::attend_cached(transform, queries, keys, values, cache,
                                              settings_of(opt), mask, new_lengths);
   return detail::project(out_proj, detail::merge_heads(context), tokens);
-}
-
-// Heads (b, h, n, hd) attended with the weights (the book's math path), merged and projected.
-F::AttentionOutput attend_heads(const torch::Tensor& queries, const torch::Tensor& keys,
-                                const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
-                                bool training, torch::nn::Linear& out_proj, const Mask& mask) {
-  auto attended = detail::attend(queries, keys, values, settings_of(opt), training,
-                                 /*query_offset=*/0, /*with_weights=*/true, mask);
-  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 
 }  // namespace
@@ -169,7 +163,7 @@ MultiHeadAttentionImpl::MultiHeadAttentionImpl(const MultiHeadAttentionOptions& 
 }
 
 void MultiHeadAttentionImpl::reset() {
-  check_multi_head_options("MultiHeadAttention", options);
+  check_multi_head_options(kName, options);
   const auto d_in = options.d_in();
   const auto d_out = options.d_out();
   const auto projection = torch::nn::LinearOptions(d_in, d_out).bias(options.qkv_bias());
@@ -179,7 +173,7 @@ void MultiHeadAttentionImpl::reset() {
   W_value = register_module("W_value", torch::nn::Linear(projection));
   out_proj = register_module("out_proj", torch::nn::Linear(d_out, d_out));
   rope_tables = detail::reset_query_key_transform(
-      "MultiHeadAttention", *this, options.rope(), options.qk_norm(),
+      kName, *this, options.rope(), options.qk_norm(),
       options.d_out() / options.num_heads(), q_norm, k_norm);
 }
 
@@ -188,14 +182,11 @@ void MultiHeadAttentionImpl::reset_parameters() {
   W_key->reset_parameters();
   W_value->reset_parameters();
   out_proj->reset_parameters();
-  if (options.qk_norm()) {
-    q_norm->reset_parameters();
-    k_norm->reset_parameters();
-  }
+  detail::reset_query_key_norms(q_norm, k_norm);
 }
 
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
-  print_multi_head_options(stream, "MultiHeadAttention", options);
+  print_multi_head_options(stream, kName, options);
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> MultiHeadAttentionImpl::python_only_state()
@@ -203,36 +194,53 @@ std::vector<std::pair<std::string, torch::Tensor>> MultiHeadAttentionImpl::pytho
   return python_mask_state(options, W_query->weight);
 }
 
-F::AttentionOutput MultiHeadAttentionImpl::forward_with_weights(const torch::Tensor& query,
-                                                                const torch::Tensor& key,
-                                                                const torch::Tensor& value,
-                                                                const Mask& mask) {
+F::AttentionOutput MultiHeadAttentionImpl::attend_inputs(const torch::Tensor& query,
+                                                         const torch::Tensor& key,
+                                                         const torch::Tensor& value,
+                                                         const Mask& mask, bool with_weights) {
   const auto [key_input, value_input] =
-      detail::key_value_inputs("MultiHeadAttention", query, key, value,
+      detail::key_value_inputs(kName, query, key, value,
                                {options.d_in(), options.context_length()}, W_query->weight);
-  detail::check_rope_forward("MultiHeadAttention", rope_tables, query, key);
+  detail::check_rope_forward(kName, rope_tables, query, key);
   const auto h = options.num_heads();
-  const auto [queries, keys] = detail::QueryKeyTransform{q_norm, k_norm, rope_tables}(
-      detail::split_heads(W_query(query), h), detail::split_heads(W_key(key_input), h), int64_t{0});
-  return attend_heads(queries, keys, detail::split_heads(W_value(value_input), h), options,
-                      is_training(), out_proj, mask);
+  const detail::QueryKeyTransform transform{q_norm, k_norm, rope_tables};
+  torch::Tensor queries, keys, values, packed_qkv;
+  if (key.defined() || with_weights || options.backend() == AttentionBackend::kMath) {
+    // Three projections, as Python makes them (kMath reproduces its numbers); cross-attention
+    // projects two inputs.
+    queries = detail::split_heads(W_query(query), h);
+    keys = detail::split_heads(W_key(key_input), h);
+    values = detail::split_heads(W_value(value_input), h);
+  } else {
+    // One GEMM for Q, K and V: the three weights stacked into (3 * d_out, d_in).
+    const auto weight = torch::cat({W_query->weight, W_key->weight, W_value->weight});
+    const auto bias = options.qkv_bias() ? torch::cat({W_query->bias, W_key->bias, W_value->bias})
+                                         : torch::Tensor();
+    const auto qkv = torch::nn::functional::linear(query, weight, bias);  // (b, n, 3 * d_out)
+    const auto parts = qkv.chunk(3, -1);
+    queries = detail::split_heads(parts[0], h);
+    keys = detail::split_heads(parts[1], h);
+    values = detail::split_heads(parts[2], h);
+    // Without a transform, the heads are views of qkv, which a kernel may read in place.
+    if (!transform.active())
+      packed_qkv = qkv;
+  }
+  std::tie(queries, keys) = transform(queries, keys, int64_t{0});
+  auto attended = detail::attend(queries, keys, values, settings_of(options), is_training(),
+                                 /*query_offset=*/0, with_weights, mask, packed_qkv);
+  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 
 KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
-  return detail::make_module_cache("MultiHeadAttention", cache_layout_of(options),
+  return detail::make_module_cache(kName, cache_layout_of(options),
                                    options.context_length(), W_query->weight, batch, capacity);
 }
 
-torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache,
-                                                         const Mask& mask) {
-  return forward_with_cache(x, cache, torch::Tensor(), mask);
-}
-
-torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache,
-                                                         const torch::Tensor& lengths,
-                                                         const Mask& mask) {
+torch::Tensor MultiHeadAttentionImpl::attend_new_tokens(const torch::Tensor& x, KVCache& cache,
+                                                        const torch::Tensor& lengths,
+                                                        const Mask& mask) {
   const auto new_lengths =
-      check_cached_mha_call("MultiHeadAttention", options, is_training(), x, cache, W_query->weight,
+      check_cached_mha_call(kName, options, is_training(), x, cache, W_query->weight,
                             mask, lengths, rope_tables);
   torch::NoGradGuard no_grad;
   // Three projections, not forward()'s one GEMM over concatenated weights: per decoded
@@ -244,47 +252,6 @@ torch::Tensor MultiHeadAttentionImpl::forward_with_cache(const torch::Tensor& x,
                            detail::split_heads(detail::project(W_value, x, tokens), h), options,
                            cache, out_proj, mask, {q_norm, k_norm, rope_tables}, new_lengths,
                            tokens);
-}
-
-torch::Tensor MultiHeadAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key,
-                                              const torch::Tensor& value, const Mask& mask) {
-  if (options.backend() == AttentionBackend::kMath || key.defined()) {
-    if (options.backend() == AttentionBackend::kMath)
-      return forward_with_weights(query, key, value, mask).context;
-    // Cross-attention: three projections of two inputs.
-    const auto [key_input, value_input] =
-        detail::key_value_inputs("MultiHeadAttention", query, key, value,
-                                 {options.d_in(), options.context_length()}, W_query->weight);
-    detail::check_rope_forward("MultiHeadAttention", rope_tables, query, key);
-    const auto h = options.num_heads();
-    const detail::QueryKeyTransform transform{q_norm, k_norm, rope_tables};
-    const auto [queries, keys] = transform(detail::split_heads(W_query(query), h),
-                                           detail::split_heads(W_key(key_input), h), int64_t{0});
-    const auto context = detail::attend(queries, keys, detail::split_heads(W_value(value_input), h),
-                                        settings_of(options), is_training(), 0, false, mask)
-                             .context;
-    return out_proj(detail::merge_heads(context));
-  }
-  const auto& x = query;
-  detail::key_value_inputs("MultiHeadAttention", query, key, value,
-                           {options.d_in(), options.context_length()}, W_query->weight);
-  detail::check_rope_forward("MultiHeadAttention", rope_tables, query, key);
-  const detail::QueryKeyTransform transform{q_norm, k_norm, rope_tables};
-  // One GEMM for Q, K and V: the three weights stacked into (3 * d_out, d_in).
-  const auto weight = torch::cat({W_query->weight, W_key->weight, W_value->weight});
-  const auto bias = options.qkv_bias() ? torch::cat({W_query->bias, W_key->bias, W_value->bias})
-                                       : torch::Tensor();
-  const auto qkv = torch::nn::functional::linear(x, weight, bias);  // (b, n, 3 * d_out)
-  const auto h = options.num_heads();
-  const auto qkv_parts = qkv.chunk(3, -1);
-  const auto [queries, keys] = transform(detail::split_heads(qkv_parts[0], h),
-                                         detail::split_heads(qkv_parts[1], h), int64_t{0});
-  const auto values = detail::split_heads(qkv_parts[2], h);
-  // Without a transform, the heads are views of qkv, which a kernel may read in place.
-  const auto context = detail::attend(queries, keys, values, settings_of(options), is_training(), 0,
-                                      false, mask, transform.active() ? torch::Tensor() : qkv)
-                           .context;
-  return out_proj(detail::merge_heads(context));
 }
 
 // ---- MultiHeadAttentionCombinedQKV ------------------------------------------------------
@@ -339,10 +306,7 @@ void MultiHeadAttentionCombinedQKVImpl::reset() {
 void MultiHeadAttentionCombinedQKVImpl::reset_parameters() {
   qkv->reset_parameters();
   out_proj->reset_parameters();
-  if (options.qk_norm()) {
-    q_norm->reset_parameters();
-    k_norm->reset_parameters();
-  }
+  detail::reset_query_key_norms(q_norm, k_norm);
 }
 
 void MultiHeadAttentionCombinedQKVImpl::pretty_print(std::ostream& stream) const {
@@ -354,11 +318,15 @@ MultiHeadAttentionCombinedQKVImpl::python_only_state() const {
   return python_mask_state(options, qkv->weight);
 }
 
-F::AttentionOutput MultiHeadAttentionCombinedQKVImpl::forward_with_weights(
-    const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-    const Mask& mask) {
+F::AttentionOutput MultiHeadAttentionCombinedQKVImpl::attend_inputs(const torch::Tensor& query,
+                                                                    const torch::Tensor& key,
+                                                                    const torch::Tensor& value,
+                                                                    const Mask& mask,
+                                                                    bool with_weights) {
   const auto q_k_v = combined_qkv_heads(*this, query, key, value);
-  return attend_heads(q_k_v[0], q_k_v[1], q_k_v[2], options, is_training(), out_proj, mask);
+  auto attended = detail::attend(q_k_v[0], q_k_v[1], q_k_v[2], settings_of(options), is_training(),
+                                 /*query_offset=*/0, with_weights, mask);
+  return {out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 
 KVCache MultiHeadAttentionCombinedQKVImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
@@ -366,16 +334,10 @@ KVCache MultiHeadAttentionCombinedQKVImpl::make_kv_cache(int64_t batch, int64_t 
                                    options.context_length(), qkv->weight, batch, capacity);
 }
 
-torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward_with_cache(const torch::Tensor& x,
-                                                                    KVCache& cache,
-                                                                    const Mask& mask) {
-  return forward_with_cache(x, cache, torch::Tensor(), mask);
-}
-
-torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward_with_cache(const torch::Tensor& x,
-                                                                    KVCache& cache,
-                                                                    const torch::Tensor& lengths,
-                                                                    const Mask& mask) {
+torch::Tensor MultiHeadAttentionCombinedQKVImpl::attend_new_tokens(const torch::Tensor& x,
+                                                                   KVCache& cache,
+                                                                   const torch::Tensor& lengths,
+                                                                   const Mask& mask) {
   const auto new_lengths = check_cached_mha_call(kCombinedName, options, is_training(), x, cache,
                                                  qkv->weight, mask, lengths, rope_tables);
   torch::NoGradGuard no_grad;
@@ -383,21 +345,6 @@ torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward_with_cache(const torch:
   const auto q_k_v = split_combined_qkv(detail::project(qkv, x, tokens), options.num_heads());
   return attend_with_cache(q_k_v[0], q_k_v[1], q_k_v[2], options, cache, out_proj, mask,
                            {q_norm, k_norm, rope_tables}, new_lengths, tokens);
-}
-
-torch::Tensor MultiHeadAttentionCombinedQKVImpl::forward(const torch::Tensor& query,
-                                                         const torch::Tensor& key,
-                                                         const torch::Tensor& value,
-                                                         const Mask& mask) {
-  if (options.backend() == AttentionBackend::kMath) {
-    return forward_with_weights(query, key, value, mask).context;
-  }
-  const auto q_k_v = combined_qkv_heads(*this, query, key, value);
-  const auto context = detail::attend(q_k_v[0], q_k_v[1], q_k_v[2], settings_of(options),
-                                      is_training(), /*query_offset=*/0,
-                                      /*with_weights=*/false, mask)
-                           .context;
-  return out_proj(detail::merge_heads(context));
 }
 
 void MultiHeadAttentionCombinedQKVImpl::copy_weights_from(const MultiHeadAttentionImpl& mha) {

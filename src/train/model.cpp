@@ -54,27 +54,18 @@ BoundAttention bind_unmasked(Holder holder, const std::string& name) {
   return bound;
 }
 
-// A module whose forward(query, key, value, mask) takes a mask (self-attention: no key, no
-// value), with its KV cache: without lengths forward_with_cache(x, cache), with them the
-// ragged overload.
-template <typename Holder>
-BoundAttention bind_masked(Holder holder) {
+// A module with a KV cache (CachedAttentionLayer), whose forward(query, key, value, mask)
+// takes a mask; self-attention: no key, no value.
+BoundAttention bind_masked(std::shared_ptr<CachedAttentionLayer> layer) {
   BoundAttention bound;
-  bound.module = holder.ptr();
-  bound.attend_with_weights = [holder](const torch::Tensor& x, const Mask& mask) mutable {
-    return holder->forward_with_weights(x, {}, {}, mask);
+  bound.module = layer->as_module();
+  bound.attend_with_weights = [layer](const torch::Tensor& x, const Mask& mask) {
+    return layer->forward_with_weights(x, {}, {}, mask);
   };
-  bound.attend = [holder](const torch::Tensor& x, const Mask& mask) mutable {
-    return holder->forward(x, {}, {}, mask);
+  bound.attend = [layer](const torch::Tensor& x, const Mask& mask) {
+    return layer->forward(x, {}, {}, mask);
   };
-  bound.attend_with_cache = [holder](const torch::Tensor& x, KVCache& cache,
-                                     const torch::Tensor& lengths) mutable {
-    return lengths.defined() ? holder->forward_with_cache(x, cache, lengths)
-                             : holder->forward_with_cache(x, cache);
-  };
-  bound.make_kv_cache = [holder](int64_t batch, int64_t capacity) {
-    return holder->make_kv_cache(batch, capacity);
-  };
+  bound.cached = std::move(layer);
   return bound;
 }
 
@@ -107,7 +98,8 @@ BoundAttention make_grouped(const ModelConfig& c, int64_t kv_groups) {
           .backend(backend_of(c))
           .sliding_window_size(window_of(c))
           .rope(rope_of(c))
-          .qk_norm(c.qk_norm)));
+          .qk_norm(c.qk_norm))
+                         .ptr());
 }
 
 // gqa's key/value groups: --kv-groups, 2 by default.
@@ -141,10 +133,10 @@ const std::vector<ModuleKind>& module_kinds() {
                               "mha-wrapper");
        }},
       {"mha", Causality::kEither, true, true, true, false, false,
-       [](const ModelConfig& c) { return bind_masked(MultiHeadAttention(multi_head_options(c))); }},
+       [](const ModelConfig& c) { return bind_masked(MultiHeadAttention(multi_head_options(c)).ptr()); }},
       {"mha-combined", Causality::kEither, true, true, true, false, false,
        [](const ModelConfig& c) {
-         return bind_masked(MultiHeadAttentionCombinedQKV(multi_head_options(c)));
+         return bind_masked(MultiHeadAttentionCombinedQKV(multi_head_options(c)).ptr());
        }},
       {"gqa", Causality::kAlways, true, true, true, true, false,
        [](const ModelConfig& c) { return make_grouped(c, gqa_groups(c)); }},
@@ -156,7 +148,8 @@ const std::vector<ModuleKind>& module_kinds() {
              MultiHeadLatentAttentionOptions(c.d_model, c.d_model, c.dropout, c.heads)
                  .backend(backend_of(c))
                  .latent_dim(c.latent_dim > 0 ? c10::optional<int64_t>(c.latent_dim)
-                                              : c10::nullopt)));
+                                              : c10::nullopt))
+                                .ptr());
        }},
   };
   return kinds;
@@ -273,8 +266,8 @@ torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache) {
 
 torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache,
                                             const torch::Tensor& lengths) {
-  TORCH_CHECK(attention_.attend_with_cache, "--module ", module_name_, " has no KV cache");
-  x = x + attention_.attend_with_cache(attention_norm_(x), cache, lengths);
+  TORCH_CHECK(attention_.cached, "--module ", module_name_, " has no KV cache");
+  x = x + attention_.cached->forward_with_cache(attention_norm_(x), cache, lengths);
   if (feed_forward_) {
     // Norm, Linear, GELU, Dropout (a no-op: caches are for inference), Linear, each per
     // token: a one-row step's products through attnkit::project, a mostly padded ragged
@@ -290,9 +283,9 @@ torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache,
 }
 
 KVCache BlockImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
-  TORCH_CHECK(attention_.make_kv_cache, "--module ", module_name_, " has no KV cache (",
+  TORCH_CHECK(attention_.cached, "--module ", module_name_, " has no KV cache (",
               masked_module_names("and"), " have one); generate with --no-kv-cache");
-  return attention_.make_kv_cache(batch, capacity);
+  return attention_.cached->make_kv_cache(batch, capacity);
 }
 
 AttentionModelImpl::AttentionModelImpl(const ModelConfig& config) : config_(config) {

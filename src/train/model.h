@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/cached_attention.h"
 #include "attnkit/functional.h"
 #include "attnkit/generate.h"
 #include "attnkit/kv_cache.h"
@@ -50,11 +51,8 @@ struct BoundAttention {
   // forward_with_weights (the book's path, for attention maps) and forward (the backend's).
   std::function<functional::AttentionOutput(const torch::Tensor&, const Mask&)> attend_with_weights;
   std::function<torch::Tensor(const torch::Tensor&, const Mask&)> attend;
-  // Modules with a KV cache only: forward_with_cache (lengths undefined: a uniform step)
-  // and make_kv_cache(batch, capacity).
-  std::function<torch::Tensor(const torch::Tensor&, KVCache&, const torch::Tensor&)>
-      attend_with_cache;
-  std::function<KVCache(int64_t, int64_t)> make_kv_cache;
+  // The modules with a KV cache, as the interface they share; null for the others.
+  std::shared_ptr<CachedAttentionLayer> cached;
 };
 
 /// What attnkit-train knows of a --module: what it can do, and how to make it. The one
