@@ -81,7 +81,7 @@ void backends() {
   attnkit::MultiHeadAttention chunked(
       attnkit::MultiHeadAttentionOptions(64, 64, /*context_length=*/1024, 0.0, /*num_heads=*/4)
           .backend(attnkit::AttentionBackend::kChunked)  // kMath (default), kFused, kChunked
-          .query_block_size(128)                               // query tokens per block
+          .query_block_size(128)                         // query tokens per block
           .key_block_size(1024));                        // key tokens per block
   auto y = chunked(x);                                   // (2, 16, 64)
 
@@ -159,6 +159,37 @@ void threads() {
   // [doc:end]
 }
 
+// [doc:any-cached-layer]
+// A block that takes any attention layer with a KV cache.
+struct Block : torch::nn::Module {
+  explicit Block(std::shared_ptr<attnkit::CachedAttentionLayer> layer) : attention(layer) {
+    register_module("attention", attention->as_module());  // state-dict keys attention.*
+  }
+  std::shared_ptr<attnkit::CachedAttentionLayer> attention;
+};
+// [doc:end]
+
+void any_cached_layer() {
+  // [doc:any-cached-layer-use]
+  Block gpt(attnkit::MultiHeadAttention(64, 64, /*context_length=*/256, 0.0, 4).ptr());
+  Block llama(attnkit::GroupedQueryAttention(
+                  attnkit::GroupedQueryAttentionOptions(64, 64, 0.0, 4, /*num_kv_groups=*/2)
+                      .rope(attnkit::RopeOptions(256)))
+                  .ptr());
+  gpt.eval();
+  llama.eval();
+  auto x = torch::randn({1, 5, 64});
+  for (auto* block : {&gpt, &llama}) {
+    auto cache = block->attention->make_kv_cache(/*batch=*/1, /*capacity=*/256);
+    std::cout << block->attention->forward_with_cache(x, cache).sizes() << "\n";  // [1, 5, 64]
+  }
+  // [doc:end]
+  auto cache = llama.attention->make_kv_cache(1, 256);
+  TORCH_CHECK(torch::allclose(llama.attention->forward_with_cache(x, cache),
+                              llama.attention->forward(x), 1e-5, 1e-5));
+  TORCH_CHECK(gpt.named_parameters().contains("attention.W_query.weight"));
+}
+
 }  // namespace
 
 int main() {
@@ -171,4 +202,5 @@ int main() {
   rotary_and_qk_norm();
   block_masks();
   threads();
+  any_cached_layer();
 }

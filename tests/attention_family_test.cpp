@@ -41,15 +41,15 @@ CachedAttention make_family_module(const std::string& label) {
   if (label == "mha window 4")
     return MultiHeadAttention(MultiHeadAttentionOptions(mha).sliding_window_size(4)).ptr();
   if (label == "mha-combined window 1")
-    return 
-        MultiHeadAttentionCombinedQKV(MultiHeadAttentionOptions(mha).sliding_window_size(1)).ptr();
+    return MultiHeadAttentionCombinedQKV(MultiHeadAttentionOptions(mha).sliding_window_size(1))
+        .ptr();
   TORCH_CHECK(label == "mla", "unknown module ", label);
-  return 
-      MultiHeadLatentAttention(MultiHeadLatentAttentionOptions(d_in, d_out, 0.1, heads)
-                                   .qkv_bias(true)
-                                   .latent_dim(5)
-                                   .query_block_size(3)
-                                   .key_block_size(4)).ptr();
+  return MultiHeadLatentAttention(MultiHeadLatentAttentionOptions(d_in, d_out, 0.1, heads)
+                                      .qkv_bias(true)
+                                      .latent_dim(5)
+                                      .query_block_size(3)
+                                      .key_block_size(4))
+      .ptr();
 }
 
 const std::vector<std::string> kFamily{
@@ -98,9 +98,10 @@ TEST(AttentionFamily, PrettyPrintShowsEveryOption) {
             "num_kv_groups=2, qkv_bias=false, sliding_window_size=5, backend=math, "
             "query_block_size=128, key_block_size=1024)");
   MultiHeadLatentAttention(8, 12, 0.0, 2, true, 7)->pretty_print(mla);
-  EXPECT_EQ(mla.str(),
-            "attnkit::MultiHeadLatentAttention(d_in=8, d_out=12, dropout=0, num_heads=2, "
-            "qkv_bias=true, latent_dim=7, backend=math, query_block_size=128, key_block_size=1024)");
+  EXPECT_EQ(
+      mla.str(),
+      "attnkit::MultiHeadLatentAttention(d_in=8, d_out=12, dropout=0, num_heads=2, "
+      "qkv_bias=true, latent_dim=7, backend=math, query_block_size=128, key_block_size=1024)");
   MultiHeadAttention(8, 12, 4, 0.0, 2)->pretty_print(mha);
   EXPECT_NE(mha.str().find("causal=true, sliding_window_size=none, backend=math"),
             std::string::npos)
@@ -249,8 +250,8 @@ TEST(AttentionFamily, EveryCachedModuleIsOneCachedAttentionLayer) {
       const auto first = layer->forward_with_cache(x.narrow(1, 0, 4), cache);
       const auto rest =
           layer->forward_with_cache(x.narrow(1, 4, 3), cache, torch::full({2}, 3, torch::kInt64));
-      EXPECT_TRUE(tensors_close("cached", torch::cat({first, rest}, 1), through_weights.context,
-                                1e-5));
+      EXPECT_TRUE(
+          tensors_close("cached", torch::cat({first, rest}, 1), through_weights.context, 1e-5));
     }
   }
   // The module holders' own calls reach the same functions.

@@ -587,7 +587,9 @@ TEST(AttentionBackends, NamesParseAndBadOptionsAreNamed) {
   expect_error_containing([] { attnkit::parse_backend("flash"); },
                           "unknown backend 'flash'; expected math, fused, chunked or auto");
   expect_error_containing(
-      [] { attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).query_block_size(0)); },
+      [] {
+        attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).query_block_size(0));
+      },
       "[MultiHeadAttention] option query_block_size must be > 0, got 0");
   expect_error_containing(
       [] {

@@ -292,7 +292,8 @@ std::vector<RaggedModule> ragged_modules(torch::Device device) {
     const auto rope = positional ? c10::optional<RopeOptions>(RopeOptions(32)) : c10::nullopt;
     const std::string with = positional ? " with rope and qk_norm" : "";
     const auto mha = MultiHeadAttentionOptions(6, 8, 24, 0.0, 2).rope(rope).qk_norm(positional);
-    modules.push_back(prepare_ragged("MultiHeadAttention" + with, MultiHeadAttention(mha).ptr(), device));
+    modules.push_back(
+        prepare_ragged("MultiHeadAttention" + with, MultiHeadAttention(mha).ptr(), device));
     modules.push_back(prepare_ragged("MultiHeadAttentionCombinedQKV" + with,
                                      MultiHeadAttentionCombinedQKV(mha).ptr(), device));
     modules.push_back(prepare_ragged(
@@ -307,12 +308,12 @@ std::vector<RaggedModule> ragged_modules(torch::Device device) {
         MultiHeadAttention(MultiHeadAttentionOptions(mha).sliding_window_size(3)).ptr(), device));
     modules.push_back(
         prepare_ragged("GroupedQueryAttention window 3" + with,
-                     GroupedQueryAttention(GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2)
-                                               .rope(rope)
-                                               .qk_norm(positional)
-                                               .sliding_window_size(3))
-                         .ptr(),
-                     device));
+                       GroupedQueryAttention(GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2)
+                                                 .rope(rope)
+                                                 .qk_norm(positional)
+                                                 .sliding_window_size(3))
+                           .ptr(),
+                       device));
   }
   modules.push_back(prepare_ragged(
       "MultiHeadLatentAttention",
@@ -357,7 +358,8 @@ TEST_P(RaggedKVCacheDevices, EachRowEqualsThatRowAloneThroughPrefillChunksAndDec
         auto x = torch::randn({3, n, 6}, torch::kFloat64).to(device());  // padding: random
         for (int64_t r = 0; r < 3; ++r)
           x[r].narrow(0, 0, step[r]).copy_(sequences[r][0].narrow(0, done[r], step[r]));
-        const auto out = attention.layer->forward_with_cache(x, cache, torch::tensor(step, torch::kInt64));
+        const auto out =
+            attention.layer->forward_with_cache(x, cache, torch::tensor(step, torch::kInt64));
         ASSERT_EQ(out.size(1), n) << label;
         EXPECT_EQ(out.device().type(), device().type()) << label;
         EXPECT_TRUE(torch::isfinite(out).all().item<bool>()) << label;

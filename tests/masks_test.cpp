@@ -584,29 +584,33 @@ TEST_P(ModuleMasksDevices, EveryMultiHeadModuleTakesPaddingMasksInForwardAndItsC
   {
     SCOPED_TRACE("MultiHeadAttention");
     expect_masked_module_rows_equal_each_sequence_alone(
-        attnkit::MultiHeadAttention(
-            attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).query_block_size(4).key_block_size(3)),
+        attnkit::MultiHeadAttention(attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2)
+                                        .query_block_size(4)
+                                        .key_block_size(3)),
         device());
   }
   {
     SCOPED_TRACE("MultiHeadAttentionCombinedQKV");
     expect_masked_module_rows_equal_each_sequence_alone(
-        attnkit::MultiHeadAttentionCombinedQKV(
-            attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2).qkv_bias(true).query_block_size(4)),
+        attnkit::MultiHeadAttentionCombinedQKV(attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2)
+                                                   .qkv_bias(true)
+                                                   .query_block_size(4)),
         device());
   }
   {
     SCOPED_TRACE("GroupedQueryAttention");
     expect_masked_module_rows_equal_each_sequence_alone(
-        attnkit::GroupedQueryAttention(
-            attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2).query_block_size(4).key_block_size(3)),
+        attnkit::GroupedQueryAttention(attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2)
+                                           .query_block_size(4)
+                                           .key_block_size(3)),
         device());
   }
   {
     SCOPED_TRACE("MultiHeadLatentAttention");
     expect_masked_module_rows_equal_each_sequence_alone(
-        attnkit::MultiHeadLatentAttention(
-            attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2).latent_dim(4).query_block_size(4)),
+        attnkit::MultiHeadLatentAttention(attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2)
+                                              .latent_dim(4)
+                                              .query_block_size(4)),
         device());
   }
 }

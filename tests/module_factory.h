@@ -107,13 +107,12 @@ inline CachedAttention make_cached_attention(const std::string& name, const Modu
   if (name == "MultiHeadAttentionCombinedQKV")
     return MultiHeadAttentionCombinedQKV(mha).ptr();
   if (name == "GroupedQueryAttention") {
-    return GroupedQueryAttention(
-               GroupedQueryAttentionOptions(c.d_in, c.d_out, c.dropout, c.num_heads,
-                                            c.num_kv_groups)
-                   .qkv_bias(c.qkv_bias)
-                   .sliding_window_size(window)
-                   .rope(c.rope)
-                   .qk_norm(c.qk_norm))
+    return GroupedQueryAttention(GroupedQueryAttentionOptions(c.d_in, c.d_out, c.dropout,
+                                                              c.num_heads, c.num_kv_groups)
+                                     .qkv_bias(c.qkv_bias)
+                                     .sliding_window_size(window)
+                                     .rope(c.rope)
+                                     .qk_norm(c.qk_norm))
         .ptr();
   }
   TORCH_CHECK(name == "MultiHeadLatentAttention", "[make_attention] unknown module '", name, "'");

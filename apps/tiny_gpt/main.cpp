@@ -93,9 +93,7 @@ struct GptBlock : DecoderBlock {
                                   torch::nn::Linear(4 * c.d_model, c.d_model)))) {}
 
   torch::Tensor attention_norm(const torch::Tensor& x) override { return attention_norm_(x); }
-  torch::Tensor feed_forward_norm(const torch::Tensor& x) override {
-    return feed_forward_norm_(x);
-  }
+  torch::Tensor feed_forward_norm(const torch::Tensor& x) override { return feed_forward_norm_(x); }
   torch::Tensor feed_forward(const torch::Tensor& x) override { return feed_forward_->forward(x); }
 
   torch::nn::LayerNorm attention_norm_;
@@ -121,12 +119,12 @@ TORCH_MODULE(SwiGLU);
 // Llama style: RMSNorm, grouped-query attention with RoPE (and QK-norm for Qwen3), SwiGLU.
 struct LlamaBlock : DecoderBlock {
   LlamaBlock(const ModelConfig& c, double dropout)
-      : DecoderBlock(attnkit::GroupedQueryAttention(
-                         attnkit::GroupedQueryAttentionOptions(c.d_model, c.d_model, dropout,
-                                                               c.heads, c.kv_groups)
-                             .rope(c.rope)
-                             .qk_norm(c.qk_norm))
-                         .ptr()),
+      : DecoderBlock(
+            attnkit::GroupedQueryAttention(attnkit::GroupedQueryAttentionOptions(
+                                               c.d_model, c.d_model, dropout, c.heads, c.kv_groups)
+                                               .rope(c.rope)
+                                               .qk_norm(c.qk_norm))
+                .ptr()),
         attention_norm_(register_module("attention_norm", norm(c))),
         feed_forward_norm_(register_module("feed_forward_norm", norm(c))),
         feed_forward_(register_module("feed_forward", SwiGLU(c.d_model, c.hidden))) {}
@@ -135,9 +133,7 @@ struct LlamaBlock : DecoderBlock {
   }
 
   torch::Tensor attention_norm(const torch::Tensor& x) override { return attention_norm_(x); }
-  torch::Tensor feed_forward_norm(const torch::Tensor& x) override {
-    return feed_forward_norm_(x);
-  }
+  torch::Tensor feed_forward_norm(const torch::Tensor& x) override { return feed_forward_norm_(x); }
   torch::Tensor feed_forward(const torch::Tensor& x) override { return feed_forward_(x); }
 
   attnkit::RMSNorm attention_norm_;

@@ -22,8 +22,7 @@ namespace attnkit {
 /// forward_with_weights and forward_with_cache are CachedAttentionLayer's
 /// (attnkit/cached_attention.h).
 /// Example: `MultiHeadLatentAttention mla(MultiHeadLatentAttentionOptions(768, 768, 0.0, 12));`
-class MultiHeadLatentAttentionImpl
-    : public CachedAttentionModule<MultiHeadLatentAttentionImpl> {
+class MultiHeadLatentAttentionImpl : public CachedAttentionModule<MultiHeadLatentAttentionImpl> {
  public:
   /// Positional arguments in the order of the Python constructor (latent_dim 0: the default).
   MultiHeadLatentAttentionImpl(int64_t d_in, int64_t d_out, double dropout, int64_t num_heads,

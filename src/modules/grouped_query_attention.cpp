@@ -91,13 +91,12 @@ functional::AttentionOutput GroupedQueryAttentionImpl::attend_inputs(const torch
       detail::key_value_inputs(kName, query, key, value, {opt.d_in()}, W_query->weight);
   detail::check_rope_forward(kName, rope_tables, query, key);
   const auto g = opt.num_kv_groups();
-  const auto [queries, keys] =
-      detail::QueryKeyTransform{q_norm, k_norm, rope_tables}(
-          detail::split_heads(W_query(query), opt.num_heads()),
-          detail::split_heads(W_key(key_input), g), int64_t{0});
-  auto attended = detail::attend(queries, keys, detail::split_heads(W_value(value_input), g),
-                                 settings_of(opt), is_training(), /*query_offset=*/0,
-                                 with_weights, mask);
+  const auto [queries, keys] = detail::QueryKeyTransform{q_norm, k_norm, rope_tables}(
+      detail::split_heads(W_query(query), opt.num_heads()),
+      detail::split_heads(W_key(key_input), g), int64_t{0});
+  auto attended =
+      detail::attend(queries, keys, detail::split_heads(W_value(value_input), g), settings_of(opt),
+                     is_training(), /*query_offset=*/0, with_weights, mask);
   return {out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 

@@ -103,21 +103,21 @@ void MultiHeadLatentAttentionImpl::pretty_print(std::ostream& stream) const {
 
 // Keys and values up-projected from the latents
 // (b, m, latent_dim) of their inputs (one set when they are the same tensor).
-functional::AttentionOutput MultiHeadLatentAttentionImpl::attend_inputs(
-    const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-    const Mask& mask, bool with_weights) {
+functional::AttentionOutput MultiHeadLatentAttentionImpl::attend_inputs(const torch::Tensor& query,
+                                                                        const torch::Tensor& key,
+                                                                        const torch::Tensor& value,
+                                                                        const Mask& mask,
+                                                                        bool with_weights) {
   const auto& opt = options;
   const auto [key_input, value_input] =
       detail::key_value_inputs(kName, query, key, value, {opt.d_in()}, W_query->weight);
   const auto h = opt.num_heads();
   const auto key_latents = W_DKV(key_input);
-  const auto value_latents =
-      value_input.is_same(key_input) ? key_latents : W_DKV(value_input);
-  auto attended =
-      detail::attend(detail::split_heads(W_query(query), h),
-                     detail::split_heads(W_UK(key_latents), h),
-                     detail::split_heads(W_UV(value_latents), h), settings_of(opt),
-                     is_training(), /*query_offset=*/0, with_weights, mask);
+  const auto value_latents = value_input.is_same(key_input) ? key_latents : W_DKV(value_input);
+  auto attended = detail::attend(detail::split_heads(W_query(query), h),
+                                 detail::split_heads(W_UK(key_latents), h),
+                                 detail::split_heads(W_UV(value_latents), h), settings_of(opt),
+                                 is_training(), /*query_offset=*/0, with_weights, mask);
   return {out_proj(detail::merge_heads(attended.context)), attended.weights};
 }
 

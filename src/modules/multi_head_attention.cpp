@@ -172,9 +172,9 @@ void MultiHeadAttentionImpl::reset() {
   W_key = register_module("W_key", torch::nn::Linear(projection));
   W_value = register_module("W_value", torch::nn::Linear(projection));
   out_proj = register_module("out_proj", torch::nn::Linear(d_out, d_out));
-  rope_tables = detail::reset_query_key_transform(
-      kName, *this, options.rope(), options.qk_norm(),
-      options.d_out() / options.num_heads(), q_norm, k_norm);
+  rope_tables =
+      detail::reset_query_key_transform(kName, *this, options.rope(), options.qk_norm(),
+                                        options.d_out() / options.num_heads(), q_norm, k_norm);
 }
 
 void MultiHeadAttentionImpl::reset_parameters() {
@@ -198,9 +198,8 @@ F::AttentionOutput MultiHeadAttentionImpl::attend_inputs(const torch::Tensor& qu
                                                          const torch::Tensor& key,
                                                          const torch::Tensor& value,
                                                          const Mask& mask, bool with_weights) {
-  const auto [key_input, value_input] =
-      detail::key_value_inputs(kName, query, key, value,
-                               {options.d_in(), options.context_length()}, W_query->weight);
+  const auto [key_input, value_input] = detail::key_value_inputs(
+      kName, query, key, value, {options.d_in(), options.context_length()}, W_query->weight);
   detail::check_rope_forward(kName, rope_tables, query, key);
   const auto h = options.num_heads();
   const detail::QueryKeyTransform transform{q_norm, k_norm, rope_tables};
@@ -232,16 +231,15 @@ F::AttentionOutput MultiHeadAttentionImpl::attend_inputs(const torch::Tensor& qu
 }
 
 KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
-  return detail::make_module_cache(kName, cache_layout_of(options),
-                                   options.context_length(), W_query->weight, batch, capacity);
+  return detail::make_module_cache(kName, cache_layout_of(options), options.context_length(),
+                                   W_query->weight, batch, capacity);
 }
 
 torch::Tensor MultiHeadAttentionImpl::attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                                         const torch::Tensor& lengths,
                                                         const Mask& mask) {
-  const auto new_lengths =
-      check_cached_mha_call(kName, options, is_training(), x, cache, W_query->weight,
-                            mask, lengths, rope_tables);
+  const auto new_lengths = check_cached_mha_call(kName, options, is_training(), x, cache,
+                                                 W_query->weight, mask, lengths, rope_tables);
   torch::NoGradGuard no_grad;
   // Three projections, not forward()'s one GEMM over concatenated weights: per decoded
   // token that concatenation would copy all three weight matrices.

@@ -93,12 +93,12 @@ MultiHeadAttentionOptions multi_head_options(const ModelConfig& c) {
 }
 
 BoundAttention make_grouped(const ModelConfig& c, int64_t kv_groups) {
-  return bind_masked(GroupedQueryAttention(
-      GroupedQueryAttentionOptions(c.d_model, c.d_model, c.dropout, c.heads, kv_groups)
-          .backend(backend_of(c))
-          .sliding_window_size(window_of(c))
-          .rope(rope_of(c))
-          .qk_norm(c.qk_norm))
+  return bind_masked(GroupedQueryAttention(GroupedQueryAttentionOptions(
+                                               c.d_model, c.d_model, c.dropout, c.heads, kv_groups)
+                                               .backend(backend_of(c))
+                                               .sliding_window_size(window_of(c))
+                                               .rope(rope_of(c))
+                                               .qk_norm(c.qk_norm))
                          .ptr());
 }
 
@@ -133,7 +133,9 @@ const std::vector<ModuleKind>& module_kinds() {
                               "mha-wrapper");
        }},
       {"mha", Causality::kEither, true, true, true, false, false,
-       [](const ModelConfig& c) { return bind_masked(MultiHeadAttention(multi_head_options(c)).ptr()); }},
+       [](const ModelConfig& c) {
+         return bind_masked(MultiHeadAttention(multi_head_options(c)).ptr());
+       }},
       {"mha-combined", Causality::kEither, true, true, true, false, false,
        [](const ModelConfig& c) {
          return bind_masked(MultiHeadAttentionCombinedQKV(multi_head_options(c)).ptr());
@@ -144,12 +146,13 @@ const std::vector<ModuleKind>& module_kinds() {
        [](const ModelConfig& c) { return make_grouped(c, 1); }},
       {"mla", Causality::kAlways, true, true, false, false, true,
        [](const ModelConfig& c) {
-         return bind_masked(MultiHeadLatentAttention(
-             MultiHeadLatentAttentionOptions(c.d_model, c.d_model, c.dropout, c.heads)
-                 .backend(backend_of(c))
-                 .latent_dim(c.latent_dim > 0 ? c10::optional<int64_t>(c.latent_dim)
-                                              : c10::nullopt))
-                                .ptr());
+         return bind_masked(
+             MultiHeadLatentAttention(
+                 MultiHeadLatentAttentionOptions(c.d_model, c.d_model, c.dropout, c.heads)
+                     .backend(backend_of(c))
+                     .latent_dim(c.latent_dim > 0 ? c10::optional<int64_t>(c.latent_dim)
+                                                  : c10::nullopt))
+                 .ptr());
        }},
   };
   return kinds;
