@@ -337,12 +337,9 @@ Implementation make_implementation(const std::string& name, const BenchConfig& c
               // (b, n, d) -> (b, n, h, hd) -> (b, h, n, hd)
               const auto heads = x.view({x.size(0), x.size(1), h, -1}).transpose(1, 2);
               if (name == "fused-core") {
-        // The loop-nest kernel itself, on any LibTorch: its own entry point.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-                return F::fused_attention(heads, heads, heads,
-                                          F::FusedOptions().is_causal(causal).window_size(window));
-#pragma GCC diagnostic pop
+                // The loop-nest kernel itself, on any LibTorch and at any size, by its name.
+                return F::attention(heads, heads, heads,
+                                    F::AttentionOptions(core).kernel("loop_nest"));
               }
               return F::attention(heads, heads, heads, core);
             }};

@@ -3,7 +3,7 @@
 public header includes only headers of its own layer and of the layers below it.
 
 Layers, lowest first: core; modules; inference and io (side by side: neither includes the
-other); train. A header of src/<layer>/ belongs to that layer, a public header to the layer
+other); train. The deprecated shims of USERS_ONLY are included by no file of the library. A header of src/<layer>/ belongs to that layer, a public header to the layer
 that PUBLIC_LAYERS names (where its code lives). Exits 1 and names each include that breaks a
 rule, or a public header that no layer claims.
 
@@ -48,6 +48,10 @@ PUBLIC_LAYERS = {
     "attnkit.h": "train",
 }
 
+# Public headers for users only: deprecated shims that no file of the library includes but the
+# umbrella header and the one file that defines them.
+USERS_ONLY = {"functional.h": ("include/attnkit/attnkit.h", "src/core/functional.cpp")}
+
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
@@ -87,7 +91,11 @@ def check(root):
             if name.endswith(".h.in") or name == "attnkit/version.h":
                 continue
             other = layer_of_include(name, layer)
-            if other is None:
+            shim = name[len("attnkit/"):] if name.startswith("attnkit/") else None
+            if shim in USERS_ONLY and str(path.relative_to(root)) not in USERS_ONLY[shim]:
+                problems.append(f'{path.relative_to(root)} includes "{name}": a deprecated '
+                                "shim for users, which the library does not include")
+            elif other is None:
                 problems.append(f'{path.relative_to(root)}: includes "{name}", which no layer '
                                 "claims")
             elif not may_include(layer, other):
@@ -115,6 +123,7 @@ def self_test():
             '#include "attnkit/kv_cache.h"\n')
         (root / "include" / "attnkit" / "new_thing.h").write_text("")
         (root / "src" / "io" / "f.cpp").write_text('#include "elsewhere/x.h"\n')
+        (root / "src" / "modules" / "g.cpp").write_text('#include "attnkit/functional.h"\n')
         problems = check(root)
         expected = [
             'src/core/d.cpp (core) includes "modules/module_attention.h" (modules)',
@@ -122,6 +131,7 @@ def self_test():
             'include/attnkit/attention.h (core) includes "attnkit/kv_cache.h" (modules)',
             "include/attnkit/new_thing.h: a public header no layer claims",
             'src/io/f.cpp: includes "elsewhere/x.h", which no layer claims',
+            'src/modules/g.cpp includes "attnkit/functional.h": a deprecated shim',
         ]
         for text in expected:
             assert any(p.startswith(text) for p in problems), (text, problems)

@@ -534,3 +534,38 @@ TEST(DeprecatedAdapters, ModuleOptionsKeepTheirOldBlockSizeNames) {
       },
       "[MultiHeadLatentAttention] option query_block_size must be > 0, got 0");
 }
+
+TEST(DeprecatedAdapters, RunThroughThePlannerWhichRecordsEachCall) {
+  torch::manual_seed(4);
+  const auto q = torch::randn({2, 3, 6, 4}), k = torch::randn({2, 3, 6, 4}),
+             v = torch::randn({2, 3, 6, 4});
+  const auto expected = F::attention(q, k, v,
+                                     F::AttentionOptions()
+                                         .mask(attnkit::Mask::causal())
+                                         .backend(attnkit::AttentionBackend::kMath));
+  F::KernelRecord record;
+  const auto sdpa =
+      F::scaled_dot_product_attention_with_weights(q, k, v, F::SdpaOptions().is_causal(true));
+  EXPECT_EQ(record.runs().back().kernel, "math");
+  EXPECT_TRUE(tensors_close("sdpa", sdpa.context, expected, 0.0));
+  EXPECT_EQ(sdpa.weights.sizes(), (std::vector<int64_t>{2, 3, 6, 6}));
+  EXPECT_TRUE(tensors_close("fused", F::fused_attention(q, k, v, F::FusedOptions().is_causal(true)),
+                            expected, 1e-5));
+  EXPECT_EQ(record.runs().back().kernel, "loop_nest");
+  // (b, n, 3 * h * hd): queries, keys and values, heads side by side.
+  const auto merge = [](const torch::Tensor& t) { return t.transpose(1, 2).reshape({2, 6, 12}); };
+  const auto qkv = torch::cat({merge(q), merge(k), merge(v)}, -1);
+  EXPECT_TRUE(tensors_close("packed",
+                            F::fused_packed_attention(qkv, 3, F::FusedOptions().is_causal(true)),
+                            merge(expected), 1e-5));
+  EXPECT_EQ(record.runs().back().kernel, "packed_loop_nest");
+  ASSERT_EQ(record.runs().size(), 3u);
+  // attn_mask's leading dimensions broadcast with the inputs', or it is refused naming them.
+  expect_error_containing(
+      [&] {
+        F::scaled_dot_product_attention(
+            q, k, v, F::SdpaOptions().attn_mask(torch::zeros({4, 6, 6}, torch::kBool)));
+      },
+      "[scaled_dot_product_attention] the leading dimensions of query [2, 3, 6, 4], key [2, 3, "
+      "6, 4], value [2, 3, 6, 4] and attn_mask [4, 6, 6] must broadcast together");
+}

@@ -394,6 +394,48 @@ TEST(Planner, TheKernelRecordNamesWhatRan) {
   EXPECT_EQ(outer.runs().size(), attnkit::detail::libtorch_has_sdpa() ? 6u : 5u);
 }
 
+TEST(Planner, ANamedKernelRunsTheCallOrSaysWhyItCannot) {
+  // 12 queries x 400 keys: past the loop nest's tile (kLoopNestMaxTile), where the planner
+  // leaves a call to faster kernels, yet the loop nest computes it when named.
+  torch::manual_seed(10);
+  const auto q = torch::randn({2, 3, 12, 8}), k = torch::randn({2, 3, 400, 8}),
+             v = torch::randn({2, 3, 400, 8});
+  ASSERT_GT(12 * 400, attnkit::detail::kLoopNestMaxTile);
+  const auto causal = F::AttentionOptions().mask(Mask::causal(388));
+  const auto expected =
+      F::attention(q, k, v, F::AttentionOptions(causal).backend(AttentionBackend::kMath));
+  F::KernelRecord record;
+  for (const std::string kernel : {"loop_nest", "chunked", "math"}) {
+    SCOPED_TRACE(kernel);
+    const auto got = F::attention(q, k, v, F::AttentionOptions(causal).kernel(kernel));
+    EXPECT_EQ(record.runs().back().kernel, kernel);
+    EXPECT_TRUE(tensors_close(kernel, got, expected, 1e-5));
+  }
+  // The backend is not read; a kernel is refused where it cannot compute the call.
+  F::attention(q, k, v,
+               F::AttentionOptions(causal).backend(AttentionBackend::kChunked).kernel("math"));
+  EXPECT_EQ(record.runs().back().kernel, "math");
+  const auto padding = F::AttentionOptions().mask(Mask::key_padding(torch::tensor({5, 9})));
+  expect_error_containing(
+      [&] { F::attention(q, k, v, F::AttentionOptions(padding).kernel("loop_nest")); },
+      "[attention] kernel loop_nest cannot run this: the fused backend takes only causal and "
+      "sliding-window masks");
+  expect_error_containing(
+      [&] { F::attention_with_weights(q, k, v, F::AttentionOptions().kernel("chunked")); },
+      "[attention] kernel chunked cannot run this");
+  expect_error_containing(
+      [&] { F::attention(q, k, v, F::AttentionOptions().kernel("flashy")); },
+      "[attention] kernel: no kernel is named 'flashy'; expected one of decode, ragged_loop_nest");
+  if (!torch::cuda::is_available()) {
+    expect_error_containing(
+        [&] {
+          F::attention(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
+                       F::AttentionOptions().kernel("flash"));
+        },
+        "[attention] kernel flash cannot run this");
+  }
+}
+
 // The masked SDPA route builds a dense mask only within its budget (128 MiB of bools): a
 // demand past it is refused with the sizes, and kAuto runs it on the chunked kernel.
 TEST(Planner, TheMaskedSdpaRouteKeepsItsDenseMaskWithinItsBudget) {

@@ -83,7 +83,27 @@ struct AttentionOptions {
   /// Key tokens per tile of the chunked backend at most: adjacent non-empty key blocks are
   /// computed together up to this width.
   TORCH_ARG(int64_t, key_block_size) = 1024;
+  /// The kernel that must compute it, by the name `KernelRecord` reports ("loop_nest",
+  /// "chunked", "math", ...; docs/backends.md lists them); empty (the default): the planner
+  /// picks among `backend`'s kernels. A named kernel runs even where the planner would leave
+  /// the call to a faster one (the loop nest beyond its tile size, say), and is refused,
+  /// with its reason, where it cannot compute the call; `backend` is then not read. For
+  /// benchmarks, tests and comparisons of one kernel with another.
+  TORCH_ARG(std::string, kernel) = "";
 };
+
+/// Causal mask as a bool tensor of shape (num_queries, num_keys): `true` where a query would
+/// see a later key. Query i sits at key position `query_offset + i` and sees keys
+/// j <= query_offset + i: offset 0 aligns the mask top-left, as
+/// `torch.triu(torch.ones(n, m), diagonal=1).bool()`; offset m - n aligns it bottom-right,
+/// as queries at the end of a longer key sequence (a decode step against a KV cache) need.
+/// With `window_size` W (sliding-window attention) query i also does not see keys more than
+/// W - 1 positions before it: it sees keys j with 0 <= query_offset + i - j < W.
+/// Example: `causal_mask(6, 6)`; `causal_mask(1, 10, torch::kCPU, 9)` masks nothing;
+/// `causal_mask(6, 6, torch::kCPU, 0, 2)` lets each query see itself and its predecessor.
+torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys,
+                          const torch::Device& device = torch::kCPU, int64_t query_offset = 0,
+                          c10::optional<int64_t> window_size = c10::nullopt);
 
 /// Context vectors together with the attention weights that produced them
 /// (weights after dropout, as multiplied into the values).
@@ -124,9 +144,9 @@ AttentionBackend choose_backend(const torch::Tensor& query, const torch::Tensor&
 
 /// One attention call as the planner ran it.
 struct KernelRun {
-  /// The kernel: "decode", "ragged_loop_nest", "packed_loop_nest", "loop_nest", "sdpa"
-  /// (LibTorch's SDPA; on 1.13 its stand-in, docs/backends.md), "sdpa_masked", "chunked" or
-  /// "math".
+  /// The kernel: "decode", "ragged_loop_nest", "packed_loop_nest", "loop_nest", "flash",
+  /// "sdpa" (LibTorch's SDPA; on 1.13 its stand-in, docs/backends.md), "sdpa_varlen",
+  /// "sdpa_masked", "chunked" or "math".
   std::string kernel;
   /// The dtype it computed in: a 16-bit call's float32, else the inputs' (under autocast,
   /// the autocast dtype's).

@@ -4,7 +4,7 @@
 
 #include <torch/torch.h>
 
-#include "attnkit/functional.h"
+#include "attnkit/attention.h"
 #include "attnkit/options.h"
 
 namespace attnkit {

@@ -1,13 +1,13 @@
 #pragma once
 
-/// Stateless attention pieces: `causal_mask`, and the earlier entry points
-/// `scaled_dot_product_attention`, `chunked_attention`, `fused_attention` and
-/// `fused_backend_attention` with their option structs `SdpaOptions`, `ChunkedOptions` and
-/// `FusedOptions`: deprecated adapters of the one core, `attention(q, k, v,
-/// AttentionOptions)` (attnkit/attention.h), which every attnkit module calls. Each option
-/// struct's deprecation message names its replacement; docs/masks.md maps their fields. The
-/// notebooks' teaching steps are in attnkit/book_steps.h (included here, so code that found
-/// them here still compiles).
+/// The earlier entry points `scaled_dot_product_attention`, `chunked_attention`,
+/// `fused_attention` and `fused_backend_attention` with their option structs `SdpaOptions`,
+/// `ChunkedOptions` and `FusedOptions`: deprecated shims over the one core, `attention(q, k,
+/// v, AttentionOptions)` (attnkit/attention.h), through the planner like every call. Each
+/// option struct's deprecation message names its replacement; docs/masks.md maps their
+/// fields, docs/modules.md lists each shim's replacement. Nothing inside attnkit includes
+/// this header. `causal_mask` (attnkit/attention.h) and the notebooks' teaching steps
+/// (attnkit/book_steps.h) are included here, so code that found them here still compiles.
 
 #include <torch/torch.h>
 
@@ -15,19 +15,6 @@
 #include "attnkit/book_steps.h"
 
 namespace attnkit::functional {
-
-/// Causal mask as a bool tensor of shape (num_queries, num_keys): `true` where a query would
-/// see a later key. Query i sits at key position `query_offset + i` and sees keys
-/// j <= query_offset + i: offset 0 aligns the mask top-left, as
-/// `torch.triu(torch.ones(n, m), diagonal=1).bool()`; offset m - n aligns it bottom-right,
-/// as queries at the end of a longer key sequence (a decode step against a KV cache) need.
-/// With `window_size` W (sliding-window attention) query i also does not see keys more than
-/// W - 1 positions before it: it sees keys j with 0 <= query_offset + i - j < W.
-/// Example: `causal_mask(6, 6)`; `causal_mask(1, 10, torch::kCPU, 9)` masks nothing;
-/// `causal_mask(6, 6, torch::kCPU, 0, 2)` lets each query see itself and its predecessor.
-torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys,
-                          const torch::Device& device = torch::kCPU, int64_t query_offset = 0,
-                          c10::optional<int64_t> window_size = c10::nullopt);
 
 // The adapters' declarations name their own deprecated types; a caller is warned where it
 // names them.

@@ -8,7 +8,6 @@
 
 #include "attnkit/attention.h"
 #include "attnkit/cached_attention.h"
-#include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
 #include "attnkit/rms_norm.h"

@@ -6,9 +6,9 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/attention.h"
 #include "attnkit/cached_attention.h"
 #include "attnkit/causal_attention.h"
-#include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
 #include "attnkit/python_state.h"

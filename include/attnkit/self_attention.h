@@ -5,7 +5,7 @@
 
 #include <torch/torch.h>
 
-#include "attnkit/functional.h"
+#include "attnkit/attention.h"
 #include "attnkit/options.h"
 
 namespace attnkit {

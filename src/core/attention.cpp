@@ -10,7 +10,6 @@
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
-#include "attnkit/functional.h"
 #include "core/attention_layout.h"
 #include "core/checks.h"
 #include "core/kernels.h"
@@ -174,6 +173,23 @@ functional::AttentionOutput math_attention(const torch::Tensor& query, const tor
 }  // namespace detail
 
 namespace functional {
+
+torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::Device& device,
+                          int64_t query_offset, c10::optional<int64_t> window_size) {
+  TORCH_CHECK(num_queries >= 0 && num_keys >= 0,
+              "[causal_mask] sizes must be >= 0, got num_queries = ", num_queries,
+              ", num_keys = ", num_keys);
+  detail::check_query_offset("[causal_mask]", query_offset);
+  detail::check_window_size("[causal_mask]", window_size, /*is_causal=*/true);
+  const auto ones = torch::ones({num_queries, num_keys}, torch::dtype(torch::kBool).device(device));
+  // Row i is masked from column query_offset + i + 1 on.
+  auto mask = ones.triu(/*diagonal=*/1 + query_offset);
+  if (window_size.has_value()) {
+    // ... and up to column query_offset + i - window_size.
+    mask.logical_or_(ones.tril(/*diagonal=*/query_offset - *window_size));
+  }
+  return mask;
+}
 
 namespace {
 

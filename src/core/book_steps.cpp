@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "attnkit/functional.h"
+#include "attnkit/attention.h"
 #include "core/checks.h"
 #include "core/kernels.h"
 

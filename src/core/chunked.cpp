@@ -28,7 +28,7 @@
 
 #include <mutex>
 
-#include "attnkit/functional.h"
+#include "attnkit/attention.h"
 #include "core/attention_layout.h"
 #include "core/kernels.h"
 #include "core/parallel.h"

@@ -1,36 +1,25 @@
 #include "attnkit/functional.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
+#include <vector>
+
+#include <ATen/ExpandUtils.h>
 
 #include "core/attention_layout.h"
 #include "core/checks.h"
 #include "core/kernels.h"
 #include "core/planner.h"
 
-// This file defines the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions).
+// This file defines the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions), the
+// only file of attnkit that names them.
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
 namespace attnkit::functional {
 
 using detail::shape_string;
-
-torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::Device& device,
-                          int64_t query_offset, c10::optional<int64_t> window_size) {
-  TORCH_CHECK(num_queries >= 0 && num_keys >= 0,
-              "[causal_mask] sizes must be >= 0, got num_queries = ", num_queries,
-              ", num_keys = ", num_keys);
-  detail::check_query_offset("[causal_mask]", query_offset);
-  detail::check_window_size("[causal_mask]", window_size, /*is_causal=*/true);
-  const auto ones = torch::ones({num_queries, num_keys}, torch::dtype(torch::kBool).device(device));
-  // Row i is masked from column query_offset + i + 1 on.
-  auto mask = ones.triu(/*diagonal=*/1 + query_offset);
-  if (window_size.has_value()) {
-    // ... and up to column query_offset + i - window_size.
-    mask.logical_or_(ones.tril(/*diagonal=*/query_offset - *window_size));
-  }
-  return mask;
-}
 
 namespace {
 
@@ -68,6 +57,30 @@ void check_sdpa_arguments(const torch::Tensor& q, const torch::Tensor& k, const 
   }
 }
 
+// Fails unless the tensors (`what` names them) are on CPU and all float32 or all float64.
+void check_cpu_floating(const char* fn, const char* what,
+                        const std::vector<torch::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu(), fn, " runs on CPU only, got a tensor on ", t.device(),
+                "; use scaled_dot_product_attention elsewhere");
+  }
+  const auto dtype = tensors.front().scalar_type();
+  bool same = dtype == torch::kFloat || dtype == torch::kDouble;
+  std::string got;
+  for (const auto& t : tensors) {
+    same = same && t.scalar_type() == dtype;
+    got += (got.empty() ? "" : ", ") + std::string(c10::toString(t.scalar_type()));
+  }
+  TORCH_CHECK(same, fn, " expected ", what, " to be float32 or float64 (one dtype), got ", got);
+}
+
+void check_fused_options(const char* fn, const FusedOptions& options) {
+  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
+              " dropout_p must be in [0, 1), got ", options.dropout_p());
+  detail::check_query_offset(fn, options.query_offset());
+  detail::check_window_size(fn, options.window_size(), options.is_causal());
+}
+
 // The causal (and window) mask of the earlier options types as a Mask.
 Mask causal_option_mask(bool is_causal, int64_t query_offset,
                         const c10::optional<int64_t>& window_size) {
@@ -88,18 +101,26 @@ AttentionOptions adapted_options(const AdapterOptions& options, AttentionBackend
 }
 
 // An earlier entry point's (..., n, hd) inputs as the planner's call under `options`, the
-// backend demanded; the context comes back in the query's shape.
-torch::Tensor run_as_call(const torch::Tensor& query, const torch::Tensor& key,
-                          const torch::Tensor& value, const AttentionOptions& options) {
+// backend demanded; the context (and with `with_weights` the weights) come back in the
+// query's shape.
+AttentionOutput run_as_call(const torch::Tensor& query, const torch::Tensor& key,
+                            const torch::Tensor& value, const AttentionOptions& options,
+                            bool with_weights = false) {
   detail::AttentionCall call;
   call.query = detail::as_outer_heads(query);
   call.key = detail::as_outer_heads(key);
   call.value = detail::as_outer_heads(value);
   call.options = options;
-  const auto out4 = detail::run_attention(call).context;
+  call.with_weights = with_weights;
+  auto out = detail::run_attention(call);
   auto shape = query.sizes().vec();
-  shape.back() = out4.size(3);
-  return out4.reshape(shape);
+  shape.back() = out.context.size(3);
+  out.context = out.context.reshape(shape);
+  if (out.weights.defined()) {
+    shape.back() = key.size(-2);
+    out.weights = out.weights.reshape(shape);
+  }
+  return out;
 }
 
 }  // namespace
@@ -117,19 +138,46 @@ AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& q
     return scaled_dot_product_attention_with_weights(query, key.repeat_interleave(group, -3),
                                                      value.repeat_interleave(group, -3), options);
   }
-  // The math core with the mask turned around: attn_mask and the causal mask say what is
-  // hidden, the core's `allowed` what is seen.
-  detail::MathMasking masking;
-  if (options.attn_mask().defined())
-    masking.allowed = options.attn_mask().logical_not();
-  if (options.is_causal()) {
-    const auto causal = causal_mask(query.size(-2), key.size(-2), query.device(),
-                                    options.query_offset(), options.window_size());
-    masking.allowed = masking.allowed.defined() ? masking.allowed.logical_and(causal.logical_not())
-                                                : causal.logical_not();
+  // The math core through the planner, the mask turned around: attn_mask and the causal
+  // mask say what is hidden, a Mask what is seen. The scores' leading dimensions are the
+  // inputs' and the mask's broadcast together (a mask with more of them gives one output per
+  // mask, as the book's matmuls would).
+  const auto& attn_mask = options.attn_mask();
+  std::vector<int64_t> lead;
+  for (const auto* t : {&query, &key, &value, &attn_mask}) {
+    if (!t->defined())
+      continue;
+    const auto own = t->sizes().slice(0, t->dim() - 2);
+    bool broadcasts = true;  // from the right, each pair equal or one of them 1
+    for (size_t i = 1; i <= std::min(own.size(), lead.size()); ++i) {
+      const auto x = own[own.size() - i], y = lead[lead.size() - i];
+      broadcasts = broadcasts && (x == y || x == 1 || y == 1);
+    }
+    TORCH_CHECK(broadcasts, "[scaled_dot_product_attention] the leading dimensions of query ",
+                shape_string(query), ", key ", shape_string(key), ", value ", shape_string(value),
+                attn_mask.defined() ? " and attn_mask " + shape_string(attn_mask) : std::string(),
+                " must broadcast together");
+    lead = at::infer_size(own, lead);
   }
-  return detail::math_attention(query, key, value, masking, options.scale(), options.dropout_p(),
-                                options.training());
+  // (..., n, f) -> lead + (n, f)
+  const auto expanded = [&lead](const torch::Tensor& t) {
+    auto shape = lead;
+    shape.push_back(t.size(-2));
+    shape.push_back(t.size(-1));
+    return t.expand(shape);
+  };
+  auto mask =
+      causal_option_mask(options.is_causal(), options.query_offset(), options.window_size());
+  if (attn_mask.defined())
+    mask = mask & Mask::from_tensor(detail::as_outer_heads(expanded(attn_mask)).logical_not());
+  return run_as_call(expanded(query), expanded(key), expanded(value),
+                     AttentionOptions()
+                         .mask(mask)
+                         .scale(options.scale())
+                         .dropout_p(options.dropout_p())
+                         .training(options.training())
+                         .backend(AttentionBackend::kMath),
+                     /*with_weights=*/true);
 }
 
 torch::Tensor scaled_dot_product_attention(const torch::Tensor& query, const torch::Tensor& key,
@@ -152,7 +200,8 @@ torch::Tensor chunked_attention(const torch::Tensor& query, const torch::Tensor&
   return run_as_call(query, key, value,
                      adapted_options(options, AttentionBackend::kChunked)
                          .query_block_size(options.block_size())
-                         .key_block_size(options.key_block_size()));
+                         .key_block_size(options.key_block_size()))
+      .context;
 }
 
 torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::Tensor& key,
@@ -163,7 +212,52 @@ torch::Tensor fused_backend_attention(const torch::Tensor& query, const torch::T
               " dropout_p must be in [0, 1), got ", options.dropout_p());
   detail::check_query_offset(fn, options.query_offset());
   detail::check_window_size(fn, options.window_size(), options.is_causal());
-  return run_as_call(query, key, value, adapted_options(options, AttentionBackend::kFused));
+  return run_as_call(query, key, value, adapted_options(options, AttentionBackend::kFused)).context;
+}
+
+torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, const FusedOptions& options) {
+  const char* fn = "[fused_attention]";
+  detail::check_qkv_layout(fn, query, key, value);
+  check_cpu_floating(fn, "query, key and value", {query, key, value});
+  check_fused_options(fn, options);
+  return run_as_call(query, key, value,
+                     adapted_options(options, AttentionBackend::kFused).kernel("loop_nest"))
+      .context;
+}
+
+torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
+                                     const FusedOptions& options) {
+  const char* fn = "[fused_packed_attention]";
+  TORCH_CHECK(qkv.defined() && qkv.dim() == 3, fn, " qkv: expected (b, n, 3 * d), got ",
+              qkv.defined() ? shape_string(qkv) : "an undefined tensor");
+  TORCH_CHECK(num_heads >= 1 && qkv.size(2) % (3 * num_heads) == 0, fn, " qkv's last dimension ",
+              qkv.size(2), " must be 3 * num_heads * head_dim, with num_heads = ", num_heads);
+  TORCH_CHECK(qkv.size(1) >= 1, fn, " qkv must hold at least one token");
+  check_cpu_floating(fn, "qkv", {qkv});
+  check_fused_options(fn, options);
+  TORCH_CHECK(options.query_offset() == 0, fn,
+              " queries and keys are the same tokens, so query_offset must be 0, got ",
+              options.query_offset());
+  const int64_t b = qkv.size(0), n = qkv.size(1);
+  const auto parts = qkv.chunk(3, -1);
+  const auto heads = [&](int64_t i) {
+    // (b, n, h * hd) -> (b, n, h, hd) -> (b, h, n, hd): a view of qkv
+    return parts[i].view({b, n, num_heads, -1}).transpose(1, 2);
+  };
+  detail::AttentionCall call;
+  call.query = heads(0);
+  call.key = heads(1);
+  call.value = heads(2);
+  call.packed_qkv = qkv;
+  call.options = adapted_options(options, AttentionBackend::kFused).kernel("packed_loop_nest");
+  // (b, h, n, hd) -> (b, n, h, hd) -> (b, n, h * hd)
+  return detail::run_attention(call).context.transpose(1, 2).reshape({b, n, -1});
+}
+
+bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
+                          const torch::TensorOptions& options) {
+  return detail::loop_nest_fits(num_queries, num_keys, options);
 }
 
 }  // namespace attnkit::functional

@@ -75,7 +75,7 @@ std::string sdpa_routes_decline(const KernelInput& input) {
 }
 
 bool cpu_route_allowed(const AttentionCall& call) {
-  return !call.query.is_cpu() ||
+  return !call.query.is_cpu() || !call.options.kernel().empty() ||
          (!call.backend_is_preference && call.options.backend() == AttentionBackend::kFused);
 }
 

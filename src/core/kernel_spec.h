@@ -140,8 +140,8 @@ std::string fused_kernels_decline(const KernelInput& input);
 /// What the SDPA routes for any mask (sdpa_varlen, sdpa_masked) lack: "" or why.
 std::string sdpa_routes_decline(const KernelInput& input);
 
-/// Whether a route that the CPU runs slower than the chunked kernel may take the call: only a
-/// demanded kFused there (docs/benchmarks.md), anything on other devices.
+/// Whether a route that the CPU runs slower than the chunked kernel may take the call: a
+/// demanded kFused there (docs/benchmarks.md) or a named kernel, anything on other devices.
 bool cpu_route_allowed(const AttentionCall& call);
 
 bool is_16bit(const torch::Tensor& tensor);

@@ -16,7 +16,6 @@
 #include <torch/torch.h>
 
 #include "attnkit/attention.h"
-#include "attnkit/functional.h"
 #include "core/kernel_spec.h"
 
 namespace attnkit::detail {

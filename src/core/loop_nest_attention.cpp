@@ -6,14 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "attnkit/functional.h"
 #include "core/attention_layout.h"
 #include "core/checks.h"
 #include "core/kernels.h"
 #include "core/loop_nest_kernel.h"
-
-// This file defines the deprecated adapters (SdpaOptions, ChunkedOptions, FusedOptions).
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
 namespace attnkit::detail {
 
@@ -109,30 +105,6 @@ struct PackedLoopNestFunction : public torch::autograd::Function<PackedLoopNestF
   }
 };
 
-// Fails unless the tensors (`what` names them) are on CPU and all float32 or all float64.
-void check_cpu_floating(const char* fn, const char* what,
-                        const std::vector<torch::Tensor>& tensors) {
-  for (const auto& t : tensors) {
-    TORCH_CHECK(t.device().is_cpu(), fn, " runs on CPU only, got a tensor on ", t.device(),
-                "; use scaled_dot_product_attention elsewhere");
-  }
-  const auto dtype = tensors.front().scalar_type();
-  bool same = dtype == torch::kFloat || dtype == torch::kDouble;
-  std::string got;
-  for (const auto& t : tensors) {
-    same = same && t.scalar_type() == dtype;
-    got += (got.empty() ? "" : ", ") + std::string(c10::toString(t.scalar_type()));
-  }
-  TORCH_CHECK(same, fn, " expected ", what, " to be float32 or float64 (one dtype), got ", got);
-}
-
-void check_fused_options(const char* fn, const functional::FusedOptions& options) {
-  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
-              " dropout_p must be in [0, 1), got ", options.dropout_p());
-  check_query_offset(fn, options.query_offset());
-  check_window_size(fn, options.window_size(), options.is_causal());
-}
-
 }  // namespace
 
 torch::Tensor loop_nest_attention(const torch::Tensor& query, const torch::Tensor& key,
@@ -207,17 +179,22 @@ std::string ragged_loop_nest_declines(const KernelInput& input) {
 }
 
 // What the loop nest on split heads or on a packed projection lacks beyond what every fused
-// kernel lacks.
+// kernel lacks, then what it leaves to faster kernels unless the call names it.
 std::string loop_nest_declines(const KernelInput& input) {
   auto why = fused_kernels_decline(input);
-  if (why.empty() && libtorch_has_sdpa())
-    why = "LibTorch 2.x runs the fused backend on its own SDPA";
-  if (why.empty() &&
-      !loop_nest_fits(input.query_tokens(), input.key_tokens(), input.call.query.options())) {
-    why = c10::str("the loop nest needs CPU float32 or float64 inputs with n * m <= ",
-                   kLoopNestMaxTile);
-  }
-  return why;
+  if (!why.empty())
+    return why;
+  const auto& query = input.call.query;
+  if (!query.is_cpu() ||
+      !(query.scalar_type() == torch::kFloat || query.scalar_type() == torch::kDouble))
+    return "the loop nest needs CPU float32 or float64 inputs";
+  if (!input.call.options.kernel().empty())
+    return "";
+  if (libtorch_has_sdpa())
+    return "LibTorch 2.x runs the fused backend on its own SDPA";
+  if (!loop_nest_fits(input.query_tokens(), input.key_tokens(), query.options()))
+    return c10::str("the loop nest is the fused backend only for n * m <= ", kLoopNestMaxTile);
+  return "";
 }
 
 std::string packed_loop_nest_declines(const KernelInput& input) {
@@ -284,44 +261,3 @@ KernelSpec loop_nest_spec() {
 }
 
 }  // namespace attnkit::detail
-
-namespace attnkit::functional {
-
-torch::Tensor fused_attention(const torch::Tensor& query, const torch::Tensor& key,
-                              const torch::Tensor& value, const FusedOptions& options) {
-  const char* fn = "[fused_attention]";
-  detail::check_qkv_layout(fn, query, key, value);
-  detail::check_cpu_floating(fn, "query, key and value", {query, key, value});
-  detail::check_fused_options(fn, options);
-  const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-  return detail::loop_nest_attention(
-      query, key, value,
-      {{options.is_causal(), options.query_offset(), options.window_size().value_or(0)},
-       dropout_p});
-}
-
-torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads,
-                                     const FusedOptions& options) {
-  const char* fn = "[fused_packed_attention]";
-  TORCH_CHECK(qkv.defined() && qkv.dim() == 3, fn, " qkv: expected (b, n, 3 * d), got ",
-              qkv.defined() ? detail::shape_string(qkv) : "an undefined tensor");
-  TORCH_CHECK(num_heads >= 1 && qkv.size(2) % (3 * num_heads) == 0, fn, " qkv's last dimension ",
-              qkv.size(2), " must be 3 * num_heads * head_dim, with num_heads = ", num_heads);
-  TORCH_CHECK(qkv.size(1) >= 1, fn, " qkv must hold at least one token");
-  detail::check_cpu_floating(fn, "qkv", {qkv});
-  detail::check_fused_options(fn, options);
-  TORCH_CHECK(options.query_offset() == 0, fn,
-              " queries and keys are the same tokens, so query_offset must be 0, got ",
-              options.query_offset());
-  const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-  return detail::loop_nest_packed_attention(
-      qkv, num_heads,
-      {{options.is_causal(), /*query_offset=*/0, options.window_size().value_or(0)}, dropout_p});
-}
-
-bool fused_attention_fits(int64_t num_queries, int64_t num_keys,
-                          const torch::TensorOptions& options) {
-  return detail::loop_nest_fits(num_queries, num_keys, options);
-}
-
-}  // namespace attnkit::functional

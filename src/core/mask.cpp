@@ -12,6 +12,7 @@
 
 #include "core/checks.h"
 #include "core/kernels.h"
+#include "core/mask_parts.h"
 
 namespace attnkit {
 
@@ -302,91 +303,56 @@ struct MaskAccess {
 namespace {
 
 // The parts of `node` joined by `&` (itself when it is not an `&`); false on a `|`.
-bool and_parts(const MaskNode* node, std::vector<const MaskNode*>& parts) {
+bool collect_and_parts(const MaskNode* node, std::vector<const MaskNode*>& parts) {
   const auto* combined = dynamic_cast<const CombinedNode*>(node);
   if (combined == nullptr) {
     parts.push_back(node);
     return true;
   }
-  return combined->is_and && and_parts(combined->left.get(), parts) &&
-         and_parts(combined->right.get(), parts);
+  return combined->is_and && collect_and_parts(combined->left.get(), parts) &&
+         collect_and_parts(combined->right.get(), parts);
 }
 
-// Row r's valid keys when they are a prefix [0, count) of its m keys, else -1.
-int64_t valid_prefix(const KeyPaddingNode& padding, int64_t r, int64_t m) {
-  if (padding.lengths.defined())
-    return padding.lengths_cpu[r];
-  const auto* counts = padding.counts_cpu.data() + r * (m + 1);
-  const int64_t valid = counts[m];
-  return counts[valid] == valid ? valid : -1;
+MaskPart part_of(const MaskNode* node) {
+  MaskPart part;
+  if (const auto* causal = dynamic_cast<const CausalNode*>(node)) {
+    part.kind = MaskPart::Kind::kCausal;
+    part.offset = causal->offset;
+    part.window = causal->window;
+    part.per_row = causal->per_row();
+  } else if (const auto* padding = dynamic_cast<const KeyPaddingNode*>(node)) {
+    part.kind = MaskPart::Kind::kKeyPadding;
+    if (padding->lengths.defined()) {
+      part.valid_prefix = padding->lengths_cpu;
+    } else {
+      const int64_t rows = padding->padding.size(0), m = padding->padding.size(1);
+      part.keys = m;
+      for (int64_t r = 0; r < rows; ++r) {
+        // counts[j]: valid keys among the first j; a prefix when the first `valid` are valid.
+        const auto* counts = padding->counts_cpu.data() + r * (m + 1);
+        const int64_t valid = counts[m];
+        part.valid_prefix.push_back(counts[valid] == valid ? valid : -1);
+      }
+    }
+  } else if (const auto* documents = dynamic_cast<const DocumentsNode*>(node)) {
+    part.kind = MaskPart::Kind::kDocuments;
+    part.ids = documents->host.data();
+    part.id_rows = documents->ids.dim() == 1 ? 0 : documents->ids.size(0);
+    part.id_length = documents->ids.size(-1);
+  }
+  return part;
 }
 
 }  // namespace
 
-std::optional<VarlenLayout> varlen_layout(const Mask& mask, int64_t batch, int64_t n, int64_t m) {
-  std::vector<const MaskNode*> parts;
-  if (mask.is_none() || !and_parts(MaskAccess::node(mask), parts))
+std::optional<std::vector<MaskPart>> and_parts(const Mask& mask) {
+  std::vector<const MaskNode*> nodes;
+  if (mask.is_none() || !collect_and_parts(MaskAccess::node(mask), nodes))
     return std::nullopt;
-  VarlenLayout layout;
-  const KeyPaddingNode* padding = nullptr;
-  const DocumentsNode* documents = nullptr;
-  for (const auto* part : parts) {
-    if (const auto* causal = dynamic_cast<const CausalNode*>(part)) {
-      if (causal->per_row() || causal->offset != 0 || causal->window != 0 || layout.causal)
-        return std::nullopt;
-      layout.causal = true;
-    } else if (const auto* p = dynamic_cast<const KeyPaddingNode*>(part)) {
-      if (padding != nullptr)
-        return std::nullopt;
-      padding = p;
-    } else if (const auto* d = dynamic_cast<const DocumentsNode*>(part)) {
-      if (documents != nullptr)
-        return std::nullopt;
-      documents = d;
-    } else {
-      return std::nullopt;
-    }
-  }
-  if ((padding == nullptr) == (documents == nullptr))
-    return std::nullopt;
-  // Masks that do not fit the problem are refused by Mask::check; here they only do not fall
-  // apart.
-  if (padding != nullptr &&
-      (padding->lengths.defined() ? padding->lengths.size(0) : padding->padding.size(0)) != batch) {
-    return std::nullopt;
-  }
-  if (documents != nullptr && (documents->ids.size(-1) != n ||
-                               (documents->ids.dim() == 2 && documents->ids.size(0) != batch))) {
-    return std::nullopt;
-  }
-  if (padding != nullptr && !padding->lengths.defined() && padding->padding.size(1) != m)
-    return std::nullopt;
-  if (padding != nullptr) {
-    for (int64_t r = 0; r < batch; ++r) {
-      const int64_t valid = valid_prefix(*padding, r, m);
-      if (valid < 0 || valid > m)
-        return std::nullopt;
-      layout.segments.push_back({r, 0, n, 0, valid});
-    }
-    return layout;
-  }
-  if (n != m)
-    return std::nullopt;
-  for (int64_t r = 0; r < batch; ++r) {
-    const auto* ids = documents->host.data() + (documents->ids.dim() == 1 ? 0 : r * n);
-    std::vector<int64_t> seen;  // each run's id: a document met again is not one run
-    for (int64_t begin = 0; begin < n;) {
-      int64_t end = begin + 1;
-      while (end < n && ids[end] == ids[begin])
-        ++end;
-      if (std::find(seen.begin(), seen.end(), ids[begin]) != seen.end())
-        return std::nullopt;
-      seen.push_back(ids[begin]);
-      layout.segments.push_back({r, begin, end, begin, end});
-      begin = end;
-    }
-  }
-  return layout;
+  std::vector<MaskPart> parts;
+  for (const auto* node : nodes)
+    parts.push_back(part_of(node));
+  return parts;
 }
 
 }  // namespace detail

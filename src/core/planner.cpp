@@ -24,11 +24,13 @@ struct Choice {
   KernelDecision decision;
 };
 
-// The first kernel of `table` serving `requested` that takes the input; spec null: none.
+// The first kernel of `table` serving `requested` that takes the input (the kernel the call
+// names, whatever it serves); spec null: none.
 Choice first_taking(const KernelInput& input, AttentionBackend requested,
                     const KernelTable& table) {
+  const auto& named = input.call.options.kernel();
   for (const auto& spec : table) {
-    if (!serves(spec, requested))
+    if (named.empty() ? !serves(spec, requested) : spec.name != named)
       continue;
     auto decision = spec.decide(input);
     if (decision.declined.empty())
@@ -57,6 +59,20 @@ Choice choose(const KernelInput& input, const KernelTable& table) {
   auto choice = first_taking(input, requested, table);
   if (choice.spec != nullptr)
     return choice;
+  const auto& named = input.call.options.kernel();
+  if (!named.empty()) {
+    std::string names;
+    for (const auto& spec : table) {
+      if (spec.name == named) {
+        TORCH_CHECK(false, "[attention] kernel ", named,
+                    " cannot run this: ", spec.decide(input).declined);
+      }
+      names += names.empty() ? "" : ", ";
+      names += spec.name;
+    }
+    TORCH_CHECK(false, "[attention] kernel: no kernel is named '", named, "'; expected one of ",
+                names);
+  }
   TORCH_CHECK(input.call.backend_is_preference, "[attention] backend ", backend_name(requested),
               " cannot run this: ", lacks(requested, input, table),
               "; use AttentionBackend::kAuto, kChunked or kMath");

@@ -20,7 +20,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
-#include "attnkit/functional.h"
+#include "attnkit/attention.h"
 #include "core/checks.h"
 #include "core/kernels.h"
 #include "core/parallel.h"

@@ -8,8 +8,75 @@
 #include <vector>
 
 #include "core/kernels.h"
+#include "core/mask_parts.h"
 
 namespace attnkit::detail {
+
+std::optional<VarlenLayout> varlen_layout(const Mask& mask, int64_t batch, int64_t n, int64_t m) {
+  const auto parts = and_parts(mask);
+  if (!parts)
+    return std::nullopt;
+  VarlenLayout layout;
+  const MaskPart* padding = nullptr;
+  const MaskPart* documents = nullptr;
+  for (const auto& part : *parts) {
+    switch (part.kind) {
+      case MaskPart::Kind::kCausal:
+        if (part.per_row || part.offset != 0 || part.window != 0 || layout.causal)
+          return std::nullopt;
+        layout.causal = true;
+        break;
+      case MaskPart::Kind::kKeyPadding:
+        if (padding != nullptr)
+          return std::nullopt;
+        padding = &part;
+        break;
+      case MaskPart::Kind::kDocuments:
+        if (documents != nullptr)
+          return std::nullopt;
+        documents = &part;
+        break;
+      case MaskPart::Kind::kOther:
+        return std::nullopt;
+    }
+  }
+  if ((padding == nullptr) == (documents == nullptr))
+    return std::nullopt;
+  // Masks that do not fit the problem are refused by Mask::check; here they only do not fall
+  // apart.
+  if (padding != nullptr) {
+    if (static_cast<int64_t>(padding->valid_prefix.size()) != batch ||
+        (padding->keys >= 0 && padding->keys != m)) {
+      return std::nullopt;
+    }
+    for (int64_t r = 0; r < batch; ++r) {
+      const int64_t valid = padding->valid_prefix[r];
+      if (valid < 0 || valid > m)
+        return std::nullopt;
+      layout.segments.push_back({r, 0, n, 0, valid});
+    }
+    return layout;
+  }
+  if (documents->id_length != n || (documents->id_rows != 0 && documents->id_rows != batch) ||
+      n != m) {
+    return std::nullopt;
+  }
+  for (int64_t r = 0; r < batch; ++r) {
+    const auto* ids = documents->ids + (documents->id_rows == 0 ? 0 : r * n);
+    std::vector<int64_t> seen;  // each run's id: a document met again is not one run
+    for (int64_t begin = 0; begin < n;) {
+      int64_t end = begin + 1;
+      while (end < n && ids[end] == ids[begin])
+        ++end;
+      if (std::find(seen.begin(), seen.end(), ids[begin]) != seen.end())
+        return std::nullopt;
+      seen.push_back(ids[begin]);
+      layout.segments.push_back({r, begin, end, begin, end});
+      begin = end;
+    }
+  }
+  return layout;
+}
 
 namespace {
 

@@ -27,16 +27,8 @@ GroupedQueryAttentionImpl::GroupedQueryAttentionImpl(const GroupedQueryAttention
 }
 
 void GroupedQueryAttentionImpl::reset() {
-  detail::check_positive_option(kName, "d_in", options.d_in());
-  detail::check_positive_option(kName, "d_out", options.d_out());
-  detail::check_positive_option(kName, "num_heads", options.num_heads());
+  detail::check_multi_head_options(kName, options);
   detail::check_positive_option(kName, "num_kv_groups", options.num_kv_groups());
-  detail::check_dropout_option(kName, options.dropout());
-  detail::check_positive_option(kName, "query_block_size", options.query_block_size());
-  detail::check_positive_option(kName, "key_block_size", options.key_block_size());
-  TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", kName,
-              "] option d_out must be divisible by num_heads, got d_out = ", options.d_out(),
-              ", num_heads = ", options.num_heads());
   TORCH_CHECK(options.num_heads() % options.num_kv_groups() == 0, "[", kName,
               "] option num_heads must be divisible by num_kv_groups, got num_heads = ",
               options.num_heads(), ", num_kv_groups = ", options.num_kv_groups());

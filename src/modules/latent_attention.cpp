@@ -58,17 +58,9 @@ int64_t MultiHeadLatentAttentionImpl::latent_dim() const {
 }
 
 void MultiHeadLatentAttentionImpl::reset() {
-  detail::check_positive_option(kName, "d_in", options.d_in());
-  detail::check_positive_option(kName, "d_out", options.d_out());
-  detail::check_positive_option(kName, "num_heads", options.num_heads());
-  detail::check_dropout_option(kName, options.dropout());
-  detail::check_positive_option(kName, "query_block_size", options.query_block_size());
-  detail::check_positive_option(kName, "key_block_size", options.key_block_size());
+  detail::check_multi_head_options(kName, options);
   if (options.latent_dim().has_value())
     detail::check_positive_option(kName, "latent_dim", *options.latent_dim());
-  TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", kName,
-              "] option d_out must be divisible by num_heads, got d_out = ", options.d_out(),
-              ", num_heads = ", options.num_heads());
   const auto d_in = options.d_in();
   const auto d_out = options.d_out();
   const auto latent = latent_dim();

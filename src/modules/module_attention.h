@@ -9,7 +9,6 @@
 #include <torch/torch.h>
 
 #include "attnkit/attention.h"
-#include "attnkit/functional.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
 #include "attnkit/rms_norm.h"
@@ -60,6 +59,21 @@ torch::Tensor attend_step(const torch::Tensor& queries, const torch::Tensor& key
                           const torch::Tensor& values, const ModuleAttention& settings,
                           int64_t query_offset, const Mask& mask,
                           const KVCache::RaggedSpan* rows = nullptr);
+
+/// reset()'s checks of the options every multi-head module has: d_in, d_out and num_heads
+/// >= 1 with num_heads dividing d_out, dropout in [0, 1), and the block sizes >= 1.
+template <typename Options>
+void check_multi_head_options(const char* module, const Options& opt) {
+  check_positive_option(module, "d_in", opt.d_in());
+  check_positive_option(module, "d_out", opt.d_out());
+  check_positive_option(module, "num_heads", opt.num_heads());
+  check_dropout_option(module, opt.dropout());
+  check_positive_option(module, "query_block_size", opt.query_block_size());
+  check_positive_option(module, "key_block_size", opt.key_block_size());
+  TORCH_CHECK(opt.d_out() % opt.num_heads() == 0, "[", module,
+              "] option d_out must be divisible by num_heads, got d_out = ", opt.d_out(),
+              ", num_heads = ", opt.num_heads());
+}
 
 /// The inputs of the keys and values of forward(query, key, value): query itself for
 /// self-attention (key and value undefined), else key and value (value defaults to key),

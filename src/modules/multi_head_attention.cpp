@@ -16,17 +16,10 @@ namespace {
 
 constexpr const char* kName = "MultiHeadAttention";
 
-void check_multi_head_options(const char* name, const MultiHeadAttentionOptions& options) {
-  detail::check_positive_option(name, "d_in", options.d_in());
-  detail::check_positive_option(name, "d_out", options.d_out());
+// reset()'s checks, for MultiHeadAttention and the combined variant.
+void check_options(const char* name, const MultiHeadAttentionOptions& options) {
+  detail::check_multi_head_options(name, options);
   detail::check_positive_option(name, "context_length", options.context_length());
-  detail::check_positive_option(name, "num_heads", options.num_heads());
-  detail::check_dropout_option(name, options.dropout());
-  detail::check_positive_option(name, "query_block_size", options.query_block_size());
-  detail::check_positive_option(name, "key_block_size", options.key_block_size());
-  TORCH_CHECK(options.d_out() % options.num_heads() == 0, "[", name,
-              "] option d_out must be divisible by num_heads, got d_out = ", options.d_out(),
-              ", num_heads = ", options.num_heads());
   detail::check_window_option(name, options.sliding_window_size(), options.causal());
 }
 
@@ -163,7 +156,7 @@ MultiHeadAttentionImpl::MultiHeadAttentionImpl(const MultiHeadAttentionOptions& 
 }
 
 void MultiHeadAttentionImpl::reset() {
-  check_multi_head_options(kName, options);
+  check_options(kName, options);
   const auto d_in = options.d_in();
   const auto d_out = options.d_out();
   const auto projection = torch::nn::LinearOptions(d_in, d_out).bias(options.qkv_bias());
@@ -290,7 +283,7 @@ MultiHeadAttentionCombinedQKVImpl::MultiHeadAttentionCombinedQKVImpl(
 }
 
 void MultiHeadAttentionCombinedQKVImpl::reset() {
-  check_multi_head_options(kCombinedName, options);
+  check_options(kCombinedName, options);
   const auto d_in = options.d_in();
   const auto d_out = options.d_out();
   qkv = register_module(

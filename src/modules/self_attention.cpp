@@ -1,6 +1,6 @@
 #include "attnkit/self_attention.h"
 
-#include "attnkit/functional.h"
+#include "attnkit/attention.h"
 #include "core/checks.h"
 #include "modules/module_helpers.h"
 

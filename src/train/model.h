@@ -11,8 +11,8 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/attention.h"
 #include "attnkit/cached_attention.h"
-#include "attnkit/functional.h"
 #include "attnkit/generate.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/mask.h"
