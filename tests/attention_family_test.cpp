@@ -264,6 +264,37 @@ TEST(AttentionFamily, EveryCachedModuleIsOneCachedAttentionLayer) {
   EXPECT_EQ(layer->as_module().get(), gqa.ptr().get());
 }
 
+TEST(AttentionFamily, ResetParametersRepeatsTheConstructorsDraws) {
+  // After the constructor's seed, reset_parameters() draws every projection again in the
+  // constructor's order, and QK-norm's weights return to ones.
+  const auto check = [](const std::string& label, auto make) {
+    SCOPED_TRACE(label);
+    torch::manual_seed(8);
+    auto fresh = make();
+    auto reset = make();
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& parameter : reset->parameters())
+        parameter.fill_(0.25);
+    }
+    torch::manual_seed(8);
+    reset->reset_parameters();
+    const auto expected = fresh->named_parameters();
+    ASSERT_EQ(reset->named_parameters().size(), expected.size());
+    for (const auto& parameter : reset->named_parameters())
+      EXPECT_TRUE(torch::equal(parameter.value(), expected[parameter.key()])) << parameter.key();
+  };
+  const auto mha = MultiHeadAttentionOptions(6, 12, 16, 0.0, 4).qkv_bias(true).qk_norm(true);
+  check("mha", [&] { return MultiHeadAttention(mha); });
+  check("mha-combined", [&] { return MultiHeadAttentionCombinedQKV(mha); });
+  check("gqa", [] {
+    return GroupedQueryAttention(GroupedQueryAttentionOptions(6, 12, 0.0, 4, 2).qkv_bias(true));
+  });
+  check("mla", [] {
+    return MultiHeadLatentAttention(MultiHeadLatentAttentionOptions(6, 12, 0.0, 4).latent_dim(5));
+  });
+}
+
 TEST(AttentionFamily, RefusalsNameWhatIsWrong) {
   expect_error_containing([] { GroupedQueryAttention(8, 12, 0.0, 6, 4); },
                           "[GroupedQueryAttention] option num_heads must be divisible by "

@@ -114,8 +114,10 @@ AttentionFn chunked(bool causal, int64_t block, int64_t key_block) {
   return demanded(AttentionBackend::kChunked, c);
 }
 
-// The loop-nest kernel itself (detail::loop_nest_attention), on any LibTorch: the planner runs
-// it for kFused on 1.x only, so the kernel is held to the math core directly.
+// The loop-nest kernel's own entry, on any LibTorch and any rank and strides of its inputs
+// (attention() takes ranks 2 to 4, and the planner picks the loop nest for kFused on 1.x and
+// short sequences only): held to the math core directly. Through the planner, by its name,
+// it is Planner.ANamedKernelRunsTheCallOrSaysWhyItCannot's.
 AttentionFn loop_nest(bool causal, int64_t query_offset = 0, int64_t window = 0,
                       double dropout_p = 0.0) {
   return [=](auto& q, auto& k, auto& v) {
@@ -363,14 +365,25 @@ TEST(FusedAttention, PackedProjectionsMatchMathOnTheirHeads) {
         auto qkv = qkv_in.clone().requires_grad_(true);
         torch::manual_seed(23);
         torch::Tensor out;
+        const auto parts = qkv.chunk(3, -1);
+        const auto split = [&](const torch::Tensor& t) {
+          return t.view({b, n, heads, hd}).transpose(1, 2);  // (b, n, d) -> (b, h, n, hd)
+        };
         if (packed) {
-          out = attnkit::detail::loop_nest_packed_attention(
-              qkv, heads, {attnkit::detail::CausalSpan{causal, 0, 0}, dropout});
+          // The packed loop nest by name, on the head views of the projection it reads.
+          attnkit::detail::AttentionCall call;
+          call.query = split(parts[0]);
+          call.key = split(parts[1]);
+          call.value = split(parts[2]);
+          call.packed_qkv = qkv;
+          call.options = F::AttentionOptions()
+                             .mask(causal_mask_of(causal))
+                             .dropout_p(dropout)
+                             .training(dropout > 0.0)
+                             .kernel("packed_loop_nest");
+          // (b, h, n, hd) -> (b, n, h, hd) -> (b, n, h * hd)
+          out = attnkit::detail::run_attention(call).context.transpose(1, 2).reshape({b, n, -1});
         } else {
-          const auto parts = qkv.chunk(3, -1);
-          const auto split = [&](const torch::Tensor& t) {
-            return t.view({b, n, heads, hd}).transpose(1, 2);  // (b, n, d) -> (b, h, n, hd)
-          };
           const auto context = math_reference(split(parts[0]), split(parts[1]), split(parts[2]),
                                               causal, 0, c10::nullopt, dropout);
           out = context.transpose(1, 2).reshape({b, n, heads * hd});  // heads merged

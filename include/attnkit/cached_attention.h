@@ -16,6 +16,11 @@
 
 namespace attnkit {
 
+namespace detail {
+/// reset_parameters() of each Linear and RMSNorm child of `module`, in registration order.
+void reset_child_parameters(torch::nn::Module& module);
+}  // namespace detail
+
 /// An attention layer with a KV cache, whatever its projections and cache. A model keeps a
 /// `std::shared_ptr<CachedAttentionLayer>` (any module holder's `.ptr()` converts to it) and
 /// registers `as_module()`.
@@ -107,6 +112,10 @@ class CachedAttentionLayer {
 template <typename Impl>
 class CachedAttentionModule : public torch::nn::Cloneable<Impl>, public CachedAttentionLayer {
  public:
+  /// Re-initialises the projections (and QK-norm's weights) in the order the constructor
+  /// made them, so after the same seed they are the constructor's draws.
+  void reset_parameters() { detail::reset_child_parameters(*this); }
+
   AttentionBackend backend() const override { return impl().options.backend(); }
   void set_backend(AttentionBackend backend) override {
     static_cast<Impl&>(*this).options.backend(backend);

@@ -37,8 +37,6 @@ class GroupedQueryAttentionImpl : public CachedAttentionModule<GroupedQueryAtten
 
   /// Validates the options and registers the projections.
   void reset() override;
-  /// Re-initialises the projections.
-  void reset_parameters();
   /// `attnkit::GroupedQueryAttention(d_in=..., num_kv_groups=..., sliding_window_size=none, ...)`
   void pretty_print(std::ostream& stream) const override;
 

@@ -35,8 +35,6 @@ class MultiHeadLatentAttentionImpl : public CachedAttentionModule<MultiHeadLaten
 
   /// Validates the options and registers the projections.
   void reset() override;
-  /// Re-initialises the projections.
-  void reset_parameters();
   /// `attnkit::MultiHeadLatentAttention(d_in=..., latent_dim=..., ...)`
   void pretty_print(std::ostream& stream) const override;
 

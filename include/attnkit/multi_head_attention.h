@@ -79,8 +79,6 @@ class MultiHeadAttentionImpl : public CachedAttentionModule<MultiHeadAttentionIm
 
   /// Validates the options and registers the projections.
   void reset() override;
-  /// Re-initialises the projections.
-  void reset_parameters();
   /// `attnkit::MultiHeadAttention(d_in=3, d_out=2, context_length=6, dropout=0, num_heads=2,
   /// qkv_bias=false, causal=true)`
   void pretty_print(std::ostream& stream) const override;
@@ -153,8 +151,6 @@ class MultiHeadAttentionCombinedQKVImpl
 
   /// Validates the options and registers the projections.
   void reset() override;
-  /// Re-initialises the projections.
-  void reset_parameters();
   /// `attnkit::MultiHeadAttentionCombinedQKV(d_in=3, d_out=2, ..., causal=true)`
   void pretty_print(std::ostream& stream) const override;
   /// The Python class's `mask` buffer: triu(ones(context_length, context_length), 1) in the

@@ -50,14 +50,6 @@ void GroupedQueryAttentionImpl::reset() {
                                                   d_out / options.num_heads(), q_norm, k_norm);
 }
 
-void GroupedQueryAttentionImpl::reset_parameters() {
-  W_key->reset_parameters();
-  W_value->reset_parameters();
-  W_query->reset_parameters();
-  out_proj->reset_parameters();
-  detail::reset_query_key_norms(q_norm, k_norm);
-}
-
 void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
   stream << "attnkit::GroupedQueryAttention(d_in=" << options.d_in()
          << ", d_out=" << options.d_out() << ", dropout=" << detail::option_text(options.dropout())

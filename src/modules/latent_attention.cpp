@@ -75,14 +75,6 @@ void MultiHeadLatentAttentionImpl::reset() {
   out_proj = register_module("out_proj", torch::nn::Linear(d_out, d_out));
 }
 
-void MultiHeadLatentAttentionImpl::reset_parameters() {
-  W_query->reset_parameters();
-  W_DKV->reset_parameters();
-  W_UK->reset_parameters();
-  W_UV->reset_parameters();
-  out_proj->reset_parameters();
-}
-
 void MultiHeadLatentAttentionImpl::pretty_print(std::ostream& stream) const {
   stream << "attnkit::MultiHeadLatentAttention(d_in=" << options.d_in()
          << ", d_out=" << options.d_out() << ", dropout=" << detail::option_text(options.dropout())

@@ -233,11 +233,13 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
                      &span);
 }
 
-void reset_query_key_norms(RMSNorm& q_norm, RMSNorm& k_norm) {
-  if (q_norm.is_empty())
-    return;
-  q_norm->reset_parameters();
-  k_norm->reset_parameters();
+void reset_child_parameters(torch::nn::Module& module) {
+  for (const auto& child : module.children()) {
+    if (auto* linear = child->as<torch::nn::Linear>())
+      linear->reset_parameters();
+    else if (auto* norm = child->as<RMSNorm>())
+      norm->reset_parameters();
+  }
 }
 
 RopeTables reset_query_key_transform(const char* name, torch::nn::Module& module,

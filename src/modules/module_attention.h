@@ -150,9 +150,6 @@ RopeTables reset_query_key_transform(const char* name, torch::nn::Module& module
                                      const c10::optional<RopeOptions>& rope, bool qk_norm,
                                      int64_t head_dim, RMSNorm& q_norm, RMSNorm& k_norm);
 
-/// reset_parameters() of the QK-norm weights, where the module has them (qk_norm).
-void reset_query_key_norms(RMSNorm& q_norm, RMSNorm& k_norm);
-
 /// pretty_print's text for the rope and qk_norm options, each only when set:
 /// `, rope=(context_length=4096, theta_base=10000, layout=split_half), qk_norm=true`.
 void print_query_key_options(std::ostream& stream, const c10::optional<RopeOptions>& rope,

@@ -170,14 +170,6 @@ void MultiHeadAttentionImpl::reset() {
                                         options.d_out() / options.num_heads(), q_norm, k_norm);
 }
 
-void MultiHeadAttentionImpl::reset_parameters() {
-  W_query->reset_parameters();
-  W_key->reset_parameters();
-  W_value->reset_parameters();
-  out_proj->reset_parameters();
-  detail::reset_query_key_norms(q_norm, k_norm);
-}
-
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   print_multi_head_options(stream, kName, options);
 }
@@ -292,12 +284,6 @@ void MultiHeadAttentionCombinedQKVImpl::reset() {
   rope_tables =
       detail::reset_query_key_transform(kCombinedName, *this, options.rope(), options.qk_norm(),
                                         options.d_out() / options.num_heads(), q_norm, k_norm);
-}
-
-void MultiHeadAttentionCombinedQKVImpl::reset_parameters() {
-  qkv->reset_parameters();
-  out_proj->reset_parameters();
-  detail::reset_query_key_norms(q_norm, k_norm);
 }
 
 void MultiHeadAttentionCombinedQKVImpl::pretty_print(std::ostream& stream) const {
