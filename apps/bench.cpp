@@ -22,6 +22,7 @@
 #include "attnkit/attnkit.h"
 #include "command_line.h"
 #include "train/line.h"
+#include "train/mixed_precision.h"
 
 using attnkit::train::Line;
 
@@ -748,6 +749,7 @@ int main(int argc, char** argv) {
     if (device.is_cuda() && !torch::cuda::is_available()) {
       return fail("--device " + c.device + ": CUDA is not available; use --device cpu");
     }
+    attnkit::train::check_dtype_runs_on(dtypes.at(c.dtype), device);
     if (c.threads > 0)
       attnkit::set_num_threads(static_cast<int>(c.threads));
     const auto tensor_options = torch::dtype(dtypes.at(c.dtype)).device(device);

@@ -112,7 +112,7 @@ attnkit::cli::CommandLine make_command_line() {
       .value("Training", "threads",
              "CPU threads: each step's batch is cut into this many shares, trained at once, "
              "one per thread (with --dropout a step runs on one); 0 = the cores this process "
-             "may use, shared among this machine's ranks",
+             "may use, shared among this machine's ranks; more than those cores is refused",
              "0")
       .value("Training", "eval-every", "steps between held-out evaluations; 0 = steps / 10", "0")
       .value("Training", "resume",
@@ -133,7 +133,8 @@ attnkit::cli::CommandLine make_command_line() {
              "whose allreduce starts while backward still runs",
              "0");
   cli.value("Output", "save",
-            "checkpoint path: latest state there, best held-out loss at NAME.best.EXT")
+            "checkpoint path: latest state there, best held-out loss at NAME.best.EXT; one run "
+            "at a time per path")
       .value("Output", "metrics",
              "write one line per evaluation: JSON Lines, or CSV if the name ends in .csv")
       .value("Output", "dump-attention",
@@ -285,6 +286,10 @@ int main(int argc, char** argv) {
       }
       return 130;
     }
+    // A report that did not reach standard output (a full disk) is not a success.
+    std::cout.flush();
+    if (!std::cout)
+      return fail("writing the report to standard output failed (is the disk full?)", 1);
     return 0;
   } catch (const T::NonFiniteLoss& e) {
     return fail(e.what(), 1);

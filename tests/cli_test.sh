@@ -98,6 +98,30 @@ expect 2 "--steps: expected >= 1" -- --steps -5
 expect 2 "--save: cannot write '$work/no/such/dir/run.pt' (does its directory exist?)" \
   -- --save "$work/no/such/dir/run.pt"
 expect 2 "--metrics: cannot write" -- --metrics "$work/no/such/dir/m.jsonl"
+# A directory where a file belongs is refused before training, for each flag that names one.
+mkdir -p "$work/a_directory"
+for flag in --save --metrics --resume; do
+  expect 2 "$flag: '$work/a_directory' is a directory; expected a file" \
+    -- "${quick[@]}" "$flag" "$work/a_directory"
+done
+expect 2 "--data: '$work/a_directory' is a directory; expected a file" \
+  -- --task text --data "$work/a_directory"
+expect 2 "--prompts: '$work/a_directory' is a directory; expected a file" \
+  -- --task text --sample 5 --prompts "$work/a_directory"
+# A report that cannot be written (standard output on a full disk) is not a success.
+checks=$((checks + 1))
+if "$train" "${quick[@]}" >/dev/full 2>"$work/err"; then
+  echo "FAIL: attnkit-train with standard output on /dev/full exited 0"
+  failures=$((failures + 1))
+elif grep -qF "writing the report to standard output failed (is the disk full?)" "$work/err"; then
+  echo "ok: standard output on /dev/full: $(head -c 160 "$work/err")"
+else
+  echo "FAIL: standard output on /dev/full, stderr:"
+  sed 's/^/    /' "$work/err"
+  failures=$((failures + 1))
+fi
+expect 2 "--threads 100000: this process may use" -- --threads 100000
+expect 2 "--lr: expected at most 3.40282e+38 (float32's largest value), got 1e+300" -- --lr 1e300
 if "$train" --device cuda --steps 1 >/dev/null 2>&1; then :; else
   expect 2 "--device cuda: CUDA is not available" -- --device cuda
 fi
@@ -200,18 +224,23 @@ fi
 
 # SIGINT: finishes the step, saves, exits 130.
 checks=$((checks + 1))
-"$train" --steps 1000000 --threads 1 --save "$work/sigint.pt" >"$work/out" 2>"$work/err" &
+"$train" --steps 1000000 --threads 1 --save "$work/sigint.pt" >"$work/sigint.out" \
+  2>"$work/sigint.err" &
 pid=$!
 sleep 3
+# Meanwhile a second run on the same --save is refused at start, naming the first.
+expect 2 "--save: '$work/sigint.pt' is being written by another attnkit-train run (process $pid); wait for it to end or give another --save path" \
+  -- --steps 2 --threads 1 --save "$work/sigint.pt"
 kill -INT "$pid"
 wait "$pid"
 code=$?
-if [ "$code" -eq 130 ] && grep -q "interrupted at step" "$work/err" && [ -s "$work/sigint.pt" ] &&
+if [ "$code" -eq 130 ] && grep -q "interrupted at step" "$work/sigint.err" &&
+   [ -s "$work/sigint.pt" ] && [ ! -e "$work/sigint.pt.lock" ] &&
    "$train" --steps 1 --resume "$work/sigint.pt" --quiet >/dev/null 2>&1; then
-  echo "ok: SIGINT -> exit 130: $(cat "$work/err")"
+  echo "ok: SIGINT -> exit 130, lock released: $(cat "$work/sigint.err")"
 else
-  echo "FAIL: SIGINT -> exit $code (expected 130 and a resumable checkpoint), stderr:"
-  sed 's/^/    /' "$work/err"
+  echo "FAIL: SIGINT -> exit $code (expected 130, a resumable checkpoint and no lock file), stderr:"
+  sed 's/^/    /' "$work/sigint.err"
   failures=$((failures + 1))
 fi
 

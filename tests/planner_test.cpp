@@ -436,6 +436,35 @@ TEST(Planner, ANamedKernelRunsTheCallOrSaysWhyItCannot) {
   }
 }
 
+TEST(Planner, AnEmptyCallAnswersAlikeOnEveryBackend) {
+  // No batch entry or no query: the math core answers with an empty context, whatever the
+  // backend or mask, and gradients flow; no key at all is refused alike.
+  for (const auto backend : {AttentionBackend::kMath, AttentionBackend::kFused,
+                             AttentionBackend::kChunked, AttentionBackend::kAuto}) {
+    for (const bool causal : {false, true}) {
+      const auto options =
+          F::AttentionOptions().mask(causal ? Mask::causal() : Mask()).backend(backend);
+      for (const auto& [batch, queries] : {std::pair<int64_t, int64_t>{0, 5}, {2, 0}}) {
+        SCOPED_TRACE(c10::str("b ", batch, " n ", queries, " ", attnkit::backend_name(backend),
+                              causal ? " causal" : ""));
+        const auto q = torch::randn({batch, 2, queries, 4}, torch::requires_grad());
+        const auto k = torch::randn({batch, 2, 5, 4}, torch::requires_grad());
+        const auto v = torch::randn({batch, 2, 5, 4}, torch::requires_grad());
+        F::KernelRecord record;
+        const auto out = F::attention(q, k, v, options);
+        EXPECT_EQ(out.sizes(), q.sizes());
+        ASSERT_EQ(record.runs().size(), 1u);
+        EXPECT_EQ(record.runs()[0].kernel, "math");
+        out.sum().backward();
+        EXPECT_EQ(q.grad().sizes(), q.sizes());
+      }
+      const auto q = torch::randn({2, 2, 5, 4}), none = torch::randn({2, 2, 0, 4});
+      expect_error_containing([&] { F::attention(q, none, none, options); },
+                              "[attention] key must hold at least one token, got [2, 2, 0, 4]");
+    }
+  }
+}
+
 // The masked SDPA route builds a dense mask only within its budget (128 MiB of bools): a
 // demand past it is refused with the sizes, and kAuto runs it on the chunked kernel.
 TEST(Planner, TheMaskedSdpaRouteKeepsItsDenseMaskWithinItsBudget) {

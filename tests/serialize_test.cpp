@@ -160,8 +160,10 @@ TEST_F(SerializeTest, BadFilesGiveOneLineErrors) {
     const auto bytes = torch::pickle_save(torch::ones({2}));
     std::ofstream(path("tensor.pt"), std::ios::binary).write(bytes.data(), bytes.size());
   }
+  std::filesystem::create_directory(path("directory.pt"));
   const std::vector<std::pair<std::string, std::string>> cases{
       {"missing.pt", "cannot open"},
+      {"directory.pt", "directory.pt' is a directory; expected a file"},
       {"empty.pt", "is empty; expected a dict of tensors"},
       {"foreign.pt", "is not a zip archive (torch.save's format); expected a dict of tensors"},
       {"half.pt", "is truncated or damaged: no zip end-of-directory record"},

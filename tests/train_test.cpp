@@ -15,6 +15,7 @@
 #include "train/flat_adamw.h"
 #include "train/gradient_sync.h"
 #include "train/heatmap.h"
+#include "train/run_output.h"
 #include "train/tasks.h"
 #include "train/trainer.h"
 
@@ -378,6 +379,22 @@ TEST_F(TrainTest, MetricsFilesJsonLinesAndCsv) {
   ASSERT_EQ(csv.size(), 4u);
   EXPECT_EQ(csv[0], "step,loss,accuracy,train_loss,tokens_per_s,elapsed_s,final");
   EXPECT_EQ(csv.back().substr(csv.back().rfind(',') + 1), "true");
+}
+
+TEST_F(TrainTest, AMetricsLineTheFileDoesNotTakeEndsTheRunNamingTheFile) {
+  // /dev/full takes the open and refuses every write, as a full disk does.
+  if (!std::filesystem::exists("/dev/full"))
+    GTEST_SKIP() << "no /dev/full here";
+  T::Evaluation evaluation;
+  evaluation.loss = 1.5;
+  T::MetricsWriter json("/dev/full", /*text_task=*/false);
+  expect_error_containing([&] { json.write(10, evaluation, 1.4, 100.0, 2.0, false); },
+                          "--metrics: writing '/dev/full' failed at step 10 (is the disk full?)");
+  // A .csv file writes its header first; here it fails there.
+  const auto link = path("full.csv");
+  std::filesystem::create_symlink("/dev/full", link);
+  expect_error_containing([&] { T::MetricsWriter csv(link, /*text_task=*/true); },
+                          "--metrics: writing '" + link + "' failed (is the disk full?)");
 }
 
 TEST_F(TrainTest, PackedTextTrainsWithTheDocumentMaskOnEveryBackend) {

@@ -1,5 +1,8 @@
 #include "core/checks.h"
 
+#include <filesystem>
+#include <system_error>
+
 #include "attnkit/attention.h"
 #include "core/planner.h"
 
@@ -55,6 +58,12 @@ int64_t query_heads_per_kv_head(const char* fn, const torch::Tensor& query,
               kv_heads, " key/value heads for ", heads, " query heads (query ", shape_string(query),
               ", key ", shape_string(key), ")");
   return heads / kv_heads;
+}
+
+void check_not_directory(const std::string& who, const std::string& path) {
+  std::error_code error;
+  TORCH_CHECK(!std::filesystem::is_directory(path, error), who, ": '", path,
+              "' is a directory; expected a file");
 }
 
 std::string shape_string(const torch::Tensor& t) {

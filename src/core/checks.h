@@ -53,4 +53,8 @@ void check_forward_input(const char* module, const torch::Tensor& x, const Input
 /// "[2, 6, 3]"
 std::string shape_string(const torch::Tensor& t);
 
+/// Fails ("WHO: 'PATH' is a directory; expected a file") when `path` names a directory, which
+/// a std::fstream opens without complaint and then fails to read or replace.
+void check_not_directory(const std::string& who, const std::string& path);
+
 }  // namespace attnkit::detail

@@ -28,6 +28,16 @@ struct Choice {
 // names, whatever it serves); spec null: none.
 Choice first_taking(const KernelInput& input, AttentionBackend requested,
                     const KernelTable& table) {
+  const auto& call = input.call;
+  if (call.query.numel() == 0) {
+    // Nothing to tile: no batch entry, head or query. The math core answers it (an empty
+    // context) on every backend and kernel alike, where the others' tiles and block masks
+    // would have nothing to cut.
+    for (const auto& spec : table) {
+      if (std::string(spec.name) == "math")
+        return {&spec, spec.decide(input)};
+    }
+  }
   const auto& named = input.call.options.kernel();
   for (const auto& spec : table) {
     if (named.empty() ? !serves(spec, requested) : spec.name != named)

@@ -28,6 +28,7 @@ std::string and_more(size_t count) {
 // The whole file: a state dict is read in one piece, and never more than the file's size is
 // allocated before its records have been checked.
 std::string read_bytes(const std::string& path) {
+  detail::check_not_directory("[read_state_dict]", path);
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good(), "[read_state_dict] cannot open '", path, "' for reading");
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

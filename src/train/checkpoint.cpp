@@ -1,11 +1,14 @@
 #include "checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+
+#include "core/checks.h"
 
 namespace attnkit::train {
 
@@ -71,6 +74,42 @@ class Entries {
 
 }  // namespace
 
+std::string temporary_path(const std::string& path) {
+  return path + "." + std::to_string(::getpid()) + ".tmp";
+}
+
+SaveClaim::SaveClaim(const std::string& path) {
+  if (path.empty())
+    return;
+  const auto lock_path = path + ".lock";
+  descriptor_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  TORCH_CHECK(descriptor_ >= 0, "--save: cannot create the lock file '", lock_path,
+              "' (does its directory exist?)");
+  if (::flock(descriptor_, LOCK_EX | LOCK_NB) != 0) {
+    char owner[32] = {};
+    const auto count = ::read(descriptor_, owner, sizeof(owner) - 1);
+    ::close(descriptor_);
+    descriptor_ = -1;
+    TORCH_CHECK(false, "--save: '", path, "' is being written by another attnkit-train run",
+                count > 0 ? c10::str(" (process ", std::string(owner, count), ")") : std::string(),
+                "; wait for it to end or give another --save path");
+  }
+  const auto id = std::to_string(::getpid());
+  if (::ftruncate(descriptor_, 0) != 0 ||
+      ::write(descriptor_, id.data(), id.size()) != static_cast<ssize_t>(id.size())) {
+    // The lock holds without the id; only a refused second run's message lacks it.
+  }
+  lock_path_ = lock_path;
+}
+
+SaveClaim::~SaveClaim() {
+  if (descriptor_ < 0)
+    return;
+  // Removed while still held: no other run can have claimed this file meanwhile.
+  ::unlink(lock_path_.c_str());
+  ::close(descriptor_);
+}
+
 void save_checkpoint(const std::string& path, const CheckpointSettings& settings,
                      AttentionModel& model, const FlatAdamW& optimizer, const TrainingState& state,
                      const at::Generator& data_generator, const torch::Tensor& cpu_rng_by_rank) {
@@ -89,7 +128,7 @@ void save_checkpoint(const std::string& path, const CheckpointSettings& settings
     dict.insert("model." + item.key(), item.value());
   optimizer.save(dict, "optimizer.");
   // Write beside the target, flush to disk, then rename: a crash leaves the old file intact.
-  const std::string temporary = path + ".tmp";
+  const std::string temporary = temporary_path(path);
   write_state_dict(dict, temporary);
   sync_file(temporary);
   TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "--save: cannot rename '",
@@ -147,6 +186,7 @@ TrainingState restore_checkpoint(const StateDict& dict, const std::string& path,
 TrainingState load_checkpoint(const std::string& path, const CheckpointSettings& settings,
                               AttentionModel& model, FlatAdamW& optimizer,
                               at::Generator& data_generator, int rank) {
+  attnkit::detail::check_not_directory("--resume", path);
   TORCH_CHECK(std::ifstream(path).good(), "--resume: cannot read '", path, "'");
   StateDict dict;
   try {

@@ -44,9 +44,30 @@ struct TrainingState {
   std::string dtype = "float32";
 };
 
-/// Writes the checkpoint beside `path`, flushes it to disk and renames it: a crash leaves the
-/// old file intact. `cpu_rng_by_rank`: (world size, state bytes), every rank's dropout
-/// stream; undefined for one process.
+/// The name a file is written under before it is renamed to `path`: beside it, and this
+/// process's own ("PATH.PID.tmp"), so that two processes never write one temporary file.
+std::string temporary_path(const std::string& path);
+
+/// One run's claim on its --save path, from start to end: an exclusive lock (flock) on
+/// "PATH.lock", which holds this process's id. A second run with the same path is refused at
+/// start, naming the first's process, instead of overwriting its checkpoints; the lock file
+/// is removed when the claim ends, and the kernel releases the lock of a killed run. An empty
+/// path claims nothing.
+class SaveClaim {
+ public:
+  explicit SaveClaim(const std::string& path);
+  ~SaveClaim();
+  SaveClaim(const SaveClaim&) = delete;
+  SaveClaim& operator=(const SaveClaim&) = delete;
+
+ private:
+  std::string lock_path_;
+  int descriptor_ = -1;
+};
+
+/// Writes the checkpoint beside `path` (temporary_path), flushes it to disk and renames it: a
+/// crash leaves the old file intact. `cpu_rng_by_rank`: (world size, state bytes), every rank's
+/// dropout stream; undefined for one process.
 void save_checkpoint(const std::string& path, const CheckpointSettings& settings,
                      AttentionModel& model, const FlatAdamW& optimizer, const TrainingState& state,
                      const at::Generator& data_generator, const torch::Tensor& cpu_rng_by_rank);

@@ -40,8 +40,15 @@ void Line::write_whole(std::ostream& out, const std::string& text) noexcept {
     const ssize_t count = ::write(descriptor, text.data() + written, text.size() - written);
     if (count < 0 && errno == EINTR)
       continue;
-    if (count <= 0)
-      return;  // a closed terminal or pipe: nothing else can be done with the message
+    if (count <= 0) {
+      // A closed terminal or pipe, or a full disk: the message is lost; the stream says so,
+      // for a program that must not report success after it (attnkit-train's report).
+      try {
+        out.setstate(std::ios::badbit);
+      } catch (...) {  // a stream set to throw on badbit
+      }
+      return;
+    }
     written += static_cast<size_t>(count);
   }
 }

@@ -14,6 +14,12 @@ torch::ScalarType parse_train_dtype(const std::string& name) {
   return torch::kHalf;
 }
 
+void check_dtype_runs_on(torch::ScalarType dtype, const torch::Device& device) {
+  TORCH_CHECK(dtype != torch::kHalf || !device.is_cpu() || attnkit::cpu_multiplies_float16(),
+              "--dtype float16: this LibTorch has no float16 matrix products on the CPU (1.13 "
+              "has none); use --dtype bfloat16, or a GPU");
+}
+
 namespace {
 
 void check_16bit(torch::ScalarType dtype) {

@@ -28,6 +28,11 @@ namespace attnkit::train {
 /// "float32", "bfloat16" or "float16" as a dtype; anything else is an error naming --dtype.
 torch::ScalarType parse_train_dtype(const std::string& name);
 
+/// Fails, naming --dtype and the way out, when `device` cannot multiply in `dtype`: float16
+/// on a CPU whose LibTorch has no float16 matrix products (1.13). attnkit-train and
+/// attnkit-bench both ask it.
+void check_dtype_runs_on(torch::ScalarType dtype, const torch::Device& device);
+
 class MixedPrecision {
  public:
   /// A working copy in `dtype` of a model built from `config`, its weights those of

@@ -7,6 +7,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "core/checks.h"
 #include "heatmap.h"
 #include "line.h"
 
@@ -17,7 +18,8 @@ bool ends_with(const std::string& text, const std::string& suffix) {
          text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-MetricsWriter::MetricsWriter(const std::string& path, bool text_task) : text_task_(text_task) {
+MetricsWriter::MetricsWriter(const std::string& path, bool text_task)
+    : path_(path), text_task_(text_task) {
   if (path.empty())
     return;
   csv_ = ends_with(path, ".csv");
@@ -26,6 +28,8 @@ MetricsWriter::MetricsWriter(const std::string& path, bool text_task) : text_tas
   if (csv_) {
     out_ << "step,loss," << (text_task_ ? "bits_per_byte" : "accuracy")
          << ",train_loss,tokens_per_s,elapsed_s,final\n";
+    out_.flush();
+    TORCH_CHECK(out_.good(), "--metrics: writing '", path, "' failed (is the disk full?)");
   }
 }
 
@@ -46,6 +50,8 @@ void MetricsWriter::write(int64_t step, const Evaluation& e, double train_loss, 
          << "}\n";
   }
   out_.flush();  // a killed run keeps every line written so far
+  TORCH_CHECK(out_.good(), "--metrics: writing '", path_, "' failed at step ", step,
+              " (is the disk full?); the lines before it are in the file");
 }
 
 std::string format_eval(const Evaluation& e, bool text) {
@@ -94,6 +100,7 @@ std::string sample_text(AttentionModel& model, const Task& task, const torch::De
 }
 
 std::vector<std::string> read_prompts(const std::string& path) {
+  attnkit::detail::check_not_directory("--prompts", path);
   std::ifstream file(path, std::ios::binary);
   TORCH_CHECK(file, "--prompts: cannot read '", path, "'");
   std::vector<std::string> prompts;

@@ -31,10 +31,13 @@ bool ends_with(const std::string& text, const std::string& suffix);
 class MetricsWriter {
  public:
   MetricsWriter(const std::string& path, bool text_task);
+  /// One line, flushed; a line the file did not take in full (a full disk) ends the run with
+  /// an error naming the file.
   void write(int64_t step, const Evaluation& e, double train_loss, double tokens_per_s,
              double elapsed_s, bool final);
 
  private:
+  std::string path_;
   bool text_task_;
   bool csv_ = false;
   std::ofstream out_;

@@ -1,4 +1,5 @@
 #include "tasks.h"
+#include "core/checks.h"
 
 #include <cmath>
 #include <fstream>
@@ -125,6 +126,7 @@ class RecallTask : public GeneratedTask {
 class TextTask : public Task {
  public:
   TextTask(int64_t context, const std::string& path, bool pack) : context_(context) {
+    attnkit::detail::check_not_directory("--data", path);
     std::ifstream file(path, std::ios::binary);
     TORCH_CHECK(file.good(), "--data: cannot read '", path, "'");
     const std::string text((std::istreambuf_iterator<char>(file)),

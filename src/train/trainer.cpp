@@ -184,11 +184,7 @@ int local_ranks(int world_size) {
 int run_threads(const TrainConfig& c, int ranks_here) {
   if (c.threads > 0)
     return static_cast<int>(c.threads);
-  cpu_set_t allowed;
-  const int cores = sched_getaffinity(0, sizeof(allowed), &allowed) == 0
-                        ? CPU_COUNT(&allowed)
-                        : static_cast<int>(std::thread::hardware_concurrency());
-  return std::max(1, cores / std::max(1, ranks_here));
+  return std::max(1, usable_cores() / std::max(1, ranks_here));
 }
 
 // Parts a training step's batch is cut into, each run on its own worker
@@ -270,6 +266,7 @@ class TrainingRun {
   TrainingState state_;
   std::unique_ptr<GradientSync> gradient_sync_;
   std::optional<MetricsWriter> metrics_;
+  std::optional<SaveClaim> save_claim_;  // the main rank's claim on --save
   TrainResult result_;
   double train_seconds_ = 0.0;
   int64_t tokens_ = 0;
@@ -313,6 +310,8 @@ TrainingRun::TrainingRun(const TrainConfig& config, std::ostream& out,
   text_ = config.task == "text";
   main_rank_ = group_.is_main();
   verbose_ = !config.quiet && main_rank_;
+  if (main_rank_)
+    save_claim_.emplace(config.save);  // before any step: a second run on one --save is refused
 
   if (!config.resume.empty()) {
     state_ = load_checkpoint(config.resume, checkpoint_settings(config), model_, *optimizer_,
