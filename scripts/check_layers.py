@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-RANK = {"core": 0, "modules": 1, "inference": 2, "io": 2, "train": 3}
+RANK = {"core": 0, "modules": 1, "inference": 2, "io": 2, "ops": 2, "train": 3}
 
 # Each public header's layer: the folder of src/ that holds its code.
 PUBLIC_LAYERS = {
@@ -30,6 +30,7 @@ PUBLIC_LAYERS = {
     # defines.
     "options.h": "core",
     "rope.h": "core",
+    "score_graph.h": "core",
     "threads.h": "core",
     "version.h": "core",
     "cached_attention.h": "modules",

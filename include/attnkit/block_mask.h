@@ -94,6 +94,22 @@ class BlockMask {
   /// when the mask was built: no device synchronisation.
   TileKind kind(int64_t batch, int64_t head, int64_t q_block, int64_t kv_block) const;
 
+  /// FlexAttention's `BlockMask.from_kv_blocks`: a block mask from block lists that another
+  /// library made (PyTorch's `create_block_mask`; the attnkit operators, docs/python.md), for
+  /// queries of length q_len and keys of length kv_len in blocks of q_block_size and
+  /// kv_block_size. kv_num_blocks (B, H, num_q_blocks) and kv_indices (B, H, num_q_blocks,
+  /// num_kv_blocks or more), int32 or int64, list the partial tiles; the full lists, of the same
+  /// shapes, may be undefined (no full tile). `mask` is evaluated on the partial tiles only.
+  /// Every count, index and shape is checked (a c10::Error names the list and the values); the
+  /// lists are read on the host once.
+  /// Example: `BlockMask::from_kv_blocks(num, idx, {}, {}, 256, 256, 128, 128, Mask::causal())`.
+  static BlockMask from_kv_blocks(const torch::Tensor& kv_num_blocks,
+                                  const torch::Tensor& kv_indices,
+                                  const torch::Tensor& full_kv_num_blocks,
+                                  const torch::Tensor& full_kv_indices, int64_t q_len,
+                                  int64_t kv_len, int64_t q_block_size, int64_t kv_block_size,
+                                  const Mask& mask);
+
   /// Fails with a c10::Error naming `fn` and both shapes unless this block mask serves a
   /// problem of `batch` sequences, `heads` query heads, n queries and m keys on `device`.
   void check(const char* fn, int64_t batch, int64_t heads, int64_t num_queries, int64_t num_keys,
@@ -102,6 +118,10 @@ class BlockMask {
  private:
   friend BlockMask create_block_mask(const Mask&, int64_t, int64_t, int64_t, int64_t,
                                      const BlockMaskOptions&);
+  BlockMask(Mask mask, int64_t batch, int64_t heads, int64_t q_len, int64_t kv_len,
+            int64_t q_block_size, int64_t kv_block_size, const torch::Device& device);
+  // Takes the verdicts (B, H, num_q_blocks, num_kv_blocks), row-major, and makes the lists.
+  void set_kinds(std::vector<TileKind> kinds);
   Mask mask_;
   int64_t batch_ = 0, heads_ = 0, q_len_ = 0, kv_len_ = 0;
   int64_t q_block_size_ = 0, kv_block_size_ = 0;

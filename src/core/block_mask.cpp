@@ -124,15 +124,7 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
   const auto device = detail::indexed_device(options.device());
   mask.check(kCreateFn, B, H, Q_LEN, KV_LEN, device);
 
-  BlockMask result;
-  result.mask_ = mask;
-  result.batch_ = B;
-  result.heads_ = H;
-  result.q_len_ = Q_LEN;
-  result.kv_len_ = KV_LEN;
-  result.q_block_size_ = qb;
-  result.kv_block_size_ = kb;
-  result.device_ = device;
+  BlockMask result(mask, B, H, Q_LEN, KV_LEN, qb, kb, device);
   const int64_t nq = result.num_q_blocks(), nk = result.num_kv_blocks();
 
   std::vector<TileKind> kinds(static_cast<size_t>(B * H * nq * nk), TileKind::kEmpty);
@@ -199,15 +191,118 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
     }
   }
 
-  const int64_t rows = B * H * nq;
+  result.set_kinds(std::move(kinds));
+  return result;
+}
+
+namespace {
+
+const char* const kFromListsFn = "[BlockMask::from_kv_blocks]";
+
+// Marks the tiles one pair of lists names as `kind`, checking counts and indices.
+void mark_listed(std::vector<TileKind>& kinds, const torch::Tensor& counts,
+                 const torch::Tensor& indices, TileKind kind, const char* counts_name,
+                 const char* indices_name, int64_t nk) {
+  const auto host_counts = counts.to(torch::kCPU, torch::kInt64).contiguous();
+  const auto host_indices = indices.to(torch::kCPU, torch::kInt64).contiguous();
+  const int64_t rows = host_counts.numel(), width = host_indices.size(3);
+  const auto* count = host_counts.data_ptr<int64_t>();
+  const auto* index = host_indices.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(count[r] >= 0 && count[r] <= nk, kFromListsFn, " ", counts_name,
+                " must be in [0, ", nk, "] (the key blocks), got ", count[r], " at row ", r);
+    for (int64_t i = 0; i < count[r]; ++i) {
+      const int64_t j = index[r * width + i];
+      TORCH_CHECK(j >= 0 && j < nk, kFromListsFn, " ", indices_name, " must be in [0, ", nk,
+                  "), got ", j, " at row ", r);
+      auto& slot = kinds[static_cast<size_t>(r * nk + j)];
+      TORCH_CHECK(slot == TileKind::kEmpty, kFromListsFn, " key block ", j, " of row ", r,
+                  " is listed twice (", indices_name, ")");
+      slot = kind;
+    }
+  }
+}
+
+}  // namespace
+
+BlockMask BlockMask::from_kv_blocks(const torch::Tensor& kv_num_blocks,
+                                    const torch::Tensor& kv_indices,
+                                    const torch::Tensor& full_kv_num_blocks,
+                                    const torch::Tensor& full_kv_indices, int64_t q_len,
+                                    int64_t kv_len, int64_t q_block_size, int64_t kv_block_size,
+                                    const Mask& mask) {
+  TORCH_CHECK(q_len >= 1 && kv_len >= 1, kFromListsFn,
+              " q_len and kv_len must be >= 1, got q_len ", q_len, " and kv_len ", kv_len);
+  TORCH_CHECK(q_block_size >= 1 && kv_block_size >= 1, kFromListsFn,
+              " block sizes must be >= 1, got (", q_block_size, ", ", kv_block_size, ")");
+  TORCH_CHECK(kv_num_blocks.defined() && kv_indices.defined(), kFromListsFn,
+              " kv_num_blocks and kv_indices are required");
+  TORCH_CHECK(full_kv_num_blocks.defined() == full_kv_indices.defined(), kFromListsFn,
+              " full_kv_num_blocks and full_kv_indices come together (both or neither)");
+  const int64_t nq = (q_len + q_block_size - 1) / q_block_size;
+  const int64_t nk = (kv_len + kv_block_size - 1) / kv_block_size;
+  TORCH_CHECK(kv_num_blocks.dim() == 3 && kv_num_blocks.size(2) == nq, kFromListsFn,
+              " kv_num_blocks must be (B, H, ", nq, ") for q_len ", q_len, " in blocks of ",
+              q_block_size, ", got ", shape_string(kv_num_blocks));
+  const int64_t B = kv_num_blocks.size(0), H = kv_num_blocks.size(1);
+  TORCH_CHECK(B >= 1 && H >= 1, kFromListsFn, " kv_num_blocks must have B and H >= 1, got ",
+              shape_string(kv_num_blocks));
+  const auto device = kv_num_blocks.device();
+  const auto check_list = [&](const torch::Tensor& t, const char* name, bool is_indices) {
+    TORCH_CHECK(t.scalar_type() == torch::kInt32 || t.scalar_type() == torch::kInt64,
+                kFromListsFn, " ", name, " must be int32 or int64, got ", t.scalar_type());
+    TORCH_CHECK(t.device() == device, kFromListsFn, " ", name, " is on ", t.device(),
+                ", kv_num_blocks on ", device, ": the lists share one device");
+    const bool fits = is_indices ? t.dim() == 4 && t.size(0) == B && t.size(1) == H &&
+                                       t.size(2) == nq && t.size(3) >= nk
+                                 : t.sizes() == kv_num_blocks.sizes();
+    TORCH_CHECK(fits, kFromListsFn, " ", name, " must be ",
+                is_indices ? c10::str("(", B, ", ", H, ", ", nq, ", >= ", nk, ")")
+                           : shape_string(kv_num_blocks),
+                " for kv_len ", kv_len, " in blocks of ", kv_block_size, ", got ",
+                shape_string(t));
+  };
+  check_list(kv_num_blocks, "kv_num_blocks", false);
+  check_list(kv_indices, "kv_indices", true);
+  std::vector<TileKind> kinds(static_cast<size_t>(B * H * nq * nk), TileKind::kEmpty);
+  mark_listed(kinds, kv_num_blocks, kv_indices, TileKind::kPartial, "kv_num_blocks", "kv_indices",
+              nk);
+  if (full_kv_num_blocks.defined()) {
+    check_list(full_kv_num_blocks, "full_kv_num_blocks", false);
+    check_list(full_kv_indices, "full_kv_indices", true);
+    mark_listed(kinds, full_kv_num_blocks, full_kv_indices, TileKind::kFull, "full_kv_num_blocks",
+                "full_kv_indices", nk);
+  }
+  mask.check(kFromListsFn, B, H, q_len, kv_len, device);
+
+  // The lists again in FlexAttention's ordered form, at exactly num_kv_blocks columns.
+  BlockMask result(mask, B, H, q_len, kv_len, q_block_size, kv_block_size, device);
+  result.set_kinds(std::move(kinds));
+  return result;
+}
+
+BlockMask::BlockMask(Mask mask, int64_t batch, int64_t heads, int64_t q_len, int64_t kv_len,
+                     int64_t q_block_size, int64_t kv_block_size, const torch::Device& device)
+    : mask_(std::move(mask)),
+      batch_(batch),
+      heads_(heads),
+      q_len_(q_len),
+      kv_len_(kv_len),
+      q_block_size_(q_block_size),
+      kv_block_size_(kv_block_size),
+      device_(device) {}
+
+void BlockMask::set_kinds(std::vector<TileKind> kinds) {
+  const int64_t nq = num_q_blocks(), nk = num_kv_blocks();
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(kinds.size()) == batch_ * heads_ * nq * nk);
+  const int64_t rows = batch_ * heads_ * nq;
   auto partial = ordered_lists(kinds, TileKind::kPartial, rows, nk);
   auto full = ordered_lists(kinds, TileKind::kFull, rows, nk);
-  result.kv_num_blocks_ = partial.first.view({B, H, nq}).to(device);
-  result.kv_indices_ = partial.second.view({B, H, nq, nk}).to(device);
-  result.full_kv_num_blocks_ = full.first.view({B, H, nq}).to(device);
-  result.full_kv_indices_ = full.second.view({B, H, nq, nk}).to(device);
-  result.kinds_ = std::make_shared<const std::vector<TileKind>>(std::move(kinds));
-  return result;
+  kv_num_blocks_ = partial.first.view({batch_, heads_, nq}).to(device_);
+  kv_indices_ = partial.second.view({batch_, heads_, nq, nk}).to(device_);
+  full_kv_num_blocks_ = full.first.view({batch_, heads_, nq}).to(device_);
+  full_kv_indices_ = full.second.view({batch_, heads_, nq, nk}).to(device_);
+  kinds_ = std::make_shared<const std::vector<TileKind>>(std::move(kinds));
 }
 
 TileKind BlockMask::kind(int64_t batch, int64_t head, int64_t q_block, int64_t kv_block) const {

@@ -33,7 +33,7 @@
 #include "core/kernels.h"
 #include "core/parallel.h"
 
-namespace attnkit::functional {
+namespace attnkit::detail {
 
 namespace {
 
@@ -54,22 +54,6 @@ struct TileVisit {
   TileKind kind;
 };
 
-// One call's settings and what forward learns for backward: the tiles it visited and the
-// head batching, so backward visits the same tiles the same way.
-struct ChunkedCall : torch::CustomClassHolder {
-  Mask mask;
-  BlockMask blocks;  // defined when the mask is not none
-  ScoreMod score_mod;
-  double scale = 1.0;
-  double dropout_p = 0.0;
-  int64_t dropout_seed = -1;  // < 0: no dropout
-  int64_t query_block = 128;  // the block mask's query block when there is one
-  int64_t key_block = 1024;
-  int64_t head_batch = 0;  // 0: plan it (forward)
-  // The key tiles each (outer, head batch, query block) task visited, one list per task.
-  std::vector<std::vector<TileVisit>> visits;
-};
-
 // Where a block sits: outer index o, heads [h0, h0 + g).
 struct HeadBatch {
   int64_t o, h0, g;
@@ -77,7 +61,7 @@ struct HeadBatch {
 };
 
 struct BlockPlan {
-  const ChunkedCall& call;
+  const ChunkedProblem& call;
   int64_t outer;
   int64_t heads;
   int64_t num_queries;
@@ -90,7 +74,7 @@ struct BlockPlan {
   // A row may see no key in a tile (or at all): its running maximum needs a guard.
   bool rows_may_be_empty;
 
-  BlockPlan(const torch::Tensor& q4, const torch::Tensor& k4, const ChunkedCall& call)
+  BlockPlan(const torch::Tensor& q4, const torch::Tensor& k4, const ChunkedProblem& call)
       : call(call),
         outer(q4.size(0)),
         heads(q4.size(1)),
@@ -112,7 +96,7 @@ struct BlockPlan {
     const int64_t fitting_heads = kScoreBlockBytes / std::max<int64_t>(block_bytes, 1);
     int64_t batches = std::max<int64_t>(fitting_heads / group_size, 1);
     batches = (kv_heads + batches - 1) / batches;  // kv heads per batch -> number of batches
-    const int64_t workers = detail::worker_count(outer * kv_heads, q4.device());
+    const int64_t workers = worker_count(outer * kv_heads, q4.device());
     batches = std::min(std::max(batches, (workers + outer - 1) / outer), kv_heads);
     head_batch = (kv_heads + batches - 1) / batches * group_size;
   }
@@ -157,9 +141,6 @@ struct BlockPlan {
     return tiles;
   }
 
-  size_t visit_list(int64_t task_pair, int64_t q0) const {
-    return static_cast<size_t>(task_pair * num_query_blocks() + q0 / query_block);
-  }
 };
 
 // Rows [r0, r0 + rows) of a head batch of an (outer, heads, n, f) query-side tensor: a
@@ -209,7 +190,7 @@ torch::Tensor block_scores(const torch::Tensor& q_block, const torch::Tensor& k_
 }
 
 // A tile's verdict, with the mask's entries evaluated for a partial one.
-TileMask verdict_of(const ChunkedCall& call, const TileVisit& visit, const Tile& tile,
+TileMask verdict_of(const ChunkedProblem& call, const TileVisit& visit, const Tile& tile,
                     const torch::Device& device) {
   return {visit.kind, visit.kind == TileKind::kPartial ? call.mask.tile_allowed(tile, device)
                                                        : torch::Tensor()};
@@ -257,7 +238,7 @@ HeadBatch head_group_of(const BlockPlan& plan, int64_t pair) {
 template <typename Visit>
 void for_each_query_block(const BlockPlan& plan, const torch::Device& device, Visit&& visit) {
   const int64_t pairs = plan.outer * plan.num_head_batches(), blocks = plan.num_query_blocks();
-  detail::run_tasks(pairs * blocks, device, [&](int64_t task) {
+  run_tasks(pairs * blocks, device, [&](int64_t task) {
     const int64_t q0 = (blocks - 1 - task / pairs) * plan.query_block;
     visit(head_group_of(plan, task % pairs), q0, std::min(plan.query_block, plan.num_queries - q0));
   });
@@ -267,26 +248,24 @@ void for_each_query_block(const BlockPlan& plan, const torch::Device& device, Vi
 // as each pair's key and value gradients gather from all of its query blocks.
 template <typename Visit>
 void for_each_head_group(const BlockPlan& plan, const torch::Device& device, Visit&& visit) {
-  detail::run_tasks(plan.outer * plan.num_head_batches(), device,
+  run_tasks(plan.outer * plan.num_head_batches(), device,
                     [&](int64_t task) { visit(head_group_of(plan, task)); });
 }
 
 // Shapes: scores (g, bq, bk) with index tensors (b, h, q_idx, kv_idx) of that rank.
 torch::Tensor modified_scores(const BlockPlan& plan, const torch::Tensor& scores, const Tile& t) {
   return plan.call.score_mod
-             ? detail::apply_score_mod(plan.call.score_mod, scores, tile_index(t, scores.device()))
+             ? apply_score_mod(plan.call.score_mod, scores, tile_index(t, scores.device()))
              : scores;
 }
 
-struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
-  static torch::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<ChunkedCall> call,
-                               const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, at::TensorList score_mod_parameters) {
+}  // namespace
+
+torch::Tensor chunked_forward(ChunkedProblem& call, const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v, torch::Tensor* lse) {
     const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
-    const BlockPlan plan(q4, k4, *call);
-    call->head_batch = plan.head_batch;
-    call->visits.assign(
-        static_cast<size_t>(plan.outer * plan.num_head_batches() * plan.num_query_blocks()), {});
+    const BlockPlan plan(q4, k4, call);
+    call.head_batch = plan.head_batch;
     const int64_t gs = plan.group_size;
     auto out_shape = q.sizes().vec();
     out_shape.back() = v.size(-1);
@@ -298,11 +277,9 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
       const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
       auto acc = block_of(out4, at, q0, bq);                       // written in place
       torch::Tensor row_max, row_sum;
-      auto& visits = call->visits[plan.visit_list(at.pair, q0)];  // this task's own
-      visits = plan.key_tiles(at, q0);
-      for (const auto& visit : visits) {
+      for (const auto& visit : plan.key_tiles(at, q0)) {
         const int64_t k0 = visit.key_begin, bk = visit.keys;
-        const auto verdict = verdict_of(*call, visit, tile_at(at, q0, bq, k0, bk), q.device());
+        const auto verdict = verdict_of(call, visit, tile_at(at, q0, bq, k0, bk), q.device());
         const bool first = !row_max.defined();
         auto p =
             modified_scores(plan, block_scores(q_block, kv_block_of(k4, at, k0, bk, plan), plan),
@@ -319,7 +296,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
         }
         p.sub_(finite_max(row_max, plan)).exp_();
         const auto block_sum = p.sum(-1, /*keepdim=*/true);
-        if (call->dropout_seed >= 0)
+        if (call.dropout_seed >= 0)
           p.mul_(dropout_scale(p, at, q0, k0, plan));
         const auto v_block = kv_block_of(v4, at, k0, bk, plan);
         if (first) {
@@ -351,32 +328,27 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
         lse_block.copy_(row_max + row_sum.log());
       }
     });
-    variable_list to_save{q, k, v, out, lse4};
-    to_save.insert(to_save.end(), score_mod_parameters.begin(), score_mod_parameters.end());
-    ctx->save_for_backward(to_save);
-    ctx->saved_data["call"] = c10::IValue::make_capsule(call);
+    *lse = lse4;
     return out;
-  }
+}
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    detail::NoAutocast no_autocast;
-    const auto saved = ctx->get_saved_variables();
-    const auto &q = saved[0], &k = saved[1], &v = saved[2], &lse4 = saved[4];
+std::vector<torch::Tensor> chunked_backward(const ChunkedProblem& call, const torch::Tensor& q,
+                                            const torch::Tensor& k, const torch::Tensor& v,
+                                            const torch::Tensor& out, const torch::Tensor& lse4,
+                                            const torch::Tensor& grad_out,
+                                            const std::vector<torch::Tensor>& parameters) {
     const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
-    const auto out4 = as_outer_heads(saved[3]);
-    const auto capsule = ctx->saved_data["call"].toCapsule();
-    const auto& call = *static_cast<const ChunkedCall*>(capsule.get());
+    const auto out4 = as_outer_heads(out);
     const BlockPlan plan(q4, k4, call);
     const int64_t gs = plan.group_size;
-    const auto grad_out4 = as_outer_heads(grads[0]);
+    const auto grad_out4 = as_outer_heads(grad_out);
     // D_i = sum_j P_ij dP_ij = dO_i . O_i (holds with dropout too, since O = P_dropped V).
     const auto delta4 = (grad_out4 * out4).sum(-1, /*keepdim=*/true);
     auto grad_q4 = torch::zeros(q4.sizes(), q4.options());
     auto grad_k4 = torch::zeros(k4.sizes(), k4.options());
     auto grad_v4 = torch::zeros(v4.sizes(), v4.options());
     // Gradients of the tensors the score function reads, summed over tiles and tasks.
-    const size_t num_parameters = saved.size() - 5;
-    std::vector<torch::Tensor> parameters(saved.begin() + 5, saved.end());
+    const size_t num_parameters = parameters.size();
     std::vector<torch::Tensor> parameter_grads(num_parameters);
     std::mutex parameter_grads_mutex;
 
@@ -391,7 +363,7 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
       // products against the shared key/value heads.
       const auto grad_out_rows = fold_groups(grad_out_block, gs);
       const auto q_rows = fold_groups(q_block, gs);
-      for (const auto& visit : call.visits[plan.visit_list(at.pair, q0)]) {
+      for (const auto& visit : plan.key_tiles(at, q0)) {
         const int64_t k0 = visit.key_begin, bk = visit.keys;
         const auto tile = tile_at(at, q0, bq, k0, bk);
         const auto verdict = verdict_of(call, visit, tile, q.device());
@@ -459,26 +431,50 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
           sum = sum.defined() ? sum.add_(g) : g;
       }
     });
-    variable_list grads_in{torch::Tensor(), shaped_like(grad_q4, q), shaped_like(grad_k4, k),
-                           shaped_like(grad_v4, v)};
+    std::vector<torch::Tensor> grads{shaped_like(grad_q4, q), shaped_like(grad_k4, k),
+                                      shaped_like(grad_v4, v)};
     for (size_t j = 0; j < num_parameters; ++j) {
-      grads_in.push_back(parameter_grads[j].defined() ? parameter_grads[j]
-                                                      : torch::zeros_like(parameters[j]));
+      grads.push_back(parameter_grads[j].defined() ? parameter_grads[j]
+                                                   : torch::zeros_like(parameters[j]));
     }
+    return grads;
+}
+
+namespace {
+
+struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
+  static torch::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<ChunkedProblem> call,
+                               const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, at::TensorList score_mod_parameters) {
+    torch::Tensor lse4;
+    auto out = chunked_forward(*call, q, k, v, &lse4);
+    variable_list to_save{q, k, v, out, lse4};
+    to_save.insert(to_save.end(), score_mod_parameters.begin(), score_mod_parameters.end());
+    ctx->save_for_backward(to_save);
+    ctx->saved_data["call"] = c10::IValue::make_capsule(call);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto capsule = ctx->saved_data["call"].toCapsule();
+    const auto& call = *static_cast<const ChunkedProblem*>(capsule.get());
+    const std::vector<torch::Tensor> parameters(saved.begin() + 5, saved.end());
+    auto computed = chunked_backward(call, saved[0], saved[1], saved[2], saved[3],
+                                             saved[4], grads[0], parameters);
+    variable_list grads_in{torch::Tensor()};
+    grads_in.insert(grads_in.end(), computed.begin(), computed.end());
     return grads_in;
   }
 };
 
 }  // namespace
 
-}  // namespace attnkit::functional
-
-namespace attnkit::detail {
-
 torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& key,
                              const torch::Tensor& value,
                              const functional::AttentionOptions& options) {
-  auto call = c10::make_intrusive<functional::ChunkedCall>();
+  auto call = c10::make_intrusive<ChunkedProblem>();
   call->mask = options.mask();
   if (const auto* given = options.mask().block_mask()) {
     call->blocks = *given;  // its shape was checked with the mask's
@@ -500,7 +496,7 @@ torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& ke
   std::vector<torch::Tensor> parameters;
   if (call->score_mod && torch::GradMode::is_enabled())
     parameters = score_mod_parameters(call->score_mod, query.options());
-  return functional::ChunkedAttention::apply(call, query, key, value, at::TensorList(parameters));
+  return ChunkedAttention::apply(call, query, key, value, at::TensorList(parameters));
 }
 
 // The chunked kernel's spec.

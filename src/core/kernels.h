@@ -87,6 +87,37 @@ torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& ke
                              const torch::Tensor& value,
                              const functional::AttentionOptions& options);
 
+/// The chunked kernel's settings for one call, shared by its forward and its backward.
+struct ChunkedProblem : torch::CustomClassHolder {
+  Mask mask;
+  BlockMask blocks;  // defined when the mask is not none
+  ScoreMod score_mod;
+  double scale = 1.0;
+  double dropout_p = 0.0;
+  int64_t dropout_seed = -1;  // < 0: no dropout
+  int64_t query_block = 128;  // the block mask's query block when there is one
+  int64_t key_block = 1024;
+  int64_t head_batch = 0;  // 0: plan it (forward writes its plan here, for backward)
+};
+
+/// The chunked kernel's forward without autograd, on (..., n, hd) inputs of one dtype ->
+/// the output (..., n, hd_v), and in `lse` the rows' log-sum-exp of their scaled, modified
+/// scores, (outer, heads, n, 1) in the inputs' dtype, +inf for a row that sees no key (so
+/// that backward gives it zero weights).
+torch::Tensor chunked_forward(ChunkedProblem& problem, const torch::Tensor& query,
+                              const torch::Tensor& key, const torch::Tensor& value,
+                              torch::Tensor* lse);
+
+/// The chunked kernel's backward from forward's output and lse: the gradients of query, key,
+/// value and then of each of `parameters` (the tensors the score function reads that want
+/// gradients; zeros for one it does not reach).
+std::vector<torch::Tensor> chunked_backward(const ChunkedProblem& problem,
+                                            const torch::Tensor& query, const torch::Tensor& key,
+                                            const torch::Tensor& value, const torch::Tensor& out,
+                                            const torch::Tensor& lse,
+                                            const torch::Tensor& grad_out,
+                                            const std::vector<torch::Tensor>& parameters);
+
 /// The loop-nest kernel (CPU, float32 or float64) on (..., n, hd) inputs with autograd: the
 /// arguments' causal span and dropout, scale 1/sqrt(hd). Checks are the caller's.
 torch::Tensor loop_nest_attention(const torch::Tensor& query, const torch::Tensor& key,

@@ -1,0 +1,220 @@
+"""attnkit from Python: FlexAttention's API on attnkit's kernels (docs/python.md).
+
+    import attnkit
+    out = attnkit.flex_attention(q, k, v, score_mod=..., block_mask=...)
+
+runs attnkit's chunked kernel through the PyTorch operator ``torch.ops.attnkit.flex_attention``:
+memory linear in the sequence length, forward and backward, on the CPU (where PyTorch's
+compiled flex_attention has no backward) and on CUDA.
+"""
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from . import _score_graph
+from ._block_mask import BlockMask, create_block_mask, partial_tiles
+from ._score_graph import ScoreModError
+
+__all__ = ["flex_attention", "attention", "create_block_mask", "BlockMask", "ScoreModError",
+           "library_path"]
+
+
+def library_path():
+    """The operators' library: $ATTNKIT_OPS_LIBRARY, else the one inside this package."""
+    configured = os.environ.get("ATTNKIT_OPS_LIBRARY")
+    if configured:
+        return Path(configured)
+    return Path(__file__).resolve().parent / "lib" / "libattnkit_ops.so"
+
+
+def _load():
+    path = library_path()
+    if not path.is_file():
+        raise ImportError(
+            f"attnkit: the operators' library {path} is missing: build it (cmake --build, "
+            "target attnkit_ops) and import the package from the build's python/ folder, or "
+            "install it (docs/python.md), or set ATTNKIT_OPS_LIBRARY to its path")
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        raise ImportError(
+            f"attnkit: {path} does not load into this PyTorch {torch.__version__} ({error}); "
+            "the library must be built against the LibTorch of the same PyTorch") from error
+
+
+_load()
+
+
+def _check_tensor(name, tensor, like=None):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"attnkit.flex_attention: {name} must be a torch.Tensor, got "
+                        f"{type(tensor).__name__}")
+    if tensor.dim() != 4:
+        raise ValueError(f"attnkit.flex_attention: {name} must be 4-D (B, H, S, D), got shape "
+                         f"{tuple(tensor.shape)}")
+    if tensor.shape[-1] > 0 and tensor.stride(-1) != 1:
+        raise ValueError(f"attnkit.flex_attention: {name} must be contiguous in its last "
+                         f"dimension (stride 1), got strides {tuple(tensor.stride())}; call "
+                         ".contiguous() first")
+    if not tensor.is_floating_point():
+        raise TypeError(f"attnkit.flex_attention: {name} must be floating point, got "
+                        f"{tensor.dtype}")
+    if like is not None and (tensor.dtype != like.dtype or tensor.device != like.device):
+        raise ValueError(f"attnkit.flex_attention: {name} is {tensor.dtype} on {tensor.device}, "
+                         f"query {like.dtype} on {like.device}: they must match")
+
+
+_cpu_float16 = None
+
+
+def _cpu_multiplies_float16():
+    global _cpu_float16
+    if _cpu_float16 is None:
+        try:
+            one = torch.ones(1, 1, dtype=torch.float16)
+            torch.mm(one, one)
+            _cpu_float16 = True
+        except RuntimeError:
+            _cpu_float16 = False
+    return _cpu_float16
+
+
+def _check_problem(query, key, value, enable_gqa):
+    _check_tensor("query", query)
+    _check_tensor("key", key, query)
+    _check_tensor("value", value, query)
+    if query.dtype == torch.float16 and query.device.type == "cpu" and \
+            not _cpu_multiplies_float16():
+        raise TypeError(f"attnkit.flex_attention: query is float16 on the CPU, which this "
+                        f"PyTorch {torch.__version__} cannot multiply (no CPU float16 "
+                        "products): use bfloat16 or float32, or a GPU")
+    if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+        raise ValueError("attnkit.flex_attention: query, key and value must have one batch size, "
+                         f"got {query.shape[0]}, {key.shape[0]} and {value.shape[0]}")
+    if key.shape[1:3] != value.shape[1:3]:
+        raise ValueError("attnkit.flex_attention: key and value must have the same heads and "
+                         f"length, got {tuple(key.shape)} and {tuple(value.shape)}")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError("attnkit.flex_attention: query and key must have one head dimension, "
+                         f"got {query.shape[-1]} and {key.shape[-1]}")
+    hq, hkv = query.shape[1], key.shape[1]
+    if not enable_gqa and hq != hkv:
+        raise ValueError(f"attnkit.flex_attention: query has {hq} heads and key {hkv}: pass "
+                         "enable_gqa=True for grouped-query attention")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"attnkit.flex_attention: the key/value heads ({hkv}) must divide the "
+                         f"query heads ({hq})")
+
+
+def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p=0.0):
+    _check_problem(query, key, value, enable_gqa)
+    graph, captured = ("", []) if score_mod is None else _score_graph.traced(score_mod)
+    if block_mask is None:
+        lists = (None, None, None, None, None)
+        q_block, kv_block = 128, 128
+    else:
+        q_block, kv_block, lists = partial_tiles(block_mask, query, key)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    seed = -1
+    if dropout_p > 0.0:
+        seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64).item())
+    return torch.ops.attnkit.flex_attention(query, key, value, *lists, q_block, kv_block, graph,
+                                            list(captured), float(scale), float(dropout_p), seed)
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                   enable_gqa=False, return_lse=False):
+    """FlexAttention's ``flex_attention`` on attnkit's kernels, forward and backward.
+
+    query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev) -> (B, Hq, L, Ev), and with
+    return_lse the log-sum-exp (B, Hq, L) in float32 (-inf for a query that sees no key).
+    score_mod(score, b, h, q_idx, kv_idx) is traced once per function (torch.fx) and runs in
+    the kernels; block_mask is PyTorch's BlockMask (create_block_mask) or attnkit's, whose
+    mask_mod is evaluated on its partial tiles only.
+    """
+    out, lse = _call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if return_lse:
+        return out, lse.masked_fill(lse == math.inf, -math.inf)
+    return out
+
+
+def attention(query, key, value, *, causal=False, query_offset=0, window=None, key_lengths=None,
+              document_ids=None, softcap=None, alibi_slopes=None, bias=None, scale=None,
+              dropout_p=0.0, training=True, enable_gqa=True, block_size=128):
+    """attnkit's own masks and score functions, without making a block mask yourself.
+
+    Masks (combined with &): causal (query i sees keys j <= query_offset + i), window (with
+    causal: only the last `window` keys), key_lengths (B) int64 (row r sees keys < its
+    length), document_ids (L) or (B, L) int64 (a query sees its own document only; self-
+    attention). Scores: softcap (cap * tanh(s / cap)), alibi_slopes (H) (adds slope[h] *
+    (kv_idx - q_idx)), bias (H, 2 D + 1) a learnable relative-position bias (adds
+    bias[h, clamp(kv_idx - q_idx, -D, D) + D]). dropout_p applies when training.
+    """
+    L, S = query.shape[2], key.shape[2]
+    parts = []
+    if window is not None and not causal:
+        raise ValueError("attnkit.attention: window needs causal=True")
+    if window is not None and window < 1:
+        raise ValueError(f"attnkit.attention: window must be >= 1, got {window}")
+    if query_offset < 0:
+        raise ValueError(f"attnkit.attention: query_offset must be >= 0, got {query_offset}")
+    if causal:
+        def causal_mod(b, h, q, kv):
+            seen = kv <= q + query_offset
+            return seen & (kv > q + query_offset - window) if window is not None else seen
+        parts.append(causal_mod)
+    if key_lengths is not None:
+        if key_lengths.shape != (query.shape[0],):
+            raise ValueError(f"attnkit.attention: key_lengths must be ({query.shape[0]},), got "
+                             f"{tuple(key_lengths.shape)}")
+        parts.append(lambda b, h, q, kv: kv < key_lengths[b])
+    if document_ids is not None:
+        if L != S or document_ids.shape[-1] != L:
+            raise ValueError("attnkit.attention: document_ids needs self-attention and one id per "
+                             f"token: queries {L}, keys {S}, ids {tuple(document_ids.shape)}")
+        ids = document_ids if document_ids.dim() == 2 else document_ids.unsqueeze(0)
+        parts.append(lambda b, h, q, kv: ids[b if ids.shape[0] > 1 else 0, q] ==
+                     ids[b if ids.shape[0] > 1 else 0, kv])
+    block_mask = None
+    if parts:
+        def mask_mod(b, h, q, kv):
+            allowed = parts[0](b, h, q, kv)
+            for part in parts[1:]:
+                allowed = allowed & part(b, h, q, kv)
+            return allowed
+        B = query.shape[0] if (key_lengths is not None or
+                               (document_ids is not None and document_ids.dim() == 2)) else 1
+        block_mask = create_block_mask(mask_mod, B, 1, L, S, device=query.device,
+                                       BLOCK_SIZE=block_size)
+    score_mod = _combined_score_mod(softcap, alibi_slopes, bias)
+    out, _ = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                   dropout_p if training else 0.0)
+    return out
+
+
+def _combined_score_mod(softcap, alibi_slopes, bias):
+    if softcap is None and alibi_slopes is None and bias is None:
+        return None
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"attnkit.attention: softcap must be > 0, got {softcap}")
+    reach = None
+    if bias is not None:
+        if bias.dim() != 2 or bias.shape[1] % 2 != 1:
+            raise ValueError("attnkit.attention: bias must be (heads, 2 D + 1), got "
+                             f"{tuple(bias.shape)}")
+        reach = bias.shape[1] // 2
+    shared = bias is not None and bias.shape[0] == 1
+
+    def score_mod(score, b, h, q, kv):
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        if alibi_slopes is not None:
+            score = score + alibi_slopes[h] * (kv - q)
+        if bias is not None:
+            score = score + bias[h * 0 if shared else h, torch.clamp(kv - q, -reach, reach) + reach]
+        return score
+    return score_mod

@@ -1,0 +1,156 @@
+"""Block masks for the operators: PyTorch's BlockMask as it is, or attnkit's own (PyTorch 1.13
+has no flex_attention), and the partial tiles' bits that the operators read."""
+
+import weakref
+
+import torch
+
+
+class BlockMask:
+    """FlexAttention's block lists for one shape (B, H, Q_LEN, KV_LEN), with the mask_mod to
+    evaluate on partial tiles. The same attributes as PyTorch's BlockMask."""
+
+    def __init__(self, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                 BLOCK_SIZE, mask_mod, seq_lengths):
+        self.kv_num_blocks = kv_num_blocks
+        self.kv_indices = kv_indices
+        self.full_kv_num_blocks = full_kv_num_blocks
+        self.full_kv_indices = full_kv_indices
+        self.BLOCK_SIZE = BLOCK_SIZE
+        self.mask_mod = mask_mod
+        self.seq_lengths = seq_lengths
+
+    @property
+    def shape(self):
+        return (*self.kv_num_blocks.shape[:2], *self.seq_lengths)
+
+    def sparsity(self):
+        """Percent of tiles skipped, as PyTorch's."""
+        tiles = self.kv_num_blocks.shape[0] * self.kv_num_blocks.shape[1] * \
+            self.kv_num_blocks.shape[2] * self.kv_indices.shape[3]
+        visited = int(self.kv_num_blocks.sum() + self.full_kv_num_blocks.sum())
+        return 100.0 * (1.0 - visited / tiles)
+
+    def __repr__(self):
+        return (f"attnkit.BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, "
+                f"sparsity={self.sparsity():.2f}%)")
+
+
+def _ordered(kinds, kind):
+    """FlexAttention's lists of one kind from (B, H, nq, nk) int8 kinds: the count per row and
+    the row's blocks of that kind first (ascending), then the others."""
+    chosen = kinds == kind
+    counts = chosen.sum(-1).to(torch.int32)
+    # A stable sort puts the chosen blocks first, each group ascending.
+    order = torch.sort((~chosen).to(torch.int8), dim=-1, stable=True).indices
+    return counts, order.to(torch.int32)
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128):
+    """attnkit's BlockMask from mask_mod(b, h, q_idx, kv_idx) -> bool, evaluated on broadcast
+    index tensors one query block at a time. B or H of 1 (or None) serve any."""
+    B, H = B or 1, H or 1
+    q_block, kv_block = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
+    if min(B, H, Q_LEN, KV_LEN, q_block, kv_block) < 1:
+        raise ValueError("attnkit.create_block_mask: B, H, Q_LEN, KV_LEN and BLOCK_SIZE must be "
+                         f">= 1, got {B}, {H}, {Q_LEN}, {KV_LEN}, {BLOCK_SIZE}")
+    device = torch.device(device)
+    nq, nk = -(-Q_LEN // q_block), -(-KV_LEN // kv_block)
+    index = dict(dtype=torch.int64, device=device)
+    b = torch.arange(B, **index).view(-1, 1, 1, 1)
+    h = torch.arange(H, **index).view(1, -1, 1, 1)
+    kv = torch.arange(nk * kv_block, **index).view(1, 1, 1, -1)
+    kinds = torch.empty(B, H, nq, nk, dtype=torch.int8, device=device)
+    for i in range(nq):
+        q = torch.arange(i * q_block, (i + 1) * q_block, **index).view(1, 1, -1, 1)
+        inside = (q < Q_LEN) & (kv < KV_LEN)
+        allowed = mask_mod(b, h, q.clamp(max=Q_LEN - 1), kv.clamp(max=KV_LEN - 1))
+        allowed = (allowed & inside).expand(B, H, q_block, nk * kv_block)
+        tiles = allowed.reshape(B, H, q_block, nk, kv_block).transpose(2, 3)
+        kinds[:, :, i] = tiles.any(-1).any(-1).to(torch.int8) + tiles.all(-1).all(-1).to(torch.int8)
+    kv_num, kv_idx = _ordered(kinds, 1)
+    full_num, full_idx = _ordered(kinds, 2)
+    return BlockMask(kv_num, kv_idx, full_num, full_idx, (q_block, kv_block), mask_mod,
+                     (Q_LEN, KV_LEN))
+
+
+def _block_sizes(block_mask):
+    size = block_mask.BLOCK_SIZE
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+_tiles_cache = weakref.WeakKeyDictionary()
+
+
+def _partial_bits(block_mask, q_len, kv_len):
+    """The partial tiles' bits, bool (P, q_block, kv_block), in the lists' order."""
+    q_block, kv_block = _block_sizes(block_mask)
+    num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    device = num.device
+    # The partial tiles as a (B, H, nq, nk) grid, read in row-major order: each row's blocks
+    # ascending, the order of the operators' slots whatever order the lists give them in.
+    nk = -(-kv_len // kv_block)
+    listed = torch.arange(idx.shape[-1], device=device) < num.unsqueeze(-1)
+    grid = torch.zeros(*num.shape, max(nk, idx.shape[-1]), dtype=torch.bool, device=device)
+    grid.scatter_(-1, idx.long().clamp(0, grid.shape[-1] - 1), listed)
+    b, h, qb, kvb = grid.nonzero(as_tuple=True)
+    q = qb.view(-1, 1, 1) * q_block + torch.arange(q_block, device=device).view(1, -1, 1)
+    kv = kvb.view(-1, 1, 1) * kv_block + torch.arange(kv_block, device=device).view(1, 1, -1)
+    inside = (q < q_len) & (kv < kv_len)
+    if b.numel() == 0:
+        return torch.zeros(0, q_block, kv_block, dtype=torch.bool, device=device)
+    allowed = block_mask.mask_mod(b.view(-1, 1, 1), h.view(-1, 1, 1), q.clamp(max=q_len - 1),
+                                  kv.clamp(max=kv_len - 1))
+    if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
+        raise TypeError("attnkit.flex_attention: block_mask.mask_mod must return a bool tensor, "
+                        f"got {getattr(allowed, 'dtype', type(allowed).__name__)}")
+    return (allowed & inside).expand(b.numel(), q_block, kv_block).contiguous()
+
+
+def partial_tiles(block_mask, query, key):
+    """(q_block, kv_block, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+    partial_tiles)) for the operators, after checking block_mask against query and key."""
+    for name in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE", "mask_mod"):
+        if not hasattr(block_mask, name):
+            raise TypeError("attnkit.flex_attention: block_mask must be a BlockMask (PyTorch's "
+                            f"create_block_mask or attnkit's), got {type(block_mask).__name__}")
+    q_len, kv_len = query.shape[2], key.shape[2]
+    q_block, kv_block = _block_sizes(block_mask)
+    num = block_mask.kv_num_blocks
+    if num.device != query.device:
+        raise ValueError(f"attnkit.flex_attention: block_mask is on {num.device}, query on "
+                         f"{query.device}: make the block mask for the attention's device")
+    lengths = getattr(block_mask, "seq_lengths", None)
+    nq = -(-q_len // q_block)
+    if (lengths is not None and tuple(lengths) != (q_len, kv_len)) or num.dim() != 3 or \
+            num.shape[2] != nq or block_mask.kv_indices.shape[-1] < -(-kv_len // kv_block):
+        raise ValueError(
+            f"attnkit.flex_attention: block_mask was made for (B, H, Q_LEN, KV_LEN) = "
+            f"({', '.join(str(s) for s in num.shape[:2])}, "
+            f"{tuple(lengths) if lengths is not None else '?'}) in blocks of "
+            f"{(q_block, kv_block)}, but query has length {q_len} and key {kv_len}")
+    if num.shape[0] not in (1, query.shape[0]) or num.shape[1] not in (1, query.shape[1]):
+        raise ValueError(f"attnkit.flex_attention: block_mask is for B={num.shape[0]}, "
+                         f"H={num.shape[1]}, the query has B={query.shape[0]}, "
+                         f"H={query.shape[1]} (1 serves any)")
+    key_of = (q_len, kv_len)
+    try:
+        cached = _tiles_cache.get(block_mask)
+    except TypeError:
+        cached = None
+    if cached is not None and cached[0] == key_of:
+        bits = cached[1]
+    else:
+        bits = _partial_bits(block_mask, q_len, kv_len)
+        try:
+            _tiles_cache[block_mask] = (key_of, bits)
+        except TypeError:
+            pass
+    # Only the columns that name key blocks of this length (PyTorch pads none; be exact).
+    nk = -(-kv_len // kv_block)
+    idx = block_mask.kv_indices[..., :nk]
+    full_num = getattr(block_mask, "full_kv_num_blocks", None)
+    full_idx = getattr(block_mask, "full_kv_indices", None)
+    if full_idx is not None:
+        full_idx = full_idx[..., :nk]
+    return q_block, kv_block, (num, idx, full_num, full_idx, bits)

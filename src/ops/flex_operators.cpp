@@ -1,0 +1,399 @@
+// attnkit's core as PyTorch operators (TORCH_LIBRARY(attnkit)), the library the Python package
+// loads (docs/python.md). Schemas take tensors and scalars only:
+// - a block mask as FlexAttention's block lists, and the partial tiles' own bits, packed
+//   (P, q_block_size, kv_block_size) in the lists' order: batch, head, query block, then the
+//   kv_num_blocks first entries of kv_indices (what mask_mod gave on those tiles);
+// - a score function as a ScoreGraph's text and the tensors it captures.
+// Each operator has a kernel for the CPU and CUDA (LibTorch operations, any device), a Meta
+// kernel (fake tensors: torch.compile traces the operators without running them), and
+// flex_attention an autograd kernel whose backward is the operator flex_attention_backward,
+// so AOTAutograd sees both. The kernel is attnkit's chunked kernel (forward and backward split,
+// memory linear in n), computing 16-bit inputs in float32.
+
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include "attnkit/block_mask.h"
+#include "attnkit/score_graph.h"
+#include "core/checks.h"
+#include "core/kernels.h"
+
+namespace attnkit::ops {
+
+namespace {
+
+using detail::shape_string;
+using torch::Tensor;
+
+const char* const kOp = "[attnkit::flex_attention]";
+
+// The arguments every flex operator shares, after q, k, v (and backward's extra tensors).
+struct FlexArguments {
+  c10::optional<Tensor> kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices;
+  c10::optional<Tensor> partial_tiles;
+  int64_t q_block_size = 128, kv_block_size = 128;
+  std::string score_graph;
+  std::vector<Tensor> score_tensors;
+  double scale = 1.0;
+  double dropout_p = 0.0;
+  int64_t dropout_seed = -1;
+};
+
+// (B, H, nq, nk) int64 on the host: each tile's position in the packed partial tiles, -1
+// for a full tile, -2 for an empty one; and how many partial tiles the lists name.
+std::pair<Tensor, int64_t> tile_slots(const BlockMask& blocks) {
+  auto slots = torch::full({blocks.batch(), blocks.heads(), blocks.num_q_blocks(),
+                            blocks.num_kv_blocks()},
+                           -2, torch::kInt64);
+  auto* slot = slots.data_ptr<int64_t>();
+  const auto counts = blocks.kv_num_blocks().to(torch::kCPU, torch::kInt64).contiguous();
+  const auto indices = blocks.kv_indices().to(torch::kCPU, torch::kInt64).contiguous();
+  const auto full_counts = blocks.full_kv_num_blocks().to(torch::kCPU, torch::kInt64).contiguous();
+  const auto full_indices = blocks.full_kv_indices().to(torch::kCPU, torch::kInt64).contiguous();
+  const int64_t rows = counts.numel(), nk = blocks.num_kv_blocks();
+  int64_t next = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < counts.data_ptr<int64_t>()[r]; ++i)
+      slot[r * nk + indices.data_ptr<int64_t>()[r * nk + i]] = next++;
+    for (int64_t i = 0; i < full_counts.data_ptr<int64_t>()[r]; ++i)
+      slot[r * nk + full_indices.data_ptr<int64_t>()[r * nk + i]] = -1;
+  }
+  return {slots, next};
+}
+
+// The mask that reads the packed partial tiles: entry (b, h, q, kv) is its tile's bit, true
+// in a full tile and false in an empty one.
+Mask partial_tiles_mask(const Tensor& slots, const Tensor& bits, int64_t q_block,
+                        int64_t kv_block) {
+  const int64_t B = slots.size(0), H = slots.size(1);
+  return Mask::from_function([slots, bits, q_block, kv_block, B, H](
+                                 const Tensor& b, const Tensor& h, const Tensor& q,
+                                 const Tensor& kv) {
+    const auto device = bits.device();
+    const auto bi = (B == 1 ? torch::zeros_like(b) : b).to(device);
+    const auto hi = (H == 1 ? torch::zeros_like(h) : h).to(device);
+    const auto qd = q.to(device), kvd = kv.to(device);
+    const auto slot = slots.index({bi, hi, qd.div(q_block, "floor"), kvd.div(kv_block, "floor")});
+    const auto partial = bits.index({slot.clamp_min(0), qd.remainder(q_block),
+                                     kvd.remainder(kv_block)});
+    return slot.eq(-1).logical_or(slot.ge(0).logical_and(partial));
+  });
+}
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
+  for (const auto* item : {&q, &k, &v}) {
+    const char* name = item == &q ? "query" : item == &k ? "key" : "value";
+    TORCH_CHECK(item->dim() == 4, kOp, " ", name, " must be 4-D (B, H, S, D), got ",
+                shape_string(*item));
+    TORCH_CHECK(item->is_floating_point(), kOp, " ", name, " must be floating point, got ",
+                item->scalar_type());
+    TORCH_CHECK(item->scalar_type() == q.scalar_type() && item->device() == q.device(), kOp,
+                " query, key and value must share a dtype and device, got query ",
+                q.scalar_type(), " on ", q.device(), " and ", name, " ", item->scalar_type(),
+                " on ", item->device());
+  }
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), kOp,
+              " query, key and value must have one batch size, got ", shape_string(q), ", ",
+              shape_string(k), ", ", shape_string(v));
+  TORCH_CHECK(k.size(1) == v.size(1) && k.size(2) == v.size(2), kOp,
+              " key and value must have the same heads and length, got ", shape_string(k),
+              " and ", shape_string(v));
+  TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, kOp,
+              " the key/value heads must divide the query heads (grouped-query attention), "
+              "got ",
+              q.size(1), " query heads and ", k.size(1), " key/value heads");
+  TORCH_CHECK(k.size(3) == q.size(3), kOp, " query and key must have one head_dim, got ",
+              q.size(3), " and ", k.size(3));
+}
+
+// The chunked kernel's problem for the arguments, on inputs q (B, H, n, hd) and k.
+c10::intrusive_ptr<detail::ChunkedProblem> problem_of(const Tensor& q, const Tensor& k,
+                                                       const FlexArguments& args,
+                                                       const std::vector<Tensor>& score_tensors) {
+  auto problem = c10::make_intrusive<detail::ChunkedProblem>();
+  if (args.kv_num_blocks.has_value()) {
+    TORCH_CHECK(args.kv_indices.has_value() && args.partial_tiles.has_value(), kOp,
+                " a block mask needs kv_num_blocks, kv_indices and partial_tiles");
+    const auto full_num = args.full_kv_num_blocks.value_or(Tensor());
+    const auto full_idx = args.full_kv_indices.value_or(Tensor());
+    // First the lists alone (checked), then the partial tiles' mask over them.
+    auto lists = BlockMask::from_kv_blocks(*args.kv_num_blocks, *args.kv_indices, full_num,
+                                           full_idx, q.size(2), k.size(2), args.q_block_size,
+                                           args.kv_block_size, Mask());
+    lists.check(kOp, q.size(0), q.size(1), q.size(2), k.size(2), q.device());
+    const auto [slots, partial_count] = tile_slots(lists);
+    const auto& bits = *args.partial_tiles;
+    const std::vector<int64_t> expected{partial_count, args.q_block_size, args.kv_block_size};
+    TORCH_CHECK(bits.scalar_type() == torch::kBool && bits.sizes() == expected, kOp,
+                " partial_tiles must be bool (", partial_count, ", ", args.q_block_size, ", ",
+                args.kv_block_size, ") (one tile per partial block the lists name), got ",
+                bits.scalar_type(), " ", shape_string(bits));
+    TORCH_CHECK(bits.device() == q.device(), kOp, " partial_tiles is on ", bits.device(),
+                ", the query on ", q.device());
+    const auto mask = partial_tiles_mask(slots.to(q.device()), bits, args.q_block_size,
+                                         args.kv_block_size);
+    problem->blocks = BlockMask::from_kv_blocks(*args.kv_num_blocks, *args.kv_indices, full_num,
+                                                full_idx, q.size(2), k.size(2),
+                                                args.q_block_size, args.kv_block_size, mask);
+    problem->mask = Mask::from_block_mask(problem->blocks);
+  }
+  if (!args.score_graph.empty()) {
+    problem->score_mod = ScoreGraph::parse(args.score_graph).bind(score_tensors);
+  } else {
+    TORCH_CHECK(score_tensors.empty(), kOp, " score_tensors without a score_graph");
+  }
+  problem->scale = args.scale;
+  TORCH_CHECK(args.dropout_p >= 0.0 && args.dropout_p < 1.0, kOp,
+              " dropout_p must be in [0, 1), got ", args.dropout_p);
+  TORCH_CHECK(args.dropout_p == 0.0 || args.dropout_seed >= 0, kOp,
+              " dropout_p > 0 needs a dropout_seed >= 0, got ", args.dropout_seed);
+  problem->dropout_p = args.dropout_p;
+  problem->dropout_seed = args.dropout_p > 0.0 ? args.dropout_seed : -1;
+  problem->query_block = args.q_block_size;
+  problem->key_block = std::max<int64_t>(1024, args.kv_block_size);
+  return problem;
+}
+
+// The dtype the kernel computes in: float32 for 16-bit inputs.
+torch::ScalarType compute_dtype(const Tensor& t) {
+  return detail::is_16bit(t) ? torch::kFloat : t.scalar_type();
+}
+
+std::tuple<Tensor, Tensor> flex_forward(const Tensor& query, const Tensor& key,
+                                        const Tensor& value, const FlexArguments& args) {
+  check_inputs(query, key, value);
+  const detail::NoAutocast no_autocast;
+  const torch::NoGradGuard no_grad;
+  const auto dtype = compute_dtype(query);
+  const auto q = query.to(dtype), k = key.to(dtype), v = value.to(dtype);
+  auto problem = problem_of(q, k, args, args.score_tensors);
+  Tensor lse;
+  auto out = detail::chunked_forward(*problem, q, k, v, &lse);
+  return {out.to(query.scalar_type()), lse.squeeze(-1)};
+}
+
+std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
+    const Tensor& grad_out, const Tensor& query, const Tensor& key, const Tensor& value,
+    const Tensor& out, const Tensor& lse, const FlexArguments& args) {
+  check_inputs(query, key, value);
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && lse.dim() == 3, kOp,
+              " backward: grad_out must be shaped as out ", shape_string(out), ", got ",
+              shape_string(grad_out));
+  const detail::NoAutocast no_autocast;
+  const auto dtype = compute_dtype(query);
+  const auto q = query.to(dtype), k = key.to(dtype), v = value.to(dtype);
+  // The score function reads leaves that want gradients: each floating captured tensor.
+  std::vector<Tensor> leaves, parameters;
+  for (const auto& t : args.score_tensors) {
+    leaves.push_back(t.is_floating_point() ? t.detach().requires_grad_(true) : t);
+    if (t.is_floating_point())
+      parameters.push_back(leaves.back());
+  }
+  auto problem = problem_of(q, k, args, leaves);
+  auto grads = detail::chunked_backward(*problem, q, k, v, out.to(dtype),
+                                        lse.to(dtype).unsqueeze(-1), grad_out.to(dtype),
+                                        parameters);
+  std::vector<Tensor> tensor_grads;
+  size_t next = 3;
+  for (const auto& t : args.score_tensors)
+    tensor_grads.push_back(t.is_floating_point() ? grads[next++].to(t.scalar_type())
+                                                 : torch::zeros_like(t));
+  return {grads[0].to(query.scalar_type()), grads[1].to(key.scalar_type()),
+          grads[2].to(value.scalar_type()), tensor_grads};
+}
+
+// The schemas' shared tail, in the order FlexArguments reads it.
+#define ATTNKIT_FLEX_TAIL                                                                  \
+  "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "                \
+  "Tensor? full_kv_indices, Tensor? partial_tiles, int q_block_size, int kv_block_size, "  \
+  "str score_graph, Tensor[] score_tensors, float scale, float dropout_p, int dropout_seed"
+
+FlexArguments arguments_of(const c10::optional<Tensor>& kv_num_blocks,
+                           const c10::optional<Tensor>& kv_indices,
+                           const c10::optional<Tensor>& full_kv_num_blocks,
+                           const c10::optional<Tensor>& full_kv_indices,
+                           const c10::optional<Tensor>& partial_tiles, int64_t q_block_size,
+                           int64_t kv_block_size, c10::string_view score_graph,
+                           at::TensorList score_tensors, double scale, double dropout_p,
+                           int64_t dropout_seed) {
+  return {kv_num_blocks,
+          kv_indices,
+          full_kv_num_blocks,
+          full_kv_indices,
+          partial_tiles,
+          q_block_size,
+          kv_block_size,
+          std::string(score_graph),
+          score_tensors.vec(),
+          scale,
+          dropout_p,
+          dropout_seed};
+}
+
+std::tuple<Tensor, Tensor> flex_attention_kernel(
+    const Tensor& query, const Tensor& key, const Tensor& value,
+    const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
+    const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
+    const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
+    c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
+    int64_t dropout_seed) {
+  return flex_forward(query, key, value,
+                      arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                   full_kv_indices, partial_tiles, q_block_size, kv_block_size,
+                                   score_graph, score_tensors, scale, dropout_p, dropout_seed));
+}
+
+std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_kernel(
+    const Tensor& grad_out, const Tensor& query, const Tensor& key, const Tensor& value,
+    const Tensor& out, const Tensor& lse, const c10::optional<Tensor>& kv_num_blocks,
+    const c10::optional<Tensor>& kv_indices, const c10::optional<Tensor>& full_kv_num_blocks,
+    const c10::optional<Tensor>& full_kv_indices, const c10::optional<Tensor>& partial_tiles,
+    int64_t q_block_size, int64_t kv_block_size, c10::string_view score_graph,
+    at::TensorList score_tensors, double scale, double dropout_p, int64_t dropout_seed) {
+  return flex_backward(grad_out, query, key, value, out, lse,
+                       arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                    full_kv_indices, partial_tiles, q_block_size, kv_block_size,
+                                    score_graph, score_tensors, scale, dropout_p, dropout_seed));
+}
+
+// Fake kernels: the outputs' shapes and dtypes only.
+std::tuple<Tensor, Tensor> flex_attention_meta(
+    const Tensor& query, const Tensor& key, const Tensor& value,
+    const c10::optional<Tensor>& /*kv_num_blocks*/, const c10::optional<Tensor>& /*kv_indices*/,
+    const c10::optional<Tensor>& /*full_kv_num_blocks*/,
+    const c10::optional<Tensor>& /*full_kv_indices*/,
+    const c10::optional<Tensor>& /*partial_tiles*/, int64_t /*q_block_size*/,
+    int64_t /*kv_block_size*/, c10::string_view /*score_graph*/, at::TensorList /*score_tensors*/,
+    double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/) {
+  check_inputs(query, key, value);
+  auto shape = query.sizes().vec();
+  shape.back() = value.size(-1);
+  return {torch::empty(shape, query.options()),
+          torch::empty({query.size(0), query.size(1), query.size(2)},
+                       query.options().dtype(compute_dtype(query)))};
+}
+
+std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_meta(
+    const Tensor& /*grad_out*/, const Tensor& query, const Tensor& key, const Tensor& value,
+    const Tensor& /*out*/, const Tensor& /*lse*/, const c10::optional<Tensor>& /*kv_num_blocks*/,
+    const c10::optional<Tensor>& /*kv_indices*/,
+    const c10::optional<Tensor>& /*full_kv_num_blocks*/,
+    const c10::optional<Tensor>& /*full_kv_indices*/,
+    const c10::optional<Tensor>& /*partial_tiles*/, int64_t /*q_block_size*/,
+    int64_t /*kv_block_size*/, c10::string_view /*score_graph*/, at::TensorList score_tensors,
+    double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/) {
+  std::vector<Tensor> tensor_grads;
+  for (const auto& t : score_tensors)
+    tensor_grads.push_back(torch::empty_like(t));
+  return {torch::empty_like(query), torch::empty_like(key), torch::empty_like(value),
+          tensor_grads};
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The autograd kernel: forward below autograd, backward through flex_attention_backward.
+struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFunction> {
+  // `blocks`: kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_tiles
+  // (not differentiable, so passed as one non-tensor argument).
+  static variable_list forward(AutogradContext* ctx, const Tensor& query, const Tensor& key,
+                               const Tensor& value,
+                               const std::vector<c10::optional<Tensor>>& blocks,
+                               int64_t q_block_size, int64_t kv_block_size,
+                               const std::string& score_graph, at::TensorList score_tensors,
+                               double scale, double dropout_p, int64_t dropout_seed) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("attnkit::flex_attention", "")
+                         .typed<decltype(flex_attention_kernel)>();
+    Tensor out, lse;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(out, lse) = op.call(query, key, value, blocks[0], blocks[1], blocks[2], blocks[3],
+                                   blocks[4], q_block_size, kv_block_size, score_graph,
+                                   score_tensors, scale, dropout_p, dropout_seed);
+    }
+    variable_list saved{query, key, value, out, lse};
+    saved.insert(saved.end(), score_tensors.begin(), score_tensors.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["blocks"] = blocks;
+    ctx->saved_data["q_block_size"] = q_block_size;
+    ctx->saved_data["kv_block_size"] = kv_block_size;
+    ctx->saved_data["score_graph"] = score_graph;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["dropout_seed"] = dropout_seed;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("attnkit::flex_attention_backward", "")
+                         .typed<decltype(flex_attention_backward_kernel)>();
+    const auto saved = ctx->get_saved_variables();
+    const std::vector<Tensor> score_tensors(saved.begin() + 5, saved.end());
+    const auto blocks = ctx->saved_data["blocks"].to<std::vector<c10::optional<Tensor>>>();
+    auto grad_out = grads[0].defined() ? grads[0] : torch::zeros_like(saved[3]);
+    auto [dq, dk, dv, tensor_grads] =
+        op.call(grad_out, saved[0], saved[1], saved[2], saved[3], saved[4], blocks[0], blocks[1],
+                blocks[2], blocks[3], blocks[4], ctx->saved_data["q_block_size"].toInt(),
+                ctx->saved_data["kv_block_size"].toInt(),
+                ctx->saved_data["score_graph"].toStringRef(), score_tensors,
+                ctx->saved_data["scale"].toDouble(), ctx->saved_data["dropout_p"].toDouble(),
+                ctx->saved_data["dropout_seed"].toInt());
+    // One gradient per forward argument: q, k, v, the blocks, the two block sizes, the
+    // graph, each score tensor, then scale, dropout_p and the seed.
+    variable_list result{dq, dk, dv};
+    result.resize(result.size() + 4);
+    for (size_t i = 0; i < score_tensors.size(); ++i)
+      result.push_back(score_tensors[i].is_floating_point() ? tensor_grads[i] : Tensor());
+    result.resize(result.size() + 3);
+    return result;
+  }
+};
+
+std::tuple<Tensor, Tensor> flex_attention_autograd(
+    const Tensor& query, const Tensor& key, const Tensor& value,
+    const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
+    const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
+    const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
+    c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
+    int64_t dropout_seed) {
+  auto outputs = FlexAttentionFunction::apply(
+      query, key, value,
+      std::vector<c10::optional<Tensor>>{kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                         full_kv_indices, partial_tiles},
+      q_block_size, kv_block_size, std::string(score_graph), score_tensors, scale, dropout_p,
+      dropout_seed);
+  return {outputs[0], outputs[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnkit, m) {
+  m.def("flex_attention(Tensor query, Tensor key, Tensor value, " ATTNKIT_FLEX_TAIL
+        ") -> (Tensor, Tensor)");
+  m.def("flex_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
+        "Tensor out, Tensor lse, " ATTNKIT_FLEX_TAIL ") -> (Tensor, Tensor, Tensor, Tensor[])");
+}
+
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+  m.impl("flex_attention", &flex_attention_kernel);
+  m.impl("flex_attention_backward", &flex_attention_backward_kernel);
+}
+
+TORCH_LIBRARY_IMPL(attnkit, CUDA, m) {
+  m.impl("flex_attention", &flex_attention_kernel);
+  m.impl("flex_attention_backward", &flex_attention_backward_kernel);
+}
+
+TORCH_LIBRARY_IMPL(attnkit, Meta, m) {
+  m.impl("flex_attention", &flex_attention_meta);
+  m.impl("flex_attention_backward", &flex_attention_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(attnkit, Autograd, m) {
+  m.impl("flex_attention", &flex_attention_autograd);
+}
+
+}  // namespace attnkit::ops
