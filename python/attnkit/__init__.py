@@ -122,8 +122,14 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p
     seed = -1
     if dropout_p > 0.0:
         seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64).item())
-    return torch.ops.attnkit.flex_attention(query, key, value, *lists, q_block, kv_block, graph,
-                                            list(captured), float(scale), float(dropout_p), seed)
+    try:
+        return torch.ops.attnkit.flex_attention(query, key, value, *lists, q_block, kv_block,
+                                                graph, list(captured), float(scale),
+                                                float(dropout_p), seed)
+    except RuntimeError as error:
+        if "[ScoreGraph::parse]" in str(error):
+            raise ScoreModError(f"score_mod uses what attnkit cannot run: {error}") from None
+        raise
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,

@@ -1,6 +1,6 @@
 // attnkit::ScoreGraph: parse, print and evaluate a score function's small graph. Each
 // operation is one LibTorch call, so autograd differentiates a tile's graph as it would the
-// C++ function; constants are 0-d tensors, which take part in type promotion as Python's
+// C++ function; constants are wrapped numbers, which take part in type promotion as Python's
 // numbers do (an int index times 0.5 is float32, a float32 score plus 1 stays float32).
 
 #include "attnkit/score_graph.h"
@@ -243,7 +243,13 @@ torch::Tensor ScoreGraph::evaluate(const torch::Tensor& score, const torch::Tens
               tensors.size());
   std::vector<torch::Tensor> values{score, b, h, q_idx, kv_idx};
   values.reserve(values.size() + nodes_.size());
-  const auto constant = torch::TensorOptions().device(torch::kCPU);
+  // A constant as a wrapped number, as LibTorch wraps a Python number: it takes part in type
+  // promotion as Python's numbers do (an int tensor times 8.0 is float32, not float64).
+  const auto constant = [](const c10::Scalar& value) {
+    auto t = c10::scalar_to_tensor(value);
+    t.unsafeGetTensorImpl()->set_wrapped_number(true);
+    return t;
+  };
   const auto tensor_of = [&](const Operand& operand) -> torch::Tensor {
     switch (operand.kind) {
       case Operand::Kind::kValue:
@@ -251,11 +257,11 @@ torch::Tensor ScoreGraph::evaluate(const torch::Tensor& score, const torch::Tens
       case Operand::Kind::kTensor:
         return tensors[static_cast<size_t>(operand.index)];
       case Operand::Kind::kFloat:
-        return torch::scalar_tensor(operand.number, constant.dtype(torch::kDouble));
+        return constant(operand.number);
       case Operand::Kind::kInt:
-        return torch::scalar_tensor(operand.index, constant.dtype(torch::kLong));
+        return constant(operand.index);
       case Operand::Kind::kBool:
-        return torch::scalar_tensor(operand.index != 0, constant.dtype(torch::kBool));
+        return constant(operand.index != 0);
       case Operand::Kind::kWhole:
         break;
     }

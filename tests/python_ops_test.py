@@ -1,0 +1,329 @@
+"""The Python package attnkit and its operators against PyTorch (run by CTest with each leg's
+Python: 1.13, 2.6, pip's newest; PYTHONPATH holds the build's python/ folder).
+
+- FlexAttention's own cases (score functions, masks, GQA, B or H of 1, float32 and bfloat16)
+  against float64 eager flex_attention where PyTorch has it (2.5 on), else a dense float64
+  reference, with FlexAttention's rule: attnkit's error at most 10x eager's in float32 and
+  1.1x in 16-bit, outputs and the gradients of q, k, v and captured buffers.
+- gradcheck in float64 per mask and score family; torch.library.opcheck where it exists (2.4 on).
+- Bad input: each refused with an error that names the argument.
+"""
+
+import math
+import sys
+import unittest
+
+import torch
+
+import attnkit
+
+TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+try:
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+except ImportError:  # PyTorch 1.13
+    torch_flex_attention = torch_create_block_mask = None
+
+HAS_FLEX = torch_flex_attention is not None and TORCH >= (2, 5)
+
+
+# FlexAttention's score functions (test_flex_attention.py's list), written once for both
+# PyTorch's vmapped scalars and attnkit's broadcast index tensors.
+def identity(score, b, h, q, kv):
+    return score
+
+
+def times_two(score, b, h, q, kv):
+    return score * 2
+
+
+def squared(score, b, h, q, kv):
+    return score * score
+
+
+def causal_score(score, b, h, q, kv):
+    return torch.where(q >= kv, score, -float("inf"))
+
+
+def rel_bias(score, b, h, q, kv):
+    return score + (q - kv)
+
+
+def rel_causal(score, b, h, q, kv):
+    return torch.where(q >= kv, score + (q - kv), -float("inf"))
+
+
+def alibi(score, b, h, q, kv):
+    return score + (kv - q) * torch.exp2(-((h + 1) * 8.0 / 4))
+
+
+def trig(score, b, h, q, kv):
+    return torch.sin(torch.cos(score)) + torch.tan(b)
+
+
+HEAD_OFFSET = torch.randn(4, dtype=torch.float64)
+
+
+def head_offset(score, b, h, q, kv):
+    return score + HEAD_OFFSET[h]
+
+
+SCORE_MODS = [identity, times_two, squared, causal_score, rel_bias, rel_causal, alibi, trig,
+              head_offset]
+
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+
+def sliding_window(b, h, q, kv):
+    return (q >= kv) & (q - kv < 48)
+
+
+def prefix_lm(b, h, q, kv):
+    return (kv <= q) | (kv < 40)
+
+
+DOCUMENT_IDS = torch.repeat_interleave(torch.arange(4), torch.tensor([37, 60, 90, 69]))
+
+
+def documents(b, h, q, kv):
+    return DOCUMENT_IDS[q] == DOCUMENT_IDS[kv]
+
+
+MASK_MODS = [causal, sliding_window, prefix_lm, documents]
+
+
+def dense_reference(q, k, v, score_mod=None, mask_mod=None, scale=None):
+    """Attention with every score materialised: (out, lse), -inf lse and zeros for a query
+    that sees no key."""
+    B, H, L, E = q.shape
+    groups = H // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(E))
+    b = torch.arange(B).view(-1, 1, 1, 1)
+    h = torch.arange(H).view(1, -1, 1, 1)
+    qi = torch.arange(L).view(1, 1, -1, 1)
+    ki = torch.arange(k.shape[2]).view(1, 1, 1, -1)
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, qi, ki).to(q.dtype)
+    if mask_mod is not None:
+        scores = scores.masked_fill(~mask_mod(b, h, qi, ki), -math.inf)
+    lse = scores.logsumexp(-1)
+    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return weights @ v, lse
+
+
+def reference(q, k, v, score_mod, mask_mod, gqa):
+    """(out, lse) with gradients: the dense reference, which is FlexAttention's math (PyTorch
+    2.15's eager flex_attention refuses a backward on the CPU)."""
+    return dense_reference(q, k, v, score_mod, mask_mod)
+
+
+def flex_forward(q, k, v, score_mod, mask_mod, gqa):
+    """(out, lse) as FlexAttention gives them: eager flex_attention where PyTorch has it
+    (forward only), else the dense reference."""
+    if not HAS_FLEX:
+        return dense_reference(q, k, v, score_mod, mask_mod)
+    bm = None if mask_mod is None else torch_create_block_mask(
+        mask_mod, None, None, q.shape[2], k.shape[2], device="cpu")
+    q, k, v = q.detach(), k.detach(), v.detach()
+    with torch.no_grad():
+        return torch_flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                    enable_gqa=gqa, return_lse=True)
+
+
+def make_block_mask(mask_mod, L, S):
+    if mask_mod is None:
+        return None
+    if HAS_FLEX:
+        return torch_create_block_mask(mask_mod, None, None, L, S, device="cpu")
+    return attnkit.create_block_mask(mask_mod, None, None, L, S)
+
+
+def max_error(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+class FlexCases(unittest.TestCase):
+    B, H, L, E = 2, 4, 256, 16
+
+    def inputs(self, dtype, kv_heads=None, B=None, H=None):
+        g = torch.Generator().manual_seed(0)
+        B, H = B or self.B, H or self.H
+        shape_q = (B, H, self.L, self.E)
+        shape_kv = (B, kv_heads or H, self.L, self.E)
+        return [torch.randn(s, generator=g, dtype=torch.float64) for s in
+                (shape_q, shape_kv, shape_kv)]
+
+    def check_case(self, score_mod, mask_mod, dtype, kv_heads=None, B=None, H=None):
+        gqa = kv_heads is not None
+        q64, k64, v64 = [t.requires_grad_() for t in self.inputs(dtype, kv_heads, B, H)]
+
+        def with_buffer(buffer):
+            # head_offset reads a captured buffer: each run gets its own, in its dtype.
+            if score_mod is not head_offset:
+                return score_mod, []
+            return (lambda score, b, h, q, kv: score + buffer[h]), [buffer]
+
+        def low(tensors):
+            return [t.detach().to(dtype).requires_grad_() for t in tensors]
+
+        buffer64 = HEAD_OFFSET.clone().requires_grad_()
+        mod64, extra64 = with_buffer(buffer64)
+        ref_out, ref_lse = flex_forward(q64, k64, v64, mod64, mask_mod, gqa)
+        dense_out, _ = reference(q64, k64, v64, mod64, mask_mod, gqa)
+        self.assertLess(max_error(dense_out, ref_out), 1e-12, "the dense reference is not flex's")
+        grad = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(1),
+                           dtype=torch.float64)
+        ref_grads = torch.autograd.grad(dense_out, [q64, k64, v64, *extra64], grad)
+        # Eager's error in the low dtype: PyTorch's flex_attention for the forward, the dense
+        # reference for the gradients.
+        q, k, v, *extra = low([q64, k64, v64, *extra64])
+        eager_mod, _ = with_buffer(extra[0] if extra else None)
+        eager_out, eager_lse = flex_forward(q, k, v, eager_mod, mask_mod, gqa)
+        dense_low, _ = reference(q, k, v, eager_mod, mask_mod, gqa)
+        eager_grads = torch.autograd.grad(dense_low, [q, k, v, *extra], grad.to(dtype))
+        q, k, v, *extra = low([q64, k64, v64, *extra64])
+        mine_mod, _ = with_buffer(extra[0] if extra else None)
+        bm = make_block_mask(mask_mod, self.L, self.L)
+        out, lse = attnkit.flex_attention(q, k, v, score_mod=mine_mod, block_mask=bm,
+                                          enable_gqa=gqa, return_lse=True)
+        grads = torch.autograd.grad(out, [q, k, v, *extra], grad.to(dtype))
+        fudge = 10.0 if dtype == torch.float32 else 1.1
+        names = ["out", "dq", "dk", "dv", "d_buffer"]
+        for name, mine, eager, ref in zip(names, [out, *grads], [eager_out, *eager_grads],
+                                          [ref_out, *ref_grads]):
+            mine_error, eager_error = max_error(mine, ref), max_error(eager, ref)
+            self.assertLessEqual(mine_error, max(fudge * eager_error, 1e-6),
+                                 f"{name}: attnkit's error {mine_error:.3g}, eager's "
+                                 f"{eager_error:.3g}")
+        finite = torch.isfinite(ref_lse)
+        self.assertTrue(torch.equal(finite, torch.isfinite(lse)), "lse: -inf rows differ")
+        mine_error = max_error(lse[finite], ref_lse[finite])
+        eager_error = max_error(eager_lse[finite], ref_lse[finite])
+        self.assertLessEqual(mine_error, max(fudge * eager_error, 1e-5),
+                             f"lse: attnkit's error {mine_error:.3g}, eager's {eager_error:.3g}")
+
+    def test_score_mods(self):
+        for dtype in (torch.float32, torch.bfloat16):
+            for score_mod in SCORE_MODS:
+                with self.subTest(score_mod=score_mod.__name__, dtype=dtype):
+                    self.check_case(score_mod, None, dtype)
+
+    def test_masks(self):
+        for dtype in (torch.float32, torch.bfloat16):
+            for mask_mod in MASK_MODS:
+                with self.subTest(mask_mod=mask_mod.__name__, dtype=dtype):
+                    self.check_case(rel_bias, mask_mod, dtype)
+
+    def test_gqa_and_broadcast(self):
+        with self.subTest("gqa"):
+            self.check_case(head_offset, causal, torch.float32, kv_heads=2)
+        with self.subTest("B=1"):
+            self.check_case(times_two, documents, torch.float32, B=1)
+        with self.subTest("H=1"):
+            self.check_case(alibi, sliding_window, torch.float32, H=1)
+
+
+class Gradcheck(unittest.TestCase):
+    def test_families(self):
+        g = torch.Generator().manual_seed(2)
+        bias = torch.randn(2, 9, generator=g, dtype=torch.float64, requires_grad=True)
+        slopes = torch.rand(2, generator=g, dtype=torch.float64)
+
+        def learnable(score, b, h, q, kv):
+            return score + bias[h, torch.clamp(kv - q, -4, 4) + 4]
+
+        def softcap(score, b, h, q, kv):
+            return 5.0 * torch.tanh(score / 5.0)
+
+        def alibi_slopes(score, b, h, q, kv):
+            return score + slopes[h] * (kv - q)
+
+        ids = torch.tensor([0] * 5 + [1] * 9 + [2] * 6)
+
+        def short_documents(b, h, q, kv):
+            return ids[q] == ids[kv]
+
+        cases = [(None, None), (softcap, causal), (alibi_slopes, sliding_window),
+                 (learnable, short_documents), (learnable, prefix_lm)]
+        for score_mod, mask_mod in cases:
+            L = 20
+            shape = (1, 2, L, 4)
+            q, k, v = [torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+                       for _ in range(3)]
+            bm = None if mask_mod is None else attnkit.create_block_mask(
+                mask_mod, None, None, L, L, BLOCK_SIZE=8)
+
+            def run(q, k, v, bias):
+                return attnkit.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+            name = f"{getattr(score_mod, '__name__', None)} {getattr(mask_mod, '__name__', None)}"
+            with self.subTest(name):
+                self.assertTrue(torch.autograd.gradcheck(run, (q, k, v, bias), eps=1e-6,
+                                                         atol=1e-6, fast_mode=True))
+
+
+@unittest.skipUnless(hasattr(torch, "library") and hasattr(torch.library, "opcheck"),
+                     "torch.library.opcheck: PyTorch 2.4 on")
+class Opcheck(unittest.TestCase):
+    def test_flex_attention(self):
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(2, 4, 40, 8, generator=g, requires_grad=True)
+        k = torch.randn(2, 2, 40, 8, generator=g, requires_grad=True)
+        v = torch.randn(2, 2, 40, 8, generator=g, requires_grad=True)
+        buffer = torch.randn(4, generator=g, requires_grad=True)
+        bm = attnkit.create_block_mask(causal, None, None, 40, 40, BLOCK_SIZE=16)
+        q_block, kv_block, lists = attnkit._block_mask.partial_tiles(bm, q, k)
+        graph, _ = attnkit._score_graph.trace(head_offset)
+        for args in [
+            (q, k, v, None, None, None, None, None, 128, 128, "", [], 0.35, 0.0, -1),
+            (q, k, v, *lists, q_block, kv_block, graph, [buffer], 0.35, 0.0, -1),
+        ]:
+            torch.library.opcheck(torch.ops.attnkit.flex_attention.default, args)
+
+
+class BadInput(unittest.TestCase):
+    def setUp(self):
+        self.q = torch.randn(1, 2, 32, 8)
+        self.k = torch.randn(1, 2, 32, 8)
+        self.v = torch.randn(1, 2, 32, 8)
+
+    def refused(self, error, words, **kwargs):
+        args = {"query": self.q, "key": self.k, "value": self.v}
+        args.update(kwargs)
+        with self.assertRaises(error) as caught:
+            attnkit.flex_attention(**args)
+        for word in words:
+            self.assertIn(word, str(caught.exception))
+
+    def test_each(self):
+        self.refused(ValueError, ["block_mask", "made for", "length 32"],
+                     block_mask=attnkit.create_block_mask(causal, None, None, 64, 64))
+        other = attnkit.create_block_mask(causal, None, None, 32, 32, device="meta") \
+            if TORCH >= (2, 0) else None
+        if other is not None:
+            self.refused(ValueError, ["block_mask", "meta"], block_mask=other)
+
+        def wrong_shape(score, b, h, q, kv):
+            return score[0]
+        self.refused(RuntimeError, ["score_mod", "shape"], score_mod=wrong_shape)
+
+        def control_flow(score, b, h, q, kv):
+            return score if (q > 3).any() else -score
+        self.refused(attnkit.ScoreModError, ["score_mod", "traced"], score_mod=control_flow)
+
+        def unknown_operation(score, b, h, q, kv):
+            return score.cumsum(-1)
+        self.refused(attnkit.ScoreModError, ["score_mod", "cumsum"], score_mod=unknown_operation)
+        self.refused(ValueError, ["query", "contiguous"], query=self.q.transpose(-1, -2))
+        self.refused(ValueError, ["key", "4-D"], key=self.k.unsqueeze(0))
+        self.refused(ValueError, ["enable_gqa"], key=self.k[:, :1], value=self.v[:, :1])
+        if not attnkit._cpu_multiplies_float16():
+            self.refused(TypeError, ["float16"], query=self.q.half(), key=self.k.half(),
+                         value=self.v.half())
+
+
+if __name__ == "__main__":
+    print(f"torch {torch.__version__}, eager flex_attention: {HAS_FLEX}", file=sys.stderr)
+    unittest.main()
