@@ -169,7 +169,7 @@ std::tuple<Tensor, Tensor> flex_forward(const Tensor& query, const Tensor& key,
   auto problem = problem_of(q, k, args, args.score_tensors);
   Tensor lse;
   auto out = detail::chunked_forward(*problem, q, k, v, &lse);
-  return {out.to(query.scalar_type()), lse.squeeze(-1)};
+  return {out.to(query.scalar_type()).contiguous(), lse.squeeze(-1).contiguous()};
 }
 
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
@@ -193,13 +193,17 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
   auto grads = detail::chunked_backward(*problem, q, k, v, out.to(dtype),
                                         lse.to(dtype).unsqueeze(-1), grad_out.to(dtype),
                                         parameters);
+  // Contiguous gradients, as the Meta kernel promises.
   std::vector<Tensor> tensor_grads;
   size_t next = 3;
-  for (const auto& t : args.score_tensors)
-    tensor_grads.push_back(t.is_floating_point() ? grads[next++].to(t.scalar_type())
-                                                 : torch::zeros_like(t));
-  return {grads[0].to(query.scalar_type()), grads[1].to(key.scalar_type()),
-          grads[2].to(value.scalar_type()), tensor_grads};
+  for (const auto& t : args.score_tensors) {
+    tensor_grads.push_back(t.is_floating_point()
+                               ? grads[next++].to(t.scalar_type()).contiguous()
+                               : torch::zeros(t.sizes(), t.options()));
+  }
+  return {grads[0].to(query.scalar_type()).contiguous(),
+          grads[1].to(key.scalar_type()).contiguous(),
+          grads[2].to(value.scalar_type()).contiguous(), tensor_grads};
 }
 
 // The schemas' shared tail, in the order FlexArguments reads it.
@@ -282,11 +286,12 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_
     const c10::optional<Tensor>& /*partial_tiles*/, int64_t /*q_block_size*/,
     int64_t /*kv_block_size*/, c10::string_view /*score_graph*/, at::TensorList score_tensors,
     double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/) {
+  // Contiguous, as the kernel's (whatever the inputs' strides).
+  const auto like = [](const Tensor& t) { return torch::empty(t.sizes(), t.options()); };
   std::vector<Tensor> tensor_grads;
   for (const auto& t : score_tensors)
-    tensor_grads.push_back(torch::empty_like(t));
-  return {torch::empty_like(query), torch::empty_like(key), torch::empty_like(value),
-          tensor_grads};
+    tensor_grads.push_back(like(t));
+  return {like(query), like(key), like(value), tensor_grads};
 }
 
 using torch::autograd::AutogradContext;
@@ -333,7 +338,8 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
     const auto saved = ctx->get_saved_variables();
     const std::vector<Tensor> score_tensors(saved.begin() + 5, saved.end());
     const auto blocks = ctx->saved_data["blocks"].to<std::vector<c10::optional<Tensor>>>();
-    auto grad_out = grads[0].defined() ? grads[0] : torch::zeros_like(saved[3]);
+    // Contiguous, so that a compiled graph's backward sees the strides it was traced with.
+    auto grad_out = grads[0].defined() ? grads[0].contiguous() : torch::zeros_like(saved[3]);
     auto [dq, dk, dv, tensor_grads] =
         op.call(grad_out, saved[0], saved[1], saved[2], saved[3], saved[4], blocks[0], blocks[1],
                 blocks[2], blocks[3], blocks[4], ctx->saved_data["q_block_size"].toInt(),
