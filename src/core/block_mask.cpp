@@ -209,8 +209,8 @@ void mark_listed(std::vector<TileKind>& kinds, const torch::Tensor& counts,
   const auto* count = host_counts.data_ptr<int64_t>();
   const auto* index = host_indices.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(count[r] >= 0 && count[r] <= nk, kFromListsFn, " ", counts_name,
-                " must be in [0, ", nk, "] (the key blocks), got ", count[r], " at row ", r);
+    TORCH_CHECK(count[r] >= 0 && count[r] <= nk, kFromListsFn, " ", counts_name, " must be in [0, ",
+                nk, "] (the key blocks), got ", count[r], " at row ", r);
     for (int64_t i = 0; i < count[r]; ++i) {
       const int64_t j = index[r * width + i];
       TORCH_CHECK(j >= 0 && j < nk, kFromListsFn, " ", indices_name, " must be in [0, ", nk,
@@ -231,8 +231,8 @@ BlockMask BlockMask::from_kv_blocks(const torch::Tensor& kv_num_blocks,
                                     const torch::Tensor& full_kv_indices, int64_t q_len,
                                     int64_t kv_len, int64_t q_block_size, int64_t kv_block_size,
                                     const Mask& mask) {
-  TORCH_CHECK(q_len >= 1 && kv_len >= 1, kFromListsFn,
-              " q_len and kv_len must be >= 1, got q_len ", q_len, " and kv_len ", kv_len);
+  TORCH_CHECK(q_len >= 1 && kv_len >= 1, kFromListsFn, " q_len and kv_len must be >= 1, got q_len ",
+              q_len, " and kv_len ", kv_len);
   TORCH_CHECK(q_block_size >= 1 && kv_block_size >= 1, kFromListsFn,
               " block sizes must be >= 1, got (", q_block_size, ", ", kv_block_size, ")");
   TORCH_CHECK(kv_num_blocks.defined() && kv_indices.defined(), kFromListsFn,
@@ -249,8 +249,8 @@ BlockMask BlockMask::from_kv_blocks(const torch::Tensor& kv_num_blocks,
               shape_string(kv_num_blocks));
   const auto device = kv_num_blocks.device();
   const auto check_list = [&](const torch::Tensor& t, const char* name, bool is_indices) {
-    TORCH_CHECK(t.scalar_type() == torch::kInt32 || t.scalar_type() == torch::kInt64,
-                kFromListsFn, " ", name, " must be int32 or int64, got ", t.scalar_type());
+    TORCH_CHECK(t.scalar_type() == torch::kInt32 || t.scalar_type() == torch::kInt64, kFromListsFn,
+                " ", name, " must be int32 or int64, got ", t.scalar_type());
     TORCH_CHECK(t.device() == device, kFromListsFn, " ", name, " is on ", t.device(),
                 ", kv_num_blocks on ", device, ": the lists share one device");
     const bool fits = is_indices ? t.dim() == 4 && t.size(0) == B && t.size(1) == H &&
@@ -259,8 +259,7 @@ BlockMask BlockMask::from_kv_blocks(const torch::Tensor& kv_num_blocks,
     TORCH_CHECK(fits, kFromListsFn, " ", name, " must be ",
                 is_indices ? c10::str("(", B, ", ", H, ", ", nq, ", >= ", nk, ")")
                            : shape_string(kv_num_blocks),
-                " for kv_len ", kv_len, " in blocks of ", kv_block_size, ", got ",
-                shape_string(t));
+                " for kv_len ", kv_len, " in blocks of ", kv_block_size, ", got ", shape_string(t));
   };
   check_list(kv_num_blocks, "kv_num_blocks", false);
   check_list(kv_indices, "kv_indices", true);

@@ -140,7 +140,6 @@ struct BlockPlan {
     }
     return tiles;
   }
-
 };
 
 // Rows [r0, r0 + rows) of a head batch of an (outer, heads, n, f) query-side tensor: a
@@ -249,7 +248,7 @@ void for_each_query_block(const BlockPlan& plan, const torch::Device& device, Vi
 template <typename Visit>
 void for_each_head_group(const BlockPlan& plan, const torch::Device& device, Visit&& visit) {
   run_tasks(plan.outer * plan.num_head_batches(), device,
-                    [&](int64_t task) { visit(head_group_of(plan, task)); });
+            [&](int64_t task) { visit(head_group_of(plan, task)); });
 }
 
 // Shapes: scores (g, bq, bk) with index tensors (b, h, q_idx, kv_idx) of that rank.
@@ -263,73 +262,72 @@ torch::Tensor modified_scores(const BlockPlan& plan, const torch::Tensor& scores
 
 torch::Tensor chunked_forward(ChunkedProblem& call, const torch::Tensor& q, const torch::Tensor& k,
                               const torch::Tensor& v, torch::Tensor* lse) {
-    const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
-    const BlockPlan plan(q4, k4, call);
-    call.head_batch = plan.head_batch;
-    const int64_t gs = plan.group_size;
-    auto out_shape = q.sizes().vec();
-    out_shape.back() = v.size(-1);
-    auto out = torch::empty(out_shape, q.options());
-    auto out4 = as_outer_heads(out);  // a view of the output, written block by block
-    auto lse4 = torch::empty({plan.outer, plan.heads, plan.num_queries, 1}, q.options());
+  const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
+  const BlockPlan plan(q4, k4, call);
+  call.head_batch = plan.head_batch;
+  const int64_t gs = plan.group_size;
+  auto out_shape = q.sizes().vec();
+  out_shape.back() = v.size(-1);
+  auto out = torch::empty(out_shape, q.options());
+  auto out4 = as_outer_heads(out);  // a view of the output, written block by block
+  auto lse4 = torch::empty({plan.outer, plan.heads, plan.num_queries, 1}, q.options());
 
-    for_each_query_block(plan, q.device(), [&](const HeadBatch& at, int64_t q0, int64_t bq) {
-      const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
-      auto acc = block_of(out4, at, q0, bq);                       // written in place
-      torch::Tensor row_max, row_sum;
-      for (const auto& visit : plan.key_tiles(at, q0)) {
-        const int64_t k0 = visit.key_begin, bk = visit.keys;
-        const auto verdict = verdict_of(call, visit, tile_at(at, q0, bq, k0, bk), q.device());
-        const bool first = !row_max.defined();
-        auto p =
-            modified_scores(plan, block_scores(q_block, kv_block_of(k4, at, k0, bk, plan), plan),
-                            tile_at(at, q0, bq, k0, bk));
-        mask_tile(p, verdict);
-        const auto block_max = p.amax(-1, /*keepdim=*/true);
-        torch::Tensor correction;
-        if (first) {
-          row_max = block_max;
-        } else {
-          const auto new_max = torch::maximum(row_max, block_max);
-          correction = (row_max - finite_max(new_max, plan)).exp_();
-          row_max = new_max;
-        }
-        p.sub_(finite_max(row_max, plan)).exp_();
-        const auto block_sum = p.sum(-1, /*keepdim=*/true);
-        if (call.dropout_seed >= 0)
-          p.mul_(dropout_scale(p, at, q0, k0, plan));
-        const auto v_block = kv_block_of(v4, at, k0, bk, plan);
-        if (first) {
-          row_sum = block_sum;
-          acc.copy_(unfold_groups(torch::bmm(fold_groups(p, gs), v_block), gs));
-        } else {
-          row_sum.mul_(correction).add_(block_sum);
-          if (gs == 1) {
-            acc.mul_(correction).baddbmm_(p, v_block);
-          } else {
-            acc.mul_(correction).add_(unfold_groups(torch::bmm(fold_groups(p, gs), v_block), gs));
-          }
-        }
-      }
-      auto lse_block = block_of(lse4, at, q0, bq);
-      if (!row_max.defined()) {  // every tile empty: these queries see no key
-        acc.zero_();
-        lse_block.fill_(kInfinity);
-        return;
-      }
-      if (plan.rows_may_be_empty) {
-        // A row that saw no key has sum 0 and output 0; lse +inf makes backward's weights 0.
-        const auto empty_rows = row_sum == 0;
-        acc.div_(row_sum.masked_fill(empty_rows, 1.0));
-        lse_block.copy_(
-            (finite_max(row_max, plan) + row_sum.log()).masked_fill_(empty_rows, kInfinity));
+  for_each_query_block(plan, q.device(), [&](const HeadBatch& at, int64_t q0, int64_t bq) {
+    const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
+    auto acc = block_of(out4, at, q0, bq);                       // written in place
+    torch::Tensor row_max, row_sum;
+    for (const auto& visit : plan.key_tiles(at, q0)) {
+      const int64_t k0 = visit.key_begin, bk = visit.keys;
+      const auto verdict = verdict_of(call, visit, tile_at(at, q0, bq, k0, bk), q.device());
+      const bool first = !row_max.defined();
+      auto p = modified_scores(plan, block_scores(q_block, kv_block_of(k4, at, k0, bk, plan), plan),
+                               tile_at(at, q0, bq, k0, bk));
+      mask_tile(p, verdict);
+      const auto block_max = p.amax(-1, /*keepdim=*/true);
+      torch::Tensor correction;
+      if (first) {
+        row_max = block_max;
       } else {
-        acc.div_(row_sum);
-        lse_block.copy_(row_max + row_sum.log());
+        const auto new_max = torch::maximum(row_max, block_max);
+        correction = (row_max - finite_max(new_max, plan)).exp_();
+        row_max = new_max;
       }
-    });
-    *lse = lse4;
-    return out;
+      p.sub_(finite_max(row_max, plan)).exp_();
+      const auto block_sum = p.sum(-1, /*keepdim=*/true);
+      if (call.dropout_seed >= 0)
+        p.mul_(dropout_scale(p, at, q0, k0, plan));
+      const auto v_block = kv_block_of(v4, at, k0, bk, plan);
+      if (first) {
+        row_sum = block_sum;
+        acc.copy_(unfold_groups(torch::bmm(fold_groups(p, gs), v_block), gs));
+      } else {
+        row_sum.mul_(correction).add_(block_sum);
+        if (gs == 1) {
+          acc.mul_(correction).baddbmm_(p, v_block);
+        } else {
+          acc.mul_(correction).add_(unfold_groups(torch::bmm(fold_groups(p, gs), v_block), gs));
+        }
+      }
+    }
+    auto lse_block = block_of(lse4, at, q0, bq);
+    if (!row_max.defined()) {  // every tile empty: these queries see no key
+      acc.zero_();
+      lse_block.fill_(kInfinity);
+      return;
+    }
+    if (plan.rows_may_be_empty) {
+      // A row that saw no key has sum 0 and output 0; lse +inf makes backward's weights 0.
+      const auto empty_rows = row_sum == 0;
+      acc.div_(row_sum.masked_fill(empty_rows, 1.0));
+      lse_block.copy_(
+          (finite_max(row_max, plan) + row_sum.log()).masked_fill_(empty_rows, kInfinity));
+    } else {
+      acc.div_(row_sum);
+      lse_block.copy_(row_max + row_sum.log());
+    }
+  });
+  *lse = lse4;
+  return out;
 }
 
 std::vector<torch::Tensor> chunked_backward(const ChunkedProblem& call, const torch::Tensor& q,
@@ -337,107 +335,107 @@ std::vector<torch::Tensor> chunked_backward(const ChunkedProblem& call, const to
                                             const torch::Tensor& out, const torch::Tensor& lse4,
                                             const torch::Tensor& grad_out,
                                             const std::vector<torch::Tensor>& parameters) {
-    const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
-    const auto out4 = as_outer_heads(out);
-    const BlockPlan plan(q4, k4, call);
-    const int64_t gs = plan.group_size;
-    const auto grad_out4 = as_outer_heads(grad_out);
-    // D_i = sum_j P_ij dP_ij = dO_i . O_i (holds with dropout too, since O = P_dropped V).
-    const auto delta4 = (grad_out4 * out4).sum(-1, /*keepdim=*/true);
-    auto grad_q4 = torch::zeros(q4.sizes(), q4.options());
-    auto grad_k4 = torch::zeros(k4.sizes(), k4.options());
-    auto grad_v4 = torch::zeros(v4.sizes(), v4.options());
-    // Gradients of the tensors the score function reads, summed over tiles and tasks.
-    const size_t num_parameters = parameters.size();
-    std::vector<torch::Tensor> parameter_grads(num_parameters);
-    std::mutex parameter_grads_mutex;
+  const auto q4 = as_outer_heads(q), k4 = as_outer_heads(k), v4 = as_outer_heads(v);
+  const auto out4 = as_outer_heads(out);
+  const BlockPlan plan(q4, k4, call);
+  const int64_t gs = plan.group_size;
+  const auto grad_out4 = as_outer_heads(grad_out);
+  // D_i = sum_j P_ij dP_ij = dO_i . O_i (holds with dropout too, since O = P_dropped V).
+  const auto delta4 = (grad_out4 * out4).sum(-1, /*keepdim=*/true);
+  auto grad_q4 = torch::zeros(q4.sizes(), q4.options());
+  auto grad_k4 = torch::zeros(k4.sizes(), k4.options());
+  auto grad_v4 = torch::zeros(v4.sizes(), v4.options());
+  // Gradients of the tensors the score function reads, summed over tiles and tasks.
+  const size_t num_parameters = parameters.size();
+  std::vector<torch::Tensor> parameter_grads(num_parameters);
+  std::mutex parameter_grads_mutex;
 
-    const auto visit_query_block = [&](const HeadBatch& at, int64_t q0, int64_t bq,
-                                       std::vector<torch::Tensor>& task_parameter_grads) {
-      const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
-      const auto grad_out_block = block_of(grad_out4, at, q0, bq);
-      const auto lse_block = block_of(lse4, at, q0, bq);
-      const auto delta_block = block_of(delta4, at, q0, bq);
-      auto grad_q_block = block_of(grad_q4, at, q0, bq);
-      // Query-side blocks with each group's heads as rows of one matrix, for the
-      // products against the shared key/value heads.
-      const auto grad_out_rows = fold_groups(grad_out_block, gs);
-      const auto q_rows = fold_groups(q_block, gs);
-      for (const auto& visit : plan.key_tiles(at, q0)) {
-        const int64_t k0 = visit.key_begin, bk = visit.keys;
-        const auto tile = tile_at(at, q0, bq, k0, bk);
-        const auto verdict = verdict_of(call, visit, tile, q.device());
-        const auto k_block = kv_block_of(k4, at, k0, bk, plan);
-        const auto v_block = kv_block_of(v4, at, k0, bk, plan);
-        auto scores = block_scores(q_block, k_block, plan);
-        // With a score function, autograd differentiates it on this tile: d score_mod / d
-        // score for q and k, and d score_mod / d parameter for the tensors it reads.
-        torch::Tensor score_leaf, modified;
-        if (call.score_mod) {
-          const torch::AutoGradMode grad_mode(true);  // workers run without grad mode
-          score_leaf = scores.detach().requires_grad_(true);
-          modified = modified_scores(plan, score_leaf, tile);
-          scores = modified.detach().clone();  // masked in place below; autograd keeps modified
-        }
-        mask_tile(scores, verdict);
-        auto p = scores.sub_(lse_block).exp_();
-        auto grad_p = unfold_groups(torch::bmm(grad_out_rows, v_block.transpose(1, 2)), gs);
-        torch::Tensor p_used = p;
-        if (call.dropout_seed >= 0) {
-          const auto keep = dropout_scale(p, at, q0, k0, plan);
-          p_used = p * keep;
-          grad_p.mul_(keep);
-        }
-        kv_block_of(grad_v4, at, k0, bk, plan)
-            .baddbmm_(fold_groups(p_used, gs).transpose(1, 2), grad_out_rows);
-        auto grad_scores = grad_p.sub_(delta_block).mul_(p);  // w.r.t. the modified scores
-        if (call.score_mod) {
-          std::vector<torch::Tensor> inputs{score_leaf};
-          inputs.insert(inputs.end(), parameters.begin(), parameters.end());
-          const auto tile_grads = torch::autograd::grad({modified}, inputs, {grad_scores},
-                                                        /*retain_graph=*/false,
-                                                        /*create_graph=*/false,
-                                                        /*allow_unused=*/true);
-          grad_scores = tile_grads[0];
-          for (size_t j = 0; j < num_parameters; ++j) {
-            const auto& g = tile_grads[j + 1];
-            if (g.defined()) {
-              auto& sum = task_parameter_grads[j];
-              sum = sum.defined() ? sum.add_(g) : g.clone();
-            }
+  const auto visit_query_block = [&](const HeadBatch& at, int64_t q0, int64_t bq,
+                                     std::vector<torch::Tensor>& task_parameter_grads) {
+    const auto q_block = block_of(q4, at, q0, bq) * plan.scale;  // (g, bq, hd), scaled
+    const auto grad_out_block = block_of(grad_out4, at, q0, bq);
+    const auto lse_block = block_of(lse4, at, q0, bq);
+    const auto delta_block = block_of(delta4, at, q0, bq);
+    auto grad_q_block = block_of(grad_q4, at, q0, bq);
+    // Query-side blocks with each group's heads as rows of one matrix, for the
+    // products against the shared key/value heads.
+    const auto grad_out_rows = fold_groups(grad_out_block, gs);
+    const auto q_rows = fold_groups(q_block, gs);
+    for (const auto& visit : plan.key_tiles(at, q0)) {
+      const int64_t k0 = visit.key_begin, bk = visit.keys;
+      const auto tile = tile_at(at, q0, bq, k0, bk);
+      const auto verdict = verdict_of(call, visit, tile, q.device());
+      const auto k_block = kv_block_of(k4, at, k0, bk, plan);
+      const auto v_block = kv_block_of(v4, at, k0, bk, plan);
+      auto scores = block_scores(q_block, k_block, plan);
+      // With a score function, autograd differentiates it on this tile: d score_mod / d
+      // score for q and k, and d score_mod / d parameter for the tensors it reads.
+      torch::Tensor score_leaf, modified;
+      if (call.score_mod) {
+        const torch::AutoGradMode grad_mode(true);  // workers run without grad mode
+        score_leaf = scores.detach().requires_grad_(true);
+        modified = modified_scores(plan, score_leaf, tile);
+        scores = modified.detach().clone();  // masked in place below; autograd keeps modified
+      }
+      mask_tile(scores, verdict);
+      auto p = scores.sub_(lse_block).exp_();
+      auto grad_p = unfold_groups(torch::bmm(grad_out_rows, v_block.transpose(1, 2)), gs);
+      torch::Tensor p_used = p;
+      if (call.dropout_seed >= 0) {
+        const auto keep = dropout_scale(p, at, q0, k0, plan);
+        p_used = p * keep;
+        grad_p.mul_(keep);
+      }
+      kv_block_of(grad_v4, at, k0, bk, plan)
+          .baddbmm_(fold_groups(p_used, gs).transpose(1, 2), grad_out_rows);
+      auto grad_scores = grad_p.sub_(delta_block).mul_(p);  // w.r.t. the modified scores
+      if (call.score_mod) {
+        std::vector<torch::Tensor> inputs{score_leaf};
+        inputs.insert(inputs.end(), parameters.begin(), parameters.end());
+        const auto tile_grads = torch::autograd::grad({modified}, inputs, {grad_scores},
+                                                      /*retain_graph=*/false,
+                                                      /*create_graph=*/false,
+                                                      /*allow_unused=*/true);
+        grad_scores = tile_grads[0];
+        for (size_t j = 0; j < num_parameters; ++j) {
+          const auto& g = tile_grads[j + 1];
+          if (g.defined()) {
+            auto& sum = task_parameter_grads[j];
+            sum = sum.defined() ? sum.add_(g) : g.clone();
           }
         }
-        if (gs == 1) {
-          grad_q_block.baddbmm_(grad_scores, k_block, /*beta=*/1, /*alpha=*/plan.scale);
-        } else {
-          grad_q_block.add_(unfold_groups(torch::bmm(fold_groups(grad_scores, gs), k_block), gs),
-                            plan.scale);
-        }
-        kv_block_of(grad_k4, at, k0, bk, plan)
-            .baddbmm_(fold_groups(grad_scores, gs).transpose(1, 2), q_rows);
       }
-    };
-    for_each_head_group(plan, q.device(), [&](const HeadBatch& at) {
-      std::vector<torch::Tensor> task_parameter_grads(num_parameters);
-      for (int64_t q0 = 0; q0 < plan.num_queries; q0 += plan.query_block) {
-        visit_query_block(at, q0, std::min(plan.query_block, plan.num_queries - q0),
-                          task_parameter_grads);
+      if (gs == 1) {
+        grad_q_block.baddbmm_(grad_scores, k_block, /*beta=*/1, /*alpha=*/plan.scale);
+      } else {
+        grad_q_block.add_(unfold_groups(torch::bmm(fold_groups(grad_scores, gs), k_block), gs),
+                          plan.scale);
       }
-      const std::lock_guard<std::mutex> lock(parameter_grads_mutex);
-      for (size_t j = 0; j < num_parameters; ++j) {
-        auto& sum = parameter_grads[j];
-        const auto& g = task_parameter_grads[j];
-        if (g.defined())
-          sum = sum.defined() ? sum.add_(g) : g;
-      }
-    });
-    std::vector<torch::Tensor> grads{shaped_like(grad_q4, q), shaped_like(grad_k4, k),
-                                      shaped_like(grad_v4, v)};
-    for (size_t j = 0; j < num_parameters; ++j) {
-      grads.push_back(parameter_grads[j].defined() ? parameter_grads[j]
-                                                   : torch::zeros_like(parameters[j]));
+      kv_block_of(grad_k4, at, k0, bk, plan)
+          .baddbmm_(fold_groups(grad_scores, gs).transpose(1, 2), q_rows);
     }
-    return grads;
+  };
+  for_each_head_group(plan, q.device(), [&](const HeadBatch& at) {
+    std::vector<torch::Tensor> task_parameter_grads(num_parameters);
+    for (int64_t q0 = 0; q0 < plan.num_queries; q0 += plan.query_block) {
+      visit_query_block(at, q0, std::min(plan.query_block, plan.num_queries - q0),
+                        task_parameter_grads);
+    }
+    const std::lock_guard<std::mutex> lock(parameter_grads_mutex);
+    for (size_t j = 0; j < num_parameters; ++j) {
+      auto& sum = parameter_grads[j];
+      const auto& g = task_parameter_grads[j];
+      if (g.defined())
+        sum = sum.defined() ? sum.add_(g) : g;
+    }
+  });
+  std::vector<torch::Tensor> grads{shaped_like(grad_q4, q), shaped_like(grad_k4, k),
+                                   shaped_like(grad_v4, v)};
+  for (size_t j = 0; j < num_parameters; ++j) {
+    grads.push_back(parameter_grads[j].defined() ? parameter_grads[j]
+                                                 : torch::zeros_like(parameters[j]));
+  }
+  return grads;
 }
 
 namespace {
@@ -461,8 +459,8 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
     const auto capsule = ctx->saved_data["call"].toCapsule();
     const auto& call = *static_cast<const ChunkedProblem*>(capsule.get());
     const std::vector<torch::Tensor> parameters(saved.begin() + 5, saved.end());
-    auto computed = chunked_backward(call, saved[0], saved[1], saved[2], saved[3],
-                                             saved[4], grads[0], parameters);
+    auto computed = chunked_backward(call, saved[0], saved[1], saved[2], saved[3], saved[4],
+                                     grads[0], parameters);
     variable_list grads_in{torch::Tensor()};
     grads_in.insert(grads_in.end(), computed.begin(), computed.end());
     return grads_in;

@@ -114,8 +114,7 @@ torch::Tensor chunked_forward(ChunkedProblem& problem, const torch::Tensor& quer
 std::vector<torch::Tensor> chunked_backward(const ChunkedProblem& problem,
                                             const torch::Tensor& query, const torch::Tensor& key,
                                             const torch::Tensor& value, const torch::Tensor& out,
-                                            const torch::Tensor& lse,
-                                            const torch::Tensor& grad_out,
+                                            const torch::Tensor& lse, const torch::Tensor& grad_out,
                                             const std::vector<torch::Tensor>& parameters);
 
 /// The loop-nest kernel (CPU, float32 or float64) on (..., n, hd) inputs with autograd: the

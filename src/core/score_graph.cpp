@@ -115,9 +115,8 @@ ScoreGraph::Operand parse_operand(const std::string& token, size_t line, int64_t
                 "' must be $0 or more");
   } else if (token.rfind("f:", 0) == 0) {
     operand.kind = Kind::kFloat;
-    operand.number = number_after(2, [](const std::string& s, size_t* used) {
-      return std::stod(s, used);
-    });
+    operand.number =
+        number_after(2, [](const std::string& s, size_t* used) { return std::stod(s, used); });
   } else if (token.rfind("i:", 0) == 0) {
     operand.kind = Kind::kInt;
     operand.index = number_after(2, to_int);
@@ -212,8 +211,10 @@ ScoreGraph ScoreGraph::parse(const std::string& text) {
       const auto& operand = operation.operands[i];
       TORCH_CHECK(operand.kind != Operand::Kind::kWhole || (operation.op == "index" && i > 0) ||
                       (operation.op == "clamp" && i > 0),
-                  kParseFn, " line ", line, ": '_' is an index's whole dimension or clamp's "
-                  "missing bound, not an operand of ", operation.op);
+                  kParseFn, " line ", line,
+                  ": '_' is an index's whole dimension or clamp's "
+                  "missing bound, not an operand of ",
+                  operation.op);
       if (operand.kind == Operand::Kind::kTensor)
         graph.num_tensors_ = std::max(graph.num_tensors_, operand.index + 1);
     }
@@ -238,9 +239,8 @@ torch::Tensor ScoreGraph::evaluate(const torch::Tensor& score, const torch::Tens
                                    const torch::Tensor& h, const torch::Tensor& q_idx,
                                    const torch::Tensor& kv_idx,
                                    const std::vector<torch::Tensor>& tensors) const {
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) >= num_tensors_,
-              "[ScoreGraph] the graph reads ", num_tensors_, " captured tensor(s), got ",
-              tensors.size());
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) >= num_tensors_, "[ScoreGraph] the graph reads ",
+              num_tensors_, " captured tensor(s), got ", tensors.size());
   std::vector<torch::Tensor> values{score, b, h, q_idx, kv_idx};
   values.reserve(values.size() + nodes_.size());
   // A constant as a wrapped number, as LibTorch wraps a Python number: it takes part in type
@@ -302,8 +302,10 @@ torch::Tensor ScoreGraph::evaluate(const torch::Tensor& score, const torch::Tens
 }
 
 ScoreMod ScoreGraph::bind(std::vector<torch::Tensor> tensors) const {
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == num_tensors_, "[ScoreGraph::bind] the graph "
-              "reads ", num_tensors_, " captured tensor(s), got ", tensors.size());
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == num_tensors_,
+              "[ScoreGraph::bind] the graph "
+              "reads ",
+              num_tensors_, " captured tensor(s), got ", tensors.size());
   return [graph = *this, tensors = std::move(tensors)](
              const torch::Tensor& score, const torch::Tensor& b, const torch::Tensor& h,
              const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {

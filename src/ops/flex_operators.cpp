@@ -42,9 +42,9 @@ struct FlexArguments {
 // (B, H, nq, nk) int64 on the host: each tile's position in the packed partial tiles, -1
 // for a full tile, -2 for an empty one; and how many partial tiles the lists name.
 std::pair<Tensor, int64_t> tile_slots(const BlockMask& blocks) {
-  auto slots = torch::full({blocks.batch(), blocks.heads(), blocks.num_q_blocks(),
-                            blocks.num_kv_blocks()},
-                           -2, torch::kInt64);
+  auto slots =
+      torch::full({blocks.batch(), blocks.heads(), blocks.num_q_blocks(), blocks.num_kv_blocks()},
+                  -2, torch::kInt64);
   auto* slot = slots.data_ptr<int64_t>();
   const auto counts = blocks.kv_num_blocks().to(torch::kCPU, torch::kInt64).contiguous();
   const auto indices = blocks.kv_indices().to(torch::kCPU, torch::kInt64).contiguous();
@@ -74,8 +74,8 @@ Mask partial_tiles_mask(const Tensor& slots, const Tensor& bits, int64_t q_block
     const auto hi = (H == 1 ? torch::zeros_like(h) : h).to(device);
     const auto qd = q.to(device), kvd = kv.to(device);
     const auto slot = slots.index({bi, hi, qd.div(q_block, "floor"), kvd.div(kv_block, "floor")});
-    const auto partial = bits.index({slot.clamp_min(0), qd.remainder(q_block),
-                                     kvd.remainder(kv_block)});
+    const auto partial =
+        bits.index({slot.clamp_min(0), qd.remainder(q_block), kvd.remainder(kv_block)});
     return slot.eq(-1).logical_or(slot.ge(0).logical_and(partial));
   });
 }
@@ -88,28 +88,28 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
     TORCH_CHECK(item->is_floating_point(), kOp, " ", name, " must be floating point, got ",
                 item->scalar_type());
     TORCH_CHECK(item->scalar_type() == q.scalar_type() && item->device() == q.device(), kOp,
-                " query, key and value must share a dtype and device, got query ",
-                q.scalar_type(), " on ", q.device(), " and ", name, " ", item->scalar_type(),
-                " on ", item->device());
+                " query, key and value must share a dtype and device, got query ", q.scalar_type(),
+                " on ", q.device(), " and ", name, " ", item->scalar_type(), " on ",
+                item->device());
   }
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), kOp,
               " query, key and value must have one batch size, got ", shape_string(q), ", ",
               shape_string(k), ", ", shape_string(v));
   TORCH_CHECK(k.size(1) == v.size(1) && k.size(2) == v.size(2), kOp,
-              " key and value must have the same heads and length, got ", shape_string(k),
-              " and ", shape_string(v));
+              " key and value must have the same heads and length, got ", shape_string(k), " and ",
+              shape_string(v));
   TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, kOp,
               " the key/value heads must divide the query heads (grouped-query attention), "
               "got ",
               q.size(1), " query heads and ", k.size(1), " key/value heads");
-  TORCH_CHECK(k.size(3) == q.size(3), kOp, " query and key must have one head_dim, got ",
-              q.size(3), " and ", k.size(3));
+  TORCH_CHECK(k.size(3) == q.size(3), kOp, " query and key must have one head_dim, got ", q.size(3),
+              " and ", k.size(3));
 }
 
 // The chunked kernel's problem for the arguments, on inputs q (B, H, n, hd) and k.
 c10::intrusive_ptr<detail::ChunkedProblem> problem_of(const Tensor& q, const Tensor& k,
-                                                       const FlexArguments& args,
-                                                       const std::vector<Tensor>& score_tensors) {
+                                                      const FlexArguments& args,
+                                                      const std::vector<Tensor>& score_tensors) {
   auto problem = c10::make_intrusive<detail::ChunkedProblem>();
   if (args.kv_num_blocks.has_value()) {
     TORCH_CHECK(args.kv_indices.has_value() && args.partial_tiles.has_value(), kOp,
@@ -130,11 +130,11 @@ c10::intrusive_ptr<detail::ChunkedProblem> problem_of(const Tensor& q, const Ten
                 bits.scalar_type(), " ", shape_string(bits));
     TORCH_CHECK(bits.device() == q.device(), kOp, " partial_tiles is on ", bits.device(),
                 ", the query on ", q.device());
-    const auto mask = partial_tiles_mask(slots.to(q.device()), bits, args.q_block_size,
-                                         args.kv_block_size);
+    const auto mask =
+        partial_tiles_mask(slots.to(q.device()), bits, args.q_block_size, args.kv_block_size);
     problem->blocks = BlockMask::from_kv_blocks(*args.kv_num_blocks, *args.kv_indices, full_num,
-                                                full_idx, q.size(2), k.size(2),
-                                                args.q_block_size, args.kv_block_size, mask);
+                                                full_idx, q.size(2), k.size(2), args.q_block_size,
+                                                args.kv_block_size, mask);
     problem->mask = Mask::from_block_mask(problem->blocks);
   }
   if (!args.score_graph.empty()) {
@@ -159,8 +159,8 @@ torch::ScalarType compute_dtype(const Tensor& t) {
   return detail::is_16bit(t) ? torch::kFloat : t.scalar_type();
 }
 
-std::tuple<Tensor, Tensor> flex_forward(const Tensor& query, const Tensor& key,
-                                        const Tensor& value, const FlexArguments& args) {
+std::tuple<Tensor, Tensor> flex_forward(const Tensor& query, const Tensor& key, const Tensor& value,
+                                        const FlexArguments& args) {
   check_inputs(query, key, value);
   const detail::NoAutocast no_autocast;
   const torch::NoGradGuard no_grad;
@@ -190,16 +190,15 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
       parameters.push_back(leaves.back());
   }
   auto problem = problem_of(q, k, args, leaves);
-  auto grads = detail::chunked_backward(*problem, q, k, v, out.to(dtype),
-                                        lse.to(dtype).unsqueeze(-1), grad_out.to(dtype),
-                                        parameters);
+  auto grads =
+      detail::chunked_backward(*problem, q, k, v, out.to(dtype), lse.to(dtype).unsqueeze(-1),
+                               grad_out.to(dtype), parameters);
   // Contiguous gradients, as the Meta kernel promises.
   std::vector<Tensor> tensor_grads;
   size_t next = 3;
   for (const auto& t : args.score_tensors) {
-    tensor_grads.push_back(t.is_floating_point()
-                               ? grads[next++].to(t.scalar_type()).contiguous()
-                               : torch::zeros(t.sizes(), t.options()));
+    tensor_grads.push_back(t.is_floating_point() ? grads[next++].to(t.scalar_type()).contiguous()
+                                                 : torch::zeros(t.sizes(), t.options()));
   }
   return {grads[0].to(query.scalar_type()).contiguous(),
           grads[1].to(key.scalar_type()).contiguous(),
@@ -207,9 +206,9 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
 }
 
 // The schemas' shared tail, in the order FlexArguments reads it.
-#define ATTNKIT_FLEX_TAIL                                                                  \
-  "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "                \
-  "Tensor? full_kv_indices, Tensor? partial_tiles, int q_block_size, int kv_block_size, "  \
+#define ATTNKIT_FLEX_TAIL                                                                 \
+  "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "               \
+  "Tensor? full_kv_indices, Tensor? partial_tiles, int q_block_size, int kv_block_size, " \
   "str score_graph, Tensor[] score_tensors, float scale, float dropout_p, int dropout_seed"
 
 FlexArguments arguments_of(const c10::optional<Tensor>& kv_num_blocks,
@@ -220,18 +219,9 @@ FlexArguments arguments_of(const c10::optional<Tensor>& kv_num_blocks,
                            int64_t kv_block_size, c10::string_view score_graph,
                            at::TensorList score_tensors, double scale, double dropout_p,
                            int64_t dropout_seed) {
-  return {kv_num_blocks,
-          kv_indices,
-          full_kv_num_blocks,
-          full_kv_indices,
-          partial_tiles,
-          q_block_size,
-          kv_block_size,
-          std::string(score_graph),
-          score_tensors.vec(),
-          scale,
-          dropout_p,
-          dropout_seed};
+  return {kv_num_blocks,       kv_indices,   full_kv_num_blocks, full_kv_indices,
+          partial_tiles,       q_block_size, kv_block_size,      std::string(score_graph),
+          score_tensors.vec(), scale,        dropout_p,          dropout_seed};
 }
 
 std::tuple<Tensor, Tensor> flex_attention_kernel(
@@ -242,9 +232,9 @@ std::tuple<Tensor, Tensor> flex_attention_kernel(
     c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
     int64_t dropout_seed) {
   return flex_forward(query, key, value,
-                      arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks,
-                                   full_kv_indices, partial_tiles, q_block_size, kv_block_size,
-                                   score_graph, score_tensors, scale, dropout_p, dropout_seed));
+                      arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                   partial_tiles, q_block_size, kv_block_size, score_graph,
+                                   score_tensors, scale, dropout_p, dropout_seed));
 }
 
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_kernel(
@@ -255,9 +245,9 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_
     int64_t q_block_size, int64_t kv_block_size, c10::string_view score_graph,
     at::TensorList score_tensors, double scale, double dropout_p, int64_t dropout_seed) {
   return flex_backward(grad_out, query, key, value, out, lse,
-                       arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks,
-                                    full_kv_indices, partial_tiles, q_block_size, kv_block_size,
-                                    score_graph, score_tensors, scale, dropout_p, dropout_seed));
+                       arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                    partial_tiles, q_block_size, kv_block_size, score_graph,
+                                    score_tensors, scale, dropout_p, dropout_seed));
 }
 
 // Fake kernels: the outputs' shapes and dtypes only.
@@ -340,13 +330,12 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
     const auto blocks = ctx->saved_data["blocks"].to<std::vector<c10::optional<Tensor>>>();
     // Contiguous, so that a compiled graph's backward sees the strides it was traced with.
     auto grad_out = grads[0].defined() ? grads[0].contiguous() : torch::zeros_like(saved[3]);
-    auto [dq, dk, dv, tensor_grads] =
-        op.call(grad_out, saved[0], saved[1], saved[2], saved[3], saved[4], blocks[0], blocks[1],
-                blocks[2], blocks[3], blocks[4], ctx->saved_data["q_block_size"].toInt(),
-                ctx->saved_data["kv_block_size"].toInt(),
-                ctx->saved_data["score_graph"].toStringRef(), score_tensors,
-                ctx->saved_data["scale"].toDouble(), ctx->saved_data["dropout_p"].toDouble(),
-                ctx->saved_data["dropout_seed"].toInt());
+    auto [dq, dk, dv, tensor_grads] = op.call(
+        grad_out, saved[0], saved[1], saved[2], saved[3], saved[4], blocks[0], blocks[1], blocks[2],
+        blocks[3], blocks[4], ctx->saved_data["q_block_size"].toInt(),
+        ctx->saved_data["kv_block_size"].toInt(), ctx->saved_data["score_graph"].toStringRef(),
+        score_tensors, ctx->saved_data["scale"].toDouble(), ctx->saved_data["dropout_p"].toDouble(),
+        ctx->saved_data["dropout_seed"].toInt());
     // One gradient per forward argument: q, k, v, the blocks, the two block sizes, the
     // graph, each score tensor, then scale, dropout_p and the seed.
     variable_list result{dq, dk, dv};
@@ -379,8 +368,9 @@ std::tuple<Tensor, Tensor> flex_attention_autograd(
 TORCH_LIBRARY(attnkit, m) {
   m.def("flex_attention(Tensor query, Tensor key, Tensor value, " ATTNKIT_FLEX_TAIL
         ") -> (Tensor, Tensor)");
-  m.def("flex_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
-        "Tensor out, Tensor lse, " ATTNKIT_FLEX_TAIL ") -> (Tensor, Tensor, Tensor, Tensor[])");
+  m.def(
+      "flex_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
+      "Tensor out, Tensor lse, " ATTNKIT_FLEX_TAIL ") -> (Tensor, Tensor, Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
