@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""attnkit.flex_attention against PyTorch's flex_attention on the CPU (docs/benchmarks.md).
+
+Each measurement runs in its own process (so that its peak RSS is its own): a warm-up call,
+then REPEATS timed calls, median reported. The implementations of a case alternate within each
+round, so the machine's drift hits both sides alike. b 1, h 8, hd 64, float32.
+
+  attnkit        attnkit.flex_attention (forward, or forward + backward)
+  flex_eager     PyTorch's eager flex_attention (forward only: 2.15 refuses a CPU backward)
+  dense_math     the dense math with autograd (FlexAttention's eager math; what a CPU backward
+                 costs in PyTorch): scores, score_mod, mask, softmax, all materialised
+
+Usage (pip's PyTorch and the pip build's package):
+  PYTHONPATH=build-pip/python "$(scripts/pip_torch.sh)" scripts/bench_flex_python.py \
+      [--threads 1 2] [--repeats 3] [--cases ...] [--skip-large-eager]
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+CASES = {
+    "documents_4096": dict(n=4096, mask="documents"),
+    "documents_16384": dict(n=16384, mask="documents"),
+    "causal_4096": dict(n=4096, mask="causal"),
+    "window512_softcap_4096": dict(n=4096, mask="window", softcap=True),
+}
+# Where eager's (B, H, S, S) float32 scores (and their softmax and mask copies) cannot fit in
+# this machine's 24 GiB: 8 x 16384^2 x 4 B = 8 GiB per matrix.
+EAGER_LIMIT = 8192
+
+
+def problem(case):
+    import torch
+    n = case["n"]
+    ids = torch.arange(n) * 8 // n  # 8 documents of n/8 tokens
+
+    def documents(b, h, q, kv):
+        return (ids[q] == ids[kv]) & (kv <= q)
+
+    def causal(b, h, q, kv):
+        return kv <= q
+
+    def window(b, h, q, kv):
+        return (kv <= q) & (q - kv < 512)
+
+    def softcap(score, b, h, q, kv):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    mask_mod = {"documents": documents, "causal": causal, "window": window}[case["mask"]]
+    return mask_mod, softcap if case.get("softcap") else None
+
+
+def measure(impl, case_name, threads, backward, repeats):
+    """Runs in the child: [seconds per call], peak RSS growth in MiB."""
+    import torch
+    torch.set_num_threads(threads)
+    case = CASES[case_name]
+    n = case["n"]
+    mask_mod, score_mod = problem(case)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = [torch.randn(1, 8, n, 64, generator=g, requires_grad=backward) for _ in range(3)]
+    if impl == "attnkit":
+        import attnkit
+        bm = attnkit.create_block_mask(mask_mod, None, None, n, n)
+
+        def call():
+            return attnkit.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    elif impl == "flex_eager":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        bm = create_block_mask(mask_mod, None, None, n, n, device="cpu")
+
+        def call():
+            return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    else:  # dense_math
+        qi = torch.arange(n).view(-1, 1)
+        ki = torch.arange(n).view(1, -1)
+        allowed = mask_mod(None, None, qi, ki)
+
+        def call():
+            s = q @ k.transpose(-1, -2) / math.sqrt(64)
+            if score_mod is not None:
+                s = score_mod(s, None, None, qi, ki)
+            return s.masked_fill(~allowed, -math.inf).softmax(-1) @ v
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    def once():
+        out = call()
+        if backward:
+            out.backward(torch.ones_like(out))
+    once()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - start)
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+    return times, peak
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        impl, case_name, threads, backward = args.child
+        times, peak = measure(impl, case_name, int(threads), backward == "1", args.repeats)
+        print(json.dumps({"times": times, "peak_mib": peak}))
+        return
+    rows = []
+    for threads in args.threads:
+        for case_name in args.cases:
+            n = CASES[case_name]["n"]
+            for backward, impls in ((False, ["attnkit", "flex_eager"]),
+                                    (True, ["attnkit", "dense_math"])):
+                results = {}
+                for impl in impls:
+                    if impl != "attnkit" and n > EAGER_LIMIT:
+                        results[impl] = None  # its (B, H, S, S) scores do not fit
+                        continue
+                    command = [sys.executable, __file__, "--repeats", str(args.repeats),
+                               "--child", impl, case_name, str(threads), str(int(backward))]
+                    done = subprocess.run(command, capture_output=True, text=True,
+                                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                    if done.returncode != 0:
+                        results[impl] = {"error": done.stderr.strip().splitlines()[-1:]}
+                        continue
+                    results[impl] = json.loads(done.stdout.strip().splitlines()[-1])
+                rows.append((threads, case_name, "fwd+bwd" if backward else "fwd", results))
+                mine = results["attnkit"]
+                other_name = impls[1]
+                other = results[other_name]
+                line = (f"threads {threads}  {case_name:24s} {rows[-1][2]:8s} attnkit "
+                        f"{statistics.median(mine['times']) * 1e3:9.1f} ms {mine['peak_mib']:7.0f} "
+                        f"MiB | {other_name} ")
+                if other is None:
+                    line += f"not run (n {n}: (B, H, S, S) float32 = " \
+                            f"{8 * n * n * 4 / 2 ** 30:.0f} GiB per matrix)"
+                elif "error" in other:
+                    line += f"failed: {other['error']}"
+                else:
+                    ratio = statistics.median(other["times"]) / statistics.median(mine["times"])
+                    line += (f"{statistics.median(other['times']) * 1e3:9.1f} ms "
+                             f"{other['peak_mib']:7.0f} MiB  attnkit {ratio:.2f}x faster")
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
