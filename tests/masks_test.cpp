@@ -21,6 +21,7 @@
 #include "attnkit/grouped_query_attention.h"
 #include "attnkit/latent_attention.h"
 #include "attnkit/multi_head_attention.h"
+#include "attnkit/score_graph.h"
 #include "attnkit/serialize.h"
 #include "source_paths.h"
 #include "test_support.h"
@@ -919,6 +920,111 @@ TEST(BlockMask, SummaryAndBadArgumentsNameWhatIsWrong) {
     expect_error_containing([&] { F::attention(q, q, q, AttentionOptions().block_mask(on_gpu)); },
                             "on cuda:0, but the attention is");
   }
+}
+
+// A block mask rebuilt from another's lists (what the Python operators receive) judges every
+// tile alike and gives the same attention; each bad list is refused by name.
+TEST(BlockMask, FromKvBlocksRebuildsTheListsAndRefusesBadOnes) {
+  const auto ids = torch::repeat_interleave(torch::arange(3), torch::tensor({70, 100, 86}));
+  const auto mask = Mask::documents(ids, /*causal=*/true);
+  const auto made =
+      attnkit::create_block_mask(mask, 1, 1, 256, 256, attnkit::BlockMaskOptions().block_size(64));
+  const auto rebuilt = attnkit::BlockMask::from_kv_blocks(
+      made.kv_num_blocks(), made.kv_indices().to(torch::kInt64), made.full_kv_num_blocks(),
+      made.full_kv_indices(), 256, 256, 64, 64, mask);
+  EXPECT_TRUE(torch::equal(made.kv_num_blocks(), rebuilt.kv_num_blocks()));
+  EXPECT_TRUE(torch::equal(made.kv_indices(), rebuilt.kv_indices()));
+  EXPECT_TRUE(torch::equal(made.full_kv_num_blocks(), rebuilt.full_kv_num_blocks()));
+  EXPECT_TRUE(torch::equal(made.full_kv_indices(), rebuilt.full_kv_indices()));
+  const auto q = torch::randn({1, 2, 256, 8});
+  EXPECT_TRUE(torch::allclose(F::attention(q, q, q, AttentionOptions().block_mask(made)),
+                              F::attention(q, q, q, AttentionOptions().block_mask(rebuilt))));
+  // Without full lists every listed tile is partial: the same attention, more evaluation.
+  const auto partial_only =
+      attnkit::BlockMask::from_kv_blocks(made.kv_num_blocks() + made.full_kv_num_blocks(),
+                                         made.to_dense()
+                                             .to(torch::kInt32)
+                                             .argsort(
+                                                 /*dim=*/-1, /*descending=*/true)
+                                             .to(torch::kInt32),
+                                         {}, {}, 256, 256, 64, 64, mask);
+  EXPECT_TRUE(torch::allclose(F::attention(q, q, q, AttentionOptions().block_mask(made)),
+                              F::attention(q, q, q, AttentionOptions().block_mask(partial_only)),
+                              1e-5, 1e-6));
+
+  const auto num = made.kv_num_blocks(), idx = made.kv_indices();
+  const auto from = [&](const torch::Tensor& n, const torch::Tensor& i, const torch::Tensor& fn,
+                        const torch::Tensor& fi, int64_t q_len = 256) {
+    attnkit::BlockMask::from_kv_blocks(n, i, fn, fi, q_len, 256, 64, 64, mask);
+  };
+  expect_error_containing([&] { from(num, idx, made.full_kv_num_blocks(), {}); },
+                          "[BlockMask::from_kv_blocks] full_kv_num_blocks and full_kv_indices "
+                          "come together");
+  expect_error_containing([&] { from(num, idx, {}, {}, 300); },
+                          "kv_num_blocks must be (B, H, 5) for q_len 300 in blocks of 64, got "
+                          "[1, 1, 4]");
+  expect_error_containing([&] { from(num.to(torch::kFloat), idx, {}, {}); },
+                          "kv_num_blocks must be int32 or int64, got Float");
+  expect_error_containing([&] { from(num, idx.narrow(3, 0, 2), {}, {}); },
+                          "kv_indices must be (1, 1, 4, >= 4) for kv_len 256 in blocks of 64, got "
+                          "[1, 1, 4, 2]");
+  expect_error_containing([&] { from(num + 9, idx, {}, {}); },
+                          "kv_num_blocks must be in [0, 4] (the key blocks), got 10 at row 0");
+  expect_error_containing([&] { from(num, idx + 4, {}, {}); },
+                          "kv_indices must be in [0, 4), got 4 at row 0");
+  expect_error_containing([&] { from(num, idx, num, idx); },
+                          "[BlockMask::from_kv_blocks] key block 0 of row 0 is listed twice "
+                          "(full_kv_indices)");
+}
+
+// A score function as data: parsed, printed, evaluated as the C++ function it stands for,
+// with gradients to its captured tensor; each malformed line refused by line and name.
+TEST(ScoreGraph, EvaluatesAsTheFunctionItStandsForAndRefusesBadText) {
+  const auto f64 = torch::dtype(torch::kDouble);
+  const auto bias = torch::randn({2, 9}, f64.requires_grad(true));
+  // 5 tanh(score / 5) + bias[h, clamp(kv_idx - q_idx, -4, 4) + 4]
+  const std::string text =
+      "div %0 f:5\ntanh %5\nmul f:5 %6\nsub %4 %3\nclamp %8 i:-4 i:4\nadd %9 i:4\n"
+      "index $0 %2 %10\nadd %7 %11\n";
+  const auto graph = attnkit::ScoreGraph::parse(text);
+  EXPECT_EQ(graph.to_string(), text);
+  EXPECT_EQ(graph.num_tensors(), 1);
+  const attnkit::ScoreMod by_hand = [&](const torch::Tensor& s, const torch::Tensor&,
+                                        const torch::Tensor& h, const torch::Tensor& q,
+                                        const torch::Tensor& kv) {
+    return 5.0 * torch::tanh(s / 5.0) + bias.index({h, torch::clamp(kv - q, -4, 4) + 4});
+  };
+  const auto run = [&](const attnkit::ScoreMod& score_mod, AttentionBackend backend) {
+    torch::manual_seed(3);
+    std::vector<torch::Tensor> qkv;
+    for (int i = 0; i < 3; ++i)
+      qkv.push_back(torch::randn({1, 2, 20, 4}, f64.requires_grad(true)));
+    const auto out =
+        F::attention(qkv[0], qkv[1], qkv[2],
+                     AttentionOptions().mask(Mask::causal()).score_mod(score_mod).backend(backend));
+    qkv.push_back(bias);
+    auto grads = torch::autograd::grad({out.square().sum()}, qkv);
+    grads.insert(grads.begin(), out);
+    return grads;
+  };
+  const auto from_graph = run(graph.bind({bias}), AttentionBackend::kChunked);
+  const auto reference = run(by_hand, AttentionBackend::kMath);
+  for (size_t i = 0; i < from_graph.size(); ++i)
+    EXPECT_TRUE(torch::allclose(from_graph[i], reference[i], 1e-10, 1e-12)) << "output/grad " << i;
+
+  const auto parse = [](const std::string& t) { attnkit::ScoreGraph::parse(t); };
+  expect_error_containing([&] { parse("add %0 i:1\nfoo %0"); },
+                          "[ScoreGraph::parse] line 2: unknown operation 'foo'; known: abs,");
+  expect_error_containing([&] { parse("add %0 %7"); },
+                          "line 1: operand '%7' names no earlier value (there are 5)");
+  expect_error_containing([&] { parse("add %0"); }, "line 1: add takes 2 operand(s), got 1");
+  expect_error_containing([&] { parse("add %0 f:x"); }, "operand 'f:x' is not a number");
+  expect_error_containing([&] { parse("add %0 _"); },
+                          "'_' is an index's whole dimension or clamp's missing bound");
+  expect_error_containing([&] { parse("add %0 #1"); }, "operand '#1' is none of %N, $N");
+  expect_error_containing([&] { parse("\n"); }, "a score graph needs at least one operation");
+  expect_error_containing([&] { graph.bind({}); },
+                          "[ScoreGraph::bind] the graph reads 1 captured tensor(s), got 0");
 }
 
 // PyTorch's own create_block_mask (2.5 and later) on the same masks:

@@ -376,6 +376,64 @@ class BadInput(unittest.TestCase):
                          value=self.v.half())
 
 
+class OwnMasks(unittest.TestCase):
+    def test_attention_equals_the_dense_math(self):
+        g = torch.Generator().manual_seed(4)
+        q, k, v = [torch.randn(2, 4, 50, 8, generator=g, dtype=torch.float64,
+                               requires_grad=True) for _ in range(3)]
+        lengths = torch.tensor([50, 31])
+        slopes = torch.rand(4, generator=g, dtype=torch.float64)
+        bias = torch.randn(4, 7, generator=g, dtype=torch.float64, requires_grad=True)
+        out = attnkit.attention(q, k, v, causal=True, window=20, key_lengths=lengths,
+                                softcap=8.0, alibi_slopes=slopes, bias=bias, block_size=16)
+
+        def score_mod(s, b, h, qi, kv):
+            s = 8.0 * torch.tanh(s / 8.0) + slopes[h] * (kv - qi)
+            return s + bias[h, torch.clamp(kv - qi, -3, 3) + 3]
+
+        def mask_mod(b, h, qi, kv):
+            return (kv <= qi) & (kv > qi - 20) & (kv < lengths[b])
+        ref, _ = dense_reference(q, k, v, score_mod, mask_mod)
+        self.assertLess(max_error(out, ref), 1e-12)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v, bias))
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, bias))
+        for mine, theirs in zip(grads, ref_grads):
+            self.assertLess(max_error(mine, theirs), 1e-10)
+
+    def test_refusals_name_the_argument(self):
+        q = torch.randn(2, 2, 16, 8)
+        cases = [
+            (dict(window=4), "window needs causal=True"),
+            (dict(causal=True, window=0), "window must be >= 1, got 0"),
+            (dict(causal=True, query_offset=-1), "query_offset must be >= 0"),
+            (dict(key_lengths=torch.tensor([3])), "key_lengths must be (2,), got (1,)"),
+            (dict(document_ids=torch.zeros(15, dtype=torch.long)), "document_ids needs"),
+            (dict(softcap=-1.0), "softcap must be > 0, got -1.0"),
+            (dict(bias=torch.zeros(2)), "bias must be (heads, 2 D + 1), got (2,)"),
+        ]
+        for kwargs, words in cases:
+            with self.subTest(str(kwargs)), self.assertRaises(ValueError) as caught:
+                attnkit.attention(q, q, q, **kwargs)
+            self.assertIn(words, str(caught.exception))
+        with self.assertRaises(ValueError) as caught:
+            attnkit.flex_attention(q, q[:1], q[:1])
+        self.assertIn("one batch size", str(caught.exception))
+        with self.assertRaises(ValueError) as caught:
+            attnkit.flex_attention(q, q[..., :4], q)
+        self.assertIn("one head dimension", str(caught.exception))
+        # The operator's own checks, for callers of torch.ops.attnkit directly.
+        bm = attnkit.create_block_mask(causal, None, None, 16, 16, BLOCK_SIZE=8)
+        lists = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+        with self.assertRaises(RuntimeError) as caught:
+            torch.ops.attnkit.flex_attention(q, q, q, *lists, torch.ones(5, 8, 8, dtype=torch.bool),
+                                             8, 8, "", [], 0.3, 0.0, -1)
+        self.assertIn("partial_tiles must be bool (2, 8, 8)", str(caught.exception))
+        with self.assertRaises(RuntimeError) as caught:
+            torch.ops.attnkit.flex_attention(q, q, q, None, None, None, None, None, 8, 8, "", [],
+                                             0.3, 0.5, -1)
+        self.assertIn("dropout_p > 0 needs a dropout_seed", str(caught.exception))
+
+
 if __name__ == "__main__":
     print(f"torch {torch.__version__}, eager flex_attention: {HAS_FLEX}", file=sys.stderr)
     unittest.main()
