@@ -1,8 +1,6 @@
 """Block masks for the operators: PyTorch's BlockMask as it is, or attnkit's own (PyTorch 1.13
 has no flex_attention), and the partial tiles' bits that the operators read."""
 
-import weakref
-
 import torch
 
 
@@ -79,9 +77,6 @@ def _block_sizes(block_mask):
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
-_tiles_cache = weakref.WeakKeyDictionary()
-
-
 def _partial_bits(block_mask, q_len, kv_len):
     """The partial tiles' bits, bool (P, q_block, kv_block), in the lists' order."""
     q_block, kv_block = _block_sizes(block_mask)
@@ -133,18 +128,16 @@ def partial_tiles(block_mask, query, key):
         raise ValueError(f"attnkit.flex_attention: block_mask is for B={num.shape[0]}, "
                          f"H={num.shape[1]}, the query has B={query.shape[0]}, "
                          f"H={query.shape[1]} (1 serves any)")
-    key_of = (q_len, kv_len)
-    try:
-        cached = _tiles_cache.get(block_mask)
-    except TypeError:
-        cached = None
-    if cached is not None and cached[0] == key_of:
+    # Remembered on the block mask (an attribute, which Dynamo reads where it would not
+    # inline a WeakKeyDictionary), for the lengths it was made for.
+    cached = getattr(block_mask, "_attnkit_partial_tiles", None)
+    if cached is not None and cached[0] == (q_len, kv_len):
         bits = cached[1]
     else:
         bits = _partial_bits(block_mask, q_len, kv_len)
         try:
-            _tiles_cache[block_mask] = (key_of, bits)
-        except TypeError:
+            block_mask._attnkit_partial_tiles = ((q_len, kv_len), bits)
+        except AttributeError:
             pass
     # Only the columns that name key blocks of this length (PyTorch pads none; be exact).
     nk = -(-kv_len // kv_block)

@@ -5,7 +5,6 @@ results, $i the i-th captured tensor, f:/i:/b: constants and _ a whole dimension
 """
 
 import operator
-import weakref
 
 import torch
 import torch.fx
@@ -153,18 +152,15 @@ def trace(score_mod):
     return "\n".join(lines), tracer.captured
 
 
-_cache = weakref.WeakKeyDictionary()
-
-
 def traced(score_mod):
-    """trace(score_mod), remembered per function object."""
-    try:
-        return _cache[score_mod]
-    except (KeyError, TypeError):
-        pass
-    result = trace(score_mod)
-    try:
-        _cache[score_mod] = result
-    except TypeError:
-        pass
+    """trace(score_mod), remembered on the function object (an attribute, which Dynamo reads
+    where it would not inline a WeakKeyDictionary); a callable that takes no attribute is
+    traced at each call."""
+    result = getattr(score_mod, "_attnkit_score_graph", None)
+    if result is None:
+        result = trace(score_mod)
+        try:
+            score_mod._attnkit_score_graph = result
+        except AttributeError:
+            pass
     return result
