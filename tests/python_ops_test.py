@@ -375,6 +375,26 @@ class BadInput(unittest.TestCase):
                          value=self.v.half())
 
 
+class Autocast(unittest.TestCase):
+    def test_cpu_autocast_runs_in_its_dtype_as_the_cpp_api(self):
+        """Under CPU autocast to bfloat16, float32 inputs run as their bfloat16 copies would
+        (computed in float32, rounded once): the output is bfloat16 and equals that run;
+        float64 keeps its own dtype, as PyTorch's autocast leaves it."""
+        g = torch.Generator().manual_seed(7)
+        q, k, v = [torch.randn(1, 2, 40, 8, generator=g, requires_grad=True) for _ in range(3)]
+        bm = attnkit.create_block_mask(causal, None, None, 40, 40, BLOCK_SIZE=16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = attnkit.flex_attention(q, k, v, block_mask=bm)
+            out64 = attnkit.flex_attention(q.double(), k.double(), v.double(), block_mask=bm)
+        expected = attnkit.flex_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(),
+                                          block_mask=bm)
+        self.assertEqual(out.dtype, torch.bfloat16)
+        self.assertEqual(out64.dtype, torch.float64)
+        self.assertTrue(torch.equal(out, expected))
+        out.float().sum().backward()
+        self.assertEqual(q.grad.dtype, torch.float32)
+
+
 class OwnMasks(unittest.TestCase):
     def test_attention_equals_the_dense_math(self):
         g = torch.Generator().manual_seed(4)

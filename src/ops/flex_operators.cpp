@@ -7,8 +7,9 @@
 // Each operator has a kernel for the CPU and CUDA (LibTorch operations, any device), a Meta
 // kernel (fake tensors: torch.compile traces the operators without running them), and
 // flex_attention an autograd kernel whose backward is the operator flex_attention_backward,
-// so AOTAutograd sees both. The kernel is attnkit's chunked kernel (forward and backward split,
-// memory linear in n), computing 16-bit inputs in float32.
+// so AOTAutograd sees both, and autocast kernels (the C++ API's autocast policy). The kernel is
+// attnkit's chunked kernel (forward and backward split, memory linear in n), computing 16-bit
+// inputs in float32.
 
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -17,6 +18,7 @@
 #include "attnkit/score_graph.h"
 #include "core/checks.h"
 #include "core/kernels.h"
+#include "core/planner.h"
 
 namespace attnkit::ops {
 
@@ -363,6 +365,27 @@ std::tuple<Tensor, Tensor> flex_attention_autograd(
   return {outputs[0], outputs[1]};
 }
 
+// Under autocast, as the C++ API: the inputs in the autocast dtype (float64 keeps its own),
+// then the operator with autocast off; 16-bit is computed in float32 and rounded once.
+std::tuple<Tensor, Tensor> flex_attention_autocast(
+    const Tensor& query, const Tensor& key, const Tensor& value,
+    const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
+    const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
+    const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
+    c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
+    int64_t dropout_seed) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("attnkit::flex_attention", "")
+                       .typed<decltype(flex_attention_kernel)>();
+  const auto q = query.to(detail::attention_dtype(query));
+  const auto k = key.to(detail::attention_dtype(key));
+  const auto v = value.to(detail::attention_dtype(value));
+  const detail::NoAutocast no_autocast;
+  return op.call(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                 partial_tiles, q_block_size, kv_block_size, score_graph, score_tensors, scale,
+                 dropout_p, dropout_seed);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnkit, m) {
@@ -386,6 +409,14 @@ TORCH_LIBRARY_IMPL(attnkit, CUDA, m) {
 TORCH_LIBRARY_IMPL(attnkit, Meta, m) {
   m.impl("flex_attention", &flex_attention_meta);
   m.impl("flex_attention_backward", &flex_attention_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(attnkit, AutocastCPU, m) {
+  m.impl("flex_attention", &flex_attention_autocast);
+}
+
+TORCH_LIBRARY_IMPL(attnkit, AutocastCUDA, m) {
+  m.impl("flex_attention", &flex_attention_autocast);
 }
 
 TORCH_LIBRARY_IMPL(attnkit, Autograd, m) {
