@@ -7,12 +7,16 @@ round, so the machine's drift hits both sides alike. b 1, h 8, hd 64, float32.
 
   attnkit        attnkit.flex_attention (forward, or forward + backward)
   flex_eager     PyTorch's eager flex_attention (forward only: 2.15 refuses a CPU backward)
+  flex_compiled  torch.compile(flex_attention): Inductor's CPU template (forward only)
   dense_math     the dense math with autograd (FlexAttention's eager math; what a CPU backward
                  costs in PyTorch): scores, score_mod, mask, softmax, all materialised
 
 Usage (pip's PyTorch and the pip build's package):
   PYTHONPATH=build-pip/python "$(scripts/pip_torch.sh)" scripts/bench_flex_python.py \
-      [--threads 1 2] [--repeats 3] [--cases ...] [--skip-large-eager]
+      [--threads 1 2] [--repeats 3] [--cases ...]
+  ... scripts/bench_flex_python.py --overhead   the Python package's cost over the operator:
+      attnkit.flex_attention against torch.ops.attnkit.flex_attention with its arguments
+      made once, causal n 1,024 forward, 15 alternating pairs, 1 thread
 """
 
 import argparse
@@ -72,12 +76,13 @@ def measure(impl, case_name, threads, backward, repeats):
 
         def call():
             return attnkit.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
-    elif impl == "flex_eager":
+    elif impl in ("flex_eager", "flex_compiled"):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         bm = create_block_mask(mask_mod, None, None, n, n, device="cpu")
+        flex = torch.compile(flex_attention) if impl == "flex_compiled" else flex_attention
 
         def call():
-            return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+            return flex(q, k, v, score_mod=score_mod, block_mask=bm)
     else:  # dense_math
         qi = torch.arange(n).view(-1, 1)
         ki = torch.arange(n).view(1, -1)
@@ -104,13 +109,45 @@ def measure(impl, case_name, threads, backward, repeats):
     return times, peak
 
 
+def overhead():
+    import attnkit
+    import torch
+    torch.set_num_threads(1)
+    n = 1024
+    q, k, v = [torch.randn(1, 8, n, 64) for _ in range(3)]
+    bm = attnkit.create_block_mask(lambda b, h, qi, kv: kv <= qi, None, None, n, n)
+    q_block, kv_block, lists = attnkit._block_mask.partial_tiles(bm, q, k)
+    calls = {
+        "attnkit.flex_attention": lambda: attnkit.flex_attention(q, k, v, block_mask=bm),
+        "torch.ops.attnkit.flex_attention": lambda: torch.ops.attnkit.flex_attention(
+            q, k, v, *lists, q_block, kv_block, "", [], 1 / 8, 0.0, -1),
+    }
+    times = {name: [] for name in calls}
+    with torch.no_grad():
+        for call in calls.values():
+            call()
+        for _ in range(15):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - start)
+    medians = [statistics.median(t) for t in times.values()]
+    print(f"causal n {n} forward, 1 thread: " + ", ".join(
+        f"{name} {m * 1e3:.2f} ms" for name, m in zip(calls, medians)) +
+        f": {medians[0] / medians[1]:.3f}x")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--overhead", action="store_true")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.overhead:
+        overhead()
+        return
     if args.child:
         impl, case_name, threads, backward = args.child
         times, peak = measure(impl, case_name, int(threads), backward == "1", args.repeats)
@@ -120,11 +157,11 @@ def main():
     for threads in args.threads:
         for case_name in args.cases:
             n = CASES[case_name]["n"]
-            for backward, impls in ((False, ["attnkit", "flex_eager"]),
+            for backward, impls in ((False, ["attnkit", "flex_eager", "flex_compiled"]),
                                     (True, ["attnkit", "dense_math"])):
                 results = {}
                 for impl in impls:
-                    if impl != "attnkit" and n > EAGER_LIMIT:
+                    if impl in ("flex_eager", "dense_math") and n > EAGER_LIMIT:
                         results[impl] = None  # its (B, H, S, S) scores do not fit
                         continue
                     command = [sys.executable, __file__, "--repeats", str(args.repeats),
@@ -132,25 +169,28 @@ def main():
                     done = subprocess.run(command, capture_output=True, text=True,
                                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
                     if done.returncode != 0:
-                        results[impl] = {"error": done.stderr.strip().splitlines()[-1:]}
+                        errors = [line for line in done.stderr.splitlines() if "Error" in line]
+                        results[impl] = {"error": (errors or done.stderr.splitlines())[-1:]}
                         continue
                     results[impl] = json.loads(done.stdout.strip().splitlines()[-1])
                 rows.append((threads, case_name, "fwd+bwd" if backward else "fwd", results))
                 mine = results["attnkit"]
-                other_name = impls[1]
-                other = results[other_name]
                 line = (f"threads {threads}  {case_name:24s} {rows[-1][2]:8s} attnkit "
                         f"{statistics.median(mine['times']) * 1e3:9.1f} ms {mine['peak_mib']:7.0f} "
-                        f"MiB | {other_name} ")
-                if other is None:
-                    line += f"not run (n {n}: (B, H, S, S) float32 = " \
-                            f"{8 * n * n * 4 / 2 ** 30:.0f} GiB per matrix)"
-                elif "error" in other:
-                    line += f"failed: {other['error']}"
-                else:
-                    ratio = statistics.median(other["times"]) / statistics.median(mine["times"])
-                    line += (f"{statistics.median(other['times']) * 1e3:9.1f} ms "
-                             f"{other['peak_mib']:7.0f} MiB  attnkit {ratio:.2f}x faster")
+                        "MiB")
+                for other_name in impls[1:]:
+                    other = results[other_name]
+                    line += f" | {other_name} "
+                    if other is None:
+                        line += f"not run (n {n}: (B, H, S, S) float32 = " \
+                                f"{8 * n * n * 4 / 2 ** 30:.0f} GiB per matrix)"
+                    elif "error" in other:
+                        line += f"failed: {other['error']}"
+                    else:
+                        ratio = statistics.median(other["times"]) / \
+                            statistics.median(mine["times"])
+                        line += (f"{statistics.median(other['times']) * 1e3:9.1f} ms "
+                                 f"{other['peak_mib']:7.0f} MiB  attnkit {ratio:.2f}x faster")
                 print(line, flush=True)
 
 
