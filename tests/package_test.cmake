@@ -31,6 +31,20 @@ endfunction()
 
 file(REMOVE_RECURSE ${WORK_DIR})
 run_step("install" ${CMAKE_COMMAND} --install ${ATTNKIT_BINARY_DIR} --prefix ${WORK_DIR}/prefix)
+# The installed Python package (docs/python.md), where the build has the operators: this leg's
+# Python imports it from the prefix alone and runs its library.
+file(GLOB_RECURSE python_package "${WORK_DIR}/prefix/*/attnkit/python/attnkit/__init__.py")
+if(python_package)
+  get_filename_component(python_dir "${python_package}" DIRECTORY)
+  get_filename_component(python_dir "${python_dir}" DIRECTORY)
+  set(leg_python "$ENV{ATTNKIT_PYTHON}")
+  if(NOT leg_python)
+    set(leg_python /usr/bin/python3)
+  endif()
+  run_step("import the installed Python package" ${CMAKE_COMMAND} -E env
+    PYTHONPATH=${python_dir} ATTNKIT_OPS_LIBRARY= ${leg_python} -c
+    "import torch, attnkit; assert str(attnkit.library_path()).startswith('${WORK_DIR}/prefix'), attnkit.library_path(); q = torch.randn(1, 2, 70, 8, requires_grad=True); attnkit.flex_attention(q, q, q).sum().backward(); assert q.grad.abs().sum() > 0")
+endif()
 run_step("configure tiny_gpt" ${configure} -S ${ATTNKIT_SOURCE_DIR}/apps/tiny_gpt
   -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
   -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
