@@ -283,18 +283,16 @@ torch::Tensor ScoreGraph::evaluate(const torch::Tensor& score, const torch::Tens
         result = torch::maximum(result, tensor_of(in[1]));
       if (in[2].kind != Operand::Kind::kWhole)
         result = torch::minimum(result, tensor_of(in[2]));
-    } else {  // index
-      std::vector<at::indexing::TensorIndex> indices;
+    } else {  // index: advanced indexing, a whole dimension as an absent index
+      c10::List<c10::optional<torch::Tensor>> indices;
       for (size_t i = 1; i < in.size(); ++i) {
         if (in[i].kind == Operand::Kind::kWhole) {
-          indices.emplace_back(at::indexing::Slice());
-        } else if (in[i].kind == Operand::Kind::kInt) {
-          indices.emplace_back(in[i].index);
+          indices.push_back(c10::nullopt);
         } else {
-          indices.emplace_back(tensor_of(in[i]).to(values[1].device()));
+          indices.push_back(tensor_of(in[i]).to(values[1].device()));
         }
       }
-      result = tensor_of(in[0]).index(indices);
+      result = torch::index(tensor_of(in[0]), indices);
     }
     values.push_back(std::move(result));
   }
