@@ -252,6 +252,72 @@ TEST(Planner, EveryPlannedKernelAnswersAsTheMathCore) {
   EXPECT_EQ(picked, expected);
 }
 
+// A split call (the PyTorch operators' form) runs forward and backward apart, on every
+// sequence case: forward answers as the math core, backward's gradients are the math core's
+// autograd ones. LibTorch's CPU flash kernel (2.5 on) takes no mask and causal from query 0,
+// with its log-sum-exp the chunked kernel's; the chunked kernel takes the rest.
+TEST(Planner, ASplitCallRunsForwardAndBackwardApartAsTheMathCore) {
+  const bool cpu_flash =
+      TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5);
+  const std::set<std::string> flash_cases{"no mask", "causal", "long causal", "scale 0.3",
+                                           "packed projection"};
+  std::set<std::string> seen;
+  for (const auto& c : planner_cases()) {
+    if (c.call.step != StepKind::kSequence || c.call.with_weights)
+      continue;
+    for (const bool bfloat16 : {false, true}) {
+      SCOPED_TRACE(c.name + (bfloat16 ? ", bfloat16" : ""));
+      seen.insert(c.name);
+      auto call = c.call;
+      call.split = true;
+      call.backend_is_preference = true;
+      call.packed_qkv = torch::Tensor();
+      const auto dtype = bfloat16 ? torch::kBFloat16 : torch::kFloat;
+      call.query = call.query.to(dtype), call.key = call.key.to(dtype),
+      call.value = call.value.to(dtype);
+      // bfloat16: its inputs rounded (8 bits), computed in float32.
+      const double tolerance = bfloat16 ? 3e-2 : 1e-5, rtol = bfloat16 ? 3e-2 : 0.0;
+      F::KernelRecord record;
+      const auto forward = attnkit::detail::run_split_forward(call);
+      const std::string expected_kernel =
+          cpu_flash && flash_cases.count(c.name) ? "sdpa" : "chunked";
+      EXPECT_EQ(std::string(forward.kernel), expected_kernel);
+      ASSERT_EQ(record.runs().size(), 1u);
+      EXPECT_EQ(record.runs()[0].kernel, expected_kernel);
+      EXPECT_EQ(forward.out.scalar_type(), dtype);
+      EXPECT_EQ(forward.lse.scalar_type(), torch::kFloat);
+      EXPECT_EQ(forward.lse.sizes(), c.expected.sizes().slice(0, 3));
+      EXPECT_TRUE(tensors_close("out", forward.out.to(torch::kFloat), c.expected, tolerance, rtol));
+      if (expected_kernel == "sdpa") {
+        auto chunked = call;
+        chunked.options.kernel("chunked");
+        EXPECT_TRUE(tensors_close("lse against the chunked kernel's", forward.lse,
+                                  attnkit::detail::run_split_forward(chunked).lse, 1e-4));
+      }
+      // The math core's gradients, through autograd, on the float32 inputs.
+      std::vector<torch::Tensor> inputs;
+      for (const auto* t : {&c.call.query, &c.call.key, &c.call.value})
+        inputs.push_back(t->detach().requires_grad_(true));
+      auto reference = c.call;
+      reference.query = inputs[0], reference.key = inputs[1], reference.value = inputs[2];
+      reference.packed_qkv = torch::Tensor();
+      reference.options.kernel("math");
+      const auto grad_out = torch::randn_like(c.expected);
+      const auto expected_grads = torch::autograd::grad(
+          {attnkit::detail::run_attention(reference).context}, inputs, {grad_out});
+      const auto grads = attnkit::detail::run_split_backward(
+          call, {forward.out, forward.lse, grad_out.to(dtype), {}});
+      ASSERT_EQ(grads.size(), 3u);
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_EQ(grads[i].scalar_type(), dtype);
+        EXPECT_TRUE(tensors_close(c10::str("gradient ", i), grads[i].to(torch::kFloat),
+                                  expected_grads[i], bfloat16 ? 6e-2 : 1e-4, rtol));
+      }
+    }
+  }
+  EXPECT_EQ(seen.size(), 10u);  // every sequence case without weights
+}
+
 // The mutation check: a kernel made to claim every call (its decision declines nothing and
 // runs the plan it made) gives a wrong answer or an error on some case, so the check above
 // would catch a decision that takes a problem its kernel cannot run. The mutant lives in a

@@ -469,9 +469,12 @@ struct ChunkedAttention : public torch::autograd::Function<ChunkedAttention> {
 
 }  // namespace
 
-torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& key,
-                             const torch::Tensor& value,
-                             const functional::AttentionOptions& options) {
+namespace {
+
+// The chunked kernel's settings for a call with `options` on (..., n, hd) inputs; dropout
+// unset (the callers draw or pass its seed).
+c10::intrusive_ptr<ChunkedProblem> problem_of(const torch::Tensor& query, const torch::Tensor& key,
+                                              const functional::AttentionOptions& options) {
   auto call = c10::make_intrusive<ChunkedProblem>();
   call->mask = options.mask();
   if (const auto* given = options.mask().block_mask()) {
@@ -488,6 +491,38 @@ torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& ke
   call->query_block = options.query_block_size();
   call->key_block = options.key_block_size();
   call->dropout_p = options.dropout_p();
+  return call;
+}
+
+// The split form (the PyTorch operators): forward and backward on the call's (b, h, n, hd)
+// inputs, the dropout seed the call's.
+SplitKernel chunked_split() {
+  const auto problem_for = [](const KernelInput& in) {
+    auto options = in.call.options;
+    auto problem = problem_of(in.call.query, in.call.key, options.mask(in.mask()));
+    problem->dropout_p = in.dropout_p();
+    problem->dropout_seed = in.dropout_p() > 0.0 ? in.call.dropout_seed : -1;
+    return problem;
+  };
+  return {[problem_for](const KernelInput& in) {
+            const auto& call = in.call;
+            torch::Tensor lse;  // (b, h, n, 1)
+            auto out = chunked_forward(*problem_for(in), call.query, call.key, call.value, &lse);
+            return std::pair{out, lse.squeeze(-1)};
+          },
+          [problem_for](const KernelInput& in, const SplitSaved& saved) {
+            const auto& call = in.call;
+            return chunked_backward(*problem_for(in), call.query, call.key, call.value, saved.out,
+                                    saved.lse.unsqueeze(-1), saved.grad_out, saved.parameters);
+          }};
+}
+
+}  // namespace
+
+torch::Tensor chunked_kernel(const torch::Tensor& query, const torch::Tensor& key,
+                             const torch::Tensor& value,
+                             const functional::AttentionOptions& options) {
+  auto call = problem_of(query, key, options);
   // The seed comes from the global generator, so torch::manual_seed fixes the masks.
   if (options.training() && options.dropout_p() > 0.0)
     call->dropout_seed = torch::randint(0, int64_t{1} << 62, {1}, torch::kInt64).item<int64_t>();
@@ -511,13 +546,15 @@ KernelSpec chunked_spec() {
               why = "a one-query ragged step runs best on the math core";
             }
             return KernelDecision{
-                std::move(why), [](const KernelInput& in) {
+                std::move(why),
+                [](const KernelInput& in) {
                   const auto& call = in.call;
                   auto options = call.options;
                   return functional::AttentionOutput{
                       chunked_kernel(call.query, call.key, call.value, options.mask(in.mask())),
                       {}};
-                }};
+                },
+                chunked_split()};
           }};
 }
 

@@ -62,6 +62,13 @@ struct AttentionCall {
   /// The (b, n, 3 * h * hd) projection that query, key and value are the head views of, when
   /// they are (self-attention without a transform between the projection and attention).
   torch::Tensor packed_qkv;
+  /// Forward and backward as two calls that keep the output and the log-sum-exp between them
+  /// (the PyTorch operators: run_split_forward, run_split_backward): only kernels with a
+  /// SplitKernel take it.
+  bool split = false;
+  /// A split call's dropout seed (>= 0 where it trains with dropout): backward redraws the
+  /// masks forward drew from it.
+  int64_t dropout_seed = -1;
 };
 
 /// A mask as the fused kernels take it: none (causal false), or query i seeing keys up to
@@ -104,6 +111,23 @@ class KernelInput {
   mutable std::optional<std::optional<CausalSpan>> causal_span_;
 };
 
+/// What a split call's backward reads besides the call: forward's output (b, h, n, hd_v) and
+/// log-sum-exp (b, h, n), the output's gradient, and the tensors the score function reads
+/// that want gradients.
+struct SplitSaved {
+  torch::Tensor out, lse, grad_out;
+  std::vector<torch::Tensor> parameters;
+};
+
+/// A kernel's forward and backward as two calls, outside autograd. forward -> the output and
+/// each row's log-sum-exp of its scaled, modified scores (+inf for a row that sees no key);
+/// backward -> the gradients of query, key, value, then of each SplitSaved::parameters
+/// tensor. Both run on the call in its compute dtype.
+struct SplitKernel {
+  std::function<std::pair<torch::Tensor, torch::Tensor>(const KernelInput&)> forward;
+  std::function<std::vector<torch::Tensor>(const KernelInput&, const SplitSaved&)> backward;
+};
+
 /// A kernel's answer to one call.
 struct KernelDecision {
   /// Why the kernel cannot run the call; "" when it can.
@@ -111,6 +135,8 @@ struct KernelDecision {
   /// Runs the call with the plan the decision made (for a declined call, the plan as far as
   /// it got: what the mutation test makes a kernel run regardless). Always set.
   std::function<functional::AttentionOutput(const KernelInput&)> run;
+  /// The plan as a split forward and backward, for kernels that have one (else empty).
+  SplitKernel split = {};
 };
 
 /// A kernel as the planner sees it.

@@ -29,7 +29,7 @@ struct Choice {
 Choice first_taking(const KernelInput& input, AttentionBackend requested,
                     const KernelTable& table) {
   const auto& call = input.call;
-  if (call.query.numel() == 0) {
+  if (call.query.numel() == 0 && !call.split) {
     // Nothing to tile: no batch entry, head or query. The math core answers it (an empty
     // context) on every backend and kernel alike, where the others' tiles and block masks
     // would have nothing to cut.
@@ -43,6 +43,8 @@ Choice first_taking(const KernelInput& input, AttentionBackend requested,
     if (named.empty() ? !serves(spec, requested) : spec.name != named)
       continue;
     auto decision = spec.decide(input);
+    if (decision.declined.empty() && input.call.split && !decision.split.forward)
+      decision.declined = "it has no separate forward and backward (a split call)";
     if (decision.declined.empty())
       return {&spec, std::move(decision)};
   }
@@ -210,6 +212,43 @@ F::AttentionOutput run_attention(const AttentionCall& given, const KernelTable& 
             out.weights = out.weights.to(dtype);
         }
         return out;
+      });
+}
+
+SplitForward run_split_forward(const AttentionCall& given, const KernelTable& table) {
+  TORCH_INTERNAL_ASSERT(given.split, "run_split_forward needs a split call");
+  const auto autocast = autocast_call(given);
+  NoAutocast no_autocast;
+  const auto& call = autocast ? *autocast : given;
+  const auto dtype = call.query.scalar_type();
+  return in_its_precision<SplitForward>(
+      call, table, [dtype](const KernelInput& input, const Choice& choice) {
+        KernelRecordAccess::append(input.call, *choice.spec);
+        auto [out, lse] = choice.decision.split.forward(input);
+        return SplitForward{out.to(dtype), lse, choice.spec->name};
+      });
+}
+
+std::vector<torch::Tensor> run_split_backward(const AttentionCall& given, const SplitSaved& saved,
+                                              const KernelTable& table) {
+  TORCH_INTERNAL_ASSERT(given.split, "run_split_backward needs a split call");
+  const auto autocast = autocast_call(given);
+  NoAutocast no_autocast;
+  const auto& call = autocast ? *autocast : given;
+  return in_its_precision<std::vector<torch::Tensor>>(
+      call, table, [&](const KernelInput& input, const Choice& choice) {
+        // Forward's tensors in the dtype the kernel computes in.
+        const auto dtype = input.call.query.scalar_type();
+        const SplitSaved cast{saved.out.to(dtype), saved.lse.to(dtype), saved.grad_out.to(dtype),
+                              saved.parameters};
+        auto grads = choice.decision.split.backward(input, cast);
+        // Each gradient in its tensor's dtype (a given tensor's, before autocast).
+        grads[0] = grads[0].to(given.query.scalar_type());
+        grads[1] = grads[1].to(given.key.scalar_type());
+        grads[2] = grads[2].to(given.value.scalar_type());
+        for (size_t i = 0; i < saved.parameters.size(); ++i)
+          grads[3 + i] = grads[3 + i].to(saved.parameters[i].scalar_type());
+        return grads;
       });
 }
 

@@ -35,6 +35,24 @@ const KernelSpec& plan_attention(const AttentionCall& call,
 functional::AttentionOutput run_attention(const AttentionCall& call,
                                           const KernelTable& table = kernel_table());
 
+/// A split call's forward (call.split): the output (b, h, n, hd_v) in the inputs' dtype and
+/// the rows' log-sum-exp (b, h, n) in the compute dtype (float32 for 16-bit inputs), +inf for
+/// a row that sees no key; `kernel` is the kernel that ran it. The dtype, autocast and kernel
+/// record policy is run_attention's.
+struct SplitForward {
+  torch::Tensor out, lse;
+  const char* kernel;
+};
+SplitForward run_split_forward(const AttentionCall& call,
+                               const KernelTable& table = kernel_table());
+
+/// A split call's backward from its forward's output and lse (saved.parameters: the tensors
+/// the call's score function reads that want gradients): the gradients of query, key, value
+/// and then of each parameter, each in its tensor's dtype. The planner makes the same choice
+/// as for the forward of the same call.
+std::vector<torch::Tensor> run_split_backward(const AttentionCall& call, const SplitSaved& saved,
+                                              const KernelTable& table = kernel_table());
+
 /// The dtype a query, key or value runs attention in: under LibTorch's autocast for its
 /// device, the autocast dtype (float64 keeps its own, as PyTorch's autocast leaves it); else
 /// its own.

@@ -449,6 +449,77 @@ functional::AttentionOutput run_sdpa_masked(const KernelInput& input) {
   return {sdpa_masked_attention(q, k, v, visible, bias, input.dropout_p()), {}};
 }
 
+// Why LibTorch's CPU flash kernel cannot run a split call (the operators'), "" when it can:
+// from 2.5 on, on the CPU, without a mask or causal from query 0, any scale, no score
+// function and no dropout.
+std::string cpu_flash_split_declines(const KernelInput& input) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  const auto& call = input.call;
+  if (!call.query.is_cpu())
+    return "a split call runs on LibTorch's flash kernel on the CPU only";
+  if (call.with_weights)
+    return "the fused backend returns no weights (the math backend builds them)";
+  if (call.options.score_mod())
+    return "the fused backend has no score functions (score_mod)";
+  const auto& span = input.causal_span();
+  if (!span || span->window > 0 || span->query_offset != 0) {
+    return c10::str(
+        "a split call runs on LibTorch's flash kernel without a mask or causal "
+        "from query 0 only, not ",
+        input.mask().to_string());
+  }
+  if (input.dropout_p() > 0.0)
+    return "LibTorch's CPU flash kernel has no dropout of its own seed";
+  if (call.query.numel() == 0 || call.key.numel() == 0)
+    return "an empty call has nothing to tile";
+  return "";
+#else
+  (void)input;
+  return "a split call runs on LibTorch's CPU flash kernel from LibTorch 2.5 on";
+#endif
+}
+
+// LibTorch's CPU flash kernel as a split forward and backward: its log-sum-exp is the natural
+// log of each row's sum of exp(scaled scores), as the chunked kernel's, and its causal mask is
+// aligned top-left. It has no grouped-query heads: the key/value heads are repeated for their
+// groups and their gradients summed back. The BLAS is pinned to one thread (run_sdpa).
+SplitKernel cpu_flash_split(bool causal) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  const auto repeated = [](const torch::Tensor& kv, int64_t group_size) {
+    return group_size == 1 ? kv : kv.repeat_interleave(group_size, 1);
+  };
+  return {[causal, repeated](const KernelInput& in) {
+            const auto& call = in.call;
+            const int64_t group_size = call.query.size(1) / call.key.size(1);
+            const SingleThreadedBlas single_threaded_blas;
+            auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+                call.query, repeated(call.key, group_size), repeated(call.value, group_size),
+                /*dropout_p=*/0.0, causal, /*attn_mask=*/c10::nullopt, in.scale());
+            return std::pair{out, lse};
+          },
+          [causal, repeated](const KernelInput& in, const SplitSaved& saved) {
+            const auto& call = in.call;
+            const int64_t b = call.key.size(0), g = call.key.size(1);
+            const int64_t group_size = call.query.size(1) / g;
+            const SingleThreadedBlas single_threaded_blas;
+            auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+                saved.grad_out, call.query, repeated(call.key, group_size),
+                repeated(call.value, group_size), saved.out, saved.lse, /*dropout_p=*/0.0, causal,
+                /*attn_mask=*/c10::nullopt, in.scale());
+            // (b, g * group_size, m, d) -> (b, g, group_size, m, d), summed over the group
+            const auto summed = [&](const torch::Tensor& grad) {
+              return group_size == 1
+                         ? grad
+                         : grad.view({b, g, group_size, grad.size(2), grad.size(3)}).sum(2);
+            };
+            return std::vector<torch::Tensor>{dq, summed(dk), summed(dv)};
+          }};
+#else
+  (void)causal;
+  return {};
+#endif
+}
+
 }  // namespace
 
 KernelSpec flash_spec() {
@@ -478,14 +549,21 @@ KernelSpec flash_spec() {
 KernelSpec sdpa_spec() {
   return {"sdpa", AttentionBackend::kFused, /*runs_16bit_cuda_in_its_dtype=*/libtorch_has_sdpa(),
           [](const KernelInput& input) {
-            auto why = fused_kernels_decline(input);
+            const auto span = input.causal_span().value_or(CausalSpan{});
+            // A split call (the operators) runs on LibTorch's CPU flash kernel, which takes
+            // any scale; a whole call on its SDPA.
+            auto why =
+                input.call.split ? cpu_flash_split_declines(input) : fused_kernels_decline(input);
+            auto split =
+                input.call.split && why.empty() ? cpu_flash_split(span.causal) : SplitKernel{};
             return KernelDecision{
                 std::move(why),
-                [span = input.causal_span().value_or(CausalSpan{})](const KernelInput& in) {
+                [span](const KernelInput& in) {
                   const auto& call = in.call;
                   return functional::AttentionOutput{
                       sdpa_attention(call.query, call.key, call.value, {span, in.dropout_p()}), {}};
-                }};
+                },
+                std::move(split)};
           }};
 }
 

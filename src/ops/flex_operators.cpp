@@ -8,8 +8,9 @@
 // kernel (fake tensors: torch.compile traces the operators without running them), and
 // flex_attention an autograd kernel whose backward is the operator flex_attention_backward,
 // so AOTAutograd sees both, and autocast kernels (the C++ API's autocast policy). The kernel is
-// attnkit's chunked kernel (forward and backward split, memory linear in n), computing 16-bit
-// inputs in float32.
+// the planner's choice among the kernels with a split forward and backward (LibTorch's CPU
+// flash kernel for no mask or a causal one, else attnkit's chunked kernel, memory linear in
+// n), computing 16-bit inputs in float32.
 
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -108,55 +109,106 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
               " and ", k.size(3));
 }
 
-// The chunked kernel's problem for the arguments, on inputs q (B, H, n, hd) and k.
-c10::intrusive_ptr<detail::ChunkedProblem> problem_of(const Tensor& q, const Tensor& k,
-                                                      const FlexArguments& args,
-                                                      const std::vector<Tensor>& score_tensors) {
-  auto problem = c10::make_intrusive<detail::ChunkedProblem>();
-  if (args.kv_num_blocks.has_value()) {
-    TORCH_CHECK(args.kv_indices.has_value() && args.partial_tiles.has_value(), kOp,
-                " a block mask needs kv_num_blocks, kv_indices and partial_tiles");
-    const auto full_num = args.full_kv_num_blocks.value_or(Tensor());
-    const auto full_idx = args.full_kv_indices.value_or(Tensor());
-    // First the lists alone (checked), then the partial tiles' mask over them.
-    auto lists = BlockMask::from_kv_blocks(*args.kv_num_blocks, *args.kv_indices, full_num,
-                                           full_idx, q.size(2), k.size(2), args.q_block_size,
-                                           args.kv_block_size, Mask());
-    lists.check(kOp, q.size(0), q.size(1), q.size(2), k.size(2), q.device());
-    const auto [slots, partial_count] = tile_slots(lists);
-    const auto& bits = *args.partial_tiles;
-    const std::vector<int64_t> expected{partial_count, args.q_block_size, args.kv_block_size};
-    TORCH_CHECK(bits.scalar_type() == torch::kBool && bits.sizes() == expected, kOp,
-                " partial_tiles must be bool (", partial_count, ", ", args.q_block_size, ", ",
-                args.kv_block_size, ") (one tile per partial block the lists name), got ",
-                bits.scalar_type(), " ", shape_string(bits));
-    TORCH_CHECK(bits.device() == q.device(), kOp, " partial_tiles is on ", bits.device(),
-                ", the query on ", q.device());
-    const auto mask =
-        partial_tiles_mask(slots.to(q.device()), bits, args.q_block_size, args.kv_block_size);
-    problem->blocks = BlockMask::from_kv_blocks(*args.kv_num_blocks, *args.kv_indices, full_num,
-                                                full_idx, q.size(2), k.size(2), args.q_block_size,
-                                                args.kv_block_size, mask);
-    problem->mask = Mask::from_block_mask(problem->blocks);
+// Whether the lists and the partial tiles' bits say what Mask::causal() says (query i sees
+// the keys j <= i) for every batch entry and head: then the planner may run the call on a
+// kernel that takes causal masks whole (LibTorch's CPU flash kernel) instead of reading tiles.
+// The tiles' kinds are compared first (on the host), so another mask costs little.
+bool says_causal(const BlockMask& lists, const Tensor& slots, const Tensor& bits, int64_t n,
+                 int64_t m) {
+  const int64_t qb = lists.q_block_size(), kb = lists.kv_block_size();
+  const int64_t nq = lists.num_q_blocks(), nk = lists.num_kv_blocks();
+  const auto* slot = slots.data_ptr<int64_t>();
+  std::vector<int64_t> partial_slots, partial_q, partial_kv;
+  for (int64_t row = 0; row < slots.size(0) * slots.size(1); ++row) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t q_last = std::min(n, (i + 1) * qb) - 1,
+                      kv_last = std::min(m, (j + 1) * kb) - 1;
+        const int64_t given = slot[(row * nq + i) * nk + j];
+        if (given >= 0) {
+          partial_slots.push_back(given);
+          partial_q.push_back(i * qb);
+          partial_kv.push_back(j * kb);
+        } else if (given == -1 ? i * qb < kv_last : q_last >= j * kb) {
+          return false;  // full where causal's is not, or empty where it is not
+        }
+      }
+    }
   }
-  if (!args.score_graph.empty()) {
-    problem->score_mod = ScoreGraph::parse(args.score_graph).bind(score_tensors);
-  } else {
-    TORCH_CHECK(score_tensors.empty(), kOp, " score_tensors without a score_graph");
-  }
-  problem->scale = args.scale;
+  if (partial_slots.empty())
+    return true;
+  // The partial tiles' bits against causal's: (P, qb, kb), in bounds only.
+  const auto index = torch::TensorOptions().dtype(torch::kInt64).device(bits.device());
+  const auto q =
+      torch::tensor(partial_q, index).view({-1, 1, 1}) + torch::arange(qb, index).view({1, -1, 1});
+  const auto kv =
+      torch::tensor(partial_kv, index).view({-1, 1, 1}) + torch::arange(kb, index).view({1, 1, -1});
+  const auto given = bits.index_select(0, torch::tensor(partial_slots, index));
+  const auto out_of_bounds = q.ge(n).logical_or(kv.ge(m));
+  return given.eq(q.ge(kv)).logical_or(out_of_bounds).all().item<bool>();
+}
+
+// The mask of the arguments' block lists and partial tiles on inputs q (B, H, n, hd) and k:
+// none without lists, causal where they say it, else the lists themselves.
+Mask mask_of(const Tensor& q, const Tensor& k, const FlexArguments& args) {
+  if (!args.kv_num_blocks.has_value())
+    return Mask();
+  TORCH_CHECK(args.kv_indices.has_value() && args.partial_tiles.has_value(), kOp,
+              " a block mask needs kv_num_blocks, kv_indices and partial_tiles");
+  const auto full_num = args.full_kv_num_blocks.value_or(Tensor());
+  const auto full_idx = args.full_kv_indices.value_or(Tensor());
+  // First the lists alone (checked), then the partial tiles' mask over them.
+  auto lists = BlockMask::from_kv_blocks(*args.kv_num_blocks, *args.kv_indices, full_num, full_idx,
+                                         q.size(2), k.size(2), args.q_block_size,
+                                         args.kv_block_size, Mask());
+  lists.check(kOp, q.size(0), q.size(1), q.size(2), k.size(2), q.device());
+  const auto [slots, partial_count] = tile_slots(lists);
+  const auto& bits = *args.partial_tiles;
+  const std::vector<int64_t> expected{partial_count, args.q_block_size, args.kv_block_size};
+  TORCH_CHECK(bits.scalar_type() == torch::kBool && bits.sizes() == expected, kOp,
+              " partial_tiles must be bool (", partial_count, ", ", args.q_block_size, ", ",
+              args.kv_block_size, ") (one tile per partial block the lists name), got ",
+              bits.scalar_type(), " ", shape_string(bits));
+  TORCH_CHECK(bits.device() == q.device(), kOp, " partial_tiles is on ", bits.device(),
+              ", the query on ", q.device());
+  if (says_causal(lists, slots, bits, q.size(2), k.size(2)))
+    return Mask::causal();
+  const auto mask =
+      partial_tiles_mask(slots.to(q.device()), bits, args.q_block_size, args.kv_block_size);
+  return Mask::from_block_mask(
+      BlockMask::from_kv_blocks(*args.kv_num_blocks, *args.kv_indices, full_num, full_idx,
+                                q.size(2), k.size(2), args.q_block_size, args.kv_block_size, mask));
+}
+
+// The planner's split call for the arguments on query, key and value (a score function bound
+// to `score_tensors`).
+detail::AttentionCall call_of(const Tensor& query, const Tensor& key, const Tensor& value,
+                              const FlexArguments& args, const std::vector<Tensor>& score_tensors) {
   TORCH_CHECK(args.dropout_p >= 0.0 && args.dropout_p < 1.0, kOp,
               " dropout_p must be in [0, 1), got ", args.dropout_p);
   TORCH_CHECK(args.dropout_p == 0.0 || args.dropout_seed >= 0, kOp,
               " dropout_p > 0 needs a dropout_seed >= 0, got ", args.dropout_seed);
-  problem->dropout_p = args.dropout_p;
-  problem->dropout_seed = args.dropout_p > 0.0 ? args.dropout_seed : -1;
-  problem->query_block = args.q_block_size;
-  problem->key_block = std::max<int64_t>(1024, args.kv_block_size);
-  return problem;
+  TORCH_CHECK(!args.score_graph.empty() || score_tensors.empty(), kOp,
+              " score_tensors without a score_graph");
+  detail::AttentionCall call;
+  call.query = query;
+  call.key = key;
+  call.value = value;
+  call.options.mask(mask_of(query, key, args))
+      .scale(args.scale)
+      .dropout_p(args.dropout_p)
+      .training(args.dropout_p > 0.0)
+      .query_block_size(args.q_block_size)
+      .key_block_size(std::max<int64_t>(1024, args.kv_block_size));
+  if (!args.score_graph.empty())
+    call.options.score_mod(ScoreGraph::parse(args.score_graph).bind(score_tensors));
+  call.backend_is_preference = true;
+  call.split = true;
+  call.dropout_seed = args.dropout_p > 0.0 ? args.dropout_seed : -1;
+  return call;
 }
 
-// The dtype the kernel computes in: float32 for 16-bit inputs.
+// The dtype lse comes in: the one the kernel computes in, float32 for 16-bit inputs.
 torch::ScalarType compute_dtype(const Tensor& t) {
   return detail::is_16bit(t) ? torch::kFloat : t.scalar_type();
 }
@@ -164,14 +216,9 @@ torch::ScalarType compute_dtype(const Tensor& t) {
 std::tuple<Tensor, Tensor> flex_forward(const Tensor& query, const Tensor& key, const Tensor& value,
                                         const FlexArguments& args) {
   check_inputs(query, key, value);
-  const detail::NoAutocast no_autocast;
   const torch::NoGradGuard no_grad;
-  const auto dtype = compute_dtype(query);
-  const auto q = query.to(dtype), k = key.to(dtype), v = value.to(dtype);
-  auto problem = problem_of(q, k, args, args.score_tensors);
-  Tensor lse;
-  auto out = detail::chunked_forward(*problem, q, k, v, &lse);
-  return {out.to(query.scalar_type()).contiguous(), lse.squeeze(-1).contiguous()};
+  auto result = detail::run_split_forward(call_of(query, key, value, args, args.score_tensors));
+  return {result.out.contiguous(), result.lse.contiguous()};
 }
 
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
@@ -181,9 +228,6 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
   TORCH_CHECK(grad_out.sizes() == out.sizes() && lse.dim() == 3, kOp,
               " backward: grad_out must be shaped as out ", shape_string(out), ", got ",
               shape_string(grad_out));
-  const detail::NoAutocast no_autocast;
-  const auto dtype = compute_dtype(query);
-  const auto q = query.to(dtype), k = key.to(dtype), v = value.to(dtype);
   // The score function reads leaves that want gradients: each floating captured tensor.
   std::vector<Tensor> leaves, parameters;
   for (const auto& t : args.score_tensors) {
@@ -191,20 +235,16 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
     if (t.is_floating_point())
       parameters.push_back(leaves.back());
   }
-  auto problem = problem_of(q, k, args, leaves);
-  auto grads =
-      detail::chunked_backward(*problem, q, k, v, out.to(dtype), lse.to(dtype).unsqueeze(-1),
-                               grad_out.to(dtype), parameters);
+  auto grads = detail::run_split_backward(call_of(query, key, value, args, leaves),
+                                          {out, lse, grad_out, parameters});
   // Contiguous gradients, as the Meta kernel promises.
   std::vector<Tensor> tensor_grads;
   size_t next = 3;
   for (const auto& t : args.score_tensors) {
-    tensor_grads.push_back(t.is_floating_point() ? grads[next++].to(t.scalar_type()).contiguous()
+    tensor_grads.push_back(t.is_floating_point() ? grads[next++].contiguous()
                                                  : torch::zeros(t.sizes(), t.options()));
   }
-  return {grads[0].to(query.scalar_type()).contiguous(),
-          grads[1].to(key.scalar_type()).contiguous(),
-          grads[2].to(value.scalar_type()).contiguous(), tensor_grads};
+  return {grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), tensor_grads};
 }
 
 // The schemas' shared tail, in the order FlexArguments reads it.
