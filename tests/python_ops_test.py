@@ -226,6 +226,50 @@ class FlexCases(unittest.TestCase):
             self.check_case(alibi, sliding_window, torch.float32, H=1)
 
 
+class CausalLists(unittest.TestCase):
+    """Block lists that say causal run on a kernel that takes causal masks whole (LibTorch's
+    CPU flash kernel, 2.5 on); lists one bit or one tile away from causal must not."""
+
+    def check(self, mask_mod, L, S, BLOCK_SIZE=128):
+        g = torch.Generator().manual_seed(7)
+        q = torch.randn(1, 2, L, 16, generator=g, dtype=torch.float64, requires_grad=True)
+        k, v = [torch.randn(1, 2, S, 16, generator=g, dtype=torch.float64, requires_grad=True)
+                for _ in range(2)]
+        makers = [attnkit.create_block_mask] + ([torch_create_block_mask] if HAS_FLEX else [])
+        for make in makers:
+            if make is torch_create_block_mask and not isinstance(BLOCK_SIZE, int):
+                continue
+            with self.subTest(maker=make.__module__):
+                bm = make(mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK_SIZE)
+                out, lse = attnkit.flex_attention(q, k, v, block_mask=bm, return_lse=True)
+                ref, ref_lse = dense_reference(q, k, v, mask_mod=mask_mod)
+                self.assertLess(max_error(out, ref), 1e-12)
+                self.assertLess(max_error(lse, ref_lse), 1e-12)
+                grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+                ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+                for mine, theirs in zip(grads, ref_grads):
+                    self.assertLess(max_error(mine, theirs), 1e-10)
+
+    def test_causal_in_any_shape(self):
+        for L, S in ((256, 256), (100, 256), (256, 100), (200, 200)):
+            with self.subTest(L=L, S=S):
+                self.check(causal, L, S)
+        self.check(causal, 256, 256, BLOCK_SIZE=(64, 128))
+
+    def test_one_bit_off_causal_is_not_causal(self):
+        def bit_off(b, h, q, kv):  # causal's lists, one bit of the diagonal tile (1, 1) off
+            return (kv <= q) & ~((q == 200) & (kv == 150))
+
+        def tile_off(b, h, q, kv):  # tile (1, 0) partial, where causal's is full
+            return (kv <= q) & ~((q == 200) & (kv == 50))
+
+        def above(b, h, q, kv):  # one key past the diagonal in a partial tile
+            return (kv <= q) | ((q == 10) & (kv == 11))
+        for mask_mod in (bit_off, tile_off, above):
+            with self.subTest(mask_mod=mask_mod.__name__):
+                self.check(mask_mod, 256, 256)
+
+
 class Gradcheck(unittest.TestCase):
     def test_families(self):
         g = torch.Generator().manual_seed(2)
