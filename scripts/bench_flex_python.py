@@ -25,8 +25,10 @@ import math
 import os
 import resource
 import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 CASES = {
@@ -79,6 +81,8 @@ def measure(impl, case_name, threads, backward, repeats):
     elif impl in ("flex_eager", "flex_compiled"):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         bm = create_block_mask(mask_mod, None, None, n, n, device="cpu")
+        if impl == "flex_compiled":
+            link_inductor_against_this_torch()
         flex = torch.compile(flex_attention) if impl == "flex_compiled" else flex_attention
 
         def call():
@@ -137,6 +141,22 @@ def overhead():
         f": {medians[0] / medians[1]:.3f}x")
 
 
+def link_inductor_against_this_torch():
+    """Inductor links its CPU kernels with -ltorch_cpu, searching Python's LIBDIR first. Where a
+    system LibTorch lives there (Debian's libtorch-dev in /usr/lib/<triplet>), the kernels link
+    against it instead of this torch: its vector-ISA probe then fails to load ("InvalidVecISA")
+    and its kernels would load the other LibTorch. Inductor links no libpython on Linux, so
+    that folder is dropped from its search when it holds a libtorch_cpu.so."""
+    import torch._inductor.cpp_builder as builder
+    python_args = builder._get_python_related_args
+
+    def without_system_libtorch():
+        include_dirs, library_dirs = python_args()
+        return include_dirs, [d for d in library_dirs
+                              if not os.path.exists(os.path.join(d, "libtorch_cpu.so"))]
+    builder._get_python_related_args = without_system_libtorch
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -153,6 +173,16 @@ def main():
         times, peak = measure(impl, case_name, int(threads), backward == "1", args.repeats)
         print(json.dumps({"times": times, "peak_mib": peak}))
         return
+    inductor_cache = tempfile.mkdtemp(prefix="bench_flex_inductor_")
+    try:
+        compare(args, inductor_cache)
+    finally:
+        shutil.rmtree(inductor_cache, ignore_errors=True)
+
+
+def compare(args, inductor_cache):
+    """Runs each case's implementations in alternation, one child process each, and prints
+    a line per case and pass."""
     rows = []
     for threads in args.threads:
         for case_name in args.cases:
@@ -166,8 +196,11 @@ def main():
                         continue
                     command = [sys.executable, __file__, "--repeats", str(args.repeats),
                                "--child", impl, case_name, str(threads), str(int(backward))]
-                    done = subprocess.run(command, capture_output=True, text=True,
-                                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                    # Inductor's kernels in a cache of this run's own (kernels another run
+                    # linked elsewhere are not reused).
+                    env = dict(os.environ, PYTHONWARNINGS="ignore",
+                               TORCHINDUCTOR_CACHE_DIR=inductor_cache)
+                    done = subprocess.run(command, capture_output=True, text=True, env=env)
                     if done.returncode != 0:
                         errors = [line for line in done.stderr.splitlines() if "Error" in line]
                         results[impl] = {"error": (errors or done.stderr.splitlines())[-1:]}

@@ -23,6 +23,7 @@
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/score_graph.h"
 #include "attnkit/serialize.h"
+#include "core/kernels.h"
 #include "source_paths.h"
 #include "test_support.h"
 
@@ -1011,6 +1012,45 @@ TEST(ScoreGraph, EvaluatesAsTheFunctionItStandsForAndRefusesBadText) {
   const auto reference = run(by_hand, AttentionBackend::kMath);
   for (size_t i = 0; i < from_graph.size(); ++i)
     EXPECT_TRUE(torch::allclose(from_graph[i], reference[i], 1e-10, 1e-12)) << "output/grad " << i;
+
+  // An additive graph (ALiBi's slopes[h] * (kv_idx - q_idx)) binds as an additive score, which
+  // a demanded fused backend runs on LibTorch 2.x's SDPA with the bias as a float mask; the
+  // softcap above and a bias that reads the score do not.
+  const auto alibi = attnkit::ScoreGraph::parse("sub %4 %3\nindex $0 %2\nmul %6 %5\nadd %0 %7\n");
+  ASSERT_TRUE(alibi.additive_bias().has_value());
+  EXPECT_EQ(alibi.additive_bias()->to_string(), "sub %4 %3\nindex $0 %2\nmul %6 %5\n");
+  EXPECT_TRUE(attnkit::ScoreGraph::parse("sub %4 %3\nadd %5 %0").additive_bias().has_value());
+  EXPECT_FALSE(graph.additive_bias().has_value());
+  EXPECT_FALSE(attnkit::ScoreGraph::parse("mul %0 %0\nadd %0 %5").additive_bias().has_value());
+  EXPECT_FALSE(attnkit::ScoreGraph::parse("add %0 $0").additive_bias().has_value());
+  const auto slopes = torch::rand({2}, f64);
+  EXPECT_NE(alibi.bind({slopes}).target<attnkit::detail::AdditiveScore>(), nullptr);
+  EXPECT_EQ(graph.bind({bias}).target<attnkit::detail::AdditiveScore>(), nullptr);
+  {
+    torch::manual_seed(4);
+    const auto q = torch::randn({1, 2, 20, 4}, f64), k = torch::randn({1, 2, 20, 4}, f64),
+               v = torch::randn({1, 2, 20, 4}, f64);
+    const bool sdpa = TORCH_VERSION_MAJOR >= 2;
+    F::KernelRecord record;
+    const auto out =
+        F::attention(q, k, v,
+                     AttentionOptions()
+                         .mask(Mask::causal())
+                         .score_mod(alibi.bind({slopes}))
+                         .backend(sdpa ? AttentionBackend::kFused : AttentionBackend::kChunked));
+    EXPECT_EQ(record.runs().back().kernel, sdpa ? "sdpa_masked" : "chunked");
+    const attnkit::ScoreMod alibi_by_hand = [&](const torch::Tensor& s, const torch::Tensor&,
+                                                const torch::Tensor& h, const torch::Tensor& q_idx,
+                                                const torch::Tensor& kv_idx) {
+      return s + slopes.index({h}) * (kv_idx - q_idx);
+    };
+    const auto expected = F::attention(q, k, v,
+                                       AttentionOptions()
+                                           .mask(Mask::causal())
+                                           .score_mod(alibi_by_hand)
+                                           .backend(AttentionBackend::kMath));
+    EXPECT_TRUE(torch::allclose(out, expected, 1e-10, 1e-12));
+  }
 
   const auto parse = [](const std::string& t) { attnkit::ScoreGraph::parse(t); };
   expect_error_containing([&] { parse("add %0 i:1\nfoo %0"); },

@@ -15,6 +15,7 @@
 /// (`_` for no bound) and `index t i0 i1 ...` (`t[i0, i1, ...]`, advanced indexing).
 /// Example: `ScoreGraph::parse("index $0 %2\nadd %0 %5")` is `score + bias[h]`.
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,7 +57,14 @@ class ScoreGraph {
                          const torch::Tensor& q_idx, const torch::Tensor& kv_idx,
                          const std::vector<torch::Tensor>& tensors) const;
 
+  /// The graph as `score + bias(b, h, q_idx, kv_idx)`, when its last operation adds the score
+  /// to a value computed without it: the bias's graph (its value is its last line's); else
+  /// nullopt. (An ALiBi or relative-position bias; not a softcap.)
+  std::optional<ScoreGraph> additive_bias() const;
+
   /// A ScoreMod that evaluates this graph with `tensors` (num_tensors() of them, checked).
+  /// An additive graph binds as an additive score, which the planner may hand to a kernel
+  /// that takes a bias (LibTorch's SDPA, as a float mask).
   ScoreMod bind(std::vector<torch::Tensor> tensors) const;
 
  private:

@@ -5,6 +5,8 @@
 
 #include "attnkit/score_graph.h"
 
+#include "core/kernels.h"
+
 #include <algorithm>
 #include <functional>
 #include <map>
@@ -299,11 +301,48 @@ torch::Tensor ScoreGraph::evaluate(const torch::Tensor& score, const torch::Tens
   return values.back();
 }
 
+std::optional<ScoreGraph> ScoreGraph::additive_bias() const {
+  const auto& last = nodes_.back();
+  if (last.op != "add")
+    return std::nullopt;
+  // Which values read the score, directly or through another value.
+  std::vector<bool> reads_score{true, false, false, false, false};
+  for (const auto& node : nodes_) {
+    bool reads = false;
+    for (const auto& operand : node.operands)
+      reads = reads || (operand.kind == Operand::Kind::kValue && reads_score[operand.index]);
+    reads_score.push_back(reads);
+  }
+  // add %0 %j or add %j %0, %j an operation's value computed without the score.
+  const auto& a = last.operands[0];
+  const auto& b = last.operands[1];
+  const bool score_first = a.kind == Operand::Kind::kValue && a.index == 0;
+  const auto& other = score_first ? b : a;
+  const auto& score = score_first ? a : b;
+  if (score.kind != Operand::Kind::kValue || score.index != 0 ||
+      other.kind != Operand::Kind::kValue || other.index < 5 || reads_score[other.index])
+    return std::nullopt;
+  ScoreGraph bias;
+  bias.nodes_.assign(nodes_.begin(), nodes_.begin() + (other.index - 5 + 1));
+  bias.num_tensors_ = num_tensors_;
+  return bias;
+}
+
 ScoreMod ScoreGraph::bind(std::vector<torch::Tensor> tensors) const {
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) == num_tensors_,
               "[ScoreGraph::bind] the graph "
               "reads ",
               num_tensors_, " captured tensor(s), got ", tensors.size());
+  // An additive bias binds as detail::AdditiveScore, which the planner hands to kernels that
+  // take a bias (LibTorch's SDPA as a float mask).
+  if (auto bias = additive_bias()) {
+    return detail::AdditiveScore{
+        [bias = std::move(*bias), tensors](const torch::Tensor& score, const torch::Tensor& b,
+                                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                                           const torch::Tensor& kv_idx) {
+          return bias.evaluate(score, b, h, q_idx, kv_idx, tensors);
+        }};
+  }
   return [graph = *this, tensors = std::move(tensors)](
              const torch::Tensor& score, const torch::Tensor& b, const torch::Tensor& h,
              const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
