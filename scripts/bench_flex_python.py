@@ -82,6 +82,7 @@ def measure(impl, case_name, threads, backward, repeats):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         bm = create_block_mask(mask_mod, None, None, n, n, device="cpu")
         if impl == "flex_compiled":
+            from inductor_link import link_inductor_against_this_torch
             link_inductor_against_this_torch()
         flex = torch.compile(flex_attention) if impl == "flex_compiled" else flex_attention
 
@@ -139,22 +140,6 @@ def overhead():
     print(f"causal n {n} forward, 1 thread: " + ", ".join(
         f"{name} {m * 1e3:.2f} ms" for name, m in zip(calls, medians)) +
         f": {medians[0] / medians[1]:.3f}x")
-
-
-def link_inductor_against_this_torch():
-    """Inductor links its CPU kernels with -ltorch_cpu, searching Python's LIBDIR first. Where a
-    system LibTorch lives there (Debian's libtorch-dev in /usr/lib/<triplet>), the kernels link
-    against it instead of this torch: its vector-ISA probe then fails to load ("InvalidVecISA")
-    and its kernels would load the other LibTorch. Inductor links no libpython on Linux, so
-    that folder is dropped from its search when it holds a libtorch_cpu.so."""
-    import torch._inductor.cpp_builder as builder
-    python_args = builder._get_python_related_args
-
-    def without_system_libtorch():
-        include_dirs, library_dirs = python_args()
-        return include_dirs, [d for d in library_dirs
-                              if not os.path.exists(os.path.join(d, "libtorch_cpu.so"))]
-    builder._get_python_related_args = without_system_libtorch
 
 
 def main():

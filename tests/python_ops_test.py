@@ -10,6 +10,7 @@ Python: 1.13, 2.6, pip's newest; PYTHONPATH holds the build's python/ folder).
 """
 
 import math
+import os
 import sys
 import unittest
 
@@ -332,9 +333,22 @@ class Compile(unittest.TestCase):
     def test_fullgraph_training_matches_eager(self):
         """A small model calling attnkit.flex_attention (block mask, score_mod with a learnable
         captured tensor) compiled with fullgraph=True: the same losses as eager, step by step.
-        Dynamo and AOTAutograd (backend aot_eager: the operators' fake and autograd kernels);
-        Inductor's code generation is not yet checked (docs/python.md)."""
-        backend = "aot_eager"
+        Dynamo and AOTAutograd (backend aot_eager: the operators' fake and autograd kernels),
+        and on pip's newest PyTorch Inductor's code generation around them too."""
+        backends = ["aot_eager"]
+        if TORCH >= (2, 10):
+            # Inductor builds C++ kernels: pip's PyTorch brings what it needs (the Debian 13
+            # root's 2.6 has no compiler for it).
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                            "scripts"))
+            from inductor_link import link_inductor_against_this_torch
+            link_inductor_against_this_torch()
+            backends.append("inductor")
+        for backend in backends:
+            with self.subTest(backend=backend):
+                self.check_training(backend)
+
+    def check_training(self, backend):
         n, dim, heads = 64, 32, 4
         bm = attnkit.create_block_mask(causal, None, None, n, n, BLOCK_SIZE=16)
 
