@@ -15,8 +15,9 @@ Usage (pip's PyTorch and the pip build's package):
   PYTHONPATH=build-pip/python "$(scripts/pip_torch.sh)" scripts/bench_flex_python.py \
       [--threads 1 2] [--repeats 3] [--cases ...]
   ... scripts/bench_flex_python.py --overhead   the Python package's cost over the operator:
-      attnkit.flex_attention against torch.ops.attnkit.flex_attention with its arguments
-      made once, causal n 1,024 forward, 15 alternating pairs, 1 thread
+      attnkit.flex_attention against the same operator call from C++ (flex_call_timer.cpp,
+      built on demand) and torch.ops.attnkit.flex_attention with its arguments made once,
+      causal n 1,024 forward, 15 rounds in alternation, 1 thread
 """
 
 import argparse
@@ -115,17 +116,33 @@ def measure(impl, case_name, threads, backward, repeats):
 
 
 def overhead():
+    """attnkit.flex_attention against the same operator call from C++ (scripts/
+    flex_call_timer.cpp, built here with torch.utils.cpp_extension) and from Python with its
+    arguments made once: causal n 1,024 forward, 1 thread, 15 rounds in alternation."""
     import attnkit
     import torch
+    from torch.utils import cpp_extension
+    timer = cpp_extension.load(
+        "attnkit_flex_call_timer",
+        [os.path.join(os.path.dirname(os.path.abspath(__file__)), "flex_call_timer.cpp")])
     torch.set_num_threads(1)
     n = 1024
     q, k, v = [torch.randn(1, 8, n, 64) for _ in range(3)]
     bm = attnkit.create_block_mask(lambda b, h, qi, kv: kv <= qi, None, None, n, n)
     q_block, kv_block, lists = attnkit._block_mask.partial_tiles(bm, q, k)
+
+    def timed(call):
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
     calls = {
-        "attnkit.flex_attention": lambda: attnkit.flex_attention(q, k, v, block_mask=bm),
-        "torch.ops.attnkit.flex_attention": lambda: torch.ops.attnkit.flex_attention(
-            q, k, v, *lists, q_block, kv_block, "", [], 1 / 8, 0.0, -1),
+        "attnkit.flex_attention": lambda: timed(
+            lambda: attnkit.flex_attention(q, k, v, block_mask=bm)),
+        "torch.ops.attnkit.flex_attention": lambda: timed(
+            lambda: torch.ops.attnkit.flex_attention(q, k, v, *lists, q_block, kv_block, "", [],
+                                                     1 / 8, 0.0, -1)),
+        "C++ (the dispatcher)": lambda: timer.seconds_per_call(
+            q, k, v, list(lists), q_block, kv_block, 1 / 8, 1),
     }
     times = {name: [] for name in calls}
     with torch.no_grad():
@@ -133,13 +150,11 @@ def overhead():
             call()
         for _ in range(15):
             for name, call in calls.items():
-                start = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - start)
-    medians = [statistics.median(t) for t in times.values()]
-    print(f"causal n {n} forward, 1 thread: " + ", ".join(
-        f"{name} {m * 1e3:.2f} ms" for name, m in zip(calls, medians)) +
-        f": {medians[0] / medians[1]:.3f}x")
+                times[name].append(call())
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    cpp = medians["C++ (the dispatcher)"]
+    print(f"causal n {n} forward, 1 thread, medians of 15: " + ", ".join(
+        f"{name} {m * 1e3:.3f} ms ({m / cpp:.3f}x C++)" for name, m in medians.items()))
 
 
 def main():
