@@ -260,7 +260,7 @@ TEST(Planner, ASplitCallRunsForwardAndBackwardApartAsTheMathCore) {
   const bool cpu_flash =
       TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5);
   const std::set<std::string> flash_cases{"no mask", "causal", "long causal", "scale 0.3",
-                                           "packed projection"};
+                                          "packed projection"};
   std::set<std::string> seen;
   for (const auto& c : planner_cases()) {
     if (c.call.step != StepKind::kSequence || c.call.with_weights)
