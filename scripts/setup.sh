@@ -13,6 +13,7 @@ packages=(
   libcxxopts-dev                 # command-line parsing in the programs
   libstb-dev                     # PNG writing and a bitmap font for attention heatmaps
   libgloo-dev                    # Gloo's headers: attnkit-train's data-parallel runs (c10d)
+  nlohmann-json3-dev             # JSON headers of safetensors files (src/io/safetensors.cpp)
   python3-torch                  # PyTorch of the same version: the cross-language tests
 )
 

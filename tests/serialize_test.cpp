@@ -1,6 +1,7 @@
 // attnkit/serialize.h: state dicts across C++ and Python, and every way a file can be bad.
 
 #include "attnkit/serialize.h"
+#include "attnkit/safetensors.h"
 
 #include <cstdlib>
 #include <filesystem>
@@ -426,4 +427,263 @@ TEST_F(SerializeTest, FilesWrittenByPyTorch113And26Load) {
       EXPECT_TRUE(torch::equal(resaved[item.key()], item.value())) << item.key();
     }
   }
+}
+
+// ---- safetensors (attnkit/safetensors.h) -----------------------------------------------------
+
+namespace {
+
+// A safetensors file from its JSON header text and its data bytes.
+std::string safetensors_bytes(const std::string& header, const std::string& data) {
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i)
+    bytes[i] = static_cast<char>(static_cast<uint64_t>(header.size()) >> (8 * i));
+  return bytes + header + data;
+}
+
+// One tensor of every dtype attnkit reads, and the shapes that test a layout: 0-d, empty, a
+// transposed view, sizes that would misalign the next tensor.
+attnkit::StateDict every_dtype() {
+  torch::manual_seed(5);
+  const auto floats = torch::randn({3, 5}, torch::kFloat64);
+  attnkit::StateDict dict;
+  dict.insert("f64", floats);
+  dict.insert("f32.transposed", floats.to(torch::kFloat32).t());
+  dict.insert("f16", floats.to(torch::kFloat16).slice(1, 0, 3));
+  dict.insert("bf16", floats.to(torch::kBFloat16));
+  dict.insert("i64", torch::tensor({-(int64_t{1} << 40), int64_t{0}, int64_t{1} << 40}));
+  dict.insert("i32", torch::tensor({-7, 8}, torch::kInt32));
+  dict.insert("i16", torch::tensor({-300, 300, 5}, torch::kInt16));
+  dict.insert("i8", torch::tensor({-128, 127, 0}, torch::kInt8));
+  dict.insert("u8", torch::tensor({0, 255, 1}, torch::kUInt8));
+  dict.insert("bool", torch::tensor({true, false, true}));
+  dict.insert("scalar", torch::tensor(2.5));
+  dict.insert("empty", torch::zeros({0, 4}));
+  return dict;
+}
+
+void expect_same_dict(const attnkit::StateDict& got, const attnkit::StateDict& want) {
+  ASSERT_EQ(got.keys(), want.keys());
+  for (const auto& item : want) {
+    SCOPED_TRACE(item.key());
+    EXPECT_EQ(got[item.key()].scalar_type(), item.value().scalar_type());
+    EXPECT_EQ(got[item.key()].sizes(), item.value().sizes());
+    EXPECT_TRUE(torch::equal(got[item.key()], item.value()));
+  }
+}
+
+}  // namespace
+
+TEST_F(SerializeTest, SafetensorsRoundTripKeepsEveryDtypeShapeAndTheMetadata) {
+  const auto dict = every_dtype();
+  attnkit::save_safetensors(dict, path("all.safetensors"), {{"format", "pt"}, {"step", "12"}});
+  const auto loaded = attnkit::load_safetensors(path("all.safetensors"));
+  expect_same_dict(loaded, dict);
+  EXPECT_EQ(attnkit::load_safetensors_metadata(path("all.safetensors")),
+            (attnkit::SafetensorsMetadata{{"format", "pt"}, {"step", "12"}}));
+  // Laid out widest first, every tensor is aligned for its dtype, so none was copied: each one
+  // views the mapping. Writing to one stays in this process and never reaches the file.
+  for (const auto& item : loaded) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(item.value().data_ptr()) % item.value().element_size(),
+              0u)
+        << item.key();
+  }
+  loaded["f64"].fill_(0.0);
+  expect_same_dict(attnkit::load_safetensors(path("all.safetensors")), dict);
+  // A file without metadata has none.
+  attnkit::save_safetensors(dict, path("bare.safetensors"));
+  EXPECT_TRUE(attnkit::load_safetensors_metadata(path("bare.safetensors")).empty());
+}
+
+TEST_F(SerializeTest, SafetensorsWritingRefusesWhatTheFormatCannotHold) {
+  attnkit::StateDict reserved;
+  reserved.insert("__metadata__", torch::ones({1}));
+  expect_error_containing([&] { attnkit::save_safetensors(reserved, path("r.safetensors")); },
+                          "[save_safetensors] '__metadata__' is the format's own entry");
+  attnkit::StateDict complex;
+  complex.insert("z", torch::ones({2}, torch::kComplexFloat));
+  expect_error_containing([&] { attnkit::save_safetensors(complex, path("c.safetensors")); },
+                          "[save_safetensors] tensor 'z' has dtype ComplexFloat; safetensors "
+                          "files hold F64, F32");
+  expect_error_containing(
+      [&] { attnkit::save_safetensors(every_dtype(), path("no_such_dir/x.safetensors")); },
+      "[save_safetensors] cannot open");
+  EXPECT_FALSE(fs::exists(path("c.safetensors")));
+}
+
+TEST_F(SerializeTest, SafetensorsRefusesDamagedFilesBeforeAnyWeightChanges) {
+  const std::string f32x2 = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  const std::string data8(8, '\x01');
+  std::string huge_length(8, '\xff');
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases{
+      {"empty", "", "is truncated: 0 bytes, fewer than the 8"},
+      {"absurd_header", huge_length + "{}", "the header length 18446744073709551615 is absurd"},
+      {"short_header", safetensors_bytes(f32x2, data8).substr(0, 30),
+       "is truncated: its header needs 54 bytes after the first 8, the file has 22"},
+      {"short_data", safetensors_bytes(f32x2, data8.substr(0, 5)),
+       "is truncated: tensor 'w' ends at byte 8 of the data, which holds 5"},
+      {"not_json", safetensors_bytes("{\"w\": [1, 2", data8), "the header is not valid JSON"},
+      {"not_object", safetensors_bytes("[1]", ""), "the header must be a JSON object, got a array"},
+      {"duplicate",
+       safetensors_bytes(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                         R"("w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                         data8),
+       "the header names 'w' twice"},
+      {"unknown_dtype",
+       safetensors_bytes(R"({"w":{"dtype":"F8_E5M2","shape":[8],"data_offsets":[0,8]}})", data8),
+       "tensor 'w': unsupported dtype \"F8_E5M2\" (attnkit reads F64, F32, F16, BF16"},
+      {"shape_bytes",
+       safetensors_bytes(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", data8),
+       "tensor 'w': shape [3] of F32 needs 3 elements of 4 bytes, but data_offsets [0, 8] hold "
+       "8 bytes"},
+      {"shape_overflow",
+       safetensors_bytes(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],)"
+                         R"("data_offsets":[0,8]}})",
+                         data8),
+       "needs more than 2^64 elements"},
+      {"negative_dim",
+       safetensors_bytes(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", data8),
+       "each dimension of shape must be a non-negative integer, got -2"},
+      {"overlap",
+       safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                         R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                         data8),
+       "tensor 'b' (data_offsets [4, 8]) overlaps tensor 'a' (data_offsets [0, 8])"},
+      {"hole",
+       safetensors_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", data8),
+       "bytes [0, 4) of the data belong to no tensor"},
+      {"trailing", safetensors_bytes(f32x2, data8 + "junk"),
+       "the last 4 bytes of the file belong to no tensor"},
+      {"reversed_offsets",
+       safetensors_bytes(R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", data8),
+       "data_offsets [8, 0] end before they begin"},
+      {"unknown_field",
+       safetensors_bytes(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}})", data8),
+       "unknown field 'x'"},
+      {"bad_metadata", safetensors_bytes(R"({"__metadata__":{"n":1}})", ""),
+       "__metadata__ value 'n' must be a string, got 1"},
+      {"bad_bool",
+       safetensors_bytes(R"({"w":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", "\x01\x02"),
+       "tensor 'w' holds 2 at element 1, which is not a BOOL (0 or 1)"},
+  };
+  attnkit::SelfAttentionV2 sa(2, 1);
+  const auto before = attnkit::state_dict(*sa);
+  for (const auto& [name, bytes, message] : cases) {
+    SCOPED_TRACE(name);
+    write_file(name, bytes);
+    expect_error_containing([&] { attnkit::load_safetensors(path(name)); },
+                            "[load_safetensors] '" + path(name) + "'");
+    expect_error_containing([&] { attnkit::load_safetensors(*sa, path(name)); }, message);
+    // The metadata needs the header only: the data's values are not read.
+    if (name != "bad_bool")
+      expect_error_containing([&] { attnkit::load_safetensors_metadata(path(name)); }, message);
+  }
+  fs::create_directory(path("directory.safetensors"));
+  expect_error_containing([&] { attnkit::load_safetensors(path("directory.safetensors")); },
+                          "directory.safetensors' is a directory; expected a file");
+  expect_error_containing([&] { attnkit::load_safetensors(path("missing.safetensors")); },
+                          "cannot open '" + path("missing.safetensors") + "' for reading");
+  expect_same_dict(attnkit::state_dict(*sa), before);
+}
+
+// GPT-2's layout, small: a prefix, Conv1D weights stored (in, out), query, key and value fused
+// in `c_attn`, and a causal-mask buffer the model does not hold.
+TEST_F(SerializeTest, SafetensorsLoadsIntoAModuleThroughANameMap) {
+  torch::manual_seed(3);
+  attnkit::MultiHeadAttention mha(4, 4, 5, 0.0, 2, /*qkv_bias=*/true);
+  const auto want = attnkit::state_dict(*mha);
+  attnkit::StateDict gpt2;
+  gpt2.insert("transformer.h.0.attn.bias", torch::ones({1, 1, 5, 5}));
+  gpt2.insert("transformer.h.0.attn.c_attn.weight",
+              torch::cat({want["W_query.weight"], want["W_key.weight"], want["W_value.weight"]})
+                  .t()
+                  .contiguous());
+  gpt2.insert("transformer.h.0.attn.c_attn.bias",
+              torch::cat({want["W_query.bias"], want["W_key.bias"], want["W_value.bias"]}));
+  gpt2.insert("transformer.h.0.attn.c_proj.weight", want["out_proj.weight"].t().contiguous());
+  gpt2.insert("transformer.h.0.attn.c_proj.bias", want["out_proj.bias"]);
+  attnkit::save_safetensors(gpt2, path("gpt2.safetensors"));
+
+  const attnkit::NameMap names{
+      /*prefix=*/"transformer.h.0.attn.",
+      /*ignored=*/{"bias"},
+      /*rules=*/
+      {{R"(c_attn\.weight)", {"W_query.weight", "W_key.weight", "W_value.weight"}, true},
+       {R"(c_attn\.(bias))", {"W_query.$1", "W_key.$1", "W_value.$1"}},
+       {R"(c_proj\.weight)", {"out_proj.weight"}, true},
+       {R"(c_proj\.(\w+))", {"out_proj.$1"}}}};
+  attnkit::MultiHeadAttention loaded(4, 4, 5, 0.0, 2, /*qkv_bias=*/true);
+  const auto result = attnkit::load_safetensors(*loaded, path("gpt2.safetensors"), names);
+  EXPECT_TRUE(result.unexpected_keys.empty());
+  auto ours = attnkit::state_dict(*loaded);
+  ours.erase("mask");  // the book's buffer, made at save time
+  for (const auto& item : ours)
+    EXPECT_TRUE(tensors_close(item.key(), item.value(), want[item.key()], 0.0));
+
+  // Strict: without the map nothing matches, and nothing is loaded.
+  attnkit::MultiHeadAttention fresh(4, 4, 5, 0.0, 2, /*qkv_bias=*/true);
+  const auto fresh_before = attnkit::state_dict(*fresh);
+  expect_error_containing([&] { attnkit::load_safetensors(*fresh, path("gpt2.safetensors")); },
+                          "[load_state_dict] '" + path("gpt2.safetensors") + "': missing key");
+  auto no_ignore = names;
+  no_ignore.ignored.clear();
+  expect_error_containing(
+      [&] { attnkit::load_safetensors(*fresh, path("gpt2.safetensors"), no_ignore); },
+      "unexpected key 'bias' (shape [1, 1, 5, 5])");
+  expect_same_dict(attnkit::state_dict(*fresh), fresh_before);
+  EXPECT_EQ(
+      attnkit::load_safetensors(*fresh, path("gpt2.safetensors"), no_ignore, false).unexpected_keys,
+      std::vector<std::string>{"bias"});
+
+  // A map that cannot apply names the entry and the rule.
+  auto split_in_five = names;
+  split_in_five.rules[1].targets = {"a", "b", "c", "d", "e"};
+  expect_error_containing(
+      [&] { attnkit::load_safetensors(*fresh, path("gpt2.safetensors"), split_in_five); },
+      "'transformer.h.0.attn.c_attn.bias': the rule for 'c_attn\\.(bias)' splits it into 5 "
+      "parts along dimension 0, which shape [12] does not divide");
+  auto transpose_bias = names;
+  transpose_bias.rules[3].transpose = true;
+  expect_error_containing(
+      [&] { attnkit::load_safetensors(*fresh, path("gpt2.safetensors"), transpose_bias); },
+      "the rule for 'c_proj\\.(\\w+)' transposes, so expected a 2-d tensor, got shape [4]");
+  auto two_to_one = names;
+  two_to_one.rules[3].targets = {"out_proj.weight"};
+  expect_error_containing(
+      [&] { attnkit::load_safetensors(*fresh, path("gpt2.safetensors"), two_to_one); },
+      "'transformer.h.0.attn.c_proj.bias' maps to 'out_proj.weight', which another entry "
+      "already maps to");
+}
+
+// Both directions against the `safetensors` package, which the pip leg's Python has (other
+// legs' Pythons have not: there the test skips; on the pip leg a missing package fails).
+TEST_F(SerializeTest, SafetensorsPackageReadsOurFilesAndWeReadItsFiles) {
+  const auto probe = run_leg_python("-c", "'import safetensors'");
+#ifndef ATTNKIT_PIP_LEG
+  if (probe.status != 0)
+    GTEST_SKIP() << "this leg's Python has no safetensors package (the pip leg checks it)";
+#endif
+  ASSERT_EQ(probe.status, 0) << probe.output;
+  const auto ours = every_dtype();
+  attnkit::save_safetensors(ours, path("ours.safetensors"), {{"format", "pt"}, {"by", "attnkit"}});
+  attnkit::write_state_dict(ours, path("ours.pt"));
+  const auto script = std::string(kSourceDir) + "/scripts/check_safetensors.py";
+  const auto read =
+      run_leg_python(script, "--read " + path("ours.safetensors") + " --expect " + path("ours.pt") +
+                                 " --metadata format=pt by=attnkit");
+  EXPECT_EQ(read.status, 0) << read.output;
+
+  const auto write = run_leg_python(
+      script, "--write " + path("theirs.safetensors") + " --reference " + path("theirs.pt"));
+  ASSERT_EQ(write.status, 0) << write.output;
+  const auto theirs = attnkit::load_safetensors(path("theirs.safetensors"));
+  const auto reference = attnkit::read_state_dict(path("theirs.pt"));
+  ASSERT_EQ(theirs.size(), reference.size());
+  for (const auto& item : reference) {
+    ASSERT_NE(theirs.find(item.key()), nullptr) << item.key();
+    EXPECT_EQ(theirs[item.key()].scalar_type(), item.value().scalar_type()) << item.key();
+    EXPECT_TRUE(torch::equal(theirs[item.key()], item.value())) << item.key();
+  }
+  EXPECT_EQ(attnkit::load_safetensors_metadata(path("theirs.safetensors")),
+            (attnkit::SafetensorsMetadata{{"format", "pt"}, {"written_by", "safetensors"}}));
 }

@@ -21,6 +21,7 @@
 #include "attnkit/python_state.h"
 #include "attnkit/rms_norm.h"
 #include "attnkit/rope.h"
+#include "attnkit/safetensors.h"
 #include "attnkit/score_graph.h"
 #include "attnkit/self_attention.h"
 #include "attnkit/serialize.h"

@@ -13,6 +13,7 @@
 
 #include "attnkit/python_state.h"
 #include "core/checks.h"
+#include "io/file_io.h"
 #include "io/state_dict_reader.h"
 
 namespace attnkit {
@@ -114,22 +115,9 @@ StateDict state_dict(const torch::nn::Module& module) {
 
 void write_state_dict(const StateDict& dict, const std::string& path) {
   const std::vector<char> bytes = torch_save_bytes(dict);
-
-  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    TORCH_CHECK(out.good(), "[write_state_dict] cannot open '", temporary, "' for writing");
+  detail::write_atomically(path, "[write_state_dict]", [&](std::ostream& out) {
     out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out.good()) {
-      std::remove(temporary.c_str());
-      TORCH_CHECK(false, "[write_state_dict] writing '", temporary, "' failed (disk full?)");
-    }
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    std::remove(temporary.c_str());
-    TORCH_CHECK(false, "[write_state_dict] cannot rename '", temporary, "' to '", path, "'");
-  }
+  });
 }
 
 StateDict read_state_dict(const std::string& path) {
@@ -152,7 +140,31 @@ std::vector<std::string> python_only_keys(const torch::nn::Module& module) {
   return keys;
 }
 
-LoadResult load_from(torch::nn::Module& module, const StateDict& dict, bool strict,
+}  // namespace
+
+namespace detail {
+
+void write_atomically(const std::string& path, const char* who,
+                      const std::function<void(std::ostream&)>& write) {
+  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(out.good(), who, " cannot open '", temporary, "' for writing");
+    write(out);
+    out.flush();
+    if (!out.good()) {
+      out.close();
+      std::remove(temporary.c_str());
+      TORCH_CHECK(false, who, " writing '", temporary, "' failed (disk full?)");
+    }
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::remove(temporary.c_str());
+    TORCH_CHECK(false, who, " cannot rename '", temporary, "' to '", path, "'");
+  }
+}
+
+LoadResult load_into(torch::nn::Module& module, const StateDict& dict, bool strict,
                      const std::string& source) {
   auto targets = module.named_parameters(/*recurse=*/true);
   for (const auto& buffer : module.named_buffers(/*recurse=*/true)) {
@@ -201,14 +213,14 @@ LoadResult load_from(torch::nn::Module& module, const StateDict& dict, bool stri
   return result;
 }
 
-}  // namespace
+}  // namespace detail
 
 LoadResult load_state_dict(torch::nn::Module& module, const StateDict& dict, bool strict) {
-  return load_from(module, dict, strict, "state dict");
+  return detail::load_into(module, dict, strict, "state dict");
 }
 
 LoadResult load_state_dict(torch::nn::Module& module, const std::string& path, bool strict) {
-  return load_from(module, read_state_dict(path), strict, "'" + path + "'");
+  return detail::load_into(module, read_state_dict(path), strict, "'" + path + "'");
 }
 
 }  // namespace attnkit
