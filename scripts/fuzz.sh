@@ -2,6 +2,8 @@
 # Coverage-guided fuzzing of every reader that takes a file from a user (libFuzzer, clang,
 # AddressSanitizer + UndefinedBehaviorSanitizer; build-fuzz/, CMake preset fuzz):
 #   fuzz_state_dict   attnkit::read_state_dict's parser, then load_state_dict into a module
+#   fuzz_safetensors  attnkit::load_safetensors (the header, the mapped data), then a load into
+#                     a module through a name map
 #   fuzz_checkpoint   attnkit-train --resume: the parser, then restore_checkpoint
 # Usage: scripts/fuzz.sh [SECONDS per target, default 60] [libFuzzer flags...]
 # First every saved regression input (tests/fuzz/regressions/<target>/, each an input that
@@ -23,7 +25,7 @@ cmake --build --preset fuzz -j "$(nproc)"
 
 export ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-for target in state_dict checkpoint; do
+for target in state_dict safetensors checkpoint; do
   binary=build-fuzz/tests/fuzz/fuzz_$target
   regressions=tests/fuzz/regressions/$target
   if compgen -G "$regressions/*" >/dev/null; then

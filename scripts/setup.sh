@@ -11,6 +11,7 @@ packages=(
   libopenblas0-pthread           # without it LibTorch uses the reference BLAS, ~30x slower
   libgtest-dev                   # tests
   libcxxopts-dev                 # command-line parsing in the programs
+  libicu-dev                     # Unicode in apps/sentence_encoder's BERT tokenizer
   libstb-dev                     # PNG writing and a bitmap font for attention heatmaps
   libgloo-dev                    # Gloo's headers: attnkit-train's data-parallel runs (c10d)
   nlohmann-json3-dev             # JSON headers of safetensors files (src/io/safetensors.cpp)

@@ -1,0 +1,155 @@
+#include "bert_encoder.h"
+
+#include <fstream>
+#include <stdexcept>
+
+#include <nlohmann/json.hpp>
+
+namespace sentence_encoder {
+
+BertConfig BertConfig::from_json(const std::string& path) {
+  std::ifstream in(path);
+  if (!in)
+    throw std::runtime_error("cannot open the model's config '" + path + "'");
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& error) {
+    throw std::runtime_error("'" + path + "' is not valid JSON: " + error.what());
+  }
+  const auto field = [&](const char* name) -> const nlohmann::json& {
+    if (!json.contains(name))
+      throw std::runtime_error("'" + path + "' has no \"" + name + "\"");
+    return json[name];
+  };
+  const auto positive = [&](const char* name) {
+    const auto& value = field(name);
+    if (!value.is_number_integer() || value.get<int64_t>() <= 0)
+      throw std::runtime_error("'" + path + "': \"" + name + "\" must be a positive integer, got " +
+                               value.dump());
+    return value.get<int64_t>();
+  };
+  BertConfig config;
+  config.vocab_size = positive("vocab_size");
+  config.hidden_size = positive("hidden_size");
+  config.num_hidden_layers = positive("num_hidden_layers");
+  config.num_attention_heads = positive("num_attention_heads");
+  config.intermediate_size = positive("intermediate_size");
+  config.max_position_embeddings = positive("max_position_embeddings");
+  config.type_vocab_size = positive("type_vocab_size");
+  config.layer_norm_eps = json.value("layer_norm_eps", 1e-12);
+  if (json.value("model_type", "") != "bert")
+    throw std::runtime_error("'" + path + "': expected \"model_type\": \"bert\", got " +
+                             json.value("model_type", nlohmann::json("none")).dump());
+  if (json.value("hidden_act", "gelu") != "gelu")
+    throw std::runtime_error("'" + path + "': only \"hidden_act\": \"gelu\" is supported, got " +
+                             field("hidden_act").dump());
+  if (json.value("position_embedding_type", "absolute") != "absolute")
+    throw std::runtime_error("'" + path + "': only absolute position embeddings are supported");
+  if (config.hidden_size % config.num_attention_heads != 0)
+    throw std::runtime_error("'" + path + "': hidden_size " + std::to_string(config.hidden_size) +
+                             " is not a multiple of num_attention_heads " +
+                             std::to_string(config.num_attention_heads));
+  return config;
+}
+
+attnkit::NameMap bert_names() {
+  const std::string layer = R"(encoder\.layer\.(\d+)\.)";
+  return attnkit::NameMap{
+      /*prefix=*/"bert.",  // BertFor... checkpoints hold the BertModel under "bert."
+      /*ignored=*/{R"(embeddings\.position_ids)", R"(pooler\..*)"},
+      /*rules=*/
+      {
+          {layer + R"(attention\.self\.query\.(weight|bias))", {"layers.$1.attention.W_query.$2"}},
+          {layer + R"(attention\.self\.key\.(weight|bias))", {"layers.$1.attention.W_key.$2"}},
+          {layer + R"(attention\.self\.value\.(weight|bias))", {"layers.$1.attention.W_value.$2"}},
+          {layer + R"(attention\.output\.dense\.(weight|bias))",
+           {"layers.$1.attention.out_proj.$2"}},
+          {layer + R"(attention\.output\.LayerNorm\.(weight|bias))",
+           {"layers.$1.attention_norm.$2"}},
+          {layer + R"(intermediate\.dense\.(weight|bias))", {"layers.$1.ffn_in.$2"}},
+          {layer + R"(output\.dense\.(weight|bias))", {"layers.$1.ffn_out.$2"}},
+          {layer + R"(output\.LayerNorm\.(weight|bias))", {"layers.$1.ffn_norm.$2"}},
+      }};
+}
+
+namespace {
+
+torch::nn::LayerNorm layer_norm(const BertConfig& config) {
+  return torch::nn::LayerNorm(
+      torch::nn::LayerNormOptions({config.hidden_size}).eps(config.layer_norm_eps));
+}
+
+}  // namespace
+
+BertEmbeddingsImpl::BertEmbeddingsImpl(const BertConfig& config)
+    : word_embeddings(register_module("word_embeddings",
+                                      torch::nn::Embedding(config.vocab_size, config.hidden_size))),
+      position_embeddings(register_module(
+          "position_embeddings",
+          torch::nn::Embedding(config.max_position_embeddings, config.hidden_size))),
+      token_type_embeddings(
+          register_module("token_type_embeddings",
+                          torch::nn::Embedding(config.type_vocab_size, config.hidden_size))),
+      LayerNorm(register_module("LayerNorm", layer_norm(config))) {}
+
+torch::Tensor BertEmbeddingsImpl::forward(const torch::Tensor& ids) {
+  const auto positions = torch::arange(ids.size(1), ids.options());  // (n)
+  // One sentence per input: every token has type 0.
+  const auto x = word_embeddings(ids) + position_embeddings(positions) +
+                 token_type_embeddings->weight[0];  // (b, n, hidden)
+  return LayerNorm(x);
+}
+
+BertLayerImpl::BertLayerImpl(const BertConfig& config)
+    : attention(register_module(
+          "attention", attnkit::MultiHeadAttention(attnkit::MultiHeadAttentionOptions(
+                                                       config.hidden_size, config.hidden_size,
+                                                       config.max_position_embeddings,
+                                                       /*dropout=*/0.0, config.num_attention_heads)
+                                                       .qkv_bias(true)
+                                                       .causal(false)))),
+      attention_norm(register_module("attention_norm", layer_norm(config))),
+      ffn_in(register_module("ffn_in",
+                             torch::nn::Linear(config.hidden_size, config.intermediate_size))),
+      ffn_out(register_module("ffn_out",
+                              torch::nn::Linear(config.intermediate_size, config.hidden_size))),
+      ffn_norm(register_module("ffn_norm", layer_norm(config))) {}
+
+torch::Tensor BertLayerImpl::forward(torch::Tensor x, const attnkit::Mask& padding) {
+  x = attention_norm(x + attention->forward(x, {}, {}, padding));
+  return ffn_norm(x + ffn_out(torch::gelu(ffn_in(x))));
+}
+
+BertEncoderImpl::BertEncoderImpl(const BertConfig& config_)
+    : config(config_),
+      embeddings(register_module("embeddings", BertEmbeddings(config_))),
+      layers(register_module("layers", torch::nn::ModuleList())) {
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i)
+    layers->push_back(BertLayer(config));
+}
+
+torch::Tensor BertEncoderImpl::forward(const torch::Tensor& ids, const torch::Tensor& lengths) {
+  if (ids.dim() != 2 || ids.size(1) > config.max_position_embeddings)
+    throw std::invalid_argument("ids: expected (batch, at most " +
+                                std::to_string(config.max_position_embeddings) + " tokens), got " +
+                                c10::str(ids.sizes()));
+  const auto padding = attnkit::Mask::key_padding(lengths);
+  auto x = embeddings(ids);
+  for (const auto& layer : *layers)
+    x = layer->as<BertLayer>()->forward(x, padding);
+  return x;
+}
+
+torch::Tensor BertEncoderImpl::embed(const torch::Tensor& ids, const torch::Tensor& lengths) {
+  const auto hidden = forward(ids, lengths).to(torch::kFloat32);  // (b, n, hidden)
+  const auto valid =
+      (torch::arange(ids.size(1), lengths.options()).unsqueeze(0) < lengths.unsqueeze(1))
+          .unsqueeze(-1)
+          .to(torch::kFloat32);                                              // (b, n, 1)
+  const auto mean = (hidden * valid).sum(1) / valid.sum(1).clamp_min(1e-9);  // (b, hidden)
+  return torch::nn::functional::normalize(mean,
+                                          torch::nn::functional::NormalizeFuncOptions().dim(1));
+}
+
+}  // namespace sentence_encoder
