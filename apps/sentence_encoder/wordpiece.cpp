@@ -47,7 +47,9 @@ bool is_whitespace(char32_t c) {
   return c == U'\t' || c == U'\n' || c == U'\r' || u_hasBinaryProperty(c, UCHAR_WHITE_SPACE);
 }
 
-// Any "other" category (Cc, Cf, Cs, Co, Cn) except the three whitespace controls.
+// Controls, formats, surrogates and private use (Cc, Cf, Cs, Co) except the three whitespace
+// controls. Unassigned code points (Cn) stay, as in the `tokenizers` package, whose tables
+// list no Cn: a word holding one becomes [UNK].
 bool is_control(char32_t c) {
   if (c == U'\t' || c == U'\n' || c == U'\r')
     return false;
@@ -56,7 +58,6 @@ bool is_control(char32_t c) {
     case U_FORMAT_CHAR:
     case U_SURROGATE:
     case U_PRIVATE_USE_CHAR:
-    case U_UNASSIGNED:
       return true;
     default:
       return false;
