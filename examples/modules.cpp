@@ -108,6 +108,45 @@ void state_dicts() {
   std::remove(path.c_str());
 }
 
+void safetensors_files() {
+  const auto path =
+      (std::filesystem::temp_directory_path() / "attnkit_example_gpt2.safetensors").string();
+  attnkit::MultiHeadAttention trained(768, 768, 1024, 0.0, 12, /*qkv_bias=*/true);
+  attnkit::StateDict gpt2;  // a GPT-2 attention layer's weights, as transformers names them
+  const auto w = attnkit::state_dict(*trained);
+  gpt2.insert("h.0.attn.c_attn.weight",  // Conv1D: (in, out), query, key and value fused
+              torch::cat({w["W_query.weight"], w["W_key.weight"], w["W_value.weight"]}).t());
+  gpt2.insert("h.0.attn.c_attn.bias",
+              torch::cat({w["W_query.bias"], w["W_key.bias"], w["W_value.bias"]}));
+  gpt2.insert("h.0.attn.c_proj.weight", w["out_proj.weight"].t());
+  gpt2.insert("h.0.attn.c_proj.bias", w["out_proj.bias"]);
+  gpt2.insert("h.0.attn.bias", torch::ones({1, 1, 1024, 1024}).tril());
+  attnkit::save_safetensors(gpt2, path, {{"format", "pt"}});
+  // [doc:safetensors]
+  // GPT-2's names and layouts to attnkit's MultiHeadAttention, as data.
+  const attnkit::NameMap gpt2_attention{
+      /*prefix=*/"h.0.attn.",
+      /*ignored=*/{"bias"},  // GPT-2's causal-mask buffer
+                             /*rules=*/
+      {{"c_attn\\.weight",
+        {"W_query.weight", "W_key.weight", "W_value.weight"},
+        /*transpose=*/true},
+       {"c_attn\\.bias", {"W_query.bias", "W_key.bias", "W_value.bias"}},
+       {"c_proj\\.weight", {"out_proj.weight"}, /*transpose=*/true},
+       {"c_proj\\.bias", {"out_proj.bias"}}}};
+  attnkit::MultiHeadAttention mha(768, 768, 1024, 0.0, 12, /*qkv_bias=*/true);
+  attnkit::load_safetensors(*mha, path, gpt2_attention);  // strict: every weight, nothing left
+
+  auto tensors = attnkit::load_safetensors(path);  // the file's tensors, memory-mapped
+  auto format = attnkit::load_safetensors_metadata(path).at("format");  // "pt"
+  attnkit::save_safetensors(attnkit::state_dict(*mha),
+                            path);  // safetensors.torch.load_file reads it
+  // [doc:end]
+  TORCH_CHECK(torch::equal(mha->W_key->weight, trained->W_key->weight) && format == "pt" &&
+              tensors.size() == 5);
+  std::remove(path.c_str());
+}
+
 void rotary_and_qk_norm() {
   torch::NoGradGuard no_grad;
   // [doc:rope]
@@ -199,6 +238,7 @@ int main() {
   errors();
   backends();
   state_dicts();
+  safetensors_files();
   rotary_and_qk_norm();
   block_masks();
   threads();
