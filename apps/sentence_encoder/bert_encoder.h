@@ -24,6 +24,14 @@ struct BertConfig {
   int64_t max_position_embeddings = 0;
   int64_t type_vocab_size = 0;
   double layer_norm_eps = 1e-12;
+  // Not in config.json: how the attention layers run.
+  /// The longest sequence an attention layer takes (its context_length). 0:
+  /// max_position_embeddings; packed batches (`embed_packed`) need the batch's tokens.
+  int64_t attention_context = 0;
+  /// The chunked kernel's tiles (attnkit's defaults). Packed sentences want tiles near a
+  /// sentence's length, so that few of a tile's scores fall outside its sentence.
+  int64_t query_block_size = 128;
+  int64_t key_block_size = 1024;
 
   /// Reads `config.json`; throws std::runtime_error naming the file and the field when one is
   /// missing, or when the model is not a BERT with absolute positions and GELU.
@@ -37,8 +45,8 @@ attnkit::NameMap bert_names();
 
 struct BertEmbeddingsImpl : torch::nn::Module {
   explicit BertEmbeddingsImpl(const BertConfig& config);
-  /// ids (b, n) -> (b, n, hidden)
-  torch::Tensor forward(const torch::Tensor& ids);
+  /// ids (b, n), positions (n) or (b, n) -> (b, n, hidden)
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions);
 
   torch::nn::Embedding word_embeddings{nullptr}, position_embeddings{nullptr},
       token_type_embeddings{nullptr};
@@ -48,8 +56,9 @@ TORCH_MODULE(BertEmbeddings);
 
 struct BertLayerImpl : torch::nn::Module {
   explicit BertLayerImpl(const BertConfig& config);
-  /// x (b, n, hidden); padding: the sentences' lengths as a key-padding mask.
-  torch::Tensor forward(torch::Tensor x, const attnkit::Mask& padding);
+  /// x (b, n, hidden); mask: which keys each token sees (the sentences' lengths as a
+  /// key-padding mask, or the sentences of a packed sequence as documents).
+  torch::Tensor forward(torch::Tensor x, const attnkit::Mask& mask);
 
   attnkit::MultiHeadAttention attention{nullptr};
   torch::nn::LayerNorm attention_norm{nullptr};
@@ -65,10 +74,21 @@ struct BertEncoderImpl : torch::nn::Module {
   /// The sentence embeddings (b, hidden), in float32: the mean of each sentence's hidden
   /// states over its `lengths` tokens, L2-normalised.
   torch::Tensor embed(const torch::Tensor& ids, const torch::Tensor& lengths);
+  /// The same embeddings (s, hidden) of s sentences packed into one sequence without padding:
+  /// ids (total) int64, the sentences one after another; lengths (s) int64. Each sentence's
+  /// tokens attend only to its own (attnkit::Mask::documents), from position 0.
+  torch::Tensor embed_packed(const torch::Tensor& ids, const torch::Tensor& lengths);
 
   BertConfig config;
   BertEmbeddings embeddings{nullptr};
   torch::nn::ModuleList layers{nullptr};
+
+ private:
+  // ids (b, n), positions (n) or (b, n) -> hidden states (b, n, hidden)
+  torch::Tensor hidden_states(const torch::Tensor& ids, const torch::Tensor& positions,
+                              const attnkit::Mask& mask);
+  // hidden (s, hidden) sums of each sentence's states, divided by lengths (s), L2-normalised
+  static torch::Tensor mean_normalized(const torch::Tensor& sums, const torch::Tensor& lengths);
 };
 TORCH_MODULE(BertEncoder);
 

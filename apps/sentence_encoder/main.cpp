@@ -44,6 +44,7 @@ struct Settings {
   int repeat = 1;
   std::string ids_out, embeddings_out;
   bool quiet = false;
+  bool pack = false;
 };
 
 [[noreturn]] void fail(const std::string& message) {
@@ -85,8 +86,11 @@ Settings parse(int argc, char** argv) {
                 "sentence_bert_config.json)", cxxopts::value<std::string>())
       ("input", "a file of sentences, one per line (instead of SENTENCE...)",
        cxxopts::value<std::string>())
-      ("batch-size", "sentences per padded batch (sorted by length first)",
+      ("batch-size", "sentences per batch (sorted by length first)",
        cxxopts::value<int64_t>()->default_value("16"))
+      ("pack", "run each batch as one sequence without padding, each sentence attending to "
+               "itself only (attnkit::Mask::documents); default: padded, with a key-padding "
+               "mask")
       ("max-tokens", "tokens per sentence with [CLS] and [SEP], longer ones cut (default: "
                      "sentence_bert_config.json's max_seq_length, else the model's positions)",
        cxxopts::value<int64_t>())
@@ -162,11 +166,13 @@ Settings parse(int argc, char** argv) {
   if (result.count("embeddings-out"))
     settings.embeddings_out = result["embeddings-out"].as<std::string>();
   settings.quiet = result.count("quiet") > 0;
+  settings.pack = result.count("pack") > 0;
   return settings;
 }
 
 // Every sentence's embedding, in the input's order: sentences sorted by length (longest
-// first, as sentence-transformers does), cut into batches, each padded to its longest.
+// first, as sentence-transformers does), cut into batches, each padded to its longest or
+// (--pack) packed.
 torch::Tensor encode(BertEncoder& encoder, const std::vector<std::vector<int64_t>>& ids,
                      const Settings& settings, int64_t pad_id) {
   std::vector<size_t> order(ids.size());
@@ -177,17 +183,27 @@ torch::Tensor encode(BertEncoder& encoder, const std::vector<std::vector<int64_t
   torch::NoGradGuard no_grad;
   for (size_t start = 0; start < order.size(); start += settings.batch_size) {
     const size_t end = std::min(order.size(), start + static_cast<size_t>(settings.batch_size));
-    const auto longest = static_cast<int64_t>(ids[order[start]].size());
-    auto batch = torch::full({static_cast<int64_t>(end - start), longest}, pad_id, torch::kInt64);
+    torch::Tensor batch_embeddings;
     auto lengths = torch::empty({static_cast<int64_t>(end - start)}, torch::kInt64);
-    for (size_t i = start; i < end; ++i) {
-      const auto& sentence = ids[order[i]];
-      const auto row = static_cast<int64_t>(i - start);
-      std::copy(sentence.begin(), sentence.end(), batch[row].data_ptr<int64_t>());
-      lengths[row] = static_cast<int64_t>(sentence.size());
+    for (size_t i = start; i < end; ++i)
+      lengths[static_cast<int64_t>(i - start)] = static_cast<int64_t>(ids[order[i]].size());
+    if (settings.pack) {
+      std::vector<int64_t> packed;  // the sentences one after another
+      for (size_t i = start; i < end; ++i)
+        packed.insert(packed.end(), ids[order[i]].begin(), ids[order[i]].end());
+      batch_embeddings = encoder->embed_packed(
+          torch::tensor(packed, torch::kInt64).to(settings.device), lengths.to(settings.device));
+    } else {
+      const auto longest = static_cast<int64_t>(ids[order[start]].size());
+      auto batch = torch::full({static_cast<int64_t>(end - start), longest}, pad_id, torch::kInt64);
+      for (size_t i = start; i < end; ++i) {
+        const auto& sentence = ids[order[i]];
+        std::copy(sentence.begin(), sentence.end(),
+                  batch[static_cast<int64_t>(i - start)].data_ptr<int64_t>());
+      }
+      batch_embeddings = encoder->embed(batch.to(settings.device), lengths.to(settings.device));
     }
-    const auto batch_embeddings =
-        encoder->embed(batch.to(settings.device), lengths.to(settings.device)).cpu();
+    batch_embeddings = batch_embeddings.cpu();
     for (size_t i = start; i < end; ++i)
       embeddings[static_cast<int64_t>(order[i])] =
           batch_embeddings[static_cast<int64_t>(i - start)];
@@ -201,7 +217,7 @@ int main(int argc, char** argv) {
   const Settings settings = parse(argc, argv);
   const std::string& dir = settings.model_dir;
   try {
-    const auto config = BertConfig::from_json(dir + "/config.json");
+    auto config = BertConfig::from_json(dir + "/config.json");
     const WordPieceTokenizer tokenizer(dir + "/vocab.txt");
     const int64_t limit = model_token_limit(dir, config);
     const int64_t max_tokens = settings.max_tokens > 0 ? settings.max_tokens : limit;
@@ -234,6 +250,13 @@ int main(int argc, char** argv) {
         fail("--ids-out: cannot write '" + settings.ids_out + "'");
     }
 
+    if (settings.pack) {
+      // A packed batch is one sequence of up to batch-size sentences; tiles of 64 queries by
+      // 128 keys measured fastest for all-MiniLM-L6-v2's sentences (docs/benchmarks.md).
+      config.attention_context = max_tokens * settings.batch_size;
+      config.query_block_size = 64;
+      config.key_block_size = 128;
+    }
     BertEncoder encoder(config);
     const auto load_start = std::chrono::steady_clock::now();
     attnkit::load_safetensors(*encoder, dir + "/model.safetensors", sentence_encoder::bert_names());
