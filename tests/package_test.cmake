@@ -1,6 +1,6 @@
 # CTest script: installs attnkit into a temporary prefix, builds apps/tiny_gpt (both of its
-# designs, and its check against the Python reference) and apps/encoder_decoder (separate
-# projects) and the README's example (examples/, target quickstart) against it with
+# designs, and its check against the Python reference), apps/encoder_decoder and
+# apps/sentence_encoder (separate projects) and the README's example (examples/, target quickstart) against it with
 # find_package(attnkit), and runs them. Proves the package works as the README says.
 # Inputs (-D): ATTNKIT_BINARY_DIR, ATTNKIT_SOURCE_DIR, WORK_DIR, TORCH_DIR, GENERATOR.
 foreach(input ATTNKIT_BINARY_DIR ATTNKIT_SOURCE_DIR WORK_DIR TORCH_DIR GENERATOR)
@@ -72,6 +72,19 @@ run_step("configure encoder_decoder" ${configure} -S ${ATTNKIT_SOURCE_DIR}/apps/
   -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
 run_step("build encoder_decoder" ${CMAKE_COMMAND} --build ${WORK_DIR}/encoder_decoder)
 run_program("run encoder_decoder" ${WORK_DIR}/encoder_decoder/encoder_decoder)
+
+# The pretrained sentence encoder as a project of its own (apps/sentence_encoder/README.md):
+# it builds against the package, and says what it needs without a model (the model itself is
+# checked on the pip leg, whose Python has it: sentence_encoder.matches_sentence_transformers).
+run_step("configure sentence_encoder" ${configure} -S ${ATTNKIT_SOURCE_DIR}/apps/sentence_encoder
+  -B ${WORK_DIR}/sentence_encoder -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
+  -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${TORCH_DIR})
+run_step("build sentence_encoder" ${CMAKE_COMMAND} --build ${WORK_DIR}/sentence_encoder)
+execute_process(COMMAND ${WORK_DIR}/sentence_encoder/sentence_encoder --model ${WORK_DIR}/none "x"
+  RESULT_VARIABLE result ERROR_VARIABLE error)
+if(NOT result EQUAL 2 OR NOT error MATCHES "cannot open the model's config")
+  message(FATAL_ERROR "package test: sentence_encoder without a model gave ${result}: ${error}")
+endif()
 
 # The README's find_package lines, as examples/CMakeLists.txt holds them, and its example.
 run_step("configure examples" ${configure} -S ${ATTNKIT_SOURCE_DIR}/examples
