@@ -16,8 +16,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static attnkit::MultiHeadAttention module(/*d_in=*/6, /*d_out=*/8, /*context_length=*/7,
                                             /*dropout=*/0.0, /*num_heads=*/2);
   static const attnkit::NameMap names{
-      "model.", {R"(.*\.bias_mask)"}, {{R"(c_attn\.weight)", {"W_query.weight", "W_key.weight",
-                                                              "W_value.weight"}, true}}};
+      "model.",
+      {R"(.*\.bias_mask)"},
+      {{R"(c_attn\.weight)", {"W_query.weight", "W_key.weight", "W_value.weight"}, true}}};
   const int fd = ::memfd_create("fuzz-input.safetensors", MFD_CLOEXEC);
   if (fd < 0)
     __builtin_trap();
