@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""References for the decoder checks of docs/models.md (issue 55, part 3; no test reads them
+yet): small GPT-2, Llama 3 and Qwen3 models with random weights, made from each model's
+config by `transformers` on the CPU, saved as Hugging Face checkpoints, with what
+transformers computes from them.
+
+    "$(scripts/pip_torch.sh)" scripts/hf_decoder_reference.py OUT_DIR
+
+For each of gpt2, llama3 (grouped-query attention, RoPE with Llama 3's scaling, its original
+context below the prompts' positions so that the scaling matters) and qwen3 (QK-norm, an
+explicit head_dim), OUT_DIR/<name>/ gets:
+  config.json, model.safetensors   save_pretrained's checkpoint (float32 weights)
+  reference.safetensors            prompt<i> (int64): three prompts of 7, 12 and 3 tokens;
+                                   logits_float32_<i>, logits_float64_<i>: each prompt's logits
+                                   (the model in float32, and in float64 from the same weights);
+                                   generated<i> (int64): 32 greedy tokens, float64, from the
+                                   three prompts as one left-padded batch
+                                   (generate(do_sample=False)), checked here to equal each
+                                   prompt decoded alone
+The smallest gap between the best and second-best logit over every greedy step is printed:
+a near tie would make token-for-token equality a matter of rounding.
+"""
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config)
+
+VOCAB = 97
+NEW_TOKENS = 32
+PROMPT_LENGTHS = (7, 12, 3)
+PAD = 0  # a token id the prompts do not use
+
+
+def configs():
+    # No end-of-text token: every row decodes all 32 steps.
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=None, pad_token_id=PAD)
+    yield "gpt2", GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **common)
+    yield "llama3", LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16}, **common)
+    yield "qwen3", Qwen3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        **common)
+
+
+def greedy(model, prompts):
+    """The prompts as one left-padded batch, and each alone: the same tokens, or exit 1."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
+    batch = out.sequences[:, width:]
+    logits = torch.stack(out.logits, 1)  # (rows, steps, vocab)
+    top2 = logits.topk(2, dim=-1).values
+    gap = (top2[..., 0] - top2[..., 1]).min().item()
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(prompt.unsqueeze(0), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               pad_token_id=PAD)[0, len(prompt):]
+        if not torch.equal(alone, batch[row]):
+            sys.exit(f"hf_decoder_reference: prompt {row}: the batch's tokens {batch[row].tolist()} "
+                     f"differ from the prompt's alone {alone.tolist()}")
+    return batch, gap
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    out_dir = sys.argv[1]
+    for name, config in configs():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():  # weights far from the tiny default init: decisive logits
+            for parameter in model.parameters():
+                if parameter.dim() >= 2:
+                    parameter.normal_(0.0, 0.3)
+        folder = os.path.join(out_dir, name)
+        model.save_pretrained(folder, safe_serialization=True)
+        generator = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, VOCAB, (n,), generator=generator) for n in PROMPT_LENGTHS]
+        reference = {}
+        with torch.no_grad():
+            for i, prompt in enumerate(prompts):
+                reference[f"prompt{i}"] = prompt
+                reference[f"logits_float32_{i}"] = model(prompt.unsqueeze(0)).logits[0]
+            model.double()
+            for i, prompt in enumerate(prompts):
+                reference[f"logits_float64_{i}"] = model(prompt.unsqueeze(0)).logits[0]
+            generated, gap = greedy(model, prompts)
+        for i in range(len(prompts)):
+            reference[f"generated{i}"] = generated[i].contiguous()
+        save_file({k: v.contiguous() for k, v in reference.items()},
+                  os.path.join(folder, "reference.safetensors"),
+                  metadata={"transformers": __import__("transformers").__version__})
+        print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, "
+              f"{len(prompts)} prompts, {NEW_TOKENS} greedy tokens each; smallest top-2 logit gap "
+              f"{gap:.3g}; -> {folder}")
+
+
+if __name__ == "__main__":
+    main()
