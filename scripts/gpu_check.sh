@@ -8,8 +8,9 @@
 # Usage:
 #   scripts/gpu_check.sh --prepare   on the machine without the GPU (Debian): copies the
 #                                    headers and static libraries that the GPU machine lacks
-#                                    (GoogleTest, cxxopts, stb, Gloo's headers) into .gpu-deps/
-#                                    (git-ignored, 4.6 MB), to carry with the tree
+#                                    (GoogleTest, cxxopts, stb, Gloo's headers, nlohmann-json,
+#                                    ICU) into .gpu-deps/ (git-ignored, 44 MB), to carry with
+#                                    the tree
 #   scripts/gpu_check.sh [--python PY] [--log-dir DIR]
 #                                    on the GPU machine: build, run, summarise. Without a GPU it
 #                                    says so and stops (exit 3) before building anything.
@@ -42,7 +43,7 @@ while [[ $# -gt 0 ]]; do
     --prepare) mode=prepare; shift ;;
     --python) python=${2:?--python needs a path}; shift 2 ;;
     --log-dir) logs=${2:?--log-dir needs a folder}; shift 2 ;;
-    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -53,10 +54,15 @@ if [[ $mode == prepare ]]; then
   mkdir -p "$deps/usr/include" "$deps/usr/lib/x86_64-linux-gnu/cmake"
   # GoogleTest's package keeps its prefix relative to its CMake files: copy the same layout.
   cp -r /usr/include/gtest /usr/include/gmock /usr/include/cxxopts.hpp /usr/include/stb \
-    /usr/include/gloo "$deps/usr/include/"
+    /usr/include/gloo /usr/include/nlohmann /usr/include/unicode "$deps/usr/include/"
   cp /usr/lib/x86_64-linux-gnu/libgtest*.a /usr/lib/x86_64-linux-gnu/libgmock*.a \
     "$deps/usr/lib/x86_64-linux-gnu/"
+  # ICU for apps/sentence_encoder's tokenizer: its shared libraries (the binaries built there
+  # find them through the build tree's RPATH).
+  cp -P /usr/lib/x86_64-linux-gnu/libicu{uc,data}.so* "$deps/usr/lib/x86_64-linux-gnu/"
   cp -r /usr/lib/x86_64-linux-gnu/cmake/GTest "$deps/usr/lib/x86_64-linux-gnu/cmake/"
+  mkdir -p "$deps/usr/share/cmake"
+  cp -r /usr/share/cmake/nlohmann_json "$deps/usr/share/cmake/"
   echo "gpu_check: .gpu-deps/ ready ($(du -sh "$deps" | cut -f1)); carry it to the GPU machine"
   exit 0
 fi
@@ -110,7 +116,7 @@ build() {
     -DCMAKE_PREFIX_PATH="$torch_prefix/../..;$torch_prefix;$deps/usr" \
     -DTORCH_CUDA_ARCH_LIST="$("$python" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')" &&
     cmake --build build-gpu -j "$(nproc)" \
-      --target attnkit_tests attnkit-train attnkit-bench attnkit-decode-bench
+      --target attnkit_tests attnkit-train attnkit-bench attnkit-decode-bench sentence_encoder
 }
 export -f build
 export torch_prefix deps python

@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
-"""References for the decoder checks of docs/models.md (issue 55, part 3; no test reads them
-yet): small GPT-2, Llama 3 and Qwen3 models with random weights, made from each model's
-config by `transformers` on the CPU, saved as Hugging Face checkpoints, with what
-transformers computes from them.
+"""References for the decoder checks of docs/models.md: small GPT-2, Llama 3 and Qwen3 models
+with random weights, made from each model's config by `transformers` on the CPU, saved as
+Hugging Face checkpoints, with what transformers computes from them. tiny_gpt --hf reads
+them (data/golden/hf/, checked by the package test on every leg).
 
     "$(scripts/pip_torch.sh)" scripts/hf_decoder_reference.py OUT_DIR
+    "$(scripts/pip_torch.sh)" scripts/hf_decoder_reference.py --check data/golden/hf
+
+--check recomputes everything into a temporary folder and compares it with the folder given:
+the same configs, the same weights, the same prompts and greedy tokens, and logits within
+1e-6 relative (float32) and 1e-12 (float64); exit 1 on a difference.
 
 For each of gpt2, llama3 (grouped-query attention, RoPE with Llama 3's scaling, its original
 context below the prompts' positions so that the scaling matters) and qwen3 (QK-norm, an
@@ -20,11 +25,14 @@ explicit head_dim), OUT_DIR/<name>/ gets:
 The smallest gap between the best and second-best logit over every greedy step is printed:
 a near tie would make token-for-token equality a matter of rounding.
 """
+import json
 import os
 import sys
+import tempfile
 
 import torch
-from safetensors.torch import save_file
+import transformers
+from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config)
 
 VOCAB = 97
@@ -73,10 +81,55 @@ def greedy(model, prompts):
     return batch, gap
 
 
+def compare(expected_dir, actual_dir):
+    """Differences between the committed folder and a fresh one, as lines of text."""
+    problems = []
+    for name, _ in configs():
+        expected, actual = (os.path.join(d, name) for d in (expected_dir, actual_dir))
+        with open(os.path.join(expected, "config.json")) as a, \
+                open(os.path.join(actual, "config.json")) as b:
+            if json.load(a) != json.load(b):
+                problems.append(f"{name}/config.json differs")
+        for file in ("model.safetensors", "reference.safetensors"):
+            old, new = (load_file(os.path.join(d, file)) for d in (expected, actual))
+            if old.keys() != new.keys():
+                problems.append(f"{name}/{file}: keys {sorted(old)} != {sorted(new)}")
+                continue
+            for key, value in old.items():
+                fresh = new[key]
+                if value.dtype != fresh.dtype or value.shape != fresh.shape:
+                    problems.append(f"{name}/{file}: {key} is {value.dtype} {tuple(value.shape)}, "
+                                    f"now {fresh.dtype} {tuple(fresh.shape)}")
+                elif value.is_floating_point() and file == "reference.safetensors":
+                    tolerance = 1e-12 if value.dtype == torch.float64 else 1e-6
+                    scale = value.abs().max().item()
+                    worst = (value - fresh).abs().max().item()
+                    if worst > tolerance * scale:
+                        problems.append(f"{name}/{file}: {key} differs by {worst:.3g} "
+                                        f"(tolerance {tolerance} x {scale:.3g})")
+                elif not torch.equal(value, fresh):
+                    problems.append(f"{name}/{file}: {key} differs")
+    return problems
+
+
 def main():
-    if len(sys.argv) != 2:
+    if len(sys.argv) == 3 and sys.argv[1] == "--check":
+        with tempfile.TemporaryDirectory() as fresh:
+            write(fresh)
+            problems = compare(sys.argv[2], fresh)
+        for problem in problems:
+            print(f"hf_decoder_reference: {problem}")
+        print("hf_decoder_reference: " + ("the files differ from what transformers computes now"
+                                          if problems else f"{sys.argv[2]} is what transformers "
+                                          f"{transformers.__version__} computes"))
+        return 1 if problems else 0
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
         sys.exit(__doc__)
-    out_dir = sys.argv[1]
+    write(sys.argv[1])
+    return 0
+
+
+def write(out_dir):
     for name, config in configs():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
@@ -101,11 +154,11 @@ def main():
             reference[f"generated{i}"] = generated[i].contiguous()
         save_file({k: v.contiguous() for k, v in reference.items()},
                   os.path.join(folder, "reference.safetensors"),
-                  metadata={"transformers": __import__("transformers").__version__})
+                  metadata={"transformers": transformers.__version__})
         print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, "
               f"{len(prompts)} prompts, {NEW_TOKENS} greedy tokens each; smallest top-2 logit gap "
               f"{gap:.3g}; -> {folder}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

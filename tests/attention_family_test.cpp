@@ -78,6 +78,15 @@ TEST(AttentionFamily, ParametersHaveThePythonNamesOrderAndShapes) {
   EXPECT_EQ(gqa->W_key->weight.sizes(), (std::vector<int64_t>{4, 8}));  // 2 groups x head_dim 2
   EXPECT_EQ(gqa->W_query->weight.sizes(), (std::vector<int64_t>{12, 8}));
   EXPECT_TRUE(gqa->named_buffers().is_empty());
+  // Qwen3's shape: heads together (12) wider than the model (8), projected back to 8, also
+  // from the cache.
+  GroupedQueryAttention wide(GroupedQueryAttentionOptions(8, 12, 0.0, 6, 2).output_dim(8));
+  EXPECT_EQ(wide->out_proj->weight.sizes(), (std::vector<int64_t>{8, 12}));
+  EXPECT_EQ(wide->forward(torch::randn({2, 5, 8})).sizes(), (std::vector<int64_t>{2, 5, 8}));
+  wide->eval();
+  auto cache = wide->make_kv_cache(2, 5);
+  EXPECT_EQ(wide->forward_with_cache(torch::randn({2, 3, 8}), cache).sizes(),
+            (std::vector<int64_t>{2, 3, 8}));
   MultiHeadLatentAttention mla(8, 64, 0.0, 4, /*qkv_bias=*/true);
   EXPECT_EQ(mla->latent_dim(), 16);  // max(16, 64 / 8)
   EXPECT_EQ(MultiHeadLatentAttention(8, 256, 0.0, 4)->latent_dim(), 32);
@@ -303,6 +312,9 @@ TEST(AttentionFamily, RefusalsNameWhatIsWrong) {
                           "[GroupedQueryAttention] option d_out must be divisible by num_heads");
   expect_error_containing([] { GroupedQueryAttention(8, 12, 0.0, 6, 0); },
                           "[GroupedQueryAttention] option num_kv_groups must be > 0, got 0");
+  expect_error_containing(
+      [] { GroupedQueryAttention(GroupedQueryAttentionOptions(8, 12, 0.0, 6, 2).output_dim(0)); },
+      "[GroupedQueryAttention] option output_dim must be > 0, got 0");
   expect_error_containing(
       [] {
         GroupedQueryAttention(

@@ -17,11 +17,11 @@ namespace attnkit {
 
 /// Python `GroupedQueryAttention(d_in, d_out, dropout, num_heads, num_kv_groups,
 /// qkv_bias=False)`: Linear `W_key`, `W_value` (d_in -> num_kv_groups * head_dim), `W_query`
-/// (d_in -> d_out), created in that order, and `out_proj` (d_out -> d_out, no bias), with
-/// head_dim = d_out / num_heads. Query head h attends with key/value head
-/// h / (num_heads / num_kv_groups) (`repeat_interleave` order). Causal; with
+/// (d_in -> d_out), created in that order, and `out_proj` (d_out -> output_dim, no bias;
+/// output_dim is d_out unless set), with head_dim = d_out / num_heads. Query head h attends with
+/// key/value head h / (num_heads / num_kv_groups) (`repeat_interleave` order). Causal; with
 /// `sliding_window_size` W each token sees itself and the W - 1 before it.
-/// Input (b, n, d_in); output (b, n, d_out); forward, forward_with_weights and
+/// Input (b, n, d_in); output (b, n, output_dim); forward, forward_with_weights and
 /// forward_with_cache are CachedAttentionLayer's (attnkit/cached_attention.h).
 /// Example: `GroupedQueryAttention gqa(GroupedQueryAttentionOptions(768, 768, 0.0, 12, 4));`
 class GroupedQueryAttentionImpl : public CachedAttentionModule<GroupedQueryAttentionImpl> {
@@ -53,7 +53,7 @@ class GroupedQueryAttentionImpl : public CachedAttentionModule<GroupedQueryAtten
   torch::nn::Linear W_value{nullptr};
   /// Query projection, d_in -> d_out.
   torch::nn::Linear W_query{nullptr};
-  /// Output projection after the heads are merged, d_out -> d_out, no bias.
+  /// Output projection after the heads are merged, d_out -> output_dim, no bias.
   torch::nn::Linear out_proj{nullptr};
   /// With `qk_norm`: RMSNorm over each query head and each key head (head_dim); otherwise
   /// empty.

@@ -287,6 +287,9 @@ struct GroupedQueryAttentionOptions : AttentionBackendOptions<GroupedQueryAttent
   TORCH_ARG(c10::optional<RopeOptions>, rope) = c10::nullopt;
   /// QK-norm (Qwen3, Gemma 3), as in `MultiHeadAttentionOptions`.
   TORCH_ARG(bool, qk_norm) = false;
+  /// Width of the output: `out_proj` maps d_out to it. Unset: d_out. Qwen3 sets d_in, since
+  /// its heads together (num_heads * head_dim) are wider than the model.
+  TORCH_ARG(c10::optional<int64_t>, output_dim) = c10::nullopt;
 };
 
 /// Options for `MultiHeadLatentAttention` (the bonus material's Python

@@ -35,6 +35,8 @@ void GroupedQueryAttentionImpl::reset() {
   detail::check_window_option(kName, options.sliding_window_size(), /*causal=*/true);
   const auto d_in = options.d_in();
   const auto d_out = options.d_out();
+  const auto output_dim = options.output_dim().value_or(d_out);
+  detail::check_positive_option(kName, "output_dim", output_dim);
   const auto kv_width = options.num_kv_groups() * (d_out / options.num_heads());
   const auto bias = options.qkv_bias();
   // Creation order fixes the random draws: key, value, query, out_proj, as in Python.
@@ -44,8 +46,8 @@ void GroupedQueryAttentionImpl::reset() {
                             torch::nn::Linear(torch::nn::LinearOptions(d_in, kv_width).bias(bias)));
   W_query = register_module("W_query",
                             torch::nn::Linear(torch::nn::LinearOptions(d_in, d_out).bias(bias)));
-  out_proj = register_module("out_proj",
-                             torch::nn::Linear(torch::nn::LinearOptions(d_out, d_out).bias(false)));
+  out_proj = register_module(
+      "out_proj", torch::nn::Linear(torch::nn::LinearOptions(d_out, output_dim).bias(false)));
   rope_tables = detail::reset_query_key_transform(kName, *this, options.rope(), options.qk_norm(),
                                                   d_out / options.num_heads(), q_norm, k_norm);
 }
@@ -59,6 +61,8 @@ void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
          << ", backend=" << backend_name(options.backend())
          << ", query_block_size=" << options.query_block_size()
          << ", key_block_size=" << options.key_block_size();
+  if (options.output_dim())
+    stream << ", output_dim=" << *options.output_dim();
   detail::print_query_key_options(stream, options.rope(), options.qk_norm());
   stream << ")";
 }

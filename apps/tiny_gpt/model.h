@@ -1,0 +1,231 @@
+#pragma once
+// tiny_gpt's model: pre-norm decoder blocks on attnkit's attention layers, in two designs
+// (GPT-2 style and Llama style), one torch::nn::Module that attnkit::generate decodes.
+
+#include <attnkit/attnkit.h>
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tiny_gpt {
+
+struct ModelConfig {
+  int64_t vocab = 256;  // bytes
+  int64_t context_length = 64;
+  int64_t d_model = 64;
+  int64_t heads = 4;
+  int64_t layers = 2;
+  bool llama = false;
+  double norm_eps = 1e-5;  // every LayerNorm or RMSNorm of the blocks and the final norm
+  // The head reuses the token embedding's weight (GPT-2, Qwen3): no head module, no bias.
+  bool tied_head = false;
+  // GPT style only.
+  bool qkv_bias = false;
+  bool gelu_tanh = false;  // GPT-2's "gelu_new"; otherwise the exact (erf) GELU
+  // Llama style only.
+  int64_t kv_groups = 2;
+  int64_t hidden = 192;  // SwiGLU width, about 8/3 d_model
+  bool qk_norm = false;  // Qwen3's RMSNorm of queries and keys
+  int64_t head_dim = 0;  // 0: d_model / heads; Qwen3's heads together may be wider
+  attnkit::RopeOptions rope = attnkit::RopeOptions(64);
+};
+
+// One pre-norm decoder block: x + attention(norm(x)), then x + feed_forward(norm(x)). Any
+// attnkit attention layer with a KV cache attends; each design supplies its norms and
+// feed-forward.
+struct DecoderBlock : torch::nn::Module {
+  explicit DecoderBlock(std::shared_ptr<attnkit::CachedAttentionLayer> layer)
+      : attention(std::move(layer)) {
+    register_module("attention", attention->as_module());
+  }
+
+  torch::Tensor forward(torch::Tensor x) {  // (b, n, d) -> (b, n, d)
+    x = x + attention->forward(attention_norm(x));
+    return x + feed_forward(feed_forward_norm(x));
+  }
+  // The same for the next tokens of sequences whose earlier keys and values are in `cache`;
+  // with `lengths` (b), row r brings its first lengths[r] tokens, the rest is padding.
+  torch::Tensor forward_with_cache(torch::Tensor x, attnkit::KVCache& cache,
+                                   const torch::Tensor& lengths) {
+    x = x + attention->forward_with_cache(attention_norm(x), cache, lengths);
+    return x + feed_forward(feed_forward_norm(x));
+  }
+  attnkit::KVCache make_kv_cache(int64_t batch, int64_t capacity) {
+    return attention->make_kv_cache(batch, capacity);
+  }
+
+  virtual torch::Tensor attention_norm(const torch::Tensor& x) = 0;
+  virtual torch::Tensor feed_forward_norm(const torch::Tensor& x) = 0;
+  virtual torch::Tensor feed_forward(const torch::Tensor& x) = 0;
+
+  std::shared_ptr<attnkit::CachedAttentionLayer> attention;
+};
+
+// GPT-2 style: LayerNorms, multi-head attention and a GELU MLP.
+struct GptBlock : DecoderBlock {
+  GptBlock(const ModelConfig& c, double dropout)
+      : DecoderBlock(attnkit::MultiHeadAttention(c.d_model, c.d_model, c.context_length, dropout,
+                                                 c.heads, c.qkv_bias)
+                         .ptr()),
+        attention_norm_(register_module("attention_norm", norm(c))),
+        feed_forward_norm_(register_module("feed_forward_norm", norm(c))),
+        feed_forward_(register_module(
+            "feed_forward",
+            torch::nn::Sequential(torch::nn::Linear(c.d_model, 4 * c.d_model),
+                                  torch::nn::GELU(torch::nn::GELUOptions().approximate(
+                                      c.gelu_tanh ? "tanh" : "none")),
+                                  torch::nn::Linear(4 * c.d_model, c.d_model)))) {}
+  static torch::nn::LayerNorm norm(const ModelConfig& c) {
+    return torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(c.norm_eps));
+  }
+
+  torch::Tensor attention_norm(const torch::Tensor& x) override { return attention_norm_(x); }
+  torch::Tensor feed_forward_norm(const torch::Tensor& x) override { return feed_forward_norm_(x); }
+  torch::Tensor feed_forward(const torch::Tensor& x) override { return feed_forward_->forward(x); }
+
+  torch::nn::LayerNorm attention_norm_;
+  torch::nn::LayerNorm feed_forward_norm_;
+  torch::nn::Sequential feed_forward_;
+};
+
+// Llama's feed-forward: fc3(silu(fc1(x)) * fc2(x)), no biases.
+struct SwiGLUImpl : torch::nn::Module {
+  SwiGLUImpl(int64_t d_model, int64_t hidden)
+      : fc1(register_module("fc1", linear(d_model, hidden))),
+        fc2(register_module("fc2", linear(d_model, hidden))),
+        fc3(register_module("fc3", linear(hidden, d_model))) {}
+  static torch::nn::Linear linear(int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc3(torch::silu(fc1(x)) * fc2(x)); }
+
+  torch::nn::Linear fc1, fc2, fc3;
+};
+TORCH_MODULE(SwiGLU);
+
+// Llama style: RMSNorm, grouped-query attention with RoPE (and QK-norm for Qwen3), SwiGLU.
+struct LlamaBlock : DecoderBlock {
+  LlamaBlock(const ModelConfig& c, double dropout)
+      : DecoderBlock(attnkit::GroupedQueryAttention(attention_options(c, dropout)).ptr()),
+        attention_norm_(register_module("attention_norm", norm(c))),
+        feed_forward_norm_(register_module("feed_forward_norm", norm(c))),
+        feed_forward_(register_module("feed_forward", SwiGLU(c.d_model, c.hidden))) {}
+  static attnkit::RMSNorm norm(const ModelConfig& c) {
+    return attnkit::RMSNorm(attnkit::RMSNormOptions(c.d_model).eps(c.norm_eps));
+  }
+  static attnkit::GroupedQueryAttentionOptions attention_options(const ModelConfig& c,
+                                                                 double dropout) {
+    const int64_t heads_width = c.heads * (c.head_dim > 0 ? c.head_dim : c.d_model / c.heads);
+    auto options =
+        attnkit::GroupedQueryAttentionOptions(c.d_model, heads_width, dropout, c.heads, c.kv_groups)
+            .rope(c.rope)
+            .qk_norm(c.qk_norm);
+    if (heads_width != c.d_model)
+      options.output_dim(c.d_model);
+    return options;
+  }
+
+  torch::Tensor attention_norm(const torch::Tensor& x) override { return attention_norm_(x); }
+  torch::Tensor feed_forward_norm(const torch::Tensor& x) override { return feed_forward_norm_(x); }
+  torch::Tensor feed_forward(const torch::Tensor& x) override { return feed_forward_(x); }
+
+  attnkit::RMSNorm attention_norm_;
+  attnkit::RMSNorm feed_forward_norm_;
+  SwiGLU feed_forward_;
+};
+
+// A torch::nn::Module and an attnkit::CausalLanguageModel, so attnkit::generate can decode it,
+// one prompt or a batch of prompts of different lengths.
+struct TinyGptImpl : torch::nn::Module, attnkit::CausalLanguageModel {
+  TinyGptImpl(const ModelConfig& config, double dropout)
+      : config(config),
+        token_embedding(
+            register_module("token_embedding", torch::nn::Embedding(config.vocab, config.d_model))),
+        blocks(register_module("blocks", torch::nn::ModuleList())) {
+    if (!config.llama) {
+      position_embedding = register_module(
+          "position_embedding", torch::nn::Embedding(config.context_length, config.d_model));
+      final_norm = torch::nn::AnyModule(GptBlock::norm(config));
+    } else {
+      final_norm = torch::nn::AnyModule(LlamaBlock::norm(config));
+    }
+    register_module("final_norm", final_norm.ptr());
+    if (!config.tied_head) {
+      head = register_module(
+          "head", torch::nn::Linear(
+                      torch::nn::LinearOptions(config.d_model, config.vocab).bias(!config.llama)));
+    }
+    for (int64_t i = 0; i < config.layers; ++i) {
+      if (config.llama)
+        blocks->push_back(std::make_shared<LlamaBlock>(config, dropout));
+      else
+        blocks->push_back(std::make_shared<GptBlock>(config, dropout));
+    }
+  }
+
+  torch::Tensor forward(const torch::Tensor& tokens) {  // (b, n) -> logits (b, n, vocab)
+    auto x = embed(tokens, torch::arange(tokens.size(1), tokens.options()));
+    for (auto& block : *blocks) {
+      x = block->as<DecoderBlock>()->forward(x);
+    }
+    return project_to_vocab(final_norm.forward(x));
+  }
+  // (b, n, d) -> (b, n, vocab)
+  torch::Tensor project_to_vocab(const torch::Tensor& x) {
+    return config.tied_head ? torch::nn::functional::linear(x, token_embedding->weight) : head(x);
+  }
+
+  // attnkit::CausalLanguageModel
+  torch::Tensor logits(const torch::Tensor& tokens) override { return forward(tokens); }
+  torch::Tensor logits_with_cache(const torch::Tensor& tokens,
+                                  std::vector<attnkit::KVCache>& caches) override {
+    return with_cache(tokens, {}, caches);
+  }
+  torch::Tensor ragged_logits_with_cache(const torch::Tensor& tokens, const torch::Tensor& lengths,
+                                         std::vector<attnkit::KVCache>& caches) override {
+    return with_cache(tokens, lengths, caches);
+  }
+  std::vector<attnkit::KVCache> make_kv_caches(int64_t batch, int64_t capacity) override {
+    std::vector<attnkit::KVCache> caches;
+    for (auto& block : *blocks) {
+      caches.push_back(block->as<DecoderBlock>()->make_kv_cache(batch, capacity));
+    }
+    return caches;
+  }
+  int64_t context_length() const override { return config.context_length; }
+
+  // Tokens (b, n) continuing the sequences in `caches`: row r's token i at position
+  // caches' length of row r + i. The padding of a ragged call may pass the position table; its
+  // positions are clamped (its outputs are not used).
+  torch::Tensor with_cache(const torch::Tensor& tokens, const torch::Tensor& lengths,
+                           std::vector<attnkit::KVCache>& caches) {
+    const auto starts = caches.front().lengths().to(tokens.device()).unsqueeze(1);  // (b, 1)
+    const auto positions = (starts + torch::arange(tokens.size(1), tokens.options()))
+                               .clamp_max(config.context_length - 1);  // (b, n)
+    auto x = embed(tokens, positions);
+    for (size_t i = 0; i < caches.size(); ++i) {
+      x = blocks[i]->as<DecoderBlock>()->forward_with_cache(x, caches[i], lengths);
+    }
+    return project_to_vocab(final_norm.forward(x));
+  }
+
+  // Token embeddings of tokens (b, n), plus those of `positions` ((n) or (b, n)) in the GPT
+  // design; the Llama design rotates positions into queries and keys instead.
+  torch::Tensor embed(const torch::Tensor& tokens, const torch::Tensor& positions) {
+    auto x = token_embedding(tokens);
+    return config.llama ? x : x + position_embedding(positions);
+  }
+
+  ModelConfig config;
+  torch::nn::Embedding token_embedding;
+  torch::nn::Embedding position_embedding{nullptr};
+  torch::nn::ModuleList blocks;
+  torch::nn::AnyModule final_norm;
+  torch::nn::Linear head{nullptr};  // unset with tied_head
+};
+TORCH_MODULE(TinyGpt);
+
+}  // namespace tiny_gpt

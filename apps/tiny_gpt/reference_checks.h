@@ -1,0 +1,41 @@
+#pragma once
+// tiny_gpt's checks against models that nobody here wrote or that Python computed:
+//   --golden FILE   the Llama-style design against scripts/llama_reference.py's file;
+//   --hf DIR        a Hugging Face checkpoint (GPT-2, Llama 3, Qwen3) loaded through a name
+//                   map into tiny_gpt's model, against what transformers computed
+//                   (scripts/hf_decoder_reference.py).
+// Each prints one line per model and precision, and returns the exit code: 0, or 1 on a
+// mismatch.
+
+#include <string>
+
+#include <attnkit/attnkit.h>
+#include <torch/torch.h>
+
+#include "model.h"
+
+namespace tiny_gpt {
+
+int check_golden(const std::string& path);
+
+/// A Hugging Face decoder: tiny_gpt's configuration for it and its checkpoint's name map.
+struct HfModel {
+  std::string architecture;  // config.json's model_type: "gpt2", "llama" or "qwen3"
+  ModelConfig config;
+  attnkit::NameMap names;
+};
+
+/// Reads DIR/config.json. Throws std::runtime_error naming the file and the field for what
+/// tiny_gpt's model cannot express (another model_type, activation, biases, rope_type...).
+HfModel read_hf_model(const std::string& dir);
+
+/// The model of DIR (config.json, model.safetensors: strict, through the name map) in `dtype`
+/// on `device`, in eval mode.
+TinyGpt load_hf_model(const std::string& dir, torch::ScalarType dtype, torch::Device device);
+
+/// DIR's model against DIR/reference.safetensors: each prompt's logits without a cache and
+/// from a ragged prefill with the KV caches, and attnkit::generate's greedy tokens for the
+/// prompts as one ragged batch. Without `dtype`, float64 and float32.
+int check_hf(const std::string& dir, torch::Device device, c10::optional<torch::ScalarType> dtype);
+
+}  // namespace tiny_gpt
