@@ -61,8 +61,9 @@ if [[ $mode == prepare ]]; then
   # find them through the build tree's RPATH).
   cp -P /usr/lib/x86_64-linux-gnu/libicu{uc,data}.so* "$deps/usr/lib/x86_64-linux-gnu/"
   cp -r /usr/lib/x86_64-linux-gnu/cmake/GTest "$deps/usr/lib/x86_64-linux-gnu/cmake/"
-  mkdir -p "$deps/usr/share/cmake"
+  mkdir -p "$deps/usr/share/cmake" "$deps/usr/lib/cmake"
   cp -r /usr/share/cmake/nlohmann_json "$deps/usr/share/cmake/"
+  cp -r /usr/lib/cmake/cxxopts "$deps/usr/lib/cmake/"
   echo "gpu_check: .gpu-deps/ ready ($(du -sh "$deps" | cut -f1)); carry it to the GPU machine"
   exit 0
 fi

@@ -17,7 +17,8 @@ explicit head_dim), OUT_DIR/<name>/ gets:
   config.json, model.safetensors   save_pretrained's checkpoint (float32 weights)
   reference.safetensors            prompt<i> (int64): three prompts of 7, 12 and 3 tokens;
                                    logits_float32_<i>, logits_float64_<i>: each prompt's logits
-                                   (the model in float32, and in float64 from the same weights);
+                                   (the model in float32, and in float64 from the same weights,
+                                   float64 throughout: see float64_throughout);
                                    generated<i> (int64): 32 greedy tokens, float64, from the
                                    three prompts as one left-padded batch
                                    (generate(do_sample=False)), checked here to equal each
@@ -33,6 +34,7 @@ import tempfile
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config)
 
 VOCAB = 97
@@ -56,6 +58,40 @@ def configs():
         num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
         tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         **common)
+
+
+def float64_throughout(model):
+    """Lets the float64 model compute in float64 everywhere. transformers' Llama and Qwen3 cast
+    to float32 inside RMSNorm (`hidden_states.to(torch.float32)`) and RoPE (inverse
+    frequencies made in float32, angles taken with `.float()`) even in a float64 model, so
+    their float64 logits would carry float32 rounding (4e-7 relative here; GPT-2 has no such
+    cast). Same formulas, same code for the frequencies (run with torch.float meaning
+    float64), no casts."""
+    def rms_norm(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        freqs = position_ids[..., None].to(torch.float64) * self.inv_freq64.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * self.attention_scaling).to(x.dtype),
+                (emb.sin() * self.attention_scaling).to(x.dtype))
+
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind.endswith("RMSNorm"):
+            module.forward = rms_norm.__get__(module)
+        elif kind.endswith("RotaryEmbedding"):
+            init = (module.compute_default_rope_parameters if module.rope_type == "default"
+                    else ROPE_INIT_FUNCTIONS[module.rope_type])
+            single = torch.float
+            torch.float = torch.float64  # the frequencies' code as written, in float64
+            try:
+                module.inv_freq64, _ = init(module.config)
+            finally:
+                torch.float = single
+            assert module.inv_freq64.dtype == torch.float64
+            module.forward = rotary.__get__(module)
 
 
 def greedy(model, prompts):
@@ -147,6 +183,7 @@ def write(out_dir):
                 reference[f"prompt{i}"] = prompt
                 reference[f"logits_float32_{i}"] = model(prompt.unsqueeze(0)).logits[0]
             model.double()
+            float64_throughout(model)
             for i, prompt in enumerate(prompts):
                 reference[f"logits_float64_{i}"] = model(prompt.unsqueeze(0)).logits[0]
             generated, gap = greedy(model, prompts)

@@ -57,6 +57,24 @@ run_program("run tiny_gpt --llama" ${WORK_DIR}/build/tiny_gpt --llama
   --data ${ATTNKIT_SOURCE_DIR}/data/the-verdict.txt --steps 150 --sample 40)
 run_program("run tiny_gpt --golden" ${WORK_DIR}/build/tiny_gpt
   --golden ${ATTNKIT_SOURCE_DIR}/data/golden/llama/reference.pt)
+# Hugging Face checkpoints (GPT-2, Llama 3, Qwen3) loaded through name maps: transformers'
+# logits (float64 and float32) and greedy tokens of a ragged batch (data/golden/hf, made by
+# scripts/hf_decoder_reference.py).
+foreach(model gpt2 llama3 qwen3)
+  run_program("run tiny_gpt --hf ${model}" ${WORK_DIR}/build/tiny_gpt
+    --hf ${ATTNKIT_SOURCE_DIR}/data/golden/hf/${model})
+endforeach()
+# A folder without a checkpoint, and a dtype it does not know: each named.
+execute_process(COMMAND ${WORK_DIR}/build/tiny_gpt --hf ${ATTNKIT_SOURCE_DIR}/data/golden/llama
+  RESULT_VARIABLE result ERROR_VARIABLE error)
+if(NOT result EQUAL 1 OR NOT error MATCHES "cannot open '.*/data/golden/llama/config.json'")
+  message(FATAL_ERROR "package test: tiny_gpt --hf without config.json gave ${result}: ${error}")
+endif()
+execute_process(COMMAND ${WORK_DIR}/build/tiny_gpt --hf ${ATTNKIT_SOURCE_DIR}/data/golden/hf/gpt2
+  --dtype float16 RESULT_VARIABLE result ERROR_VARIABLE error)
+if(NOT result EQUAL 2 OR NOT error MATCHES "--dtype must be float64, float32 or bfloat16, got 'float16'")
+  message(FATAL_ERROR "package test: tiny_gpt --hf --dtype float16 gave ${result}: ${error}")
+endif()
 # Another golden file (RoPE's) is named as the wrong one, with exit code 1.
 execute_process(COMMAND ${WORK_DIR}/build/tiny_gpt
   --golden ${ATTNKIT_SOURCE_DIR}/data/golden/rope/reference.pt
