@@ -451,6 +451,7 @@ bool check_hf_dtype(const std::string& dir, const attnkit::StateDict& reference,
 }  // namespace
 
 int check_hf(const std::string& dir, torch::Device device, c10::optional<torch::ScalarType> dtype) {
+  read_hf_model(dir);  // a folder without a usable config.json is named for that first
   const auto reference = attnkit::load_safetensors(dir + "/reference.safetensors");
   bool ok = true;
   const auto dtypes = dtype ? std::vector<torch::ScalarType>{*dtype}
