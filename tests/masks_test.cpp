@@ -308,7 +308,7 @@ TEST(Attention, Float32ThreeAndTwoDimensionalInputsAndAnExplicitScale) {
       attnkit::testing::agreement(torch::kFloat32)));
 }
 
-TEST(Attention, AutoTakesFusedForCausalMasksAndChunkedForTheRest) {
+TEST(Attention, AutoTakesFusedForCausalMasksAndForInferenceByPaddedSegments) {
   const auto q = torch::randn({1, 2, 8, 4});
   const auto pick = [&](const AttentionOptions& options) {
     return F::choose_backend(q, q, q, options);
@@ -316,7 +316,14 @@ TEST(Attention, AutoTakesFusedForCausalMasksAndChunkedForTheRest) {
   EXPECT_EQ(pick(AttentionOptions()), AttentionBackend::kFused);
   EXPECT_EQ(pick(AttentionOptions().mask(Mask::causal().sliding_window(2))),
             AttentionBackend::kFused);
-  EXPECT_EQ(pick(AttentionOptions().mask(Mask::key_padding(torch::tensor({8})))),
+  // Key padding on the CPU: the chunked kernel where a gradient is kept or the mask is causal;
+  // LibTorch 2.x's SDPA by segments (sdpa_varlen) for a non-causal call that keeps none.
+  const auto padding = AttentionOptions().mask(Mask::key_padding(torch::tensor({8})));
+  EXPECT_EQ(pick(padding), attnkit::detail::libtorch_has_sdpa() ? AttentionBackend::kFused
+                                                                : AttentionBackend::kChunked);
+  const auto trained = q.clone().requires_grad_();
+  EXPECT_EQ(F::choose_backend(trained, trained, trained, padding), AttentionBackend::kChunked);
+  EXPECT_EQ(pick(AttentionOptions().mask(Mask::key_padding(torch::tensor({8})) & Mask::causal())),
             AttentionBackend::kChunked);
   EXPECT_EQ(pick(AttentionOptions().score_mod(score_mods::softcap(1.0))),
             AttentionBackend::kChunked);

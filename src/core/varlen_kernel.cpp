@@ -270,11 +270,21 @@ std::string sdpa_varlen_declines(const KernelInput& input, std::optional<VarlenL
   auto why = sdpa_routes_decline(input);
   if (!why.empty())
     return why;
-  // One SDPA call per segment: on the CPU mostly slower than the chunked kernel (1.1-1.6x
-  // forward+backward; docs/benchmarks.md), on CUDA unmeasured against the masked route.
-  // Checked before the layout, whose host work kAuto is spared.
-  if (call.backend_is_preference || call.options.backend() != AttentionBackend::kFused)
-    return "the variable-length route runs only where kFused is demanded";
+  // One SDPA call per segment. Where kFused is only preferred (kAuto, the modules), the route
+  // runs where it was measured ahead of the chunked kernel: on the CPU, with no gradient to
+  // keep, not causal (docs/benchmarks.md: MiniLM's packed sentences 1.2x faster end to end;
+  // key padding level). Forward+backward it is 1.1-1.6x slower, causal forward up to 2x; on
+  // CUDA it is unmeasured against the masked route. Checked before the layout, whose host
+  // work the other calls are spared.
+  const bool demanded =
+      !call.backend_is_preference && call.options.backend() == AttentionBackend::kFused;
+  const bool keeps_no_gradient =
+      !torch::GradMode::is_enabled() ||
+      !(call.query.requires_grad() || call.key.requires_grad() || call.value.requires_grad());
+  if (!demanded && !(call.query.is_cpu() && keeps_no_gradient)) {
+    return "the variable-length route runs where kFused is demanded, or on the CPU with no "
+           "gradient to keep";
+  }
   layout =
       varlen_layout(input.mask(), call.query.size(0), input.query_tokens(), input.key_tokens());
   if (!layout) {
@@ -283,6 +293,8 @@ std::string sdpa_varlen_declines(const KernelInput& input, std::optional<VarlenL
         "one run of tokens), alone or with causal(), not ",
         input.mask().to_string());
   }
+  if (!demanded && layout->causal)
+    return "the variable-length route runs causal segments only where kFused is demanded";
   return "";
 }
 
