@@ -182,6 +182,12 @@ expect 2 "incompatible checkpoint '$work/run.pt': it was trained with --module m
   -- "${quick[@]}" --module causal --resume "$work/run.pt"
 expect 2 "incompatible checkpoint '$work/run.pt': it was trained with --window 0, this run has --window 4" \
   -- "${quick[@]}" --window 4 --resume "$work/run.pt"
+# The data stream may change on a resume (--data, --pack, --seed), and the banner says how.
+expect_stdout "a resume with another seed says so" \
+  "resumed from .*run\.pt at step 4; it was trained with --seed 1, this run has --seed 2$" \
+  -- "${quick[@]}" --steps 6 --seed 2 --resume "$work/run.pt"
+expect_stdout "a resume with the same data says nothing of it" "resumed from .*run\.pt at step 4$" \
+  -- "${quick[@]}" --steps 6 --resume "$work/run.pt"
 echo "garbage" >"$work/foreign.pt"
 expect 2 "is not an attnkit-train checkpoint" -- "${quick[@]}" --resume "$work/foreign.pt"
 

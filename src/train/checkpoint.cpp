@@ -120,6 +120,8 @@ void save_checkpoint(const std::string& path, const CheckpointSettings& settings
   dict.insert("step", torch::tensor(state.step, torch::kLong));
   dict.insert("best_loss", torch::tensor(state.best_loss, torch::kDouble));
   dict.insert("dtype", text_tensor(state.dtype));
+  for (const auto& [flag, value] : state.data)
+    dict.insert("data." + flag, text_tensor(value));
   dict.insert("data_rng", data_generator.get_state());
   dict.insert("cpu_rng", at::detail::getDefaultCPUGenerator().get_state());
   if (cpu_rng_by_rank.defined())
@@ -158,6 +160,11 @@ TrainingState restore_checkpoint(const StateDict& dict, const std::string& path,
   state.best_loss = entries.get("best_loss", torch::kDouble, 0).item<double>();
   if (entries.has("dtype"))
     state.dtype = entries.text("dtype");
+  for (const auto& item : dict) {
+    const auto& key = item.key();
+    if (key.rfind("data.", 0) == 0)
+      state.data.emplace_back(key.substr(5), entries.text(key));
+  }
   const auto data_rng = entries.get("data_rng", torch::kUInt8, 1);
   auto own_rng = rank == 0 ? entries.get("cpu_rng", torch::kUInt8, 1) : torch::Tensor();
   if (rank > 0 && entries.has("cpu_rng_by_rank")) {

@@ -6,9 +6,10 @@
 // Python reads it with `torch.load(path)` (weights-only).
 //
 // Keys: "format" (int64), "settings.<flag>" (uint8 text, one per setting a resuming run must
-// share), "step" (int64), "best_loss" (float64), "data_rng" and "cpu_rng" (generator states),
-// "cpu_rng_by_rank" (world size x state bytes, data-parallel runs), "model.<state-dict key>",
-// "optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.step".
+// share), "data.<flag>" (uint8 text, the data stream's settings, which it may change), "step"
+// (int64), "best_loss" (float64), "data_rng" and "cpu_rng" (generator states), "cpu_rng_by_rank"
+// (world size x state bytes, data-parallel runs), "model.<state-dict key>", "optimizer.exp_avg",
+// "optimizer.exp_avg_sq", "optimizer.step".
 
 #include <cstdint>
 #include <limits>
@@ -36,12 +37,19 @@ struct TrainConfig;
 /// with the configuration, run_config.cpp).
 CheckpointSettings checkpoint_settings(const TrainConfig& config);
 
+/// The settings of `config` that a checkpoint records and a resuming run may change: its data
+/// stream's (--data, --pack, --seed). A resume that changes one says so in its banner.
+CheckpointSettings data_settings(const TrainConfig& config);
+
 struct TrainingState {
   int64_t step = 0;
   double best_loss = std::numeric_limits<double>::infinity();
   /// The --dtype the steps so far ran in (the weights are float32 whatever it is); a
   /// checkpoint written before --dtype existed was float32.
   std::string dtype = "float32";
+  /// data_settings of the run that wrote it (empty in a checkpoint from before they were
+  /// recorded); a run saves its own.
+  CheckpointSettings data = {};
 };
 
 /// The name a file is written under before it is renamed to `path`: beside it, and this

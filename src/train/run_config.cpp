@@ -49,6 +49,10 @@ CheckpointSettings checkpoint_settings(const TrainConfig& c) {
           {"qk-norm", yes_no(c.qk_norm)}};
 }
 
+CheckpointSettings data_settings(const TrainConfig& c) {
+  return {{"data", c.data}, {"pack", c.pack ? "true" : "false"}, {"seed", std::to_string(c.seed)}};
+}
+
 std::string best_checkpoint_path(const std::string& save_path) {
   const auto dot = save_path.rfind('.');
   const auto slash = save_path.rfind('/');

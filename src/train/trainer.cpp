@@ -325,10 +325,20 @@ TrainingRun::TrainingRun(const TrainConfig& config, std::ostream& out,
         line << " (its steps ran in " << state_.dtype << "; this run continues in " << config.dtype
              << ")";
       }
+      // The data stream may change on a resume, but not unsaid.
+      for (const auto& [flag, value] : data_settings(config)) {
+        for (const auto& [saved_flag, saved] : state_.data) {
+          if (saved_flag == flag && saved != value) {
+            line << "; it was trained with --" << flag << " " << saved << ", this run has --"
+                 << flag << " " << value;
+          }
+        }
+      }
       line << "\n";
     }
   }
   state_.dtype = config.dtype;
+  state_.data = data_settings(config);
   group_.broadcast_from_main(optimizer_->flat_values());  // the same start on every rank
   const auto dtype = parse_train_dtype(config.dtype);
   if (dtype != torch::kFloat) {
