@@ -279,10 +279,16 @@ int main(int argc, char** argv) {
     const auto result = T::train(config, std::cout, &g_stop_requested, ranks.get());
     if (result.interrupted) {
       if (ranks == nullptr || ranks->is_main()) {
-        T::Line(std::cerr) << "attnkit-train: interrupted at step " << result.last_step
-                           << (config.save.empty() ? " (no --save given, nothing saved)"
-                                                   : "; saved to " + config.save)
-                           << "\n";
+        T::Line line(std::cerr);
+        line << "attnkit-train: interrupted at step " << result.last_step
+             << (config.save.empty() ? " (no --save given, nothing saved)"
+                                     : "; saved to " + config.save);
+        // The best checkpoint is the best held-out loss's: none before the first evaluation.
+        if (!config.save.empty() && !result.evaluated) {
+          line << " (no held-out evaluation ran yet, so there is no "
+               << T::best_checkpoint_path(config.save) << ")";
+        }
+        line << "\n";
       }
       return 130;
     }

@@ -228,7 +228,8 @@ else
     -- --dtype float16 --autocast --steps 300 --eval-every 300 --threads 1
 fi
 
-# SIGINT: finishes the step, saves, exits 130.
+# SIGINT: finishes the step, saves, exits 130. Before the first evaluation (every 100,000
+# steps here) there is no best checkpoint, and the message says so.
 checks=$((checks + 1))
 "$train" --steps 1000000 --threads 1 --save "$work/sigint.pt" >"$work/sigint.out" \
   2>"$work/sigint.err" &
@@ -241,6 +242,8 @@ kill -INT "$pid"
 wait "$pid"
 code=$?
 if [ "$code" -eq 130 ] && grep -q "interrupted at step" "$work/sigint.err" &&
+   grep -qF "(no held-out evaluation ran yet, so there is no $work/sigint.best.pt)" "$work/sigint.err" &&
+   [ ! -e "$work/sigint.best.pt" ] &&
    [ -s "$work/sigint.pt" ] && [ ! -e "$work/sigint.pt.lock" ] &&
    "$train" --steps 1 --resume "$work/sigint.pt" --quiet >/dev/null 2>&1; then
   echo "ok: SIGINT -> exit 130, lock released: $(cat "$work/sigint.err")"

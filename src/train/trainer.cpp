@@ -524,6 +524,7 @@ TrainResult TrainingRun::run() {
 TrainResult TrainingRun::report() {
   auto& result = result_;
   result.last_step = state_.step;
+  result.evaluated = std::isfinite(state_.best_loss);
   result.train_seconds = train_seconds_;
   result.tokens_per_second = tokens_ / std::max(train_seconds_, 1e-9);
   if (!main_rank_)

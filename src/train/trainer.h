@@ -103,6 +103,9 @@ struct TrainResult {
   double tokens_per_second = 0.0;
   std::vector<double> losses;  // training loss of every step run here (over every rank)
   bool interrupted = false;
+  /// A held-out evaluation has run (here, or before the checkpoint this run resumed): only
+  /// then is there a best checkpoint (--save's PATH.best).
+  bool evaluated = false;
   int world_size = 1;
   double allreduce_seconds = 0.0;  // of train_seconds: summing the gradients over the ranks
   int64_t skipped_steps = 0;       // --dtype 16-bit: steps skipped for non-finite gradients
