@@ -21,6 +21,7 @@
 
 #include "attnkit/attnkit.h"
 #include "command_line.h"
+#include "io/file_io.h"
 #include "train/line.h"
 #include "train/mixed_precision.h"
 
@@ -473,33 +474,34 @@ double block_mask_build_ms(const BenchConfig& c, const torch::Device& device) {
 
 void write_json(const std::string& path, const BenchConfig& c, double sgemm,
                 const std::vector<Result>& results, double block_mask_ms) {
-  std::ofstream out(path);
-  TORCH_CHECK(out.good(), "--json: cannot write '", path, "'");
-  out << std::setprecision(6) << "{\"config\": {\"batch\": " << c.batch
-      << ", \"tokens\": " << c.tokens << ", \"d_model\": " << c.d_model
-      << ", \"heads\": " << c.heads << ", \"causal\": " << (c.causal ? "true" : "false")
-      << ", \"window\": " << c.window << ", \"mask\": \"" << c.mask << "\", \"score\": \""
-      << c.score << "\", \"device\": \"" << c.device << "\", \"dtype\": \"" << c.dtype
-      << "\", \"threads\": " << torch::get_num_threads() << ", \"blas\": \""
-      << attnkit::blas_threads().name
-      << "\", \"blas_threads\": " << attnkit::blas_threads().num_threads
-      << ", \"repeats\": " << c.repeats << ", \"chunk_size\": " << c.chunk_size
-      << ", \"key_chunk_size\": " << c.key_chunk_size << ", \"layers\": " << c.layers
-      << ", \"block_mask\": \"" << c.block_mask << "\", \"language\": \"C++\", \"torch\": \""
-      << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << "." << TORCH_VERSION_PATCH
-      << "\"}, \"sgemm_gflops\": " << sgemm << ", \"block_mask_build_ms\": " << block_mask_ms
-      << ", \"results\": [";
-  for (size_t i = 0; i < results.size(); ++i) {
-    const auto& r = results[i];
-    out << (i ? ", " : "") << "{\"name\": \"" << r.name << "\", \"pass\": \"" << r.pass
-        << "\", \"median_ms\": " << r.median_ms << ", \"min_ms\": " << r.min_ms
-        << ", \"max_ms\": " << r.max_ms << ", \"model_gflops\": " << r.model_gflops
-        << ", \"executed_gflops\": " << r.executed_gflops
-        << ", \"sgemm_fraction\": " << r.sgemm_fraction
-        << ", \"peak_memory_mb\": " << r.peak_memory_mb << ", \"kernels\": \"" << r.kernels
-        << "\"}";
-  }
-  out << "]}\n";
+  // Flushed, checked and renamed: a full disk is an error, not a cut file.
+  attnkit::detail::write_atomically(path, "--json:", [&](std::ostream& out) {
+    out << std::setprecision(6) << "{\"config\": {\"batch\": " << c.batch
+        << ", \"tokens\": " << c.tokens << ", \"d_model\": " << c.d_model
+        << ", \"heads\": " << c.heads << ", \"causal\": " << (c.causal ? "true" : "false")
+        << ", \"window\": " << c.window << ", \"mask\": \"" << c.mask << "\", \"score\": \""
+        << c.score << "\", \"device\": \"" << c.device << "\", \"dtype\": \"" << c.dtype
+        << "\", \"threads\": " << torch::get_num_threads() << ", \"blas\": \""
+        << attnkit::blas_threads().name
+        << "\", \"blas_threads\": " << attnkit::blas_threads().num_threads
+        << ", \"repeats\": " << c.repeats << ", \"chunk_size\": " << c.chunk_size
+        << ", \"key_chunk_size\": " << c.key_chunk_size << ", \"layers\": " << c.layers
+        << ", \"block_mask\": \"" << c.block_mask << "\", \"language\": \"C++\", \"torch\": \""
+        << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << "." << TORCH_VERSION_PATCH
+        << "\"}, \"sgemm_gflops\": " << sgemm << ", \"block_mask_build_ms\": " << block_mask_ms
+        << ", \"results\": [";
+    for (size_t i = 0; i < results.size(); ++i) {
+      const auto& r = results[i];
+      out << (i ? ", " : "") << "{\"name\": \"" << r.name << "\", \"pass\": \"" << r.pass
+          << "\", \"median_ms\": " << r.median_ms << ", \"min_ms\": " << r.min_ms
+          << ", \"max_ms\": " << r.max_ms << ", \"model_gflops\": " << r.model_gflops
+          << ", \"executed_gflops\": " << r.executed_gflops
+          << ", \"sgemm_fraction\": " << r.sgemm_fraction
+          << ", \"peak_memory_mb\": " << r.peak_memory_mb << ", \"kernels\": \"" << r.kernels
+          << "\"}";
+    }
+    out << "]}\n";
+  });
 }
 
 // ---- --precision: each backend's error against float64, over the float32 floor -----------

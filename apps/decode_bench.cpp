@@ -17,6 +17,7 @@
 
 #include "attnkit/threads.h"
 #include "command_line.h"
+#include "io/file_io.h"
 #include "train/line.h"
 #include "train/model.h"
 #include "train/trainer.h"
@@ -138,14 +139,14 @@ int run_batch(attnkit::train::AttentionModel& model, const attnkit::train::Model
                   << std::setprecision(2) << "  batch / one after another: " << batched / one_by_one
                   << "x; tokens " << (identical ? "identical" : "DIFFER") << "\n";
   if (!json.empty()) {
-    std::ofstream out(json);
-    TORCH_CHECK(out.good(), "--json: cannot write '", json, "'");
-    out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \"" << TORCH_VERSION_MAJOR
-        << "." << TORCH_VERSION_MINOR << "\", \"threads\": " << torch::get_num_threads()
-        << ", \"module\": \"" << config.module << "\", \"prompts\": " << count
-        << ", \"new_tokens\": " << new_tokens << ", \"one_by_one_tokens_per_s\": " << one_by_one
-        << ", \"batched_tokens_per_s\": " << batched
-        << ", \"identical_tokens\": " << (identical ? "true" : "false") << "}\n";
+    attnkit::detail::write_atomically(json, "--json:", [&](std::ostream& out) {
+      out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \"" << TORCH_VERSION_MAJOR
+          << "." << TORCH_VERSION_MINOR << "\", \"threads\": " << torch::get_num_threads()
+          << ", \"module\": \"" << config.module << "\", \"prompts\": " << count
+          << ", \"new_tokens\": " << new_tokens << ", \"one_by_one_tokens_per_s\": " << one_by_one
+          << ", \"batched_tokens_per_s\": " << batched
+          << ", \"identical_tokens\": " << (identical ? "true" : "false") << "}\n";
+    });
   }
   return identical ? 0 : 1;
 }
@@ -337,30 +338,30 @@ int main(int argc, char** argv) {
                       << "\n";
     }
     if (!json.empty()) {
-      std::ofstream out(json);
-      TORCH_CHECK(out.good(), "--json: cannot write '", json, "'");
-      out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \"" << TORCH_VERSION_MAJOR
-          << "." << TORCH_VERSION_MINOR << "\", \"device\": \"" << device
-          << "\", \"threads\": " << torch::get_num_threads() << ", \"blas\": \""
-          << attnkit::blas_threads().name
-          << "\", \"blas_threads\": " << attnkit::blas_threads().num_threads << ", \"module\": \""
-          << config.module << "\", \"backend\": \"" << config.backend
-          << "\", \"kv_groups\": " << config.kv_groups << ", \"window\": " << config.window
-          << ", \"latent_dim\": " << config.latent_dim
-          << ", \"rope\": " << (config.rope ? "true" : "false")
-          << ", \"cache_bytes\": " << cache_bytes
-          << ", \"cache_bytes_per_token_per_layer\": " << cache_bytes_per_token
-          << ", \"weight_bytes_per_token\": " << weights
-          << ", \"read_bandwidth_gbs\": " << bandwidth;
-      for (const auto& run : runs)
-        out << ", \"" << run.mode << "_tokens_per_s\": " << run.tokens_per_second;
-      if (trace)
-        out << ", \"traced_max_held\": " << traced.max_held
-            << ", \"traced_storage_moved\": " << (traced.storage_moved ? "true" : "false");
-      if (runs.size() == 2)
-        out << ", \"identical_tokens\": "
-            << (runs[0].tokens.equal(runs[1].tokens) ? "true" : "false");
-      out << "}\n";
+      attnkit::detail::write_atomically(json, "--json:", [&](std::ostream& out) {
+        out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \""
+            << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << "\", \"device\": \"" << device
+            << "\", \"threads\": " << torch::get_num_threads() << ", \"blas\": \""
+            << attnkit::blas_threads().name
+            << "\", \"blas_threads\": " << attnkit::blas_threads().num_threads << ", \"module\": \""
+            << config.module << "\", \"backend\": \"" << config.backend
+            << "\", \"kv_groups\": " << config.kv_groups << ", \"window\": " << config.window
+            << ", \"latent_dim\": " << config.latent_dim
+            << ", \"rope\": " << (config.rope ? "true" : "false")
+            << ", \"cache_bytes\": " << cache_bytes
+            << ", \"cache_bytes_per_token_per_layer\": " << cache_bytes_per_token
+            << ", \"weight_bytes_per_token\": " << weights
+            << ", \"read_bandwidth_gbs\": " << bandwidth;
+        for (const auto& run : runs)
+          out << ", \"" << run.mode << "_tokens_per_s\": " << run.tokens_per_second;
+        if (trace)
+          out << ", \"traced_max_held\": " << traced.max_held
+              << ", \"traced_storage_moved\": " << (traced.storage_moved ? "true" : "false");
+        if (runs.size() == 2)
+          out << ", \"identical_tokens\": "
+              << (runs[0].tokens.equal(runs[1].tokens) ? "true" : "false");
+        out << "}\n";
+      });
     }
     const bool differ = runs.size() == 2 && !runs[0].tokens.equal(runs[1].tokens);
     return differ || traced.storage_moved ? 1 : 0;

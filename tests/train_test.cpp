@@ -1,7 +1,10 @@
 // attnkit_train (src/train/): tasks, determinism, checkpoints and resume, faults, metrics.
 
+#include <sys/resource.h>
+
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -715,5 +718,30 @@ TEST_F(TrainTest, AttentionHeatmapIsAPng) {
         T::write_attention_heatmap(path("missing_dir/x.png"), {torch::rand({1, 3, 3})},
                                    {"a", "b", "c"}, "t");
       },
-      "cannot write");
+      "--dump-attention: cannot open '" + path("missing_dir/x.png"));
+  // A write the disk does not take (a file-size limit of 1 KB, as a full disk refuses it) is
+  // an error naming the file, and leaves no partial image behind.
+  rlimit limit{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &limit), 0);
+  const auto previous_handler = std::signal(SIGXFSZ, SIG_IGN);  // else the write kills us
+  rlimit small = limit;
+  small.rlim_cur = 1024;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  const std::vector<std::string> labels(16, "x");
+  bool refused = false;
+  std::string message;
+  try {
+    T::write_attention_heatmap(path("big.png"), {torch::rand({2, 16, 16})}, labels, "t");
+  } catch (const c10::Error& e) {
+    refused = true;
+    message = e.what_without_backtrace();
+  }
+  setrlimit(RLIMIT_FSIZE, &limit);
+  std::signal(SIGXFSZ, previous_handler);
+  EXPECT_TRUE(refused);
+  EXPECT_NE(message.find("--dump-attention: writing '" + path("big.png") + ".tmp."),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("failed (disk full?)"), std::string::npos) << message;
+  EXPECT_FALSE(std::filesystem::exists(path("big.png")));
 }

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <string>
+
+#include "io/file_io.h"
 
 #define STB_IMAGE_WRITE_IMPLEMENTATION
 #include <stb/stb_easy_font.h>
@@ -49,8 +52,19 @@ class Image {
     }
   }
 
-  bool write_png(const std::string& path) const {
-    return stbi_write_png(path.c_str(), width_, height_, 3, pixels_.data(), width_ * 3) != 0;
+  // Encoded in memory, then written as every attnkit file is (flushed, checked, renamed):
+  // stbi_write_png would report success on a full disk, where its fwrite fails unchecked.
+  void write_png(const std::string& path) const {
+    std::string png;
+    const auto append = [](void* context, void* data, int size) {
+      static_cast<std::string*>(context)->append(static_cast<const char*>(data), size);
+    };
+    TORCH_CHECK(
+        stbi_write_png_to_func(append, &png, width_, height_, 3, pixels_.data(), width_ * 3) != 0,
+        "--dump-attention: cannot encode the heatmap for '", path, "'");
+    detail::write_atomically(path, "--dump-attention:", [&](std::ostream& out) {
+      out.write(png.data(), static_cast<std::streamsize>(png.size()));
+    });
   }
 
  private:
@@ -116,7 +130,7 @@ void write_attention_heatmap(const std::string& path, const std::vector<torch::T
       }
     }
   }
-  TORCH_CHECK(image.write_png(path), "--dump-attention: cannot write '", path, "'");
+  image.write_png(path);
 }
 
 }  // namespace attnkit::train
