@@ -3,6 +3,8 @@
 #include "attnkit/serialize.h"
 #include "attnkit/safetensors.h"
 
+#include <sys/resource.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -331,6 +333,47 @@ TEST_F(SerializeTest, WritingWhereItCannotFails) {
   attnkit::SelfAttentionV1 sa(3, 2);
   expect_error_containing([&] { attnkit::save_state_dict(*sa, path("no_such_dir/sa.pt")); },
                           "[write_state_dict] cannot open");
+}
+
+// The book's n^2 mask is saved up to context 4096 (Python's strict load takes the file); past
+// it, a note instead, so a long-context module's file and its save cost about its weights.
+TEST_F(SerializeTest, LongContextFilesCostTheirWeightsNotTheBooksMask) {
+  const attnkit::MultiHeadAttention at_limit(4, 4, attnkit::kLongestContextWithSavedMask, 0.0, 2);
+  const auto small = attnkit::state_dict(*at_limit);
+  ASSERT_TRUE(small.contains("mask"));
+  EXPECT_EQ(small["mask"].size(0), attnkit::kLongestContextWithSavedMask);
+  EXPECT_FALSE(small.contains("mask_omitted"));
+
+  rusage before{};
+  getrusage(RUSAGE_SELF, &before);
+  attnkit::MultiHeadAttention mha(
+      attnkit::MultiHeadAttentionOptions(64, 64, 131072, 0.0, 4).qkv_bias(true));
+  int64_t parameter_bytes = 0;
+  for (const auto& p : mha->parameters())
+    parameter_bytes += p.numel() * p.element_size();
+  const auto dict = attnkit::state_dict(*mha);
+  EXPECT_FALSE(dict.contains("mask"));
+  ASSERT_TRUE(dict.contains("mask_omitted"));
+  const auto note = dict["mask_omitted"];
+  const std::string text(reinterpret_cast<const char*>(note.data_ptr<uint8_t>()), note.numel());
+  EXPECT_NE(text.find("did not save the book's mask buffer (triu(ones(131072, 131072), 1)"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("load with strict=False"), std::string::npos) << text;
+  attnkit::save_state_dict(*mha, path("long.pt"));
+  attnkit::MultiHeadAttention loaded(
+      attnkit::MultiHeadAttentionOptions(64, 64, 131072, 0.0, 4).qkv_bias(true));
+  const auto result = attnkit::load_state_dict(*loaded, path("long.pt"));  // strict
+  EXPECT_EQ(result.ignored_keys, std::vector<std::string>{"mask_omitted"});
+  EXPECT_TRUE(torch::equal(loaded->W_query->weight, mha->W_query->weight));
+  rusage after{};
+  getrusage(RUSAGE_SELF, &after);
+  // The file within 2x of the weights (16,640 float32 parameters, 66,560 bytes; the zip's
+  // headers and the note are the rest), and the save and load grew the peak resident memory by
+  // megabytes at most (the mask alone would be 64 GiB).
+  const auto file_bytes = static_cast<int64_t>(std::filesystem::file_size(path("long.pt")));
+  EXPECT_LE(file_bytes, 2 * parameter_bytes) << file_bytes << " bytes for " << parameter_bytes;
+  EXPECT_LE(after.ru_maxrss - before.ru_maxrss, 32 * 1024) << "KiB of peak RSS growth";
 }
 
 // Both directions against the Python of this LibTorch leg (1.13 on Debian 12, 2.6 in the

@@ -55,6 +55,11 @@ class MultiHeadAttentionWrapperImpl : public torch::nn::Cloneable<MultiHeadAtten
 /// Module holder for `MultiHeadAttentionWrapperImpl` (shared-pointer semantics).
 TORCH_MODULE(MultiHeadAttentionWrapper);
 
+/// The longest context_length whose book `mask` buffer (n^2 values) a state dict holds: 4096,
+/// 64 MiB in float32. Beyond it the buffer would cost far more than the weights (1 GiB at
+/// 16,384; 64 GiB at 131,072), so `mask_omitted` says why it is absent instead.
+constexpr int64_t kLongestContextWithSavedMask = 4096;
+
 /// Python `MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads, qkv_bias=False)`:
 /// Linear `W_query`, `W_key`, `W_value` (d_in -> d_out), split into `num_heads` heads of width
 /// d_out / num_heads, attention per head, heads merged, then Linear `out_proj` (d_out -> d_out,
@@ -83,10 +88,12 @@ class MultiHeadAttentionImpl : public CachedAttentionModule<MultiHeadAttentionIm
   /// qkv_bias=false, causal=true)`
   void pretty_print(std::ostream& stream) const override;
   /// The Python class's `mask` buffer: triu(ones(context_length, context_length), 1) in the
-  /// parameters' dtype, for the state dict (PythonOnlyState).
+  /// parameters' dtype, for the state dict (PythonOnlyState), up to
+  /// kLongestContextWithSavedMask; beyond, where the n^2 buffer would outweigh any weights,
+  /// `mask_omitted` instead, a uint8 text saying why (docs/interop.md).
   std::vector<std::pair<std::string, torch::Tensor>> python_only_state() const override;
-  /// {"mask"}, without making the n^2 buffer.
-  std::vector<std::string> python_only_keys() const override { return {"mask"}; }
+  /// {"mask", "mask_omitted"}, without making the n^2 buffer.
+  std::vector<std::string> python_only_keys() const override { return {"mask", "mask_omitted"}; }
 
   /// A KV cache for `forward_with_cache`: `batch` sequences of up to `capacity` positions
   /// (0: context_length, the most the module accepts), num_heads heads of
@@ -154,10 +161,12 @@ class MultiHeadAttentionCombinedQKVImpl
   /// `attnkit::MultiHeadAttentionCombinedQKV(d_in=3, d_out=2, ..., causal=true)`
   void pretty_print(std::ostream& stream) const override;
   /// The Python class's `mask` buffer: triu(ones(context_length, context_length), 1) in the
-  /// parameters' dtype, for the state dict (PythonOnlyState).
+  /// parameters' dtype, for the state dict (PythonOnlyState), up to
+  /// kLongestContextWithSavedMask; beyond, where the n^2 buffer would outweigh any weights,
+  /// `mask_omitted` instead, a uint8 text saying why (docs/interop.md).
   std::vector<std::pair<std::string, torch::Tensor>> python_only_state() const override;
-  /// {"mask"}, without making the n^2 buffer.
-  std::vector<std::string> python_only_keys() const override { return {"mask"}; }
+  /// {"mask", "mask_omitted"}, without making the n^2 buffer.
+  std::vector<std::string> python_only_keys() const override { return {"mask", "mask_omitted"}; }
 
   /// A KV cache for `forward_with_cache`, as MultiHeadAttention's.
   KVCache make_kv_cache(int64_t batch, int64_t capacity = 0) const override;

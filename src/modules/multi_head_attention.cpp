@@ -40,11 +40,20 @@ void print_multi_head_options(std::ostream& stream, const char* name,
 }
 
 // The book's `mask` buffer, as the Python constructor registers it (float32 there, and in the
-// parameters' dtype after the model's `.to(dtype)`): triu(ones(L, L), diagonal=1).
+// parameters' dtype after the model's `.to(dtype)`): triu(ones(L, L), diagonal=1); past
+// kLongestContextWithSavedMask, a note in its place.
 std::vector<std::pair<std::string, torch::Tensor>> python_mask_state(
     const MultiHeadAttentionOptions& options, const torch::Tensor& parameter) {
   const auto length = options.context_length();
-  return {{"mask", torch::triu(torch::ones({length, length}, parameter.options()), 1)}};
+  if (length <= kLongestContextWithSavedMask)
+    return {{"mask", torch::triu(torch::ones({length, length}, parameter.options()), 1)}};
+  const std::string note = c10::str(
+      "attnkit did not save the book's mask buffer (triu(ones(", length, ", ", length, "), 1), ",
+      length * length, " values) of this context_length above ", kLongestContextWithSavedMask,
+      ": the Python module makes its own; load with strict=False, or drop this key");
+  auto text = torch::empty({static_cast<int64_t>(note.size())}, torch::kUInt8);
+  std::copy(note.begin(), note.end(), text.data_ptr<uint8_t>());
+  return {{"mask_omitted", text}};
 }
 
 // The settings the attention core gets from the module's options.
