@@ -611,6 +611,37 @@ TEST(AttentionBackends, NamesParseAndBadOptionsAreNamed) {
       "[MultiHeadAttention] option key_block_size must be > 0, got -1");
 }
 
+// A NaN in one key and value under a causal mask (docs/backends.md, "NaN"): every backend
+// makes NaN each row that sees it; a row that does not see it is NaN on kMath (0 x NaN in the
+// value product, as PyTorch's math SDPA) and finite on the tiled kernels unless it shares a
+// tile with the NaN key.
+TEST(AttentionBackends, ANaNReachesTheRowsThatSeeItOnEveryBackend) {
+  torch::manual_seed(5);
+  const auto q = torch::randn({1, 1, 8, 4});
+  auto k = torch::randn({1, 1, 8, 4}), v = torch::randn({1, 1, 8, 4});
+  k[0][0][5].fill_(NAN);
+  v[0][0][5].fill_(NAN);
+  const auto nan_rows = [&](F::AttentionOptions options) {
+    const auto out = F::attention(q, k, v, options.mask(attnkit::Mask::causal()));
+    return out[0][0].isnan().any(/*dim=*/1).to(torch::kInt64);  // (8): 1 where the row is NaN
+  };
+  const auto rows = [](std::vector<int64_t> flags) { return torch::tensor(flags); };
+  for (const auto backend : {AttentionBackend::kMath, AttentionBackend::kChunked,
+                             AttentionBackend::kFused, AttentionBackend::kAuto}) {
+    const auto nan = nan_rows(F::AttentionOptions().backend(backend));
+    EXPECT_TRUE(nan.slice(0, 5).all().item<bool>()) << attnkit::backend_name(backend) << nan;
+  }
+  EXPECT_TRUE(torch::equal(nan_rows(F::AttentionOptions().backend(AttentionBackend::kMath)),
+                           rows({1, 1, 1, 1, 1, 1, 1, 1})));
+  // Tiles of 4 x 4: rows 0-3 never meet keys 4-7 (their tile is wholly masked and skipped);
+  // row 4 shares the tile of keys 4-7, where its zero weight meets the NaN value.
+  const auto tiled = F::AttentionOptions()
+                         .backend(AttentionBackend::kChunked)
+                         .query_block_size(4)
+                         .key_block_size(4);
+  EXPECT_TRUE(torch::equal(nan_rows(tiled), rows({0, 0, 0, 0, 1, 1, 1, 1})));
+}
+
 // ---- Grouped-query and sliding-window attention -----------------------------------------
 
 TEST(GroupedAndWindowedAttention, MathMatchesItsDefinition) {
