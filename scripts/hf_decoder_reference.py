@@ -2,7 +2,7 @@
 """References for the decoder checks of docs/models.md: small GPT-2, Llama 3 and Qwen3 models
 with random weights, made from each model's config by `transformers` on the CPU, saved as
 Hugging Face checkpoints, with what transformers computes from them. tiny_gpt --hf reads
-them (data/golden/hf/, checked by the package test on every leg).
+them (data/golden/hf/, checked by the package test on the 1.13 and pip legs).
 
     "$(scripts/pip_torch.sh)" scripts/hf_decoder_reference.py OUT_DIR
     "$(scripts/pip_torch.sh)" scripts/hf_decoder_reference.py --check data/golden/hf
