@@ -2,8 +2,9 @@
 // A thin front on the attnkit_train library (src/train/): flags, signals, exit codes.
 //
 // Exit codes: 0 done, 1 training failed (loss became NaN/Inf, or a rank of a data-parallel
-// run was lost), 2 bad usage or input, 130 interrupted by SIGINT/SIGTERM (after saving with
-// --save).
+// run was lost), 2 bad usage or input, 130 interrupted by SIGINT/SIGTERM: after the step,
+// saving with --save; a step that has not ended 3 s after the signal, or a second signal, ends
+// the run at once and keeps the last checkpoint (src/train/interrupts.h).
 
 #include <unistd.h>
 #ifdef __GLIBC__
@@ -11,7 +12,6 @@
 #endif
 
 #include <atomic>
-#include <csignal>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
@@ -20,17 +20,12 @@
 
 #include "attnkit/version.h"
 #include "command_line.h"
+#include "train/interrupts.h"
 #include "train/launcher.h"
 #include "train/line.h"
 #include "train/trainer.h"
 
 namespace {
-
-std::atomic<bool> g_stop_requested{false};
-
-extern "C" void request_stop(int) {
-  g_stop_requested.store(true);
-}
 
 attnkit::cli::CommandLine make_command_line() {
   attnkit::cli::CommandLine cli("attnkit-train",
@@ -98,6 +93,11 @@ attnkit::cli::CommandLine make_command_line() {
       .value("Training", "lr", "AdamW learning rate", "0.003")
       .value("Training", "weight-decay", "AdamW weight decay", "0.01")
       .value("Training", "seed", "seed for weights, data and dropout", "1")
+      .value("Training", "memory-budget",
+             "GB the run may plan for: a run whose model and batch need more (a lower bound, "
+             "checked before step 1) is refused at once, as are attention calls and modules "
+             "whose n^2 tensors would exceed it; 0 = half of physical memory",
+             "0")
       .value("Training", "dtype",
              "float32 | bfloat16 | float16: the dtype of forward and backward; the weights "
              "and AdamW state stay float32 (mixed precision), float16 with dynamic loss "
@@ -223,6 +223,7 @@ int main(int argc, char** argv) {
     config.steps = cli.integer("steps");
     config.batch_size = cli.integer("batch-size");
     config.lr = cli.number("lr");
+    config.memory_budget_gb = cli.number("memory-budget");
     config.weight_decay = cli.number("weight-decay");
     config.seed = cli.unsigned_integer("seed");
     config.dtype = cli.text("dtype");
@@ -243,13 +244,17 @@ int main(int argc, char** argv) {
     return fail(e.what());
   }
 
-  // From here a stop request lets the step finish (a rank also while it joins its group).
-  std::signal(SIGINT, request_stop);
-  std::signal(SIGTERM, request_stop);
   std::unique_ptr<T::Collectives> ranks;
+  const std::atomic<bool>* stop_requested = nullptr;
   try {
     const std::string requested_backend = config.dist_backend;
     config = T::resolve(config);
+    // From here a stop request lets the step finish, within a grace period (a rank also while
+    // it joins its group); a second one ends the run at once. A data-parallel run's rank 0
+    // speaks for the run.
+    const char* rank = std::getenv("RANK");
+    stop_requested =
+        T::install_stop_handlers(config.save, rank == nullptr || std::string(rank) == "0");
     TORCH_CHECK(nproc >= 1, "--nproc: expected >= 1, got ", nproc);
     if (nproc > 1) {
       const char* world_size = std::getenv("WORLD_SIZE");
@@ -276,7 +281,8 @@ int main(int argc, char** argv) {
 
   keep_freed_memory_for_reuse();
   try {
-    const auto result = T::train(config, std::cout, &g_stop_requested, ranks.get());
+    const auto result = T::train(config, std::cout, stop_requested, ranks.get());
+    T::run_progress().ended.store(true);
     if (result.interrupted) {
       if (ranks == nullptr || ranks->is_main()) {
         T::Line line(std::cerr);

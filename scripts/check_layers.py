@@ -26,6 +26,7 @@ PUBLIC_LAYERS = {
     "book_steps.h": "core",
     "functional.h": "core",
     "mask.h": "core",
+    "memory_budget.h": "core",
     # Every option struct (data only) and AttentionBackend, whose names core/attention.cpp
     # defines.
     "options.h": "core",

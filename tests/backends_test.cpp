@@ -5,6 +5,7 @@
 #include "attnkit/functional.h"
 #include "attnkit/grouped_query_attention.h"
 #include "attnkit/latent_attention.h"
+#include "attnkit/memory_budget.h"
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/threads.h"
 #include "core/kernels.h"
@@ -609,6 +610,58 @@ TEST(AttentionBackends, NamesParseAndBadOptionsAreNamed) {
         attnkit::MultiHeadAttention(MultiHeadAttentionOptions(4, 4, 8, 0.0, 2).key_block_size(-1));
       },
       "[MultiHeadAttention] option key_block_size must be > 0, got -1");
+}
+
+// The memory budget (attnkit/memory_budget.h): a math call whose (b, h, n, m) tensors would
+// exceed it is refused before they are made, naming the size and the way out; kAuto runs the
+// same call on a tiled kernel within it.
+TEST(MemoryBudget, TheMathCoreIsRefusedOverTheBudgetAndKAutoTilesInstead) {
+  struct RestoreDefault {
+    ~RestoreDefault() { attnkit::set_memory_budget(0); }
+  } restore;
+  EXPECT_EQ(attnkit::memory_budget(), attnkit::physical_memory() / 2);
+  // The case: n 200,000 under the default budget asked for 40 GB for the dense mask.
+  const auto long_q = torch::randn({1, 1, 200000, 8});
+  expect_error_containing(
+      [&] {
+        F::attention(
+            long_q, long_q, long_q,
+            F::AttentionOptions().mask(attnkit::Mask::causal()).backend(AttentionBackend::kMath));
+      },
+      "[attention]: the math backend's scores and weights and dense mask for (batch, heads, n, "
+      "m) = (1, 1, 200000, 200000) in Float needs 360 GB, over attnkit's memory budget of ");
+  expect_error_containing(
+      [&] {
+        F::attention(
+            long_q, long_q, long_q,
+            F::AttentionOptions().mask(attnkit::Mask::causal()).backend(AttentionBackend::kMath));
+      },
+      " (half of this machine's ");
+
+  attnkit::set_memory_budget(1000000);  // 1 MB: (1, 2, 512, 512) float scores are 2 MB
+  EXPECT_EQ(attnkit::memory_budget(), 1000000);
+  const auto q = torch::randn({1, 2, 512, 8});
+  const auto causal = F::AttentionOptions().mask(attnkit::Mask::causal());
+  expect_error_containing(
+      [&] { F::attention(q, q, q, F::AttentionOptions(causal).backend(AttentionBackend::kMath)); },
+      "(batch, heads, n, m) = (1, 2, 512, 512) in Float needs 4.46 MB, over attnkit's memory "
+      "budget of 1.00 MB (attnkit::set_memory_budget); use AttentionBackend::kAuto or kChunked, "
+      "which tile the scores in memory linear in n, or raise the budget with "
+      "attnkit::set_memory_budget");
+  expect_error_containing([&] { F::attention_with_weights(q, q, q, causal); },
+                          "the weights are that size themselves: ask for the context alone");
+  // kAuto and kChunked stay within it, and agree with the math core run under a larger one.
+  const auto tiled = F::attention(q, q, q, causal);
+  const auto chunked =
+      F::attention(q, q, q, F::AttentionOptions(causal).backend(AttentionBackend::kChunked));
+  attnkit::set_memory_budget(0);
+  const auto math =
+      F::attention(q, q, q, F::AttentionOptions(causal).backend(AttentionBackend::kMath));
+  EXPECT_TENSOR_NEAR(tiled, math, 1e-5);
+  EXPECT_TENSOR_NEAR(chunked, math, 1e-5);
+  expect_error_containing([] { attnkit::set_memory_budget(-1); },
+                          "[set_memory_budget] bytes must be > 0 (or 0 for the default, half of "
+                          "physical memory), got -1");
 }
 
 // A NaN in one key and value under a causal mask (docs/backends.md, "NaN"): every backend

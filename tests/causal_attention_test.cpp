@@ -54,6 +54,19 @@ TEST(CausalAttention, MaskBufferAndNames) {
             "qkv_bias=true)");
 }
 
+// The book's (context_length, context_length) buffer is checked against the memory budget
+// before it is made: context 200,000 asked the constructor for 160 GB.
+TEST(CausalAttention, AMaskBufferOverTheMemoryBudgetIsRefusedAtConstruction) {
+  expect_error_containing(
+      [] { CausalAttention(16, 16, 200000, 0.0); },
+      "[CausalAttention]: option context_length 200000: the book's (context_length, "
+      "context_length) float32 mask buffer needs 160 GB, over attnkit's memory budget of ");
+  expect_error_containing([] { CausalAttention(16, 16, 200000, 0.0); },
+                          "; MultiHeadAttention keeps no such buffer and tiles its scores");
+  CausalAttention fits(16, 16, 4096, 0.0);  // 67 MB
+  EXPECT_EQ(fits->mask.sizes(), (std::vector<int64_t>{4096, 4096}));
+}
+
 TEST(CausalAttention, CloneIsEqualAndIndependent) {
   CausalAttention ca(CausalAttentionOptions(4, 3, 8, 0.0));
   auto copy = std::dynamic_pointer_cast<attnkit::CausalAttentionImpl>(ca->clone());

@@ -16,6 +16,7 @@
 #include "attnkit/kv_cache.h"
 #include "attnkit/latent_attention.h"
 #include "attnkit/mask.h"
+#include "attnkit/memory_budget.h"
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/options.h"
 #include "attnkit/python_state.h"

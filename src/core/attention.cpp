@@ -319,9 +319,43 @@ namespace detail {
 
 namespace {
 
+// Refuses a math call on the CPU whose (b, h, n, m) tensors would exceed the memory budget,
+// before any of them is made. A lower bound: the scores and the weights in the compute dtype
+// and, with a mask, its dense bool (n, m) (dropout and score functions add more).
+void check_math_memory(const KernelInput& input) {
+  const auto& call = input.call;
+  const auto& q4 = call.query;
+  if (!q4.device().is_cpu())
+    return;
+  const int64_t batch = q4.size(0), heads = q4.size(1), n = q4.size(2), m = call.key.size(2);
+  const bool masked = !input.mask().is_none();
+  const double pairs = static_cast<double>(n) * static_cast<double>(m);
+  const double bytes =
+      2.0 * static_cast<double>(batch * heads) * pairs * static_cast<double>(q4.element_size()) +
+      (masked ? pairs : 0.0);
+  std::string way_out;
+  if (call.with_weights) {
+    way_out =
+        "the weights are that size themselves: ask for the context alone (attention(), "
+        "not attention_with_weights), which the tiled kernels compute in memory linear in n";
+  } else if (backend_lacks(AttentionBackend::kChunked, call).empty()) {
+    way_out =
+        "use AttentionBackend::kAuto or kChunked, which tile the scores in memory linear in n";
+  } else {
+    way_out = c10::str("no tiled kernel runs this call (chunked: ",
+                       backend_lacks(AttentionBackend::kChunked, call), "); use fewer tokens");
+  }
+  check_memory_budget("[attention]",
+                      c10::str("the math backend's scores and weights",
+                               masked ? " and dense mask" : "", " for (batch, heads, n, m) = (",
+                               batch, ", ", heads, ", ", n, ", ", m, ") in ", q4.scalar_type()),
+                      bytes, way_out + ", or raise the budget with attnkit::set_memory_budget");
+}
+
 // The math core on the call's 4-D inputs: key/value heads repeated for their query heads,
 // the dense mask, index tensors for a score function.
 functional::AttentionOutput run_math(const KernelInput& input) {
+  check_math_memory(input);
   const auto& call = input.call;
   const auto &q4 = call.query, &k4 = call.key, &v4 = call.value;
   const auto& options = call.options;

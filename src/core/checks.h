@@ -9,6 +9,16 @@
 
 namespace attnkit::detail {
 
+/// "1.07 GB", "160 GB", "512 kB": a size in bytes for a message (decimal units).
+std::string format_bytes(double bytes);
+
+/// Refuses an allocation of `bytes` over attnkit::memory_budget(): "<who>: <what> needs
+/// <size>, over attnkit's memory budget of <budget> (<where it comes from>); <way_out>".
+/// `setter`: what a set budget is named after in the message (attnkit-train: its flag).
+void check_memory_budget(const std::string& who, const std::string& what, double bytes,
+                         const std::string& way_out,
+                         const char* setter = "attnkit::set_memory_budget");
+
 /// Fails unless `value > 0`: "[Module] option name must be > 0, got value".
 void check_positive_option(const char* module, const char* name, int64_t value);
 

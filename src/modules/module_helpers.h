@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "attnkit/decode.h"
+#include "core/checks.h"
 
 namespace attnkit::detail {
 
@@ -28,7 +29,16 @@ inline std::string option_text(const c10::optional<int64_t>& value) {
 }
 
 /// The book's buffer: `torch.triu(torch.ones(L, L), diagonal=1)`, float, 1 above the diagonal.
+/// Refused before it is made when it would exceed attnkit's memory budget.
 inline torch::Tensor causal_mask_buffer(int64_t context_length) {
+  const double side = static_cast<double>(context_length);
+  check_memory_budget(
+      "[CausalAttention]",
+      c10::str("option context_length ", context_length,
+               ": the book's (context_length, context_length) float32 mask buffer"),
+      4.0 * side * side,
+      "MultiHeadAttention keeps no such buffer and tiles its scores (num_heads 1 for one "
+      "head), or raise the budget with attnkit::set_memory_budget");
   return torch::ones({context_length, context_length}).triu(/*diagonal=*/1);
 }
 

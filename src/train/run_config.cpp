@@ -131,6 +131,9 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(c.threads <= usable_cores(), "--threads ", c.threads, ": this process may use ",
               usable_cores(), " cores; expected 0..", usable_cores(), " (0 = all of them)");
   TORCH_CHECK(c.eval_every >= 1, "--eval-every: expected >= 1, got ", c.eval_every);
+  TORCH_CHECK(c.memory_budget_gb >= 0 && c.memory_budget_gb <= 1e9,
+              "--memory-budget: expected GB in 0..1e9 (0 = half of physical memory), got ",
+              c.memory_budget_gb);
   TORCH_CHECK(c.bucket_mb >= 0 && std::isfinite(c.bucket_mb),
               "--bucket-mb: expected >= 0 (0 = one allreduce after backward), got ", c.bucket_mb);
   TORCH_CHECK(c.sample >= 0, "--sample: expected >= 0, got ", c.sample);

@@ -22,10 +22,13 @@
 #include <sstream>
 #include <thread>
 
+#include "attnkit/memory_budget.h"
 #include "attnkit/threads.h"
 #include "checkpoint.h"
+#include "core/checks.h"
 #include "flat_adamw.h"
 #include "gradient_sync.h"
+#include "interrupts.h"
 #include "line.h"
 #include "mixed_precision.h"
 #include "run_output.h"
@@ -220,6 +223,52 @@ ModelConfig model_config_of(const TrainConfig& config, const Task& task) {
   return model_config;
 }
 
+// Refuses, before the model is built, a run that could not fit attnkit's memory budget: a
+// lower bound on what its first step holds at once, on this process. Every term undercounts
+// (only the layers' query and output projections, four activations of (batch, n, d_model) a
+// layer), so a run that fits is never refused; a run of 2,000,000 sequences or 100,000
+// layers is, at once, where it used to grow for a minute and fail with LibTorch's message.
+void check_run_memory(const TrainConfig& config, const ModelConfig& model, int world_size) {
+  const double d = static_cast<double>(model.d_model);
+  const double n = static_cast<double>(model.context_length);
+  const double layers = static_cast<double>(model.layers);
+  const double vocab = static_cast<double>(model.vocab_size);
+  const double rows = std::ceil(static_cast<double>(config.batch_size) / world_size);
+  const double parameters = layers * d * d * (2.0 + (model.ffn ? 8.0 : 0.0)) + 2.0 * vocab * d +
+                            (model.rope ? 0.0 : n * d);
+  // float32 weights, gradients and AdamW's two moments.
+  const double weights = 16.0 * parameters;
+  const double activations = 4.0 * rows * n * (4.0 * d * layers + 2.0 * vocab);
+  // The book's modules and --backend math: (n, n) weights saved per layer and head, and
+  // CausalAttention's (context, context) mask buffer per layer and head.
+  double quadratic = 0.0;
+  if (model.backend.empty() || model.backend == "math") {
+    const double heads = model.module == "mha-wrapper" || model.backend == "math"
+                             ? static_cast<double>(model.heads)
+                             : 1.0;
+    quadratic = 4.0 * rows * heads * n * n * layers;
+    if (model.module == "causal" || model.module == "mha-wrapper")
+      quadratic += 4.0 * n * n * layers * heads;
+  }
+  const bool weights_dominate = weights >= activations + quadratic;
+  const std::string flags =
+      weights_dominate ? c10::str("--layers ", model.layers, " --d-model ", model.d_model)
+                       : c10::str("--batch-size ", config.batch_size, " --seq-len ", config.seq_len,
+                                  " (context ", model.context_length, ") --layers ", model.layers,
+                                  " --d-model ", model.d_model);
+  detail::check_memory_budget(
+      flags,
+      c10::str("this run (weights, gradients and AdamW state ", detail::format_bytes(weights),
+               "; a step's activations ", detail::format_bytes(activations + quadratic),
+               "; both lower bounds)"),
+      weights + activations + quadratic,
+      c10::str(weights_dominate ? "use fewer --layers or a smaller --d-model"
+                                : "use a smaller --batch-size, --seq-len, --layers or --d-model",
+               quadratic > activations ? " (or a module with backends, which tile the scores)" : "",
+               ", or raise the budget with --memory-budget GB"),
+      "--memory-budget");
+}
+
 // One call of train(): setup (the constructor), then steps, evaluations with their
 // checkpoints, and the report.
 class TrainingRun {
@@ -300,7 +349,12 @@ TrainingRun::TrainingRun(const TrainConfig& config, std::ostream& out,
   data_generator_ = at::detail::createCPUGenerator(config.seed);
 
   task_ = make_task(config.task, config.seq_len, config.seed, config.data, config.pack);
-  model_ = AttentionModel(model_config_of(config, *task_));
+  const auto model_config = model_config_of(config, *task_);
+  if (config.memory_budget_gb > 0)
+    attnkit::set_memory_budget(static_cast<int64_t>(config.memory_budget_gb * 1e9));
+  if (device_.is_cpu())
+    check_run_memory(config, model_config, world_size_);
+  model_ = AttentionModel(model_config);
   model_->to(device_);
   optimizer_.emplace(model_->parameters(), config.lr, config.weight_decay);
   // Each rank its own dropout stream; rank 0 keeps the one a single process has.
@@ -397,6 +451,7 @@ void TrainingRun::save(bool improved) {
         torch::stack(group_.gather_all(at::detail::getDefaultCPUGenerator().get_state()));
   }
   if (main_rank_) {
+    const CheckpointWrite writing;  // not cut short by a stop's grace period (interrupts.h)
     save_checkpoint(config_.save, checkpoint_settings(config_), model_, *optimizer_, state_,
                     data_generator_, cpu_rng_by_rank);
     if (improved) {
@@ -405,9 +460,11 @@ void TrainingRun::save(bool improved) {
     }
   }
   saved_step_ = state_.step;
+  run_progress().saved_step.store(saved_step_);
 }
 
 void TrainingRun::step(int64_t step) {
+  run_progress().step.store(step);
   const auto step_start = Clock::now();
   // Every rank draws the whole global batch from the shared stream and keeps its share.
   const auto batch = task_->train_batch(config_.batch_size, data_generator_);

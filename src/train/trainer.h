@@ -48,6 +48,9 @@ struct TrainConfig {
   double lr = 3e-3;
   double weight_decay = 0.01;
   double clip_norm = 1.0;
+  /// GB that attnkit's quadratic allocations and the run's check before step 1 may plan for
+  /// (attnkit/memory_budget.h); 0: the default, half of physical memory.
+  double memory_budget_gb = 0.0;
   /// float32, or bfloat16 | float16: forward and backward in that dtype on a working copy,
   /// float32 master weights and AdamW state (mixed_precision.h).
   std::string dtype = "float32";
