@@ -33,6 +33,16 @@ wait_for() {
   [ -e "$1" ]
 }
 now_ms() { date +%s%3N; }
+# signal_and_wait SIGNAL PID: sends SIGNAL to PID and waits for it; sets code (its exit
+# status) and took (milliseconds from the signal to its end).
+signal_and_wait() {
+  local start
+  start=$(now_ms)
+  kill "-$1" "$2"
+  wait "$2"
+  code=$?
+  took=$(($(now_ms) - start))
+}
 
 # 1. SIGINT between fast steps: the step finishes, the run saves, exits 130. Before the first
 # evaluation (every 100,000 steps here) there is no best checkpoint, and the message says so.
@@ -75,11 +85,7 @@ pid=$!
 if wait_for "$work/slow.best.pt" 300 "$pid"; then
   sleep 1
   cp "$work/slow.pt" "$work/slow.copy.pt"
-  start=$(now_ms)
-  kill -TERM "$pid"
-  wait "$pid"
-  code=$?
-  took=$(($(now_ms) - start))
+  signal_and_wait TERM "$pid"
   expected="within 3 s of the signal, so step 2 was abandoned; $work/slow.pt holds step 1, the last checkpoint saved"
   if [ "$code" -eq 130 ] && [ "$took" -lt 8000 ] && grep -qF -- "$expected" "$work/slow.err" &&
      cmp -s "$work/slow.pt" "$work/slow.copy.pt" && [ -z "$(leftovers "$work/slow.pt")" ] &&
@@ -100,11 +106,7 @@ pid=$!
 sleep 2
 kill -INT "$pid"
 sleep 0.5
-start=$(now_ms)
-kill -INT "$pid"
-wait "$pid"
-code=$?
-took=$(($(now_ms) - start))
+signal_and_wait INT "$pid"
 expected="attnkit-train: a second signal: stopped at once; the step in progress was dropped and $work/twice.pt is as the last checkpoint left it"
 if [ "$code" -eq 130 ] && [ "$took" -lt 1500 ] && grep -qF -- "$expected" "$work/twice.err" &&
    [ ! -e "$work/twice.pt" ] && [ -z "$(leftovers "$work/twice.pt")" ]; then
