@@ -62,7 +62,8 @@ TEST(CausalAttention, AMaskBufferOverTheMemoryBudgetIsRefusedAtConstruction) {
       "[CausalAttention]: option context_length 200000: the book's (context_length, "
       "context_length) float32 mask buffer needs 160 GB, over attnkit's memory budget of ");
   expect_error_containing([] { CausalAttention(16, 16, 200000, 0.0); },
-                          "; MultiHeadAttention keeps no such buffer and tiles its scores");
+                          "; MultiHeadAttention keeps no such buffer, and with "
+                          ".backend(AttentionBackend::kChunked) tiles its scores");
   CausalAttention fits(16, 16, 4096, 0.0);  // 67 MB
   EXPECT_EQ(fits->mask.sizes(), (std::vector<int64_t>{4096, 4096}));
 }

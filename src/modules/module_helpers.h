@@ -37,8 +37,9 @@ inline torch::Tensor causal_mask_buffer(int64_t context_length) {
       c10::str("option context_length ", context_length,
                ": the book's (context_length, context_length) float32 mask buffer"),
       4.0 * side * side,
-      "MultiHeadAttention keeps no such buffer and tiles its scores (num_heads 1 for one "
-      "head), or raise the budget with attnkit::set_memory_budget");
+      "MultiHeadAttention keeps no such buffer, and with .backend(AttentionBackend::kChunked) "
+      "tiles its scores (num_heads 1 for one head); or raise the budget with "
+      "attnkit::set_memory_budget");
   return torch::ones({context_length, context_length}).triu(/*diagonal=*/1);
 }
 
