@@ -33,8 +33,9 @@ import tempfile
 
 # MKL picks its matrix kernels by the CPU: on a machine with AVX-512 it sums float32 products in
 # another order than on one with AVX2 alone, and Llama's float32 logits moved by 1.3e-6 of
-# their largest (beyond --check's 1e-6). Its AVX2 path runs on every x86-64 machine that pip's
-# torch supports, so the references are the same bits everywhere. Before torch loads MKL.
+# their largest (beyond --check's 1e-6). Held to its AVX2 path (MKL's conditional numerical
+# reproducibility), MKL sums alike on every x86-64 machine with AVX2; the references were made
+# on that path. Set before torch loads MKL.
 os.environ["MKL_CBWR"] = "AVX2"
 
 import torch  # noqa: E402
