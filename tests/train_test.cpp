@@ -1,6 +1,8 @@
 // attnkit_train (src/train/): tasks, determinism, checkpoints and resume, faults, metrics.
 
 #include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -14,10 +16,12 @@
 #include "attnkit/threads.h"
 #include "source_paths.h"
 #include "test_support.h"
+#include "train/checkpoint.h"
 #include "train/distributed.h"
 #include "train/flat_adamw.h"
 #include "train/gradient_sync.h"
 #include "train/heatmap.h"
+#include "train/interrupts.h"
 #include "train/run_output.h"
 #include "train/tasks.h"
 #include "train/trainer.h"
@@ -744,4 +748,55 @@ TEST_F(TrainTest, AttentionHeatmapIsAPng) {
       << message;
   EXPECT_NE(message.find("failed (disk full?)"), std::string::npos) << message;
   EXPECT_FALSE(std::filesystem::exists(path("big.png")));
+}
+
+// A second signal ends the process at once (train/interrupts.h) and removes its own lock file
+// on --save, never another run's: a run refused that path, or a rank that does not save, is
+// stopped without taking the saving run's claim away.
+TEST(TrainInterrupts, ASecondSignalRemovesOnlyALockThisProcessHolds) {
+  const auto dir = fs::temp_directory_path() / ("attnkit_interrupts_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const auto path = (dir / "run.pt").string();
+  const auto lock = path + ".lock";
+  const auto stop_twice = [&] {
+    T::install_stop_handlers(path, /*announce=*/false);
+    std::raise(SIGINT);
+    std::raise(SIGINT);
+  };
+  // Its own claim: the lock file goes with the process.
+  EXPECT_EXIT(
+      {
+        T::SaveClaim claim(path);
+        stop_twice();
+      },
+      ::testing::ExitedWithCode(130), "");
+  EXPECT_FALSE(fs::exists(lock));
+
+  // Another process holds the claim (a child, until told to let go): the lock file stays.
+  int ready[2], release[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(release), 0);
+  const pid_t holder = ::fork();
+  ASSERT_GE(holder, 0);
+  if (holder == 0) {
+    char byte = 1;
+    {
+      T::SaveClaim claim(path);
+      if (::write(ready[1], &byte, 1) == 1 && ::read(release[0], &byte, 1) == 1) {
+      }
+    }
+    ::_exit(0);
+  }
+  char byte = 0;
+  ASSERT_EQ(::read(ready[0], &byte, 1), 1);
+  EXPECT_EXIT(stop_twice(), ::testing::ExitedWithCode(130), "");
+  EXPECT_TRUE(fs::exists(lock)) << "a second signal removed another process's lock file";
+  ASSERT_EQ(::write(release[1], &byte, 1), 1);
+  int status = 0;
+  ASSERT_EQ(::waitpid(holder, &status, 0), holder);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_FALSE(fs::exists(lock));  // removed by its holder as the claim ended
+  for (const int descriptor : {ready[0], ready[1], release[0], release[1]})
+    ::close(descriptor);
+  fs::remove_all(dir);
 }

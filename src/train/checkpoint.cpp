@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "core/checks.h"
+#include "interrupts.h"
 
 namespace attnkit::train {
 
@@ -100,11 +101,13 @@ SaveClaim::SaveClaim(const std::string& path) {
     // The lock holds without the id; only a refused second run's message lacks it.
   }
   lock_path_ = lock_path;
+  run_progress().holds_save_lock.store(true);
 }
 
 SaveClaim::~SaveClaim() {
   if (descriptor_ < 0)
     return;
+  run_progress().holds_save_lock.store(false);
   // Removed while still held: no other run can have claimed this file meanwhile.
   ::unlink(lock_path_.c_str());
   ::close(descriptor_);

@@ -36,11 +36,14 @@ void copy_into(char* buffer, size_t size, const std::string& text) {
   buffer[length] = '\0';
 }
 
-// Async-signal-safe: unlink, write and _exit only.
+// Async-signal-safe: unlink, write and _exit only. The lock file (the last leftover) goes only
+// when this process holds it: a run refused --save, or a rank that does not save, must leave
+// the saving run's lock alone.
 void exit_at_once(const char* message) {
-  for (const auto* path : g_leftovers) {
-    if (path[0] != '\0')
-      ::unlink(path);
+  const int removable = run_progress().holds_save_lock.load() ? kLeftovers : kLeftovers - 1;
+  for (int i = 0; i < removable; ++i) {
+    if (g_leftovers[i][0] != '\0')
+      ::unlink(g_leftovers[i]);
   }
   if (g_announce && message != nullptr) {
     const auto length = std::strlen(message);

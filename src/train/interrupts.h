@@ -22,9 +22,10 @@ constexpr int kStopGraceSeconds = 3;
 /// the grace period's thread.
 struct RunProgress {
   std::atomic<int64_t> step{0};
-  std::atomic<int64_t> saved_step{-1};  // -1: this run has saved nothing yet
-  std::atomic<int> writing{0};          // checkpoints being written now
-  std::atomic<bool> ended{false};       // train() has returned: the grace period is over
+  std::atomic<int64_t> saved_step{-1};       // -1: this run has saved nothing yet
+  std::atomic<int> writing{0};               // checkpoints being written now
+  std::atomic<bool> ended{false};            // train() has returned: the grace period is over
+  std::atomic<bool> holds_save_lock{false};  // this process's SaveClaim holds PATH.lock
 };
 
 /// The process's run progress (one run per process).
@@ -40,9 +41,10 @@ class CheckpointWrite {
 };
 
 /// Installs the handlers of SIGINT and SIGTERM and starts the grace period's thread (once per
-/// process). `save_path`: --save ("" for none), whose temporary files and lock file an exit
-/// at once removes. `announce`: whether this process prints why it exits (a data-parallel
-/// run's rank 0). Returns the flag the first signal sets, for train().
+/// process). `save_path`: --save ("" for none), whose temporary files an exit at once
+/// removes, and its lock file when this process holds it (never another run's). `announce`: whether
+/// this process prints why it exits (a data-parallel run's rank 0). Returns the flag the first
+/// signal sets, for train().
 const std::atomic<bool>* install_stop_handlers(const std::string& save_path, bool announce);
 
 }  // namespace attnkit::train
