@@ -10,6 +10,8 @@
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include "attnkit/memory_budget.h"
+
 #include "core/attention_layout.h"
 #include "core/checks.h"
 #include "core/kernels.h"
@@ -333,6 +335,9 @@ void check_math_memory(const KernelInput& input) {
   const double bytes =
       2.0 * static_cast<double>(batch * heads) * pairs * static_cast<double>(q4.element_size()) +
       (masked ? pairs : 0.0);
+  // Every math call passes here: the message is built only for a call that is refused.
+  if (bytes <= static_cast<double>(memory_budget()))
+    return;
   std::string way_out;
   if (call.with_weights) {
     way_out =
