@@ -22,9 +22,13 @@ std::atomic<int64_t> g_budget{0};  // 0: the default
 }  // namespace
 
 int64_t physical_memory() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES);
-  const long page_size = ::sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : 0;
+  // Read once: sysconf(_SC_PHYS_PAGES) is a system call, and every math call asks.
+  static const int64_t bytes = [] {
+    const long pages = ::sysconf(_SC_PHYS_PAGES);
+    const long page_size = ::sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : int64_t{0};
+  }();
+  return bytes;
 }
 
 int64_t memory_budget() {
