@@ -20,6 +20,7 @@
 
 #include "attnkit/version.h"
 #include "command_line.h"
+#include "train/checkpoint.h"
 #include "train/interrupts.h"
 #include "train/launcher.h"
 #include "train/line.h"

@@ -79,6 +79,15 @@ std::string temporary_path(const std::string& path) {
   return path + "." + std::to_string(::getpid()) + ".tmp";
 }
 
+std::string best_checkpoint_path(const std::string& save_path) {
+  const auto dot = save_path.rfind('.');
+  const auto slash = save_path.rfind('/');
+  if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) {
+    return save_path + ".best";
+  }
+  return save_path.substr(0, dot) + ".best" + save_path.substr(dot);
+}
+
 SaveClaim::SaveClaim(const std::string& path) {
   if (path.empty())
     return;

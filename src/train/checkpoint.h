@@ -56,6 +56,9 @@ struct TrainingState {
 /// process's own ("PATH.PID.tmp"), so that two processes never write one temporary file.
 std::string temporary_path(const std::string& path);
 
+/// The `.best` sibling of a --save path: "run.pt" -> "run.best.pt".
+std::string best_checkpoint_path(const std::string& save_path);
+
 /// One run's claim on its --save path, from start to end: an exclusive lock (flock) on
 /// "PATH.lock", which holds this process's id. A second run with the same path is refused at
 /// start, naming the first's process, instead of overwriting its checkpoints; the lock file

@@ -12,7 +12,6 @@
 #include <thread>
 
 #include "checkpoint.h"
-#include "trainer.h"
 
 namespace attnkit::train {
 

@@ -53,15 +53,6 @@ CheckpointSettings data_settings(const TrainConfig& c) {
   return {{"data", c.data}, {"pack", c.pack ? "true" : "false"}, {"seed", std::to_string(c.seed)}};
 }
 
-std::string best_checkpoint_path(const std::string& save_path) {
-  const auto dot = save_path.rfind('.');
-  const auto slash = save_path.rfind('/');
-  if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) {
-    return save_path + ".best";
-  }
-  return save_path.substr(0, dot) + ".best" + save_path.substr(dot);
-}
-
 torch::Device resolve_device(const std::string& device) {
   if (device == "auto") {
     return torch::cuda::is_available() ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);

@@ -144,7 +144,4 @@ void check_dtype_ranks(const std::string& dtype, bool autocast, int world_size);
 /// The flags that every rank of a data-parallel run must share, one "name=value" per line.
 std::string rank_agreement_text(const TrainConfig& config);
 
-/// The `.best` sibling of a --save path: "run.pt" -> "run.best.pt".
-std::string best_checkpoint_path(const std::string& save_path);
-
 }  // namespace attnkit::train
