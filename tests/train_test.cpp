@@ -358,7 +358,21 @@ TEST_F(TrainTest, NonFiniteLossStopsAndKeepsTheLastGoodCheckpoint) {
               std::string::npos)
         << message;
   }
-  // The good checkpoint is untouched and resumes.
+  // The good checkpoint is untouched. A run that resumes from its --save file says which step
+  // that file holds, though this run saved nothing.
+  EXPECT_EQ(lines_of(path("run.pt")), saved);
+  diverging.resume = path("run.pt");
+  diverging.steps = 12;
+  try {
+    run(diverging);
+    FAIL() << "expected NonFiniteLoss";
+  } catch (const T::NonFiniteLoss& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("became NaN at step 11; training stopped; the last good checkpoint is " +
+                           path("run.pt") + " (step 10)"),
+              std::string::npos)
+        << message;
+  }
   EXPECT_EQ(lines_of(path("run.pt")), saved);
   auto resumed = small_config();
   resumed.resume = path("run.pt");

@@ -22,7 +22,7 @@ constexpr int kStopGraceSeconds = 3;
 /// the grace period's thread.
 struct RunProgress {
   std::atomic<int64_t> step{0};
-  std::atomic<int64_t> saved_step{-1};       // -1: this run has saved nothing yet
+  std::atomic<int64_t> saved_step{-1};       // the step --save holds (-1: none of this run's)
   std::atomic<int> writing{0};               // checkpoints being written now
   std::atomic<bool> ended{false};            // train() has returned: the grace period is over
   std::atomic<bool> holds_save_lock{false};  // this process's SaveClaim holds PATH.lock

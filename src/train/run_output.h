@@ -68,7 +68,7 @@ void dump_attention(const std::string& path, AttentionModel& model, const Task& 
                     const torch::Device& device);
 
 /// Why training stopped at a loss or gradient that is no longer finite, and what was kept.
-/// `saved_step`: the step of the last checkpoint this run wrote (0: none).
+/// `saved_step`: the step --save holds, from this run or the one it resumed from (0: none).
 std::string non_finite_message(const char* what, double value, int64_t step,
                                const TrainConfig& config, int64_t saved_step);
 

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <optional>
@@ -321,7 +322,7 @@ class TrainingRun {
   int64_t tokens_ = 0;
   double smoothed_loss_ = 0.0, smoothed_accuracy_ = 0.0;
   int64_t first_step_ = 1;
-  int64_t saved_step_ = 0;    // the step of the last checkpoint this run wrote
+  int64_t saved_step_ = 0;    // the step --save holds: this run's last, or the one resumed from
   bool stop_agreed_ = false;  // some rank was asked to stop during the last step
 };
 
@@ -372,6 +373,11 @@ TrainingRun::TrainingRun(const TrainConfig& config, std::ostream& out,
                              data_generator_, rank_);
     optimizer_->set_lr(config.lr);  // this run's --lr and --weight-decay
     optimizer_->set_weight_decay(config.weight_decay);
+    std::error_code no_file;
+    if (!config.save.empty() && std::filesystem::equivalent(config.resume, config.save, no_file)) {
+      saved_step_ = state_.step;  // --save already holds the step this run resumed from
+      run_progress().saved_step.store(saved_step_);
+    }
     if (verbose_) {
       Line line(out);
       line << "resumed from " << config.resume << " at step " << state_.step;
