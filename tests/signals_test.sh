@@ -3,7 +3,8 @@
 # - a signal between fast steps: the step finishes, the run saves and exits 130;
 # - a second run on the same --save is refused at start, naming the first;
 # - a slow step: the run exits 130 within the grace period (3 s), dropping that step, and the
-#   checkpoint it saved before is left as it was and resumes;
+#   checkpoint it saved before is left as it was and resumes; a run resumed from its --save
+#   file says that file holds the step it resumed from;
 # - a second signal: the run exits at once.
 # No temporary file or lock file is left behind in any case.
 # Usage: tests/signals_test.sh PATH/TO/attnkit-train SOURCE_DIR
@@ -99,7 +100,24 @@ else
   fail "the slow run saved no checkpoint within 300 s" "$work/slow.err"
 fi
 
-# 4. A second signal ends the run at once (here in the slow run's first step).
+# 4. A run that resumed from its --save file and is stopped before it saves says which step
+# that file holds: the one it resumed from (not "this run had not saved it yet").
+checks=$((checks + 1))
+cp "$work/slow.pt" "$work/resumed.pt"
+"$train" "${slow[@]}" --resume "$work/resumed.pt" --save "$work/resumed.pt" \
+  >"$work/resumed.out" 2>"$work/resumed.err" &
+pid=$!
+sleep 2
+signal_and_wait TERM "$pid"
+expected="$work/resumed.pt holds step 1, the last checkpoint saved"
+if [ "$code" -eq 130 ] && grep -qF -- "$expected" "$work/resumed.err" &&
+   cmp -s "$work/resumed.pt" "$work/slow.pt" && [ -z "$(leftovers "$work/resumed.pt")" ]; then
+  pass "SIGTERM in a resumed run's slow step -> exit 130 after $took ms: $(cat "$work/resumed.err")"
+else
+  fail "SIGTERM in a resumed run's slow step -> exit $code (expected 130, '$expected', the file unchanged, no leftovers)" "$work/resumed.err"
+fi
+
+# 5. A second signal ends the run at once (here in the slow run's first step).
 checks=$((checks + 1))
 "$train" "${slow[@]}" --save "$work/twice.pt" >"$work/twice.out" 2>"$work/twice.err" &
 pid=$!
