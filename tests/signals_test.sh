@@ -33,6 +33,16 @@ wait_for() {
   done
   [ -e "$1" ]
 }
+# wait_for_text FILE TEXT SECONDS PID: until FILE holds TEXT (0), or the time is up or PID
+# has ended (1).
+wait_for_text() {
+  local tries=$(($3 * 10))
+  while ! grep -qF -- "$2" "$1" 2>/dev/null && [ "$tries" -gt 0 ] && kill -0 "$4" 2>/dev/null; do
+    sleep 0.1
+    tries=$((tries - 1))
+  done
+  grep -qF -- "$2" "$1" 2>/dev/null
+}
 now_ms() { date +%s%3N; }
 # signal_and_wait SIGNAL PID: sends SIGNAL to PID and waits for it; sets code (its exit
 # status) and took (milliseconds from the signal to its end).
@@ -107,9 +117,12 @@ cp "$work/slow.pt" "$work/resumed.pt"
 "$train" "${slow[@]}" --resume "$work/resumed.pt" --save "$work/resumed.pt" \
   >"$work/resumed.out" 2>"$work/resumed.err" &
 pid=$!
-sleep 2
+# Signalled in step 2, once the banner says the checkpoint was read (a signal in the setup
+# abandons the setup, before the run knows which step the file holds).
+wait_for_text "$work/resumed.out" "resumed from $work/resumed.pt at step 1" 120 "$pid"
+sleep 1
 signal_and_wait TERM "$pid"
-expected="$work/resumed.pt holds step 1, the last checkpoint saved"
+expected="so step 2 was abandoned; $work/resumed.pt holds step 1, the last checkpoint saved"
 if [ "$code" -eq 130 ] && grep -qF -- "$expected" "$work/resumed.err" &&
    cmp -s "$work/resumed.pt" "$work/slow.pt" && [ -z "$(leftovers "$work/resumed.pt")" ]; then
   pass "SIGTERM in a resumed run's slow step -> exit 130 after $took ms: $(cat "$work/resumed.err")"
