@@ -11,6 +11,7 @@ if [ "${1:-}" = "--preset" ]; then
   shift 2
 fi
 scripts/setup.sh
+. scripts/compiler_cache.sh
 if [ "$preset" = pip ]; then
   # pip's LibTorch, from the virtual environment of scripts/pip_torch.sh (made on first use).
   { read -r python; read -r ATTNKIT_PIP_TORCH_PREFIX; } < <(scripts/pip_torch.sh --print-prefix)

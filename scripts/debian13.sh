@@ -23,7 +23,7 @@ set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: scripts/debian13.sh COMMAND [ARGS...]" >&2; exit 2; }
 if [ "$(id -u)" -ne 0 ]; then
   command -v sudo >/dev/null || { echo "debian13: needs root or sudo (debootstrap, mount, chroot)" >&2; exit 1; }
-  exec sudo --preserve-env=ATTNKIT_DEBIAN13_ROOT,ATTNKIT_DEBIAN_MIRROR,XDG_CACHE_HOME,CI \
+  exec sudo --preserve-env=ATTNKIT_DEBIAN13_ROOT,ATTNKIT_DEBIAN_MIRROR,XDG_CACHE_HOME,CI,ATTNKIT_WERROR,ATTNKIT_CCACHE \
     HOME="$HOME" "$0" "$@"
 fi
 
@@ -51,7 +51,7 @@ run_inside() {  # run_inside [--as-caller] COMMAND...: in the repository folder,
   fi
   chroot "${userspec[@]}" "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 \
     PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin TERM="${TERM:-dumb}" \
-    CI="${CI:-}" bash -c 'cd "$0" && exec "$@"' "$repo" "$@"
+    CI="${CI:-}" ATTNKIT_WERROR="${ATTNKIT_WERROR:-}" ATTNKIT_CCACHE="${ATTNKIT_CCACHE:-}" bash -c 'cd "$0" && exec "$@"' "$repo" "$@"
 }
 
 if [ ! -e "$root/etc/attnkit-debian13-complete" ]; then

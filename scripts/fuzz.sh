@@ -20,6 +20,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 scripts/setup.sh --fuzz
+. scripts/compiler_cache.sh
 cmake --preset fuzz >/dev/null
 cmake --build --preset fuzz -j "$(nproc)"
 

@@ -7,6 +7,7 @@ set -euo pipefail
 
 packages=(
   cmake ninja-build g++          # build tools
+  ccache                         # compiler cache shared by builds and clones (scripts/compiler_cache.sh)
   libtorch-dev                   # LibTorch 1.13 (CPU)
   libopenblas0-pthread           # without it LibTorch uses the reference BLAS, ~30x slower
   libgtest-dev                   # tests

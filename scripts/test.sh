@@ -37,10 +37,18 @@ case "${1:-}" in
     shift 2
     ;;
 esac
+. scripts/compiler_cache.sh  # the package test's outside projects compile through it too
+minutes() { echo "$(($1 / 60)) min $(($1 % 60)) s"; }
+start=$SECONDS
 scripts/build.sh --preset "$preset"
+echo "test: preset $preset: built in $(minutes $((SECONDS - start)))"
 if [ "$preset" = pip ]; then
   # The Python side of the cross-language tests: the same PyTorch as the LibTorch.
   ATTNKIT_PYTHON=$(scripts/pip_torch.sh)
   export ATTNKIT_PYTHON
 fi
-ctest --preset "$preset" "${extra[@]}" "$@"
+start=$SECONDS
+status=0
+ctest --preset "$preset" "${extra[@]}" "$@" || status=$?
+echo "test: preset $preset: tests ran in $(minutes $((SECONDS - start)))"
+exit $status
