@@ -433,6 +433,36 @@ class BadInput(unittest.TestCase):
                          value=self.v.half())
 
 
+class EmptyInputs(unittest.TestCase):
+    def test_an_empty_batch_gives_empty_outputs_and_gradients(self):
+        # B = 0 divided the workers by the batch in the chunked kernel (SIGFPE); L = 0 beside it.
+        for batch, queries in ((0, 40), (2, 0)):
+            q = torch.randn(batch, 2, queries, 8, requires_grad=True)
+            k = torch.randn(batch, 2, 40, 8, requires_grad=True)
+            v = torch.randn(batch, 2, 40, 8, requires_grad=True)
+            runs = {
+                "flex_attention": lambda: attnkit.flex_attention(q, k, v, return_lse=True),
+                "attention": lambda: (attnkit.attention(q, k, v, causal=True, softcap=5.0),
+                                      torch.zeros(batch, 2, queries)),
+            }
+            if queries > 0:  # a block mask needs Q_LEN >= 1, as PyTorch's does
+                runs["flex_attention with a block mask and a score_mod"] = \
+                    lambda: attnkit.flex_attention(
+                        q, k, v, score_mod=times_two, return_lse=True,
+                        block_mask=attnkit.create_block_mask(causal, None, None, queries, 40,
+                                                             BLOCK_SIZE=16))
+            for name, run in runs.items():
+                with self.subTest(batch=batch, queries=queries, call=name):
+                    out, lse = run()
+                    self.assertEqual(tuple(out.shape), (batch, 2, queries, 8))
+                    self.assertEqual(tuple(lse.shape), (batch, 2, queries))
+                    grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+                    for grad, tensor in zip(grads, (q, k, v)):
+                        if grad is not None:
+                            self.assertEqual(grad.shape, tensor.shape)
+                            self.assertEqual(grad.abs().sum().item(), 0.0)
+
+
 class Autocast(unittest.TestCase):
     def test_cpu_autocast_runs_in_its_dtype_as_the_cpp_api(self):
         """Under CPU autocast to bfloat16, float32 inputs run as their bfloat16 copies would

@@ -112,7 +112,8 @@ def _check_problem(query, key, value, enable_gqa):
 def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p=0.0):
     _check_problem(query, key, value, enable_gqa)
     graph, captured = ("", []) if score_mod is None else _score_graph.traced(score_mod)
-    if block_mask is None:
+    if block_mask is None or query.numel() == 0:
+        # No batch entry or no query: no row to mask, and an empty batch has no block to list.
         lists = (None, None, None, None, None)
         q_block, kv_block = 128, 128
     else:
@@ -186,7 +187,7 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
         parts.append(lambda b, h, q, kv: ids[b if ids.shape[0] > 1 else 0, q] ==
                      ids[b if ids.shape[0] > 1 else 0, kv])
     block_mask = None
-    if parts:
+    if parts and query.numel() > 0:  # an empty batch or query has no row to mask
         def mask_mod(b, h, q, kv):
             allowed = parts[0](b, h, q, kv)
             for part in parts[1:]:

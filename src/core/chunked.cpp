@@ -97,7 +97,9 @@ struct BlockPlan {
     int64_t batches = std::max<int64_t>(fitting_heads / group_size, 1);
     batches = (kv_heads + batches - 1) / batches;  // kv heads per batch -> number of batches
     const int64_t workers = worker_count(outer * kv_heads, q4.device());
-    batches = std::min(std::max(batches, (workers + outer - 1) / outer), kv_heads);
+    // An empty batch (outer 0) has no tasks to share among the workers.
+    const int64_t batches_per_outer = (workers + outer - 1) / std::max<int64_t>(outer, 1);
+    batches = std::min(std::max(batches, batches_per_outer), kv_heads);
     head_batch = (kv_heads + batches - 1) / batches * group_size;
   }
 
