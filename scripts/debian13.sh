@@ -17,6 +17,8 @@
 #   ATTNKIT_DEBIAN13_ROOT   where the root lives (default: $XDG_CACHE_HOME/attnkit/debian13,
 #                           or ~/.cache/attnkit/debian13); delete it to start afresh
 #   ATTNKIT_DEBIAN_MIRROR   the archive debootstrap uses (default: debootstrap's own)
+#   CI, ATTNKIT_WERROR, ATTNKIT_CCACHE   passed on to COMMAND (the build's settings: .ci/run,
+#                           scripts/compiler_cache.sh); the rest of the environment is not
 # Needs root (or sudo) for debootstrap, mount and chroot; COMMAND runs as the calling user.
 set -euo pipefail
 

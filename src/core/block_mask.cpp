@@ -293,7 +293,9 @@ BlockMask::BlockMask(Mask mask, int64_t batch, int64_t heads, int64_t q_len, int
 
 void BlockMask::set_kinds(std::vector<TileKind> kinds) {
   const int64_t nq = num_q_blocks(), nk = num_kv_blocks();
-  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(kinds.size()) == batch_ * heads_ * nq * nk);
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(kinds.size()) == batch_ * heads_ * nq * nk,
+                        "[BlockMask::set_kinds] expected one kind per tile, ",
+                        batch_ * heads_ * nq * nk, ", got ", kinds.size());
   const int64_t rows = batch_ * heads_ * nq;
   auto partial = ordered_lists(kinds, TileKind::kPartial, rows, nk);
   auto full = ordered_lists(kinds, TileKind::kFull, rows, nk);
