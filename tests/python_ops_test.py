@@ -433,6 +433,68 @@ class BadInput(unittest.TestCase):
                          value=self.v.half())
 
 
+class CapturedValuesAtCallTime(unittest.TestCase):
+    """What a score_mod captures is read at each call, as PyTorch's flex_attention reads it
+    (forward compared with it where PyTorch has it, else with the dense reference)."""
+
+    def setUp(self):
+        g = torch.Generator().manual_seed(11)
+        self.q, self.k, self.v = [torch.randn(1, 2, 48, 8, generator=g, dtype=torch.float64)
+                                  for _ in range(3)]
+
+    def check(self, score_mod):
+        mine = attnkit.flex_attention(self.q, self.k, self.v, score_mod=score_mod)
+        theirs, _ = flex_forward(self.q, self.k, self.v, score_mod, None, False)
+        self.assertLess(max_error(mine, theirs), 1e-10)
+        return mine
+
+    def test_a_changed_number_global_or_bool(self):
+        settings = {"temperature": 1.0, "bias": torch.zeros(2, dtype=torch.float64),
+                    "relative": False}
+
+        def score_mod(score, b, h, q, kv):
+            score = score / settings["temperature"] + settings["bias"][h]
+            return score + (q - kv) if settings["relative"] else score
+        first = self.check(score_mod)
+        settings["temperature"] = 0.25
+        second = self.check(score_mod)
+        self.assertGreater(max_error(first, second), 1e-3)
+        settings["bias"] = torch.tensor([3.0, -3.0], dtype=torch.float64)  # bound anew
+        self.check(score_mod)
+        settings["relative"] = True  # the function's operations change
+        self.check(score_mod)
+
+    def test_a_parameter_assigned_anew_gets_its_gradient(self):
+        module = torch.nn.Module()
+        module.slopes = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+
+        def score_mod(score, b, h, q, kv):
+            return score + module.slopes[h] * (kv - q)
+        attnkit.flex_attention(self.q, self.k, self.v, score_mod=score_mod).sum().backward()
+        old = module.slopes
+        module.slopes = torch.nn.Parameter(torch.full((2,), 0.5, dtype=torch.float64))
+        out = attnkit.flex_attention(self.q, self.k, self.v, score_mod=score_mod)
+        out.sum().backward()
+        self.assertIsNotNone(module.slopes.grad)
+        self.assertGreater(module.slopes.grad.abs().sum().item(), 0.0)
+        theirs, _ = flex_forward(self.q, self.k, self.v, score_mod, None, False)
+        self.assertLess(max_error(out, theirs), 1e-10)
+        self.assertEqual(old.grad.shape, (2,))
+
+    def test_one_function_whose_captured_tensor_is_replaced_each_step(self):
+        state = {"bias": None}
+        weight = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+
+        def score_mod(score, b, h, q, kv):
+            return score + state["bias"][h] * q
+        for step in range(3):
+            state["bias"] = weight * (step + 1)
+            out = attnkit.flex_attention(self.q, self.k, self.v, score_mod=score_mod)
+            out.sum().backward()  # step 2 failed: "backward through the graph a second time"
+            theirs, _ = flex_forward(self.q, self.k, self.v, score_mod, None, False)
+            self.assertLess(max_error(out, theirs), 1e-10)
+
+
 class EmptyInputs(unittest.TestCase):
     def test_an_empty_batch_gives_empty_outputs_and_gradients(self):
         # B = 0 divided the workers by the batch in the chunked kernel (SIGFPE); L = 0 beside it.

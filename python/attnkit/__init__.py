@@ -139,7 +139,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
     query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev) -> (B, Hq, L, Ev), and with
     return_lse the log-sum-exp (B, Hq, L) in float32 (-inf for a query that sees no key).
-    score_mod(score, b, h, q_idx, kv_idx) is traced once per function (torch.fx) and runs in
+    score_mod(score, b, h, q_idx, kv_idx) is traced at each call (torch.fx) and runs in
     the kernels; block_mask is PyTorch's BlockMask (create_block_mask) or attnkit's, whose
     mask_mod is evaluated on its partial tiles only.
     """

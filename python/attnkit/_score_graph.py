@@ -152,15 +152,30 @@ def trace(score_mod):
     return "\n".join(lines), tracer.captured
 
 
+def _compiling():
+    """Whether torch.compile (Dynamo) is tracing this call."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    dynamo = getattr(torch, "_dynamo", None)  # 2.0 to 2.2
+    return dynamo is not None and dynamo.is_compiling()
+
+
 def traced(score_mod):
-    """trace(score_mod), remembered on the function object (an attribute, which Dynamo reads
-    where it would not inline a WeakKeyDictionary); a callable that takes no attribute is
-    traced at each call."""
-    result = getattr(score_mod, "_attnkit_score_graph", None)
-    if result is None:
-        result = trace(score_mod)
-        try:
-            score_mod._attnkit_score_graph = result
-        except AttributeError:
-            pass
+    """trace(score_mod), anew at every eager call: a score_mod reads its captured values when
+    it is called, as PyTorch's flex_attention calls it, so a changed number (a temperature), a
+    global bound anew, a parameter assigned anew, a tensor recomputed each step or a Python bool
+    that steers its operations all count at the next call. Tracing costs about a millisecond.
+    The latest trace is kept on the function object (an attribute, which Dynamo reads where it
+    would not inline a WeakKeyDictionary): inside torch.compile, where attnkit does not trace,
+    the compiled region reads the trace of the last eager call (docs/python.md)."""
+    if _compiling():
+        result = getattr(score_mod, "_attnkit_score_graph", None)
+        if result is not None:
+            return result
+    result = trace(score_mod)
+    try:
+        score_mod._attnkit_score_graph = result
+    except AttributeError:
+        pass
     return result
