@@ -495,6 +495,30 @@ class CapturedValuesAtCallTime(unittest.TestCase):
             self.assertLess(max_error(out, theirs), 1e-10)
 
 
+class SecondOrder(unittest.TestCase):
+    def test_create_graph_is_refused_with_or_without_a_mask_or_score_mod(self):
+        # It gave second-order gradients of zero with a mask or a score_mod.
+        g = torch.Generator().manual_seed(12)
+        q, k, v = [torch.randn(1, 2, 40, 8, generator=g, dtype=torch.float64,
+                               requires_grad=True) for _ in range(3)]
+        calls = {
+            "plain": {},
+            "block mask": {"block_mask": attnkit.create_block_mask(causal, None, None, 40, 40,
+                                                                   BLOCK_SIZE=16)},
+            "score_mod": {"score_mod": times_two},
+        }
+        for name, kwargs in calls.items():
+            with self.subTest(name):
+                out = attnkit.flex_attention(q, k, v, **kwargs)
+                with self.assertRaisesRegex(RuntimeError, "second-order gradients are not "
+                                                          "supported.*create_graph=True"):
+                    torch.autograd.grad(out.square().sum(), q, create_graph=True)
+                # Once, as usual.
+                out = attnkit.flex_attention(q, k, v, **kwargs)
+                grad, = torch.autograd.grad(out.square().sum(), q)
+                self.assertGreater(grad.abs().sum().item(), 0.0)
+
+
 class EmptyInputs(unittest.TestCase):
     def test_an_empty_batch_gives_empty_outputs_and_gradients(self):
         # B = 0 divided the workers by the batch in the chunked kernel (SIGFPE); L = 0 beside it.

@@ -367,6 +367,13 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("attnkit::flex_attention_backward", "")
                          .typed<decltype(flex_attention_backward_kernel)>();
+    // The engine records the backward's graph (grad mode on) only for create_graph=True. The
+    // kernels' backward is not itself differentiable: refuse, rather than give second-order
+    // gradients of zero.
+    TORCH_CHECK(!torch::GradMode::is_enabled(),
+                "[attnkit::flex_attention] second-order gradients are not supported: the "
+                "backward was asked to record its own graph (create_graph=True), and attnkit's "
+                "kernels do not; differentiate once (create_graph=False)");
     const auto saved = ctx->get_saved_variables();
     const std::vector<Tensor> score_tensors(saved.begin() + 5, saved.end());
     const auto blocks = ctx->saved_data["blocks"].to<std::vector<c10::optional<Tensor>>>();
