@@ -432,6 +432,22 @@ class BadInput(unittest.TestCase):
             self.refused(TypeError, ["float16"], query=self.q.half(), key=self.k.half(),
                          value=self.v.half())
 
+    def test_a_captured_tensor_off_the_querys_device_or_complex(self):
+        # A meta tensor gave garbage (the fake kernel's uninitialised outputs).
+        table = torch.empty(2, device="meta")
+
+        def on_meta(score, b, h, q, kv):
+            return score + table[h]
+        self.refused(RuntimeError, ["score_tensors[0]", "captured tensor 0", "Float [2]",
+                                    "is on meta, the query on cpu"], score_mod=on_meta)
+        waves = torch.ones(2, dtype=torch.complex64)
+
+        def complex_table(score, b, h, q, kv):
+            return score + waves[h]
+        self.refused(RuntimeError, ["score_tensors[0]", "ComplexFloat",
+                                    "expected a real, integer or bool tensor"],
+                     score_mod=complex_table)
+
 
 class CapturedValuesAtCallTime(unittest.TestCase):
     """What a score_mod captures is read at each call, as PyTorch's flex_attention reads it

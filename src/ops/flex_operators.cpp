@@ -180,6 +180,24 @@ Mask mask_of(const Tensor& q, const Tensor& k, const FlexArguments& args) {
                                 q.size(2), k.size(2), args.q_block_size, args.kv_block_size, mask));
 }
 
+// Every captured tensor on the query's device and real: one on another device would be read as
+// garbage, and one on meta (no data) sends the call to the fake kernel, whose outputs are
+// uninitialised. A CPU scalar serves any device, as in PyTorch's own operations. Run by the
+// kernels and the fake kernels alike.
+void check_score_tensors(const Tensor& query, at::TensorList score_tensors) {
+  for (size_t i = 0; i < score_tensors.size(); ++i) {
+    const auto& t = score_tensors[i];
+    TORCH_CHECK(t.device() == query.device() || (t.dim() == 0 && t.is_cpu()), kOp,
+                " score_tensors[", i, "] (the score_mod's captured tensor ", i, ", ",
+                t.scalar_type(), " ", shape_string(t), ") is on ", t.device(), ", the query on ",
+                query.device(), ": move it to the query's device");
+    TORCH_CHECK(!t.is_complex(), kOp, " score_tensors[", i, "] (the score_mod's captured tensor ",
+                i, ", ", shape_string(t), ") is ", t.scalar_type(),
+                "; expected a real, integer or bool tensor, as the query's ",
+                query.scalar_type(), " scores are real");
+  }
+}
+
 // The planner's split call for the arguments on query, key and value (a score function bound
 // to `score_tensors`).
 detail::AttentionCall call_of(const Tensor& query, const Tensor& key, const Tensor& value,
@@ -190,6 +208,7 @@ detail::AttentionCall call_of(const Tensor& query, const Tensor& key, const Tens
               " dropout_p > 0 needs a dropout_seed >= 0, got ", args.dropout_seed);
   TORCH_CHECK(!args.score_graph.empty() || score_tensors.empty(), kOp,
               " score_tensors without a score_graph");
+  check_score_tensors(query, score_tensors);
   detail::AttentionCall call;
   call.query = query;
   call.key = key;
@@ -299,9 +318,10 @@ std::tuple<Tensor, Tensor> flex_attention_meta(
     const c10::optional<Tensor>& /*full_kv_num_blocks*/,
     const c10::optional<Tensor>& /*full_kv_indices*/,
     const c10::optional<Tensor>& /*partial_tiles*/, int64_t /*q_block_size*/,
-    int64_t /*kv_block_size*/, c10::string_view /*score_graph*/, at::TensorList /*score_tensors*/,
+    int64_t /*kv_block_size*/, c10::string_view /*score_graph*/, at::TensorList score_tensors,
     double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/) {
   check_inputs(query, key, value);
+  check_score_tensors(query, score_tensors);
   auto shape = query.sizes().vec();
   shape.back() = value.size(-1);
   return {torch::empty(shape, query.options()),
@@ -318,6 +338,7 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_
     const c10::optional<Tensor>& /*partial_tiles*/, int64_t /*q_block_size*/,
     int64_t /*kv_block_size*/, c10::string_view /*score_graph*/, at::TensorList score_tensors,
     double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/) {
+  check_score_tensors(query, score_tensors);
   // Contiguous, as the kernel's (whatever the inputs' strides).
   const auto like = [](const Tensor& t) { return torch::empty(t.sizes(), t.options()); };
   std::vector<Tensor> tensor_grads;
