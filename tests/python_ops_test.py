@@ -12,6 +12,7 @@ Python: 1.13, 2.6, pip's newest; PYTHONPATH holds the build's python/ folder).
 import math
 import os
 import sys
+import types
 import unittest
 
 import torch
@@ -447,6 +448,33 @@ class BadInput(unittest.TestCase):
         self.refused(RuntimeError, ["score_tensors[0]", "ComplexFloat",
                                     "expected a real, integer or bool tensor"],
                      score_mod=complex_table)
+
+
+class PaddedBlockLists(unittest.TestCase):
+    def test_zero_padded_kv_indices_as_from_kv_blocks_makes_them(self):
+        # Rows list fewer blocks than kv_indices holds; the rest is zeros. Row 0 lists block 0
+        # alone, and its padding 0 overwrote it ("partial_tiles must be bool ...").
+        g = torch.Generator().manual_seed(13)
+        q, k, v = [torch.randn(1, 2, 64, 8, generator=g, dtype=torch.float64,
+                               requires_grad=True) for _ in range(3)]
+        kv_num_blocks = torch.tensor([[[1, 2]]], dtype=torch.int32)
+        kv_indices = torch.tensor([[[[0, 0], [0, 1]]]], dtype=torch.int32)
+        masks = {"lists": types.SimpleNamespace(kv_num_blocks=kv_num_blocks,
+                                                kv_indices=kv_indices, BLOCK_SIZE=(32, 32),
+                                                mask_mod=causal)}
+        if HAS_FLEX:
+            from torch.nn.attention.flex_attention import BlockMask
+            masks["BlockMask.from_kv_blocks"] = BlockMask.from_kv_blocks(
+                kv_num_blocks, kv_indices, BLOCK_SIZE=32, mask_mod=causal)
+        want, _ = dense_reference(q, k, v, None, causal)
+        want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+        for name, block_mask in masks.items():
+            with self.subTest(name):
+                out = attnkit.flex_attention(q, k, v, block_mask=block_mask)
+                self.assertLess(max_error(out, want), 1e-12)
+                grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+                for mine, theirs in zip(grads, want_grads):
+                    self.assertLess(max_error(mine, theirs), 1e-10)
 
 
 class CapturedValuesAtCallTime(unittest.TestCase):

@@ -86,8 +86,14 @@ def _partial_bits(block_mask, q_len, kv_len):
     # ascending, the order of the operators' slots whatever order the lists give them in.
     nk = -(-kv_len // kv_block)
     listed = torch.arange(idx.shape[-1], device=device) < num.unsqueeze(-1)
-    grid = torch.zeros(*num.shape, max(nk, idx.shape[-1]), dtype=torch.bool, device=device)
-    grid.scatter_(-1, idx.long().clamp(0, grid.shape[-1] - 1), listed)
+    # Only a row's first kv_num_blocks entries count: the rest is padding (zeros, for
+    # PyTorch's BlockMask.from_kv_blocks), sent to a spare last column so that it cannot
+    # overwrite a listed block.
+    width = max(nk, idx.shape[-1])
+    grid = torch.zeros(*num.shape, width + 1, dtype=torch.bool, device=device)
+    columns = torch.where(listed, idx.long().clamp(0, width - 1), torch.full_like(idx.long(), width))
+    grid.scatter_(-1, columns, listed)
+    grid = grid[..., :width]
     b, h, qb, kvb = grid.nonzero(as_tuple=True)
     q = qb.view(-1, 1, 1) * q_block + torch.arange(q_block, device=device).view(1, -1, 1)
     kv = kvb.view(-1, 1, 1) * kv_block + torch.arange(kv_block, device=device).view(1, 1, -1)
