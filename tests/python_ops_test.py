@@ -477,6 +477,25 @@ class PaddedBlockLists(unittest.TestCase):
                     self.assertLess(max_error(mine, theirs), 1e-10)
 
 
+class ValueHeadSize(unittest.TestCase):
+    def test_values_of_another_head_size_with_no_mask_or_causal(self):
+        # Routed to LibTorch's CPU flash kernel (2.5 on), which refused Ev != E.
+        g = torch.Generator().manual_seed(14)
+        q, k = [torch.randn(1, 2, 40, 8, generator=g, requires_grad=True) for _ in range(2)]
+        v = torch.randn(1, 2, 40, 12, generator=g, requires_grad=True)
+        for mask_mod in (None, causal):
+            with self.subTest(mask_mod=getattr(mask_mod, "__name__", None)):
+                block_mask = make_block_mask(mask_mod, 40, 40)
+                out = attnkit.flex_attention(q, k, v, block_mask=block_mask)
+                want, _ = dense_reference(q, k, v, None, mask_mod)
+                self.assertEqual(tuple(out.shape), (1, 2, 40, 12))
+                self.assertLess(max_error(out, want), 1e-5)
+                grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+                want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+                for mine, theirs in zip(grads, want_grads):
+                    self.assertLess(max_error(mine, theirs), 1e-4)
+
+
 class CapturedValuesAtCallTime(unittest.TestCase):
     """What a score_mod captures is read at each call, as PyTorch's flex_attention reads it
     (forward compared with it where PyTorch has it, else with the dense reference)."""

@@ -470,6 +470,10 @@ std::string cpu_flash_split_declines(const KernelInput& input) {
   }
   if (input.dropout_p() > 0.0)
     return "LibTorch's CPU flash kernel has no dropout of its own seed";
+  if (call.value.size(3) != call.query.size(3)) {
+    return c10::str("LibTorch's CPU flash kernel takes values of the query's head size, not ",
+                    call.query.size(3), " and ", call.value.size(3));
+  }
   if (call.query.numel() == 0 || call.key.numel() == 0)
     return "an empty call has nothing to tile";
   return "";
