@@ -666,6 +666,8 @@ class OwnMasks(unittest.TestCase):
             (dict(document_ids=torch.zeros(15, dtype=torch.long)), "document_ids needs"),
             (dict(softcap=-1.0), "softcap must be > 0, got -1.0"),
             (dict(bias=torch.zeros(2)), "bias must be (heads, 2 D + 1), got (2,)"),
+            (dict(alibi_slopes=torch.ones(3)), "alibi_slopes must be (2,), one slope per query "
+                                               "head, got (3,)"),
         ]
         for kwargs, words in cases:
             with self.subTest(str(kwargs)), self.assertRaises(ValueError) as caught:
@@ -677,6 +679,17 @@ class OwnMasks(unittest.TestCase):
         with self.assertRaises(ValueError) as caught:
             attnkit.flex_attention(q, q[..., :4], q)
         self.assertIn("one head dimension", str(caught.exception))
+        for size in (64.5, (8, 8.0), (8, 8, 8)):
+            with self.subTest(BLOCK_SIZE=size), self.assertRaises(TypeError) as caught:
+                attnkit.create_block_mask(causal, None, None, 16, 16, BLOCK_SIZE=size)
+            self.assertIn("BLOCK_SIZE must be an int or a pair of ints (query block, key block), "
+                          f"got {size!r}", str(caught.exception))
+        learned = torch.tensor(0.3, requires_grad=True)
+        with self.assertRaises(TypeError) as caught:
+            attnkit.flex_attention(q, q, q, scale=learned)
+        self.assertIn("scale is a tensor that requires grad", str(caught.exception))
+        self.assertLess(max_error(attnkit.flex_attention(q, q, q, scale=torch.tensor(0.3)),
+                                  attnkit.flex_attention(q, q, q, scale=0.3)), 1e-6)
         # The operator's own checks, for callers of torch.ops.attnkit directly.
         bm = attnkit.create_block_mask(causal, None, None, 16, 16, BLOCK_SIZE=8)
         lists = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]

@@ -120,6 +120,11 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p
         q_block, kv_block, lists = partial_tiles(block_mask, query, key)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    elif isinstance(scale, torch.Tensor) and scale.requires_grad:
+        # The operator takes scale as a number: its gradient would be lost without a word.
+        raise TypeError("attnkit.flex_attention: scale is a tensor that requires grad; attnkit "
+                        "takes scale as a number, without a gradient: pass a float, or fold a "
+                        "learned scale into the query (query * scale) or into a score_mod")
     seed = -1
     if dropout_p > 0.0:
         seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64).item())
@@ -197,6 +202,9 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
                                (document_ids is not None and document_ids.dim() == 2)) else 1
         block_mask = create_block_mask(mask_mod, B, 1, L, S, device=query.device,
                                        BLOCK_SIZE=block_size)
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) != (query.shape[1],):
+        raise ValueError(f"attnkit.attention: alibi_slopes must be ({query.shape[1]},), one slope "
+                         f"per query head, got {tuple(alibi_slopes.shape)}")
     score_mod = _combined_score_mod(softcap, alibi_slopes, bias)
     out, _ = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
                    dropout_p if training else 0.0)

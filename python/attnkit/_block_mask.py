@@ -48,7 +48,11 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
     """attnkit's BlockMask from mask_mod(b, h, q_idx, kv_idx) -> bool, evaluated on broadcast
     index tensors one query block at a time. B or H of 1 (or None) serve any."""
     B, H = B or 1, H or 1
-    q_block, kv_block = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
+    sizes = (BLOCK_SIZE, BLOCK_SIZE) if not isinstance(BLOCK_SIZE, (tuple, list)) else BLOCK_SIZE
+    if len(sizes) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+        raise TypeError("attnkit.create_block_mask: BLOCK_SIZE must be an int or a pair of ints "
+                        f"(query block, key block), got {BLOCK_SIZE!r}")
+    q_block, kv_block = sizes
     if min(B, H, Q_LEN, KV_LEN, q_block, kv_block) < 1:
         raise ValueError("attnkit.create_block_mask: B, H, Q_LEN, KV_LEN and BLOCK_SIZE must be "
                          f">= 1, got {B}, {H}, {Q_LEN}, {KV_LEN}, {BLOCK_SIZE}")
