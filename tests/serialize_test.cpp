@@ -4,11 +4,15 @@
 #include "attnkit/safetensors.h"
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <set>
+#include <thread>
 
 #include <caffe2/serialize/inline_container.h>
 
@@ -333,6 +337,58 @@ TEST_F(SerializeTest, WritingWhereItCannotFails) {
   attnkit::SelfAttentionV1 sa(3, 2);
   expect_error_containing([&] { attnkit::save_state_dict(*sa, path("no_such_dir/sa.pt")); },
                           "[write_state_dict] cannot open");
+}
+
+// A write replaces the file a symbolic link points to and keeps the link; a FIFO is written
+// directly; a directory is refused. Every save replaced the link itself with a regular file.
+TEST_F(SerializeTest, WritesGoThroughSymlinksAndIntoFifos) {
+  attnkit::SelfAttentionV1 sa(3, 2);
+  const auto dict = attnkit::state_dict(*sa);
+  const auto bytes_of = [](const std::string& file) {
+    std::ifstream in(file, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  attnkit::write_state_dict(dict, path("direct.pt"));
+  attnkit::save_safetensors(dict, path("direct.safetensors"));
+  const std::map<std::string, std::function<void(const std::string&)>> writers = {
+      {"pt", [&](const std::string& file) { attnkit::write_state_dict(dict, file); }},
+      {"safetensors", [&](const std::string& file) { attnkit::save_safetensors(dict, file); }}};
+  for (const auto& [extension, write] : writers) {
+    SCOPED_TRACE(extension);
+    const auto expected = bytes_of(path("direct." + extension));
+    // A link to a file in another folder, a relative link to it, and a link to a missing file.
+    fs::create_directories(path("shared"));
+    const auto target = path("shared/target." + extension);
+    std::ofstream(target) << "old";
+    fs::create_symlink(target, path("absolute." + extension));
+    fs::create_symlink("shared/target." + extension, path("relative." + extension));
+    fs::create_symlink(path("shared/missing." + extension), path("dangling." + extension));
+    for (const std::string link : {"absolute", "relative", "dangling"}) {
+      SCOPED_TRACE(link);
+      write(path(link + "." + extension));
+      EXPECT_TRUE(fs::is_symlink(fs::symlink_status(path(link + "." + extension))));
+      const auto written = link == "dangling" ? path("shared/missing." + extension) : target;
+      EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(written)));
+      EXPECT_EQ(bytes_of(written), expected);
+      EXPECT_EQ(bytes_of(path(link + "." + extension)), expected);
+    }
+    EXPECT_EQ(std::distance(fs::directory_iterator(path("shared")), fs::directory_iterator()), 2)
+        << "a temporary file was left";
+    // A FIFO (a reader takes what is written; it must stay a FIFO).
+    const auto fifo = path("pipe." + extension);
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+    std::string received;
+    std::thread reader([&] { received = bytes_of(fifo); });
+    write(fifo);
+    reader.join();
+    EXPECT_EQ(received, expected);
+    EXPECT_TRUE(fs::is_fifo(fs::symlink_status(fifo)));
+    fs::remove(fifo);
+    fs::remove_all(path("shared"));
+  }
+  fs::create_directories(path("folder.pt"));
+  expect_error_containing([&] { attnkit::write_state_dict(dict, path("folder.pt")); },
+                          "[write_state_dict] '" + path("folder.pt") + "' is a directory");
 }
 
 // The book's n^2 mask is saved up to context 4096 (Python's strict load takes the file); past

@@ -1,6 +1,7 @@
 // attnkit_train (src/train/): tasks, determinism, checkpoints and resume, faults, metrics.
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -443,6 +444,39 @@ TEST_F(TrainTest, PackedTextTrainsWithTheDocumentMaskOnEveryBackend) {
   }
 }
 
+// --save through a symbolic link (into another folder, as to a shared disk) saves into the
+// link's target and keeps the link, every save and the resume; a FIFO and a safetensors name
+// are refused (a checkpoint is a zip file to resume from).
+TEST_F(TrainTest, SaveWritesThroughASymlinkAndRefusesWhatIsNoCheckpointFile) {
+  std::filesystem::create_directories(path("shared"));
+  std::filesystem::create_symlink(path("shared/run.pt"), path("run.pt"));
+  auto config = small_config();
+  config.steps = 4;
+  config.eval_every = 2;
+  config.save = path("run.pt");
+  run(config);
+  EXPECT_TRUE(std::filesystem::is_symlink(std::filesystem::symlink_status(path("run.pt"))));
+  EXPECT_TRUE(std::filesystem::is_regular_file(
+      std::filesystem::symlink_status(path("shared/run.pt"))));
+  config.resume = path("run.pt");
+  config.steps = 6;
+  run(config);
+  EXPECT_TRUE(std::filesystem::is_symlink(std::filesystem::symlink_status(path("run.pt"))));
+  EXPECT_EQ(attnkit::read_state_dict(path("shared/run.pt"))["step"].item<int64_t>(), 6);
+  for (const auto& entry : std::filesystem::directory_iterator(path("shared")))
+    EXPECT_EQ(entry.path().string().find(".tmp"), std::string::npos) << entry.path();
+
+  ASSERT_EQ(::mkfifo(path("pipe.pt").c_str(), 0600), 0);
+  config = small_config();
+  config.save = path("pipe.pt");
+  expect_error_containing([&] { T::resolve(config); },
+                          "--save: '" + path("pipe.pt") + "' is not a regular file");
+  EXPECT_TRUE(std::filesystem::is_fifo(std::filesystem::symlink_status(path("pipe.pt"))));
+  config.save = path("run.safetensors");
+  expect_error_containing([&] { T::resolve(config); },
+                          "--save: '" + path("run.safetensors") + "' names a safetensors file");
+}
+
 TEST_F(TrainTest, ResolveNamesTheBadFlag) {
   auto config = small_config();
   config.batch_size = 0;
@@ -757,7 +791,8 @@ TEST_F(TrainTest, AttentionHeatmapIsAPng) {
   setrlimit(RLIMIT_FSIZE, &limit);
   std::signal(SIGXFSZ, previous_handler);
   EXPECT_TRUE(refused);
-  EXPECT_NE(message.find("--dump-attention: writing '" + path("big.png") + ".tmp."),
+  EXPECT_NE(message.find("--dump-attention: writing '" + path("big.png") + "." +
+                         std::to_string(::getpid()) + ".tmp' failed"),
             std::string::npos)
       << message;
   EXPECT_NE(message.find("failed (disk full?)"), std::string::npos) << message;

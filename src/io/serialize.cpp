@@ -1,12 +1,14 @@
 #include "attnkit/serialize.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <sstream>
-
-#include <unistd.h>
 
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickler.h>
@@ -144,9 +146,42 @@ std::vector<std::string> python_only_keys(const torch::nn::Module& module) {
 
 namespace detail {
 
+std::string write_destination(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::string current = path;
+  for (int links = 0; links < 40; ++links) {  // Linux's own limit on a chain of links
+    std::error_code error;
+    if (!fs::is_symlink(fs::symlink_status(current, error)) || error)
+      return current;
+    fs::path target = fs::read_symlink(current, error);
+    if (error)
+      return current;
+    current = (target.is_relative() ? fs::path(current).parent_path() / target : target).string();
+  }
+  TORCH_CHECK(false, "'", path, "': more than 40 symbolic links in a row (a loop?)");
+  return path;
+}
+
+std::string temporary_path(const std::string& path) {
+  return write_destination(path) + "." + std::to_string(::getpid()) + ".tmp";
+}
+
 void write_atomically(const std::string& path, const char* who,
                       const std::function<void(std::ostream&)>& write) {
-  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
+  namespace fs = std::filesystem;
+  const std::string destination = write_destination(path);
+  std::error_code error;
+  const auto status = fs::status(destination, error);
+  TORCH_CHECK(!fs::is_directory(status), who, " '", path, "' is a directory; expected a file");
+  if (fs::exists(status) && !fs::is_regular_file(status)) {
+    std::ofstream out(destination, std::ios::binary);
+    TORCH_CHECK(out.good(), who, " cannot open '", path, "' for writing");
+    write(out);
+    out.flush();
+    TORCH_CHECK(out.good(), who, " writing '", path, "' failed");
+    return;
+  }
+  const std::string temporary = temporary_path(path);
   {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
     TORCH_CHECK(out.good(), who, " cannot open '", temporary, "' for writing");
@@ -158,9 +193,15 @@ void write_atomically(const std::string& path, const char* who,
       TORCH_CHECK(false, who, " writing '", temporary, "' failed (disk full?)");
     }
   }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+  // On disk before the rename, so that a crash leaves the old file or the whole new one.
+  const int descriptor = ::open(temporary.c_str(), O_RDONLY | O_CLOEXEC);
+  if (descriptor >= 0) {
+    ::fsync(descriptor);
+    ::close(descriptor);
+  }
+  if (std::rename(temporary.c_str(), destination.c_str()) != 0) {
     std::remove(temporary.c_str());
-    TORCH_CHECK(false, who, " cannot rename '", temporary, "' to '", path, "'");
+    TORCH_CHECK(false, who, " cannot rename '", temporary, "' to '", destination, "'");
   }
 }
 

@@ -22,14 +22,6 @@ torch::Tensor text_tensor(const std::string& text) {
   return tensor;
 }
 
-void sync_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
 std::string first_line(const std::string& text) {
   return text.substr(0, text.find('\n'));
 }
@@ -74,10 +66,6 @@ class Entries {
 };
 
 }  // namespace
-
-std::string temporary_path(const std::string& path) {
-  return path + "." + std::to_string(::getpid()) + ".tmp";
-}
 
 std::string best_checkpoint_path(const std::string& save_path) {
   const auto dot = save_path.rfind('.');
@@ -141,12 +129,9 @@ void save_checkpoint(const std::string& path, const CheckpointSettings& settings
   for (const auto& item : state_dict(*model))
     dict.insert("model." + item.key(), item.value());
   optimizer.save(dict, "optimizer.");
-  // Write beside the target, flush to disk, then rename: a crash leaves the old file intact.
-  const std::string temporary = temporary_path(path);
-  write_state_dict(dict, temporary);
-  sync_file(temporary);
-  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "--save: cannot rename '",
-              temporary, "' to '", path, "'");
+  // Beside the file it replaces (a symlink's target), synced to disk, then renamed over it: a
+  // crash leaves the old checkpoint intact (detail::write_atomically).
+  write_state_dict(dict, path);
 }
 
 TrainingState restore_checkpoint(const StateDict& dict, const std::string& path,

@@ -52,10 +52,6 @@ struct TrainingState {
   CheckpointSettings data = {};
 };
 
-/// The name a file is written under before it is renamed to `path`: beside it, and this
-/// process's own ("PATH.PID.tmp"), so that two processes never write one temporary file.
-std::string temporary_path(const std::string& path);
-
 /// The `.best` sibling of a --save path: "run.pt" -> "run.best.pt".
 std::string best_checkpoint_path(const std::string& save_path);
 
@@ -76,8 +72,9 @@ class SaveClaim {
   int descriptor_ = -1;
 };
 
-/// Writes the checkpoint beside `path` (temporary_path), flushes it to disk and renames it: a
-/// crash leaves the old file intact. `cpu_rng_by_rank`: (world size, state bytes), every rank's
+/// Writes the checkpoint through detail::temporary_path(path), beside the file it replaces (a
+/// symlink's target), syncs it to disk and renames it over that file: a crash leaves the old
+/// file intact. `cpu_rng_by_rank`: (world size, state bytes), every rank's
 /// dropout stream; undefined for one process.
 void save_checkpoint(const std::string& path, const CheckpointSettings& settings,
                      AttentionModel& model, const FlatAdamW& optimizer, const TrainingState& state,

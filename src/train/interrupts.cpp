@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "checkpoint.h"
+#include "io/file_io.h"
 
 namespace attnkit::train {
 
@@ -114,9 +115,9 @@ const std::atomic<bool>* install_stop_handlers(const std::string& save_path, boo
   g_announce = announce;
   g_save_path = save_path;
   if (!save_path.empty()) {
-    copy_into(g_leftovers[0], sizeof(g_leftovers[0]), temporary_path(save_path));
+    copy_into(g_leftovers[0], sizeof(g_leftovers[0]), attnkit::detail::temporary_path(save_path));
     copy_into(g_leftovers[1], sizeof(g_leftovers[1]),
-              temporary_path(best_checkpoint_path(save_path)));
+              attnkit::detail::temporary_path(best_checkpoint_path(save_path)));
     copy_into(g_leftovers[2], sizeof(g_leftovers[2]), save_path + ".lock");
   }
   copy_into(g_second_signal_message, sizeof(g_second_signal_message),

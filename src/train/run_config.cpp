@@ -1,19 +1,19 @@
 // A run's configuration: defaults resolved and every flag checked before training starts,
 // the startup table, what the ranks of a run must agree on, and the device (trainer.h).
 
-#include <sched.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <limits>
-#include <thread>
 
+#include "attnkit/threads.h"
 #include "checkpoint.h"
 #include "core/checks.h"
+#include "io/file_io.h"
 #include "line.h"
 #include "mixed_precision.h"
 #include "run_output.h"
@@ -75,13 +75,6 @@ torch::Device resolve_device(const std::string& device) {
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
-int usable_cores() {
-  cpu_set_t allowed;
-  return sched_getaffinity(0, sizeof(allowed), &allowed) == 0
-             ? CPU_COUNT(&allowed)
-             : static_cast<int>(std::thread::hardware_concurrency());
-}
-
 namespace {
 
 // Fails now, not after minutes of training, when an output file cannot be created.
@@ -89,12 +82,31 @@ void check_writable(const char* flag, const std::string& path) {
   if (path.empty())
     return;
   attnkit::detail::check_not_directory(flag, path);
-  const std::string probe = temporary_path(path);
+  const std::string probe = attnkit::detail::temporary_path(path);
   const bool existed = std::ifstream(probe).good();
   const bool writable = std::ofstream(probe, std::ios::app).good();
   if (!existed)
     std::remove(probe.c_str());
   TORCH_CHECK(writable, flag, ": cannot write '", path, "' (does its directory exist?)");
+}
+
+// A checkpoint is a file to resume from, in PyTorch's zip format: a FIFO or a device (which a
+// write would fill directly) cannot be one, and a .safetensors name would promise another format.
+void check_checkpoint_path(const std::string& path) {
+  if (path.empty())
+    return;
+  std::error_code error;
+  const auto status = std::filesystem::status(attnkit::detail::write_destination(path), error);
+  TORCH_CHECK(!std::filesystem::exists(status) || std::filesystem::is_regular_file(status) ||
+                  std::filesystem::is_directory(status),
+              "--save: '", path, "' is not a regular file (a device, a FIFO or a socket); a "
+              "checkpoint is a file to resume from");
+  const std::string extension = ".safetensors";
+  TORCH_CHECK(path.size() < extension.size() ||
+                  path.compare(path.size() - extension.size(), extension.size(), extension) != 0,
+              "--save: '", path, "' names a safetensors file, but a checkpoint is PyTorch's zip "
+              "format (the optimizer and the run's state besides the weights); name it e.g. "
+              "run.pt");
 }
 
 }  // namespace
@@ -157,6 +169,7 @@ TrainConfig resolve(TrainConfig c) {
   // One process; a launched rank chooses again knowing its machine's ranks (apps/train.cpp).
   c.dist_backend = choose_dist_backend(c.dist_backend, device, RankEnvironment{});
   check_backend_serves(c.dist_backend, device);
+  check_checkpoint_path(c.save);
   check_writable("--save", c.save);
   check_writable("--metrics", c.metrics);
   check_writable("--dump-attention", c.dump_attention);
