@@ -1,8 +1,10 @@
 #include "bert_encoder.h"
 
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 
+#include <attnkit/memory_budget.h>
 #include <nlohmann/json.hpp>
 
 namespace sentence_encoder {
@@ -37,7 +39,32 @@ BertConfig BertConfig::from_json(const std::string& path) {
   config.intermediate_size = positive("intermediate_size");
   config.max_position_embeddings = positive("max_position_embeddings");
   config.type_vocab_size = positive("type_vocab_size");
-  config.layer_norm_eps = json.value("layer_norm_eps", 1e-12);
+  if (json.contains("layer_norm_eps")) {
+    const auto& eps = json["layer_norm_eps"];
+    if (!eps.is_number() || !(eps.get<double>() > 0))
+      throw std::runtime_error("'" + path + "': \"layer_norm_eps\" must be a positive number, got " +
+                               eps.dump());
+    config.layer_norm_eps = eps.get<double>();
+  }
+  // The weights' size, from the sizes alone, before anything is allocated: a config of
+  // 1e12-wide layers is refused here, not by the allocator.
+  const double h = static_cast<double>(config.hidden_size);
+  const double weights =
+      (static_cast<double>(config.vocab_size) + config.max_position_embeddings +
+       config.type_vocab_size) * h +
+      static_cast<double>(config.num_hidden_layers) * (4 * h * h + 2 * h * config.intermediate_size);
+  const double bytes = 4 * weights;  // float32
+  if (bytes > static_cast<double>(attnkit::memory_budget())) {
+    std::ostringstream message;
+    message << "'" << path << "': the model's float32 weights would take " << bytes / 1e9
+            << " GB (vocab_size " << config.vocab_size << ", hidden_size " << config.hidden_size
+            << ", num_hidden_layers " << config.num_hidden_layers << ", intermediate_size "
+            << config.intermediate_size << ", max_position_embeddings "
+            << config.max_position_embeddings << "), more than the memory budget of "
+            << static_cast<double>(attnkit::memory_budget()) / 1e9
+            << " GB (attnkit::memory_budget(): half of physical memory by default)";
+    throw std::runtime_error(message.str());
+  }
   if (json.value("model_type", "") != "bert")
     throw std::runtime_error("'" + path + "': expected \"model_type\": \"bert\", got " +
                              json.value("model_type", nlohmann::json("none")).dump());

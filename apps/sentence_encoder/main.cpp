@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -53,6 +54,9 @@ struct Settings {
 }
 
 std::vector<std::string> read_lines(const std::string& path) {
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error))
+    fail("--input: '" + path + "' is a directory; expected a file of sentences, one per line");
   std::ifstream in(path);
   if (!in)
     fail("--input: cannot open '" + path + "'");
@@ -96,7 +100,7 @@ Settings parse(int argc, char** argv) {
        cxxopts::value<int64_t>())
       ("dtype", "float32 or bfloat16", cxxopts::value<std::string>()->default_value("float32"))
       ("device", "cpu or cuda", cxxopts::value<std::string>()->default_value("cpu"))
-      ("threads", "CPU threads (default: LibTorch's choice)", cxxopts::value<int>())
+      ("threads", "CPU threads, 1 to the usable cores (default: LibTorch's choice)", cxxopts::value<int>())
       ("repeat", "encode everything this many times and report the median (timing)",
        cxxopts::value<int>()->default_value("1"))
       ("ids-out", "write each sentence's token ids, one line per sentence",
@@ -154,8 +158,12 @@ Settings parse(int argc, char** argv) {
   }
   if (result.count("threads")) {
     const int threads = result["threads"].as<int>();
-    if (threads < 1)
-      fail("--threads: expected at least 1, got " + std::to_string(threads));
+    // More threads than cores only spin in OpenMP; 100000 crashed its runtime.
+    const int cores = attnkit::usable_cores();
+    if (threads < 1 || threads > cores) {
+      fail("--threads " + std::to_string(threads) + ": this process may use " +
+           std::to_string(cores) + " cores; expected 1.." + std::to_string(cores));
+    }
     torch::set_num_threads(threads);
   }
   settings.repeat = result["repeat"].as<int>();
@@ -219,6 +227,11 @@ int main(int argc, char** argv) {
   try {
     auto config = BertConfig::from_json(dir + "/config.json");
     const WordPieceTokenizer tokenizer(dir + "/vocab.txt");
+    // A token id past the embedding table would fail deep inside the model.
+    if (tokenizer.vocab_size() > config.vocab_size) {
+      fail("'" + dir + "/vocab.txt' has " + std::to_string(tokenizer.vocab_size()) +
+           " tokens, more than config.json's vocab_size " + std::to_string(config.vocab_size));
+    }
     const int64_t limit = model_token_limit(dir, config);
     const int64_t max_tokens = settings.max_tokens > 0 ? settings.max_tokens : limit;
     if (max_tokens > config.max_position_embeddings)

@@ -34,6 +34,11 @@ std::ostream& operator<<(std::ostream& out, const BlasThreads& blas);
 /// Which BLAS the process calls and how many threads it uses.
 BlasThreads blas_threads();
 
+/// The CPU cores this process may run on (its affinity mask, else the machine's): the largest
+/// thread count worth asking for, since more threads than cores only spin in OpenMP (a --threads
+/// flag's limit). Example: `attnkit::set_num_threads(attnkit::usable_cores());`.
+int usable_cores();
+
 /// Sets LibTorch's intra-op threads (torch::set_num_threads) and, where the BLAS is one of
 /// those blas_threads() knows, the BLAS's threads, both to `num_threads` (>= 1).
 void set_num_threads(int num_threads);

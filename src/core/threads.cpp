@@ -5,8 +5,10 @@
 #include "attnkit/threads.h"
 
 #include <dlfcn.h>
+#include <sched.h>
 
 #include <mutex>
+#include <thread>
 
 #include "core/parallel.h"
 
@@ -56,6 +58,13 @@ std::ostream& operator<<(std::ostream& out, const BlasThreads& blas) {
     return out << "BLAS threads unknown";
   return out << blas.name << ", " << blas.num_threads
              << (blas.num_threads == 1 ? " thread" : " threads");
+}
+
+int usable_cores() {
+  cpu_set_t allowed;
+  return sched_getaffinity(0, sizeof(allowed), &allowed) == 0
+             ? CPU_COUNT(&allowed)
+             : static_cast<int>(std::thread::hardware_concurrency());
 }
 
 void set_num_threads(int num_threads) {

@@ -82,9 +82,6 @@ struct TrainConfig {
 /// resolves --device ("auto" picks CUDA when available).
 TrainConfig resolve(TrainConfig config);
 
-/// The CPU cores this process may run on (its affinity mask): --threads' largest value.
-int usable_cores();
-
 /// The device a resolved config runs on; fails for cuda without CUDA.
 torch::Device resolve_device(const std::string& device);
 
