@@ -230,9 +230,13 @@ std::string ScoreGraph::to_string() const {
   std::string text;
   for (const auto& node : nodes_) {
     text += node.op;
-    for (const auto& operand : node.operands)
-      text += " " + operand_text(operand);
-    text += "\n";
+    for (const auto& operand : node.operands) {
+      // Piece by piece: GCC 12 took `" " + string&&` here for an overflow (-Wstringop-overflow,
+      // a false positive in the pip build).
+      text += ' ';
+      text += operand_text(operand);
+    }
+    text += '\n';
   }
   return text;
 }
