@@ -505,9 +505,9 @@ class CapturedValuesAtCallTime(unittest.TestCase):
         self.q, self.k, self.v = [torch.randn(1, 2, 48, 8, generator=g, dtype=torch.float64)
                                   for _ in range(3)]
 
-    def check(self, score_mod):
+    def check(self, score_mod, reference=flex_forward):
         mine = attnkit.flex_attention(self.q, self.k, self.v, score_mod=score_mod)
-        theirs, _ = flex_forward(self.q, self.k, self.v, score_mod, None, False)
+        theirs, _ = reference(self.q, self.k, self.v, score_mod, None, False)
         self.assertLess(max_error(mine, theirs), 1e-10)
         return mine
 
@@ -518,10 +518,14 @@ class CapturedValuesAtCallTime(unittest.TestCase):
         def score_mod(score, b, h, q, kv):
             score = score / settings["temperature"] + settings["bias"][h]
             return score + (q - kv) if settings["relative"] else score
-        first = self.check(score_mod)
+        # PyTorch 2.15's eager flex_attention compiles its score_mod and refuses a captured
+        # Python float ("can only be of Tensor, int, SymInt"): the dense reference, which is
+        # its math, serves for the number.
+        first = self.check(score_mod, reference)
         settings["temperature"] = 0.25
-        second = self.check(score_mod)
+        second = self.check(score_mod, reference)
         self.assertGreater(max_error(first, second), 1e-3)
+        settings["temperature"] = 1.0
         settings["bias"] = torch.tensor([3.0, -3.0], dtype=torch.float64)  # bound anew
         self.check(score_mod)
         settings["relative"] = True  # the function's operations change
@@ -556,6 +560,34 @@ class CapturedValuesAtCallTime(unittest.TestCase):
             out.sum().backward()  # step 2 failed: "backward through the graph a second time"
             theirs, _ = flex_forward(self.q, self.k, self.v, score_mod, None, False)
             self.assertLess(max_error(out, theirs), 1e-10)
+
+
+class Inference(unittest.TestCase):
+    def test_inference_mode_with_a_score_mod_or_a_mask(self):
+        # The kernels' worker threads lacked inference mode: an in-place update of an inference
+        # tensor there was refused ("Inplace update to inference tensor outside InferenceMode").
+        g = torch.Generator().manual_seed(15)
+        q, k, v = [torch.randn(2, 4, 96, 8, generator=g) for _ in range(3)]
+        ids = torch.arange(96) // 24
+
+        def same_document(b, h, qi, kv):
+            return ids[qi] == ids[kv]
+        calls = {
+            "score_mod": (lambda: attnkit.flex_attention(q, k, v, score_mod=rel_bias),
+                          rel_bias, None),
+            "block mask": (lambda: attnkit.flex_attention(
+                q, k, v, block_mask=attnkit.create_block_mask(same_document, None, None, 96, 96,
+                                                              BLOCK_SIZE=32)),
+                           None, same_document),
+            "attention": (lambda: attnkit.attention(q, k, v, document_ids=ids, softcap=20.0),
+                          lambda s, b, h, qi, kv: 20.0 * torch.tanh(s / 20.0), same_document),
+        }
+        for name, (run, score_mod, mask_mod) in calls.items():
+            with self.subTest(name):
+                with torch.inference_mode():
+                    out = run()
+                want, _ = dense_reference(q, k, v, score_mod, mask_mod)
+                self.assertLess(max_error(out, want), 1e-5)
 
 
 class SecondOrder(unittest.TestCase):

@@ -12,6 +12,7 @@
 
 #include <ATen/Config.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/torch.h>
 
 #include "attnkit/threads.h"
@@ -38,8 +39,10 @@ inline int64_t worker_count(int64_t num_tasks, const torch::Device& device) {
 }
 
 // Runs task(t) for every t in [0, num_tasks) on worker_count() workers. Workers take the
-// next task as they finish one, so list the costly tasks first. With several workers, grad
-// mode is off in them (it is per thread) and the BLAS is single-threaded.
+// next task as they finish one, so list the costly tasks first. With several workers, each
+// has the caller's thread-local state (inference mode, dispatch keys: an OpenMP worker starts
+// without them, and an in-place op on an inference tensor there was refused), grad mode is
+// off in them and the BLAS is single-threaded.
 template <typename Task>
 void run_tasks(int64_t num_tasks, const torch::Device& device, const Task& task) {
   const int64_t workers = worker_count(num_tasks, device);
@@ -50,7 +53,9 @@ void run_tasks(int64_t num_tasks, const torch::Device& device, const Task& task)
   }
   SingleThreadedBlas single_threaded_blas;
   std::atomic<int64_t> next{0};
+  const at::ThreadLocalState caller_state;
   at::parallel_for(0, workers, /*grain_size=*/1, [&](int64_t, int64_t) {
+    const at::ThreadLocalStateGuard caller_state_guard(caller_state);
     torch::NoGradGuard no_grad;
     for (int64_t t = next++; t < num_tasks; t = next++)
       task(t);
