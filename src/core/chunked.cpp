@@ -26,7 +26,6 @@
 #include <utility>
 #include <vector>
 
-#include <mutex>
 
 #include "attnkit/attention.h"
 #include "core/attention_layout.h"
@@ -350,7 +349,6 @@ std::vector<torch::Tensor> chunked_backward(const ChunkedProblem& call, const to
   // Gradients of the tensors the score function reads, summed over tiles and tasks.
   const size_t num_parameters = parameters.size();
   std::vector<torch::Tensor> parameter_grads(num_parameters);
-  std::mutex parameter_grads_mutex;
 
   const auto visit_query_block = [&](const HeadBatch& at, int64_t q0, int64_t bq,
                                      std::vector<torch::Tensor>& task_parameter_grads) {
@@ -417,20 +415,25 @@ std::vector<torch::Tensor> chunked_backward(const ChunkedProblem& call, const to
           .baddbmm_(fold_groups(grad_scores, gs).transpose(1, 2), q_rows);
     }
   };
+  // Each task's share of the parameters' gradients, summed in task order afterwards: the same
+  // inputs give the same gradients, whichever worker finishes first.
+  std::vector<std::vector<torch::Tensor>> grads_by_task(plan.outer * plan.num_head_batches());
   for_each_head_group(plan, q.device(), [&](const HeadBatch& at) {
-    std::vector<torch::Tensor> task_parameter_grads(num_parameters);
+    auto& task_parameter_grads = grads_by_task[at.pair];
+    task_parameter_grads.resize(num_parameters);
     for (int64_t q0 = 0; q0 < plan.num_queries; q0 += plan.query_block) {
       visit_query_block(at, q0, std::min(plan.query_block, plan.num_queries - q0),
                         task_parameter_grads);
     }
-    const std::lock_guard<std::mutex> lock(parameter_grads_mutex);
-    for (size_t j = 0; j < num_parameters; ++j) {
+  });
+  for (const auto& task_parameter_grads : grads_by_task) {
+    for (size_t j = 0; j < task_parameter_grads.size(); ++j) {
       auto& sum = parameter_grads[j];
       const auto& g = task_parameter_grads[j];
       if (g.defined())
         sum = sum.defined() ? sum.add_(g) : g;
     }
-  });
+  }
   std::vector<torch::Tensor> grads{shaped_like(grad_q4, q), shaped_like(grad_k4, k),
                                    shaped_like(grad_v4, v)};
   for (size_t j = 0; j < num_parameters; ++j) {
