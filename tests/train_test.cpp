@@ -456,8 +456,8 @@ TEST_F(TrainTest, SaveWritesThroughASymlinkAndRefusesWhatIsNoCheckpointFile) {
   config.save = path("run.pt");
   run(config);
   EXPECT_TRUE(std::filesystem::is_symlink(std::filesystem::symlink_status(path("run.pt"))));
-  EXPECT_TRUE(std::filesystem::is_regular_file(
-      std::filesystem::symlink_status(path("shared/run.pt"))));
+  EXPECT_TRUE(
+      std::filesystem::is_regular_file(std::filesystem::symlink_status(path("shared/run.pt"))));
   config.resume = path("run.pt");
   config.steps = 6;
   run(config);

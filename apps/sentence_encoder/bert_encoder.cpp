@@ -42,17 +42,18 @@ BertConfig BertConfig::from_json(const std::string& path) {
   if (json.contains("layer_norm_eps")) {
     const auto& eps = json["layer_norm_eps"];
     if (!eps.is_number() || !(eps.get<double>() > 0))
-      throw std::runtime_error("'" + path + "': \"layer_norm_eps\" must be a positive number, got " +
-                               eps.dump());
+      throw std::runtime_error(
+          "'" + path + "': \"layer_norm_eps\" must be a positive number, got " + eps.dump());
     config.layer_norm_eps = eps.get<double>();
   }
   // The weights' size, from the sizes alone, before anything is allocated: a config of
   // 1e12-wide layers is refused here, not by the allocator.
   const double h = static_cast<double>(config.hidden_size);
-  const double weights =
-      (static_cast<double>(config.vocab_size) + config.max_position_embeddings +
-       config.type_vocab_size) * h +
-      static_cast<double>(config.num_hidden_layers) * (4 * h * h + 2 * h * config.intermediate_size);
+  const double weights = (static_cast<double>(config.vocab_size) + config.max_position_embeddings +
+                          config.type_vocab_size) *
+                             h +
+                         static_cast<double>(config.num_hidden_layers) *
+                             (4 * h * h + 2 * h * config.intermediate_size);
   const double bytes = 4 * weights;  // float32
   if (bytes > static_cast<double>(attnkit::memory_budget())) {
     std::ostringstream message;

@@ -26,7 +26,6 @@
 #include <utility>
 #include <vector>
 
-
 #include "attnkit/attention.h"
 #include "core/attention_layout.h"
 #include "core/kernels.h"

@@ -193,8 +193,8 @@ void check_score_tensors(const Tensor& query, at::TensorList score_tensors) {
                 query.device(), ": move it to the query's device");
     TORCH_CHECK(!t.is_complex(), kOp, " score_tensors[", i, "] (the score_mod's captured tensor ",
                 i, ", ", shape_string(t), ") is ", t.scalar_type(),
-                "; expected a real, integer or bool tensor, as the query's ",
-                query.scalar_type(), " scores are real");
+                "; expected a real, integer or bool tensor, as the query's ", query.scalar_type(),
+                " scores are real");
   }
 }
 

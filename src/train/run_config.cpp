@@ -99,12 +99,14 @@ void check_checkpoint_path(const std::string& path) {
   const auto status = std::filesystem::status(attnkit::detail::write_destination(path), error);
   TORCH_CHECK(!std::filesystem::exists(status) || std::filesystem::is_regular_file(status) ||
                   std::filesystem::is_directory(status),
-              "--save: '", path, "' is not a regular file (a device, a FIFO or a socket); a "
+              "--save: '", path,
+              "' is not a regular file (a device, a FIFO or a socket); a "
               "checkpoint is a file to resume from");
   const std::string extension = ".safetensors";
   TORCH_CHECK(path.size() < extension.size() ||
                   path.compare(path.size() - extension.size(), extension.size(), extension) != 0,
-              "--save: '", path, "' names a safetensors file, but a checkpoint is PyTorch's zip "
+              "--save: '", path,
+              "' names a safetensors file, but a checkpoint is PyTorch's zip "
               "format (the optimizer and the run's state besides the weights); name it e.g. "
               "run.pt");
 }
