@@ -787,3 +787,106 @@ TEST(GroupedAndWindowedAttention, EveryBackendMatchesMath) {
     }
   }
 }
+
+// The fused tile kernel against the float64 math core: each score variant (none, softcap,
+// ALiBi, a relative-position table of one row per head or one shared) under each kind of
+// mask, forward and every gradient, the tables' too. Blocks of 16 queries and tiles of up to
+// 48 keys over 70 tokens leave partial tiles at ragged edges; the tensor mask leaves a row
+// that sees no key; 4 query heads share 2 key/value heads; the value width differs.
+TEST(FusedTiles, EveryScoreVariantAndMaskMatchesTheFloat64MathCore) {
+  torch::manual_seed(21);
+  const int64_t b = 2, h = 4, kv = 2, n = 70, hd = 8, dv = 6;
+  auto no_key_row = torch::rand({n, n}) < 0.3;
+  no_key_row[9].fill_(false);  // query 9 sees nothing
+  const auto document_ids = torch::arange(n).div(23, "floor");
+  const std::vector<std::pair<std::string, attnkit::Mask>> masks{
+      {"no mask", attnkit::Mask()},
+      {"causal", attnkit::Mask::causal()},
+      {"window 20", attnkit::Mask::causal().sliding_window(20)},
+      {"documents", attnkit::Mask::documents(document_ids, /*causal=*/true)},
+      {"prefix-LM documents",
+       attnkit::Mask::documents(document_ids) &
+           (attnkit::Mask::causal() | attnkit::Mask::from_function([](auto, auto, auto, auto kv) {
+              return kv.remainder(23) < 5;
+            }))},
+      {"tensor with an empty row", attnkit::Mask::from_tensor(no_key_row)}};
+  const auto slopes = attnkit::score_mods::alibi_slopes(h).requires_grad_(true);
+  const auto table = (torch::randn({h, 2 * 10 + 1}) * 0.5).requires_grad_(true);
+  const auto shared_table = (torch::randn({1, 2 * 3 + 1}) * 0.5).requires_grad_(true);
+  const std::vector<std::tuple<std::string, attnkit::ScoreMod, torch::Tensor>> variants{
+      {"none", {}, {}},
+      {"softcap 2", attnkit::score_mods::softcap(2.0), {}},
+      {"alibi", attnkit::score_mods::alibi(slopes), slopes},
+      {"relative table", attnkit::score_mods::relative_position_bias(table), table},
+      {"shared relative table", attnkit::score_mods::relative_position_bias(shared_table),
+       shared_table}};
+  const auto q = torch::randn({b, h, n, hd}, torch::kFloat64) * 2;
+  const auto k = torch::randn({b, kv, n, hd}, torch::kFloat64) * 2;
+  const auto v = torch::randn({b, kv, n, dv}, torch::kFloat64);
+  const auto grad_out = torch::randn({b, h, n, dv}, torch::kFloat64);
+  for (const auto& [mask_name, mask] : masks) {
+    for (const auto& [variant_name, score_mod, parameter] : variants) {
+      SCOPED_TRACE(mask_name + ", " + variant_name);
+      const auto options = F::AttentionOptions()
+                               .mask(mask)
+                               .score_mod(score_mod)
+                               .query_block_size(16)
+                               .key_block_size(48);
+      const auto run = [&](torch::ScalarType dtype, const std::string& kernel) {
+        std::vector<torch::Tensor> inputs;
+        for (const auto* t : {&q, &k, &v})
+          inputs.push_back(t->to(dtype).detach().requires_grad_(true));
+        if (parameter.defined())
+          inputs.push_back(parameter);
+        F::KernelRecord record;
+        const auto out = F::attention(inputs[0], inputs[1], inputs[2],
+                                      F::AttentionOptions(options).kernel(kernel));
+        EXPECT_EQ(record.runs().at(0).kernel, kernel);
+        auto grads = torch::autograd::grad({out}, inputs, {grad_out.to(dtype)});
+        grads.insert(grads.begin(), out);
+        return grads;
+      };
+      const auto expected = run(torch::kFloat64, "math");
+      const auto actual = run(torch::kFloat, "fused_tiles");
+      const std::vector<std::string> names{"output", "grad q", "grad k", "grad v", "grad table"};
+      for (size_t i = 0; i < expected.size(); ++i) {
+        EXPECT_TRUE(tensors_close(names[i], actual[i], expected[i], i == 0 ? 2e-5 : 2e-4, 1e-4));
+      }
+    }
+  }
+}
+
+// The planner takes the fused tile kernel for CPU float32 (and 16-bit) calls with a mask or
+// a named score function, and says why it leaves the others to the chunked kernel.
+TEST(FusedTiles, ThePlannerTakesItWhereItCanAndSaysWhyNot) {
+  // Past the loop nest's tile (kLoopNestMaxTile), and a mask no fused route takes.
+  const auto q = torch::randn({1, 2, 100, 8}), k = torch::randn({1, 2, 100, 8});
+  const auto options = F::AttentionOptions().mask(
+      attnkit::Mask::documents(torch::arange(100).div(30, "floor"), /*causal=*/true));
+  const auto ran = [&](const torch::Tensor& query, const F::AttentionOptions& o) {
+    F::KernelRecord record;
+    F::attention(query, query.is_floating_point() ? k.to(query.scalar_type()) : k,
+                 k.to(query.scalar_type()), o);
+    return record.runs().at(0).kernel;
+  };
+  EXPECT_EQ(ran(q, options), "fused_tiles");
+  EXPECT_EQ(ran(q.to(torch::kBFloat16), options), "fused_tiles");  // computed in float32
+  EXPECT_EQ(ran(q, F::AttentionOptions(options).score_mod(attnkit::score_mods::softcap(5))),
+            "fused_tiles");
+  // Another score function, float64 and dropout stay on the chunked kernel, with a reason.
+  const attnkit::ScoreMod general = [](auto s, auto, auto, auto, auto) { return s * 0.5; };
+  EXPECT_EQ(ran(q, F::AttentionOptions(options).score_mod(general)), "chunked");
+  EXPECT_EQ(ran(q.to(torch::kFloat64), options), "chunked");
+  EXPECT_EQ(ran(q, F::AttentionOptions(options).dropout_p(0.1).training(true)), "chunked");
+  expect_error_containing(
+      [&] { F::attention(q, k, k, F::AttentionOptions(options).score_mod(general).kernel("fused_tiles")); },
+      "the fused tile kernel evaluates softcap, ALiBi and relative-position score functions only");
+  expect_error_containing(
+      [&] { F::attention(q.to(torch::kFloat64), k.to(torch::kFloat64), k.to(torch::kFloat64),
+                         F::AttentionOptions(options).kernel("fused_tiles")); },
+      "the fused tile kernel computes in float32");
+  expect_error_containing(
+      [&] { F::attention(q, k, k, F::AttentionOptions(options).score_mod(
+                                      attnkit::score_mods::alibi(torch::ones({3}))).kernel("fused_tiles")); },
+      "the fused tile kernel takes ALiBi slopes of one per head (2), not [3]");
+}

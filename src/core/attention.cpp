@@ -1,14 +1,11 @@
-// attnkit::functional::attention: argument checks, the score functions, and the math core
-// every other path is tested against. The choice of kernel: src/core/planner.cpp; the masks:
-// src/core/mask.cpp.
+// attnkit::functional::attention: argument checks and the math core every other path is
+// tested against. The choice of kernel: src/core/planner.cpp; the masks: src/core/mask.cpp;
+// the score functions: src/core/score_mods.cpp.
 
 #include "attnkit/attention.h"
 
 #include <cmath>
 #include <limits>
-#include <unordered_set>
-
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include "attnkit/memory_budget.h"
 
@@ -45,89 +42,7 @@ AttentionBackend parse_backend(const std::string& name) {
               "'; expected math, fused, chunked or auto");
 }
 
-namespace score_mods {
-
-ScoreMod alibi(const torch::Tensor& slopes) {
-  TORCH_CHECK(slopes.defined() && slopes.dim() == 1 && slopes.is_floating_point(),
-              "[score_mods::alibi] slopes must be a 1-D floating tensor (heads), got ",
-              slopes.defined() ? shape_string(slopes) : std::string("an undefined tensor"));
-  return detail::AdditiveScore{[slopes](const torch::Tensor& score, const torch::Tensor&,
-                                        const torch::Tensor& h, const torch::Tensor& q_idx,
-                                        const torch::Tensor& kv_idx) {
-    // .to: slopes made on the CPU (alibi_slopes) serve scores on any device.
-    return slopes.to(h.device()).index({h}).to(score.scalar_type()) * (kv_idx - q_idx);
-  }};
-}
-
-torch::Tensor alibi_slopes(int64_t heads) {
-  TORCH_CHECK(heads >= 1, "[score_mods::alibi_slopes] heads must be >= 1, got ", heads);
-  return torch::pow(2.0, torch::arange(1, heads + 1, torch::kFloat) * (-8.0 / heads));
-}
-
-ScoreMod softcap(double cap) {
-  TORCH_CHECK(cap > 0.0 && std::isfinite(cap), "[score_mods::softcap] cap must be > 0, got ", cap);
-  return
-      [cap](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor&,
-            const torch::Tensor&, const torch::Tensor&) { return torch::tanh(score / cap) * cap; };
-}
-
-ScoreMod relative_position_bias(const torch::Tensor& bias) {
-  TORCH_CHECK(
-      bias.defined() && bias.dim() == 2 && bias.size(1) % 2 == 1 && bias.is_floating_point(),
-      "[score_mods::relative_position_bias] bias must be a floating (heads, 2 D + 1) ",
-      "tensor, got ", bias.defined() ? shape_string(bias) : std::string("an undefined tensor"));
-  const int64_t max_distance = bias.size(1) / 2;
-  return detail::AdditiveScore{
-      [bias, max_distance](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor& h,
-                           const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
-        const auto head = bias.size(0) == 1 ? torch::zeros_like(h) : h;
-        const auto distance = (kv_idx - q_idx).clamp(-max_distance, max_distance) + max_distance;
-        return bias.to(h.device()).index({head, distance}).to(score.scalar_type());
-      }};
-}
-
-}  // namespace score_mods
-
 namespace detail {
-
-torch::Tensor apply_score_mod(const ScoreMod& score_mod, const torch::Tensor& scores,
-                              const std::vector<torch::Tensor>& index) {
-  auto result = score_mod(scores, index[0], index[1], index[2], index[3]);
-  TORCH_CHECK(result.defined() && result.sizes() == scores.sizes() &&
-                  result.scalar_type() == scores.scalar_type(),
-              "[attention] score_mod must return a tensor of the score's shape ",
-              shape_string(scores), " and dtype ", scores.scalar_type(), ", got ",
-              result.defined() ? c10::str(shape_string(result), " ", result.scalar_type())
-                               : std::string("an undefined tensor"));
-  return result;
-}
-
-std::vector<torch::Tensor> score_mod_parameters(const ScoreMod& score_mod,
-                                                const torch::TensorOptions& options) {
-  // A probe: one score, index 0 everywhere, with grad mode on; the leaves of the graph it
-  // builds are the tensors the function reads that want gradients.
-  const torch::AutoGradMode grad_mode(true);
-  const auto zero = torch::zeros({1, 1, 1, 1}, options.dtype(torch::kInt64));
-  const auto probe = score_mod(torch::zeros({1, 1, 1, 1}, options), zero, zero, zero, zero);
-  std::vector<torch::Tensor> parameters;
-  if (!probe.defined() || !probe.requires_grad())
-    return parameters;
-  std::vector<torch::autograd::Node*> stack{probe.grad_fn().get()};
-  std::unordered_set<torch::autograd::Node*> seen;
-  while (!stack.empty()) {
-    auto* node = stack.back();
-    stack.pop_back();
-    if (node == nullptr || !seen.insert(node).second)
-      continue;
-    if (auto* leaf = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
-      parameters.push_back(leaf->variable);
-      continue;
-    }
-    for (const auto& edge : node->next_edges())
-      stack.push_back(edge.function.get());
-  }
-  return parameters;
-}
 
 torch::Tensor attention_dropout(const torch::Tensor& weights, double dropout_p, bool training) {
   return torch::dropout(weights, dropout_p, training);

@@ -30,6 +30,7 @@
 #include "core/attention_layout.h"
 #include "core/kernels.h"
 #include "core/parallel.h"
+#include "core/tile_walk.h"
 
 namespace attnkit::detail {
 
@@ -44,13 +45,6 @@ constexpr double kInfinity = std::numeric_limits<double>::infinity();
 // Bytes of one score tile (head batch x query block x key block): a few MiB, near the L2
 // size of the development machine (2 MiB per core); tuned by hand with attnkit-bench.
 constexpr int64_t kScoreBlockBytes = int64_t{4} << 20;
-
-// A key tile as forward judged it: keys [key_begin, key_begin + keys) and its TileKind.
-struct TileVisit {
-  int64_t key_begin;
-  int64_t keys;
-  TileKind kind;
-};
 
 // Where a block sits: outer index o, heads [h0, h0 + g).
 struct HeadBatch {
@@ -104,41 +98,14 @@ struct BlockPlan {
   int64_t num_head_batches() const { return (heads + head_batch - 1) / head_batch; }
   int64_t num_query_blocks() const { return (num_queries + query_block - 1) / query_block; }
 
-  // The key tiles that query block [q0, q0 + bq) of a head batch visits, at most key_block
-  // wide: without a mask every key, in full tiles; with one, the block mask's non-empty key
-  // blocks (a block is full for the group when it is for each of its heads), adjacent ones
-  // taken together, partial when any of them is. Fewer, wider tiles: a causal query block
-  // is one tile of up to key_block keys, not a full run and its diagonal block, since each
-  // tile has a fixed cost of about 16 LibTorch ops (which weighs at n 1,024).
+  // The key tiles that query block [q0, q0 + bq) of a head batch visits (tile_walk.h),
+  // partial blocks joined with their neighbours: fewer, wider tiles. A causal query block is
+  // one tile of up to key_block keys, not a full run and its diagonal block, since each tile
+  // has a fixed cost of about 16 LibTorch ops (which weighs at n 1,024).
   std::vector<TileVisit> key_tiles(const HeadBatch& at, int64_t q0) const {
-    std::vector<TileVisit> tiles;
-    if (!call.blocks.defined()) {
-      for (int64_t k0 = 0; k0 < num_keys; k0 += key_block)
-        tiles.push_back({k0, std::min(key_block, num_keys - k0), TileKind::kFull});
-      return tiles;
-    }
-    const auto& blocks = call.blocks;
-    const int64_t kb = blocks.kv_block_size(), qi = q0 / blocks.q_block_size();
-    const int64_t widest = std::max<int64_t>(key_block / kb, 1) * kb;
-    for (int64_t j = 0; j < blocks.num_kv_blocks(); ++j) {
-      TileKind kind = blocks.kind(at.o, at.h0, qi, j);
-      for (int64_t h = at.h0 + 1; h < at.h0 + at.g && kind != TileKind::kPartial; ++h) {
-        if (blocks.kind(at.o, h, qi, j) != kind)
-          kind = TileKind::kPartial;
-      }
-      if (kind == TileKind::kEmpty)
-        continue;
-      const int64_t k0 = j * kb, bk = std::min(kb, num_keys - k0);
-      auto* last = tiles.empty() ? nullptr : &tiles.back();
-      if (last != nullptr && last->key_begin + last->keys == k0 && last->keys + bk <= widest) {
-        last->keys += bk;
-        if (kind != last->kind)
-          last->kind = TileKind::kPartial;
-      } else {
-        tiles.push_back({k0, bk, kind});
-      }
-    }
-    return tiles;
+    const int64_t qi = call.blocks.defined() ? q0 / call.blocks.q_block_size() : 0;
+    return detail::key_tiles(call.blocks, at.o, at.h0, at.g, qi, num_keys, key_block,
+                             /*merge_partial=*/true);
   }
 };
 

@@ -17,6 +17,7 @@
 
 #include "attnkit/attention.h"
 #include "core/kernel_spec.h"
+#include "core/score_variants.h"
 
 namespace attnkit::detail {
 
@@ -30,6 +31,7 @@ KernelSpec flash_spec();             // sdpa_kernel.cpp
 KernelSpec sdpa_spec();              // sdpa_kernel.cpp
 KernelSpec sdpa_varlen_spec();       // varlen_kernel.cpp
 KernelSpec sdpa_masked_spec();       // sdpa_kernel.cpp
+KernelSpec fused_tiles_spec();       // fused_tiles.cpp
 KernelSpec chunked_spec();           // chunked.cpp
 KernelSpec math_spec();              // attention.cpp
 
@@ -47,19 +49,6 @@ bool loop_nest_fits(int64_t num_queries, int64_t num_keys, const torch::TensorOp
 /// call under one, and the kernels' own backward functions run under one too.
 struct NoAutocast {
   c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
-};
-
-/// A score function that adds a bias to the score, `score + bias(score, b, h, q_idx,
-/// kv_idx)`, the bias in score's dtype (score is read for its dtype and device only): what
-/// score_mods::alibi and score_mods::relative_position_bias make, so that the planner can
-/// hand the bias to LibTorch's SDPA as a float mask (ScoreMod::target<AdditiveScore>()).
-struct AdditiveScore {
-  ScoreMod bias;
-  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
-                           const torch::Tensor& h, const torch::Tensor& q_idx,
-                           const torch::Tensor& kv_idx) const {
-    return score + bias(score, b, h, q_idx, kv_idx);
-  }
 };
 
 /// What the math core applies between the scores and the softmax.

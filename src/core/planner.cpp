@@ -170,6 +170,7 @@ const KernelTable& kernel_table() {
       sdpa_spec(),
       sdpa_varlen_spec(),
       sdpa_masked_spec(),
+      fused_tiles_spec(),
       chunked_spec(),
       math_spec(),
   };

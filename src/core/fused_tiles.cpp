@@ -1,0 +1,647 @@
+// The fused CPU tile kernel: the chunked kernel's walk over a block mask's tiles (tile_walk.h)
+// with everything between its matrix products done in the tile's rows. Per query block and
+// key tile: S = (scale Q) K^T by one GEMM, then, row by row while the row is in L1, the score
+// function (a ScoreVariant: softcap, ALiBi, a relative-position table), the mask bits (a
+// partial tile only), the online softmax (running maximum and sum, the output rows
+// corrected), and then P V by one GEMM into the output block. Backward recomputes P from the
+// log-sum-exp in the same rows, and its five products per tile are GEMMs on the tile.
+//
+// Why: the chunked kernel spends about 16 LibTorch operations per tile, each a pass over the
+// whole tile (a few MiB, beyond L1 and often L2); here the tile's rows are read once after
+// each GEMM, and the only LibTorch calls in the tile loop are the GEMMs themselves
+// (at::mm_out / addmm_ on the inputs in place, which reach the BLAS) and, for a partial tile
+// of a mask, its entries (Mask::tile_allowed).
+//
+// Layout: float32 (a 16-bit call arrives as float32: the planner computes it so), inputs as
+// (outer, heads, n, f) slices with unit-stride rows, read in place. Grouped-query attention
+// reads each key/value head for its query heads without copies. Forward's tasks are (outer,
+// head, query block), the last blocks first; backward's are (outer, key/value head), each
+// owning its key and value gradients, with the table's gradient summed in task order.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "core/attention_layout.h"
+#include "core/kernels.h"
+#include "core/loop_nest_kernel.h"
+#include "core/parallel.h"
+#include "core/row_softmax.h"
+#include "core/score_variants.h"
+#include "core/tile_walk.h"
+
+namespace attnkit::detail {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
+
+// ---- row operations: AVX2 where the CPU has it (core/avx2.h), a portable loop otherwise ----
+
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+// e^x, exactly 0 for x below -87.3 (and -inf): a masked score contributes nothing.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp_or_zero_avx2(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GT_OQ);
+  return _mm256_and_ps(exp_nonpositive_avx2(x), live);
+}
+
+__attribute__((target("avx2,fma"))) float row_max_avx2(const float* s, int64_t count) {
+  __m256 max8 = _mm256_set1_ps(kMinusInfinity);
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes)
+    max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + j));
+  float result = kMinusInfinity;
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, max8);
+  for (const float lane : lanes)
+    result = std::max(result, lane);
+  for (; j < count; ++j)
+    result = std::max(result, s[j]);
+  return result;
+}
+
+__attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t count, float shift) {
+  const __m256 shift8 = _mm256_set1_ps(shift);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes) {
+    const __m256 e = exp_or_zero_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift8));
+    _mm256_storeu_ps(s + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  if (j < count) {
+    const __m256i lanes = first_lanes(count - j);
+    const __m256 e = _mm256_and_ps(
+        exp_or_zero_avx2(_mm256_sub_ps(_mm256_maskload_ps(s + j, lanes), shift8)),
+        _mm256_castsi256_ps(lanes));
+    _mm256_maskstore_ps(s + j, lanes, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  return horizontal_sum(sum8);
+}
+
+// s = cap tanh(s / cap), with tanh(x) = sign(x) (1 - e) / (1 + e), e = e^(-2 |x|).
+__attribute__((target("avx2,fma"))) void softcap_avx2(float* s, int64_t count, float cap) {
+  const __m256 inverse = _mm256_set1_ps(-2.0f / cap), cap8 = _mm256_set1_ps(cap);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes) {
+    const __m256 x = _mm256_loadu_ps(s + j);
+    const __m256 e = exp_nonpositive_avx2(_mm256_mul_ps(_mm256_andnot_ps(sign_bit, x), inverse));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign_bit, x)), cap8));
+  }
+  for (; j < count; ++j)
+    s[j] = cap * std::tanh(s[j] / cap);
+}
+#endif
+
+float row_max(const float* s, int64_t count) {
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if (has_avx2_fma())
+    return row_max_avx2(s, count);
+#endif
+  float result = kMinusInfinity;
+  for (int64_t j = 0; j < count; ++j)
+    result = std::max(result, s[j]);
+  return result;
+}
+
+// s = e^(s - shift) (0 where s is -inf); returns the row's sum.
+float exp_shifted(float* s, int64_t count, float shift) {
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if (has_avx2_fma())
+    return exp_shifted_avx2(s, count, shift);
+#endif
+  float sum = 0.0f;
+  for (int64_t j = 0; j < count; ++j) {
+    s[j] = std::exp(s[j] - shift);
+    sum += s[j];
+  }
+  return sum;
+}
+
+void softcap_row(float* s, int64_t count, float cap) {
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if (has_avx2_fma()) {
+    softcap_avx2(s, count, cap);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < count; ++j)
+    s[j] = cap * std::tanh(s[j] / cap);
+}
+
+// ---- the problem ---------------------------------------------------------------------------
+
+// The kernel's settings for one call, shared by its forward and its backward.
+struct TileProblem : torch::CustomClassHolder {
+  Mask mask;
+  BlockMask blocks;  // defined when the mask is not none
+  ScoreVariant variant;
+  double scale = 1.0;
+  int64_t query_block = 128;  // the block mask's query block when there is one
+  int64_t key_block = 1024;
+};
+
+// (outer, heads, rows, cols) float32 slices with unit-stride rows.
+struct Slices {
+  float* data;
+  int64_t outer_stride, head_stride, row_stride;
+  explicit Slices(const torch::Tensor& t4)
+      : data(t4.data_ptr<float>()),
+        outer_stride(t4.stride(0)),
+        head_stride(t4.stride(1)),
+        row_stride(t4.stride(2)) {}
+  float* row(int64_t o, int64_t h, int64_t r) const {
+    return data + o * outer_stride + h * head_stride + r * row_stride;
+  }
+};
+
+// rows x cols of a matrix with unit-stride rows, as a tensor for the BLAS calls.
+torch::Tensor matrix(float* data, int64_t rows, int64_t cols, int64_t row_stride) {
+  return torch::from_blob(data, {rows, cols}, {row_stride, 1}, torch::kFloat);
+}
+
+// The score function as the row loops read it: its table in float32 on the CPU.
+struct RowScore {
+  ScoreVariant::Kind kind;
+  float cap;
+  torch::Tensor table;  // kAlibi: (heads); kRelativeBias: (heads or 1, 2 D + 1)
+  int64_t max_distance;
+
+  explicit RowScore(const ScoreVariant& v)
+      : kind(v.kind), cap(static_cast<float>(v.cap)), max_distance(v.max_distance) {
+    if (v.table.defined())
+      table = v.table.detach().to(torch::kCPU, torch::kFloat).contiguous();
+  }
+  int64_t table_row(int64_t head) const {
+    return kind == ScoreVariant::Kind::kRelativeBias && table.size(0) == 1 ? 0 : head;
+  }
+
+  // Scores s[0, count) of query position q against keys k0, k0 + 1, ... of head `head`,
+  // modified in place.
+  void apply(float* s, int64_t count, int64_t head, int64_t q, int64_t k0) const {
+    switch (kind) {
+      case ScoreVariant::Kind::kNone:
+        return;
+      case ScoreVariant::Kind::kSoftcap:
+        softcap_row(s, count, cap);
+        return;
+      case ScoreVariant::Kind::kAlibi: {
+        const float slope = table.data_ptr<float>()[head];
+        const float first = static_cast<float>(k0 - q);
+        for (int64_t j = 0; j < count; ++j)
+          s[j] += slope * (first + static_cast<float>(j));
+        return;
+      }
+      case ScoreVariant::Kind::kRelativeBias: {
+        const float* bias = table.data_ptr<float>() + table_row(head) * table.size(1);
+        const int64_t d = max_distance;
+        for (int64_t j = 0; j < count; ++j)
+          s[j] += bias[std::clamp(k0 + j - q, -d, d) + d];
+        return;
+      }
+    }
+  }
+
+  // Backward through apply: ds[0, count), the gradient with respect to the modified scores
+  // `modified`, becomes the one with respect to the scores; the table's gradient (in
+  // `table_grad`, float64, the table's shape) gains this row's share.
+  void backward(float* ds, const float* modified, int64_t count, int64_t head, int64_t q,
+                int64_t k0, double* table_grad) const {
+    switch (kind) {
+      case ScoreVariant::Kind::kNone:
+        return;
+      case ScoreVariant::Kind::kSoftcap: {
+        // d/ds cap tanh(s / cap) = 1 - tanh^2 = 1 - (modified / cap)^2; a masked entry
+        // (modified -inf, ds 0) clamps to tanh -1, so its factor is 0, not -inf.
+        const float inverse = 1.0f / cap;
+        for (int64_t j = 0; j < count; ++j) {
+          const float t = std::clamp(modified[j] * inverse, -1.0f, 1.0f);
+          ds[j] *= 1.0f - t * t;
+        }
+        return;
+      }
+      case ScoreVariant::Kind::kAlibi: {
+        if (table_grad == nullptr)
+          return;
+        double sum = 0.0;
+        for (int64_t j = 0; j < count; ++j)
+          sum += static_cast<double>(ds[j]) * static_cast<double>(k0 + j - q);
+        table_grad[head] += sum;
+        return;
+      }
+      case ScoreVariant::Kind::kRelativeBias: {
+        if (table_grad == nullptr)
+          return;
+        double* row = table_grad + table_row(head) * table.size(1);
+        const int64_t d = max_distance;
+        for (int64_t j = 0; j < count; ++j)
+          row[std::clamp(k0 + j - q, -d, d) + d] += ds[j];
+        return;
+      }
+    }
+  }
+};
+
+// The plan both passes follow: shapes, blocks and the tiles of each query block.
+struct TilePlan {
+  const TileProblem& problem;
+  int64_t outer, heads, group_size, num_queries, num_keys, head_dim, value_dim;
+  int64_t query_block, widest_tile;
+
+  TilePlan(const TileProblem& problem, const torch::Tensor& q4, const torch::Tensor& k4,
+           const torch::Tensor& v4)
+      : problem(problem),
+        outer(q4.size(0)),
+        heads(q4.size(1)),
+        group_size(q4.size(1) / k4.size(1)),
+        num_queries(q4.size(2)),
+        num_keys(k4.size(2)),
+        head_dim(q4.size(3)),
+        value_dim(v4.size(3)),
+        query_block(problem.blocks.defined() ? problem.blocks.q_block_size()
+                                             : problem.query_block),
+        widest_tile(std::max(problem.key_block, problem.blocks.defined()
+                                                    ? problem.blocks.kv_block_size()
+                                                    : int64_t{1})) {}
+
+  int64_t num_query_blocks() const { return (num_queries + query_block - 1) / query_block; }
+
+  std::vector<TileVisit> tiles(int64_t o, int64_t h, int64_t qi) const {
+    return key_tiles(problem.blocks, o, h, 1, qi, num_keys, problem.key_block,
+                     /*merge_partial=*/false);
+  }
+
+  // A partial tile's mask entries, (queries, keys) row-major; empty for any other tile.
+  torch::Tensor allowed(const TileVisit& visit, int64_t o, int64_t h, int64_t q0,
+                        int64_t bq) const {
+    if (visit.kind != TileKind::kPartial)
+      return {};
+    const Tile tile{o, h, 1, q0, bq, visit.key_begin, visit.keys};
+    return problem.mask.tile_allowed(tile, torch::kCPU)
+        .expand({1, bq, visit.keys})
+        .reshape({bq, visit.keys})
+        .contiguous();
+  }
+
+  // (bq, head_dim) queries of a block, times the scale, into `scaled`.
+  void scaled_queries(const Slices& q, int64_t o, int64_t h, int64_t q0, int64_t bq,
+                      float* scaled) const {
+    const auto scale = static_cast<float>(problem.scale);
+    for (int64_t i = 0; i < bq; ++i) {
+      const float* row = q.row(o, h, q0 + i);
+      for (int64_t d = 0; d < head_dim; ++d)
+        scaled[i * head_dim + d] = row[d] * scale;
+    }
+  }
+
+  // Scores of a tile: S = Qs K^T with the score function and the mask applied, in `scores`
+  // (bq rows of visit.keys); each row's modified scores are handed to `row_done(i, row)`.
+  template <typename RowDone>
+  void tile_scores(const torch::Tensor& scaled_q, const Slices& k, int64_t o, int64_t h,
+                   int64_t q0, int64_t bq, const TileVisit& visit, float* scores,
+                   const RowScore& score, RowDone&& row_done) const {
+    const int64_t k0 = visit.key_begin, bk = visit.keys;
+    auto s = matrix(scores, bq, bk, bk);
+    at::mm_out(s, scaled_q, matrix(k.row(o, h / group_size, k0), bk, head_dim, k.row_stride).t());
+    const auto allowed = this->allowed(visit, o, h, q0, bq);
+    const bool* bits = allowed.defined() ? allowed.data_ptr<bool>() : nullptr;
+    for (int64_t i = 0; i < bq; ++i) {
+      float* row = scores + i * bk;
+      score.apply(row, bk, h, q0 + i, k0);
+      if (bits != nullptr) {
+        const bool* row_bits = bits + i * bk;
+        for (int64_t j = 0; j < bk; ++j)
+          row[j] = row_bits[j] ? row[j] : kMinusInfinity;
+      }
+      row_done(i, row);
+    }
+  }
+};
+
+// Forward on (outer, heads, n, f) float32 slices: the output (outer, heads, n, dv) and the
+// rows' log-sum-exp (outer, heads, n), +inf for a row that sees no key.
+std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem,
+                                                      const torch::Tensor& q4,
+                                                      const torch::Tensor& k4,
+                                                      const torch::Tensor& v4) {
+  const TilePlan plan(problem, q4, k4, v4);
+  const RowScore score(problem.variant);
+  auto out4 = torch::empty({plan.outer, plan.heads, plan.num_queries, plan.value_dim},
+                           q4.options());
+  auto lse = torch::empty({plan.outer, plan.heads, plan.num_queries}, q4.options());
+  const Slices q(q4), k(k4), v(v4), out(out4);
+  float* lse_data = lse.data_ptr<float>();
+  const int64_t blocks = plan.num_query_blocks(), pairs = plan.outer * plan.heads;
+  const int64_t dv = plan.value_dim;
+  run_tasks(pairs * blocks, q4.device(), [&](int64_t task) {
+    const int64_t qi = blocks - 1 - task / pairs, pair = task % pairs;
+    const int64_t o = pair / plan.heads, h = pair % plan.heads;
+    const int64_t q0 = qi * plan.query_block;
+    const int64_t bq = std::min(plan.query_block, plan.num_queries - q0);
+    const auto options = torch::dtype(torch::kFloat);
+    auto scaled_q = torch::empty({bq, plan.head_dim}, options);
+    plan.scaled_queries(q, o, h, q0, bq, scaled_q.data_ptr<float>());
+    auto scores = torch::empty({bq * plan.widest_tile}, options);
+    auto acc = torch::zeros({bq, dv}, options);
+    float* acc_data = acc.data_ptr<float>();
+    std::vector<float> running_max(bq, kMinusInfinity), running_sum(bq, 0.0f);
+    for (const auto& visit : plan.tiles(o, h, qi)) {
+      plan.tile_scores(scaled_q, k, o, h, q0, bq, visit, scores.data_ptr<float>(), score,
+                       [&](int64_t i, float* row) {
+                         const float new_max =
+                             std::max(running_max[i], row_max(row, visit.keys));
+                         if (new_max == kMinusInfinity) {  // no key seen yet: weights 0
+                           std::fill(row, row + visit.keys, 0.0f);
+                           return;
+                         }
+                         const float correction = std::exp(running_max[i] - new_max);
+                         running_sum[i] = running_sum[i] * correction +
+                                          exp_shifted(row, visit.keys, new_max);
+                         running_max[i] = new_max;
+                         if (correction != 1.0f) {
+                           float* acc_row = acc_data + i * dv;
+                           for (int64_t d = 0; d < dv; ++d)
+                             acc_row[d] *= correction;
+                         }
+                       });
+      acc.addmm_(matrix(scores.data_ptr<float>(), bq, visit.keys, visit.keys),
+                 matrix(v.row(o, h / plan.group_size, visit.key_begin), visit.keys, dv,
+                        v.row_stride));
+    }
+    for (int64_t i = 0; i < bq; ++i) {
+      float* out_row = out.row(o, h, q0 + i);
+      const float* acc_row = acc_data + i * dv;
+      const bool seen = running_sum[i] > 0.0f;
+      const float inverse = seen ? 1.0f / running_sum[i] : 0.0f;
+      for (int64_t d = 0; d < dv; ++d)
+        out_row[d] = acc_row[d] * inverse;
+      lse_data[(o * plan.heads + h) * plan.num_queries + q0 + i] =
+          seen ? running_max[i] + std::log(running_sum[i]) : std::numeric_limits<float>::infinity();
+    }
+  });
+  return {out4, lse};
+}
+
+// Backward: the gradients of q4, k4, v4 ((outer, heads or key/value heads, n, f), float32)
+// and of the score function's table (float64, its shape; undefined without one that wants
+// it) from forward's output and log-sum-exp.
+struct TileGrads {
+  torch::Tensor query, key, value, table;
+};
+
+TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
+                         const torch::Tensor& k4, const torch::Tensor& v4,
+                         const torch::Tensor& out4, const torch::Tensor& lse,
+                         const torch::Tensor& grad_out4, bool table_wants_grad) {
+  const TilePlan plan(problem, q4, k4, v4);
+  const RowScore score(problem.variant);
+  const int64_t kv_heads = k4.size(1), dv = plan.value_dim, hd = plan.head_dim;
+  // D_i = dO_i . O_i, the softmax's backward term, (outer, heads, n).
+  const auto delta = (grad_out4 * out4).sum(-1).contiguous();
+  auto grad_q4 = torch::zeros(q4.sizes(), q4.options());
+  auto grad_k4 = torch::zeros(k4.sizes(), k4.options());
+  auto grad_v4 = torch::zeros(v4.sizes(), v4.options());
+  const Slices q(q4), k(k4), v(v4), grad_out(grad_out4), grad_q(grad_q4), grad_k(grad_k4),
+      grad_v(grad_v4);
+  const float* lse_data = lse.data_ptr<float>();
+  const float* delta_data = delta.data_ptr<float>();
+  const bool keeps_table_grad = table_wants_grad && score.table.defined();
+  const int64_t tasks = plan.outer * kv_heads;
+  // Each task's share of the table's gradient, summed in task order afterwards.
+  std::vector<torch::Tensor> table_grads(tasks);
+  run_tasks(tasks, q4.device(), [&](int64_t task) {
+    const int64_t o = task / kv_heads, kh = task % kv_heads;
+    const auto options = torch::dtype(torch::kFloat);
+    auto scaled_q = torch::empty({plan.query_block, hd}, options);
+    auto scores = torch::empty({plan.query_block * plan.widest_tile}, options);
+    auto grad_scores = torch::empty({plan.query_block * plan.widest_tile}, options);
+    // Softcap's backward reads the modified scores, which the probabilities overwrite.
+    auto modified = problem.variant.kind == ScoreVariant::Kind::kSoftcap
+                        ? torch::empty({plan.query_block * plan.widest_tile}, options)
+                        : torch::Tensor();
+    double* table_grad = nullptr;
+    if (keeps_table_grad) {
+      table_grads[task] = torch::zeros(score.table.sizes(), torch::kDouble);
+      table_grad = table_grads[task].data_ptr<double>();
+    }
+    for (int64_t h = kh * plan.group_size; h < (kh + 1) * plan.group_size; ++h) {
+      for (int64_t qi = 0; qi < plan.num_query_blocks(); ++qi) {
+        const int64_t q0 = qi * plan.query_block;
+        const int64_t bq = std::min(plan.query_block, plan.num_queries - q0);
+        auto q_block = scaled_q.narrow(0, 0, bq);
+        plan.scaled_queries(q, o, h, q0, bq, q_block.data_ptr<float>());
+        const auto grad_out_block = matrix(grad_out.row(o, h, q0), bq, dv, grad_out.row_stride);
+        auto grad_q_block = matrix(grad_q.row(o, h, q0), bq, hd, grad_q.row_stride);
+        const float* row_lse = lse_data + (o * plan.heads + h) * plan.num_queries + q0;
+        const float* row_delta = delta_data + (o * plan.heads + h) * plan.num_queries + q0;
+        for (const auto& visit : plan.tiles(o, h, qi)) {
+          const int64_t k0 = visit.key_begin, bk = visit.keys;
+          float* p_data = scores.data_ptr<float>();
+          float* modified_data = modified.defined() ? modified.data_ptr<float>() : nullptr;
+          // P = e^(modified scores - lse): 0 where masked, and for a row that sees no key.
+          plan.tile_scores(q_block, k, o, h, q0, bq, visit, p_data, score,
+                           [&](int64_t i, float* row) {
+                             if (modified_data != nullptr)
+                               std::memcpy(modified_data + i * bk, row, bk * sizeof(float));
+                             exp_shifted(row, bk, row_lse[i]);
+                           });
+          const auto p = matrix(p_data, bq, bk, bk);
+          const auto k_tile = matrix(k.row(o, kh, k0), bk, hd, k.row_stride);
+          const auto v_tile = matrix(v.row(o, kh, k0), bk, dv, v.row_stride);
+          // dP = dO V^T, (bq, bk)
+          float* ds_data = grad_scores.data_ptr<float>();
+          auto ds = matrix(ds_data, bq, bk, bk);
+          at::mm_out(ds, grad_out_block, v_tile.t());
+          matrix(grad_v.row(o, kh, k0), bk, dv, grad_v.row_stride).addmm_(p.t(), grad_out_block);
+          // dS = P (dP - D), then back through the score function.
+          for (int64_t i = 0; i < bq; ++i) {
+            float* ds_row = ds_data + i * bk;
+            const float* p_row = p_data + i * bk;
+            const float d = row_delta[i];
+            for (int64_t j = 0; j < bk; ++j)
+              ds_row[j] = p_row[j] * (ds_row[j] - d);
+            score.backward(ds_row, modified_data != nullptr ? modified_data + i * bk : nullptr,
+                           bk, h, q0 + i, k0, table_grad);
+          }
+          grad_q_block.addmm_(ds, k_tile, /*beta=*/1, /*alpha=*/plan.problem.scale);
+          matrix(grad_k.row(o, kh, k0), bk, hd, grad_k.row_stride).addmm_(ds.t(), q_block);
+        }
+      }
+    }
+  });
+  torch::Tensor table_grad;
+  for (const auto& g : table_grads) {
+    if (g.defined())
+      table_grad = table_grad.defined() ? table_grad.add_(g) : g;
+  }
+  if (keeps_table_grad && !table_grad.defined())
+    table_grad = torch::zeros(score.table.sizes(), torch::kDouble);
+  return {grad_q4, grad_k4, grad_v4, table_grad};
+}
+
+// (..., n, f) float32 -> (outer, heads, n, f) with unit-stride rows (a view when it can be).
+torch::Tensor slices_of(const torch::Tensor& t) { return loop_nest::unit_stride_slices(t); }
+
+// The gradients of `parameters` (the tensors the score function reads that want gradients):
+// the table's for the table, zeros for any other.
+std::vector<torch::Tensor> parameter_grads(const TileProblem& problem, const TileGrads& grads,
+                                           const std::vector<torch::Tensor>& parameters) {
+  std::vector<torch::Tensor> result;
+  for (const auto& parameter : parameters) {
+    const bool is_table = grads.table.defined() && problem.variant.table.defined() &&
+                          parameter.is_same(problem.variant.table);
+    result.push_back(is_table ? grads.table.to(parameter.options()) : torch::zeros_like(parameter));
+  }
+  return result;
+}
+
+struct FusedTileAttention : public torch::autograd::Function<FusedTileAttention> {
+  static torch::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<TileProblem> problem,
+                               const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, at::TensorList parameters) {
+    auto [out4, lse] = tiles_forward(*problem, slices_of(q), slices_of(k), slices_of(v));
+    variable_list to_save{q, k, v, out4, lse};
+    to_save.insert(to_save.end(), parameters.begin(), parameters.end());
+    ctx->save_for_backward(to_save);
+    ctx->saved_data["problem"] = c10::IValue::make_capsule(problem);
+    return shaped_like(out4, q);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const auto capsule = ctx->saved_data["problem"].toCapsule();
+    const auto& problem = *static_cast<const TileProblem*>(capsule.get());
+    const std::vector<torch::Tensor> parameters(saved.begin() + 5, saved.end());
+    const auto& q = saved[0];
+    const auto& k = saved[1];
+    const auto& v = saved[2];
+    const auto computed = tiles_backward(problem, slices_of(q), slices_of(k), slices_of(v),
+                                         saved[3], saved[4], slices_of(grads[0]),
+                                         !parameters.empty());
+    variable_list grads_in{torch::Tensor(), shaped_like(computed.query, q),
+                           shaped_like(computed.key, k), shaped_like(computed.value, v)};
+    for (auto& g : parameter_grads(problem, computed, parameters))
+      grads_in.push_back(std::move(g));
+    return grads_in;
+  }
+};
+
+// What the kernel lacks for `input`: "" or why.
+std::string tiles_decline(const KernelInput& input, const std::optional<ScoreVariant>& variant) {
+  const auto& call = input.call;
+  if (!call.query.device().is_cpu())
+    return "the fused tile kernel runs on the CPU";
+  if (call.query.scalar_type() != torch::kFloat)
+    return c10::str("the fused tile kernel computes in float32 (16-bit calls arrive as float32),"
+                    " not ", call.query.scalar_type());
+  if (call.with_weights)
+    return "the fused tile kernel returns no weights (the math backend builds them)";
+  if (input.dropout_p() > 0.0)
+    return "the fused tile kernel has no dropout (the chunked kernel draws its masks)";
+  if (!variant.has_value())
+    return "the fused tile kernel evaluates softcap, ALiBi and relative-position score "
+           "functions only (the chunked kernel evaluates any other)";
+  const auto& table = variant->table;
+  if (variant->kind == ScoreVariant::Kind::kAlibi &&
+      (table.dim() != 1 || table.size(0) != call.query.size(1)))
+    return c10::str("the fused tile kernel takes ALiBi slopes of one per head (",
+                    call.query.size(1), "), not ", shape_string(table));
+  if (variant->kind == ScoreVariant::Kind::kRelativeBias && table.size(0) != 1 &&
+      table.size(0) != call.query.size(1))
+    return c10::str("the fused tile kernel takes a relative-position table of 1 or ",
+                    call.query.size(1), " rows, not ", shape_string(table));
+  if (call.step == StepKind::kRagged && input.query_tokens() == 1)
+    return "a one-query ragged step runs best on the math core";
+  return "";
+}
+
+c10::intrusive_ptr<TileProblem> problem_of(const KernelInput& input,
+                                           const std::optional<ScoreVariant>& variant) {
+  const auto& call = input.call;
+  const auto& options = call.options;
+  auto problem = c10::make_intrusive<TileProblem>();
+  problem->mask = input.mask();
+  if (const auto* given = problem->mask.block_mask()) {
+    problem->blocks = *given;
+  } else if (!problem->mask.is_none()) {
+    problem->blocks = create_block_mask(
+        problem->mask, call.query.size(0), call.query.size(1), call.query.size(2),
+        call.key.size(2),
+        BlockMaskOptions().block_size(options.query_block_size()).device(torch::kCPU));
+  }
+  problem->variant = variant.value_or(ScoreVariant{});
+  problem->scale = input.scale();
+  problem->query_block = options.query_block_size();
+  problem->key_block = options.key_block_size();
+  return problem;
+}
+
+}  // namespace
+
+KernelSpec fused_tiles_spec() {
+  return {"fused_tiles", AttentionBackend::kChunked, /*runs_16bit_cuda_in_its_dtype=*/false,
+          [](const KernelInput& input) {
+            const auto variant = score_variant_of(input.call.options.score_mod());
+            auto declined = tiles_decline(input, variant);
+            // A declined call makes no block mask here (the planner asks on to the next
+            // kernel); its plan is made if it is run regardless (the mutation test).
+            const auto made = declined.empty() ? problem_of(input, variant)
+                                               : c10::intrusive_ptr<TileProblem>();
+            const auto problem_for = [made, variant](const KernelInput& in) {
+              return made ? made : problem_of(in, variant);
+            };
+            SplitKernel split{
+                [problem_for](const KernelInput& in) {
+                  const auto problem = problem_for(in);
+                  const auto& call = in.call;
+                  auto [out4, lse] =
+                      tiles_forward(*problem, slices_of(call.query), slices_of(call.key),
+                                    slices_of(call.value));
+                  return std::pair{shaped_like(out4, call.query), lse};
+                },
+                [problem_for](const KernelInput& in, const SplitSaved& saved) {
+                  const auto problem = problem_for(in);
+                  const auto& call = in.call;
+                  const auto computed = tiles_backward(
+                      *problem, slices_of(call.query), slices_of(call.key),
+                      slices_of(call.value), slices_of(saved.out), saved.lse.contiguous(),
+                      slices_of(saved.grad_out), !saved.parameters.empty());
+                  std::vector<torch::Tensor> grads{shaped_like(computed.query, call.query),
+                                                   shaped_like(computed.key, call.key),
+                                                   shaped_like(computed.value, call.value)};
+                  for (auto& g : parameter_grads(*problem, computed, saved.parameters))
+                    grads.push_back(std::move(g));
+                  return grads;
+                }};
+            return KernelDecision{
+                std::move(declined),
+                [problem_for](const KernelInput& in) {
+                  const auto problem = problem_for(in);
+                  const auto& call = in.call;
+                  std::vector<torch::Tensor> parameters;
+                  const auto& table = problem->variant.table;
+                  if (table.defined() && table.requires_grad() &&
+                      torch::GradMode::is_enabled())
+                    parameters.push_back(table);
+                  return functional::AttentionOutput{
+                      FusedTileAttention::apply(problem, call.query, call.key, call.value,
+                                                at::TensorList(parameters)),
+                      {}};
+                },
+                std::move(split)};
+          }};
+}
+
+}  // namespace attnkit::detail
