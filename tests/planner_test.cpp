@@ -128,6 +128,25 @@ std::vector<PlannerCase> planner_cases() {
                                 torch::Tensor(), torch::ones({1, 1, 12, 1}, torch::kBool)});
   }
   {
+    // A score function that is no named variant (score_variants.h): the chunked kernel's.
+    const attnkit::ScoreMod distance = [](const torch::Tensor& score, const torch::Tensor&,
+                                          const torch::Tensor&, const torch::Tensor& q_idx,
+                                          const torch::Tensor& kv_idx) {
+      return score - (q_idx - kv_idx).abs() * 0.25;
+    };
+    const auto call = sequence(F::AttentionOptions().score_mod(distance));
+    const auto group = call.query.size(1) / call.key.size(1);
+    const auto positions = torch::arange(12);
+    const auto scores =
+        torch::matmul(call.query, call.key.repeat_interleave(group, 1).transpose(-2, -1)) /
+            std::sqrt(static_cast<double>(hd)) -
+        (positions.view({-1, 1}) - positions.view({1, -1})).abs() * 0.25;
+    cases.push_back(PlannerCase{
+        "score_mod distance", call,
+        torch::matmul(torch::softmax(scores, -1), call.value.repeat_interleave(group, 1)),
+        torch::Tensor(), torch::ones({1, 1, 12, 1}, torch::kBool)});
+  }
+  {
     auto call = sequence(F::AttentionOptions().mask(Mask::causal()));
     call.with_weights = true;
     add("with weights", call, causal_allowed(12, 12, 0, 0, 12));
@@ -240,7 +259,8 @@ TEST(Planner, EveryPlannedKernelAnswersAsTheMathCore) {
       }
     }
   }
-  std::set<std::string> expected{"decode", "ragged_loop_nest", "sdpa", "chunked", "math"};
+  std::set<std::string> expected{"decode", "ragged_loop_nest", "sdpa", "fused_tiles", "chunked",
+                                 "math"};
   if (attnkit::detail::libtorch_has_sdpa()) {
     // A demanded fused backend with a mask beyond causal: documents as segments, others dense.
     expected.insert("sdpa_varlen");
@@ -279,8 +299,9 @@ TEST(Planner, ASplitCallRunsForwardAndBackwardApartAsTheMathCore) {
       const double tolerance = bfloat16 ? 3e-2 : 1e-5, rtol = bfloat16 ? 3e-2 : 0.0;
       F::KernelRecord record;
       const auto forward = attnkit::detail::run_split_forward(call);
-      const std::string expected_kernel =
-          cpu_flash && flash_cases.count(c.name) ? "sdpa" : "chunked";
+      const std::string expected_kernel = cpu_flash && flash_cases.count(c.name) ? "sdpa"
+                                          : c.name == "score_mod distance"       ? "chunked"
+                                                                                 : "fused_tiles";
       EXPECT_EQ(std::string(forward.kernel), expected_kernel);
       ASSERT_EQ(record.runs().size(), 1u);
       EXPECT_EQ(record.runs()[0].kernel, expected_kernel);
@@ -315,7 +336,7 @@ TEST(Planner, ASplitCallRunsForwardAndBackwardApartAsTheMathCore) {
       }
     }
   }
-  EXPECT_EQ(seen.size(), 10u);  // every sequence case without weights
+  EXPECT_EQ(seen.size(), 11u);  // every sequence case without weights
 }
 
 // The mutation check: a kernel made to claim every call (its decision declines nothing and
@@ -387,7 +408,7 @@ TEST(Planner, EveryModuleCallLeavesOneKernelRecord) {
 
 // A demanded backend's refusal names what it lacks; a module's preference gives way. On
 // LibTorch 2.x a demanded fused backend runs a document mask through SDPA with the dense
-// mask; on the CPU a preference (and kAuto) keeps the faster chunked kernel.
+// mask; on the CPU a preference (and kAuto) keeps the faster fused tile kernel.
 TEST(Planner, ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay) {
   auto c = planner_cases()[3];  // documents
   ASSERT_EQ(c.name, "documents");
@@ -406,10 +427,10 @@ TEST(Planner, ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay) {
         "sliding-window masks on LibTorch 1.x (2.x takes any mask through its SDPA), not ");
   }
   c.call.backend_is_preference = true;
-  EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "chunked");
+  EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "fused_tiles");
   auto automatic = c.call;
   automatic.options.backend(AttentionBackend::kAuto);
-  EXPECT_STREQ(attnkit::detail::plan_attention(automatic).name, "chunked");
+  EXPECT_STREQ(attnkit::detail::plan_attention(automatic).name, "fused_tiles");
   c.call.with_weights = true;
   EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "math");
 }
@@ -433,7 +454,7 @@ TEST(Planner, TheKernelRecordNamesWhatRan) {
                  F::AttentionOptions(causal).backend(AttentionBackend::kMath));
     ASSERT_EQ(inner.runs().size(), 3u);
     EXPECT_EQ(inner.runs()[0].kernel, "math");
-    EXPECT_EQ(inner.runs()[1].kernel, "chunked");
+    EXPECT_EQ(inner.runs()[1].kernel, "fused_tiles");
     EXPECT_EQ(inner.runs()[1].computed_in, torch::kFloat);
     EXPECT_EQ(inner.runs()[2].computed_in, torch::kDouble);
     EXPECT_EQ(inner.runs()[2].device, torch::Device(torch::kCPU));
@@ -443,26 +464,26 @@ TEST(Planner, TheKernelRecordNamesWhatRan) {
     F::attention(q, k, v, F::AttentionOptions(padding).backend(AttentionBackend::kFused));
     EXPECT_EQ(outer.runs().back().kernel, "sdpa_varlen");
   }
-  // kAuto on the CPU: where a gradient is kept, the chunked kernel runs masks faster; with
+  // kAuto on the CPU: where a gradient is kept, the fused tile kernel runs masks faster; with
   // none, LibTorch 2.x's SDPA by segments runs non-causal padding.
   const auto q_trained = q.clone().requires_grad_();
   F::attention(q_trained, k, v, padding);
-  EXPECT_EQ(outer.runs().back().kernel, "chunked");
+  EXPECT_EQ(outer.runs().back().kernel, "fused_tiles");
   F::attention(q, k, v, padding);
   EXPECT_EQ(outer.runs().back().kernel,
-            attnkit::detail::libtorch_has_sdpa() ? "sdpa_varlen" : "chunked");
+            attnkit::detail::libtorch_has_sdpa() ? "sdpa_varlen" : "fused_tiles");
   attnkit::MultiHeadAttention mha(
       MultiHeadAttentionOptions(4, 8, 16, 0.0, 2).backend(AttentionBackend::kChunked));
   mha->eval();
   const torch::NoGradGuard no_grad;
   const auto x = torch::randn({1, 3, 4});
   mha(x);
-  EXPECT_EQ(outer.runs().back().kernel, "chunked");
+  EXPECT_EQ(outer.runs().back().kernel, "fused_tiles");
   auto cache = mha->make_kv_cache(1, 4);
   mha->forward_with_cache(x, cache);
   mha->forward_with_cache(torch::randn({1, 1, 4}), cache);
   EXPECT_EQ(outer.runs().back().kernel, "decode");
-  EXPECT_EQ(outer.runs().front().kernel, "chunked");
+  EXPECT_EQ(outer.runs().front().kernel, "fused_tiles");
   EXPECT_EQ(outer.runs().size(), attnkit::detail::libtorch_has_sdpa() ? 7u : 6u);
 }
 
