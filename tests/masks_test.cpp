@@ -1074,6 +1074,45 @@ TEST(ScoreGraph, EvaluatesAsTheFunctionItStandsForAndRefusesBadText) {
                           "[ScoreGraph::bind] the graph reads 1 captured tensor(s), got 0");
 }
 
+// The graphs that Python's tracer makes of a softcap, ALiBi and a relative-position table
+// (attnkit's _score_graph.trace of the FlexAttention examples) bind as score variants that the
+// fused tile kernel evaluates itself, and give its answer; near misses bind as general graphs.
+TEST(ScoreGraph, TheNamedFunctionsBindAsTheirVariants) {
+  using attnkit::detail::ScoreVariant;
+  const auto slopes = torch::rand({4}), table = torch::rand({4, 21});
+  const auto kind_of = [](const attnkit::ScoreMod& mod) {
+    const auto variant = attnkit::detail::score_variant_of(mod);
+    return variant ? static_cast<int>(variant->kind) : -1;
+  };
+  const auto graph = [](const std::string& text) { return attnkit::ScoreGraph::parse(text); };
+  const std::vector<std::tuple<std::string, std::vector<torch::Tensor>, int>> cases{
+      {"div %0 f:30.0\ntanh %5\nmul f:30.0 %6", {}, int(ScoreVariant::Kind::kSoftcap)},
+      {"div %0 f:30.0\ntanh %5\nmul %6 f:30.0", {}, int(ScoreVariant::Kind::kSoftcap)},
+      {"index $0 %2\nsub %4 %3\nmul %5 %6\nadd %0 %7", {slopes}, int(ScoreVariant::Kind::kAlibi)},
+      {"sub %4 %3\nindex $0 %2\nmul %6 %5\nadd %0 %7", {slopes}, int(ScoreVariant::Kind::kAlibi)},
+      {"sub %4 %3\nclamp %5 i:-10 i:10\nadd %6 i:10\nindex $0 %2 %7\nadd %0 %8", {table},
+       int(ScoreVariant::Kind::kRelativeBias)},
+      // Near misses: another cap inside, q - kv, a clamp that is not the table's width.
+      {"div %0 f:30.0\ntanh %5\nmul %6 f:20.0", {}, -1},
+      {"index $0 %2\nsub %3 %4\nmul %5 %6\nadd %0 %7", {slopes}, -1},
+      {"sub %4 %3\nclamp %5 i:-9 i:9\nadd %6 i:9\nindex $0 %2 %7\nadd %0 %8", {table}, -1}};
+  torch::manual_seed(3);
+  const auto q = torch::randn({1, 4, 150, 8}), k = torch::randn({1, 4, 150, 8}),
+             v = torch::randn({1, 4, 150, 8});
+  for (const auto& [text, tensors, kind] : cases) {
+    SCOPED_TRACE(text);
+    const auto mod = graph(text).bind(tensors);
+    EXPECT_EQ(kind_of(mod), kind);
+    // Bound as a variant or not, the kernels that run it agree with the math core.
+    const auto options = AttentionOptions().mask(Mask::causal()).score_mod(mod);
+    F::KernelRecord record;
+    const auto out = F::attention(q, k, v, options);
+    EXPECT_EQ(record.runs().at(0).kernel, kind >= 0 ? "fused_tiles" : "chunked");
+    const auto expected = F::attention(q, k, v, AttentionOptions(options).kernel("math"));
+    EXPECT_TRUE(torch::allclose(out, expected, 1e-5, 1e-5));
+  }
+}
+
 // PyTorch's own create_block_mask (2.5 and later) on the same masks:
 // scripts/block_mask_reference.py.
 TEST(BlockMaskReference, EqualsPyTorchsCreateBlockMask) {

@@ -6,6 +6,7 @@
 #include "attnkit/score_graph.h"
 
 #include "core/kernels.h"
+#include "core/score_variants.h"
 
 #include <algorithm>
 #include <functional>
@@ -332,20 +333,135 @@ std::optional<ScoreGraph> ScoreGraph::additive_bias() const {
   return bias;
 }
 
+namespace {
+
+using Operand = ScoreGraph::Operand;
+using Operation = ScoreGraph::Operation;
+
+bool is_value(const Operand& operand, int64_t index) {
+  return operand.kind == Operand::Kind::kValue && operand.index == index;
+}
+
+// The number an operand holds, if it is a constant.
+std::optional<double> number_of(const Operand& operand) {
+  if (operand.kind == Operand::Kind::kFloat)
+    return operand.number;
+  if (operand.kind == Operand::Kind::kInt)
+    return static_cast<double>(operand.index);
+  return std::nullopt;
+}
+
+// The operation that defines an operand's value (an operation's result, not an argument).
+const Operation* definition(const std::vector<Operation>& nodes, const Operand& operand) {
+  if (operand.kind != Operand::Kind::kValue || operand.index < 5)
+    return nullptr;
+  return &nodes[operand.index - 5];
+}
+
+// `op a b` with {a, b} matched by `first` and `second` in either order.
+template <typename First, typename Second>
+bool either_order(const Operation& node, const std::string& op, First&& first, Second&& second) {
+  return node.op == op && node.operands.size() == 2 &&
+         ((first(node.operands[0]) && second(node.operands[1])) ||
+          (first(node.operands[1]) && second(node.operands[0])));
+}
+
+// kv_idx - q_idx
+bool is_distance(const std::vector<Operation>& nodes, const Operand& operand) {
+  const auto* node = definition(nodes, operand);
+  return node != nullptr && node->op == "sub" && node->operands.size() == 2 &&
+         is_value(node->operands[0], 4) && is_value(node->operands[1], 3);
+}
+
+// $t[h] for a 1-D captured tensor: the tensor's number.
+std::optional<int64_t> per_head_tensor(const std::vector<Operation>& nodes,
+                                       const Operand& operand) {
+  const auto* node = definition(nodes, operand);
+  if (node == nullptr || node->op != "index" || node->operands.size() != 2 ||
+      node->operands[0].kind != Operand::Kind::kTensor || !is_value(node->operands[1], 2))
+    return std::nullopt;
+  return node->operands[0].index;
+}
+
+// cap * tanh(score / cap), as a graph of div, tanh and mul: the cap.
+std::optional<double> softcap_of(const std::vector<Operation>& nodes) {
+  if (nodes.size() != 3)
+    return std::nullopt;
+  const auto& divide = nodes[0];
+  const auto& tanh = nodes[1];
+  const auto cap = divide.op == "div" && divide.operands.size() == 2 &&
+                           is_value(divide.operands[0], 0)
+                       ? number_of(divide.operands[1])
+                       : std::nullopt;
+  if (!cap || *cap <= 0.0 || tanh.op != "tanh" || !is_value(tanh.operands[0], 5))
+    return std::nullopt;
+  const bool multiplies =
+      either_order(nodes[2], "mul", [](const Operand& o) { return is_value(o, 6); },
+                   [&](const Operand& o) { return number_of(o) == cap; });
+  return multiplies ? cap : std::nullopt;
+}
+
+// The bias graph (ScoreGraph::additive_bias) as a form a kernel evaluates itself: ALiBi's
+// `$t[h] * (kv_idx - q_idx)`, or a table's `$t[h, clamp(kv_idx - q_idx, -D, D) + D]` for a
+// (heads, 2 D + 1) tensor; monostate for any other bias.
+std::variant<std::monostate, detail::AlibiBias, detail::RelativeBias> bias_form(
+    const std::vector<Operation>& nodes, const std::vector<torch::Tensor>& tensors) {
+  const auto& last = nodes.back();
+  std::optional<int64_t> slopes;
+  if (either_order(
+          last, "mul",
+          [&](const Operand& o) { return (slopes = per_head_tensor(nodes, o)).has_value(); },
+          [&](const Operand& o) { return is_distance(nodes, o); }) &&
+      tensors[*slopes].dim() == 1)
+    return detail::AlibiBias{tensors[*slopes]};
+  if (last.op != "index" || last.operands.size() != 3 ||
+      last.operands[0].kind != Operand::Kind::kTensor || !is_value(last.operands[1], 2))
+    return std::monostate{};
+  const auto& table = tensors[last.operands[0].index];
+  const auto* shift = definition(nodes, last.operands[2]);
+  std::optional<double> offset;
+  const Operation* clamp = nullptr;
+  if (shift == nullptr ||
+      !either_order(
+          *shift, "add",
+          [&](const Operand& o) {
+            clamp = definition(nodes, o);
+            return clamp != nullptr && clamp->op == "clamp";
+          },
+          [&](const Operand& o) { return (offset = number_of(o)).has_value(); }))
+    return std::monostate{};
+  if (clamp->operands.size() != 3 || !is_distance(nodes, clamp->operands[0]))
+    return std::monostate{};
+  const auto low = number_of(clamp->operands[1]), high = number_of(clamp->operands[2]);
+  const auto d = static_cast<int64_t>(*offset);
+  if (!low || !high || *low != -*offset || *high != *offset || *offset < 0 ||
+      static_cast<double>(d) != *offset || table.dim() != 2 || table.size(1) != 2 * d + 1)
+    return std::monostate{};
+  return detail::RelativeBias{table, d};
+}
+
+}  // namespace
+
 ScoreMod ScoreGraph::bind(std::vector<torch::Tensor> tensors) const {
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) == num_tensors_,
               "[ScoreGraph::bind] the graph "
               "reads ",
               num_tensors_, " captured tensor(s), got ", tensors.size());
-  // An additive bias binds as detail::AdditiveScore, which the planner hands to kernels that
-  // take a bias (LibTorch's SDPA as a float mask).
+  // A softcap binds as detail::SoftcapScore, and an additive bias as detail::AdditiveScore
+  // (with its form where it is ALiBi's or a relative-position table): values that kernels
+  // read (the fused tile kernel evaluates them itself; LibTorch's SDPA takes a bias as a
+  // float mask).
+  if (const auto cap = softcap_of(nodes_))
+    return detail::SoftcapScore{*cap};
   if (auto bias = additive_bias()) {
+    auto form = bias_form(bias->nodes_, tensors);
     return detail::AdditiveScore{
         [bias = std::move(*bias), tensors](const torch::Tensor& score, const torch::Tensor& b,
                                            const torch::Tensor& h, const torch::Tensor& q_idx,
                                            const torch::Tensor& kv_idx) {
           return bias.evaluate(score, b, h, q_idx, kv_idx, tensors);
-        }};
+        },
+        std::move(form)};
   }
   return [graph = *this, tensors = std::move(tensors)](
              const torch::Tensor& score, const torch::Tensor& b, const torch::Tensor& h,
