@@ -33,6 +33,13 @@ struct MaskPart {
   int64_t id_length = 0;
 };
 
+/// FlexAttention's partial tiles as a mask: `slots` (B or 1, H or 1, nq, nk) int64 name each
+/// (q_block, kv_block) block's tile in `bits` (P, q_block, kv_block) bool, -1 for a full block
+/// and -2 for an empty one. A kernel's tile that is one block of one head reads a view of its
+/// bits (with `slots` on the host), any other tile is gathered entry by entry.
+Mask packed_tiles_mask(const torch::Tensor& slots, const torch::Tensor& bits, int64_t q_block,
+                       int64_t kv_block);
+
 /// The parts of `mask` joined by `&`, one part for a mask that is no `&`; nullopt for no mask
 /// or one with a `|`.
 std::optional<std::vector<MaskPart>> and_parts(const Mask& mask);

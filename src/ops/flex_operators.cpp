@@ -19,6 +19,7 @@
 #include "attnkit/score_graph.h"
 #include "core/checks.h"
 #include "core/kernels.h"
+#include "core/mask_parts.h"
 #include "core/planner.h"
 
 namespace attnkit::ops {
@@ -62,25 +63,6 @@ std::pair<Tensor, int64_t> tile_slots(const BlockMask& blocks) {
       slot[r * nk + full_indices.data_ptr<int64_t>()[r * nk + i]] = -1;
   }
   return {slots, next};
-}
-
-// The mask that reads the packed partial tiles: entry (b, h, q, kv) is its tile's bit, true
-// in a full tile and false in an empty one.
-Mask partial_tiles_mask(const Tensor& slots, const Tensor& bits, int64_t q_block,
-                        int64_t kv_block) {
-  const int64_t B = slots.size(0), H = slots.size(1);
-  return Mask::from_function([slots, bits, q_block, kv_block, B, H](
-                                 const Tensor& b, const Tensor& h, const Tensor& q,
-                                 const Tensor& kv) {
-    const auto device = bits.device();
-    const auto bi = (B == 1 ? torch::zeros_like(b) : b).to(device);
-    const auto hi = (H == 1 ? torch::zeros_like(h) : h).to(device);
-    const auto qd = q.to(device), kvd = kv.to(device);
-    const auto slot = slots.index({bi, hi, qd.div(q_block, "floor"), kvd.div(kv_block, "floor")});
-    const auto partial =
-        bits.index({slot.clamp_min(0), qd.remainder(q_block), kvd.remainder(kv_block)});
-    return slot.eq(-1).logical_or(slot.ge(0).logical_and(partial));
-  });
 }
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
@@ -174,7 +156,7 @@ Mask mask_of(const Tensor& q, const Tensor& k, const FlexArguments& args) {
   if (says_causal(lists, slots, bits, q.size(2), k.size(2)))
     return Mask::causal();
   const auto mask =
-      partial_tiles_mask(slots.to(q.device()), bits, args.q_block_size, args.kv_block_size);
+      detail::packed_tiles_mask(slots, bits, args.q_block_size, args.kv_block_size);
   return Mask::from_block_mask(
       BlockMask::from_kv_blocks(*args.kv_num_blocks, *args.kv_indices, full_num, full_idx,
                                 q.size(2), k.size(2), args.q_block_size, args.kv_block_size, mask));

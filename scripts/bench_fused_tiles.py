@@ -1,0 +1,282 @@
+#!/usr/bin/env python3
+"""The fused CPU tile kernel against PyTorch on the CPU (docs/benchmarks.md, "Masks and score
+functions at the machine's speed").
+
+b 1, h 8, hd 64. For each case, size, dtype and thread count, one child process runs every side
+in alternation, REPEATS rounds after a warm-up round, and prints medians:
+
+  attnkit fwd          attnkit.flex_attention, forward (the fused tile kernel where it takes
+                       the call; the planner's record says which kernel ran)
+  flex fwd             torch.compile(flex_attention) with PyTorch's BlockMask (Inductor's CPU
+                       template), forward: PyTorch 2.15 refuses flex_attention's CPU backward
+  attnkit fwd+bwd      forward and backward
+  sdpa fwd+bwd         F.scaled_dot_product_attention with the same mask as a dense tensor:
+                       bool, or float with an additive bias (what a CPU user trains with)
+  dense fwd+bwd        the dense math (for a score function SDPA cannot take: softcap)
+
+and the executed GFLOP/s of attnkit's tiles (the scores that its block mask does not skip) next
+to this core's float32 GEMM rate at the tile's shapes ((128 x 64) (64 x 1024) and
+(128 x 1024) (1024 x 64)), measured in the same child. With --memory, each side's peak RSS
+growth over one forward+backward call, each in a process of its own.
+
+Usage (pip's PyTorch and the pip build's package):
+  PYTHONPATH=build-pip/python "$(scripts/pip_torch.sh)" scripts/bench_fused_tiles.py \\
+      [--n 4096 16384] [--threads 1 2] [--dtypes float32 bfloat16] [--cases ...] \\
+      [--repeats 5] [--memory]
+"""
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CASES = ["documents", "documents_prefix_lm", "window_512", "window_1024",
+         "window_1024_softcap", "alibi", "relative_bias", "causal"]
+HEADS, HEAD_DIM = 8, 64
+# Above this n a dense (1, H, n, n) float32 matrix is 8 GiB and more: SDPA with a dense mask
+# and the dense math do not fit this machine's memory with their backward.
+DENSE_LIMIT = 8192
+
+
+def problem(case, n, torch):
+    """mask_mod, score_mod, the captured tensor that trains (or None), and the dense bias."""
+    ids = torch.arange(n) * 8 // n  # 8 documents of n / 8 tokens
+    starts = ids * (n // 8)
+    prefix = 256
+
+    def causal(b, h, q, kv):
+        return kv <= q
+
+    def documents(b, h, q, kv):
+        return (ids[q] == ids[kv]) & (kv <= q)
+
+    def documents_prefix_lm(b, h, q, kv):
+        # each document's first 256 tokens see each other; the rest is causal
+        return (ids[q] == ids[kv]) & ((kv <= q) | (kv - starts[kv] < prefix))
+
+    def window(size):
+        return lambda b, h, q, kv: (kv <= q) & (q - kv < size)
+
+    def softcap(score, b, h, q, kv):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    slopes = torch.pow(2.0, -8.0 * torch.arange(1, HEADS + 1) / HEADS)
+
+    def alibi(score, b, h, q, kv):
+        return score + slopes[h] * (kv - q)
+
+    distance = 128
+    table = (torch.randn(HEADS, 2 * distance + 1) * 0.1).requires_grad_(True)
+
+    def relative(score, b, h, q, kv):
+        return score + table[h, torch.clamp(kv - q, -distance, distance) + distance]
+
+    return {
+        "documents": (documents, None, None),
+        "documents_prefix_lm": (documents_prefix_lm, None, None),
+        "window_512": (window(512), None, None),
+        "window_1024": (window(1024), None, None),
+        "window_1024_softcap": (window(1024), softcap, None),
+        "alibi": (causal, alibi, None),
+        "relative_bias": (causal, relative, table),
+        "causal": (causal, None, None),
+    }[case]
+
+
+def gemm_rate(torch, repeats=50):
+    """float32 GFLOP/s of torch.mm at the tile's two shapes, medians of `repeats` calls."""
+    rates = {}
+    for name, (m, k, n) in {"q k^T (128x64)(64x1024)": (128, 64, 1024),
+                            "p v (128x1024)(1024x64)": (128, 1024, 64)}.items():
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        out = torch.empty(m, n)
+        for _ in range(5):
+            torch.mm(a, b, out=out)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(20):
+                torch.mm(a, b, out=out)
+            times.append((time.perf_counter() - start) / 20)
+        rates[name] = 2 * m * k * n / statistics.median(times) / 1e9
+    return rates
+
+
+def sides(case, n, dtype_name, backward_only=None):
+    """The sides of one configuration as {name: call}."""
+    import torch
+    import torch.nn.functional as F
+    import attnkit
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    dtype = getattr(torch, dtype_name)
+    mask_mod, score_mod, trained = problem(case, n, torch)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = [torch.randn(1, HEADS, n, HEAD_DIM, generator=g).to(dtype).requires_grad_(True)
+               for _ in range(3)]
+    ak_mask = attnkit.create_block_mask(mask_mod, None, None, n, n)
+    calls = {}
+
+    def attnkit_call():
+        return attnkit.flex_attention(q, k, v, score_mod=score_mod, block_mask=ak_mask)
+    calls["attnkit fwd"] = ("fwd", attnkit_call)
+    calls["attnkit fwd+bwd"] = ("bwd", attnkit_call)
+    if backward_only is None:
+        from inductor_link import link_inductor_against_this_torch
+        link_inductor_against_this_torch()
+        pt_mask = create_block_mask(mask_mod, None, None, n, n, device="cpu")
+        compiled = torch.compile(flex_attention)
+        # flex_attention refuses inputs that require grad on the CPU, even under no_grad
+        qd, kd, vd = q.detach(), k.detach(), v.detach()
+        calls["flex fwd"] = ("fwd", lambda: compiled(qd, kd, vd, score_mod=score_mod,
+                                                      block_mask=pt_mask))
+    if n <= DENSE_LIMIT:
+        qi, ki = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+        allowed = mask_mod(None, None, qi, ki)
+        heads = torch.arange(HEADS).view(-1, 1, 1)
+        if score_mod is None:
+            calls["sdpa fwd+bwd"] = ("bwd", lambda: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed))
+        elif case in ("alibi", "relative_bias"):
+            def sdpa_bias():
+                # the bias as SDPA's float mask, made in the call so that the table trains
+                bias = score_mod(torch.zeros((), dtype=torch.float32), None, heads, qi, ki)
+                bias = bias.masked_fill(~allowed, float("-inf")).to(dtype).unsqueeze(0)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            calls["sdpa fwd+bwd"] = ("bwd", sdpa_bias)
+        else:
+            def dense_math():
+                s = (q @ k.transpose(-1, -2)).float() / HEAD_DIM ** 0.5
+                s = score_mod(s, None, heads, qi, ki).masked_fill(~allowed, float("-inf"))
+                return s.softmax(-1).to(dtype) @ v
+            calls["dense fwd+bwd"] = ("bwd", dense_math)
+    return calls, ak_mask, trained
+
+
+def run(kind, call):
+    import torch
+    if kind == "fwd":  # no graph kept (and flex_attention refuses one on the CPU)
+        with torch.no_grad():
+            call()
+        return
+    out = call()
+    out.backward(out.detach().clone().fill_(1.0))
+
+
+def executed_scores(ak_mask):
+    """Score entries attnkit's tiles compute per head: every non-empty block, whole."""
+    blocks = ak_mask.kv_num_blocks.sum().item() + ak_mask.full_kv_num_blocks.sum().item()
+    size = ak_mask.BLOCK_SIZE
+    q_block, kv_block = (size, size) if isinstance(size, int) else size
+    return blocks * q_block * kv_block
+
+
+def child(args):
+    import torch
+    torch.set_num_threads(args.child_threads)
+    calls, ak_mask, _ = sides(args.child_case, args.child_n, args.child_dtype)
+    times = {name: [] for name in calls}
+    for round_index in range(args.repeats + 1):  # round 0 warms up (and compiles)
+        for name, (kind, call) in calls.items():
+            start = time.perf_counter()
+            run(kind, call)
+            if round_index > 0:
+                times[name].append(time.perf_counter() - start)
+    result = {"median_ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
+              "executed_scores": executed_scores(ak_mask) * HEADS,
+              "gemm_gflops": gemm_rate(torch) if args.child_threads == 1 else {}}
+    print(json.dumps(result))
+
+
+def memory_child(args):
+    import torch
+    torch.set_num_threads(args.child_threads)
+    calls, _, _ = sides(args.child_case, args.child_n, args.child_dtype, backward_only=True)
+    kind, call = calls[args.memory_side]
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run(kind, call)
+    print(json.dumps({"peak_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+                      / 1024}))
+
+
+def spawn(extra, args, env):
+    command = [sys.executable, os.path.abspath(__file__), "--repeats", str(args.repeats), *extra]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        return {"error": lines[-1] if lines else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[4096])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--dtypes", nargs="+", default=["float32"],
+                        choices=["float32", "bfloat16"])
+    parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-side", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.child_case, n, args.child_dtype, threads = args.child
+        args.child_n, args.child_threads = int(n), int(threads)
+        (memory_child if args.memory_side else child)(args)
+        return
+    cache = tempfile.mkdtemp(prefix="bench_fused_tiles_inductor_")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TORCHINDUCTOR_CACHE_DIR=cache)
+    try:
+        for n in args.n:
+            for dtype in args.dtypes:
+                for threads in args.threads:
+                    for case in args.cases:
+                        report(case, n, dtype, threads, args, env)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def report(case, n, dtype, threads, args, env):
+    result = spawn(["--child", case, str(n), dtype, str(threads)], args, env)
+    head = f"{case:20s} n {n:5d} {dtype:8s} threads {threads}:"
+    if "error" in result:
+        print(f"{head} failed: {result['error']}", flush=True)
+        return
+    ms = result["median_ms"]
+    fwd, both = ms["attnkit fwd"], ms["attnkit fwd+bwd"]
+    line = f"{head} attnkit fwd {fwd:8.1f} ms"
+    if "flex fwd" in ms:
+        line += f" | flex fwd {ms['flex fwd']:8.1f} ms: {ms['flex fwd'] / fwd:5.2f}x"
+    line += f" || attnkit fwd+bwd {both:8.1f} ms"
+    for other in ("sdpa fwd+bwd", "dense fwd+bwd"):
+        if other in ms:
+            line += f" | {other} {ms[other]:8.1f} ms: {ms[other] / both:5.2f}x"
+    if n > DENSE_LIMIT:
+        line += " | dense sides not run (an (h, n, n) float32 matrix is " \
+                f"{HEADS * n * n * 4 / 2 ** 30:.0f} GiB)"
+    scores = result["executed_scores"]
+    line += f" || executed GFLOP/s fwd {4 * HEAD_DIM * scores / fwd / 1e6:5.1f}, " \
+            f"fwd+bwd {14 * HEAD_DIM * scores / both / 1e6:5.1f}"
+    if result["gemm_gflops"]:
+        line += " (GEMM " + ", ".join(f"{name} {rate:.1f}"
+                                      for name, rate in result["gemm_gflops"].items()) + ")"
+    if args.memory:
+        peaks = []
+        for side in ("attnkit fwd+bwd", "sdpa fwd+bwd", "dense fwd+bwd"):
+            if side not in ms:
+                continue
+            peak = spawn(["--child", case, str(n), dtype, str(threads), "--memory-side", side],
+                         args, env)
+            peaks.append(f"{side} {peak.get('peak_mib', float('nan')):.0f} MiB")
+        line += " || peak RSS growth: " + ", ".join(peaks)
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
