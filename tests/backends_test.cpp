@@ -806,8 +806,8 @@ TEST(FusedTiles, EveryScoreVariantAndMaskMatchesTheFloat64MathCore) {
       {"documents", attnkit::Mask::documents(document_ids, /*causal=*/true)},
       {"prefix-LM documents",
        attnkit::Mask::documents(document_ids) &
-           (attnkit::Mask::causal() | attnkit::Mask::from_function([](auto, auto, auto, auto kv) {
-              return kv.remainder(23) < 5;
+           (attnkit::Mask::causal() | attnkit::Mask::from_function([](auto, auto, auto, auto key) {
+              return key.remainder(23) < 5;
             }))},
       {"tensor with an empty row", attnkit::Mask::from_tensor(no_key_row)}};
   const auto slopes = attnkit::score_mods::alibi_slopes(h).requires_grad_(true);
@@ -847,17 +847,66 @@ TEST(FusedTiles, EveryScoreVariantAndMaskMatchesTheFloat64MathCore) {
         return grads;
       };
       const auto expected = run(torch::kFloat64, "math");
-      const auto actual = run(torch::kFloat, "fused_tiles");
+      const auto in_float64 = run(torch::kFloat64, "fused_tiles");
+      const auto in_float32 = run(torch::kFloat, "fused_tiles");
       const std::vector<std::string> names{"output", "grad q", "grad k", "grad v", "grad table"};
       for (size_t i = 0; i < expected.size(); ++i) {
-        EXPECT_TRUE(tensors_close(names[i], actual[i], expected[i], i == 0 ? 2e-5 : 2e-4, 1e-4));
+        // float64: only the sums' order differs; float32: its rounding of the same sums. The
+        // tables are float32, and the math core's autograd sums their gradient in float32.
+        const bool float32_table = i == 4;
+        EXPECT_TRUE(tensors_close(names[i] + " (float64)", in_float64[i], expected[i],
+                                  float32_table ? 1e-5 : 1e-10, float32_table ? 1e-5 : 0.0));
+        EXPECT_TRUE(tensors_close(names[i] + " (float32)", in_float32[i], expected[i],
+                                  i == 0 ? 2e-5 : 2e-4, 1e-4));
       }
     }
   }
 }
 
-// The planner takes the fused tile kernel for CPU float32 (and 16-bit) calls with a mask or
-// a named score function, and says why it leaves the others to the chunked kernel.
+// Central differences of the fused tile kernel's loss against its gradients, in float64, for
+// each score variant under a mask with partial tiles: the queries', keys', values' and the
+// table's (gradcheck's test, which has no C++ form).
+TEST(FusedTiles, EachScoreVariantsGradientsAreTheFiniteDifferences) {
+  torch::manual_seed(8);
+  const int64_t h = 2, n = 11, hd = 3;
+  const auto options = F::AttentionOptions()
+                           .mask(attnkit::Mask::causal().sliding_window(6))
+                           .query_block_size(4)
+                           .key_block_size(8)
+                           .kernel("fused_tiles");
+  const std::vector<std::pair<std::string, std::function<attnkit::ScoreMod(torch::nn::Module&)>>>
+      variants{
+          {"none", [](torch::nn::Module&) { return attnkit::ScoreMod(); }},
+          {"softcap", [](torch::nn::Module&) { return attnkit::score_mods::softcap(0.7); }},
+          {"alibi",
+           [&](torch::nn::Module& m) {
+             return attnkit::score_mods::alibi(
+                 m.register_parameter("slopes", torch::rand({h}, torch::kFloat64)));
+           }},
+          {"relative table", [&](torch::nn::Module& m) {
+             return attnkit::score_mods::relative_position_bias(
+                 m.register_parameter("table", torch::randn({h, 2 * 3 + 1}, torch::kFloat64)));
+           }}};
+  for (const auto& [name, make] : variants) {
+    SCOPED_TRACE(name);
+    torch::nn::Module holder;
+    const auto score_mod = make(holder);
+    auto key = holder.register_parameter("key", torch::randn({1, h, n, hd}, torch::kFloat64));
+    auto value = holder.register_parameter("value", torch::randn({1, h, n, hd}, torch::kFloat64));
+    expect_gradients_match_finite_differences(
+        holder,
+        [&](const torch::Tensor& query) {
+          F::KernelRecord record;
+          auto out = F::attention(query, key, value, F::AttentionOptions(options).score_mod(score_mod));
+          EXPECT_EQ(record.runs().at(0).kernel, "fused_tiles");
+          return out;
+        },
+        torch::randn({1, h, n, hd}, torch::kFloat64));
+  }
+}
+
+// The planner takes the fused tile kernel for CPU float32, float64 (and 16-bit) calls with a
+// mask or a named score function, and says why it leaves the others to the chunked kernel.
 TEST(FusedTiles, ThePlannerTakesItWhereItCanAndSaysWhyNot) {
   // Past the loop nest's tile (kLoopNestMaxTile), and a mask no fused route takes.
   const auto q = torch::randn({1, 2, 100, 8}), k = torch::randn({1, 2, 100, 8});
@@ -873,18 +922,17 @@ TEST(FusedTiles, ThePlannerTakesItWhereItCanAndSaysWhyNot) {
   EXPECT_EQ(ran(q.to(torch::kBFloat16), options), "fused_tiles");  // computed in float32
   EXPECT_EQ(ran(q, F::AttentionOptions(options).score_mod(attnkit::score_mods::softcap(5))),
             "fused_tiles");
-  // Another score function, float64 and dropout stay on the chunked kernel, with a reason.
+  EXPECT_EQ(ran(q.to(torch::kFloat64), options), "fused_tiles");
+  // Another score function and dropout stay on the chunked kernel, with a reason.
   const attnkit::ScoreMod general = [](auto s, auto, auto, auto, auto) { return s * 0.5; };
   EXPECT_EQ(ran(q, F::AttentionOptions(options).score_mod(general)), "chunked");
-  EXPECT_EQ(ran(q.to(torch::kFloat64), options), "chunked");
   EXPECT_EQ(ran(q, F::AttentionOptions(options).dropout_p(0.1).training(true)), "chunked");
   expect_error_containing(
       [&] { F::attention(q, k, k, F::AttentionOptions(options).score_mod(general).kernel("fused_tiles")); },
       "the fused tile kernel evaluates softcap, ALiBi and relative-position score functions only");
   expect_error_containing(
-      [&] { F::attention(q.to(torch::kFloat64), k.to(torch::kFloat64), k.to(torch::kFloat64),
-                         F::AttentionOptions(options).kernel("fused_tiles")); },
-      "the fused tile kernel computes in float32");
+      [&] { F::attention(q, k, k, F::AttentionOptions(options).dropout_p(0.1).training(true).kernel("fused_tiles")); },
+      "the fused tile kernel has no dropout (the chunked kernel draws its masks)");
   expect_error_containing(
       [&] { F::attention(q, k, k, F::AttentionOptions(options).score_mod(
                                       attnkit::score_mods::alibi(torch::ones({3}))).kernel("fused_tiles")); },

@@ -1045,7 +1045,7 @@ TEST(ScoreGraph, EvaluatesAsTheFunctionItStandsForAndRefusesBadText) {
                          .mask(Mask::causal())
                          .score_mod(alibi.bind({slopes}))
                          .backend(sdpa ? AttentionBackend::kFused : AttentionBackend::kChunked));
-    EXPECT_EQ(record.runs().back().kernel, sdpa ? "sdpa_masked" : "chunked");
+    EXPECT_EQ(record.runs().back().kernel, sdpa ? "sdpa_masked" : "fused_tiles");
     const attnkit::ScoreMod alibi_by_hand = [&](const torch::Tensor& s, const torch::Tensor&,
                                                 const torch::Tensor& h, const torch::Tensor& q_idx,
                                                 const torch::Tensor& kv_idx) {
@@ -1254,9 +1254,14 @@ TEST_P(MaskReferenceDevices, EveryBackendMatchesThePythonReferenceInFloat64AndFl
     for (const auto dtype : {torch::kFloat64, torch::kFloat32}) {
       const double tolerance =
           dtype == torch::kFloat64 ? 1e-10 : (device().is_cuda() ? 1e-4 : 1e-5);
-      for (const auto backend : {AttentionBackend::kMath, AttentionBackend::kChunked,
-                                 AttentionBackend::kFused, AttentionBackend::kAuto}) {
-        SCOPED_TRACE(c10::str(prefix, " ", dtype, " ", attnkit::backend_name(backend)));
+      // kChunked runs the fused tile kernel where it can: the chunked kernel is named too.
+      for (const auto& [backend, kernel] : std::vector<std::pair<AttentionBackend, std::string>>{
+               {AttentionBackend::kMath, ""},
+               {AttentionBackend::kChunked, ""},
+               {AttentionBackend::kChunked, "chunked"},
+               {AttentionBackend::kFused, ""},
+               {AttentionBackend::kAuto, ""}}) {
+        SCOPED_TRACE(c10::str(prefix, " ", dtype, " ", attnkit::backend_name(backend), " ", kernel));
         auto q = input("q").to(dtype).clone().requires_grad_();
         auto k = input("k").to(dtype).clone().requires_grad_();
         auto v = input("v").to(dtype).clone().requires_grad_();
@@ -1265,6 +1270,7 @@ TEST_P(MaskReferenceDevices, EveryBackendMatchesThePythonReferenceInFloat64AndFl
                                  .mask(reference_mask(mask_name, golden, shape, n, m, device()))
                                  .score_mod(reference_score(score_name, bias))
                                  .backend(backend)
+                                 .kernel(kernel)
                                  .query_block_size(4)
                                  .key_block_size(3);
         if (!F::unsupported_reason(backend, q, k, v, options).empty()) {
@@ -1285,7 +1291,7 @@ TEST_P(MaskReferenceDevices, EveryBackendMatchesThePythonReferenceInFloat64AndFl
     }
   }
   EXPECT_EQ(cases, 80) << "the reference file's cases";
-  EXPECT_GT(runs, cases * 6);  // math, chunked and auto on both dtypes, fused where it can
+  EXPECT_GT(runs, cases * 8);  // math, kChunked twice and auto on both dtypes, fused where it can
   std::set<std::string> kernels;
   for (const auto& run : record.runs())
     kernels.insert(run.kernel);
@@ -1296,6 +1302,7 @@ TEST_P(MaskReferenceDevices, EveryBackendMatchesThePythonReferenceInFloat64AndFl
     EXPECT_EQ(kernels.count("sdpa_masked"), 1u);
   }
   EXPECT_EQ(kernels.count("chunked"), 1u);
+  EXPECT_EQ(kernels.count("fused_tiles"), 1u);
 }
 
 ATTNKIT_INSTANTIATE_DEVICE_TESTS(MaskReferenceDevices);

@@ -12,7 +12,8 @@
 // (at::mm_out / addmm_ on the inputs in place, which reach the BLAS) and, for a partial tile
 // of a mask, its entries (Mask::tile_allowed).
 //
-// Layout: float32 (a 16-bit call arrives as float32: the planner computes it so), inputs as
+// Layout: float32 or float64 (a 16-bit call arrives as float32: the planner computes it so;
+// AVX2 row loops for float32 where the CPU has them, portable loops otherwise), inputs as
 // (outer, heads, n, f) slices with unit-stride rows, read in place. Grouped-query attention
 // reads each key/value head for its query heads without copies. Forward's tasks are (outer,
 // head, query block), the last blocks first; backward's are (outer, key/value head), each
@@ -42,7 +43,11 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+T minus_infinity() {
+  return -std::numeric_limits<T>::infinity();
+}
 
 // ---- row operations: AVX2 where the CPU has it (core/avx2.h), a portable loop otherwise ----
 
@@ -54,11 +59,11 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 exp_or_zero_avx
 }
 
 __attribute__((target("avx2,fma"))) float row_max_avx2(const float* s, int64_t count) {
-  __m256 max8 = _mm256_set1_ps(kMinusInfinity);
+  __m256 max8 = _mm256_set1_ps(minus_infinity<float>());
   int64_t j = 0;
   for (; j + kLanes <= count; j += kLanes)
     max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + j));
-  float result = kMinusInfinity;
+  float result = minus_infinity<float>();
   alignas(32) float lanes[kLanes];
   _mm256_store_ps(lanes, max8);
   for (const float lane : lanes)
@@ -104,24 +109,30 @@ __attribute__((target("avx2,fma"))) void softcap_avx2(float* s, int64_t count, f
 }
 #endif
 
-float row_max(const float* s, int64_t count) {
+template <typename T>
+T row_max(const T* s, int64_t count) {
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL
-  if (has_avx2_fma())
-    return row_max_avx2(s, count);
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2_fma())
+      return row_max_avx2(s, count);
+  }
 #endif
-  float result = kMinusInfinity;
+  T result = minus_infinity<T>();
   for (int64_t j = 0; j < count; ++j)
     result = std::max(result, s[j]);
   return result;
 }
 
 // s = e^(s - shift) (0 where s is -inf); returns the row's sum.
-float exp_shifted(float* s, int64_t count, float shift) {
+template <typename T>
+T exp_shifted(T* s, int64_t count, T shift) {
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL
-  if (has_avx2_fma())
-    return exp_shifted_avx2(s, count, shift);
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2_fma())
+      return exp_shifted_avx2(s, count, shift);
+  }
 #endif
-  float sum = 0.0f;
+  T sum = 0;
   for (int64_t j = 0; j < count; ++j) {
     s[j] = std::exp(s[j] - shift);
     sum += s[j];
@@ -129,11 +140,14 @@ float exp_shifted(float* s, int64_t count, float shift) {
   return sum;
 }
 
-void softcap_row(float* s, int64_t count, float cap) {
+template <typename T>
+void softcap_row(T* s, int64_t count, T cap) {
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL
-  if (has_avx2_fma()) {
-    softcap_avx2(s, count, cap);
-    return;
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2_fma()) {
+      softcap_avx2(s, count, cap);
+      return;
+    }
   }
 #endif
   for (int64_t j = 0; j < count; ++j)
@@ -152,36 +166,41 @@ struct TileProblem : torch::CustomClassHolder {
   int64_t key_block = 1024;
 };
 
-// (outer, heads, rows, cols) float32 slices with unit-stride rows.
+// (outer, heads, rows, cols) slices with unit-stride rows.
+template <typename T>
 struct Slices {
-  float* data;
+  T* data;
   int64_t outer_stride, head_stride, row_stride;
   explicit Slices(const torch::Tensor& t4)
-      : data(t4.data_ptr<float>()),
+      : data(t4.data_ptr<T>()),
         outer_stride(t4.stride(0)),
         head_stride(t4.stride(1)),
         row_stride(t4.stride(2)) {}
-  float* row(int64_t o, int64_t h, int64_t r) const {
+  T* row(int64_t o, int64_t h, int64_t r) const {
     return data + o * outer_stride + h * head_stride + r * row_stride;
   }
 };
 
 // rows x cols of a matrix with unit-stride rows, as a tensor for the BLAS calls.
-torch::Tensor matrix(float* data, int64_t rows, int64_t cols, int64_t row_stride) {
-  return torch::from_blob(data, {rows, cols}, {row_stride, 1}, torch::kFloat);
+template <typename T>
+torch::Tensor matrix(T* data, int64_t rows, int64_t cols, int64_t row_stride) {
+  return torch::from_blob(data, {rows, cols}, {row_stride, 1},
+                          torch::dtype(c10::CppTypeToScalarType<T>::value));
 }
 
-// The score function as the row loops read it: its table in float32 on the CPU.
+// The score function as the row loops read it: its table in T on the CPU.
+template <typename T>
 struct RowScore {
   ScoreVariant::Kind kind;
-  float cap;
+  T cap;
   torch::Tensor table;  // kAlibi: (heads); kRelativeBias: (heads or 1, 2 D + 1)
   int64_t max_distance;
 
   explicit RowScore(const ScoreVariant& v)
-      : kind(v.kind), cap(static_cast<float>(v.cap)), max_distance(v.max_distance) {
+      : kind(v.kind), cap(static_cast<T>(v.cap)), max_distance(v.max_distance) {
     if (v.table.defined())
-      table = v.table.detach().to(torch::kCPU, torch::kFloat).contiguous();
+      table =
+          v.table.detach().to(torch::kCPU, c10::CppTypeToScalarType<T>::value).contiguous();
   }
   int64_t table_row(int64_t head) const {
     return kind == ScoreVariant::Kind::kRelativeBias && table.size(0) == 1 ? 0 : head;
@@ -189,7 +208,7 @@ struct RowScore {
 
   // Scores s[0, count) of query position q against keys k0, k0 + 1, ... of head `head`,
   // modified in place.
-  void apply(float* s, int64_t count, int64_t head, int64_t q, int64_t k0) const {
+  void apply(T* s, int64_t count, int64_t head, int64_t q, int64_t k0) const {
     switch (kind) {
       case ScoreVariant::Kind::kNone:
         return;
@@ -197,14 +216,14 @@ struct RowScore {
         softcap_row(s, count, cap);
         return;
       case ScoreVariant::Kind::kAlibi: {
-        const float slope = table.data_ptr<float>()[head];
-        const float first = static_cast<float>(k0 - q);
+        const T slope = table.data_ptr<T>()[head];
+        const T first = static_cast<T>(k0 - q);
         for (int64_t j = 0; j < count; ++j)
-          s[j] += slope * (first + static_cast<float>(j));
+          s[j] += slope * (first + static_cast<T>(j));
         return;
       }
       case ScoreVariant::Kind::kRelativeBias: {
-        const float* bias = table.data_ptr<float>() + table_row(head) * table.size(1);
+        const T* bias = table.data_ptr<T>() + table_row(head) * table.size(1);
         const int64_t d = max_distance;
         for (int64_t j = 0; j < count; ++j)
           s[j] += bias[std::clamp(k0 + j - q, -d, d) + d];
@@ -216,7 +235,7 @@ struct RowScore {
   // Backward through apply: ds[0, count), the gradient with respect to the modified scores
   // `modified`, becomes the one with respect to the scores; the table's gradient (in
   // `table_grad`, float64, the table's shape) gains this row's share.
-  void backward(float* ds, const float* modified, int64_t count, int64_t head, int64_t q,
+  void backward(T* ds, const T* modified, int64_t count, int64_t head, int64_t q,
                 int64_t k0, double* table_grad) const {
     switch (kind) {
       case ScoreVariant::Kind::kNone:
@@ -224,10 +243,10 @@ struct RowScore {
       case ScoreVariant::Kind::kSoftcap: {
         // d/ds cap tanh(s / cap) = 1 - tanh^2 = 1 - (modified / cap)^2; a masked entry
         // (modified -inf, ds 0) clamps to tanh -1, so its factor is 0, not -inf.
-        const float inverse = 1.0f / cap;
+        const T inverse = 1 / cap;
         for (int64_t j = 0; j < count; ++j) {
-          const float t = std::clamp(modified[j] * inverse, -1.0f, 1.0f);
-          ds[j] *= 1.0f - t * t;
+          const T t = std::clamp<T>(modified[j] * inverse, -1, 1);
+          ds[j] *= 1 - t * t;
         }
         return;
       }
@@ -295,11 +314,12 @@ struct TilePlan {
   }
 
   // (bq, head_dim) queries of a block, times the scale, into `scaled`.
-  void scaled_queries(const Slices& q, int64_t o, int64_t h, int64_t q0, int64_t bq,
-                      float* scaled) const {
-    const auto scale = static_cast<float>(problem.scale);
+  template <typename T>
+  void scaled_queries(const Slices<T>& q, int64_t o, int64_t h, int64_t q0, int64_t bq,
+                      T* scaled) const {
+    const auto scale = static_cast<T>(problem.scale);
     for (int64_t i = 0; i < bq; ++i) {
-      const float* row = q.row(o, h, q0 + i);
+      const T* row = q.row(o, h, q0 + i);
       for (int64_t d = 0; d < head_dim; ++d)
         scaled[i * head_dim + d] = row[d] * scale;
     }
@@ -307,41 +327,42 @@ struct TilePlan {
 
   // Scores of a tile: S = Qs K^T with the score function and the mask applied, in `scores`
   // (bq rows of visit.keys); each row's modified scores are handed to `row_done(i, row)`.
-  template <typename RowDone>
-  void tile_scores(const torch::Tensor& scaled_q, const Slices& k, int64_t o, int64_t h,
-                   int64_t q0, int64_t bq, const TileVisit& visit, float* scores,
-                   const RowScore& score, RowDone&& row_done) const {
+  template <typename T, typename RowDone>
+  void tile_scores(const torch::Tensor& scaled_q, const Slices<T>& k, int64_t o, int64_t h,
+                   int64_t q0, int64_t bq, const TileVisit& visit, T* scores,
+                   const RowScore<T>& score, RowDone&& row_done) const {
     const int64_t k0 = visit.key_begin, bk = visit.keys;
     auto s = matrix(scores, bq, bk, bk);
     at::mm_out(s, scaled_q, matrix(k.row(o, h / group_size, k0), bk, head_dim, k.row_stride).t());
     const auto allowed = this->allowed(visit, o, h, q0, bq);
     const bool* bits = allowed.defined() ? allowed.data_ptr<bool>() : nullptr;
     for (int64_t i = 0; i < bq; ++i) {
-      float* row = scores + i * bk;
+      T* row = scores + i * bk;
       score.apply(row, bk, h, q0 + i, k0);
       if (bits != nullptr) {
         const bool* row_bits = bits + i * bk;
         for (int64_t j = 0; j < bk; ++j)
-          row[j] = row_bits[j] ? row[j] : kMinusInfinity;
+          row[j] = row_bits[j] ? row[j] : minus_infinity<T>();
       }
       row_done(i, row);
     }
   }
 };
 
-// Forward on (outer, heads, n, f) float32 slices: the output (outer, heads, n, dv) and the
+// Forward on (outer, heads, n, f) slices of T: the output (outer, heads, n, dv) and the
 // rows' log-sum-exp (outer, heads, n), +inf for a row that sees no key.
+template <typename T>
 std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem,
                                                       const torch::Tensor& q4,
                                                       const torch::Tensor& k4,
                                                       const torch::Tensor& v4) {
   const TilePlan plan(problem, q4, k4, v4);
-  const RowScore score(problem.variant);
+  const RowScore<T> score(problem.variant);
   auto out4 = torch::empty({plan.outer, plan.heads, plan.num_queries, plan.value_dim},
                            q4.options());
   auto lse = torch::empty({plan.outer, plan.heads, plan.num_queries}, q4.options());
-  const Slices q(q4), k(k4), v(v4), out(out4);
-  float* lse_data = lse.data_ptr<float>();
+  const Slices<T> q(q4), k(k4), v(v4), out(out4);
+  T* lse_data = lse.data_ptr<T>();
   const int64_t blocks = plan.num_query_blocks(), pairs = plan.outer * plan.heads;
   const int64_t dv = plan.value_dim;
   run_tasks(pairs * blocks, q4.device(), [&](int64_t task) {
@@ -349,80 +370,80 @@ std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem
     const int64_t o = pair / plan.heads, h = pair % plan.heads;
     const int64_t q0 = qi * plan.query_block;
     const int64_t bq = std::min(plan.query_block, plan.num_queries - q0);
-    const auto options = torch::dtype(torch::kFloat);
+    const auto options = q4.options();
     auto scaled_q = torch::empty({bq, plan.head_dim}, options);
-    plan.scaled_queries(q, o, h, q0, bq, scaled_q.data_ptr<float>());
+    plan.scaled_queries(q, o, h, q0, bq, scaled_q.data_ptr<T>());
     auto scores = torch::empty({bq * plan.widest_tile}, options);
     auto acc = torch::zeros({bq, dv}, options);
-    float* acc_data = acc.data_ptr<float>();
-    std::vector<float> running_max(bq, kMinusInfinity), running_sum(bq, 0.0f);
+    T* acc_data = acc.data_ptr<T>();
+    std::vector<T> running_max(bq, minus_infinity<T>()), running_sum(bq, 0);
     for (const auto& visit : plan.tiles(o, h, qi)) {
-      plan.tile_scores(scaled_q, k, o, h, q0, bq, visit, scores.data_ptr<float>(), score,
-                       [&](int64_t i, float* row) {
-                         const float new_max =
-                             std::max(running_max[i], row_max(row, visit.keys));
-                         if (new_max == kMinusInfinity) {  // no key seen yet: weights 0
-                           std::fill(row, row + visit.keys, 0.0f);
+      plan.tile_scores(scaled_q, k, o, h, q0, bq, visit, scores.data_ptr<T>(), score,
+                       [&](int64_t i, T* row) {
+                         const T new_max = std::max(running_max[i], row_max(row, visit.keys));
+                         if (new_max == minus_infinity<T>()) {  // no key seen yet: weights 0
+                           std::fill(row, row + visit.keys, T(0));
                            return;
                          }
-                         const float correction = std::exp(running_max[i] - new_max);
+                         const T correction = std::exp(running_max[i] - new_max);
                          running_sum[i] = running_sum[i] * correction +
                                           exp_shifted(row, visit.keys, new_max);
                          running_max[i] = new_max;
-                         if (correction != 1.0f) {
-                           float* acc_row = acc_data + i * dv;
+                         if (correction != 1) {
+                           T* acc_row = acc_data + i * dv;
                            for (int64_t d = 0; d < dv; ++d)
                              acc_row[d] *= correction;
                          }
                        });
-      acc.addmm_(matrix(scores.data_ptr<float>(), bq, visit.keys, visit.keys),
+      acc.addmm_(matrix(scores.data_ptr<T>(), bq, visit.keys, visit.keys),
                  matrix(v.row(o, h / plan.group_size, visit.key_begin), visit.keys, dv,
                         v.row_stride));
     }
     for (int64_t i = 0; i < bq; ++i) {
-      float* out_row = out.row(o, h, q0 + i);
-      const float* acc_row = acc_data + i * dv;
-      const bool seen = running_sum[i] > 0.0f;
-      const float inverse = seen ? 1.0f / running_sum[i] : 0.0f;
+      T* out_row = out.row(o, h, q0 + i);
+      const T* acc_row = acc_data + i * dv;
+      const bool seen = running_sum[i] > 0;
+      const T inverse = seen ? 1 / running_sum[i] : 0;
       for (int64_t d = 0; d < dv; ++d)
         out_row[d] = acc_row[d] * inverse;
       lse_data[(o * plan.heads + h) * plan.num_queries + q0 + i] =
-          seen ? running_max[i] + std::log(running_sum[i]) : std::numeric_limits<float>::infinity();
+          seen ? running_max[i] + std::log(running_sum[i]) : std::numeric_limits<T>::infinity();
     }
   });
   return {out4, lse};
 }
 
-// Backward: the gradients of q4, k4, v4 ((outer, heads or key/value heads, n, f), float32)
+// Backward: the gradients of q4, k4, v4 ((outer, heads or key/value heads, n, f), in T)
 // and of the score function's table (float64, its shape; undefined without one that wants
 // it) from forward's output and log-sum-exp.
 struct TileGrads {
   torch::Tensor query, key, value, table;
 };
 
+template <typename T>
 TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
                          const torch::Tensor& k4, const torch::Tensor& v4,
                          const torch::Tensor& out4, const torch::Tensor& lse,
                          const torch::Tensor& grad_out4, bool table_wants_grad) {
   const TilePlan plan(problem, q4, k4, v4);
-  const RowScore score(problem.variant);
+  const RowScore<T> score(problem.variant);
   const int64_t kv_heads = k4.size(1), dv = plan.value_dim, hd = plan.head_dim;
   // D_i = dO_i . O_i, the softmax's backward term, (outer, heads, n).
   const auto delta = (grad_out4 * out4).sum(-1).contiguous();
   auto grad_q4 = torch::zeros(q4.sizes(), q4.options());
   auto grad_k4 = torch::zeros(k4.sizes(), k4.options());
   auto grad_v4 = torch::zeros(v4.sizes(), v4.options());
-  const Slices q(q4), k(k4), v(v4), grad_out(grad_out4), grad_q(grad_q4), grad_k(grad_k4),
+  const Slices<T> q(q4), k(k4), v(v4), grad_out(grad_out4), grad_q(grad_q4), grad_k(grad_k4),
       grad_v(grad_v4);
-  const float* lse_data = lse.data_ptr<float>();
-  const float* delta_data = delta.data_ptr<float>();
+  const T* lse_data = lse.data_ptr<T>();
+  const T* delta_data = delta.data_ptr<T>();
   const bool keeps_table_grad = table_wants_grad && score.table.defined();
   const int64_t tasks = plan.outer * kv_heads;
   // Each task's share of the table's gradient, summed in task order afterwards.
   std::vector<torch::Tensor> table_grads(tasks);
   run_tasks(tasks, q4.device(), [&](int64_t task) {
     const int64_t o = task / kv_heads, kh = task % kv_heads;
-    const auto options = torch::dtype(torch::kFloat);
+    const auto options = q4.options();
     auto scaled_q = torch::empty({plan.query_block, hd}, options);
     auto scores = torch::empty({plan.query_block * plan.widest_tile}, options);
     auto grad_scores = torch::empty({plan.query_block * plan.widest_tile}, options);
@@ -440,35 +461,35 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
         const int64_t q0 = qi * plan.query_block;
         const int64_t bq = std::min(plan.query_block, plan.num_queries - q0);
         auto q_block = scaled_q.narrow(0, 0, bq);
-        plan.scaled_queries(q, o, h, q0, bq, q_block.data_ptr<float>());
+        plan.scaled_queries(q, o, h, q0, bq, q_block.data_ptr<T>());
         const auto grad_out_block = matrix(grad_out.row(o, h, q0), bq, dv, grad_out.row_stride);
         auto grad_q_block = matrix(grad_q.row(o, h, q0), bq, hd, grad_q.row_stride);
-        const float* row_lse = lse_data + (o * plan.heads + h) * plan.num_queries + q0;
-        const float* row_delta = delta_data + (o * plan.heads + h) * plan.num_queries + q0;
+        const T* row_lse = lse_data + (o * plan.heads + h) * plan.num_queries + q0;
+        const T* row_delta = delta_data + (o * plan.heads + h) * plan.num_queries + q0;
         for (const auto& visit : plan.tiles(o, h, qi)) {
           const int64_t k0 = visit.key_begin, bk = visit.keys;
-          float* p_data = scores.data_ptr<float>();
-          float* modified_data = modified.defined() ? modified.data_ptr<float>() : nullptr;
+          T* p_data = scores.data_ptr<T>();
+          T* modified_data = modified.defined() ? modified.data_ptr<T>() : nullptr;
           // P = e^(modified scores - lse): 0 where masked, and for a row that sees no key.
           plan.tile_scores(q_block, k, o, h, q0, bq, visit, p_data, score,
-                           [&](int64_t i, float* row) {
+                           [&](int64_t i, T* row) {
                              if (modified_data != nullptr)
-                               std::memcpy(modified_data + i * bk, row, bk * sizeof(float));
+                               std::memcpy(modified_data + i * bk, row, bk * sizeof(T));
                              exp_shifted(row, bk, row_lse[i]);
                            });
           const auto p = matrix(p_data, bq, bk, bk);
           const auto k_tile = matrix(k.row(o, kh, k0), bk, hd, k.row_stride);
           const auto v_tile = matrix(v.row(o, kh, k0), bk, dv, v.row_stride);
           // dP = dO V^T, (bq, bk)
-          float* ds_data = grad_scores.data_ptr<float>();
+          T* ds_data = grad_scores.data_ptr<T>();
           auto ds = matrix(ds_data, bq, bk, bk);
           at::mm_out(ds, grad_out_block, v_tile.t());
           matrix(grad_v.row(o, kh, k0), bk, dv, grad_v.row_stride).addmm_(p.t(), grad_out_block);
           // dS = P (dP - D), then back through the score function.
           for (int64_t i = 0; i < bq; ++i) {
-            float* ds_row = ds_data + i * bk;
-            const float* p_row = p_data + i * bk;
-            const float d = row_delta[i];
+            T* ds_row = ds_data + i * bk;
+            const T* p_row = p_data + i * bk;
+            const T d = row_delta[i];
             for (int64_t j = 0; j < bk; ++j)
               ds_row[j] = p_row[j] * (ds_row[j] - d);
             score.backward(ds_row, modified_data != nullptr ? modified_data + i * bk : nullptr,
@@ -490,8 +511,26 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
   return {grad_q4, grad_k4, grad_v4, table_grad};
 }
 
-// (..., n, f) float32 -> (outer, heads, n, f) with unit-stride rows (a view when it can be).
+// (..., n, f) -> (outer, heads, n, f) with unit-stride rows (a view when it can be).
 torch::Tensor slices_of(const torch::Tensor& t) { return loop_nest::unit_stride_slices(t); }
+
+// The passes in the inputs' dtype (float32 or float64, as tiles_decline admits).
+std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem,
+                                                      const torch::Tensor& q4,
+                                                      const torch::Tensor& k4,
+                                                      const torch::Tensor& v4) {
+  return q4.scalar_type() == torch::kDouble ? tiles_forward<double>(problem, q4, k4, v4)
+                                            : tiles_forward<float>(problem, q4, k4, v4);
+}
+
+TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
+                         const torch::Tensor& k4, const torch::Tensor& v4,
+                         const torch::Tensor& out4, const torch::Tensor& lse,
+                         const torch::Tensor& grad_out4, bool table_wants_grad) {
+  const auto run = q4.scalar_type() == torch::kDouble ? tiles_backward<double>
+                                                      : tiles_backward<float>;
+  return run(problem, q4, k4, v4, out4, lse, grad_out4, table_wants_grad);
+}
 
 // The gradients of `parameters` (the tensors the score function reads that want gradients):
 // the table's for the table, zeros for any other.
@@ -543,9 +582,9 @@ std::string tiles_decline(const KernelInput& input, const std::optional<ScoreVar
   const auto& call = input.call;
   if (!call.query.device().is_cpu())
     return "the fused tile kernel runs on the CPU";
-  if (call.query.scalar_type() != torch::kFloat)
-    return c10::str("the fused tile kernel computes in float32 (16-bit calls arrive as float32),"
-                    " not ", call.query.scalar_type());
+  if (call.query.scalar_type() != torch::kFloat && call.query.scalar_type() != torch::kDouble)
+    return c10::str("the fused tile kernel computes in float32 or float64 (16-bit calls arrive as"
+                    " float32), not ", call.query.scalar_type());
   if (call.with_weights)
     return "the fused tile kernel returns no weights (the math backend builds them)";
   if (input.dropout_p() > 0.0)
