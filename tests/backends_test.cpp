@@ -827,11 +827,9 @@ TEST(FusedTiles, EveryScoreVariantAndMaskMatchesTheFloat64MathCore) {
   for (const auto& [mask_name, mask] : masks) {
     for (const auto& [variant_name, score_mod, parameter] : variants) {
       SCOPED_TRACE(mask_name + ", " + variant_name);
-      const auto options = F::AttentionOptions()
-                               .mask(mask)
-                               .score_mod(score_mod)
-                               .query_block_size(16)
-                               .key_block_size(48);
+      const auto options =
+          F::AttentionOptions().mask(mask).score_mod(score_mod).query_block_size(16).key_block_size(
+              48);
       const auto run = [&](torch::ScalarType dtype, const std::string& kernel) {
         std::vector<torch::Tensor> inputs;
         for (const auto* t : {&q, &k, &v})
@@ -875,18 +873,17 @@ TEST(FusedTiles, EachScoreVariantsGradientsAreTheFiniteDifferences) {
                            .key_block_size(8)
                            .kernel("fused_tiles");
   const std::vector<std::pair<std::string, std::function<attnkit::ScoreMod(torch::nn::Module&)>>>
-      variants{
-          {"none", [](torch::nn::Module&) { return attnkit::ScoreMod(); }},
-          {"softcap", [](torch::nn::Module&) { return attnkit::score_mods::softcap(0.7); }},
-          {"alibi",
-           [&](torch::nn::Module& m) {
-             return attnkit::score_mods::alibi(
-                 m.register_parameter("slopes", torch::rand({h}, torch::kFloat64)));
-           }},
-          {"relative table", [&](torch::nn::Module& m) {
-             return attnkit::score_mods::relative_position_bias(
-                 m.register_parameter("table", torch::randn({h, 2 * 3 + 1}, torch::kFloat64)));
-           }}};
+      variants{{"none", [](torch::nn::Module&) { return attnkit::ScoreMod(); }},
+               {"softcap", [](torch::nn::Module&) { return attnkit::score_mods::softcap(0.7); }},
+               {"alibi",
+                [&](torch::nn::Module& m) {
+                  return attnkit::score_mods::alibi(
+                      m.register_parameter("slopes", torch::rand({h}, torch::kFloat64)));
+                }},
+               {"relative table", [&](torch::nn::Module& m) {
+                  return attnkit::score_mods::relative_position_bias(
+                      m.register_parameter("table", torch::randn({h, 2 * 3 + 1}, torch::kFloat64)));
+                }}};
   for (const auto& [name, make] : variants) {
     SCOPED_TRACE(name);
     torch::nn::Module holder;
@@ -897,7 +894,8 @@ TEST(FusedTiles, EachScoreVariantsGradientsAreTheFiniteDifferences) {
         holder,
         [&](const torch::Tensor& query) {
           F::KernelRecord record;
-          auto out = F::attention(query, key, value, F::AttentionOptions(options).score_mod(score_mod));
+          auto out =
+              F::attention(query, key, value, F::AttentionOptions(options).score_mod(score_mod));
           EXPECT_EQ(record.runs().at(0).kernel, "fused_tiles");
           return out;
         },
@@ -928,13 +926,24 @@ TEST(FusedTiles, ThePlannerTakesItWhereItCanAndSaysWhyNot) {
   EXPECT_EQ(ran(q, F::AttentionOptions(options).score_mod(general)), "chunked");
   EXPECT_EQ(ran(q, F::AttentionOptions(options).dropout_p(0.1).training(true)), "chunked");
   expect_error_containing(
-      [&] { F::attention(q, k, k, F::AttentionOptions(options).score_mod(general).kernel("fused_tiles")); },
+      [&] {
+        F::attention(q, k, k,
+                     F::AttentionOptions(options).score_mod(general).kernel("fused_tiles"));
+      },
       "the fused tile kernel evaluates softcap, ALiBi and relative-position score functions only");
   expect_error_containing(
-      [&] { F::attention(q, k, k, F::AttentionOptions(options).dropout_p(0.1).training(true).kernel("fused_tiles")); },
+      [&] {
+        F::attention(
+            q, k, k,
+            F::AttentionOptions(options).dropout_p(0.1).training(true).kernel("fused_tiles"));
+      },
       "the fused tile kernel has no dropout (the chunked kernel draws its masks)");
   expect_error_containing(
-      [&] { F::attention(q, k, k, F::AttentionOptions(options).score_mod(
-                                      attnkit::score_mods::alibi(torch::ones({3}))).kernel("fused_tiles")); },
+      [&] {
+        F::attention(q, k, k,
+                     F::AttentionOptions(options)
+                         .score_mod(attnkit::score_mods::alibi(torch::ones({3})))
+                         .kernel("fused_tiles"));
+      },
       "the fused tile kernel takes ALiBi slopes of one per head (2), not [3]");
 }

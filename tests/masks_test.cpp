@@ -1090,7 +1090,8 @@ TEST(ScoreGraph, TheNamedFunctionsBindAsTheirVariants) {
       {"div %0 f:30.0\ntanh %5\nmul %6 f:30.0", {}, int(ScoreVariant::Kind::kSoftcap)},
       {"index $0 %2\nsub %4 %3\nmul %5 %6\nadd %0 %7", {slopes}, int(ScoreVariant::Kind::kAlibi)},
       {"sub %4 %3\nindex $0 %2\nmul %6 %5\nadd %0 %7", {slopes}, int(ScoreVariant::Kind::kAlibi)},
-      {"sub %4 %3\nclamp %5 i:-10 i:10\nadd %6 i:10\nindex $0 %2 %7\nadd %0 %8", {table},
+      {"sub %4 %3\nclamp %5 i:-10 i:10\nadd %6 i:10\nindex $0 %2 %7\nadd %0 %8",
+       {table},
        int(ScoreVariant::Kind::kRelativeBias)},
       // Near misses: another cap inside, q - kv, a clamp that is not the table's width.
       {"div %0 f:30.0\ntanh %5\nmul %6 f:20.0", {}, -1},
@@ -1261,7 +1262,8 @@ TEST_P(MaskReferenceDevices, EveryBackendMatchesThePythonReferenceInFloat64AndFl
                {AttentionBackend::kChunked, "chunked"},
                {AttentionBackend::kFused, ""},
                {AttentionBackend::kAuto, ""}}) {
-        SCOPED_TRACE(c10::str(prefix, " ", dtype, " ", attnkit::backend_name(backend), " ", kernel));
+        SCOPED_TRACE(
+            c10::str(prefix, " ", dtype, " ", attnkit::backend_name(backend), " ", kernel));
         auto q = input("q").to(dtype).clone().requires_grad_();
         auto k = input("k").to(dtype).clone().requires_grad_();
         auto v = input("v").to(dtype).clone().requires_grad_();

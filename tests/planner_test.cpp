@@ -259,8 +259,8 @@ TEST(Planner, EveryPlannedKernelAnswersAsTheMathCore) {
       }
     }
   }
-  std::set<std::string> expected{"decode", "ragged_loop_nest", "sdpa", "fused_tiles", "chunked",
-                                 "math"};
+  std::set<std::string> expected{"decode",      "ragged_loop_nest", "sdpa",
+                                 "fused_tiles", "chunked",          "math"};
   if (attnkit::detail::libtorch_has_sdpa()) {
     // A demanded fused backend with a mask beyond causal: documents as segments, others dense.
     expected.insert("sdpa_varlen");

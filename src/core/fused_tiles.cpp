@@ -43,7 +43,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-
 template <typename T>
 T minus_infinity() {
   return -std::numeric_limits<T>::infinity();
@@ -84,9 +83,9 @@ __attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t cou
   }
   if (j < count) {
     const __m256i lanes = first_lanes(count - j);
-    const __m256 e = _mm256_and_ps(
-        exp_or_zero_avx2(_mm256_sub_ps(_mm256_maskload_ps(s + j, lanes), shift8)),
-        _mm256_castsi256_ps(lanes));
+    const __m256 e =
+        _mm256_and_ps(exp_or_zero_avx2(_mm256_sub_ps(_mm256_maskload_ps(s + j, lanes), shift8)),
+                      _mm256_castsi256_ps(lanes));
     _mm256_maskstore_ps(s + j, lanes, e);
     sum8 = _mm256_add_ps(sum8, e);
   }
@@ -199,8 +198,7 @@ struct RowScore {
   explicit RowScore(const ScoreVariant& v)
       : kind(v.kind), cap(static_cast<T>(v.cap)), max_distance(v.max_distance) {
     if (v.table.defined())
-      table =
-          v.table.detach().to(torch::kCPU, c10::CppTypeToScalarType<T>::value).contiguous();
+      table = v.table.detach().to(torch::kCPU, c10::CppTypeToScalarType<T>::value).contiguous();
   }
   int64_t table_row(int64_t head) const {
     return kind == ScoreVariant::Kind::kRelativeBias && table.size(0) == 1 ? 0 : head;
@@ -235,8 +233,8 @@ struct RowScore {
   // Backward through apply: ds[0, count), the gradient with respect to the modified scores
   // `modified`, becomes the one with respect to the scores; the table's gradient (in
   // `table_grad`, float64, the table's shape) gains this row's share.
-  void backward(T* ds, const T* modified, int64_t count, int64_t head, int64_t q,
-                int64_t k0, double* table_grad) const {
+  void backward(T* ds, const T* modified, int64_t count, int64_t head, int64_t q, int64_t k0,
+                double* table_grad) const {
     switch (kind) {
       case ScoreVariant::Kind::kNone:
         return;
@@ -288,8 +286,7 @@ struct TilePlan {
         num_keys(k4.size(2)),
         head_dim(q4.size(3)),
         value_dim(v4.size(3)),
-        query_block(problem.blocks.defined() ? problem.blocks.q_block_size()
-                                             : problem.query_block),
+        query_block(problem.blocks.defined() ? problem.blocks.q_block_size() : problem.query_block),
         widest_tile(std::max(problem.key_block, problem.blocks.defined()
                                                     ? problem.blocks.kv_block_size()
                                                     : int64_t{1})) {}
@@ -358,8 +355,8 @@ std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem
                                                       const torch::Tensor& v4) {
   const TilePlan plan(problem, q4, k4, v4);
   const RowScore<T> score(problem.variant);
-  auto out4 = torch::empty({plan.outer, plan.heads, plan.num_queries, plan.value_dim},
-                           q4.options());
+  auto out4 =
+      torch::empty({plan.outer, plan.heads, plan.num_queries, plan.value_dim}, q4.options());
   auto lse = torch::empty({plan.outer, plan.heads, plan.num_queries}, q4.options());
   const Slices<T> q(q4), k(k4), v(v4), out(out4);
   T* lse_data = lse.data_ptr<T>();
@@ -378,26 +375,25 @@ std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem
     T* acc_data = acc.data_ptr<T>();
     std::vector<T> running_max(bq, minus_infinity<T>()), running_sum(bq, 0);
     for (const auto& visit : plan.tiles(o, h, qi)) {
-      plan.tile_scores(scaled_q, k, o, h, q0, bq, visit, scores.data_ptr<T>(), score,
-                       [&](int64_t i, T* row) {
-                         const T new_max = std::max(running_max[i], row_max(row, visit.keys));
-                         if (new_max == minus_infinity<T>()) {  // no key seen yet: weights 0
-                           std::fill(row, row + visit.keys, T(0));
-                           return;
-                         }
-                         const T correction = std::exp(running_max[i] - new_max);
-                         running_sum[i] = running_sum[i] * correction +
-                                          exp_shifted(row, visit.keys, new_max);
-                         running_max[i] = new_max;
-                         if (correction != 1) {
-                           T* acc_row = acc_data + i * dv;
-                           for (int64_t d = 0; d < dv; ++d)
-                             acc_row[d] *= correction;
-                         }
-                       });
-      acc.addmm_(matrix(scores.data_ptr<T>(), bq, visit.keys, visit.keys),
-                 matrix(v.row(o, h / plan.group_size, visit.key_begin), visit.keys, dv,
-                        v.row_stride));
+      plan.tile_scores(
+          scaled_q, k, o, h, q0, bq, visit, scores.data_ptr<T>(), score, [&](int64_t i, T* row) {
+            const T new_max = std::max(running_max[i], row_max(row, visit.keys));
+            if (new_max == minus_infinity<T>()) {  // no key seen yet: weights 0
+              std::fill(row, row + visit.keys, T(0));
+              return;
+            }
+            const T correction = std::exp(running_max[i] - new_max);
+            running_sum[i] = running_sum[i] * correction + exp_shifted(row, visit.keys, new_max);
+            running_max[i] = new_max;
+            if (correction != 1) {
+              T* acc_row = acc_data + i * dv;
+              for (int64_t d = 0; d < dv; ++d)
+                acc_row[d] *= correction;
+            }
+          });
+      acc.addmm_(
+          matrix(scores.data_ptr<T>(), bq, visit.keys, visit.keys),
+          matrix(v.row(o, h / plan.group_size, visit.key_begin), visit.keys, dv, v.row_stride));
     }
     for (int64_t i = 0; i < bq; ++i) {
       T* out_row = out.row(o, h, q0 + i);
@@ -471,12 +467,11 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
           T* p_data = scores.data_ptr<T>();
           T* modified_data = modified.defined() ? modified.data_ptr<T>() : nullptr;
           // P = e^(modified scores - lse): 0 where masked, and for a row that sees no key.
-          plan.tile_scores(q_block, k, o, h, q0, bq, visit, p_data, score,
-                           [&](int64_t i, T* row) {
-                             if (modified_data != nullptr)
-                               std::memcpy(modified_data + i * bk, row, bk * sizeof(T));
-                             exp_shifted(row, bk, row_lse[i]);
-                           });
+          plan.tile_scores(q_block, k, o, h, q0, bq, visit, p_data, score, [&](int64_t i, T* row) {
+            if (modified_data != nullptr)
+              std::memcpy(modified_data + i * bk, row, bk * sizeof(T));
+            exp_shifted(row, bk, row_lse[i]);
+          });
           const auto p = matrix(p_data, bq, bk, bk);
           const auto k_tile = matrix(k.row(o, kh, k0), bk, hd, k.row_stride);
           const auto v_tile = matrix(v.row(o, kh, k0), bk, dv, v.row_stride);
@@ -492,8 +487,8 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
             const T d = row_delta[i];
             for (int64_t j = 0; j < bk; ++j)
               ds_row[j] = p_row[j] * (ds_row[j] - d);
-            score.backward(ds_row, modified_data != nullptr ? modified_data + i * bk : nullptr,
-                           bk, h, q0 + i, k0, table_grad);
+            score.backward(ds_row, modified_data != nullptr ? modified_data + i * bk : nullptr, bk,
+                           h, q0 + i, k0, table_grad);
           }
           grad_q_block.addmm_(ds, k_tile, /*beta=*/1, /*alpha=*/plan.problem.scale);
           matrix(grad_k.row(o, kh, k0), bk, hd, grad_k.row_stride).addmm_(ds.t(), q_block);
@@ -512,7 +507,9 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
 }
 
 // (..., n, f) -> (outer, heads, n, f) with unit-stride rows (a view when it can be).
-torch::Tensor slices_of(const torch::Tensor& t) { return loop_nest::unit_stride_slices(t); }
+torch::Tensor slices_of(const torch::Tensor& t) {
+  return loop_nest::unit_stride_slices(t);
+}
 
 // The passes in the inputs' dtype (float32 or float64, as tiles_decline admits).
 std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem,
@@ -527,8 +524,8 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
                          const torch::Tensor& k4, const torch::Tensor& v4,
                          const torch::Tensor& out4, const torch::Tensor& lse,
                          const torch::Tensor& grad_out4, bool table_wants_grad) {
-  const auto run = q4.scalar_type() == torch::kDouble ? tiles_backward<double>
-                                                      : tiles_backward<float>;
+  const auto run =
+      q4.scalar_type() == torch::kDouble ? tiles_backward<double> : tiles_backward<float>;
   return run(problem, q4, k4, v4, out4, lse, grad_out4, table_wants_grad);
 }
 
@@ -566,9 +563,9 @@ struct FusedTileAttention : public torch::autograd::Function<FusedTileAttention>
     const auto& q = saved[0];
     const auto& k = saved[1];
     const auto& v = saved[2];
-    const auto computed = tiles_backward(problem, slices_of(q), slices_of(k), slices_of(v),
-                                         saved[3], saved[4], slices_of(grads[0]),
-                                         !parameters.empty());
+    const auto computed =
+        tiles_backward(problem, slices_of(q), slices_of(k), slices_of(v), saved[3], saved[4],
+                       slices_of(grads[0]), !parameters.empty());
     variable_list grads_in{torch::Tensor(), shaped_like(computed.query, q),
                            shaped_like(computed.key, k), shaped_like(computed.value, v)};
     for (auto& g : parameter_grads(problem, computed, parameters))
@@ -583,8 +580,10 @@ std::string tiles_decline(const KernelInput& input, const std::optional<ScoreVar
   if (!call.query.device().is_cpu())
     return "the fused tile kernel runs on the CPU";
   if (call.query.scalar_type() != torch::kFloat && call.query.scalar_type() != torch::kDouble)
-    return c10::str("the fused tile kernel computes in float32 or float64 (16-bit calls arrive as"
-                    " float32), not ", call.query.scalar_type());
+    return c10::str(
+        "the fused tile kernel computes in float32 or float64 (16-bit calls arrive as"
+        " float32), not ",
+        call.query.scalar_type());
   if (call.with_weights)
     return "the fused tile kernel returns no weights (the math backend builds them)";
   if (input.dropout_p() > 0.0)
@@ -616,8 +615,7 @@ c10::intrusive_ptr<TileProblem> problem_of(const KernelInput& input,
     problem->blocks = *given;
   } else if (!problem->mask.is_none()) {
     problem->blocks = create_block_mask(
-        problem->mask, call.query.size(0), call.query.size(1), call.query.size(2),
-        call.key.size(2),
+        problem->mask, call.query.size(0), call.query.size(1), call.query.size(2), call.key.size(2),
         BlockMaskOptions().block_size(options.query_block_size()).device(torch::kCPU));
   }
   problem->variant = variant.value_or(ScoreVariant{});
@@ -636,8 +634,8 @@ KernelSpec fused_tiles_spec() {
             auto declined = tiles_decline(input, variant);
             // A declined call makes no block mask here (the planner asks on to the next
             // kernel); its plan is made if it is run regardless (the mutation test).
-            const auto made = declined.empty() ? problem_of(input, variant)
-                                               : c10::intrusive_ptr<TileProblem>();
+            const auto made =
+                declined.empty() ? problem_of(input, variant) : c10::intrusive_ptr<TileProblem>();
             const auto problem_for = [made, variant](const KernelInput& in) {
               return made ? made : problem_of(in, variant);
             };
@@ -645,18 +643,17 @@ KernelSpec fused_tiles_spec() {
                 [problem_for](const KernelInput& in) {
                   const auto problem = problem_for(in);
                   const auto& call = in.call;
-                  auto [out4, lse] =
-                      tiles_forward(*problem, slices_of(call.query), slices_of(call.key),
-                                    slices_of(call.value));
+                  auto [out4, lse] = tiles_forward(*problem, slices_of(call.query),
+                                                   slices_of(call.key), slices_of(call.value));
                   return std::pair{shaped_like(out4, call.query), lse};
                 },
                 [problem_for](const KernelInput& in, const SplitSaved& saved) {
                   const auto problem = problem_for(in);
                   const auto& call = in.call;
                   const auto computed = tiles_backward(
-                      *problem, slices_of(call.query), slices_of(call.key),
-                      slices_of(call.value), slices_of(saved.out), saved.lse.contiguous(),
-                      slices_of(saved.grad_out), !saved.parameters.empty());
+                      *problem, slices_of(call.query), slices_of(call.key), slices_of(call.value),
+                      slices_of(saved.out), saved.lse.contiguous(), slices_of(saved.grad_out),
+                      !saved.parameters.empty());
                   std::vector<torch::Tensor> grads{shaped_like(computed.query, call.query),
                                                    shaped_like(computed.key, call.key),
                                                    shaped_like(computed.value, call.value)};
@@ -671,8 +668,7 @@ KernelSpec fused_tiles_spec() {
                   const auto& call = in.call;
                   std::vector<torch::Tensor> parameters;
                   const auto& table = problem->variant.table;
-                  if (table.defined() && table.requires_grad() &&
-                      torch::GradMode::is_enabled())
+                  if (table.defined() && table.requires_grad() && torch::GradMode::is_enabled())
                     parameters.push_back(table);
                   return functional::AttentionOutput{
                       FusedTileAttention::apply(problem, call.query, call.key, call.value,

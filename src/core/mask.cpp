@@ -318,7 +318,8 @@ struct PackedTilesNode final : MaskNode {
     const auto q = at.q.to(device), kv = at.kv.to(device);
     const auto slot =
         slots.to(device).index({b, h, q.div(q_block, "floor"), kv.div(kv_block, "floor")});
-    const auto partial = bits.index({slot.clamp_min(0), q.remainder(q_block), kv.remainder(kv_block)});
+    const auto partial =
+        bits.index({slot.clamp_min(0), q.remainder(q_block), kv.remainder(kv_block)});
     return slot.eq(-1).logical_or(slot.ge(0).logical_and(partial));
   }
   torch::Tensor tile_allowed(const Tile& t, const torch::Device& device) const override {

@@ -389,15 +389,15 @@ std::optional<double> softcap_of(const std::vector<Operation>& nodes) {
     return std::nullopt;
   const auto& divide = nodes[0];
   const auto& tanh = nodes[1];
-  const auto cap = divide.op == "div" && divide.operands.size() == 2 &&
-                           is_value(divide.operands[0], 0)
-                       ? number_of(divide.operands[1])
-                       : std::nullopt;
+  const auto cap =
+      divide.op == "div" && divide.operands.size() == 2 && is_value(divide.operands[0], 0)
+          ? number_of(divide.operands[1])
+          : std::nullopt;
   if (!cap || *cap <= 0.0 || tanh.op != "tanh" || !is_value(tanh.operands[0], 5))
     return std::nullopt;
-  const bool multiplies =
-      either_order(nodes[2], "mul", [](const Operand& o) { return is_value(o, 6); },
-                   [&](const Operand& o) { return number_of(o) == cap; });
+  const bool multiplies = either_order(
+      nodes[2], "mul", [](const Operand& o) { return is_value(o, 6); },
+      [&](const Operand& o) { return number_of(o) == cap; });
   return multiplies ? cap : std::nullopt;
 }
 

@@ -21,13 +21,13 @@ ScoreMod alibi(const torch::Tensor& slopes) {
   TORCH_CHECK(slopes.defined() && slopes.dim() == 1 && slopes.is_floating_point(),
               "[score_mods::alibi] slopes must be a 1-D floating tensor (heads), got ",
               slopes.defined() ? shape_string(slopes) : std::string("an undefined tensor"));
-  return detail::AdditiveScore{[slopes](const torch::Tensor& score, const torch::Tensor&,
-                                        const torch::Tensor& h, const torch::Tensor& q_idx,
-                                        const torch::Tensor& kv_idx) {
-    // .to: slopes made on the CPU (alibi_slopes) serve scores on any device.
-    return slopes.to(h.device()).index({h}).to(score.scalar_type()) * (kv_idx - q_idx);
-  },
-                               detail::AlibiBias{slopes}};
+  return detail::AdditiveScore{
+      [slopes](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor& h,
+               const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
+        // .to: slopes made on the CPU (alibi_slopes) serve scores on any device.
+        return slopes.to(h.device()).index({h}).to(score.scalar_type()) * (kv_idx - q_idx);
+      },
+      detail::AlibiBias{slopes}};
 }
 
 torch::Tensor alibi_slopes(int64_t heads) {

@@ -55,9 +55,9 @@ struct SoftcapScore {
 struct ScoreVariant {
   enum class Kind { kNone, kSoftcap, kAlibi, kRelativeBias };
   Kind kind = Kind::kNone;
-  double cap = 0.0;            // kSoftcap
-  torch::Tensor table;         // kAlibi: the slopes; kRelativeBias: the table
-  int64_t max_distance = 0;    // kRelativeBias
+  double cap = 0.0;          // kSoftcap
+  torch::Tensor table;       // kAlibi: the slopes; kRelativeBias: the table
+  int64_t max_distance = 0;  // kRelativeBias
 };
 
 /// The variant a score function is (kNone for none); nullopt for any other function.

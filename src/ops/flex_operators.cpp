@@ -155,8 +155,7 @@ Mask mask_of(const Tensor& q, const Tensor& k, const FlexArguments& args) {
               ", the query on ", q.device());
   if (says_causal(lists, slots, bits, q.size(2), k.size(2)))
     return Mask::causal();
-  const auto mask =
-      detail::packed_tiles_mask(slots, bits, args.q_block_size, args.kv_block_size);
+  const auto mask = detail::packed_tiles_mask(slots, bits, args.q_block_size, args.kv_block_size);
   return Mask::from_block_mask(
       BlockMask::from_kv_blocks(*args.kv_num_blocks, *args.kv_indices, full_num, full_idx,
                                 q.size(2), k.size(2), args.q_block_size, args.kv_block_size, mask));
