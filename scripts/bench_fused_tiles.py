@@ -23,6 +23,7 @@ Usage (pip's PyTorch and the pip build's package):
   PYTHONPATH=build-pip/python "$(scripts/pip_torch.sh)" scripts/bench_fused_tiles.py \\
       [--n 4096 16384] [--threads 1 2] [--dtypes float32 bfloat16] [--cases ...] \\
       [--repeats 5] [--memory]
+  ... scripts/bench_fused_tiles.py --precision   the bfloat16 table gradient's error
 """
 
 import argparse
@@ -223,6 +224,53 @@ def spawn(extra, args, env):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def precision():
+    """The relative-position table's gradient in bfloat16 (causal, n 1,024): the mean absolute
+    error of attnkit's and of the dense math's (scores in float32, as FlexAttention's eager
+    math computes a 16-bit call), each against the float64 dense math."""
+    import torch
+    import attnkit
+    n, distance = 1024, 128
+    g = torch.Generator().manual_seed(1)
+    q, k, v = [torch.randn(1, HEADS, n, HEAD_DIM, generator=g, dtype=torch.float64)
+               for _ in range(3)]
+    table64 = torch.randn(HEADS, 2 * distance + 1, generator=g, dtype=torch.float64) * 0.5
+    grad_out = torch.randn(1, HEADS, n, HEAD_DIM, generator=g, dtype=torch.float64)
+    qi, ki = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+    heads = torch.arange(HEADS).view(-1, 1, 1)
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def dense(dtype):
+        table = table64.to(dtype).clone().requires_grad_(True)
+        s = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)).to(torch.promote_types(dtype,
+                                                                                torch.float32))
+        s = s / HEAD_DIM ** 0.5 + table[heads, torch.clamp(ki - qi, -distance, distance)
+                                        + distance]
+        p = s.masked_fill(ki > qi, float("-inf")).softmax(-1).to(dtype)
+        (p @ v.to(dtype)).backward(grad_out.to(dtype))
+        return table.grad.double()
+
+    def fused():
+        table = table64.to(torch.bfloat16).clone().requires_grad_(True)
+
+        def relative(score, b, h, q_idx, kv_idx):
+            return score + table[h, torch.clamp(kv_idx - q_idx, -distance, distance) + distance]
+        block_mask = attnkit.create_block_mask(causal, None, None, n, n)
+        out = attnkit.flex_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(),
+                                     score_mod=relative, block_mask=block_mask)
+        out.backward(grad_out.bfloat16())
+        return table.grad.double()
+
+    reference = dense(torch.float64)
+    errors = {"attnkit (bfloat16)": (fused() - reference).abs().mean().item(),
+              "dense math (bfloat16)": (dense(torch.bfloat16) - reference).abs().mean().item()}
+    print("relative-position table gradient, causal n 1,024, mean |error| against float64: " +
+          ", ".join(f"{name} {error:.3e}" for name, error in errors.items()) +
+          f"; attnkit / dense {errors['attnkit (bfloat16)'] / errors['dense math (bfloat16)']:.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[4096])
@@ -232,9 +280,14 @@ def main():
     parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--precision", action="store_true",
+                        help="the bfloat16 table gradient's error instead of timings")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--memory-side", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.precision:
+        precision()
+        return
     if args.child:
         args.child_case, n, args.child_dtype, threads = args.child
         args.child_n, args.child_threads = int(n), int(threads)
