@@ -580,7 +580,7 @@ TEST(Planner, TheMaskedSdpaRouteKeepsItsDenseMaskWithinItsBudget) {
   expect_error_containing([&] { attnkit::detail::plan_attention(call); },
                           "would take 134234112 bytes, more than its budget of 134217728");
   call.options.backend(AttentionBackend::kAuto);
-  EXPECT_STREQ(attnkit::detail::plan_attention(call).name, "chunked");
+  EXPECT_STREQ(attnkit::detail::plan_attention(call).name, "fused_tiles");
 }
 
 namespace {
