@@ -24,6 +24,8 @@ Usage (pip's PyTorch and the pip build's package):
       [--n 4096 16384] [--threads 1 2] [--dtypes float32 bfloat16] [--cases ...] \\
       [--repeats 5] [--memory]
   ... scripts/bench_fused_tiles.py --precision   the bfloat16 table gradient's error
+  ... scripts/bench_fused_tiles.py --scaling [--cases ...]   fwd+bwd at 1 and 2 threads, in
+      alternation in one process
 """
 
 import argparse
@@ -224,6 +226,26 @@ def spawn(extra, args, env):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def scaling(args):
+    """attnkit's forward+backward at 1 and 2 threads in alternation, in one process per case
+    (torch.set_num_threads between calls): the ratio of the medians."""
+    import torch
+    for case in args.cases:
+        calls, _, _ = sides(case, args.n[0], args.dtypes[0], backward_only=True)
+        kind, call = calls["attnkit fwd+bwd"]
+        times = {1: [], 2: []}
+        for round_index in range(args.repeats + 1):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                start = time.perf_counter()
+                run(kind, call)
+                if round_index > 0:
+                    times[threads].append(time.perf_counter() - start)
+        one, two = (statistics.median(times[t]) * 1e3 for t in (1, 2))
+        print(f"{case:20s} n {args.n[0]:5d} {args.dtypes[0]:8s} attnkit fwd+bwd: 1 thread "
+              f"{one:8.1f} ms, 2 threads {two:8.1f} ms: {one / two:.2f}x", flush=True)
+
+
 def precision():
     """The relative-position table's gradient in bfloat16 (causal, n 1,024): the mean absolute
     error of attnkit's and of the dense math's (scores in float32, as FlexAttention's eager
@@ -280,6 +302,8 @@ def main():
     parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--scaling", action="store_true",
+                        help="attnkit's fwd+bwd at 1 and 2 threads in alternation instead")
     parser.add_argument("--precision", action="store_true",
                         help="the bfloat16 table gradient's error instead of timings")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -287,6 +311,9 @@ def main():
     args = parser.parse_args()
     if args.precision:
         precision()
+        return
+    if args.scaling:
+        scaling(args)
         return
     if args.child:
         args.child_case, n, args.child_dtype, threads = args.child
