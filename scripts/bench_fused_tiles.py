@@ -110,7 +110,7 @@ def gemm_rate(torch, repeats=50):
     return rates
 
 
-def sides(case, n, dtype_name, backward_only=None):
+def sides(case, n, dtype_name, compiled_flex=True):
     """The sides of one configuration as {name: call}."""
     import torch
     import torch.nn.functional as F
@@ -128,7 +128,7 @@ def sides(case, n, dtype_name, backward_only=None):
         return attnkit.flex_attention(q, k, v, score_mod=score_mod, block_mask=ak_mask)
     calls["attnkit fwd"] = ("fwd", attnkit_call)
     calls["attnkit fwd+bwd"] = ("bwd", attnkit_call)
-    if backward_only is None:
+    if compiled_flex:  # compiling takes seconds: only where flex is timed
         from inductor_link import link_inductor_against_this_torch
         link_inductor_against_this_torch()
         pt_mask = create_block_mask(mask_mod, None, None, n, n, device="cpu")
@@ -198,7 +198,7 @@ def child(args):
 def memory_child(args):
     import torch
     torch.set_num_threads(args.child_threads)
-    calls, _, _ = sides(args.child_case, args.child_n, args.child_dtype, backward_only=True)
+    calls, _, _ = sides(args.child_case, args.child_n, args.child_dtype, compiled_flex=False)
     kind, call = calls[args.memory_side]
     # The peak from here on: the setup's own (a dense mask, the block mask) is forgotten by
     # resetting the high-water mark (Linux: 5 > /proc/self/clear_refs).
@@ -231,7 +231,7 @@ def scaling(args):
     (torch.set_num_threads between calls): the ratio of the medians."""
     import torch
     for case in args.cases:
-        calls, _, _ = sides(case, args.n[0], args.dtypes[0], backward_only=True)
+        calls, _, _ = sides(case, args.n[0], args.dtypes[0], compiled_flex=False)
         kind, call = calls["attnkit fwd+bwd"]
         times = {1: [], 2: []}
         for round_index in range(args.repeats + 1):
