@@ -39,7 +39,11 @@ import tempfile
 import time
 
 CASES = ["documents", "documents_prefix_lm", "window_512", "window_1024",
-         "window_1024_softcap", "alibi", "relative_bias", "causal"]
+         "window_1024_softcap", "alibi", "relative_bias", "causal",
+         # general score graphs, which the fused tile kernel compiles for its rows:
+         "softcap_alibi", "bias_tensor"]
+# Cases whose score function adds a bias: SDPA takes it as a float mask.
+ADDITIVE = ("alibi", "relative_bias", "bias_tensor")
 HEADS, HEAD_DIM = 8, 64
 # Above this n a dense (1, H, n, n) float32 matrix is 8 GiB and more: SDPA with a dense mask
 # and the dense math do not fit this machine's memory with their backward.
@@ -79,6 +83,16 @@ def problem(case, n, torch):
     def relative(score, b, h, q, kv):
         return score + table[h, torch.clamp(kv - q, -distance, distance) + distance]
 
+    def softcap_alibi(score, b, h, q, kv):  # a softcap over a bias: no named variant
+        return 30.0 * torch.tanh((score + slopes[h] * (kv - q)) / 30.0)
+
+    # A learnable (heads, n, n) bias tensor, created only for its case (n^2 entries).
+    bias = ((torch.randn(HEADS, n, n) * 0.1).requires_grad_(True)
+            if case == "bias_tensor" else None)
+
+    def bias_tensor(score, b, h, q, kv):
+        return score + bias[h, q, kv]
+
     return {
         "documents": (documents, None, None),
         "documents_prefix_lm": (documents_prefix_lm, None, None),
@@ -88,6 +102,8 @@ def problem(case, n, torch):
         "alibi": (causal, alibi, None),
         "relative_bias": (causal, relative, table),
         "causal": (causal, None, None),
+        "softcap_alibi": (causal, softcap_alibi, None),
+        "bias_tensor": (causal, bias_tensor, bias),
     }[case]
 
 
@@ -144,7 +160,7 @@ def sides(case, n, dtype_name, compiled_flex=True):
         if score_mod is None:
             calls["sdpa fwd+bwd"] = ("bwd", lambda: F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed))
-        elif case in ("alibi", "relative_bias"):
+        elif case in ADDITIVE:
             def sdpa_bias():
                 # the bias as SDPA's float mask, made in the call so that the table trains
                 bias = score_mod(torch.zeros((), dtype=torch.float32), None, heads, qi, ki)

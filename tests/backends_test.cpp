@@ -7,6 +7,7 @@
 #include "attnkit/latent_attention.h"
 #include "attnkit/memory_budget.h"
 #include "attnkit/multi_head_attention.h"
+#include "attnkit/score_graph.h"
 #include "attnkit/threads.h"
 #include "core/kernels.h"
 #include "core/planner.h"
@@ -862,8 +863,8 @@ TEST(FusedTiles, EveryScoreVariantAndMaskMatchesTheFloat64MathCore) {
 }
 
 // Central differences of the fused tile kernel's loss against its gradients, in float64, for
-// each score variant under a mask with partial tiles: the queries', keys', values' and the
-// table's (gradcheck's test, which has no C++ form).
+// each score variant and a general graph under a mask with partial tiles: the queries', keys',
+// values' and the table's (gradcheck's test, which has no C++ form).
 TEST(FusedTiles, EachScoreVariantsGradientsAreTheFiniteDifferences) {
   torch::manual_seed(8);
   const int64_t h = 2, n = 11, hd = 3;
@@ -880,9 +881,15 @@ TEST(FusedTiles, EachScoreVariantsGradientsAreTheFiniteDifferences) {
                   return attnkit::score_mods::alibi(
                       m.register_parameter("slopes", torch::rand({h}, torch::kFloat64)));
                 }},
-               {"relative table", [&](torch::nn::Module& m) {
+               {"relative table",
+                [&](torch::nn::Module& m) {
                   return attnkit::score_mods::relative_position_bias(
                       m.register_parameter("table", torch::randn({h, 2 * 3 + 1}, torch::kFloat64)));
+                }},
+               {"graph: softcap over a per-head bias", [&](torch::nn::Module& m) {
+                  return attnkit::ScoreGraph::parse(
+                             "index $0 %2\nadd %0 %5\ndiv %6 f:0.9\ntanh %7\nmul %8 f:0.9")
+                      .bind({m.register_parameter("bias", torch::randn({h}, torch::kFloat64))});
                 }}};
   for (const auto& [name, make] : variants) {
     SCOPED_TRACE(name);
@@ -901,6 +908,121 @@ TEST(FusedTiles, EachScoreVariantsGradientsAreTheFiniteDifferences) {
         },
         torch::randn({1, h, n, hd}, torch::kFloat64));
   }
+}
+
+// General score graphs, which the fused tile kernel compiles for its rows (score_program.h),
+// against the float64 math core, whose autograd differentiates the same graph op by op:
+// forward and every gradient, the captured tensors' too, under a mask with partial tiles and
+// a row that sees no key, with GQA. The graphs cover an additive bias tensor, a softcap over
+// a bias, integer index arithmetic, bool and bitwise operations, where, clamp and the
+// unary and binary functions, and a one-element captured tensor.
+TEST(FusedTiles, ScoreGraphsMatchTheFloat64MathCore) {
+  torch::manual_seed(5);
+  const int64_t b = 2, h = 4, kv = 2, n = 37, hd = 8;
+  auto allowed = torch::rand({n, n}) < 0.6;
+  allowed[4].fill_(false);  // query 4 sees nothing
+  const auto mask = attnkit::Mask::from_tensor(allowed) & attnkit::Mask::causal();
+  const auto f64 = torch::kFloat64;
+  const auto bias = (torch::randn({b, h, n, n}, f64) * 0.5).requires_grad_(true);
+  const auto per_head = torch::randn({h}, f64).requires_grad_(true);
+  const auto temperature = torch::full({}, 0.8, f64).requires_grad_(true);
+  const auto document_ids = torch::arange(n).div(11, "floor");
+  const auto table = (torch::randn({h, 9}, f64) * 0.3).requires_grad_(true);
+  const std::vector<std::tuple<std::string, std::string, std::vector<torch::Tensor>>> graphs{
+      {"bias tensor", "index $0 %1 %2 %3 %4\nadd %0 %5", {bias}},
+      {"softcap over a bias",
+       "index $0 %2\nadd %0 %5\ndiv %6 f:2.5\ntanh %7\nmul %8 f:2.5",
+       {per_head}},
+      {"bucketed distance",
+       "sub %3 %4\nabs %5\nfloor_divide %6 i:4\nclamp %7 _ i:8\nindex $0 %2 %8\nadd %0 %9",
+       {table}},
+      {"documents as a bias",
+       "index $0 %3\nindex $0 %4\neq %5 %6\nfloat %7\nmul %8 f:1.5\nadd %0 %9",
+       {document_ids}},
+      {"temperature", "mul %0 $0", {temperature}},
+      {"odd keys", "bitwise_and %4 i:1\neq %5 i:1\nmul %0 $0\nwhere %6 %7 %0", {temperature}},
+      {"functions",
+       "clamp %0 f:-2.0 f:2.0\nsigmoid %5\nmul %6 %0\nmul %0 %0\nadd %8 f:1.0\nlog %9\n"
+       "sqrt %9\nsub %7 %10\nadd %12 %11\nmaximum %13 f:-4.0\nremainder %3 i:3\nfloat %15\n"
+       "atan2 %0 %16\nsub %14 %17\nexp2 %0\nminimum %19 f:3.0\nadd %18 %20",
+       {}}};
+  const auto q = torch::randn({b, h, n, hd}, f64);
+  const auto k = torch::randn({b, kv, n, hd}, f64);
+  const auto v = torch::randn({b, kv, n, hd}, f64);
+  const auto grad_out = torch::randn({b, h, n, hd}, f64);
+  for (const auto& [name, text, tensors] : graphs) {
+    SCOPED_TRACE(name);
+    const auto score_mod = attnkit::ScoreGraph::parse(text).bind(tensors);
+    const auto options =
+        F::AttentionOptions().mask(mask).score_mod(score_mod).query_block_size(8).key_block_size(
+            16);
+    const auto run = [&](const std::string& kernel) {
+      std::vector<torch::Tensor> inputs;
+      for (const auto* t : {&q, &k, &v})
+        inputs.push_back(t->detach().requires_grad_(true));
+      for (const auto& t : tensors) {
+        if (t.requires_grad())
+          inputs.push_back(t);
+      }
+      F::KernelRecord record;
+      const auto out = F::attention(inputs[0], inputs[1], inputs[2],
+                                    F::AttentionOptions(options).kernel(kernel));
+      EXPECT_EQ(record.runs().at(0).kernel, kernel);
+      auto grads = torch::autograd::grad({out}, inputs, {grad_out});
+      grads.insert(grads.begin(), out);
+      return grads;
+    };
+    const auto expected = run("math");
+    const auto actual = run("fused_tiles");
+    ASSERT_EQ(actual.size(), expected.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      // Only the order of the sums differs (and the graph is evaluated in float64 by both).
+      EXPECT_TRUE(tensors_close(c10::str("result ", i), actual[i], expected[i], 1e-10, 1e-10));
+    }
+  }
+}
+
+// What the row programs cannot evaluate stays on the chunked kernel, and a forced fused call
+// says why; an index out of range is LibTorch's error in either kernel.
+TEST(FusedTiles, ScoreGraphsItCannotEvaluateGoToTheChunkedKernel) {
+  const auto q = torch::randn({1, 2, 40, 8});
+  const auto options = F::AttentionOptions().mask(attnkit::Mask::causal());
+  const auto graph = [](const std::string& text, std::vector<torch::Tensor> tensors = {}) {
+    return attnkit::ScoreGraph::parse(text).bind(std::move(tensors));
+  };
+  // Graphs LibTorch evaluates (a bool sum is a logical or; a tensor as wide as the keys
+  // broadcasts along them) that rows do not.
+  const std::vector<std::tuple<std::string, std::vector<torch::Tensor>, std::string>> refused{
+      {"gt %4 %3\nge %4 i:30\nadd %5 %6\nwhere %7 f:-1.0 %0", {}, "add of bools"},
+      {"mul %0 $0",
+       {torch::rand({40})},
+       "a captured tensor of more than one element outside an index"}};
+  for (const auto& [text, tensors, reason] : refused) {
+    SCOPED_TRACE(text);
+    const auto mod = graph(text, tensors);
+    F::KernelRecord record;
+    const auto out = F::attention(q, q, q, F::AttentionOptions(options).score_mod(mod));
+    EXPECT_EQ(record.runs().at(0).kernel, "chunked");
+    EXPECT_TRUE(tensors_close(
+        "chunked", out,
+        F::attention(q, q, q, F::AttentionOptions(options).score_mod(mod).kernel("math")), 1e-5));
+    expect_error_containing(
+        [&] {
+          F::attention(q, q, q, F::AttentionOptions(options).score_mod(mod).kernel("fused_tiles"));
+        },
+        "the fused tile kernel evaluates named score functions and ScoreGraphs only, not " +
+            reason);
+  }
+  // kv_idx past the tensor's 30 entries: the fused kernel raises LibTorch's message.
+  const auto short_bias = torch::randn({30});
+  expect_error_containing(
+      [&] {
+        F::attention(q, q, q,
+                     F::AttentionOptions(options)
+                         .score_mod(graph("index $0 %4\nadd %0 %5", {short_bias}))
+                         .kernel("fused_tiles"));
+      },
+      "[ScoreGraph] index 30 is out of bounds for dimension 0 with size 30");
 }
 
 // The planner takes the fused tile kernel for CPU float32, float64 (and 16-bit) calls with a
@@ -930,7 +1052,8 @@ TEST(FusedTiles, ThePlannerTakesItWhereItCanAndSaysWhyNot) {
         F::attention(q, k, k,
                      F::AttentionOptions(options).score_mod(general).kernel("fused_tiles"));
       },
-      "the fused tile kernel evaluates softcap, ALiBi and relative-position score functions only");
+      "the fused tile kernel evaluates named score functions and ScoreGraphs only, not a C++ "
+      "function");
   expect_error_containing(
       [&] {
         F::attention(

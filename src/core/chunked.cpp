@@ -448,15 +448,9 @@ c10::intrusive_ptr<ChunkedProblem> problem_of(const torch::Tensor& query, const 
                                               const functional::AttentionOptions& options) {
   auto call = c10::make_intrusive<ChunkedProblem>();
   call->mask = options.mask();
-  if (const auto* given = options.mask().block_mask()) {
-    call->blocks = *given;  // its shape was checked with the mask's
-  } else if (!options.mask().is_none()) {
-    // (outer, heads) as the tiles see them; the block mask's device is the attention's.
-    const auto q4 = as_outer_heads(query);
-    call->blocks = create_block_mask(
-        options.mask(), q4.size(0), q4.size(1), q4.size(2), key.size(-2),
-        BlockMaskOptions().block_size(options.query_block_size()).device(query.device()));
-  }
+  // The block mask's device is the attention's.
+  call->blocks = tile_block_mask(options.mask(), query, key.size(-2), options.query_block_size(),
+                                 query.device());
   call->score_mod = options.score_mod();
   call->scale = options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
   call->query_block = options.query_block_size();

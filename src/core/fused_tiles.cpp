@@ -33,6 +33,7 @@
 #include "core/loop_nest_kernel.h"
 #include "core/parallel.h"
 #include "core/row_softmax.h"
+#include "core/score_program.h"
 #include "core/score_variants.h"
 #include "core/tile_walk.h"
 
@@ -187,28 +188,45 @@ torch::Tensor matrix(T* data, int64_t rows, int64_t cols, int64_t row_stride) {
                           torch::dtype(c10::CppTypeToScalarType<T>::value));
 }
 
-// The score function as the row loops read it: its table in T on the CPU.
+// The score function as the row loops read it: its table in T on the CPU, or its program.
 template <typename T>
 struct RowScore {
   ScoreVariant::Kind kind;
   T cap;
   torch::Tensor table;  // kAlibi: (heads); kRelativeBias: (heads or 1, 2 D + 1)
   int64_t max_distance;
+  std::shared_ptr<const ScoreProgram> program;  // kGraph
 
   explicit RowScore(const ScoreVariant& v)
-      : kind(v.kind), cap(static_cast<T>(v.cap)), max_distance(v.max_distance) {
+      : kind(v.kind), cap(static_cast<T>(v.cap)), max_distance(v.max_distance), program(v.program) {
     if (v.table.defined())
       table = v.table.detach().to(torch::kCPU, c10::CppTypeToScalarType<T>::value).contiguous();
   }
   int64_t table_row(int64_t head) const {
     return kind == ScoreVariant::Kind::kRelativeBias && table.size(0) == 1 ? 0 : head;
   }
+  // A worker's buffers for rows of up to `widest` keys (a program's; none otherwise).
+  ScoreProgram::Workspace workspace(int64_t widest) const {
+    return program ? program->workspace(widest) : ScoreProgram::Workspace{};
+  }
+  // What backward reads besides the gradient: the scores after the function (a softcap's
+  // derivative is 1 - (modified / cap)^2) or before it (a program recomputes its values).
+  enum class Kept { kNothing, kModified, kRaw };
+  Kept backward_keeps() const {
+    return kind == ScoreVariant::Kind::kSoftcap ? Kept::kModified
+           : program                            ? Kept::kRaw
+                                                : Kept::kNothing;
+  }
 
-  // Scores s[0, count) of query position q against keys k0, k0 + 1, ... of head `head`,
-  // modified in place.
-  void apply(T* s, int64_t count, int64_t head, int64_t q, int64_t k0) const {
+  // Scores s[0, count) of query position q against keys k0, k0 + 1, ... of batch o and head
+  // `head`, modified in place.
+  void apply(T* s, int64_t count, int64_t o, int64_t head, int64_t q, int64_t k0,
+             ScoreProgram::Workspace& work) const {
     switch (kind) {
       case ScoreVariant::Kind::kNone:
+        return;
+      case ScoreVariant::Kind::kGraph:
+        program->apply(s, count, o, head, q, k0, work);
         return;
       case ScoreVariant::Kind::kSoftcap:
         softcap_row(s, count, cap);
@@ -230,20 +248,25 @@ struct RowScore {
     }
   }
 
-  // Backward through apply: ds[0, count), the gradient with respect to the modified scores
-  // `modified`, becomes the one with respect to the scores; the table's gradient (in
-  // `table_grad`, float64, the table's shape) gains this row's share.
-  void backward(T* ds, const T* modified, int64_t count, int64_t head, int64_t q, int64_t k0,
-                double* table_grad) const {
+  // Backward through apply: ds[0, count), the gradient with respect to the modified scores,
+  // becomes the one with respect to the scores; `kept` is what backward_keeps() names. The
+  // gradients of the tensors the function reads (tensor_grads[t], float64, tensor t's shape;
+  // nullptr where not wanted; a table is tensor 0) gain this row's share.
+  void backward(T* ds, const T* kept, int64_t count, int64_t o, int64_t head, int64_t q, int64_t k0,
+                ScoreProgram::Workspace& work, const std::vector<double*>& tensor_grads) const {
+    double* table_grad = tensor_grads.empty() ? nullptr : tensor_grads[0];
     switch (kind) {
       case ScoreVariant::Kind::kNone:
+        return;
+      case ScoreVariant::Kind::kGraph:
+        program->backward(ds, kept, count, o, head, q, k0, work, tensor_grads);
         return;
       case ScoreVariant::Kind::kSoftcap: {
         // d/ds cap tanh(s / cap) = 1 - tanh^2 = 1 - (modified / cap)^2; a masked entry
         // (modified -inf, ds 0) clamps to tanh -1, so its factor is 0, not -inf.
         const T inverse = 1 / cap;
         for (int64_t j = 0; j < count; ++j) {
-          const T t = std::clamp<T>(modified[j] * inverse, -1, 1);
+          const T t = std::clamp<T>(kept[j] * inverse, -1, 1);
           ds[j] *= 1 - t * t;
         }
         return;
@@ -324,10 +347,12 @@ struct TilePlan {
 
   // Scores of a tile: S = Qs K^T with the score function and the mask applied, in `scores`
   // (bq rows of visit.keys); each row's modified scores are handed to `row_done(i, row)`.
+  // `raw` (when given) keeps the rows as they were before the score function.
   template <typename T, typename RowDone>
   void tile_scores(const torch::Tensor& scaled_q, const Slices<T>& k, int64_t o, int64_t h,
                    int64_t q0, int64_t bq, const TileVisit& visit, T* scores,
-                   const RowScore<T>& score, RowDone&& row_done) const {
+                   const RowScore<T>& score, ScoreProgram::Workspace& work, T* raw,
+                   RowDone&& row_done) const {
     const int64_t k0 = visit.key_begin, bk = visit.keys;
     auto s = matrix(scores, bq, bk, bk);
     at::mm_out(s, scaled_q, matrix(k.row(o, h / group_size, k0), bk, head_dim, k.row_stride).t());
@@ -335,7 +360,9 @@ struct TilePlan {
     const bool* bits = allowed.defined() ? allowed.data_ptr<bool>() : nullptr;
     for (int64_t i = 0; i < bq; ++i) {
       T* row = scores + i * bk;
-      score.apply(row, bk, h, q0 + i, k0);
+      if (raw != nullptr)
+        std::memcpy(raw + i * bk, row, bk * sizeof(T));
+      score.apply(row, bk, o, h, q0 + i, k0, work);
       if (bits != nullptr) {
         const bool* row_bits = bits + i * bk;
         for (int64_t j = 0; j < bk; ++j)
@@ -374,23 +401,25 @@ std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem
     auto acc = torch::zeros({bq, dv}, options);
     T* acc_data = acc.data_ptr<T>();
     std::vector<T> running_max(bq, minus_infinity<T>()), running_sum(bq, 0);
+    auto work = score.workspace(plan.widest_tile);
     for (const auto& visit : plan.tiles(o, h, qi)) {
-      plan.tile_scores(
-          scaled_q, k, o, h, q0, bq, visit, scores.data_ptr<T>(), score, [&](int64_t i, T* row) {
-            const T new_max = std::max(running_max[i], row_max(row, visit.keys));
-            if (new_max == minus_infinity<T>()) {  // no key seen yet: weights 0
-              std::fill(row, row + visit.keys, T(0));
-              return;
-            }
-            const T correction = std::exp(running_max[i] - new_max);
-            running_sum[i] = running_sum[i] * correction + exp_shifted(row, visit.keys, new_max);
-            running_max[i] = new_max;
-            if (correction != 1) {
-              T* acc_row = acc_data + i * dv;
-              for (int64_t d = 0; d < dv; ++d)
-                acc_row[d] *= correction;
-            }
-          });
+      plan.tile_scores(scaled_q, k, o, h, q0, bq, visit, scores.data_ptr<T>(), score, work,
+                       static_cast<T*>(nullptr), [&](int64_t i, T* row) {
+                         const T new_max = std::max(running_max[i], row_max(row, visit.keys));
+                         if (new_max == minus_infinity<T>()) {  // no key seen yet: weights 0
+                           std::fill(row, row + visit.keys, T(0));
+                           return;
+                         }
+                         const T correction = std::exp(running_max[i] - new_max);
+                         running_sum[i] =
+                             running_sum[i] * correction + exp_shifted(row, visit.keys, new_max);
+                         running_max[i] = new_max;
+                         if (correction != 1) {
+                           T* acc_row = acc_data + i * dv;
+                           for (int64_t d = 0; d < dv; ++d)
+                             acc_row[d] *= correction;
+                         }
+                       });
       acc.addmm_(
           matrix(scores.data_ptr<T>(), bq, visit.keys, visit.keys),
           matrix(v.row(o, h / plan.group_size, visit.key_begin), visit.keys, dv, v.row_stride));
@@ -410,17 +439,18 @@ std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem
 }
 
 // Backward: the gradients of q4, k4, v4 ((outer, heads or key/value heads, n, f), in T)
-// and of the score function's table (float64, its shape; undefined without one that wants
-// it) from forward's output and log-sum-exp.
+// and of the tensors the score function reads (ScoreVariant::tensors(), float64, each its
+// tensor's shape; undefined where not wanted) from forward's output and log-sum-exp.
 struct TileGrads {
-  torch::Tensor query, key, value, table;
+  torch::Tensor query, key, value;
+  std::vector<torch::Tensor> tensors;
 };
 
 template <typename T>
 TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
                          const torch::Tensor& k4, const torch::Tensor& v4,
                          const torch::Tensor& out4, const torch::Tensor& lse,
-                         const torch::Tensor& grad_out4, bool table_wants_grad) {
+                         const torch::Tensor& grad_out4, const std::vector<bool>& wanted) {
   const TilePlan plan(problem, q4, k4, v4);
   const RowScore<T> score(problem.variant);
   const int64_t kv_heads = k4.size(1), dv = plan.value_dim, hd = plan.head_dim;
@@ -433,24 +463,31 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
       grad_v(grad_v4);
   const T* lse_data = lse.data_ptr<T>();
   const T* delta_data = delta.data_ptr<T>();
-  const bool keeps_table_grad = table_wants_grad && score.table.defined();
+  const auto tensors = problem.variant.tensors();
   const int64_t tasks = plan.outer * kv_heads;
-  // Each task's share of the table's gradient, summed in task order afterwards.
-  std::vector<torch::Tensor> table_grads(tasks);
+  // Each task's share of the tensors' gradients, summed in task order afterwards.
+  std::vector<std::vector<torch::Tensor>> task_tensor_grads(tasks);
   run_tasks(tasks, q4.device(), [&](int64_t task) {
     const int64_t o = task / kv_heads, kh = task % kv_heads;
     const auto options = q4.options();
     auto scaled_q = torch::empty({plan.query_block, hd}, options);
     auto scores = torch::empty({plan.query_block * plan.widest_tile}, options);
     auto grad_scores = torch::empty({plan.query_block * plan.widest_tile}, options);
-    // Softcap's backward reads the modified scores, which the probabilities overwrite.
-    auto modified = problem.variant.kind == ScoreVariant::Kind::kSoftcap
-                        ? torch::empty({plan.query_block * plan.widest_tile}, options)
-                        : torch::Tensor();
-    double* table_grad = nullptr;
-    if (keeps_table_grad) {
-      table_grads[task] = torch::zeros(score.table.sizes(), torch::kDouble);
-      table_grad = table_grads[task].data_ptr<double>();
+    // What the score function's backward reads (the probabilities overwrite the scores).
+    using Kept = typename RowScore<T>::Kept;
+    const Kept keeps = score.backward_keeps();
+    auto kept = keeps != Kept::kNothing
+                    ? torch::empty({plan.query_block * plan.widest_tile}, options)
+                    : torch::Tensor();
+    auto work = score.workspace(plan.widest_tile);
+    std::vector<double*> tensor_grads(tensors.size(), nullptr);
+    auto& grads_of_task = task_tensor_grads[task];
+    grads_of_task.resize(tensors.size());
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      if (wanted[t]) {
+        grads_of_task[t] = torch::zeros(tensors[t].sizes(), torch::kDouble);
+        tensor_grads[t] = grads_of_task[t].data_ptr<double>();
+      }
     }
     for (int64_t h = kh * plan.group_size; h < (kh + 1) * plan.group_size; ++h) {
       for (int64_t qi = 0; qi < plan.num_query_blocks(); ++qi) {
@@ -465,13 +502,14 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
         for (const auto& visit : plan.tiles(o, h, qi)) {
           const int64_t k0 = visit.key_begin, bk = visit.keys;
           T* p_data = scores.data_ptr<T>();
-          T* modified_data = modified.defined() ? modified.data_ptr<T>() : nullptr;
+          T* kept_data = kept.defined() ? kept.template data_ptr<T>() : nullptr;
           // P = e^(modified scores - lse): 0 where masked, and for a row that sees no key.
-          plan.tile_scores(q_block, k, o, h, q0, bq, visit, p_data, score, [&](int64_t i, T* row) {
-            if (modified_data != nullptr)
-              std::memcpy(modified_data + i * bk, row, bk * sizeof(T));
-            exp_shifted(row, bk, row_lse[i]);
-          });
+          plan.tile_scores(q_block, k, o, h, q0, bq, visit, p_data, score, work,
+                           keeps == Kept::kRaw ? kept_data : nullptr, [&](int64_t i, T* row) {
+                             if (keeps == Kept::kModified)
+                               std::memcpy(kept_data + i * bk, row, bk * sizeof(T));
+                             exp_shifted(row, bk, row_lse[i]);
+                           });
           const auto p = matrix(p_data, bq, bk, bk);
           const auto k_tile = matrix(k.row(o, kh, k0), bk, hd, k.row_stride);
           const auto v_tile = matrix(v.row(o, kh, k0), bk, dv, v.row_stride);
@@ -487,8 +525,8 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
             const T d = row_delta[i];
             for (int64_t j = 0; j < bk; ++j)
               ds_row[j] = p_row[j] * (ds_row[j] - d);
-            score.backward(ds_row, modified_data != nullptr ? modified_data + i * bk : nullptr, bk,
-                           h, q0 + i, k0, table_grad);
+            score.backward(ds_row, kept_data != nullptr ? kept_data + i * bk : nullptr, bk, o, h,
+                           q0 + i, k0, work, tensor_grads);
           }
           grad_q_block.addmm_(ds, k_tile, /*beta=*/1, /*alpha=*/plan.problem.scale);
           matrix(grad_k.row(o, kh, k0), bk, hd, grad_k.row_stride).addmm_(ds.t(), q_block);
@@ -496,14 +534,15 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
       }
     }
   });
-  torch::Tensor table_grad;
-  for (const auto& g : table_grads) {
-    if (g.defined())
-      table_grad = table_grad.defined() ? table_grad.add_(g) : g;
+  std::vector<torch::Tensor> tensor_grads(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    if (!wanted[t])
+      continue;
+    tensor_grads[t] = torch::zeros(tensors[t].sizes(), torch::kDouble);
+    for (const auto& grads_of_task : task_tensor_grads)
+      tensor_grads[t].add_(grads_of_task[t]);
   }
-  if (keeps_table_grad && !table_grad.defined())
-    table_grad = torch::zeros(score.table.sizes(), torch::kDouble);
-  return {grad_q4, grad_k4, grad_v4, table_grad};
+  return {grad_q4, grad_k4, grad_v4, std::move(tensor_grads)};
 }
 
 // (..., n, f) -> (outer, heads, n, f) with unit-stride rows (a view when it can be).
@@ -520,24 +559,31 @@ std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem
                                             : tiles_forward<float>(problem, q4, k4, v4);
 }
 
-TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
-                         const torch::Tensor& k4, const torch::Tensor& v4,
-                         const torch::Tensor& out4, const torch::Tensor& lse,
-                         const torch::Tensor& grad_out4, bool table_wants_grad) {
+// The backward of a call whose score function's tensors `parameters` want gradients (each
+// one of ScoreVariant::tensors(), or a tensor the function does not read): the gradients of
+// q4, k4, v4, then of each parameter (zeros for one the function does not read).
+std::vector<torch::Tensor> tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
+                                          const torch::Tensor& k4, const torch::Tensor& v4,
+                                          const torch::Tensor& out4, const torch::Tensor& lse,
+                                          const torch::Tensor& grad_out4,
+                                          const std::vector<torch::Tensor>& parameters) {
+  const auto tensors = problem.variant.tensors();
+  std::vector<bool> wanted(tensors.size(), false);
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    for (const auto& parameter : parameters)
+      wanted[t] = wanted[t] || parameter.is_same(tensors[t]);
+  }
   const auto run =
       q4.scalar_type() == torch::kDouble ? tiles_backward<double> : tiles_backward<float>;
-  return run(problem, q4, k4, v4, out4, lse, grad_out4, table_wants_grad);
-}
-
-// The gradients of `parameters` (the tensors the score function reads that want gradients):
-// the table's for the table, zeros for any other.
-std::vector<torch::Tensor> parameter_grads(const TileProblem& problem, const TileGrads& grads,
-                                           const std::vector<torch::Tensor>& parameters) {
-  std::vector<torch::Tensor> result;
+  const auto grads = run(problem, q4, k4, v4, out4, lse, grad_out4, wanted);
+  std::vector<torch::Tensor> result{grads.query, grads.key, grads.value};
   for (const auto& parameter : parameters) {
-    const bool is_table = grads.table.defined() && problem.variant.table.defined() &&
-                          parameter.is_same(problem.variant.table);
-    result.push_back(is_table ? grads.table.to(parameter.options()) : torch::zeros_like(parameter));
+    torch::Tensor grad;
+    for (size_t t = 0; t < tensors.size() && !grad.defined(); ++t) {
+      if (parameter.is_same(tensors[t]))
+        grad = grads.tensors[t].to(parameter.options());
+    }
+    result.push_back(grad.defined() ? grad : torch::zeros_like(parameter));
   }
   return result;
 }
@@ -563,19 +609,18 @@ struct FusedTileAttention : public torch::autograd::Function<FusedTileAttention>
     const auto& q = saved[0];
     const auto& k = saved[1];
     const auto& v = saved[2];
-    const auto computed =
-        tiles_backward(problem, slices_of(q), slices_of(k), slices_of(v), saved[3], saved[4],
-                       slices_of(grads[0]), !parameters.empty());
-    variable_list grads_in{torch::Tensor(), shaped_like(computed.query, q),
-                           shaped_like(computed.key, k), shaped_like(computed.value, v)};
-    for (auto& g : parameter_grads(problem, computed, parameters))
-      grads_in.push_back(std::move(g));
+    auto computed = tiles_backward(problem, slices_of(q), slices_of(k), slices_of(v), saved[3],
+                                   saved[4], slices_of(grads[0]), parameters);
+    variable_list grads_in{torch::Tensor(), shaped_like(computed[0], q),
+                           shaped_like(computed[1], k), shaped_like(computed[2], v)};
+    grads_in.insert(grads_in.end(), computed.begin() + 3, computed.end());
     return grads_in;
   }
 };
 
 // What the kernel lacks for `input`: "" or why.
-std::string tiles_decline(const KernelInput& input, const std::optional<ScoreVariant>& variant) {
+std::string tiles_decline(const KernelInput& input, const std::optional<ScoreVariant>& variant,
+                          const std::string& why_not_variant) {
   const auto& call = input.call;
   if (!call.query.device().is_cpu())
     return "the fused tile kernel runs on the CPU";
@@ -589,8 +634,10 @@ std::string tiles_decline(const KernelInput& input, const std::optional<ScoreVar
   if (input.dropout_p() > 0.0)
     return "the fused tile kernel has no dropout (the chunked kernel draws its masks)";
   if (!variant.has_value())
-    return "the fused tile kernel evaluates softcap, ALiBi and relative-position score "
-           "functions only (the chunked kernel evaluates any other)";
+    return c10::str(
+        "the fused tile kernel evaluates named score functions and ScoreGraphs "
+        "only, not ",
+        why_not_variant, " (the chunked kernel evaluates any score function)");
   const auto& table = variant->table;
   if (variant->kind == ScoreVariant::Kind::kAlibi &&
       (table.dim() != 1 || table.size(0) != call.query.size(1)))
@@ -600,6 +647,21 @@ std::string tiles_decline(const KernelInput& input, const std::optional<ScoreVar
       table.size(0) != call.query.size(1))
     return c10::str("the fused tile kernel takes a relative-position table of 1 or ",
                     call.query.size(1), " rows, not ", shape_string(table));
+  if (variant->kind == ScoreVariant::Kind::kGraph) {
+    // A graph LibTorch refuses on one score (a result of another dtype than the score's, an
+    // index out of range) stays with the chunked kernel, which raises LibTorch's error.
+    try {
+      const auto zero = torch::zeros({1, 1, 1, 1}, torch::kInt64);
+      apply_score_mod(call.options.score_mod(),
+                      torch::zeros({1, 1, 1, 1}, call.query.scalar_type()),
+                      {zero, zero, zero, zero});
+    } catch (const c10::Error& error) {
+      return c10::str(
+          "the fused tile kernel leaves a score graph that fails on one score to "
+          "the chunked kernel: ",
+          error.what_without_backtrace());
+    }
+  }
   if (call.step == StepKind::kRagged && input.query_tokens() == 1)
     return "a one-query ragged step runs best on the math core";
   return "";
@@ -611,13 +673,8 @@ c10::intrusive_ptr<TileProblem> problem_of(const KernelInput& input,
   const auto& options = call.options;
   auto problem = c10::make_intrusive<TileProblem>();
   problem->mask = input.mask();
-  if (const auto* given = problem->mask.block_mask()) {
-    problem->blocks = *given;
-  } else if (!problem->mask.is_none()) {
-    problem->blocks = create_block_mask(
-        problem->mask, call.query.size(0), call.query.size(1), call.query.size(2), call.key.size(2),
-        BlockMaskOptions().block_size(options.query_block_size()).device(torch::kCPU));
-  }
+  problem->blocks = tile_block_mask(problem->mask, call.query, call.key.size(-2),
+                                    options.query_block_size(), torch::kCPU);
   problem->variant = variant.value_or(ScoreVariant{});
   problem->scale = input.scale();
   problem->query_block = options.query_block_size();
@@ -630,8 +687,9 @@ c10::intrusive_ptr<TileProblem> problem_of(const KernelInput& input,
 KernelSpec fused_tiles_spec() {
   return {"fused_tiles", AttentionBackend::kChunked, /*runs_16bit_cuda_in_its_dtype=*/false,
           [](const KernelInput& input) {
-            const auto variant = score_variant_of(input.call.options.score_mod());
-            auto declined = tiles_decline(input, variant);
+            std::string why_not_variant;
+            const auto variant = score_variant_of(input.call.options.score_mod(), &why_not_variant);
+            auto declined = tiles_decline(input, variant, why_not_variant);
             // A declined call makes no block mask here (the planner asks on to the next
             // kernel); its plan is made if it is run regardless (the mutation test).
             const auto made =
@@ -650,15 +708,13 @@ KernelSpec fused_tiles_spec() {
                 [problem_for](const KernelInput& in, const SplitSaved& saved) {
                   const auto problem = problem_for(in);
                   const auto& call = in.call;
-                  const auto computed = tiles_backward(
-                      *problem, slices_of(call.query), slices_of(call.key), slices_of(call.value),
-                      slices_of(saved.out), saved.lse.contiguous(), slices_of(saved.grad_out),
-                      !saved.parameters.empty());
-                  std::vector<torch::Tensor> grads{shaped_like(computed.query, call.query),
-                                                   shaped_like(computed.key, call.key),
-                                                   shaped_like(computed.value, call.value)};
-                  for (auto& g : parameter_grads(*problem, computed, saved.parameters))
-                    grads.push_back(std::move(g));
+                  auto grads = tiles_backward(*problem, slices_of(call.query), slices_of(call.key),
+                                              slices_of(call.value), slices_of(saved.out),
+                                              saved.lse.contiguous(), slices_of(saved.grad_out),
+                                              saved.parameters);
+                  grads[0] = shaped_like(grads[0], call.query);
+                  grads[1] = shaped_like(grads[1], call.key);
+                  grads[2] = shaped_like(grads[2], call.value);
                   return grads;
                 }};
             return KernelDecision{
@@ -667,9 +723,10 @@ KernelSpec fused_tiles_spec() {
                   const auto problem = problem_for(in);
                   const auto& call = in.call;
                   std::vector<torch::Tensor> parameters;
-                  const auto& table = problem->variant.table;
-                  if (table.defined() && table.requires_grad() && torch::GradMode::is_enabled())
-                    parameters.push_back(table);
+                  for (const auto& t : problem->variant.tensors()) {
+                    if (t.is_floating_point() && t.requires_grad() && torch::GradMode::is_enabled())
+                      parameters.push_back(t);
+                  }
                   return functional::AttentionOutput{
                       FusedTileAttention::apply(problem, call.query, call.key, call.value,
                                                 at::TensorList(parameters)),

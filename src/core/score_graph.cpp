@@ -404,8 +404,8 @@ std::optional<double> softcap_of(const std::vector<Operation>& nodes) {
 // The bias graph (ScoreGraph::additive_bias) as a form a kernel evaluates itself: ALiBi's
 // `$t[h] * (kv_idx - q_idx)`, or a table's `$t[h, clamp(kv_idx - q_idx, -D, D) + D]` for a
 // (heads, 2 D + 1) tensor; monostate for any other bias.
-std::variant<std::monostate, detail::AlibiBias, detail::RelativeBias> bias_form(
-    const std::vector<Operation>& nodes, const std::vector<torch::Tensor>& tensors) {
+detail::BiasForm bias_form(const std::vector<Operation>& nodes,
+                           const std::vector<torch::Tensor>& tensors) {
   const auto& last = nodes.back();
   std::optional<int64_t> slopes;
   if (either_order(
@@ -455,19 +455,13 @@ ScoreMod ScoreGraph::bind(std::vector<torch::Tensor> tensors) const {
     return detail::SoftcapScore{*cap};
   if (auto bias = additive_bias()) {
     auto form = bias_form(bias->nodes_, tensors);
-    return detail::AdditiveScore{
-        [bias = std::move(*bias), tensors](const torch::Tensor& score, const torch::Tensor& b,
-                                           const torch::Tensor& h, const torch::Tensor& q_idx,
-                                           const torch::Tensor& kv_idx) {
-          return bias.evaluate(score, b, h, q_idx, kv_idx, tensors);
-        },
-        std::move(form)};
+    auto bias_graph = detail::GraphScore{std::make_shared<const ScoreGraph>(std::move(*bias)),
+                                         std::move(tensors)};
+    if (std::holds_alternative<std::monostate>(form))
+      form = bias_graph;
+    return detail::AdditiveScore{std::move(bias_graph), std::move(form)};
   }
-  return [graph = *this, tensors = std::move(tensors)](
-             const torch::Tensor& score, const torch::Tensor& b, const torch::Tensor& h,
-             const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
-    return graph.evaluate(score, b, h, q_idx, kv_idx, tensors);
-  };
+  return detail::GraphScore{std::make_shared<const ScoreGraph>(*this), std::move(tensors)};
 }
 
 }  // namespace attnkit

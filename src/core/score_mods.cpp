@@ -9,6 +9,7 @@
 #include "attnkit/attention.h"
 #include "core/checks.h"
 #include "core/kernels.h"
+#include "core/score_program.h"
 #include "core/score_variants.h"
 
 namespace attnkit {
@@ -60,10 +61,23 @@ ScoreMod relative_position_bias(const torch::Tensor& bias) {
 
 namespace detail {
 
-std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod) {
+std::vector<torch::Tensor> ScoreVariant::tensors() const {
+  if (program)
+    return program->tensors();
+  return table.defined() ? std::vector<torch::Tensor>{table} : std::vector<torch::Tensor>{};
+}
+
+std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::string* why) {
   ScoreVariant variant;
   if (!score_mod)
     return variant;
+  const auto graph_variant = [&](const GraphScore& graph, bool adds_score) {
+    variant.kind = ScoreVariant::Kind::kGraph;
+    variant.program = ScoreProgram::compile(*graph.graph, graph.tensors, adds_score, why);
+    return variant.program ? std::optional<ScoreVariant>(variant) : std::nullopt;
+  };
+  if (const auto* graph = score_mod.target<GraphScore>())
+    return graph_variant(*graph, /*adds_score=*/false);
   if (const auto* softcap = score_mod.target<SoftcapScore>()) {
     variant.kind = ScoreVariant::Kind::kSoftcap;
     variant.cap = softcap->cap;
@@ -81,7 +95,11 @@ std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod) {
       variant.max_distance = relative->max_distance;
       return variant;
     }
+    if (const auto* graph = std::get_if<GraphScore>(&additive->form))
+      return graph_variant(*graph, /*adds_score=*/true);
   }
+  if (why != nullptr)
+    *why = "a C++ function, which only LibTorch's ops evaluate";
   return std::nullopt;
 }
 

@@ -7,12 +7,16 @@
 // it as a function of tensors.
 
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <string>
 #include <variant>
+#include <vector>
 
 #include <torch/torch.h>
 
 #include "attnkit/attention.h"
+#include "attnkit/score_graph.h"
 
 namespace attnkit::detail {
 
@@ -28,13 +32,27 @@ struct RelativeBias {
   int64_t max_distance;
 };
 
+/// A ScoreGraph with its captured tensors (ScoreGraph::bind): a function of tensors for the
+/// kernels that call one, a graph for the fused tile kernel to compile (core/score_program.h).
+struct GraphScore {
+  std::shared_ptr<const ScoreGraph> graph;
+  std::vector<torch::Tensor> tensors;
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
+                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const {
+    return graph->evaluate(score, b, h, q_idx, kv_idx, tensors);
+  }
+};
+
 /// A score function that adds a bias to the score, `score + bias(score, b, h, q_idx,
 /// kv_idx)`, the bias in score's dtype (score is read for its dtype and device only): so that
 /// the planner can hand the bias to LibTorch's SDPA as a float mask. `form` names the bias
-/// where it is one a kernel evaluates itself (monostate: a general one).
+/// where it is one a kernel evaluates itself (a GraphScore: any other graph; monostate: a
+/// C++ function).
+using BiasForm = std::variant<std::monostate, AlibiBias, RelativeBias, GraphScore>;
 struct AdditiveScore {
   ScoreMod bias;
-  std::variant<std::monostate, AlibiBias, RelativeBias> form = {};
+  BiasForm form = {};
   torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
                            const torch::Tensor& h, const torch::Tensor& q_idx,
                            const torch::Tensor& kv_idx) const {
@@ -51,16 +69,23 @@ struct SoftcapScore {
   }
 };
 
+class ScoreProgram;
+
 /// A score function as the fused tile kernel evaluates it.
 struct ScoreVariant {
-  enum class Kind { kNone, kSoftcap, kAlibi, kRelativeBias };
+  enum class Kind { kNone, kSoftcap, kAlibi, kRelativeBias, kGraph };
   Kind kind = Kind::kNone;
-  double cap = 0.0;          // kSoftcap
-  torch::Tensor table;       // kAlibi: the slopes; kRelativeBias: the table
-  int64_t max_distance = 0;  // kRelativeBias
+  double cap = 0.0;                             // kSoftcap
+  torch::Tensor table;                          // kAlibi: the slopes; kRelativeBias: the table
+  int64_t max_distance = 0;                     // kRelativeBias
+  std::shared_ptr<const ScoreProgram> program;  // kGraph
+
+  /// The tensors it reads, whose gradients backward computes: the table, or the graph's.
+  std::vector<torch::Tensor> tensors() const;
 };
 
-/// The variant a score function is (kNone for none); nullopt for any other function.
-std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod);
+/// The variant a score function is (kNone for none); nullopt for a C++ function, or a graph
+/// that rows cannot evaluate, with the reason in `why` (when given).
+std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::string* why = nullptr);
 
 }  // namespace attnkit::detail

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "attnkit/block_mask.h"
+#include "attnkit/mask.h"
+#include "core/attention_layout.h"
 
 namespace attnkit::detail {
 
@@ -59,6 +61,20 @@ inline std::vector<TileVisit> key_tiles(const BlockMask& blocks, int64_t o, int6
     }
   }
   return tiles;
+}
+
+// The block mask a tiled kernel walks for `mask` on `query` (any rank, (..., heads, n, f)):
+// the mask's own when it is one, none for no mask, else one judged at block_size on
+// `device` for the (outer, heads) slices the kernel's tiles see.
+inline BlockMask tile_block_mask(const Mask& mask, const torch::Tensor& query, int64_t num_keys,
+                                 int64_t block_size, const torch::Device& device) {
+  if (const auto* given = mask.block_mask())
+    return *given;  // its shape was checked with the mask's
+  if (mask.is_none())
+    return {};
+  const auto q4 = as_outer_heads(query);
+  return create_block_mask(mask, q4.size(0), q4.size(1), q4.size(2), num_keys,
+                           BlockMaskOptions().block_size(block_size).device(device));
 }
 
 }  // namespace attnkit::detail

@@ -1,0 +1,708 @@
+// ScoreProgram (score_program.h): a ScoreGraph compiled to steps over one row of a tile.
+
+#include "core/score_program.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <map>
+
+#include "core/checks.h"
+
+namespace attnkit::detail {
+
+namespace {
+
+enum class Category { kBool, kInt, kFloat };
+
+enum class Code {
+  // unary
+  kNeg,
+  kAbs,
+  kExp,
+  kExp2,
+  kExpm1,
+  kLog,
+  kLog2,
+  kLog1p,
+  kTanh,
+  kSigmoid,
+  kRelu,
+  kErf,
+  kSin,
+  kCos,
+  kTan,
+  kSqrt,
+  kRsqrt,
+  kReciprocal,
+  kFloor,
+  kCeil,
+  kRound,
+  kSign,
+  kLogicalNot,
+  kBitwiseNot,
+  kFloat,
+  // binary
+  kAdd,
+  kSub,
+  kMul,
+  kDiv,
+  kFloorDivide,
+  kRemainder,
+  kPow,
+  kMaximum,
+  kMinimum,
+  kAtan2,
+  kEq,
+  kNe,
+  kLt,
+  kLe,
+  kGt,
+  kGe,
+  kLogicalAnd,
+  kLogicalOr,
+  kBitwiseAnd,
+  kBitwiseOr,
+  kBitwiseXor,
+  // others
+  kWhere,
+  kClamp,
+  kIndex
+};
+
+const std::map<std::string, Code>& codes() {
+  static const std::map<std::string, Code> table{
+      {"neg", Code::kNeg},
+      {"abs", Code::kAbs},
+      {"exp", Code::kExp},
+      {"exp2", Code::kExp2},
+      {"expm1", Code::kExpm1},
+      {"log", Code::kLog},
+      {"log2", Code::kLog2},
+      {"log1p", Code::kLog1p},
+      {"tanh", Code::kTanh},
+      {"sigmoid", Code::kSigmoid},
+      {"relu", Code::kRelu},
+      {"erf", Code::kErf},
+      {"sin", Code::kSin},
+      {"cos", Code::kCos},
+      {"tan", Code::kTan},
+      {"sqrt", Code::kSqrt},
+      {"rsqrt", Code::kRsqrt},
+      {"reciprocal", Code::kReciprocal},
+      {"floor", Code::kFloor},
+      {"ceil", Code::kCeil},
+      {"round", Code::kRound},
+      {"sign", Code::kSign},
+      {"logical_not", Code::kLogicalNot},
+      {"bitwise_not", Code::kBitwiseNot},
+      {"float", Code::kFloat},
+      {"add", Code::kAdd},
+      {"sub", Code::kSub},
+      {"mul", Code::kMul},
+      {"div", Code::kDiv},
+      {"floor_divide", Code::kFloorDivide},
+      {"remainder", Code::kRemainder},
+      {"pow", Code::kPow},
+      {"maximum", Code::kMaximum},
+      {"minimum", Code::kMinimum},
+      {"atan2", Code::kAtan2},
+      {"eq", Code::kEq},
+      {"ne", Code::kNe},
+      {"lt", Code::kLt},
+      {"le", Code::kLe},
+      {"gt", Code::kGt},
+      {"ge", Code::kGe},
+      {"logical_and", Code::kLogicalAnd},
+      {"logical_or", Code::kLogicalOr},
+      {"bitwise_and", Code::kBitwiseAnd},
+      {"bitwise_or", Code::kBitwiseOr},
+      {"bitwise_xor", Code::kBitwiseXor},
+      {"where", Code::kWhere},
+      {"clamp", Code::kClamp},
+      {"index", Code::kIndex},
+  };
+  return table;
+}
+
+bool in(Code code, std::initializer_list<Code> set) {
+  return std::find(set.begin(), set.end(), code) != set.end();
+}
+
+// Results that keep their operands' category (promoted); the rest of the unary and binary
+// operations give floating values (exp, div, ...) or bools (comparisons, logical ones).
+bool keeps_category(Code code) {
+  return in(code, {Code::kNeg,       Code::kAbs,        Code::kFloor,       Code::kCeil,
+                   Code::kRound,     Code::kSign,       Code::kBitwiseNot,  Code::kAdd,
+                   Code::kSub,       Code::kMul,        Code::kFloorDivide, Code::kRemainder,
+                   Code::kPow,       Code::kMaximum,    Code::kMinimum,     Code::kBitwiseAnd,
+                   Code::kBitwiseOr, Code::kBitwiseXor, Code::kWhere,       Code::kClamp});
+}
+
+bool gives_bool(Code code) {
+  return in(code, {Code::kEq, Code::kNe, Code::kLt, Code::kLe, Code::kGt, Code::kGe,
+                   Code::kLogicalAnd, Code::kLogicalOr, Code::kLogicalNot});
+}
+
+// Operations whose derivative is 0 almost everywhere: autograd's gradient through them is 0.
+bool piecewise_constant(Code code) {
+  return in(code, {Code::kFloor, Code::kCeil, Code::kRound, Code::kSign, Code::kFloorDivide});
+}
+
+double floor_divide(double a, double b, Category category) {
+  if (category != Category::kFloat) {
+    TORCH_CHECK(b != 0, "[ScoreGraph] integer floor_divide by zero");
+    const auto x = static_cast<int64_t>(a), y = static_cast<int64_t>(b);
+    const int64_t quotient = x / y;
+    return static_cast<double>(quotient - ((x % y != 0) && ((x < 0) != (y < 0)) ? 1 : 0));
+  }
+  return std::floor(a / b);
+}
+
+// Python's remainder: the sign of the divisor.
+double remainder(double a, double b, Category category) {
+  if (category != Category::kFloat) {
+    TORCH_CHECK(b != 0, "[ScoreGraph] integer remainder by zero");
+    const auto x = static_cast<int64_t>(a), y = static_cast<int64_t>(b);
+    const int64_t r = x % y;
+    return static_cast<double>(r != 0 && ((r < 0) != (y < 0)) ? r + y : r);
+  }
+  const double r = std::fmod(a, b);
+  return r != 0 && ((r < 0) != (b < 0)) ? r + b : r;
+}
+
+double bitwise(Code code, double a, double b) {
+  const auto x = static_cast<int64_t>(a), y = static_cast<int64_t>(b);
+  switch (code) {
+    case Code::kBitwiseAnd:
+      return static_cast<double>(x & y);
+    case Code::kBitwiseOr:
+      return static_cast<double>(x | y);
+    default:
+      return static_cast<double>(x ^ y);
+  }
+}
+
+// LibTorch's split of a tie in maximum(a, b) / minimum(a, b): half the gradient to each.
+double wins(bool better, bool tie) {
+  return better ? 1.0 : tie ? 0.5 : 0.0;
+}
+
+constexpr double kLn2 = 0.69314718055994530942;
+constexpr double kTwoOverSqrtPi = 1.12837916709551257390;
+
+// An operand: a value (its slot), a constant, or a clamp's absent bound.
+struct Arg {
+  enum class Kind { kSlot, kConstant, kAbsent };
+  Kind kind = Kind::kSlot;
+  int64_t slot = 0;
+  double number = 0.0;
+};
+
+}  // namespace
+
+struct ScoreProgram::Step {
+  Code code;
+  std::vector<Arg> args;  // index: the indices, one per dimension of the tensor
+  int64_t tensor = -1;    // index: the captured tensor
+  int64_t out = 0;        // the slot of its value
+  Category category = Category::kFloat;
+  Category operand_category = Category::kFloat;  // the operands' promoted category
+};
+
+namespace {
+
+// Reads an operand at a row position: a row's entry j, a uniform value or constant (stride 0).
+struct Reader {
+  const double* data = nullptr;
+  int64_t stride = 0;
+  double operator()(int64_t j) const { return data[j * stride]; }
+};
+
+// The most operands a step reads (an index's indices: one per dimension of its tensor).
+constexpr int64_t kMaxOperands = 8;
+
+// A step's operands as readers: a fixed array, since a row's steps allocate nothing.
+struct Readers {
+  std::array<Reader, kMaxOperands> at;
+  size_t size = 0;
+  const Reader& operator[](size_t k) const { return at[k]; }
+};
+
+}  // namespace
+
+std::shared_ptr<const ScoreProgram> ScoreProgram::compile(const ScoreGraph& graph,
+                                                          std::vector<torch::Tensor> tensors,
+                                                          bool adds_score, std::string* why) {
+  std::shared_ptr<ScoreProgram> program(new ScoreProgram());
+  const auto refuse = [&](const std::string& reason) {
+    if (why != nullptr)
+      *why = reason;
+    return std::shared_ptr<const ScoreProgram>();
+  };
+  std::vector<Category> tensor_category;
+  for (const auto& t : tensors) {
+    if (t.is_complex())
+      return refuse("a captured tensor that is complex");
+    tensor_category.push_back(t.scalar_type() == torch::kBool ? Category::kBool
+                              : t.is_floating_point()         ? Category::kFloat
+                                                              : Category::kInt);
+    program->tensor_values_.push_back(t.detach().to(torch::kCPU, torch::kDouble).contiguous());
+    program->wants_grad_.push_back(t.is_floating_point() && t.requires_grad());
+  }
+  program->tensors_ = std::move(tensors);
+  program->adds_score_ = adds_score;
+  // Slots 0..4: score, b, h, q_idx, kv_idx.
+  std::vector<Category> category{Category::kFloat, Category::kInt, Category::kInt, Category::kInt,
+                                 Category::kInt};
+  auto& uniform = program->uniform_;
+  auto& grad = program->carries_grad_;
+  uniform = {false, true, true, true, false};
+  grad = {true, false, false, false, false};
+  std::vector<int64_t> slot_of_value{0, 1, 2, 3, 4};
+  const auto new_slot = [&](Category c, bool is_uniform, bool carries) {
+    category.push_back(c);
+    uniform.push_back(is_uniform);
+    grad.push_back(carries);
+    return static_cast<int64_t>(category.size()) - 1;
+  };
+  for (const auto& node : graph.nodes()) {
+    Step step;
+    step.code = codes().at(node.op);
+    using Kind = ScoreGraph::Operand::Kind;
+    bool all_uniform = true, any_grad = false;
+    std::vector<Category> operand_categories;
+    for (size_t i = 0; i < node.operands.size(); ++i) {
+      const auto& operand = node.operands[i];
+      if (step.code == Code::kIndex && i == 0) {
+        if (operand.kind != Kind::kTensor)
+          return refuse("an index of a value, not of a captured tensor");
+        step.tensor = operand.index;
+        continue;
+      }
+      Arg arg;
+      switch (operand.kind) {
+        case Kind::kValue: {
+          arg.slot = slot_of_value[static_cast<size_t>(operand.index)];
+          operand_categories.push_back(category[arg.slot]);
+          all_uniform = all_uniform && uniform[arg.slot];
+          any_grad = any_grad || grad[arg.slot];
+          break;
+        }
+        case Kind::kTensor: {
+          // A one-element tensor as an operand: its element, read by an index step of no
+          // indices (so that its gradient is summed like a table's).
+          const auto t = operand.index;
+          if (program->tensor_values_[t].numel() != 1)
+            return refuse("a captured tensor of more than one element outside an index");
+          Step read;
+          read.code = Code::kIndex;
+          read.tensor = t;
+          read.category = tensor_category[t];
+          read.out = new_slot(read.category, true, program->wants_grad_[t]);
+          program->steps_.push_back(read);
+          arg.slot = read.out;
+          operand_categories.push_back(read.category);
+          any_grad = any_grad || program->wants_grad_[t];
+          break;
+        }
+        case Kind::kFloat:
+          arg.kind = Arg::Kind::kConstant;
+          arg.number = operand.number;
+          operand_categories.push_back(Category::kFloat);
+          break;
+        case Kind::kInt:
+        case Kind::kBool:
+          arg.kind = Arg::Kind::kConstant;
+          arg.number = static_cast<double>(operand.index);
+          operand_categories.push_back(operand.kind == Kind::kInt ? Category::kInt
+                                                                  : Category::kBool);
+          break;
+        case Kind::kWhole:
+          if (step.code != Code::kClamp)
+            return refuse("an index that takes a whole dimension ('_')");
+          arg.kind = Arg::Kind::kAbsent;
+          break;
+      }
+      step.args.push_back(arg);
+    }
+    // The operands' promoted category (where's condition and an index's indices aside).
+    const size_t first = step.code == Code::kWhere ? 1 : 0;
+    Category promoted = Category::kBool;
+    for (size_t i = first; i < operand_categories.size(); ++i)
+      promoted = std::max(promoted, operand_categories[i]);
+    step.operand_category = promoted;
+    if (step.code == Code::kIndex) {
+      const auto& values = program->tensor_values_[step.tensor];
+      if (static_cast<int64_t>(step.args.size()) != values.dim() || values.dim() > kMaxOperands)
+        return refuse(c10::str("an index of ", step.args.size(), " indices into a tensor of ",
+                               values.dim(), " dimensions"));
+      for (const auto c : operand_categories) {
+        if (c != Category::kInt)
+          return refuse("an index that is not an integer");
+      }
+      step.category = tensor_category[step.tensor];
+      any_grad = any_grad || program->wants_grad_[step.tensor];
+    } else if (gives_bool(step.code)) {
+      step.category = Category::kBool;
+    } else if (keeps_category(step.code)) {
+      step.category = promoted;
+    } else {
+      step.category = Category::kFloat;
+    }
+    const bool bitwise_op =
+        in(step.code, {Code::kBitwiseAnd, Code::kBitwiseOr, Code::kBitwiseXor, Code::kBitwiseNot});
+    if (bitwise_op && promoted == Category::kFloat)
+      return refuse(c10::str(node.op, " of floating values"));
+    if (!bitwise_op && keeps_category(step.code) && step.code != Code::kWhere &&
+        step.code != Code::kClamp && promoted == Category::kBool)
+      return refuse(c10::str(node.op, " of bools"));
+    const bool carries = any_grad && step.category == Category::kFloat &&
+                         !piecewise_constant(step.code) && !gives_bool(step.code);
+    step.out = new_slot(step.category, all_uniform, carries);
+    slot_of_value.push_back(step.out);
+    program->steps_.push_back(std::move(step));
+  }
+  if (!adds_score && program->steps_.back().category != Category::kFloat)
+    return refuse("a result that is not floating");
+  if (!adds_score && program->uniform_[program->steps_.back().out])
+    return refuse("a result that reads neither the score nor kv_idx");
+  return program;
+}
+
+ScoreProgram::Workspace ScoreProgram::workspace(int64_t widest) const {
+  Workspace work;
+  work.widest = widest;
+  work.values.resize(uniform_.size() * static_cast<size_t>(widest));
+  work.adjoints.resize(uniform_.size() * static_cast<size_t>(widest));
+  return work;
+}
+
+void ScoreProgram::run_forward(int64_t count, int64_t b, int64_t h, int64_t q, int64_t k0,
+                               Workspace& work) const {
+  const int64_t widest = work.widest;
+  double* values = work.values.data();
+  const auto slot = [&](int64_t s) { return values + s * widest; };
+  slot(1)[0] = static_cast<double>(b);
+  slot(2)[0] = static_cast<double>(h);
+  slot(3)[0] = static_cast<double>(q);
+  for (int64_t j = 0; j < count; ++j)
+    slot(4)[j] = static_cast<double>(k0 + j);
+  for (const auto& step : steps_) {
+    const int64_t n = uniform_[step.out] ? 1 : count;
+    double* out = slot(step.out);
+    Readers in;
+    for (const auto& arg : step.args) {
+      in.at[in.size++] = arg.kind == Arg::Kind::kSlot
+                             ? Reader{slot(arg.slot), uniform_[arg.slot] ? 0 : 1}
+                             : Reader{&arg.number, 0};
+    }
+    const auto fill = [&](auto f) {
+      for (int64_t j = 0; j < n; ++j)
+        out[j] = f(j);
+    };
+    const Category c = step.operand_category;
+    switch (step.code) {
+      // clang-format off
+      case Code::kNeg: fill([&](int64_t j) { return -in[0](j); }); break;
+      case Code::kAbs: fill([&](int64_t j) { return std::abs(in[0](j)); }); break;
+      case Code::kExp: fill([&](int64_t j) { return std::exp(in[0](j)); }); break;
+      case Code::kExp2: fill([&](int64_t j) { return std::exp2(in[0](j)); }); break;
+      case Code::kExpm1: fill([&](int64_t j) { return std::expm1(in[0](j)); }); break;
+      case Code::kLog: fill([&](int64_t j) { return std::log(in[0](j)); }); break;
+      case Code::kLog2: fill([&](int64_t j) { return std::log2(in[0](j)); }); break;
+      case Code::kLog1p: fill([&](int64_t j) { return std::log1p(in[0](j)); }); break;
+      case Code::kTanh: fill([&](int64_t j) { return std::tanh(in[0](j)); }); break;
+      case Code::kSigmoid: fill([&](int64_t j) { return 1 / (1 + std::exp(-in[0](j))); }); break;
+      case Code::kRelu: fill([&](int64_t j) { return std::max(in[0](j), 0.0); }); break;
+      case Code::kErf: fill([&](int64_t j) { return std::erf(in[0](j)); }); break;
+      case Code::kSin: fill([&](int64_t j) { return std::sin(in[0](j)); }); break;
+      case Code::kCos: fill([&](int64_t j) { return std::cos(in[0](j)); }); break;
+      case Code::kTan: fill([&](int64_t j) { return std::tan(in[0](j)); }); break;
+      case Code::kSqrt: fill([&](int64_t j) { return std::sqrt(in[0](j)); }); break;
+      case Code::kRsqrt: fill([&](int64_t j) { return 1 / std::sqrt(in[0](j)); }); break;
+      case Code::kReciprocal: fill([&](int64_t j) { return 1 / in[0](j); }); break;
+      case Code::kFloor: fill([&](int64_t j) { return std::floor(in[0](j)); }); break;
+      case Code::kCeil: fill([&](int64_t j) { return std::ceil(in[0](j)); }); break;
+      case Code::kRound: fill([&](int64_t j) { return std::nearbyint(in[0](j)); }); break;
+      case Code::kSign:
+        fill([&](int64_t j) { const double x = in[0](j); return double((x > 0) - (x < 0)); });
+        break;
+      case Code::kLogicalNot: fill([&](int64_t j) { return double(in[0](j) == 0); }); break;
+      case Code::kBitwiseNot:
+        if (c == Category::kBool)
+          fill([&](int64_t j) { return double(in[0](j) == 0); });
+        else
+          fill([&](int64_t j) { return double(~static_cast<int64_t>(in[0](j))); });
+        break;
+      case Code::kFloat: fill([&](int64_t j) { return in[0](j); }); break;
+      case Code::kAdd: fill([&](int64_t j) { return in[0](j) + in[1](j); }); break;
+      case Code::kSub: fill([&](int64_t j) { return in[0](j) - in[1](j); }); break;
+      case Code::kMul: fill([&](int64_t j) { return in[0](j) * in[1](j); }); break;
+      case Code::kDiv: fill([&](int64_t j) { return in[0](j) / in[1](j); }); break;
+      case Code::kFloorDivide:
+        fill([&](int64_t j) { return floor_divide(in[0](j), in[1](j), c); });
+        break;
+      case Code::kRemainder:
+        fill([&](int64_t j) { return remainder(in[0](j), in[1](j), c); });
+        break;
+      case Code::kPow: fill([&](int64_t j) { return std::pow(in[0](j), in[1](j)); }); break;
+      case Code::kMaximum: fill([&](int64_t j) { return std::max(in[0](j), in[1](j)); }); break;
+      case Code::kMinimum: fill([&](int64_t j) { return std::min(in[0](j), in[1](j)); }); break;
+      case Code::kAtan2: fill([&](int64_t j) { return std::atan2(in[0](j), in[1](j)); }); break;
+      case Code::kEq: fill([&](int64_t j) { return double(in[0](j) == in[1](j)); }); break;
+      case Code::kNe: fill([&](int64_t j) { return double(in[0](j) != in[1](j)); }); break;
+      case Code::kLt: fill([&](int64_t j) { return double(in[0](j) < in[1](j)); }); break;
+      case Code::kLe: fill([&](int64_t j) { return double(in[0](j) <= in[1](j)); }); break;
+      case Code::kGt: fill([&](int64_t j) { return double(in[0](j) > in[1](j)); }); break;
+      case Code::kGe: fill([&](int64_t j) { return double(in[0](j) >= in[1](j)); }); break;
+      case Code::kLogicalAnd:
+        fill([&](int64_t j) { return double(in[0](j) != 0 && in[1](j) != 0); });
+        break;
+      case Code::kLogicalOr:
+        fill([&](int64_t j) { return double(in[0](j) != 0 || in[1](j) != 0); });
+        break;
+      case Code::kBitwiseAnd: case Code::kBitwiseOr: case Code::kBitwiseXor:
+        fill([&](int64_t j) { return bitwise(step.code, in[0](j), in[1](j)); });
+        break;
+      case Code::kWhere:
+        fill([&](int64_t j) { return in[0](j) != 0 ? in[1](j) : in[2](j); });
+        break;
+      // clang-format on
+      case Code::kClamp: {
+        const auto& low = step.args[1];
+        const auto& high = step.args[2];
+        fill([&](int64_t j) {
+          double x = in[0](j);
+          if (low.kind != Arg::Kind::kAbsent)
+            x = std::max(x, in[1](j));
+          if (high.kind != Arg::Kind::kAbsent)
+            x = std::min(x, in[2](j));
+          return x;
+        });
+        break;
+      }
+      case Code::kIndex: {
+        const auto& values_of = tensor_values_[step.tensor];
+        const double* data = values_of.data_ptr<double>();
+        fill([&](int64_t j) {
+          int64_t flat = 0;
+          for (size_t d = 0; d < in.size; ++d) {
+            const auto size = values_of.size(static_cast<int64_t>(d));
+            auto i = static_cast<int64_t>(in[d](j));
+            TORCH_CHECK(i >= -size && i < size, "[ScoreGraph] index ", i,
+                        " is out of bounds for dimension ", d, " with size ", size,
+                        " of captured tensor $", step.tensor);
+            flat += (i < 0 ? i + size : i) * values_of.stride(static_cast<int64_t>(d));
+          }
+          return data[flat];
+        });
+        break;
+      }
+    }
+  }
+}
+
+void ScoreProgram::run_backward(int64_t count, Workspace& work,
+                                const std::vector<double*>& tensor_grads) const {
+  const int64_t widest = work.widest;
+  const double* values = work.values.data();
+  double* adjoints = work.adjoints.data();
+  const auto value = [&](int64_t s) -> Reader {
+    return {values + s * widest, uniform_[s] ? 0 : 1};
+  };
+  for (auto step = steps_.rbegin(); step != steps_.rend(); ++step) {
+    if (!carries_grad_[step->out])
+      continue;
+    const int64_t n = uniform_[step->out] ? 1 : count;
+    const Reader grad_out{adjoints + step->out * widest, uniform_[step->out] ? 0 : 1};
+    const Reader y = value(step->out);
+    Readers in;
+    for (const auto& arg : step->args)
+      in.at[in.size++] = arg.kind == Arg::Kind::kSlot ? value(arg.slot) : Reader{&arg.number, 0};
+    if (step->code == Code::kIndex) {
+      double* grad = tensor_grads[step->tensor];
+      if (grad == nullptr)
+        continue;
+      const auto& values_of = tensor_values_[step->tensor];
+      for (int64_t j = 0; j < n; ++j) {
+        const double g = grad_out(j);
+        if (g == 0)
+          continue;
+        int64_t flat = 0;
+        for (size_t d = 0; d < in.size; ++d) {
+          const auto size = values_of.size(static_cast<int64_t>(d));
+          const auto i = static_cast<int64_t>(in[d](j));
+          flat += (i < 0 ? i + size : i) * values_of.stride(static_cast<int64_t>(d));
+        }
+        grad[flat] += g;
+      }
+      continue;
+    }
+    // d out / d operand k at entry j.
+    const auto partial = [&](size_t k, int64_t j) -> double {
+      const double a = in[0](j), out = y(j);
+      const double b = in.size > 1 ? in[1](j) : 0.0;
+      switch (step->code) {
+        case Code::kNeg:
+          return -1;
+        case Code::kAbs:
+          return double((a > 0) - (a < 0));
+        case Code::kExp:
+          return out;
+        case Code::kExp2:
+          return out * kLn2;
+        case Code::kExpm1:
+          return out + 1;
+        case Code::kLog:
+          return 1 / a;
+        case Code::kLog2:
+          return 1 / (a * kLn2);
+        case Code::kLog1p:
+          return 1 / (1 + a);
+        case Code::kTanh:
+          return 1 - out * out;
+        case Code::kSigmoid:
+          return out * (1 - out);
+        case Code::kRelu:
+          return out > 0 ? 1 : 0;
+        case Code::kErf:
+          return kTwoOverSqrtPi * std::exp(-a * a);
+        case Code::kSin:
+          return std::cos(a);
+        case Code::kCos:
+          return -std::sin(a);
+        case Code::kTan:
+          return 1 + out * out;
+        case Code::kSqrt:
+          return 1 / (2 * out);
+        case Code::kRsqrt:
+          return -0.5 * out * out * out;
+        case Code::kReciprocal:
+          return -out * out;
+        case Code::kFloat:
+          return 1;
+        case Code::kAdd:
+          return 1;
+        case Code::kSub:
+          return k == 0 ? 1 : -1;
+        case Code::kMul:
+          return k == 0 ? b : a;
+        case Code::kDiv:
+          return k == 0 ? 1 / b : -a / (b * b);
+        case Code::kRemainder:
+          return k == 0 ? 1 : -std::floor(a / b);
+        case Code::kPow:  // LibTorch's: 0 where the exponent is 0, or the base is 0 (exponent)
+          if (k == 0)
+            return b == 0 ? 0 : b * std::pow(a, b - 1);
+          return a == 0 && b >= 0 ? 0 : out * std::log(a);
+        case Code::kMaximum:
+          return k == 0 ? wins(a > b, a == b) : wins(b > a, a == b);
+        case Code::kMinimum:
+          return k == 0 ? wins(a < b, a == b) : wins(b < a, a == b);
+        case Code::kAtan2:
+          return (k == 0 ? b : -a) / (a * a + b * b);
+        case Code::kWhere:
+          return (k == 1) == (a != 0) ? 1 : 0;
+        case Code::kClamp: {
+          // maximum(x, low), then minimum(that, high), as ScoreGraph::evaluate computes it.
+          const auto& low = step->args[1];
+          const auto& high = step->args[2];
+          const double lo = in[1](j), hi = in[2](j);
+          const double m = low.kind == Arg::Kind::kAbsent ? a : std::max(a, lo);
+          const double through_high = high.kind == Arg::Kind::kAbsent ? 1 : wins(m < hi, m == hi);
+          if (k == 2)
+            return wins(hi < m, m == hi);
+          if (low.kind == Arg::Kind::kAbsent)
+            return through_high;
+          return through_high * (k == 0 ? wins(a > lo, a == lo) : wins(lo > a, a == lo));
+        }
+        default:
+          return 0;
+      }
+    };
+    for (size_t k = 0; k < step->args.size(); ++k) {
+      const auto& arg = step->args[k];
+      if (arg.kind != Arg::Kind::kSlot || !carries_grad_[arg.slot])
+        continue;
+      double* grad_in = adjoints + arg.slot * widest;
+      if (uniform_[arg.slot]) {
+        double sum = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const double g = grad_out(j);
+          if (g != 0)
+            sum += g * partial(k, j);
+        }
+        grad_in[0] += sum;
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          const double g = grad_out(j);
+          if (g != 0)
+            grad_in[j] += g * partial(k, j);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void ScoreProgram::apply(T* s, int64_t count, int64_t b, int64_t h, int64_t q, int64_t k0,
+                         Workspace& work) const {
+  double* score = work.values.data();
+  for (int64_t j = 0; j < count; ++j)
+    score[j] = static_cast<double>(s[j]);
+  run_forward(count, b, h, q, k0, work);
+  const int64_t result = steps_.back().out;
+  const double* value = work.values.data() + result * work.widest;
+  const int64_t stride = uniform_[result] ? 0 : 1;
+  for (int64_t j = 0; j < count; ++j)
+    s[j] = static_cast<T>(adds_score_ ? score[j] + value[j * stride] : value[j * stride]);
+}
+
+template <typename T>
+void ScoreProgram::backward(T* ds, const T* raw, int64_t count, int64_t b, int64_t h, int64_t q,
+                            int64_t k0, Workspace& work,
+                            const std::vector<double*>& tensor_grads) const {
+  double* score = work.values.data();
+  for (int64_t j = 0; j < count; ++j)
+    score[j] = static_cast<double>(raw[j]);
+  run_forward(count, b, h, q, k0, work);
+  const int64_t widest = work.widest;
+  for (size_t s = 0; s < uniform_.size(); ++s) {
+    if (carries_grad_[s])
+      std::fill_n(work.adjoints.data() + s * widest, uniform_[s] ? 1 : count, 0.0);
+  }
+  const int64_t result = steps_.back().out;
+  double* grad_result = work.adjoints.data() + result * widest;
+  double* grad_score = work.adjoints.data();
+  if (uniform_[result]) {  // a result that reads no score: its gradient is the row's sum
+    double sum = 0;
+    for (int64_t j = 0; j < count; ++j)
+      sum += static_cast<double>(ds[j]);
+    grad_result[0] = sum;
+  } else {
+    for (int64_t j = 0; j < count; ++j)
+      grad_result[j] = static_cast<double>(ds[j]);
+  }
+  if (adds_score_) {
+    for (int64_t j = 0; j < count; ++j)
+      grad_score[j] += static_cast<double>(ds[j]);
+  }
+  if (carries_grad_[result])
+    run_backward(count, work, tensor_grads);
+  for (int64_t j = 0; j < count; ++j)
+    ds[j] = ds[j] == 0 ? T(0) : static_cast<T>(grad_score[j]);
+}
+
+template void ScoreProgram::apply<float>(float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                         Workspace&) const;
+template void ScoreProgram::apply<double>(double*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                          Workspace&) const;
+template void ScoreProgram::backward<float>(float*, const float*, int64_t, int64_t, int64_t,
+                                            int64_t, int64_t, Workspace&,
+                                            const std::vector<double*>&) const;
+template void ScoreProgram::backward<double>(double*, const double*, int64_t, int64_t, int64_t,
+                                             int64_t, int64_t, Workspace&,
+                                             const std::vector<double*>&) const;
+
+}  // namespace attnkit::detail
