@@ -952,32 +952,43 @@ TEST(FusedTiles, ScoreGraphsMatchTheFloat64MathCore) {
   const auto grad_out = torch::randn({b, h, n, hd}, f64);
   for (const auto& [name, text, tensors] : graphs) {
     SCOPED_TRACE(name);
-    const auto score_mod = attnkit::ScoreGraph::parse(text).bind(tensors);
-    const auto options =
-        F::AttentionOptions().mask(mask).score_mod(score_mod).query_block_size(8).key_block_size(
-            16);
-    const auto run = [&](const std::string& kernel) {
-      std::vector<torch::Tensor> inputs;
+    const auto graph = attnkit::ScoreGraph::parse(text);
+    // dtype's inputs and captured floating tensors (a float32 call's graph reads float32
+    // tensors, as LibTorch's dtype check asks), forward and every gradient.
+    const auto run = [&](const std::string& kernel, torch::ScalarType dtype) {
+      std::vector<torch::Tensor> inputs, captured;
       for (const auto* t : {&q, &k, &v})
-        inputs.push_back(t->detach().requires_grad_(true));
+        inputs.push_back(t->to(dtype).detach().requires_grad_(true));
       for (const auto& t : tensors) {
+        captured.push_back(
+            t.is_floating_point() ? t.to(dtype).detach().requires_grad_(t.requires_grad()) : t);
         if (t.requires_grad())
-          inputs.push_back(t);
+          inputs.push_back(captured.back());
       }
+      const auto options = F::AttentionOptions()
+                               .mask(mask)
+                               .score_mod(graph.bind(captured))
+                               .query_block_size(8)
+                               .key_block_size(16)
+                               .kernel(kernel);
       F::KernelRecord record;
-      const auto out = F::attention(inputs[0], inputs[1], inputs[2],
-                                    F::AttentionOptions(options).kernel(kernel));
+      const auto out = F::attention(inputs[0], inputs[1], inputs[2], options);
       EXPECT_EQ(record.runs().at(0).kernel, kernel);
-      auto grads = torch::autograd::grad({out}, inputs, {grad_out});
+      auto grads = torch::autograd::grad({out}, inputs, {grad_out.to(dtype)});
       grads.insert(grads.begin(), out);
       return grads;
     };
-    const auto expected = run("math");
-    const auto actual = run("fused_tiles");
-    ASSERT_EQ(actual.size(), expected.size());
+    const auto expected = run("math", torch::kFloat64);
+    const auto in_float64 = run("fused_tiles", torch::kFloat64);
+    const auto in_float32 = run("fused_tiles", torch::kFloat32);
+    ASSERT_EQ(in_float64.size(), expected.size());
     for (size_t i = 0; i < expected.size(); ++i) {
-      // Only the order of the sums differs (and the graph is evaluated in float64 by both).
-      EXPECT_TRUE(tensors_close(c10::str("result ", i), actual[i], expected[i], 1e-10, 1e-10));
+      // float64: only the order of the sums differs (both evaluate the graph in float64);
+      // float32: its rounding, and tanh in float32.
+      EXPECT_TRUE(tensors_close(c10::str("result ", i, " (float64)"), in_float64[i], expected[i],
+                                1e-10, 1e-10));
+      EXPECT_TRUE(tensors_close(c10::str("result ", i, " (float32)"), in_float32[i], expected[i],
+                                i == 0 ? 2e-5 : 2e-4, 1e-4));
     }
   }
 }

@@ -44,6 +44,10 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The most memory backward's per-task copies of the score function's tensor gradients may
+// take (float64); above it, one copy per worker.
+constexpr int64_t kTaskGradBytes = int64_t{256} << 20;
+
 template <typename T>
 T minus_infinity() {
   return -std::numeric_limits<T>::infinity();
@@ -93,16 +97,13 @@ __attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t cou
   return horizontal_sum(sum8);
 }
 
-// s = cap tanh(s / cap), with tanh(x) = sign(x) (1 - e) / (1 + e), e = e^(-2 |x|).
+// s = cap tanh(s / cap).
 __attribute__((target("avx2,fma"))) void softcap_avx2(float* s, int64_t count, float cap) {
-  const __m256 inverse = _mm256_set1_ps(-2.0f / cap), cap8 = _mm256_set1_ps(cap);
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  const __m256 inverse = _mm256_set1_ps(1.0f / cap), cap8 = _mm256_set1_ps(cap);
   int64_t j = 0;
   for (; j + kLanes <= count; j += kLanes) {
-    const __m256 x = _mm256_loadu_ps(s + j);
-    const __m256 e = exp_nonpositive_avx2(_mm256_mul_ps(_mm256_andnot_ps(sign_bit, x), inverse));
-    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-    _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign_bit, x)), cap8));
+    const __m256 t = tanh_avx2(_mm256_mul_ps(_mm256_loadu_ps(s + j), inverse));
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(t, cap8));
   }
   for (; j < count; ++j)
     s[j] = cap * std::tanh(s[j] / cap);
@@ -207,7 +208,8 @@ struct RowScore {
   }
   // A worker's buffers for rows of up to `widest` keys (a program's; none otherwise).
   ScoreProgram::Workspace workspace(int64_t widest) const {
-    return program ? program->workspace(widest) : ScoreProgram::Workspace{};
+    return program ? program->workspace(widest, std::is_same_v<T, float>)
+                   : ScoreProgram::Workspace{};
   }
   // What backward reads besides the gradient: the scores after the function (a softcap's
   // derivative is 1 - (modified / cap)^2) or before it (a program recomputes its values).
@@ -465,8 +467,17 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
   const T* delta_data = delta.data_ptr<T>();
   const auto tensors = problem.variant.tensors();
   const int64_t tasks = plan.outer * kv_heads;
-  // Each task's share of the tensors' gradients, summed in task order afterwards.
-  std::vector<std::vector<torch::Tensor>> task_tensor_grads(tasks);
+  // Each task's share of the tensors' gradients, summed in task order afterwards (the same
+  // inputs give the same gradients); where one copy per task would pass kTaskGradBytes (a
+  // bias tensor of n^2 entries), one copy per worker, summed in float64 in the order the
+  // tasks fell to the workers.
+  int64_t grad_bytes = 0;
+  for (size_t t = 0; t < tensors.size(); ++t)
+    grad_bytes += wanted[t] ? tensors[t].numel() * int64_t{sizeof(double)} : 0;
+  const bool per_task = grad_bytes * tasks <= kTaskGradBytes;
+  const int64_t workers = worker_count(tasks, q4.device());
+  std::vector<std::vector<torch::Tensor>> share_grads(
+      static_cast<size_t>(per_task ? tasks : std::max<int64_t>(at::get_num_threads(), 1)));
   run_tasks(tasks, q4.device(), [&](int64_t task) {
     const int64_t o = task / kv_heads, kh = task % kv_heads;
     const auto options = q4.options();
@@ -481,12 +492,17 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
                     : torch::Tensor();
     auto work = score.workspace(plan.widest_tile);
     std::vector<double*> tensor_grads(tensors.size(), nullptr);
-    auto& grads_of_task = task_tensor_grads[task];
-    grads_of_task.resize(tensors.size());
+    const int64_t share = per_task ? task : workers == 1 ? 0 : at::get_thread_num();
+    TORCH_CHECK(share < static_cast<int64_t>(share_grads.size()), "[fused_tiles] worker ", share,
+                " of ", share_grads.size());
+    auto& grads = share_grads[static_cast<size_t>(share)];
+    if (grads.empty())
+      grads.resize(tensors.size());
     for (size_t t = 0; t < tensors.size(); ++t) {
       if (wanted[t]) {
-        grads_of_task[t] = torch::zeros(tensors[t].sizes(), torch::kDouble);
-        tensor_grads[t] = grads_of_task[t].data_ptr<double>();
+        if (!grads[t].defined())
+          grads[t] = torch::zeros(tensors[t].sizes(), torch::kDouble);
+        tensor_grads[t] = grads[t].data_ptr<double>();
       }
     }
     for (int64_t h = kh * plan.group_size; h < (kh + 1) * plan.group_size; ++h) {
@@ -538,9 +554,13 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
   for (size_t t = 0; t < tensors.size(); ++t) {
     if (!wanted[t])
       continue;
-    tensor_grads[t] = torch::zeros(tensors[t].sizes(), torch::kDouble);
-    for (const auto& grads_of_task : task_tensor_grads)
-      tensor_grads[t].add_(grads_of_task[t]);
+    for (const auto& grads : share_grads) {
+      if (grads.empty() || !grads[t].defined())
+        continue;
+      tensor_grads[t] = tensor_grads[t].defined() ? tensor_grads[t].add_(grads[t]) : grads[t];
+    }
+    if (!tensor_grads[t].defined())  // no task ran (an empty batch)
+      tensor_grads[t] = torch::zeros(tensors[t].sizes(), torch::kDouble);
   }
   return {grad_q4, grad_k4, grad_v4, std::move(tensor_grads)};
 }

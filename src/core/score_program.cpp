@@ -8,6 +8,7 @@
 #include <map>
 
 #include "core/checks.h"
+#include "core/row_softmax.h"
 
 namespace attnkit::detail {
 
@@ -203,24 +204,61 @@ struct Arg {
 
 struct ScoreProgram::Step {
   Code code;
-  std::vector<Arg> args;  // index: the indices, one per dimension of the tensor
-  int64_t tensor = -1;    // index: the captured tensor
-  int64_t out = 0;        // the slot of its value
+  std::vector<Arg> args;                // index: the indices, one per dimension of the tensor
+  int64_t tensor = -1;                  // index: the captured tensor
+  std::vector<int64_t> sizes, strides;  // index: the tensor's (tensor_values_)
+  int64_t out = 0;                      // the slot of its value
   Category category = Category::kFloat;
   Category operand_category = Category::kFloat;  // the operands' promoted category
 };
 
 namespace {
 
+// What a step reads for an operand it does not have (a unary step's second).
+const double kNoOperand = 0.0;
+
 // Reads an operand at a row position: a row's entry j, a uniform value or constant (stride 0).
 struct Reader {
-  const double* data = nullptr;
+  const double* data = &kNoOperand;
   int64_t stride = 0;
   double operator()(int64_t j) const { return data[j * stride]; }
 };
 
 // The most operands a step reads (an index's indices: one per dimension of its tensor).
 constexpr int64_t kMaxOperands = 8;
+
+// out[j] = f(a[j]) and f(a[j], b[j]) for j < n, one loop per pattern of strides, so that
+// the compiler vectorizes the loops whose operands are rows.
+template <typename F>
+void map1(double* __restrict out, int64_t n, const Reader& a, F f) {
+  if (a.stride == 0) {
+    std::fill_n(out, n, f(a.data[0]));
+    return;
+  }
+  const double* __restrict x = a.data;
+  for (int64_t j = 0; j < n; ++j)
+    out[j] = f(x[j]);
+}
+
+template <typename F>
+void map2(double* __restrict out, int64_t n, const Reader& a, const Reader& b, F f) {
+  const double* __restrict x = a.data;
+  const double* __restrict y = b.data;
+  if (a.stride != 0 && b.stride != 0) {
+    for (int64_t j = 0; j < n; ++j)
+      out[j] = f(x[j], y[j]);
+  } else if (a.stride != 0) {
+    const double y0 = y[0];
+    for (int64_t j = 0; j < n; ++j)
+      out[j] = f(x[j], y0);
+  } else if (b.stride != 0) {
+    const double x0 = x[0];
+    for (int64_t j = 0; j < n; ++j)
+      out[j] = f(x0, y[j]);
+  } else {
+    std::fill_n(out, n, f(x[0], y[0]));
+  }
+}
 
 // A step's operands as readers: a fixed array, since a row's steps allocate nothing.
 struct Readers {
@@ -247,7 +285,7 @@ std::shared_ptr<const ScoreProgram> ScoreProgram::compile(const ScoreGraph& grap
     tensor_category.push_back(t.scalar_type() == torch::kBool ? Category::kBool
                               : t.is_floating_point()         ? Category::kFloat
                                                               : Category::kInt);
-    program->tensor_values_.push_back(t.detach().to(torch::kCPU, torch::kDouble).contiguous());
+    program->tensor_values_.push_back(t.detach().to(torch::kCPU).contiguous());
     program->wants_grad_.push_back(t.is_floating_point() && t.requires_grad());
   }
   program->tensors_ = std::move(tensors);
@@ -342,6 +380,8 @@ std::shared_ptr<const ScoreProgram> ScoreProgram::compile(const ScoreGraph& grap
           return refuse("an index that is not an integer");
       }
       step.category = tensor_category[step.tensor];
+      step.sizes = values.sizes().vec();
+      step.strides = values.strides().vec();
       any_grad = any_grad || program->wants_grad_[step.tensor];
     } else if (gives_bool(step.code)) {
       step.category = Category::kBool;
@@ -370,9 +410,83 @@ std::shared_ptr<const ScoreProgram> ScoreProgram::compile(const ScoreGraph& grap
   return program;
 }
 
-ScoreProgram::Workspace ScoreProgram::workspace(int64_t widest) const {
+namespace {
+
+// An index step's flat offsets into its (contiguous) tensor: `base` from the indices that
+// are uniform, plus row[j] from those that vary along the row (empty when none does).
+// LibTorch's rules: a negative index counts from the end; one out of range is an error.
+struct Offsets {
+  int64_t base = 0;
+  std::vector<int64_t> row;
+};
+
+Offsets index_offsets(const ScoreProgram::Step& step, const Readers& in, int64_t n) {
+  Offsets offsets;
+  const auto checked = [&](double value, size_t d) {
+    const int64_t size = step.sizes[d];
+    const auto i = static_cast<int64_t>(value);
+    TORCH_CHECK(i >= -size && i < size, "[ScoreGraph] index ", i,
+                " is out of bounds for dimension ", d, " with size ", size, " of captured tensor $",
+                step.tensor);
+    return (i < 0 ? i + size : i) * step.strides[d];
+  };
+  for (size_t d = 0; d < in.size; ++d) {
+    if (in[d].stride != 0) {
+      if (offsets.row.empty())
+        offsets.row.assign(static_cast<size_t>(n), 0);
+      for (int64_t j = 0; j < n; ++j)
+        offsets.row[j] += checked(in[d].data[j], d);
+    } else {
+      offsets.base += checked(in[d].data[0], d);
+    }
+  }
+  return offsets;
+}
+
+// A captured tensor's element as a number: 16-bit floats through float.
+template <typename T>
+using float_or_double =
+    std::conditional_t<std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>, float, T>;
+
+}  // namespace
+
+namespace {
+
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+__attribute__((target("avx2,fma"))) void tanh_row_avx2(float* x, int64_t count) {
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes)
+    _mm256_storeu_ps(x + j, tanh_avx2(_mm256_loadu_ps(x + j)));
+  for (; j < count; ++j)
+    x[j] = std::tanh(x[j]);
+}
+#endif
+
+// tanh of a row in float32 with AVX2, for a workspace that asks for it (a float32 call, whose
+// graph LibTorch evaluates in float32 too): false where it does not, or the CPU lacks AVX2.
+bool tanh_in_float(double* out, int64_t n, const Reader& a, ScoreProgram::Workspace& work) {
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if (work.floats.empty() || a.stride == 0 || !has_avx2_fma())
+    return false;
+  float* x = work.floats.data();
+  for (int64_t j = 0; j < n; ++j)
+    x[j] = static_cast<float>(a.data[j]);
+  tanh_row_avx2(x, n);
+  for (int64_t j = 0; j < n; ++j)
+    out[j] = x[j];
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+ScoreProgram::Workspace ScoreProgram::workspace(int64_t widest, bool float_tanh) const {
   Workspace work;
   work.widest = widest;
+  if (float_tanh)
+    work.floats.resize(static_cast<size_t>(widest));
   work.values.resize(uniform_.size() * static_cast<size_t>(widest));
   work.adjoints.resize(uniform_.size() * static_cast<size_t>(widest));
   return work;
@@ -404,66 +518,69 @@ void ScoreProgram::run_forward(int64_t count, int64_t b, int64_t h, int64_t q, i
     const Category c = step.operand_category;
     switch (step.code) {
       // clang-format off
-      case Code::kNeg: fill([&](int64_t j) { return -in[0](j); }); break;
-      case Code::kAbs: fill([&](int64_t j) { return std::abs(in[0](j)); }); break;
-      case Code::kExp: fill([&](int64_t j) { return std::exp(in[0](j)); }); break;
-      case Code::kExp2: fill([&](int64_t j) { return std::exp2(in[0](j)); }); break;
-      case Code::kExpm1: fill([&](int64_t j) { return std::expm1(in[0](j)); }); break;
-      case Code::kLog: fill([&](int64_t j) { return std::log(in[0](j)); }); break;
-      case Code::kLog2: fill([&](int64_t j) { return std::log2(in[0](j)); }); break;
-      case Code::kLog1p: fill([&](int64_t j) { return std::log1p(in[0](j)); }); break;
-      case Code::kTanh: fill([&](int64_t j) { return std::tanh(in[0](j)); }); break;
-      case Code::kSigmoid: fill([&](int64_t j) { return 1 / (1 + std::exp(-in[0](j))); }); break;
-      case Code::kRelu: fill([&](int64_t j) { return std::max(in[0](j), 0.0); }); break;
-      case Code::kErf: fill([&](int64_t j) { return std::erf(in[0](j)); }); break;
-      case Code::kSin: fill([&](int64_t j) { return std::sin(in[0](j)); }); break;
-      case Code::kCos: fill([&](int64_t j) { return std::cos(in[0](j)); }); break;
-      case Code::kTan: fill([&](int64_t j) { return std::tan(in[0](j)); }); break;
-      case Code::kSqrt: fill([&](int64_t j) { return std::sqrt(in[0](j)); }); break;
-      case Code::kRsqrt: fill([&](int64_t j) { return 1 / std::sqrt(in[0](j)); }); break;
-      case Code::kReciprocal: fill([&](int64_t j) { return 1 / in[0](j); }); break;
-      case Code::kFloor: fill([&](int64_t j) { return std::floor(in[0](j)); }); break;
-      case Code::kCeil: fill([&](int64_t j) { return std::ceil(in[0](j)); }); break;
-      case Code::kRound: fill([&](int64_t j) { return std::nearbyint(in[0](j)); }); break;
-      case Code::kSign:
-        fill([&](int64_t j) { const double x = in[0](j); return double((x > 0) - (x < 0)); });
+      case Code::kNeg: map1(out, n, in[0], [&](double x) { return -x; }); break;
+      case Code::kAbs: map1(out, n, in[0], [&](double x) { return std::abs(x); }); break;
+      case Code::kExp: map1(out, n, in[0], [&](double x) { return std::exp(x); }); break;
+      case Code::kExp2: map1(out, n, in[0], [&](double x) { return std::exp2(x); }); break;
+      case Code::kExpm1: map1(out, n, in[0], [&](double x) { return std::expm1(x); }); break;
+      case Code::kLog: map1(out, n, in[0], [&](double x) { return std::log(x); }); break;
+      case Code::kLog2: map1(out, n, in[0], [&](double x) { return std::log2(x); }); break;
+      case Code::kLog1p: map1(out, n, in[0], [&](double x) { return std::log1p(x); }); break;
+      case Code::kTanh:
+        if (!tanh_in_float(out, n, in[0], work))
+          map1(out, n, in[0], [&](double x) { return std::tanh(x); });
         break;
-      case Code::kLogicalNot: fill([&](int64_t j) { return double(in[0](j) == 0); }); break;
+      case Code::kSigmoid: map1(out, n, in[0], [&](double x) { return 1 / (1 + std::exp(-x)); }); break;
+      case Code::kRelu: map1(out, n, in[0], [&](double x) { return std::max(x, 0.0); }); break;
+      case Code::kErf: map1(out, n, in[0], [&](double x) { return std::erf(x); }); break;
+      case Code::kSin: map1(out, n, in[0], [&](double x) { return std::sin(x); }); break;
+      case Code::kCos: map1(out, n, in[0], [&](double x) { return std::cos(x); }); break;
+      case Code::kTan: map1(out, n, in[0], [&](double x) { return std::tan(x); }); break;
+      case Code::kSqrt: map1(out, n, in[0], [&](double x) { return std::sqrt(x); }); break;
+      case Code::kRsqrt: map1(out, n, in[0], [&](double x) { return 1 / std::sqrt(x); }); break;
+      case Code::kReciprocal: map1(out, n, in[0], [&](double x) { return 1 / x; }); break;
+      case Code::kFloor: map1(out, n, in[0], [&](double x) { return std::floor(x); }); break;
+      case Code::kCeil: map1(out, n, in[0], [&](double x) { return std::ceil(x); }); break;
+      case Code::kRound: map1(out, n, in[0], [&](double x) { return std::nearbyint(x); }); break;
+      case Code::kSign:
+        map1(out, n, in[0], [&](double x) { return double((x > 0) - (x < 0)); });
+        break;
+      case Code::kLogicalNot: map1(out, n, in[0], [&](double x) { return double(x == 0); }); break;
       case Code::kBitwiseNot:
         if (c == Category::kBool)
-          fill([&](int64_t j) { return double(in[0](j) == 0); });
+          map1(out, n, in[0], [&](double x) { return double(x == 0); });
         else
-          fill([&](int64_t j) { return double(~static_cast<int64_t>(in[0](j))); });
+          map1(out, n, in[0], [&](double x) { return double(~static_cast<int64_t>(x)); });
         break;
-      case Code::kFloat: fill([&](int64_t j) { return in[0](j); }); break;
-      case Code::kAdd: fill([&](int64_t j) { return in[0](j) + in[1](j); }); break;
-      case Code::kSub: fill([&](int64_t j) { return in[0](j) - in[1](j); }); break;
-      case Code::kMul: fill([&](int64_t j) { return in[0](j) * in[1](j); }); break;
-      case Code::kDiv: fill([&](int64_t j) { return in[0](j) / in[1](j); }); break;
+      case Code::kFloat: map1(out, n, in[0], [&](double x) { return x; }); break;
+      case Code::kAdd: map2(out, n, in[0], in[1], [&](double x, double y) { return x + y; }); break;
+      case Code::kSub: map2(out, n, in[0], in[1], [&](double x, double y) { return x - y; }); break;
+      case Code::kMul: map2(out, n, in[0], in[1], [&](double x, double y) { return x * y; }); break;
+      case Code::kDiv: map2(out, n, in[0], in[1], [&](double x, double y) { return x / y; }); break;
       case Code::kFloorDivide:
-        fill([&](int64_t j) { return floor_divide(in[0](j), in[1](j), c); });
+        map2(out, n, in[0], in[1], [&](double x, double y) { return floor_divide(x, y, c); });
         break;
       case Code::kRemainder:
-        fill([&](int64_t j) { return remainder(in[0](j), in[1](j), c); });
+        map2(out, n, in[0], in[1], [&](double x, double y) { return remainder(x, y, c); });
         break;
-      case Code::kPow: fill([&](int64_t j) { return std::pow(in[0](j), in[1](j)); }); break;
-      case Code::kMaximum: fill([&](int64_t j) { return std::max(in[0](j), in[1](j)); }); break;
-      case Code::kMinimum: fill([&](int64_t j) { return std::min(in[0](j), in[1](j)); }); break;
-      case Code::kAtan2: fill([&](int64_t j) { return std::atan2(in[0](j), in[1](j)); }); break;
-      case Code::kEq: fill([&](int64_t j) { return double(in[0](j) == in[1](j)); }); break;
-      case Code::kNe: fill([&](int64_t j) { return double(in[0](j) != in[1](j)); }); break;
-      case Code::kLt: fill([&](int64_t j) { return double(in[0](j) < in[1](j)); }); break;
-      case Code::kLe: fill([&](int64_t j) { return double(in[0](j) <= in[1](j)); }); break;
-      case Code::kGt: fill([&](int64_t j) { return double(in[0](j) > in[1](j)); }); break;
-      case Code::kGe: fill([&](int64_t j) { return double(in[0](j) >= in[1](j)); }); break;
+      case Code::kPow: map2(out, n, in[0], in[1], [&](double x, double y) { return std::pow(x, y); }); break;
+      case Code::kMaximum: map2(out, n, in[0], in[1], [&](double x, double y) { return std::max(x, y); }); break;
+      case Code::kMinimum: map2(out, n, in[0], in[1], [&](double x, double y) { return std::min(x, y); }); break;
+      case Code::kAtan2: map2(out, n, in[0], in[1], [&](double x, double y) { return std::atan2(x, y); }); break;
+      case Code::kEq: map2(out, n, in[0], in[1], [&](double x, double y) { return double(x == y); }); break;
+      case Code::kNe: map2(out, n, in[0], in[1], [&](double x, double y) { return double(x != y); }); break;
+      case Code::kLt: map2(out, n, in[0], in[1], [&](double x, double y) { return double(x < y); }); break;
+      case Code::kLe: map2(out, n, in[0], in[1], [&](double x, double y) { return double(x <= y); }); break;
+      case Code::kGt: map2(out, n, in[0], in[1], [&](double x, double y) { return double(x > y); }); break;
+      case Code::kGe: map2(out, n, in[0], in[1], [&](double x, double y) { return double(x >= y); }); break;
       case Code::kLogicalAnd:
-        fill([&](int64_t j) { return double(in[0](j) != 0 && in[1](j) != 0); });
+        map2(out, n, in[0], in[1], [&](double x, double y) { return double(x != 0 && y != 0); });
         break;
       case Code::kLogicalOr:
-        fill([&](int64_t j) { return double(in[0](j) != 0 || in[1](j) != 0); });
+        map2(out, n, in[0], in[1], [&](double x, double y) { return double(x != 0 || y != 0); });
         break;
       case Code::kBitwiseAnd: case Code::kBitwiseOr: case Code::kBitwiseXor:
-        fill([&](int64_t j) { return bitwise(step.code, in[0](j), in[1](j)); });
+        map2(out, n, in[0], in[1], [&](double x, double y) { return bitwise(step.code, x, y); });
         break;
       case Code::kWhere:
         fill([&](int64_t j) { return in[0](j) != 0 ? in[1](j) : in[2](j); });
@@ -483,20 +600,15 @@ void ScoreProgram::run_forward(int64_t count, int64_t b, int64_t h, int64_t q, i
         break;
       }
       case Code::kIndex: {
-        const auto& values_of = tensor_values_[step.tensor];
-        const double* data = values_of.data_ptr<double>();
-        fill([&](int64_t j) {
-          int64_t flat = 0;
-          for (size_t d = 0; d < in.size; ++d) {
-            const auto size = values_of.size(static_cast<int64_t>(d));
-            auto i = static_cast<int64_t>(in[d](j));
-            TORCH_CHECK(i >= -size && i < size, "[ScoreGraph] index ", i,
-                        " is out of bounds for dimension ", d, " with size ", size,
-                        " of captured tensor $", step.tensor);
-            flat += (i < 0 ? i + size : i) * values_of.stride(static_cast<int64_t>(d));
-          }
-          return data[flat];
-        });
+        const auto& tensor = tensor_values_[step.tensor];
+        const auto offsets = index_offsets(step, in, n);
+        AT_DISPATCH_ALL_TYPES_AND3(
+            at::kBool, at::kHalf, at::kBFloat16, tensor.scalar_type(), "ScoreProgram index", [&] {
+              const scalar_t* data = tensor.data_ptr<scalar_t>();
+              for (int64_t j = 0; j < n; ++j)
+                out[j] = static_cast<double>(static_cast<float_or_double<scalar_t>>(
+                    data[offsets.base + (offsets.row.empty() ? 0 : offsets.row[j])]));
+            });
         break;
       }
     }
@@ -516,7 +628,7 @@ void ScoreProgram::run_backward(int64_t count, Workspace& work,
       continue;
     const int64_t n = uniform_[step->out] ? 1 : count;
     const Reader grad_out{adjoints + step->out * widest, uniform_[step->out] ? 0 : 1};
-    const Reader y = value(step->out);
+    const Reader out_value = value(step->out);
     Readers in;
     for (const auto& arg : step->args)
       in.at[in.size++] = arg.kind == Arg::Kind::kSlot ? value(arg.slot) : Reader{&arg.number, 0};
@@ -524,122 +636,110 @@ void ScoreProgram::run_backward(int64_t count, Workspace& work,
       double* grad = tensor_grads[step->tensor];
       if (grad == nullptr)
         continue;
-      const auto& values_of = tensor_values_[step->tensor];
+      const auto offsets = index_offsets(*step, in, n);
       for (int64_t j = 0; j < n; ++j) {
         const double g = grad_out(j);
-        if (g == 0)
-          continue;
-        int64_t flat = 0;
-        for (size_t d = 0; d < in.size; ++d) {
-          const auto size = values_of.size(static_cast<int64_t>(d));
-          const auto i = static_cast<int64_t>(in[d](j));
-          flat += (i < 0 ? i + size : i) * values_of.stride(static_cast<int64_t>(d));
-        }
-        grad[flat] += g;
+        if (g != 0)
+          grad[offsets.base + (offsets.row.empty() ? 0 : offsets.row[j])] += g;
       }
       continue;
     }
-    // d out / d operand k at entry j.
-    const auto partial = [&](size_t k, int64_t j) -> double {
-      const double a = in[0](j), out = y(j);
-      const double b = in.size > 1 ? in[1](j) : 0.0;
-      switch (step->code) {
-        case Code::kNeg:
-          return -1;
-        case Code::kAbs:
-          return double((a > 0) - (a < 0));
-        case Code::kExp:
-          return out;
-        case Code::kExp2:
-          return out * kLn2;
-        case Code::kExpm1:
-          return out + 1;
-        case Code::kLog:
-          return 1 / a;
-        case Code::kLog2:
-          return 1 / (a * kLn2);
-        case Code::kLog1p:
-          return 1 / (1 + a);
-        case Code::kTanh:
-          return 1 - out * out;
-        case Code::kSigmoid:
-          return out * (1 - out);
-        case Code::kRelu:
-          return out > 0 ? 1 : 0;
-        case Code::kErf:
-          return kTwoOverSqrtPi * std::exp(-a * a);
-        case Code::kSin:
-          return std::cos(a);
-        case Code::kCos:
-          return -std::sin(a);
-        case Code::kTan:
-          return 1 + out * out;
-        case Code::kSqrt:
-          return 1 / (2 * out);
-        case Code::kRsqrt:
-          return -0.5 * out * out * out;
-        case Code::kReciprocal:
-          return -out * out;
-        case Code::kFloat:
-          return 1;
-        case Code::kAdd:
-          return 1;
-        case Code::kSub:
-          return k == 0 ? 1 : -1;
-        case Code::kMul:
-          return k == 0 ? b : a;
-        case Code::kDiv:
-          return k == 0 ? 1 / b : -a / (b * b);
-        case Code::kRemainder:
-          return k == 0 ? 1 : -std::floor(a / b);
-        case Code::kPow:  // LibTorch's: 0 where the exponent is 0, or the base is 0 (exponent)
-          if (k == 0)
-            return b == 0 ? 0 : b * std::pow(a, b - 1);
-          return a == 0 && b >= 0 ? 0 : out * std::log(a);
-        case Code::kMaximum:
-          return k == 0 ? wins(a > b, a == b) : wins(b > a, a == b);
-        case Code::kMinimum:
-          return k == 0 ? wins(a < b, a == b) : wins(b < a, a == b);
-        case Code::kAtan2:
-          return (k == 0 ? b : -a) / (a * a + b * b);
-        case Code::kWhere:
-          return (k == 1) == (a != 0) ? 1 : 0;
-        case Code::kClamp: {
-          // maximum(x, low), then minimum(that, high), as ScoreGraph::evaluate computes it.
-          const auto& low = step->args[1];
-          const auto& high = step->args[2];
-          const double lo = in[1](j), hi = in[2](j);
-          const double m = low.kind == Arg::Kind::kAbsent ? a : std::max(a, lo);
-          const double through_high = high.kind == Arg::Kind::kAbsent ? 1 : wins(m < hi, m == hi);
-          if (k == 2)
-            return wins(hi < m, m == hi);
-          if (low.kind == Arg::Kind::kAbsent)
-            return through_high;
-          return through_high * (k == 0 ? wins(a > lo, a == lo) : wins(lo > a, a == lo));
-        }
-        default:
-          return 0;
-      }
-    };
     for (size_t k = 0; k < step->args.size(); ++k) {
       const auto& arg = step->args[k];
       if (arg.kind != Arg::Kind::kSlot || !carries_grad_[arg.slot])
         continue;
       double* grad_in = adjoints + arg.slot * widest;
-      if (uniform_[arg.slot]) {
+      const bool sums = uniform_[arg.slot];
+      // grad_in += grad_out * d out / d operand k, the derivative partial(a, b, y, j) chosen
+      // once per step; an entry whose gradient is 0 adds 0 (not 0 times an infinite slope).
+      const auto accumulate = [&](auto partial) {
         double sum = 0;
         for (int64_t j = 0; j < n; ++j) {
           const double g = grad_out(j);
-          if (g != 0)
-            sum += g * partial(k, j);
+          const double term = g != 0 ? g * partial(in[0](j), in[1](j), out_value(j), j) : 0.0;
+          if (sums)
+            sum += term;
+          else
+            grad_in[j] += term;
         }
-        grad_in[0] += sum;
-      } else {
-        for (int64_t j = 0; j < n; ++j) {
-          const double g = grad_out(j);
-          if (g != 0)
-            grad_in[j] += g * partial(k, j);
+        if (sums)
+          grad_in[0] += sum;
+      };
+      const bool first = k == 0;
+      using D = double;
+      switch (step->code) {
+        // clang-format off
+        case Code::kNeg: accumulate([](D, D, D, int64_t) { return -1.0; }); break;
+        case Code::kAbs: accumulate([](D a, D, D, int64_t) { return D((a > 0) - (a < 0)); }); break;
+        case Code::kExp: accumulate([](D, D, D y, int64_t) { return y; }); break;
+        case Code::kExp2: accumulate([](D, D, D y, int64_t) { return y * kLn2; }); break;
+        case Code::kExpm1: accumulate([](D, D, D y, int64_t) { return y + 1; }); break;
+        case Code::kLog: accumulate([](D a, D, D, int64_t) { return 1 / a; }); break;
+        case Code::kLog2: accumulate([](D a, D, D, int64_t) { return 1 / (a * kLn2); }); break;
+        case Code::kLog1p: accumulate([](D a, D, D, int64_t) { return 1 / (1 + a); }); break;
+        case Code::kTanh: accumulate([](D, D, D y, int64_t) { return 1 - y * y; }); break;
+        case Code::kSigmoid: accumulate([](D, D, D y, int64_t) { return y * (1 - y); }); break;
+        case Code::kRelu: accumulate([](D, D, D y, int64_t) { return y > 0 ? 1.0 : 0.0; }); break;
+        case Code::kErf:
+          accumulate([](D a, D, D, int64_t) { return kTwoOverSqrtPi * std::exp(-a * a); });
+          break;
+        case Code::kSin: accumulate([](D a, D, D, int64_t) { return std::cos(a); }); break;
+        case Code::kCos: accumulate([](D a, D, D, int64_t) { return -std::sin(a); }); break;
+        case Code::kTan: accumulate([](D, D, D y, int64_t) { return 1 + y * y; }); break;
+        case Code::kSqrt: accumulate([](D, D, D y, int64_t) { return 1 / (2 * y); }); break;
+        case Code::kRsqrt: accumulate([](D, D, D y, int64_t) { return -0.5 * y * y * y; }); break;
+        case Code::kReciprocal: accumulate([](D, D, D y, int64_t) { return -y * y; }); break;
+        case Code::kFloat: case Code::kAdd: accumulate([](D, D, D, int64_t) { return 1.0; }); break;
+        case Code::kSub: accumulate([&](D, D, D, int64_t) { return first ? 1.0 : -1.0; }); break;
+        case Code::kMul: accumulate([&](D a, D b, D, int64_t) { return first ? b : a; }); break;
+        case Code::kDiv:
+          accumulate([&](D a, D b, D, int64_t) { return first ? 1 / b : -a / (b * b); });
+          break;
+        case Code::kRemainder:
+          accumulate([&](D a, D b, D, int64_t) { return first ? 1 : -std::floor(a / b); });
+          break;
+        // clang-format on
+        case Code::kPow:  // LibTorch's: 0 where the exponent is 0, or the base is 0 (exponent)
+          accumulate([&](D a, D b, D y, int64_t) {
+            if (first)
+              return b == 0 ? 0 : b * std::pow(a, b - 1);
+            return a == 0 && b >= 0 ? 0 : y * std::log(a);
+          });
+          break;
+        case Code::kMaximum:
+          accumulate([&](D a, D b, D, int64_t) {
+            return first ? wins(a > b, a == b) : wins(b > a, a == b);
+          });
+          break;
+        case Code::kMinimum:
+          accumulate([&](D a, D b, D, int64_t) {
+            return first ? wins(a < b, a == b) : wins(b < a, a == b);
+          });
+          break;
+        case Code::kAtan2:
+          accumulate([&](D a, D b, D, int64_t) { return (first ? b : -a) / (a * a + b * b); });
+          break;
+        case Code::kWhere:
+          accumulate([&](D a, D, D, int64_t) { return (k == 1) == (a != 0) ? 1.0 : 0.0; });
+          break;
+        case Code::kClamp: {
+          // maximum(x, low), then minimum(that, high), as ScoreGraph::evaluate computes it.
+          const bool has_low = step->args[1].kind != Arg::Kind::kAbsent;
+          const bool has_high = step->args[2].kind != Arg::Kind::kAbsent;
+          accumulate([&](D a, D, D, int64_t j) {
+            const double lo = in[1](j), hi = in[2](j);
+            const double m = has_low ? std::max(a, lo) : a;
+            if (k == 2)
+              return wins(hi < m, m == hi);
+            const double through_high = has_high ? wins(m < hi, m == hi) : 1.0;
+            if (k == 1)
+              return through_high * wins(lo > a, a == lo);
+            return has_low ? through_high * wins(a > lo, a == lo) : through_high;
+          });
+          break;
         }
+        default:  // piecewise constant, bool and integer results carry no gradient
+          break;
       }
     }
   }

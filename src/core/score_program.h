@@ -42,12 +42,15 @@ class ScoreProgram {
   const std::vector<torch::Tensor>& tensors() const { return tensors_; }
   bool wants_grad(size_t tensor) const { return wants_grad_[tensor]; }
 
-  /// Buffers for rows of up to `widest` keys: one per worker.
+  /// Buffers for rows of up to `widest` keys: one per worker. With `float_tanh` (a float32
+  /// call) tanh is computed in float32, vectorized, as LibTorch computes a float32 graph;
+  /// everything else in float64.
   struct Workspace {
     std::vector<double> values, adjoints;
+    std::vector<float> floats;
     int64_t widest = 0;
   };
-  Workspace workspace(int64_t widest) const;
+  Workspace workspace(int64_t widest, bool float_tanh) const;
 
   /// Scores s[0, count) of batch b, head h, query q against keys k0, k0 + 1, ..., modified in
   /// place.
@@ -74,7 +77,7 @@ class ScoreProgram {
 
   std::vector<Step> steps_;
   std::vector<torch::Tensor> tensors_;
-  std::vector<torch::Tensor> tensor_values_;  // each tensor in float64, contiguous, on the CPU
+  std::vector<torch::Tensor> tensor_values_;  // each tensor contiguous on the CPU, its dtype
   std::vector<bool> wants_grad_;
   std::vector<bool> uniform_;  // per value (5 inputs, then the steps'): one number per row
   std::vector<bool> carries_grad_;
