@@ -1036,6 +1036,55 @@ TEST(FusedTiles, ScoreGraphsItCannotEvaluateGoToTheChunkedKernel) {
       "[ScoreGraph] index 30 is out of bounds for dimension 0 with size 30");
 }
 
+// Dropout in the fused tile kernel and, for the calls it leaves, the chunked kernel: the same
+// seed gives the same output, eval has none, the gradients are those of the drawn masks
+// (central differences, each call reseeded), under a causal mask with partial tiles and GQA.
+// Where each query sees only its own key, an output row is its value row times 0 or
+// 1 / (1 - p), dropped at about the rate p.
+TEST(FusedTiles, DropoutIsSeededDifferentiableAndDropsAtItsRate) {
+  torch::manual_seed(9);
+  const auto f64 = torch::kFloat64;
+  const auto q = torch::randn({1, 4, 11, 3}, f64), k = torch::randn({1, 2, 11, 3}, f64),
+             v = torch::randn({1, 2, 11, 3}, f64);
+  for (const std::string kernel : {"fused_tiles", "chunked"}) {
+    SCOPED_TRACE(kernel);
+    const auto options = F::AttentionOptions()
+                             .mask(attnkit::Mask::causal())
+                             .query_block_size(4)
+                             .key_block_size(8)
+                             .kernel(kernel);
+    const AttentionFn train = [options](auto& a, auto& b, auto& c) {
+      F::KernelRecord record;
+      auto out = F::attention(a, b, c, F::AttentionOptions(options).dropout_p(0.3).training(true));
+      EXPECT_EQ(record.runs().at(0).kernel, options.kernel());
+      return out;
+    };
+    const AttentionFn eval = [options](auto& a, auto& b, auto& c) {
+      return F::attention(a, b, c, options);
+    };
+    torch::manual_seed(5);
+    const auto first = train(q, k, v);
+    torch::manual_seed(5);
+    EXPECT_TENSOR_NEAR(train(q, k, v), first, 0.0);
+    EXPECT_FALSE(torch::equal(train(q, k, v), first));
+    expect_dropout_off_in_eval_and_differentiable(train, eval, q, k, v);
+  }
+  const int64_t n = 4000;
+  const auto values = torch::rand({1, 1, n, 2}, f64) + 1;
+  const auto out =
+      F::attention(torch::randn({1, 1, n, 2}, f64), torch::randn({1, 1, n, 2}, f64), values,
+                   F::AttentionOptions()
+                       .mask(attnkit::Mask::causal().sliding_window(1))
+                       .dropout_p(0.25)
+                       .training(true)
+                       .kernel("fused_tiles"));
+  const auto factor = (out / values).select(-1, 0);
+  const auto dropped = factor.eq(0);
+  EXPECT_TRUE(torch::allclose(factor.masked_select(~dropped), torch::full({}, 1 / 0.75, f64)));
+  const double rate = dropped.to(f64).mean().item<double>();
+  EXPECT_NEAR(rate, 0.25, 0.03);  // 5 standard deviations of 4,000 draws
+}
+
 // The planner takes the fused tile kernel for CPU float32, float64 (and 16-bit) calls with a
 // mask or a named score function, and says why it leaves the others to the chunked kernel.
 TEST(FusedTiles, ThePlannerTakesItWhereItCanAndSaysWhyNot) {
@@ -1054,10 +1103,10 @@ TEST(FusedTiles, ThePlannerTakesItWhereItCanAndSaysWhyNot) {
   EXPECT_EQ(ran(q, F::AttentionOptions(options).score_mod(attnkit::score_mods::softcap(5))),
             "fused_tiles");
   EXPECT_EQ(ran(q.to(torch::kFloat64), options), "fused_tiles");
-  // Another score function and dropout stay on the chunked kernel, with a reason.
+  EXPECT_EQ(ran(q, F::AttentionOptions(options).dropout_p(0.1).training(true)), "fused_tiles");
+  // A C++ function as the score function stays on the chunked kernel, with a reason.
   const attnkit::ScoreMod general = [](auto s, auto, auto, auto, auto) { return s * 0.5; };
   EXPECT_EQ(ran(q, F::AttentionOptions(options).score_mod(general)), "chunked");
-  EXPECT_EQ(ran(q, F::AttentionOptions(options).dropout_p(0.1).training(true)), "chunked");
   expect_error_containing(
       [&] {
         F::attention(q, k, k,
@@ -1065,13 +1114,6 @@ TEST(FusedTiles, ThePlannerTakesItWhereItCanAndSaysWhyNot) {
       },
       "the fused tile kernel evaluates named score functions and ScoreGraphs only, not a C++ "
       "function");
-  expect_error_containing(
-      [&] {
-        F::attention(
-            q, k, k,
-            F::AttentionOptions(options).dropout_p(0.1).training(true).kernel("fused_tiles"));
-      },
-      "the fused tile kernel has no dropout (the chunked kernel draws its masks)");
   expect_error_containing(
       [&] {
         F::attention(q, k, k,

@@ -3,8 +3,9 @@
 // key tile: S = (scale Q) K^T by one GEMM, then, row by row while the row is in L1, the score
 // function (a ScoreVariant: softcap, ALiBi, a relative-position table), the mask bits (a
 // partial tile only), the online softmax (running maximum and sum, the output rows
-// corrected), and then P V by one GEMM into the output block. Backward recomputes P from the
-// log-sum-exp in the same rows, and its five products per tile are GEMMs on the tile.
+// corrected), and then P V by one GEMM into the output block (P times the tile's dropout
+// factors, with dropout). Backward recomputes P from the log-sum-exp in the same rows, and its
+// five products per tile are GEMMs on the tile.
 //
 // Why: the chunked kernel spends about 16 LibTorch operations per tile, each a pass over the
 // whole tile (a few MiB, beyond L1 and often L2); here the tile's rows are read once after
@@ -165,6 +166,8 @@ struct TileProblem : torch::CustomClassHolder {
   double scale = 1.0;
   int64_t query_block = 128;  // the block mask's query block when there is one
   int64_t key_block = 1024;
+  double dropout_p = 0.0;
+  int64_t dropout_seed = -1;  // drawn per call (split calls: the call's)
 };
 
 // (outer, heads, rows, cols) slices with unit-stride rows.
@@ -335,6 +338,22 @@ struct TilePlan {
         .contiguous();
   }
 
+  // The dropout factors of a tile, (bq, keys) row-major: 0 or 1 / (1 - p), from a CPU
+  // generator seeded by the call's seed and the tile's place, so backward redraws forward's
+  // (as the chunked kernel draws its blocks); undefined without dropout.
+  template <typename T>
+  torch::Tensor dropout_factors(int64_t o, int64_t h, int64_t q0, int64_t bq,
+                                const TileVisit& visit) const {
+    if (problem.dropout_p <= 0.0)
+      return {};
+    const auto place = ((o * heads + h) * num_queries + q0) * num_keys + visit.key_begin;
+    auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(problem.dropout_seed) +
+                                                    static_cast<uint64_t>(place));
+    auto keep = torch::empty({bq, visit.keys}, torch::dtype(c10::CppTypeToScalarType<T>::value));
+    keep.bernoulli_(1.0 - problem.dropout_p, generator);
+    return keep.mul_(1.0 / (1.0 - problem.dropout_p));
+  }
+
   // (bq, head_dim) queries of a block, times the scale, into `scaled`.
   template <typename T>
   void scaled_queries(const Slices<T>& q, int64_t o, int64_t h, int64_t q0, int64_t bq,
@@ -405,6 +424,8 @@ std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem
     std::vector<T> running_max(bq, minus_infinity<T>()), running_sum(bq, 0);
     auto work = score.workspace(plan.widest_tile);
     for (const auto& visit : plan.tiles(o, h, qi)) {
+      const auto factors = plan.template dropout_factors<T>(o, h, q0, bq, visit);
+      const T* factor = factors.defined() ? factors.template data_ptr<T>() : nullptr;
       plan.tile_scores(scaled_q, k, o, h, q0, bq, visit, scores.data_ptr<T>(), score, work,
                        static_cast<T*>(nullptr), [&](int64_t i, T* row) {
                          const T new_max = std::max(running_max[i], row_max(row, visit.keys));
@@ -420,6 +441,12 @@ std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem
                            T* acc_row = acc_data + i * dv;
                            for (int64_t d = 0; d < dv; ++d)
                              acc_row[d] *= correction;
+                         }
+                         // The sum counts every weight; only the output's are dropped.
+                         if (factor != nullptr) {
+                           const T* row_factor = factor + i * visit.keys;
+                           for (int64_t j = 0; j < visit.keys; ++j)
+                             row[j] *= row_factor[j];
                          }
                        });
       acc.addmm_(
@@ -527,20 +554,31 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
                              exp_shifted(row, bk, row_lse[i]);
                            });
           const auto p = matrix(p_data, bq, bk, bk);
+          // With dropout, P Z (Z the tile's factors) is what forward multiplied into V.
+          const auto factors = plan.template dropout_factors<T>(o, h, q0, bq, visit);
+          const T* factor = factors.defined() ? factors.template data_ptr<T>() : nullptr;
+          const auto dropped = factors.defined() ? p * factors : p;
           const auto k_tile = matrix(k.row(o, kh, k0), bk, hd, k.row_stride);
           const auto v_tile = matrix(v.row(o, kh, k0), bk, dv, v.row_stride);
           // dP = dO V^T, (bq, bk)
           T* ds_data = grad_scores.data_ptr<T>();
           auto ds = matrix(ds_data, bq, bk, bk);
           at::mm_out(ds, grad_out_block, v_tile.t());
-          matrix(grad_v.row(o, kh, k0), bk, dv, grad_v.row_stride).addmm_(p.t(), grad_out_block);
-          // dS = P (dP - D), then back through the score function.
+          matrix(grad_v.row(o, kh, k0), bk, dv, grad_v.row_stride)
+              .addmm_(dropped.t(), grad_out_block);
+          // dS = P (dP Z - D), then back through the score function.
           for (int64_t i = 0; i < bq; ++i) {
             T* ds_row = ds_data + i * bk;
             const T* p_row = p_data + i * bk;
             const T d = row_delta[i];
-            for (int64_t j = 0; j < bk; ++j)
-              ds_row[j] = p_row[j] * (ds_row[j] - d);
+            if (factor != nullptr) {
+              const T* row_factor = factor + i * bk;
+              for (int64_t j = 0; j < bk; ++j)
+                ds_row[j] = p_row[j] * (ds_row[j] * row_factor[j] - d);
+            } else {
+              for (int64_t j = 0; j < bk; ++j)
+                ds_row[j] = p_row[j] * (ds_row[j] - d);
+            }
             score.backward(ds_row, kept_data != nullptr ? kept_data + i * bk : nullptr, bk, o, h,
                            q0 + i, k0, work, tensor_grads);
           }
@@ -651,8 +689,6 @@ std::string tiles_decline(const KernelInput& input, const std::optional<ScoreVar
         call.query.scalar_type());
   if (call.with_weights)
     return "the fused tile kernel returns no weights (the math backend builds them)";
-  if (input.dropout_p() > 0.0)
-    return "the fused tile kernel has no dropout (the chunked kernel draws its masks)";
   if (!variant.has_value())
     return c10::str(
         "the fused tile kernel evaluates named score functions and ScoreGraphs "
@@ -699,6 +735,13 @@ c10::intrusive_ptr<TileProblem> problem_of(const KernelInput& input,
   problem->scale = input.scale();
   problem->query_block = options.query_block_size();
   problem->key_block = options.key_block_size();
+  problem->dropout_p = input.dropout_p();
+  // A split call brings its seed (backward is a second call); any other draws one from the
+  // global generator, so torch::manual_seed fixes the masks.
+  if (problem->dropout_p > 0.0)
+    problem->dropout_seed =
+        call.split ? call.dropout_seed
+                   : torch::randint(0, int64_t{1} << 62, {1}, torch::kInt64).item<int64_t>();
   return problem;
 }
 
