@@ -280,7 +280,7 @@ functional::AttentionOutput run_math(const KernelInput& input) {
   const auto &q4 = call.query, &k4 = call.key, &v4 = call.value;
   const auto& options = call.options;
   const int64_t batch = q4.size(0), heads = q4.size(1), n = q4.size(2), m = k4.size(2);
-  const int64_t group = heads / k4.size(1);
+  const int64_t group_size = heads / k4.size(1);
   MathMasking masking;
   if (!input.mask().is_none())
     masking.allowed = input.mask().dense(batch, heads, n, m, q4.device());
@@ -292,8 +292,8 @@ functional::AttentionOutput run_math(const KernelInput& input) {
                      torch::arange(n, index).view({1, 1, -1, 1}),
                      torch::arange(m, index).view({1, 1, 1, -1})};
   }
-  const auto k = group == 1 ? k4 : k4.repeat_interleave(group, 1);
-  const auto v = group == 1 ? v4 : v4.repeat_interleave(group, 1);
+  const auto k = group_size == 1 ? k4 : k4.repeat_interleave(group_size, 1);
+  const auto v = group_size == 1 ? v4 : v4.repeat_interleave(group_size, 1);
   return math_attention(q4, k, v, masking, options.scale(), options.dropout_p(),
                         options.training());
 }

@@ -115,7 +115,7 @@ torch::Tensor block_of(const torch::Tensor& t4, const HeadBatch& at, int64_t r0,
   return t4.select(0, at.o).narrow(0, at.h0, at.g).narrow(1, r0, rows);
 }
 
-// The same rows of the key/value heads the group's query heads use: (g / group_size, rows, f).
+// The same rows of the key/value heads the batch's query heads use: (g / group_size, rows, f).
 torch::Tensor kv_block_of(const torch::Tensor& t4, const HeadBatch& at, int64_t r0, int64_t rows,
                           const BlockPlan& plan) {
   return t4.select(0, at.o)
@@ -176,7 +176,7 @@ torch::Tensor finite_max(const torch::Tensor& row_max, const BlockPlan& plan) {
 
 // The dropout keep-mask (scaled by 1 / (1 - p)) of one block, each head's drawn from a
 // generator seeded by the call's seed and the head's block position, so backward redraws the
-// same mask however the heads are grouped and whichever worker draws it. Drawn on the CPU
+// same mask however the heads are batched and whichever worker draws it. Drawn on the CPU
 // and copied: a generator of another device, reseeded per block, would be a clone of its
 // default one, and LibTorch 1.13's Generator::clone leaks the clone (LeakSanitizer).
 torch::Tensor dropout_scale(const torch::Tensor& like, const HeadBatch& at, int64_t q0, int64_t k0,
@@ -192,7 +192,7 @@ torch::Tensor dropout_scale(const torch::Tensor& like, const HeadBatch& at, int6
   return keep.div_(1.0 - plan.call.dropout_p).to(like.device());
 }
 
-HeadBatch head_group_of(const BlockPlan& plan, int64_t pair) {
+HeadBatch head_batch_of(const BlockPlan& plan, int64_t pair) {
   const int64_t o = pair / plan.num_head_batches();
   const int64_t h0 = pair % plan.num_head_batches() * plan.head_batch;
   return {o, h0, std::min(plan.head_batch, plan.heads - h0), pair};
@@ -206,16 +206,16 @@ void for_each_query_block(const BlockPlan& plan, const torch::Device& device, Vi
   const int64_t pairs = plan.outer * plan.num_head_batches(), blocks = plan.num_query_blocks();
   run_tasks(pairs * blocks, device, [&](int64_t task) {
     const int64_t q0 = (blocks - 1 - task / pairs) * plan.query_block;
-    visit(head_group_of(plan, task % pairs), q0, std::min(plan.query_block, plan.num_queries - q0));
+    visit(head_batch_of(plan, task % pairs), q0, std::min(plan.query_block, plan.num_queries - q0));
   });
 }
 
 // Calls visit(head batch) for every (outer, head batch) pair, in parallel: backward's tasks,
 // as each pair's key and value gradients gather from all of its query blocks.
 template <typename Visit>
-void for_each_head_group(const BlockPlan& plan, const torch::Device& device, Visit&& visit) {
+void for_each_head_batch(const BlockPlan& plan, const torch::Device& device, Visit&& visit) {
   run_tasks(plan.outer * plan.num_head_batches(), device,
-            [&](int64_t task) { visit(head_group_of(plan, task)); });
+            [&](int64_t task) { visit(head_batch_of(plan, task)); });
 }
 
 // Shapes: scores (g, bq, bk) with index tensors (b, h, q_idx, kv_idx) of that rank.
@@ -384,7 +384,7 @@ std::vector<torch::Tensor> chunked_backward(const ChunkedProblem& call, const to
   // Each task's share of the parameters' gradients, summed in task order afterwards: the same
   // inputs give the same gradients, whichever worker finishes first.
   std::vector<std::vector<torch::Tensor>> grads_by_task(plan.outer * plan.num_head_batches());
-  for_each_head_group(plan, q.device(), [&](const HeadBatch& at) {
+  for_each_head_batch(plan, q.device(), [&](const HeadBatch& at) {
     auto& task_parameter_grads = grads_by_task[at.pair];
     task_parameter_grads.resize(num_parameters);
     for (int64_t q0 = 0; q0 < plan.num_queries; q0 += plan.query_block) {

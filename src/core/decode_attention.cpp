@@ -66,7 +66,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const to
                  const std::vector<int64_t>& key_end, torch::Tensor& out) {
   const int64_t b = query.size(0), h = query.size(1), hd = query.size(3);
   const int64_t kv_heads = keys.size(1), m = keys.size(2), hd_v = values.size(3);
-  const int64_t group = h / kv_heads;
+  const int64_t group_size = h / kv_heads;
   const auto* q = query.data_ptr<scalar_t>();
   const auto* k = keys.data_ptr<scalar_t>();
   const auto* v = values.data_ptr<scalar_t>();
@@ -77,7 +77,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const to
   at::parallel_for(0, b * h, grain, [&](int64_t first, int64_t last) {
     std::vector<scalar_t> weights(static_cast<size_t>(m));
     for (int64_t task = first; task < last; ++task) {
-      const int64_t row = task / h, head = task % h, kv_head = head / group;
+      const int64_t row = task / h, head = task % h, kv_head = head / group_size;
       const int64_t begin = key_begin.empty() ? 0 : key_begin[row];
       const int64_t end = key_end.empty() ? m : key_end[row];
       const scalar_t* q_row = q + row * qs[0] + head * qs[1];

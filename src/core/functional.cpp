@@ -133,10 +133,11 @@ AttentionOutput scaled_dot_product_attention_with_weights(const torch::Tensor& q
   if (query.dim() >= 4 && key.dim() >= 4 && key.size(-3) < query.size(-3)) {
     // Grouped-query attention, the reference way: each key/value head repeated for the
     // query heads of its group, (..., G, m, hd) -> (..., H, m, hd).
-    const auto group =
+    const auto group_size =
         detail::query_heads_per_kv_head("[scaled_dot_product_attention]", query, key);
-    return scaled_dot_product_attention_with_weights(query, key.repeat_interleave(group, -3),
-                                                     value.repeat_interleave(group, -3), options);
+    return scaled_dot_product_attention_with_weights(query, key.repeat_interleave(group_size, -3),
+                                                     value.repeat_interleave(group_size, -3),
+                                                     options);
   }
   // The math core through the planner, the mask turned around: attn_mask and the causal
   // mask say what is hidden, a Mask what is seen. The scores' leading dimensions are the

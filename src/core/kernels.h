@@ -7,6 +7,10 @@
 // SDPA (sdpa_kernel.cpp, which holds every LibTorch-version split) and the decode step
 // (decode_attention.h). Also the score function helpers. Masks and score functions are read
 // in the same (b, h, q_idx, kv_idx) terms.
+//
+// One word, one meaning in the kernels: a *group* is the query heads that share one
+// key/value head (grouped-query attention), *group_size* how many; a set of heads a kernel
+// computes together is a *head batch*.
 
 #include <functional>
 #include <optional>
