@@ -413,32 +413,52 @@ std::shared_ptr<const ScoreProgram> ScoreProgram::compile(const ScoreGraph& grap
 namespace {
 
 // An index step's flat offsets into its (contiguous) tensor: `base` from the indices that
-// are uniform, plus row[j] from those that vary along the row (empty when none does).
-// LibTorch's rules: a negative index counts from the end; one out of range is an error.
+// are uniform, plus row[j] from those that vary along the row (null when none does; `row`
+// is the workspace's buffer). LibTorch's rules: a negative index counts from the end; one out
+// of range is an error. Each row index is checked by its extremes, then converted in one pass.
 struct Offsets {
   int64_t base = 0;
-  std::vector<int64_t> row;
+  const int64_t* row = nullptr;
 };
 
-Offsets index_offsets(const ScoreProgram::Step& step, const Readers& in, int64_t n) {
+Offsets index_offsets(const ScoreProgram::Step& step, const Readers& in, int64_t n,
+                      int64_t* row_buffer) {
   Offsets offsets;
-  const auto checked = [&](double value, size_t d) {
-    const int64_t size = step.sizes[d];
-    const auto i = static_cast<int64_t>(value);
-    TORCH_CHECK(i >= -size && i < size, "[ScoreGraph] index ", i,
-                " is out of bounds for dimension ", d, " with size ", size, " of captured tensor $",
-                step.tensor);
-    return (i < 0 ? i + size : i) * step.strides[d];
+  const auto refuse = [&](double value, size_t d) {
+    TORCH_CHECK(false, "[ScoreGraph] index ", static_cast<int64_t>(value),
+                " is out of bounds for dimension ", d, " with size ", step.sizes[d],
+                " of captured tensor $", step.tensor);
   };
   for (size_t d = 0; d < in.size; ++d) {
-    if (in[d].stride != 0) {
-      if (offsets.row.empty())
-        offsets.row.assign(static_cast<size_t>(n), 0);
-      for (int64_t j = 0; j < n; ++j)
-        offsets.row[j] += checked(in[d].data[j], d);
-    } else {
-      offsets.base += checked(in[d].data[0], d);
+    const int64_t size = step.sizes[d], stride = step.strides[d];
+    const double* x = in[d].data;
+    const int64_t count = in[d].stride != 0 ? n : 1;
+    double low = x[0], high = x[0];
+    for (int64_t j = 1; j < count; ++j) {
+      low = std::min(low, x[j]);
+      high = std::max(high, x[j]);
     }
+    if (low < static_cast<double>(-size) || high >= static_cast<double>(size)) {
+      for (int64_t j = 0; j < count; ++j) {  // the first that is out of range, as LibTorch
+        if (x[j] < static_cast<double>(-size) || x[j] >= static_cast<double>(size))
+          refuse(x[j], d);
+      }
+    }
+    const bool wraps = low < 0;
+    const auto offset = [&](double value) {
+      const auto i = static_cast<int64_t>(value);
+      return (wraps && i < 0 ? i + size : i) * stride;
+    };
+    if (in[d].stride == 0) {
+      offsets.base += offset(x[0]);
+      continue;
+    }
+    if (offsets.row == nullptr) {
+      std::fill_n(row_buffer, n, int64_t{0});
+      offsets.row = row_buffer;
+    }
+    for (int64_t j = 0; j < n; ++j)
+      row_buffer[j] += offset(x[j]);
   }
   return offsets;
 }
@@ -489,6 +509,7 @@ ScoreProgram::Workspace ScoreProgram::workspace(int64_t widest, bool float_tanh)
     work.floats.resize(static_cast<size_t>(widest));
   work.values.resize(uniform_.size() * static_cast<size_t>(widest));
   work.adjoints.resize(uniform_.size() * static_cast<size_t>(widest));
+  work.offsets.resize(static_cast<size_t>(widest));
   return work;
 }
 
@@ -601,13 +622,13 @@ void ScoreProgram::run_forward(int64_t count, int64_t b, int64_t h, int64_t q, i
       }
       case Code::kIndex: {
         const auto& tensor = tensor_values_[step.tensor];
-        const auto offsets = index_offsets(step, in, n);
+        const auto offsets = index_offsets(step, in, n, work.offsets.data());
         AT_DISPATCH_ALL_TYPES_AND3(
             at::kBool, at::kHalf, at::kBFloat16, tensor.scalar_type(), "ScoreProgram index", [&] {
               const scalar_t* data = tensor.data_ptr<scalar_t>();
               for (int64_t j = 0; j < n; ++j)
                 out[j] = static_cast<double>(static_cast<float_or_double<scalar_t>>(
-                    data[offsets.base + (offsets.row.empty() ? 0 : offsets.row[j])]));
+                    data[offsets.base + (offsets.row == nullptr ? 0 : offsets.row[j])]));
             });
         break;
       }
@@ -636,11 +657,11 @@ void ScoreProgram::run_backward(int64_t count, Workspace& work,
       double* grad = tensor_grads[step->tensor];
       if (grad == nullptr)
         continue;
-      const auto offsets = index_offsets(*step, in, n);
+      const auto offsets = index_offsets(*step, in, n, work.offsets.data());
       for (int64_t j = 0; j < n; ++j) {
         const double g = grad_out(j);
         if (g != 0)
-          grad[offsets.base + (offsets.row.empty() ? 0 : offsets.row[j])] += g;
+          grad[offsets.base + (offsets.row == nullptr ? 0 : offsets.row[j])] += g;
       }
       continue;
     }
