@@ -750,8 +750,13 @@ c10::intrusive_ptr<TileProblem> problem_of(const KernelInput& input,
 KernelSpec fused_tiles_spec() {
   return {"fused_tiles", AttentionBackend::kChunked, /*runs_16bit_cuda_in_its_dtype=*/false,
           [](const KernelInput& input) {
+            // A graph's program reads its tensors on the CPU: made for CPU calls only (a CUDA
+            // call's bias tensor is not copied to be declined).
             std::string why_not_variant;
-            const auto variant = score_variant_of(input.call.options.score_mod(), &why_not_variant);
+            const auto variant =
+                input.call.query.device().is_cpu()
+                    ? score_variant_of(input.call.options.score_mod(), &why_not_variant)
+                    : std::nullopt;
             auto declined = tiles_decline(input, variant, why_not_variant);
             // A declined call makes no block mask here (the planner asks on to the next
             // kernel); its plan is made if it is run regardless (the mutation test).
