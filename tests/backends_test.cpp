@@ -151,6 +151,21 @@ void expect_dropout_off_in_eval_and_differentiable(const AttentionFn& train,
       q);
 }
 
+// The masks come from the global generator: the same seed, the same output, and another draw
+// another; then as expect_dropout_off_in_eval_and_differentiable.
+void expect_dropout_seeded_off_in_eval_and_differentiable(const AttentionFn& train,
+                                                          const AttentionFn& eval,
+                                                          const torch::Tensor& q,
+                                                          const torch::Tensor& k,
+                                                          const torch::Tensor& v) {
+  torch::manual_seed(5);
+  const auto first = train(q, k, v);
+  torch::manual_seed(5);
+  EXPECT_TENSOR_NEAR(train(q, k, v), first, 0.0);
+  EXPECT_FALSE(torch::equal(train(q, k, v), first));
+  expect_dropout_off_in_eval_and_differentiable(train, eval, q, k, v);
+}
+
 // 2-D (n, hd), 3-D (h, n, hd), 5-D inputs, and (b, h, n, hd) views of a (b, n, h * hd)
 // projection, which the kernels read in place rather than copy.
 std::vector<torch::Tensor> inputs_of_any_rank_and_strides() {
@@ -223,13 +238,7 @@ TEST_P(ChunkedAttentionDevices, DropoutIsSeededDifferentiableAndOffInEval) {
   dropped.training = true;
   const auto train = demanded(AttentionBackend::kChunked, dropped);
   const auto eval = chunked(/*causal=*/true, 128, 1024);
-  // The masks come from the global generator: the same seed, the same output.
-  torch::manual_seed(5);
-  const auto first = train(q, k, v);
-  torch::manual_seed(5);
-  EXPECT_TENSOR_NEAR(train(q, k, v), first, 0.0);
-  EXPECT_FALSE(torch::equal(train(q, k, v), first));
-  expect_dropout_off_in_eval_and_differentiable(train, eval, q, k, v);
+  expect_dropout_seeded_off_in_eval_and_differentiable(train, eval, q, k, v);
   const auto exact = eval(q, k, v);
   auto sum = torch::zeros_like(exact);
   const int draws = 400;
@@ -1062,12 +1071,7 @@ TEST(FusedTiles, DropoutIsSeededDifferentiableAndDropsAtItsRate) {
     const AttentionFn eval = [options](auto& a, auto& b, auto& c) {
       return F::attention(a, b, c, options);
     };
-    torch::manual_seed(5);
-    const auto first = train(q, k, v);
-    torch::manual_seed(5);
-    EXPECT_TENSOR_NEAR(train(q, k, v), first, 0.0);
-    EXPECT_FALSE(torch::equal(train(q, k, v), first));
-    expect_dropout_off_in_eval_and_differentiable(train, eval, q, k, v);
+    expect_dropout_seeded_off_in_eval_and_differentiable(train, eval, q, k, v);
   }
   const int64_t n = 4000;
   const auto values = torch::rand({1, 1, n, 2}, f64) + 1;

@@ -22,13 +22,8 @@ ScoreMod alibi(const torch::Tensor& slopes) {
   TORCH_CHECK(slopes.defined() && slopes.dim() == 1 && slopes.is_floating_point(),
               "[score_mods::alibi] slopes must be a 1-D floating tensor (heads), got ",
               slopes.defined() ? shape_string(slopes) : std::string("an undefined tensor"));
-  return detail::AdditiveScore{
-      [slopes](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor& h,
-               const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
-        // .to: slopes made on the CPU (alibi_slopes) serve scores on any device.
-        return slopes.to(h.device()).index({h}).to(score.scalar_type()) * (kv_idx - q_idx);
-      },
-      detail::AlibiBias{slopes}};
+  const detail::AlibiBias bias{slopes};
+  return detail::AdditiveScore{bias, bias};
 }
 
 torch::Tensor alibi_slopes(int64_t heads) {
@@ -46,20 +41,28 @@ ScoreMod relative_position_bias(const torch::Tensor& bias) {
       bias.defined() && bias.dim() == 2 && bias.size(1) % 2 == 1 && bias.is_floating_point(),
       "[score_mods::relative_position_bias] bias must be a floating (heads, 2 D + 1) ",
       "tensor, got ", bias.defined() ? shape_string(bias) : std::string("an undefined tensor"));
-  const int64_t max_distance = bias.size(1) / 2;
-  return detail::AdditiveScore{
-      [bias, max_distance](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor& h,
-                           const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
-        const auto head = bias.size(0) == 1 ? torch::zeros_like(h) : h;
-        const auto distance = (kv_idx - q_idx).clamp(-max_distance, max_distance) + max_distance;
-        return bias.to(h.device()).index({head, distance}).to(score.scalar_type());
-      },
-      detail::RelativeBias{bias, max_distance}};
+  const detail::RelativeBias relative{bias, bias.size(1) / 2};
+  return detail::AdditiveScore{relative, relative};
 }
 
 }  // namespace score_mods
 
 namespace detail {
+
+torch::Tensor AlibiBias::operator()(const torch::Tensor& score, const torch::Tensor&,
+                                    const torch::Tensor& h, const torch::Tensor& q_idx,
+                                    const torch::Tensor& kv_idx) const {
+  // .to: slopes made on the CPU (alibi_slopes) serve scores on any device.
+  return slopes.to(h.device()).index({h}).to(score.scalar_type()) * (kv_idx - q_idx);
+}
+
+torch::Tensor RelativeBias::operator()(const torch::Tensor& score, const torch::Tensor&,
+                                       const torch::Tensor& h, const torch::Tensor& q_idx,
+                                       const torch::Tensor& kv_idx) const {
+  const auto head = table.size(0) == 1 ? torch::zeros_like(h) : h;
+  const auto distance = (kv_idx - q_idx).clamp(-max_distance, max_distance) + max_distance;
+  return table.to(h.device()).index({head, distance}).to(score.scalar_type());
+}
 
 std::vector<torch::Tensor> ScoreVariant::tensors() const {
   if (program)

@@ -20,16 +20,23 @@
 
 namespace attnkit::detail {
 
-/// ALiBi's bias, slopes[h] * (kv_idx - q_idx), slopes of shape (heads).
+/// ALiBi's bias, slopes[h] * (kv_idx - q_idx), slopes of shape (heads); as a function of
+/// tensors, the bias in score's dtype.
 struct AlibiBias {
   torch::Tensor slopes;
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
+                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const;
 };
 
 /// A relative-position bias, table[h, clamp(kv_idx - q_idx, -D, D) + D], table of shape
-/// (heads or 1, 2 D + 1).
+/// (heads or 1, 2 D + 1); as a function of tensors, the bias in score's dtype.
 struct RelativeBias {
   torch::Tensor table;
   int64_t max_distance;
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
+                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const;
 };
 
 /// A ScoreGraph with its captured tensors (ScoreGraph::bind): a function of tensors for the
