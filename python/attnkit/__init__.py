@@ -10,6 +10,7 @@ compiled flex_attention has no backward) and on CUDA.
 
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -30,8 +31,35 @@ def library_path():
     return Path(__file__).resolve().parent / "lib" / "libattnkit_ops.so"
 
 
+def _release(version):
+    """A torch version's release numbers: 2.15.0+cu132 -> (2, 15, 0), 1.13.0a0 -> (1, 13, 0)."""
+    return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
+
+
+def _built_for():
+    """The torch version the library was compiled against (attnkit/_built_for.py, which
+    setup.py and CMake write beside it), or None for a library from elsewhere."""
+    if os.environ.get("ATTNKIT_OPS_LIBRARY"):
+        return None
+    try:
+        from ._built_for import TORCH_VERSION
+    except ImportError:
+        return None
+    return TORCH_VERSION
+
+
+def _mismatch_error(path, detail):
+    return ImportError(
+        f"attnkit: {path} does not load into this PyTorch {torch.__version__} ({detail}); "
+        "the library must be built against the LibTorch of the same PyTorch")
+
+
 def _load():
     path = library_path()
+    built_for = _built_for()
+    if built_for is not None and _release(built_for) != _release(torch.__version__):
+        # A library of another release may load and then crash: refuse it before loading.
+        raise _mismatch_error(path, f"it was built against PyTorch {built_for}")
     if not path.is_file():
         raise ImportError(
             f"attnkit: the operators' library {path} is missing: build it (cmake --build, "
@@ -40,9 +68,7 @@ def _load():
     try:
         torch.ops.load_library(str(path))
     except OSError as error:
-        raise ImportError(
-            f"attnkit: {path} does not load into this PyTorch {torch.__version__} ({error}); "
-            "the library must be built against the LibTorch of the same PyTorch") from error
+        raise _mismatch_error(path, error) from error
 
 
 _load()

@@ -1,0 +1,119 @@
+"""pip install . -- the Python package attnkit (python/attnkit) with its operators' library,
+compiled against the torch of the environment that pip installs into (docs/python.md#install).
+
+The library is src/core (attnkit's kernels, which include only LibTorch's headers) and
+src/ops/flex_operators.cpp (the operators), built by torch.utils.cpp_extension. A CUDA torch
+needs no CUDA toolkit here: attnkit has no CUDA sources of its own, and its operators' CUDA
+registrations call LibTorch's CUDA operators, so this one build serves CPU and CUDA tensors.
+"""
+import os
+import re
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+# setuptools' default, build/, is the CMake default preset's build tree.
+BUILD_BASE = "build-python"
+NEEDS = ("attnkit's operators compile against the PyTorch of the environment that installs "
+         "them, with a C++17 compiler and OpenMP (Debian: g++; scripts/setup.sh installs it)")
+
+
+def environment_torch():
+    """The environment's torch. pip's build isolation leaves the target environment's
+    packages off sys.path, so they are appended (after the isolated ones) when torch is not
+    importable otherwise: the library must match the torch it will load into, not a copy
+    downloaded for the build."""
+    try:
+        import torch
+        return torch
+    except ImportError:
+        pass
+    paths = sysconfig.get_paths(vars={"base": sys.prefix, "platbase": sys.prefix})
+    for key in ("purelib", "platlib"):
+        if paths[key] not in sys.path:
+            sys.path.append(paths[key])
+    try:
+        import torch
+        return torch
+    except ImportError:
+        sys.exit(f"attnkit: no torch importable by {sys.executable} (prefix {sys.prefix}). "
+                 f"{NEEDS}: install torch into this environment first (pip install torch), "
+                 "then pip install . (offline: pip install --no-build-isolation .)")
+
+
+def project_version():
+    """attnkit's version, from CMakeLists.txt's project() (the one place it is written)."""
+    text = (ROOT / "CMakeLists.txt").read_text()
+    match = re.search(r"project\(attnkit VERSION ([0-9.]+)", text)
+    if not match:
+        sys.exit("attnkit: no 'project(attnkit VERSION x.y.z' in CMakeLists.txt")
+    return match.group(1)
+
+
+torch = environment_torch()
+from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
+
+VERSION = project_version()
+GENERATED = ROOT / BUILD_BASE / "include"
+
+
+def write_if_changed(path, text):
+    """Keeps the file's time when its text is the same, so that nothing rebuilds for it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+
+
+def generate_version_header():
+    """include/attnkit/version.h, as CMake writes it from cmake/version.h.in."""
+    major, minor, patch = VERSION.split(".")
+    values = {"PROJECT_VERSION": VERSION, "PROJECT_VERSION_MAJOR": major,
+              "PROJECT_VERSION_MINOR": minor, "PROJECT_VERSION_PATCH": patch}
+    template = (ROOT / "cmake" / "version.h.in").read_text()
+    write_if_changed(GENERATED / "attnkit" / "version.h",
+                     re.sub(r"@(\w+)@", lambda m: values[m.group(1)], template))
+
+
+class BuildOperators(BuildExtension):
+    """Names the library as attnkit.library_path() expects it (attnkit/lib/libattnkit_ops.so,
+    loaded with torch.ops.load_library, not imported), and records the torch it was built
+    against beside it (attnkit/_built_for.py, checked on import)."""
+
+    def get_ext_filename(self, ext_name):
+        return os.path.join(*ext_name.split(".")) + ".so"
+
+    def run(self):
+        super().run()
+        package = Path(self.get_ext_fullpath("attnkit.lib.libattnkit_ops")).parent.parent
+        write_if_changed(package / "_built_for.py",
+                         f'"""Written by setup.py: the torch this build compiled against."""\n'
+                         f'TORCH_VERSION = "{torch.__version__}"\n')
+
+
+generate_version_header()
+sources = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "src" / "core").glob("*.cpp"))
+sources.append("src/ops/flex_operators.cpp")
+
+setup(
+    name="attnkit",
+    # The local label records the torch the operators were compiled against: 0.1.0+torch2.15.0.cu132.
+    version=f"{VERSION}+torch{torch.__version__.replace('+', '.')}",
+    description="FlexAttention's API on attnkit's kernels: a CPU backward, memory linear in n",
+    python_requires=">=3.8",
+    # The same release of torch: its operators' ABI differs between releases.
+    install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
+    package_dir={"": "python"},
+    packages=["attnkit"],
+    ext_modules=[CppExtension(
+        "attnkit.lib.libattnkit_ops", sources,
+        include_dirs=[str(ROOT / "include"), str(GENERATED), str(ROOT / "src")],
+        # attnkit's kernels run at::parallel_for's OpenMP loops (src/core/parallel.h).
+        extra_compile_args=["-O3", "-g0", "-fopenmp"],
+        extra_link_args=["-fopenmp"])],
+    cmdclass={"build_ext": BuildOperators},
+    options={"build": {"build_base": BUILD_BASE}, "egg_info": {"egg_base": BUILD_BASE}},
+    zip_safe=False,
+)
