@@ -10,9 +10,10 @@
 #                debootstrap on first use, a few minutes; reused after that).
 #   --pip        the whole suite against pip's LibTorch and PyTorch (scripts/pip_torch.sh pins the
 #                version and makes its virtual environment on first use, about a minute and 3 GB
-#                of downloads), in build-pip/. The index's torch is the CUDA build: this needs
-#                NVIDIA's CUDA toolkit to configure, links NCCL, and its CUDA tests skip without a
-#                GPU.
+#                of downloads), in build-pip/; the Python tests use the package as pip install .
+#                puts it into a copy of that environment (VENV-attnkit). The index's torch is
+#                the CUDA build: CMake needs NVIDIA's CUDA toolkit to configure against it (pip
+#                install . does not), links NCCL, and the CUDA tests skip without a GPU.
 #   --preset P   any preset of CMakePresets.json, with this machine's LibTorch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,9 +44,21 @@ start=$SECONDS
 scripts/build.sh --preset "$preset"
 echo "test: preset $preset: built in $(minutes $((SECONDS - start)))"
 if [ "$preset" = pip ]; then
-  # The Python side of the cross-language tests: the same PyTorch as the LibTorch.
-  ATTNKIT_PYTHON=$(scripts/pip_torch.sh)
-  export ATTNKIT_PYTHON
+  # The Python side of the cross-language tests: the same PyTorch as the LibTorch, in a copy of
+  # scripts/pip_torch.sh's environment (hard links: no space, a second) into which pip install .
+  # puts the package as a user installs it (docs/python.md#install); the Python tests import
+  # it from there. The copy keeps one path, so that ccache serves the next run's compiles.
+  start=$SECONDS
+  pip_python=$(scripts/pip_torch.sh)
+  pip_venv=$(dirname "$(dirname "$pip_python")")
+  rm -rf "$pip_venv-attnkit"
+  cp -al "$pip_venv" "$pip_venv-attnkit" 2>/dev/null || cp -a "$pip_venv" "$pip_venv-attnkit"
+  ATTNKIT_PYTHON=$pip_venv-attnkit/bin/python
+  "$ATTNKIT_PYTHON" -m pip install --quiet --disable-pip-version-check --no-build-isolation \
+    --no-index .
+  ATTNKIT_PYTHON_INSTALLED=1
+  export ATTNKIT_PYTHON ATTNKIT_PYTHON_INSTALLED
+  echo "test: pip install . into $pip_venv-attnkit in $(minutes $((SECONDS - start)))"
 fi
 start=$SECONDS
 status=0

@@ -1,5 +1,6 @@
 """The Python package attnkit and its operators against PyTorch (run by CTest with each leg's
-Python: 1.13, 2.6, pip's newest; PYTHONPATH holds the build's python/ folder).
+Python: 1.13, 2.6, pip's newest; PYTHONPATH holds the build's python/ folder, or on the pip
+leg the package is installed by pip install .).
 
 - FlexAttention's own cases (score functions, masks, GQA, B or H of 1, float32 and bfloat16)
   against float64 eager flex_attention where PyTorch has it (2.5 on), else a dense float64
@@ -11,7 +12,11 @@ Python: 1.13, 2.6, pip's newest; PYTHONPATH holds the build's python/ folder).
 
 import math
 import os
+import shutil
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import types
 import unittest
 
@@ -733,6 +738,37 @@ class OwnMasks(unittest.TestCase):
             torch.ops.attnkit.flex_attention(q, q, q, None, None, None, None, None, 8, 8, "", [],
                                              0.3, 0.5, -1)
         self.assertIn("dropout_p > 0 needs a dropout_seed", str(caught.exception))
+
+
+class Package(unittest.TestCase):
+    """Where the package comes from, and the torch its library was built for."""
+
+    def test_the_package_is_the_one_this_leg_installed_or_built(self):
+        package = os.path.realpath(os.path.dirname(attnkit.__file__))
+        if os.environ.get("ATTNKIT_PYTHON_INSTALLED"):  # pip install . (scripts/test.sh --pip)
+            site = os.path.realpath(sysconfig.get_paths()["purelib"])
+            self.assertEqual(os.path.dirname(package), site)
+        else:  # the build tree's package, through PYTHONPATH
+            self.assertIn("PYTHONPATH", os.environ)
+            self.assertEqual(os.path.dirname(package),
+                             os.path.realpath(os.environ["PYTHONPATH"].split(os.pathsep)[0]))
+
+    def test_a_library_built_for_another_torch_is_refused_before_it_loads(self):
+        with tempfile.TemporaryDirectory() as folder:
+            copy = os.path.join(folder, "attnkit")
+            shutil.copytree(os.path.dirname(attnkit.__file__), copy,
+                            ignore=shutil.ignore_patterns("lib", "__pycache__"))
+            with open(os.path.join(copy, "_built_for.py"), "w") as out:
+                out.write('TORCH_VERSION = "0.9.0"\n')
+            environment = dict(os.environ, PYTHONPATH=folder)
+            environment.pop("ATTNKIT_OPS_LIBRARY", None)
+            run = subprocess.run([sys.executable, "-c", "import attnkit"], env=environment,
+                                 capture_output=True, text=True, cwd=folder)
+        self.assertNotEqual(run.returncode, 0)
+        self.assertIn("ImportError: attnkit:", run.stderr)
+        self.assertIn(f"does not load into this PyTorch {torch.__version__} (it was built "
+                      "against PyTorch 0.9.0); the library must be built against the LibTorch "
+                      "of the same PyTorch", run.stderr)
 
 
 if __name__ == "__main__":
