@@ -21,7 +21,6 @@
 
 #include "attnkit/attnkit.h"
 #include "command_line.h"
-#include "io/file_io.h"
 #include "train/line.h"
 #include "train/mixed_precision.h"
 
@@ -475,7 +474,7 @@ double block_mask_build_ms(const BenchConfig& c, const torch::Device& device) {
 void write_json(const std::string& path, const BenchConfig& c, double sgemm,
                 const std::vector<Result>& results, double block_mask_ms) {
   // Flushed, checked and renamed: a full disk is an error, not a cut file.
-  attnkit::detail::write_atomically(path, "--json:", [&](std::ostream& out) {
+  attnkit::write_atomically(path, "--json:", [&](std::ostream& out) {
     out << std::setprecision(6) << "{\"config\": {\"batch\": " << c.batch
         << ", \"tokens\": " << c.tokens << ", \"d_model\": " << c.d_model
         << ", \"heads\": " << c.heads << ", \"causal\": " << (c.causal ? "true" : "false")

@@ -15,9 +15,9 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include "attnkit/serialize.h"
 #include "attnkit/threads.h"
 #include "command_line.h"
-#include "io/file_io.h"
 #include "train/line.h"
 #include "train/model.h"
 #include "train/trainer.h"
@@ -140,7 +140,7 @@ int run_batch(attnkit::train::AttentionModel& model, const attnkit::train::Model
                   << std::setprecision(2) << "  batch / one after another: " << batched / one_by_one
                   << "x; tokens " << (identical ? "identical" : "DIFFER") << "\n";
   if (!json.empty()) {
-    attnkit::detail::write_atomically(json, "--json:", [&](std::ostream& out) {
+    attnkit::write_atomically(json, "--json:", [&](std::ostream& out) {
       out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \"" << TORCH_VERSION_MAJOR
           << "." << TORCH_VERSION_MINOR << "\", \"threads\": " << torch::get_num_threads()
           << ", \"module\": \"" << config.module << "\", \"prompts\": " << count
@@ -339,7 +339,7 @@ int main(int argc, char** argv) {
                       << "\n";
     }
     if (!json.empty()) {
-      attnkit::detail::write_atomically(json, "--json:", [&](std::ostream& out) {
+      attnkit::write_atomically(json, "--json:", [&](std::ostream& out) {
         out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \""
             << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << "\", \"device\": \"" << device
             << "\", \"threads\": " << torch::get_num_threads() << ", \"blas\": \""

@@ -14,6 +14,8 @@
 /// From Python, `torch.save(model.state_dict(), path)` (an OrderedDict) and
 /// `torch.save(dict(model.state_dict()), path)` both work.
 
+#include <functional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -44,6 +46,17 @@ void write_state_dict(const StateDict& dict, const std::string& path);
 /// `c10::Error` naming the path.
 /// Example: `auto dict = attnkit::read_state_dict("mha.pt");`
 StateDict read_state_dict(const std::string& path);
+
+/// Writes `path` so that it holds the old file or the whole new one, never a part: `write`
+/// fills a stream on a temporary file beside the one replaced (`<file>.<pid>.tmp`), which is
+/// flushed, checked, synced to disk and renamed over it. A symbolic link keeps pointing where
+/// it pointed, at the new file. A FIFO or a device is written directly: there is no file to
+/// rename over, and replacing one would destroy it. A directory is refused. A failure removes
+/// the temporary file and is a `c10::Error` that starts with `who` and names the file.
+/// write_state_dict and the safetensors writer write through it.
+/// Example: `attnkit::write_atomically("out.json", "--json:", [&](std::ostream& out) { out << text; });`
+void write_atomically(const std::string& path, const char* who,
+                      const std::function<void(std::ostream&)>& write);
 
 /// `write_state_dict(state_dict(module), path)`.
 /// Example: `attnkit::save_state_dict(*mha, "mha.pt");`

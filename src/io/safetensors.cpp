@@ -347,7 +347,7 @@ void save_safetensors(const StateDict& dict, const std::string& path,
                 error.what(), ")");
   }
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts on a multiple of 8
-  detail::write_atomically(path, kWho, [&](std::ostream& out) {
+  write_atomically(path, kWho, [&](std::ostream& out) {
     uint8_t length[8];
     for (int i = 0; i < 8; ++i)
       length[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));

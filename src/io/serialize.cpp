@@ -117,7 +117,7 @@ StateDict state_dict(const torch::nn::Module& module) {
 
 void write_state_dict(const StateDict& dict, const std::string& path) {
   const std::vector<char> bytes = torch_save_bytes(dict);
-  detail::write_atomically(path, "[write_state_dict]", [&](std::ostream& out) {
+  write_atomically(path, "[write_state_dict]", [&](std::ostream& out) {
     out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   });
 }
@@ -166,10 +166,12 @@ std::string temporary_path(const std::string& path) {
   return write_destination(path) + "." + std::to_string(::getpid()) + ".tmp";
 }
 
+}  // namespace detail
+
 void write_atomically(const std::string& path, const char* who,
                       const std::function<void(std::ostream&)>& write) {
   namespace fs = std::filesystem;
-  const std::string destination = write_destination(path);
+  const std::string destination = detail::write_destination(path);
   std::error_code error;
   const auto status = fs::status(destination, error);
   TORCH_CHECK(!fs::is_directory(status), who, " '", path, "' is a directory; expected a file");
@@ -181,7 +183,7 @@ void write_atomically(const std::string& path, const char* who,
     TORCH_CHECK(out.good(), who, " writing '", path, "' failed");
     return;
   }
-  const std::string temporary = temporary_path(path);
+  const std::string temporary = detail::temporary_path(path);
   {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
     TORCH_CHECK(out.good(), who, " cannot open '", temporary, "' for writing");
@@ -204,6 +206,8 @@ void write_atomically(const std::string& path, const char* who,
     TORCH_CHECK(false, who, " cannot rename '", temporary, "' to '", destination, "'");
   }
 }
+
+namespace detail {
 
 LoadResult load_into(torch::nn::Module& module, const StateDict& dict, bool strict,
                      const std::string& source) {

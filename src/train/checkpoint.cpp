@@ -130,7 +130,7 @@ void save_checkpoint(const std::string& path, const CheckpointSettings& settings
     dict.insert("model." + item.key(), item.value());
   optimizer.save(dict, "optimizer.");
   // Beside the file it replaces (a symlink's target), synced to disk, then renamed over it: a
-  // crash leaves the old checkpoint intact (detail::write_atomically).
+  // crash leaves the old checkpoint intact (write_atomically).
   write_state_dict(dict, path);
 }
 

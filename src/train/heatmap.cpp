@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "io/file_io.h"
+#include "attnkit/serialize.h"
 
 #define STB_IMAGE_WRITE_IMPLEMENTATION
 #include <stb/stb_easy_font.h>
@@ -62,7 +62,7 @@ class Image {
     TORCH_CHECK(
         stbi_write_png_to_func(append, &png, width_, height_, 3, pixels_.data(), width_ * 3) != 0,
         "--dump-attention: cannot encode the heatmap for '", path, "'");
-    detail::write_atomically(path, "--dump-attention:", [&](std::ostream& out) {
+    write_atomically(path, "--dump-attention:", [&](std::ostream& out) {
       out.write(png.data(), static_cast<std::streamsize>(png.size()));
     });
   }
