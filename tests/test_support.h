@@ -19,7 +19,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "io/state_dict_reader.h"
+#include "io/zip_archive.h"
 
 namespace attnkit::testing {
 
