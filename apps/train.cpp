@@ -207,20 +207,20 @@ int main(int argc, char** argv) {
     config.sample = cli.integer("sample");
     config.kv_cache = !cli.given("no-kv-cache");
     config.prompts = cli.text("prompts");
-    config.module = cli.text("module");
+    config.model.module = cli.text("module");
     // Given explicitly only: the other modules have no backend, so the default is not theirs.
     if (cli.given("backend"))
-      config.backend = cli.text("backend");
-    config.kv_groups = cli.integer("kv-groups");
-    config.window = cli.integer("window");
-    config.latent_dim = cli.integer("latent-dim");
-    config.rope = cli.given("rope");
-    config.qk_norm = cli.given("qk-norm");
-    config.d_model = cli.integer("d-model");
-    config.heads = cli.integer("heads");
-    config.layers = cli.integer("layers");
-    config.ffn = cli.given("ffn");
-    config.dropout = cli.number("dropout");
+      config.model.backend = cli.text("backend");
+    config.model.kv_groups = cli.integer("kv-groups");
+    config.model.window = cli.integer("window");
+    config.model.latent_dim = cli.integer("latent-dim");
+    config.model.rope = cli.given("rope");
+    config.model.qk_norm = cli.given("qk-norm");
+    config.model.d_model = cli.integer("d-model");
+    config.model.heads = cli.integer("heads");
+    config.model.layers = cli.integer("layers");
+    config.model.ffn = cli.given("ffn");
+    config.model.dropout = cli.number("dropout");
     config.steps = cli.integer("steps");
     config.batch_size = cli.integer("batch-size");
     config.lr = cli.number("lr");

@@ -39,13 +39,13 @@ class TrainTest : public TempDirTest {
   static T::TrainConfig small_config() {
     T::TrainConfig c;
     c.task = "copy";
-    c.module = "mha";
-    c.d_model = 32;
-    c.heads = 2;
+    c.model.module = "mha";
+    c.model.d_model = 32;
+    c.model.heads = 2;
     c.batch_size = 16;
     c.steps = 40;
     c.eval_every = 10;
-    c.dropout = 0.1;
+    c.model.dropout = 0.1;
     c.device = "cpu";
     c.threads = 1;
     c.quiet = true;
@@ -178,8 +178,8 @@ TEST_F(TrainTest, EveryBackendFollowsTheMathLossCurve) {
   // draws its own, so it is compared without dropout. Only float32 summation order differs.
   const auto curve = [&](const std::string& backend, double dropout) {
     auto config = small_config();
-    config.backend = backend;
-    config.dropout = dropout;
+    config.model.backend = backend;
+    config.model.dropout = dropout;
     return run(config);
   };
   const auto expect_close = [](const std::vector<double>& got, const std::vector<double>& want) {
@@ -202,7 +202,7 @@ TEST_F(TrainTest, StepsInSharesFollowTheOneBatchLossCurveAndRepeat) {
   const auto curve = [&](int64_t threads, double dropout) {
     auto config = small_config();
     config.threads = threads;  // 16 rows: 3 shares of 5, 5 and 6
-    config.dropout = dropout;
+    config.model.dropout = dropout;
     return run(config);
   };
   const auto one_batch = curve(1, 0.0);
@@ -283,7 +283,7 @@ TEST_F(TrainTest, IncompatibleOrForeignCheckpointIsRefused) {
   config.save = path("run.pt");
   run(config);
   auto other = small_config();
-  other.module = "mha-combined";
+  other.model.module = "mha-combined";
   other.resume = path("run.pt");
   expect_error_containing([&] { run(other); },
                           "--resume: incompatible checkpoint '" + path("run.pt") +
@@ -291,7 +291,7 @@ TEST_F(TrainTest, IncompatibleOrForeignCheckpointIsRefused) {
                               "mha-combined");
   // --rope either way is named, whichever side has it.
   auto rotary = small_config();
-  rotary.rope = true;
+  rotary.model.rope = true;
   rotary.resume = path("run.pt");
   expect_error_containing([&] { run(rotary); },
                           "it was trained with --rope false, this run has --rope true");
@@ -307,7 +307,7 @@ TEST_F(TrainTest, IncompatibleOrForeignCheckpointIsRefused) {
   resumed.steps = 6;
   resumed.resume = path("older.pt");
   EXPECT_EQ(run(resumed).size(), 1u);  // step 6 only
-  resumed.qk_norm = true;
+  resumed.model.qk_norm = true;
   expect_error_containing([&] { run(resumed); },
                           "it was trained with --qk-norm false, this run has --qk-norm true");
   std::ofstream(path("foreign.pt")) << "not a checkpoint";
@@ -427,10 +427,10 @@ TEST_F(TrainTest, PackedTextTrainsWithTheDocumentMaskOnEveryBackend) {
     config.task = "text";
     config.data = std::string(kSourceDir) + "/data/the-verdict.txt";
     config.seq_len = 128;
-    config.dropout = 0.0;
+    config.model.dropout = 0.0;
     config.steps = 12;
     config.pack = pack;
-    config.backend = backend;
+    config.model.backend = backend;
     return run(T::resolve(config));
   };
   const auto packed = curve(true, "chunked");
@@ -489,19 +489,19 @@ TEST_F(TrainTest, ResolveNamesTheBadFlag) {
   expect_error_containing([&] { T::resolve(config); },
                           "--device: expected auto, cpu, cuda or cuda:N, got 'tpu'");
   config = small_config();
-  config.module = "sa-v2";
+  config.model.module = "sa-v2";
   expect_error_containing([&] { run(config); }, "--module sa-v2 has no causal mask");
   config = small_config();
   config.task = "reverse";
-  config.module = "causal";
+  config.model.module = "causal";
   expect_error_containing([&] { run(config); }, "--module causal always applies a causal mask");
   config = small_config();
-  config.backend = "flash";
+  config.model.backend = "flash";
   expect_error_containing([&] { run(config); },
                           "--backend: unknown backend 'flash'; expected math, fused or chunked");
   config = small_config();
-  config.module = "causal";
-  config.backend = "fused";
+  config.model.module = "causal";
+  config.model.backend = "fused";
   expect_error_containing(
       [&] { run(config); },
       "--backend fused: only mha, mha-combined, gqa, mqa and mla have backends");
@@ -510,8 +510,8 @@ TEST_F(TrainTest, ResolveNamesTheBadFlag) {
   expect_error_containing([&] { T::resolve(config); },
                           "--pack: only the text task has documents to pack, got --task copy");
   config.task = "text";
-  config.module = "causal";
-  config.backend = "";
+  config.model.module = "causal";
+  config.model.backend = "";
   expect_error_containing([&] { T::resolve(config); },
                           "--pack: --module causal takes no mask, so it cannot keep packed "
                           "documents apart; use mha, mha-combined, gqa, mqa or mla");

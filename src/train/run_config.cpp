@@ -37,16 +37,16 @@ CheckpointSettings checkpoint_settings(const TrainConfig& c) {
   const auto yes_no = [](bool b) { return std::string(b ? "true" : "false"); };
   return {{"task", c.task},
           {"seq-len", std::to_string(c.seq_len)},
-          {"module", c.module},
-          {"d-model", std::to_string(c.d_model)},
-          {"heads", std::to_string(c.heads)},
-          {"layers", std::to_string(c.layers)},
-          {"ffn", yes_no(c.ffn)},
-          {"kv-groups", std::to_string(c.kv_groups)},
-          {"window", std::to_string(c.window)},
-          {"latent-dim", std::to_string(c.latent_dim)},
-          {"rope", yes_no(c.rope)},
-          {"qk-norm", yes_no(c.qk_norm)}};
+          {"module", c.model.module},
+          {"d-model", std::to_string(c.model.d_model)},
+          {"heads", std::to_string(c.model.heads)},
+          {"layers", std::to_string(c.model.layers)},
+          {"ffn", yes_no(c.model.ffn)},
+          {"kv-groups", std::to_string(c.model.kv_groups)},
+          {"window", std::to_string(c.model.window)},
+          {"latent-dim", std::to_string(c.model.latent_dim)},
+          {"rope", yes_no(c.model.rope)},
+          {"qk-norm", yes_no(c.model.qk_norm)}};
 }
 
 CheckpointSettings data_settings(const TrainConfig& c) {
@@ -114,12 +114,12 @@ void check_checkpoint_path(const std::string& path) {
 }  // namespace
 
 TrainConfig resolve(TrainConfig c) {
-  if (c.backend.empty() && has_backends_and_kv_cache(c.module))
-    c.backend = "fused";
+  if (c.model.backend.empty() && has_backends_and_kv_cache(c.model.module))
+    c.model.backend = "fused";
   if (c.seq_len == 0)
     c.seq_len = default_task_length(c.task);
-  if (c.layers == 0)
-    c.layers = (c.task == "recall" || c.task == "text") ? 2 : 1;
+  if (c.model.layers == 0)
+    c.model.layers = (c.task == "recall" || c.task == "text") ? 2 : 1;
   if (c.steps == 0)
     c.steps = default_steps(c.task);
   if (c.eval_every == 0)
@@ -144,13 +144,13 @@ TrainConfig resolve(TrainConfig c) {
   TORCH_CHECK(c.sample >= 0, "--sample: expected >= 0, got ", c.sample);
   TORCH_CHECK(!c.pack || c.task == "text",
               "--pack: only the text task has documents to pack, got --task ", c.task);
-  TORCH_CHECK(!c.pack || takes_masks(c.module), "--pack: --module ", c.module,
+  TORCH_CHECK(!c.pack || takes_masks(c.model.module), "--pack: --module ", c.model.module,
               " takes no mask, so it cannot keep packed documents apart; use mha, mha-combined, "
               "gqa, mqa or mla");
   TORCH_CHECK(c.sample == 0 || c.task == "text",
               "--sample: only the text task generates, got --task ", c.task);
-  TORCH_CHECK(c.sample == 0 || !c.kv_cache || has_backends_and_kv_cache(c.module),
-              "--sample with --module ", c.module,
+  TORCH_CHECK(c.sample == 0 || !c.kv_cache || has_backends_and_kv_cache(c.model.module),
+              "--sample with --module ", c.model.module,
               ": only mha, mha-combined, gqa, mqa and mla have a KV cache; add --no-kv-cache");
   if (!c.prompts.empty()) {
     TORCH_CHECK(c.sample > 0, "--prompts: give --sample N, the bytes to generate for each line");
@@ -184,13 +184,13 @@ void print_config_table(std::ostream& out, const TrainConfig& c, const Task& tas
                    (c.pack ? ", packed documents" : "")},
       {"seq-len", std::to_string(c.seq_len) + " (" + std::to_string(task.input_length()) +
                       " tokens per sequence, vocab " + std::to_string(task.vocab_size()) + ")"},
-      {"module", c.module + (c.backend.empty() ? "" : " (" + c.backend + " backend)") +
-                     (c.kv_groups > 0 ? ", kv-groups " + std::to_string(c.kv_groups) : "") +
-                     (c.window > 0 ? ", window " + std::to_string(c.window) : "") +
-                     (c.latent_dim > 0 ? ", latent-dim " + std::to_string(c.latent_dim) : "")},
-      {"d-model / heads / layers", std::to_string(c.d_model) + " / " + std::to_string(c.heads) +
-                                       " / " + std::to_string(c.layers)},
-      {"ffn / dropout", std::string(c.ffn ? "yes" : "no") + " / " + c10::str(c.dropout)},
+      {"module", c.model.module + (c.model.backend.empty() ? "" : " (" + c.model.backend + " backend)") +
+                     (c.model.kv_groups > 0 ? ", kv-groups " + std::to_string(c.model.kv_groups) : "") +
+                     (c.model.window > 0 ? ", window " + std::to_string(c.model.window) : "") +
+                     (c.model.latent_dim > 0 ? ", latent-dim " + std::to_string(c.model.latent_dim) : "")},
+      {"d-model / heads / layers", std::to_string(c.model.d_model) + " / " + std::to_string(c.model.heads) +
+                                       " / " + std::to_string(c.model.layers)},
+      {"ffn / dropout", std::string(c.model.ffn ? "yes" : "no") + " / " + c10::str(c.model.dropout)},
       {"steps / batch-size", std::to_string(c.steps) + " / " + std::to_string(c.batch_size)},
       {"lr / weight-decay", c10::str(c.lr) + " / " + c10::str(c.weight_decay)},
       {"dtype",
@@ -229,8 +229,8 @@ std::string rank_agreement_text(const TrainConfig& c) {
   // --threads (its machine's cores), nor how it prints.
   auto fields = checkpoint_settings(c);
   const std::vector<std::pair<std::string, std::string>> run{
-      {"backend", c.backend},
-      {"dropout", c10::str(c.dropout)},
+      {"backend", c.model.backend},
+      {"dropout", c10::str(c.model.dropout)},
       {"data", c.data},
       {"pack", c.pack ? "true" : "false"},
       {"sample", std::to_string(c.sample)},

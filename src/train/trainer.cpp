@@ -196,27 +196,15 @@ int run_threads(const TrainConfig& c, int ranks_here) {
 // masks come from LibTorch's one CPU generator, which workers would draw from in no fixed
 // order, so a seed would no longer repeat a run).
 int64_t step_shares(const TrainConfig& c, const torch::Device& device, int threads) {
-  if (!device.is_cpu() || c.dropout > 0)
+  if (!device.is_cpu() || c.model.dropout > 0)
     return 1;
   return std::min<int64_t>(threads, std::max<int64_t>(c.batch_size, 1));
 }
 
 ModelConfig model_config_of(const TrainConfig& config, const Task& task) {
-  ModelConfig model_config;
-  model_config.module = config.module;
-  model_config.backend = config.backend;
-  model_config.kv_groups = config.kv_groups;
-  model_config.window = config.window;
-  model_config.latent_dim = config.latent_dim;
-  model_config.rope = config.rope;
-  model_config.qk_norm = config.qk_norm;
+  ModelConfig model_config = config.model;
   model_config.vocab_size = task.vocab_size();
   model_config.context_length = task.input_length();
-  model_config.d_model = config.d_model;
-  model_config.heads = config.heads;
-  model_config.layers = config.layers;
-  model_config.dropout = config.dropout;
-  model_config.ffn = config.ffn;
   model_config.causal = task.causal();
   TORCH_CHECK(task.input_length() <= kMaxContext, "--seq-len ", config.seq_len, ": task ",
               config.task, " would need context_length ", task.input_length(), ", more than the ",

@@ -20,6 +20,13 @@
 namespace attnkit::train {
 
 /// Everything a run is made of. Zero means "the task's default" where noted.
+/// ModelConfig's defaults with layers 0: the task's default, which resolve() fills in.
+inline ModelConfig task_default_model() {
+  ModelConfig model;
+  model.layers = 0;
+  return model;
+}
+
 struct TrainConfig {
   // task
   std::string task = "copy";
@@ -29,19 +36,10 @@ struct TrainConfig {
   int64_t sample = 0;    // text: bytes to generate after training
   bool kv_cache = true;  // generate the sample with KV caches (mha, mha-combined, gqa, mqa, mla)
   std::string prompts;   // text: a file whose lines --sample continues, in one batch
-  // model
-  std::string module = "mha";
-  std::string backend;     // empty: fused where the module has backends (the others have none)
-  int64_t kv_groups = 0;   // gqa (0: 2)
-  int64_t window = 0;      // mha, mha-combined, gqa, mqa (0: no sliding window)
-  int64_t latent_dim = 0;  // mla (0: max(16, d_model / 8))
-  bool rope = false;       // mha, mha-combined, gqa, mqa: rotary positions, no position table
-  bool qk_norm = false;    // mha, mha-combined, gqa, mqa: RMSNorm of queries and keys
-  int64_t d_model = 64;
-  int64_t heads = 4;
-  int64_t layers = 0;  // 0: 2 for recall and text, else 1
-  double dropout = 0.0;
-  bool ffn = false;
+  // model: the attention module and the network around it. model_config_of fills in what the
+  // task decides (vocab_size, context_length, causal); model.layers 0 (the default here): 2
+  // for recall and text, else 1 (resolve()).
+  ModelConfig model = task_default_model();
   // optimisation
   int64_t steps = 0;  // 0: the task's default
   int64_t batch_size = 64;
