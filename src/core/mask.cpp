@@ -12,39 +12,12 @@
 
 #include "core/checks.h"
 #include "core/kernels.h"
+#include "core/mask_node.h"
 #include "core/mask_parts.h"
 
 namespace attnkit {
 
 namespace detail {
-
-// Index tensors of one problem or tile: b (B,1,1,1), h (1,H,1,1), q (1,1,n,1), kv (1,1,1,m).
-struct Indices {
-  torch::Tensor b, h, q, kv;
-};
-
-Indices tile_indices(const Tile& tile, const torch::Device& device) {
-  const auto index = torch::dtype(torch::kInt64).device(device);
-  return {
-      torch::full({1, 1, 1, 1}, tile.batch, index),
-      torch::arange(tile.head_begin, tile.head_begin + tile.heads, index).view({1, -1, 1, 1}),
-      torch::arange(tile.query_begin, tile.query_begin + tile.queries, index).view({1, 1, -1, 1}),
-      torch::arange(tile.key_begin, tile.key_begin + tile.keys, index).view({1, 1, 1, -1})};
-}
-
-struct MaskNode {
-  virtual ~MaskNode() = default;
-  virtual torch::Tensor allowed(const Indices& at) const = 0;
-  // The verdict on a tile when the structure gives it; nullopt: evaluate the tile.
-  virtual c10::optional<TileKind> kind(const Tile&) const { return c10::nullopt; }
-  virtual void check(const char*, int64_t, int64_t, int64_t, int64_t, const torch::Device&) const {}
-  virtual std::string to_string() const = 0;
-  // A tile's entries, broadcastable to (1, heads, queries, keys); a kind that holds them
-  // as tiles already returns a view.
-  virtual torch::Tensor tile_allowed(const Tile& tile, const torch::Device& device) const {
-    return allowed(tile_indices(tile, device));
-  }
-};
 
 namespace {
 
@@ -303,55 +276,6 @@ struct CombinedNode final : MaskNode {
 };
 
 }  // namespace
-
-// FlexAttention's partial tiles as the Python operators pass them: slots (B or 1, H or 1, nq,
-// nk) int64 name each block's tile in bits (P, q_block, kv_block), -1 for a full block, -2
-// for an empty one. A tile that is one block (of one head) is a view of its bits.
-struct PackedTilesNode final : MaskNode {
-  torch::Tensor slots, bits;
-  int64_t q_block, kv_block;
-
-  torch::Tensor allowed(const Indices& at) const override {
-    const auto device = bits.device();
-    const auto b = (slots.size(0) == 1 ? torch::zeros_like(at.b) : at.b).to(device);
-    const auto h = (slots.size(1) == 1 ? torch::zeros_like(at.h) : at.h).to(device);
-    const auto q = at.q.to(device), kv = at.kv.to(device);
-    const auto slot =
-        slots.to(device).index({b, h, q.div(q_block, "floor"), kv.div(kv_block, "floor")});
-    const auto partial =
-        bits.index({slot.clamp_min(0), q.remainder(q_block), kv.remainder(kv_block)});
-    return slot.eq(-1).logical_or(slot.ge(0).logical_and(partial));
-  }
-  torch::Tensor tile_allowed(const Tile& t, const torch::Device& device) const override {
-    const bool one_block = slots.is_cpu() && bits.device() == device && t.heads == 1 &&
-                           t.query_begin % q_block == 0 && t.key_begin % kv_block == 0 &&
-                           t.queries <= q_block && t.keys <= kv_block;
-    if (!one_block)
-      return allowed(tile_indices(t, device));
-    const int64_t slot =
-        slots[slots.size(0) == 1 ? 0 : t.batch][slots.size(1) == 1 ? 0 : t.head_begin]
-             [t.query_begin / q_block][t.key_begin / kv_block]
-                 .item<int64_t>();
-    const auto options = torch::dtype(torch::kBool).device(device);
-    if (slot < 0)  // -1: a full block, -2: an empty one
-      return torch::full({1, 1, 1, 1}, slot == -1, options);
-    // (q_block, kv_block) -> (1, 1, queries, keys)
-    return bits[slot].narrow(0, 0, t.queries).narrow(1, 0, t.keys).view({1, 1, t.queries, -1});
-  }
-  std::string to_string() const override { return "packed_tiles"; }
-};
-
-struct MaskAccess {
-  static const MaskNode* node(const Mask& mask) { return mask.node_.get(); }
-  static Mask make(std::shared_ptr<const MaskNode> node) { return Mask(std::move(node)); }
-};
-
-Mask packed_tiles_mask(const torch::Tensor& slots, const torch::Tensor& bits, int64_t q_block,
-                       int64_t kv_block) {
-  auto node = std::make_shared<PackedTilesNode>();
-  node->slots = slots, node->bits = bits, node->q_block = q_block, node->kv_block = kv_block;
-  return MaskAccess::make(std::move(node));
-}
 
 namespace {
 

@@ -1,12 +1,14 @@
 #pragma once
 
-// Softmax and dot product of one row, shared by attnkit's CPU attention kernels (the
-// loop-nest kernel in loop_nest_kernel.cpp, the decode step in decode_attention.cpp): AVX2 for
-// float where the CPU has it (core/avx2.h), a portable loop otherwise.
+// Operations on one row of scores, shared by attnkit's CPU attention kernels (the loop-nest
+// kernel in loop_nest_kernel.cpp, the decode step in decode_attention.cpp, the fused tile
+// kernel in fused_tiles.cpp): softmax, dot product, maximum, shifted exponentials, softcap.
+// AVX2 for float where the CPU has it (core/avx2.h), a portable loop otherwise.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "core/avx2.h"
@@ -136,6 +138,112 @@ T dot(const T* a, const T* b, int64_t count) {
   for (int64_t j = 0; j < count; ++j)
     sum += a[j] * b[j];
   return sum;
+}
+
+template <typename T>
+T minus_infinity() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+// e^x, exactly 0 for x below -87.3 (and -inf): a masked score contributes nothing.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp_or_zero_avx2(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GT_OQ);
+  return _mm256_and_ps(exp_nonpositive_avx2(x), live);
+}
+
+__attribute__((target("avx2,fma"))) inline float row_max_avx2(const float* s, int64_t count) {
+  __m256 max8 = _mm256_set1_ps(minus_infinity<float>());
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes)
+    max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + j));
+  float result = minus_infinity<float>();
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, max8);
+  for (const float lane : lanes)
+    result = std::max(result, lane);
+  for (; j < count; ++j)
+    result = std::max(result, s[j]);
+  return result;
+}
+
+__attribute__((target("avx2,fma"))) inline float exp_shifted_avx2(float* s, int64_t count,
+                                                                  float shift) {
+  const __m256 shift8 = _mm256_set1_ps(shift);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes) {
+    const __m256 e = exp_or_zero_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift8));
+    _mm256_storeu_ps(s + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  if (j < count) {
+    const __m256i lanes = first_lanes(count - j);
+    const __m256 e =
+        _mm256_and_ps(exp_or_zero_avx2(_mm256_sub_ps(_mm256_maskload_ps(s + j, lanes), shift8)),
+                      _mm256_castsi256_ps(lanes));
+    _mm256_maskstore_ps(s + j, lanes, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  return horizontal_sum(sum8);
+}
+
+// s = cap tanh(s / cap).
+__attribute__((target("avx2,fma"))) inline void softcap_avx2(float* s, int64_t count, float cap) {
+  const __m256 inverse = _mm256_set1_ps(1.0f / cap), cap8 = _mm256_set1_ps(cap);
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes) {
+    const __m256 t = tanh_avx2(_mm256_mul_ps(_mm256_loadu_ps(s + j), inverse));
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(t, cap8));
+  }
+  for (; j < count; ++j)
+    s[j] = cap * std::tanh(s[j] / cap);
+}
+#endif
+
+template <typename T>
+T row_max(const T* s, int64_t count) {
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2_fma())
+      return row_max_avx2(s, count);
+  }
+#endif
+  T result = minus_infinity<T>();
+  for (int64_t j = 0; j < count; ++j)
+    result = std::max(result, s[j]);
+  return result;
+}
+
+// s = e^(s - shift) (0 where s is -inf); returns the row's sum.
+template <typename T>
+T exp_shifted(T* s, int64_t count, T shift) {
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2_fma())
+      return exp_shifted_avx2(s, count, shift);
+  }
+#endif
+  T sum = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    s[j] = std::exp(s[j] - shift);
+    sum += s[j];
+  }
+  return sum;
+}
+
+template <typename T>
+void softcap_row(T* s, int64_t count, T cap) {
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2_fma()) {
+      softcap_avx2(s, count, cap);
+      return;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < count; ++j)
+    s[j] = cap * std::tanh(s[j] / cap);
 }
 
 }  // namespace attnkit::detail

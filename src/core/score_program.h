@@ -68,7 +68,7 @@ class ScoreProgram {
   void backward(T* ds, const T* raw, int64_t count, int64_t b, int64_t h, int64_t q, int64_t k0,
                 Workspace& work, const std::vector<double*>& tensor_grads) const;
 
-  struct Step;  // one node of the graph, resolved (score_program.cpp)
+  struct Step;  // one node of the graph, resolved (score_program_steps.h)
 
  private:
   ScoreProgram() = default;
