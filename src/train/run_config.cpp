@@ -1,5 +1,6 @@
 // A run's configuration: defaults resolved and every flag checked before training starts,
-// the startup table, what the ranks of a run must agree on, and the device (trainer.h).
+// the startup table, what the ranks of a run must agree on, the device, and the model's
+// config with the run's memory check (trainer.h).
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <iomanip>
 #include <limits>
 
+#include "attnkit/memory_budget.h"
 #include "attnkit/threads.h"
 #include "checkpoint.h"
 #include "core/checks.h"
@@ -22,6 +24,9 @@
 namespace attnkit::train {
 
 namespace {
+
+// The longest context attnkit-train builds a model for.
+constexpr int64_t kMaxContext = 1024;
 
 int64_t default_steps(const std::string& task) {
   // Measured on 2 cores: every generated task is at 100% held-out accuracy well before
@@ -184,13 +189,16 @@ void print_config_table(std::ostream& out, const TrainConfig& c, const Task& tas
                    (c.pack ? ", packed documents" : "")},
       {"seq-len", std::to_string(c.seq_len) + " (" + std::to_string(task.input_length()) +
                       " tokens per sequence, vocab " + std::to_string(task.vocab_size()) + ")"},
-      {"module", c.model.module + (c.model.backend.empty() ? "" : " (" + c.model.backend + " backend)") +
-                     (c.model.kv_groups > 0 ? ", kv-groups " + std::to_string(c.model.kv_groups) : "") +
-                     (c.model.window > 0 ? ", window " + std::to_string(c.model.window) : "") +
-                     (c.model.latent_dim > 0 ? ", latent-dim " + std::to_string(c.model.latent_dim) : "")},
-      {"d-model / heads / layers", std::to_string(c.model.d_model) + " / " + std::to_string(c.model.heads) +
-                                       " / " + std::to_string(c.model.layers)},
-      {"ffn / dropout", std::string(c.model.ffn ? "yes" : "no") + " / " + c10::str(c.model.dropout)},
+      {"module",
+       c.model.module + (c.model.backend.empty() ? "" : " (" + c.model.backend + " backend)") +
+           (c.model.kv_groups > 0 ? ", kv-groups " + std::to_string(c.model.kv_groups) : "") +
+           (c.model.window > 0 ? ", window " + std::to_string(c.model.window) : "") +
+           (c.model.latent_dim > 0 ? ", latent-dim " + std::to_string(c.model.latent_dim) : "")},
+      {"d-model / heads / layers", std::to_string(c.model.d_model) + " / " +
+                                       std::to_string(c.model.heads) + " / " +
+                                       std::to_string(c.model.layers)},
+      {"ffn / dropout",
+       std::string(c.model.ffn ? "yes" : "no") + " / " + c10::str(c.model.dropout)},
       {"steps / batch-size", std::to_string(c.steps) + " / " + std::to_string(c.batch_size)},
       {"lr / weight-decay", c10::str(c.lr) + " / " + c10::str(c.weight_decay)},
       {"dtype",
@@ -268,6 +276,63 @@ void check_dtype_ranks(const std::string& dtype, bool autocast, int world_size) 
               world_size,
               " ranks: the 16-bit working copy trains in one process; add --autocast (float32 "
               "weights, forward under LibTorch's autocast), or drop --dtype or --nproc");
+}
+
+ModelConfig model_config_of(const TrainConfig& config, const Task& task) {
+  ModelConfig model_config = config.model;
+  model_config.vocab_size = task.vocab_size();
+  model_config.context_length = task.input_length();
+  model_config.causal = task.causal();
+  TORCH_CHECK(task.input_length() <= kMaxContext, "--seq-len ", config.seq_len, ": task ",
+              config.task, " would need context_length ", task.input_length(), ", more than the ",
+              kMaxContext, " attnkit-train allows");
+  return model_config;
+}
+
+// Refuses, before the model is built, a run that could not fit attnkit's memory budget: a
+// lower bound on what its first step holds at once, on this process. Every term undercounts
+// (only the layers' query and output projections, four activations of (batch, n, d_model) a
+// layer), so a run that fits is never refused; a run of 2,000,000 sequences or 100,000
+// layers is, at once, where it used to grow for a minute and fail with LibTorch's message.
+void check_run_memory(const TrainConfig& config, const ModelConfig& model, int world_size) {
+  const double d = static_cast<double>(model.d_model);
+  const double n = static_cast<double>(model.context_length);
+  const double layers = static_cast<double>(model.layers);
+  const double vocab = static_cast<double>(model.vocab_size);
+  const double rows = std::ceil(static_cast<double>(config.batch_size) / world_size);
+  const double parameters = layers * d * d * (2.0 + (model.ffn ? 8.0 : 0.0)) + 2.0 * vocab * d +
+                            (model.rope ? 0.0 : n * d);
+  // float32 weights, gradients and AdamW's two moments.
+  const double weights = 16.0 * parameters;
+  const double activations = 4.0 * rows * n * (4.0 * d * layers + 2.0 * vocab);
+  // The book's modules and --backend math: (n, n) weights saved per layer and head, and
+  // CausalAttention's (context, context) mask buffer per layer and head.
+  double quadratic = 0.0;
+  if (model.backend.empty() || model.backend == "math") {
+    const double heads = model.module == "mha-wrapper" || model.backend == "math"
+                             ? static_cast<double>(model.heads)
+                             : 1.0;
+    quadratic = 4.0 * rows * heads * n * n * layers;
+    if (model.module == "causal" || model.module == "mha-wrapper")
+      quadratic += 4.0 * n * n * layers * heads;
+  }
+  const bool weights_dominate = weights >= activations + quadratic;
+  const std::string flags =
+      weights_dominate ? c10::str("--layers ", model.layers, " --d-model ", model.d_model)
+                       : c10::str("--batch-size ", config.batch_size, " --seq-len ", config.seq_len,
+                                  " (context ", model.context_length, ") --layers ", model.layers,
+                                  " --d-model ", model.d_model);
+  detail::check_memory_budget(
+      flags,
+      c10::str("this run (weights, gradients and AdamW state ", detail::format_bytes(weights),
+               "; a step's activations ", detail::format_bytes(activations + quadratic),
+               "; both lower bounds)"),
+      weights + activations + quadratic,
+      c10::str(weights_dominate ? "use fewer --layers or a smaller --d-model"
+                                : "use a smaller --batch-size, --seq-len, --layers or --d-model",
+               quadratic > activations ? " (or a module with backends, which tile the scores)" : "",
+               ", or raise the budget with --memory-budget GB"),
+      "--memory-budget");
 }
 
 }  // namespace attnkit::train

@@ -1,6 +1,7 @@
 // The training loop: setup, steps (forward and backward in shares on the CPU, gradients
 // summed across ranks, AdamW on the flat buffer), evaluations with their checkpoints, and the
-// report; the threads and ranks a step runs on. The configuration is run_config.cpp's, what
+// report; the threads and ranks a step runs on. The configuration (and the model's config and
+// memory check drawn from it) is run_config.cpp's, what
 // a run writes besides checkpoints run_output.cpp's.
 
 #include "trainer.h"
@@ -37,8 +38,6 @@
 namespace attnkit::train {
 
 namespace {
-
-constexpr int64_t kMaxContext = 1024;
 
 // Masked next-token cross-entropy and the number of correct predictions.
 struct BatchScore {
@@ -199,63 +198,6 @@ int64_t step_shares(const TrainConfig& c, const torch::Device& device, int threa
   if (!device.is_cpu() || c.model.dropout > 0)
     return 1;
   return std::min<int64_t>(threads, std::max<int64_t>(c.batch_size, 1));
-}
-
-ModelConfig model_config_of(const TrainConfig& config, const Task& task) {
-  ModelConfig model_config = config.model;
-  model_config.vocab_size = task.vocab_size();
-  model_config.context_length = task.input_length();
-  model_config.causal = task.causal();
-  TORCH_CHECK(task.input_length() <= kMaxContext, "--seq-len ", config.seq_len, ": task ",
-              config.task, " would need context_length ", task.input_length(), ", more than the ",
-              kMaxContext, " attnkit-train allows");
-  return model_config;
-}
-
-// Refuses, before the model is built, a run that could not fit attnkit's memory budget: a
-// lower bound on what its first step holds at once, on this process. Every term undercounts
-// (only the layers' query and output projections, four activations of (batch, n, d_model) a
-// layer), so a run that fits is never refused; a run of 2,000,000 sequences or 100,000
-// layers is, at once, where it used to grow for a minute and fail with LibTorch's message.
-void check_run_memory(const TrainConfig& config, const ModelConfig& model, int world_size) {
-  const double d = static_cast<double>(model.d_model);
-  const double n = static_cast<double>(model.context_length);
-  const double layers = static_cast<double>(model.layers);
-  const double vocab = static_cast<double>(model.vocab_size);
-  const double rows = std::ceil(static_cast<double>(config.batch_size) / world_size);
-  const double parameters = layers * d * d * (2.0 + (model.ffn ? 8.0 : 0.0)) + 2.0 * vocab * d +
-                            (model.rope ? 0.0 : n * d);
-  // float32 weights, gradients and AdamW's two moments.
-  const double weights = 16.0 * parameters;
-  const double activations = 4.0 * rows * n * (4.0 * d * layers + 2.0 * vocab);
-  // The book's modules and --backend math: (n, n) weights saved per layer and head, and
-  // CausalAttention's (context, context) mask buffer per layer and head.
-  double quadratic = 0.0;
-  if (model.backend.empty() || model.backend == "math") {
-    const double heads = model.module == "mha-wrapper" || model.backend == "math"
-                             ? static_cast<double>(model.heads)
-                             : 1.0;
-    quadratic = 4.0 * rows * heads * n * n * layers;
-    if (model.module == "causal" || model.module == "mha-wrapper")
-      quadratic += 4.0 * n * n * layers * heads;
-  }
-  const bool weights_dominate = weights >= activations + quadratic;
-  const std::string flags =
-      weights_dominate ? c10::str("--layers ", model.layers, " --d-model ", model.d_model)
-                       : c10::str("--batch-size ", config.batch_size, " --seq-len ", config.seq_len,
-                                  " (context ", model.context_length, ") --layers ", model.layers,
-                                  " --d-model ", model.d_model);
-  detail::check_memory_budget(
-      flags,
-      c10::str("this run (weights, gradients and AdamW state ", detail::format_bytes(weights),
-               "; a step's activations ", detail::format_bytes(activations + quadratic),
-               "; both lower bounds)"),
-      weights + activations + quadratic,
-      c10::str(weights_dominate ? "use fewer --layers or a smaller --d-model"
-                                : "use a smaller --batch-size, --seq-len, --layers or --d-model",
-               quadratic > activations ? " (or a module with backends, which tile the scores)" : "",
-               ", or raise the budget with --memory-budget GB"),
-      "--memory-budget");
 }
 
 // One call of train(): setup (the constructor), then steps, evaluations with their

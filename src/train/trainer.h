@@ -86,6 +86,14 @@ torch::Device resolve_device(const std::string& device);
 /// `| Parameter | Value |` table of a resolved config.
 void print_config_table(std::ostream& out, const TrainConfig& config, const Task& task);
 
+/// The model a run trains: config.model with what the task decides (vocab size, context
+/// length, causality); a context beyond attnkit-train's longest is refused, naming --seq-len.
+ModelConfig model_config_of(const TrainConfig& config, const Task& task);
+
+/// Refuses, before the model is built, a run that could not fit attnkit's memory budget on
+/// this process (one of `world_size` ranks): a lower bound on what its first step holds.
+void check_run_memory(const TrainConfig& config, const ModelConfig& model, int world_size);
+
 /// Held-out metrics.
 struct Evaluation {
   double loss = 0.0;           // mean cross-entropy (nats) over scored positions
