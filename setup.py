@@ -87,10 +87,20 @@ class BuildOperators(BuildExtension):
 
     def run(self):
         super().run()
-        package = Path(self.get_ext_fullpath("attnkit.lib.libattnkit_ops")).parent.parent
-        write_if_changed(package / "_built_for.py",
-                         f'"""Written by setup.py: the torch this build compiled against."""\n'
-                         f'TORCH_VERSION = "{torch.__version__}"\n')
+        record_torch(Path(self.get_ext_fullpath("attnkit.lib.libattnkit_ops")).parent.parent)
+
+    def copy_extensions_to_source(self):
+        """pip install -e .: the library and its record go into python/attnkit."""
+        package = ROOT / "python" / "attnkit"
+        (package / "lib").mkdir(exist_ok=True)
+        super().copy_extensions_to_source()
+        record_torch(package)
+
+
+def record_torch(package):
+    write_if_changed(package / "_built_for.py",
+                     f'"""Written by setup.py: the torch this build compiled against."""\n'
+                     f'TORCH_VERSION = "{torch.__version__}"\n')
 
 
 generate_version_header()

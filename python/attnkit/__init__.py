@@ -36,7 +36,7 @@ def _release(version):
     return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
 
 
-def _built_for():
+def _torch_built_for():
     """The torch version the library was compiled against (attnkit/_built_for.py, which
     setup.py and CMake write beside it), or None for a library from elsewhere."""
     if os.environ.get("ATTNKIT_OPS_LIBRARY"):
@@ -56,7 +56,7 @@ def _mismatch_error(path, detail):
 
 def _load():
     path = library_path()
-    built_for = _built_for()
+    built_for = _torch_built_for()
     if built_for is not None and _release(built_for) != _release(torch.__version__):
         # A library of another release may load and then crash: refuse it before loading.
         raise _mismatch_error(path, f"it was built against PyTorch {built_for}")
