@@ -54,7 +54,7 @@ StateDict read_state_dict(const std::string& path);
 /// rename over, and replacing one would destroy it. A directory is refused. A failure removes
 /// the temporary file and is a `c10::Error` that starts with `who` and names the file.
 /// write_state_dict and the safetensors writer write through it.
-/// Example: `attnkit::write_atomically("out.json", "--json:", [&](std::ostream& out) { out << text; });`
+/// Example: `attnkit::write_atomically("a.json", "--json:", [&](std::ostream& o) { o << s; });`
 void write_atomically(const std::string& path, const char* who,
                       const std::function<void(std::ostream&)>& write);
 

@@ -17,22 +17,23 @@ StateDict parse_state_dict(const std::string& bytes, const std::string& name) {
     if (record.name.size() > 13 &&
         record.name.compare(record.name.size() - 13, 13, "constants.pkl") == 0)
       read_failure(name,
-           "is a TorchScript archive (torch.jit.save, or an attnkit-train checkpoint "
-           "older than format 3), not a dict of tensors; ",
-           kPythonHint);
+                   "is a TorchScript archive (torch.jit.save, or an attnkit-train checkpoint "
+                   "older than format 3), not a dict of tensors; ",
+                   kPythonHint);
   }
   // One folder holds every record, and the format version is one torch.load reads. (Not
   // LibTorch's PyTorchStreamReader: fuzzing found that it leaks its zip state when its
   // constructor throws, and it throws std::invalid_argument for a version that is no number.)
   const auto slash = records.empty() ? std::string::npos : records.front().name.find('/');
   if (slash == std::string::npos || slash == 0)
-    read_failure(name, "is not a torch.save archive (its first record is not in a folder); ", kPythonHint);
+    read_failure(name, "is not a torch.save archive (its first record is not in a folder); ",
+                 kPythonHint);
   const std::string folder = records.front().name.substr(0, slash + 1);
   const ZipRecord* version = nullptr;
   for (const auto& record : records) {
     if (record.name.compare(0, folder.size(), folder) != 0)
-      read_failure(name, "is not a torch.save archive (record '", record.name, "' is outside '", folder,
-           "')");
+      read_failure(name, "is not a torch.save archive (record '", record.name, "' is outside '",
+                   folder, "')");
     if (record.name == folder + ".data/version" ||
         (version == nullptr && record.name == folder + "version"))
       version = &record;
@@ -47,7 +48,8 @@ StateDict parse_state_dict(const std::string& bytes, const std::string& name) {
                         text.find_first_not_of("0123456789") == std::string::npos;
     const int number = digits ? std::stoi(text) : 0;
     if (version->size > 16 || number < 1 || number > 6)
-      read_failure(name, "has archive format version '", text, "', expected 1 to 6 (torch.save writes 3)");
+      read_failure(name, "has archive format version '", text,
+                   "', expected 1 to 6 (torch.save writes 3)");
   }
   std::unordered_map<std::string, const ZipRecord*> by_name;
   for (const auto& record : records)
@@ -64,14 +66,13 @@ StateDict parse_state_dict(const std::string& bytes, const std::string& name) {
   if (pickle == nullptr)
     read_failure(name, "has no data.pkl record; ", kPythonHint);
 
-  return unpickle_state_dict(bytes.substr(pickle->offset, pickle->size), name,
-                             [&](const std::string& key) {
-                               const ZipRecord* record = find("data/" + key);
-                               if (record == nullptr)
-                                 read_failure(name, "is damaged: storage '", key,
-                                              "' has no record data/", key);
-                               return std::make_pair(bytes.data() + record->offset, record->size);
-                             });
+  return unpickle_state_dict(
+      bytes.substr(pickle->offset, pickle->size), name, [&](const std::string& key) {
+        const ZipRecord* record = find("data/" + key);
+        if (record == nullptr)
+          read_failure(name, "is damaged: storage '", key, "' has no record data/", key);
+        return std::make_pair(bytes.data() + record->offset, record->size);
+      });
 }
 
 }  // namespace attnkit::detail

@@ -228,7 +228,7 @@ class TensorUnpickler {
   template <typename... Args>
   [[noreturn]] void bad(uint64_t at, const Args&... args) const {
     read_failure(name_, "is not a dict of tensors: its data.pkl, at byte ", at, ", ", args..., "; ",
-         kPythonHint);
+                 kPythonHint);
   }
 
   static std::string hex(unsigned value) {
@@ -238,8 +238,8 @@ class TensorUnpickler {
 
   std::string take(uint64_t count) {
     if (count > pickle_.size() - position_)
-      read_failure(name_, "is damaged: its data.pkl ends in the middle of an item (byte ", position_,
-           " of ", pickle_.size(), ")");
+      read_failure(name_, "is damaged: its data.pkl ends in the middle of an item (byte ",
+                   position_, " of ", pickle_.size(), ")");
     std::string bytes = pickle_.substr(position_, count);
     position_ += count;
     return bytes;
@@ -467,10 +467,11 @@ StateDict unpickle_state_dict(const std::string& pickle, const std::string& name
     const Value* key = root->items[i];
     const Value* value = root->items[i + 1];
     if (key->kind != Value::Kind::kString)
-      read_failure(name, "has a key that is a ", kind_name(key->kind), ", expected strings; ", kPythonHint);
+      read_failure(name, "has a key that is a ", kind_name(key->kind), ", expected strings; ",
+                   kPythonHint);
     if (value->kind != Value::Kind::kTensor)
       read_failure(name, "has a value of key '", key->text, "' that is a ", kind_name(value->kind),
-           ", expected a tensor; ", kPythonHint);
+                   ", expected a tensor; ", kPythonHint);
     if (auto* existing = dict.find(key->text)) {
       *existing = value->tensor;  // a repeated key: the last value wins, as in Python
     } else {

@@ -26,7 +26,7 @@ class ByteReader {
   uint64_t unsigned_at(uint64_t at, int width) const {
     if (!has(at, width))
       read_failure(name_, "is truncated: a zip header at byte ", at, " runs past the end (", size(),
-           " bytes); ", kPythonHint);
+                   " bytes); ", kPythonHint);
     uint64_t value = 0;
     for (int i = width - 1; i >= 0; --i)
       value = (value << 8) | static_cast<unsigned char>(bytes_[at + i]);
@@ -75,7 +75,7 @@ Directory find_directory(const ByteReader& in, const std::string& name) {
   if (!in.has(directory.offset, directory.size) ||
       directory.entries > directory.size / kMinEntrySize)
     read_failure(name, "is damaged: its zip directory claims ", directory.entries, " entries in ",
-         directory.size, " bytes at byte ", directory.offset, ", the file has ", in.size());
+                 directory.size, " bytes at byte ", directory.offset, ", the file has ", in.size());
   return directory;
 }
 
@@ -105,7 +105,8 @@ std::vector<ZipRecord> zip_records(const std::string& bytes, const std::string& 
       uint64_t value = field + 4;
       const uint64_t field_end = value + length;
       if (field_end > extra_end)
-        read_failure(name, "is damaged: record '", record.name, "' has an extra field past its entry");
+        read_failure(name, "is damaged: record '", record.name,
+                     "' has an extra field past its entry");
       if (id == 0x0001) {
         for (uint64_t* target : {&size, &stored_size, &local}) {
           if (*target == kAll32 && value + 8 <= field_end) {
@@ -117,19 +118,21 @@ std::vector<ZipRecord> zip_records(const std::string& bytes, const std::string& 
       field = field_end;
     }
     if ((flags & 1) != 0 || method != 0 || stored_size != size)
-      read_failure(name, "record '", record.name, "' is compressed or encrypted (zip method ", method,
-           "); torch.save stores its records as they are");
+      read_failure(name, "record '", record.name, "' is compressed or encrypted (zip method ",
+                   method, "); torch.save stores its records as they are");
     if (in.u32(local) != kLocalHeader)
       read_failure(name, "is damaged: the local header of record '", record.name, "' is missing");
     record.offset = local + 30 + in.u16(local + 26) + in.u16(local + 28);
     record.size = size;
     if (!in.has(record.offset, record.size))
       read_failure(name, "is truncated or damaged: record '", record.name, "' claims ", record.size,
-           " bytes at byte ", record.offset, ", past the end of the file (", in.size(), " bytes)");
+                   " bytes at byte ", record.offset, ", past the end of the file (", in.size(),
+                   " bytes)");
     const uint32_t actual = crc32(bytes.data() + record.offset, record.size);
     if (actual != crc)
-      read_failure(name, "is damaged: record '", record.name, "' does not match its CRC-32 (computed ",
-           actual, ", the archive says ", crc, ")");
+      read_failure(name, "is damaged: record '", record.name,
+                   "' does not match its CRC-32 (computed ", actual, ", the archive says ", crc,
+                   ")");
     if (!seen.emplace(record.name, records.size()).second)
       read_failure(name, "is damaged: record '", record.name, "' appears twice");
     records.push_back(std::move(record));
