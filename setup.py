@@ -57,6 +57,9 @@ torch = environment_torch()
 from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
 VERSION = project_version()
+# The torch release: 2.15.0+cu132 -> (2, 15, 0), 1.13.0a0 -> (1, 13, 0).
+TORCH_RELEASE = tuple(int(part) for part in
+                      re.match(r"\d+(?:\.\d+)*", torch.__version__).group().split("."))
 GENERATED = ROOT / BUILD_BASE / "include"
 
 
@@ -81,6 +84,13 @@ class BuildOperators(BuildExtension):
     """Names the library as attnkit.library_path() expects it (attnkit/lib/libattnkit_ops.so,
     loaded with torch.ops.load_library, not imported), and records the torch it was built
     against beside it (attnkit/_built_for.py, checked on import)."""
+
+    def _add_compile_flag(self, extension, flag):
+        # torch/torch.h would include torch/extension.h, with Python's and pybind11's headers:
+        # the library is loaded by torch.ops.load_library and needs neither (and Debian's
+        # python3-torch has no pybind11 headers).
+        if flag != "-DTORCH_API_INCLUDE_EXTENSION_H":
+            super()._add_compile_flag(extension, flag)
 
     def get_ext_filename(self, ext_name):
         return os.path.join(*ext_name.split(".")) + ".so"
@@ -120,8 +130,10 @@ setup(
     ext_modules=[CppExtension(
         "attnkit.lib.libattnkit_ops", sources,
         include_dirs=[str(ROOT / "include"), str(GENERATED), str(ROOT / "src")],
-        # attnkit's kernels run at::parallel_for's OpenMP loops (src/core/parallel.h).
-        extra_compile_args=["-O3", "-g0", "-fopenmp"],
+        # attnkit's kernels run at::parallel_for's OpenMP loops (src/core/parallel.h); C++17 at
+        # least, where torch before 2.0 would ask for C++14.
+        extra_compile_args=["-O3", "-g0", "-fopenmp"] + (["-std=c++17"] if TORCH_RELEASE < (2,)
+                                                          else []),
         extra_link_args=["-fopenmp"])],
     cmdclass={"build_ext": BuildOperators},
     options={"build": {"build_base": BUILD_BASE}, "egg_info": {"egg_base": BUILD_BASE}},
