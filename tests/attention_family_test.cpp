@@ -4,6 +4,8 @@
 // (with the rolling window and the latent cache), their cache sizes, and every refusal.
 
 #include <algorithm>
+#include <cmath>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -34,26 +36,49 @@ CachedAttention make_family_module(const std::string& label) {
     return GroupedQueryAttention(gqa(1)).ptr();
   if (label == "gqa window 3")
     return GroupedQueryAttention(gqa(2).sliding_window_size(3)).ptr();
+  // Gemma 2's attention: a softcap small enough to change every weight, a scale of its own,
+  // on a rolling cache.
+  if (label == "gqa window 3 softcap scale")
+    return GroupedQueryAttention(
+               gqa(2).sliding_window_size(3).score_mod(score_mods::softcap(0.5)).scale(0.3))
+        .ptr();
   const auto mha = MultiHeadAttentionOptions(d_in, d_out, 16, 0.1, heads)
                        .qkv_bias(true)
                        .query_block_size(3)
                        .key_block_size(4);
+  // A score function that reads positions: cached calls must give it the sequence's (a
+  // clamped distance, so that a query offset missed would not cancel in the softmax as
+  // ALiBi's would).
+  if (label == "mha relative bias")
+    return MultiHeadAttention(MultiHeadAttentionOptions(mha).score_mod(
+                                  score_mods::relative_position_bias(torch::randn({heads, 5}))))
+        .ptr();
   if (label == "mha window 4")
     return MultiHeadAttention(MultiHeadAttentionOptions(mha).sliding_window_size(4)).ptr();
   if (label == "mha-combined window 1")
     return MultiHeadAttentionCombinedQKV(MultiHeadAttentionOptions(mha).sliding_window_size(1))
         .ptr();
-  TORCH_CHECK(label == "mla", "unknown module ", label);
-  return MultiHeadLatentAttention(MultiHeadLatentAttentionOptions(d_in, d_out, 0.1, heads)
-                                      .qkv_bias(true)
-                                      .latent_dim(5)
-                                      .query_block_size(3)
-                                      .key_block_size(4))
-      .ptr();
+  TORCH_CHECK(label == "mla" || label == "mla softcap", "unknown module ", label);
+  auto mla = MultiHeadLatentAttentionOptions(d_in, d_out, 0.1, heads)
+                 .qkv_bias(true)
+                 .latent_dim(5)
+                 .query_block_size(3)
+                 .key_block_size(4);
+  // With a softcap the decode step cannot drop W_UK's bias term, a per-row constant.
+  if (label == "mla softcap")
+    mla.score_mod(score_mods::softcap(0.5));
+  return MultiHeadLatentAttention(mla).ptr();
 }
 
-const std::vector<std::string> kFamily{
-    "gqa", "mqa", "gqa window 3", "mha window 4", "mha-combined window 1", "mla"};
+const std::vector<std::string> kFamily{"gqa",
+                                       "mqa",
+                                       "gqa window 3",
+                                       "gqa window 3 softcap scale",
+                                       "mha relative bias",
+                                       "mha window 4",
+                                       "mha-combined window 1",
+                                       "mla",
+                                       "mla softcap"};
 
 // Output and the gradient of every parameter and of x for sum(forward(x) * probe).
 std::vector<torch::Tensor> output_and_grads(CachedAttention& m, const torch::Tensor& x_in,
@@ -106,6 +131,18 @@ TEST(AttentionFamily, PrettyPrintShowsEveryOption) {
             "attnkit::GroupedQueryAttention(d_in=8, d_out=12, dropout=0.1, num_heads=6, "
             "num_kv_groups=2, qkv_bias=false, sliding_window_size=5, backend=math, "
             "query_block_size=128, key_block_size=1024)");
+  std::ostringstream scored;
+  GroupedQueryAttention(GroupedQueryAttentionOptions(8, 12, 0.1, 6, 2)
+                            .score_mod(score_mods::softcap(50.0))
+                            .scale(0.0625))
+      ->pretty_print(scored);
+  EXPECT_NE(scored.str().find(", score_mod=softcap(50), scale=0.0625)"), std::string::npos)
+      << scored.str();
+  std::ostringstream function;
+  MultiHeadAttention(MultiHeadAttentionOptions(8, 12, 4, 0.0, 2)
+                         .score_mod(score_mods::alibi(score_mods::alibi_slopes(2))))
+      ->pretty_print(function);
+  EXPECT_NE(function.str().find(", score_mod=function)"), std::string::npos) << function.str();
   MultiHeadLatentAttention(8, 12, 0.0, 2, true, 7)->pretty_print(mla);
   EXPECT_EQ(
       mla.str(),
@@ -305,6 +342,29 @@ TEST(AttentionFamily, ResetParametersRepeatsTheConstructorsDraws) {
 }
 
 TEST(AttentionFamily, RefusalsNameWhatIsWrong) {
+  expect_error_containing(
+      [] { GroupedQueryAttention(GroupedQueryAttentionOptions(8, 12, 0.0, 6, 2).scale(-1.0)); },
+      "[GroupedQueryAttention] option scale must be finite and > 0 (unset: 1 / sqrt(head "
+      "width)), got -1");
+  expect_error_containing(
+      [] { MultiHeadAttention(MultiHeadAttentionOptions(8, 12, 4, 0.0, 2).scale(std::nan(""))); },
+      "[MultiHeadAttention] option scale must be finite and > 0");
+  {
+    // A rolling cache keeps keys in storage order: a score function that may read positions
+    // is refused before anything is written; a softcap reads none and is taken.
+    GroupedQueryAttention rolling(GroupedQueryAttentionOptions(4, 8, 0.0, 2, 1)
+                                      .sliding_window_size(3)
+                                      .score_mod(score_mods::alibi(score_mods::alibi_slopes(2))));
+    rolling->eval();
+    auto cache = rolling->make_kv_cache(1, 0);
+    const auto x = torch::randn({1, 2, 4});
+    expect_error_containing([&] { rolling->forward_with_cache(x, cache); },
+                            "[GroupedQueryAttention::forward_with_cache] option score_mod: a "
+                            "rolling cache of window_size 3 keeps its keys in storage order");
+    EXPECT_EQ(cache.size(), 0);
+    rolling->options.score_mod(score_mods::softcap(5.0));
+    EXPECT_EQ(rolling->forward_with_cache(x, cache).sizes(), (std::vector<int64_t>{1, 2, 8}));
+  }
   expect_error_containing([] { GroupedQueryAttention(8, 12, 0.0, 6, 4); },
                           "[GroupedQueryAttention] option num_heads must be divisible by "
                           "num_kv_groups, got num_heads = 6, num_kv_groups = 4");

@@ -315,6 +315,22 @@ std::vector<RaggedModule> ragged_modules(torch::Device device) {
                            .ptr(),
                        device));
   }
+  // Score functions: a softcap with a scale on a rolling cache (Gemma 2's local layers), and
+  // a clamped relative bias, which reads each row's positions.
+  modules.push_back(
+      prepare_ragged("GroupedQueryAttention window 3 softcap scale",
+                     GroupedQueryAttention(GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2)
+                                               .sliding_window_size(3)
+                                               .score_mod(score_mods::softcap(0.5))
+                                               .scale(0.3))
+                         .ptr(),
+                     device));
+  modules.push_back(prepare_ragged(
+      "MultiHeadAttention relative bias",
+      MultiHeadAttention(MultiHeadAttentionOptions(6, 8, 24, 0.0, 2)
+                             .score_mod(score_mods::relative_position_bias(torch::randn({2, 5}))))
+          .ptr(),
+      device));
   modules.push_back(prepare_ragged(
       "MultiHeadLatentAttention",
       MultiHeadLatentAttention(MultiHeadLatentAttentionOptions(6, 8, 0.0, 2).latent_dim(3)).ptr(),
@@ -913,12 +929,48 @@ TEST(DecodeAttention, EqualsTheMathDefinitionForEveryHeadLayoutAndRowRange) {
         EXPECT_LT((got[r] - want).abs().max().item<double>(), tolerance)
             << dtype << ", " << kv_heads << " key heads, width " << hd << ", row " << r;
       }
+      // Gemma 2's capped scores.
+      const auto capped = attnkit::detail::decode_attention(query, keys, values, scale, begin, end,
+                                                            /*softcap=*/0.7);
+      for (int64_t r = 0; r < b; ++r) {
+        if (end[r] <= begin[r])
+          continue;
+        const auto k = all_keys[r].slice(1, begin[r], end[r]);
+        const auto v = all_values[r].slice(1, begin[r], end[r]);
+        const auto scores = torch::matmul(query[r], k.transpose(1, 2)) * scale;
+        const auto want = torch::softmax(torch::tanh(scores / 0.7) * 0.7, -1).matmul(v);
+        EXPECT_LT((capped[r] - want).abs().max().item<double>(), tolerance)
+            << dtype << ", softcap, row " << r;
+      }
       const auto every_key = attnkit::detail::decode_attention(query, keys, values, scale);
       const auto want_all =
           torch::softmax(torch::matmul(query, all_keys.transpose(2, 3)) * scale, -1)
               .matmul(all_values);
       EXPECT_LT((every_key - want_all).abs().max().item<double>(), tolerance);
     }
+  }
+}
+
+// A softcapped module (Gemma 2's attention) decodes on the decode kernel, rolling cache and
+// all; a score function that reads positions goes to the kernels that evaluate any.
+TEST(DecodeAttention, ASoftcappedModulesStepRunsOnTheDecodeKernel) {
+  torch::manual_seed(8);
+  const torch::NoGradGuard no_grad;
+  for (const bool softcap : {true, false}) {
+    GroupedQueryAttention gqa(
+        GroupedQueryAttentionOptions(4, 8, 0.0, 2, 1)
+            .sliding_window_size(softcap ? c10::optional<int64_t>(3) : c10::nullopt)
+            .score_mod(softcap ? score_mods::softcap(1.0)
+                               : score_mods::alibi(score_mods::alibi_slopes(2))));
+    gqa->eval();
+    const auto x = torch::randn({1, 6, 4});
+    auto cache = gqa->make_kv_cache(1, 8);
+    gqa->forward_with_cache(x.narrow(1, 0, 5), cache);
+    functional::KernelRecord record;
+    const auto step = gqa->forward_with_cache(x.narrow(1, 5, 1), cache);
+    ASSERT_FALSE(record.runs().empty());
+    EXPECT_EQ(record.runs().back().kernel == "decode", softcap) << record.runs().back().kernel;
+    EXPECT_TRUE(tensors_close("step", step, gqa(x).narrow(1, 5, 1), 1e-5));
   }
 }
 
@@ -989,6 +1041,9 @@ TEST(DecodeAttention, RefusesWhatItCannotTake) {
         attnkit::detail::decode_attention(torch::randn({2, 4, 2, 8}), keys, keys, 1.0);
       },
       "expected one CPU float or double query per row");
+  expect_error_containing(
+      [&] { attnkit::detail::decode_attention(query, keys, keys, 1.0, {}, {}, -1.0); },
+      "[decode_attention] softcap must be >= 0 (0: none), got -1");
   // Autograd to record, or half precision: the general path's, not this kernel's.
   EXPECT_FALSE(attnkit::detail::decode_attention_fits(query.clone().requires_grad_(), keys, keys));
   EXPECT_FALSE(attnkit::detail::decode_attention_fits(

@@ -12,21 +12,13 @@
 #include "attnkit/block_mask.h"
 #include "attnkit/mask.h"
 #include "attnkit/options.h"
+#include "attnkit/score_mod.h"
 
 namespace attnkit::detail {
 struct KernelRecordAccess;
 }  // namespace attnkit::detail
 
 namespace attnkit {
-
-/// FlexAttention's `score_mod(score, b, h, q_idx, kv_idx) -> score`: applied to the scaled
-/// scores of a tile before the mask and the softmax. `score` has the broadcast shape of the
-/// index tensors (as for `MaskMod`); the result must have score's shape and dtype.
-/// Gradients flow through it into q and k, and into the tensors it reads (a bias table).
-/// Example: `[](auto s, auto, auto, auto q, auto kv) { return s - (q - kv).abs(); }`.
-using ScoreMod = std::function<torch::Tensor(const torch::Tensor& score, const torch::Tensor& b,
-                                             const torch::Tensor& h, const torch::Tensor& q_idx,
-                                             const torch::Tensor& kv_idx)>;
 
 /// Whether this LibTorch multiplies float16 matrices on the CPU (2.x does; 1.13 does not, so
 /// its float16 modules need a GPU). attnkit's attention core computes 16-bit inputs in

@@ -24,6 +24,7 @@
 #include "attnkit/rope.h"
 #include "attnkit/safetensors.h"
 #include "attnkit/score_graph.h"
+#include "attnkit/score_mod.h"
 #include "attnkit/self_attention.h"
 #include "attnkit/serialize.h"
 #include "attnkit/threads.h"

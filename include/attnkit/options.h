@@ -8,9 +8,12 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
+
+#include "attnkit/score_mod.h"
 
 namespace attnkit {
 
@@ -191,6 +194,21 @@ struct AttentionBackendOptions {
     return self();
   }
   const int64_t& key_block_size() const noexcept { return key_block_size_; }
+  /// A score function on every call's scaled scores (`functional::AttentionOptions::score_mod`),
+  /// e.g. Gemma 2's `score_mods::softcap(50.0)`; its q_idx and kv_idx are positions in the
+  /// sequence, in cached calls too. Default: none.
+  Options& score_mod(ScoreMod value) {
+    score_mod_ = std::move(value);
+    return self();
+  }
+  const ScoreMod& score_mod() const noexcept { return score_mod_; }
+  /// The score multiplier (`functional::AttentionOptions::scale`), e.g. Gemma 2's
+  /// query_pre_attn_scalar^-0.5. Unset: 1 / sqrt(head width).
+  Options& scale(c10::optional<double> value) {
+    scale_ = value;
+    return self();
+  }
+  const c10::optional<double>& scale() const noexcept { return scale_; }
 
   /// The old name of `query_block_size`, kept for one release.
   [[deprecated("use query_block_size")]] Options& chunk_size(int64_t value) {
@@ -209,6 +227,8 @@ struct AttentionBackendOptions {
   AttentionBackend backend_ = AttentionBackend::kMath;
   int64_t query_block_size_ = 128;
   int64_t key_block_size_ = 1024;
+  ScoreMod score_mod_;
+  c10::optional<double> scale_;
 };
 
 /// Options for `MultiHeadAttention` and `MultiHeadAttentionCombinedQKV` (Python

@@ -6,12 +6,14 @@
 #include "core/decode_attention.h"
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
 #include "core/kernels.h"
 #include "core/parallel.h"
 #include "core/row_softmax.h"
+#include "core/score_variants.h"
 
 namespace attnkit::detail {
 
@@ -63,7 +65,7 @@ void key_dots(const scalar_t* q, const scalar_t* keys, int64_t key_stride, int64
 template <typename scalar_t>
 void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
                  double scale, const std::vector<int64_t>& key_begin,
-                 const std::vector<int64_t>& key_end, torch::Tensor& out) {
+                 const std::vector<int64_t>& key_end, double softcap, torch::Tensor& out) {
   const int64_t b = query.size(0), h = query.size(1), hd = query.size(3);
   const int64_t kv_heads = keys.size(1), m = keys.size(2), hd_v = values.size(3);
   const int64_t group_size = h / kv_heads;
@@ -90,7 +92,15 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const to
         continue;
       scalar_t* p = weights.data() + begin;
       key_dots(q_row, k_head, ks[2], hd, begin, end, weights.data());
-      softmax_row(p, end - begin, static_cast<scalar_t>(scale), p);
+      if (softcap > 0.0) {  // the scores capped, then a softmax of scale 1
+        const auto cap = static_cast<scalar_t>(softcap);
+        const auto scale_over_cap = static_cast<scalar_t>(scale / softcap);
+        for (int64_t j = 0; j < end - begin; ++j)
+          p[j] = cap * std::tanh(p[j] * scale_over_cap);
+        softmax_row(p, end - begin, scalar_t(1), p);
+      } else {
+        softmax_row(p, end - begin, static_cast<scalar_t>(scale), p);
+      }
       for (int64_t j = begin; j < end; ++j) {
         const scalar_t* value = v_head + j * vs[2];
         const scalar_t weight = weights[j];
@@ -118,7 +128,9 @@ bool decode_attention_fits(const torch::Tensor& query, const torch::Tensor& keys
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& keys,
                                const torch::Tensor& values, double scale,
                                const std::vector<int64_t>& key_begin,
-                               const std::vector<int64_t>& key_end) {
+                               const std::vector<int64_t>& key_end, double softcap) {
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap),
+              "[decode_attention] softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(decode_attention_fits(query, keys, values),
               "[decode_attention] expected one CPU float or double query per row, last "
               "dimensions contiguous, heads a multiple of the key heads and no autograd; got "
@@ -141,7 +153,7 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   // (b, 1, h, hd_v) memory, returned as (b, h, 1, hd_v): merging the heads is then a view.
   auto out = torch::empty({b, 1, h, values.size(3)}, query.options());
   AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "decode_attention", [&] {
-    decode_rows<scalar_t>(query, keys, values, scale, key_begin, key_end, out);
+    decode_rows<scalar_t>(query, keys, values, scale, key_begin, key_end, softcap, out);
   });
   return out.transpose(1, 2);
 }
@@ -156,8 +168,8 @@ std::string decode_declines(const KernelInput& input) {
     return "the decode kernel serves cached steps only";
   if (input.query_tokens() != 1)
     return c10::str("the decode kernel takes one query per row, not ", input.query_tokens());
-  if (call.options.score_mod())
-    return "the decode kernel has no score functions (score_mod)";
+  if (call.options.score_mod() && !call.options.score_mod().target<SoftcapScore>())
+    return "the decode kernel has no score functions but a softcap (score_mod)";
   // A ragged step's own causal masks are its rows' ranges; a cached step's is the call's.
   if (call.step == StepKind::kRagged ? !call.options.mask().is_none() : !input.causal_span()) {
     return c10::str("the decode kernel takes only the cache's causal mask, not ",
@@ -203,7 +215,10 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> decode_ranges(const Kernel
 functional::AttentionOutput run_decode(const KernelInput& input) {
   const auto& call = input.call;
   const auto [begin, end] = decode_ranges(input);
-  return {decode_attention(call.query, call.key, call.value, input.scale(), begin, end), {}};
+  const auto* softcap = call.options.score_mod().target<SoftcapScore>();
+  return {decode_attention(call.query, call.key, call.value, input.scale(), begin, end,
+                           softcap ? softcap->cap : 0.0),
+          {}};
 }
 
 }  // namespace

@@ -106,6 +106,21 @@ std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::str
   return std::nullopt;
 }
 
+bool score_reads_positions(const ScoreMod& score_mod) {
+  return score_mod && score_mod.target<SoftcapScore>() == nullptr;
+}
+
+ScoreMod score_mod_at_positions(const ScoreMod& score_mod, const torch::Tensor& offsets) {
+  if (!score_reads_positions(score_mod))
+    return score_mod;
+  return [score_mod, offsets](const torch::Tensor& score, const torch::Tensor& b,
+                              const torch::Tensor& h, const torch::Tensor& q_idx,
+                              const torch::Tensor& kv_idx) {
+    const auto shift = offsets.dim() == 0 ? offsets : offsets.index({b});
+    return score_mod(score, b, h, q_idx + shift, kv_idx);
+  };
+}
+
 torch::Tensor apply_score_mod(const ScoreMod& score_mod, const torch::Tensor& scores,
                               const std::vector<torch::Tensor>& index) {
   auto result = score_mod(scores, index[0], index[1], index[2], index[3]);

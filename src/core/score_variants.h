@@ -95,4 +95,13 @@ struct ScoreVariant {
 /// that rows cannot evaluate, with the reason in `why` (when given).
 std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::string* why = nullptr);
 
+/// Whether the score function may read q_idx or kv_idx: false for none and for a softcap,
+/// true for anything else (a C++ function may read them, so it is taken to).
+bool score_reads_positions(const ScoreMod& score_mod);
+
+/// `score_mod` with q_idx counted from `offsets` instead of 0: a scalar, one offset for every
+/// row, or a (b) int64 tensor, row b's queries starting at offsets[b]. Position-free score
+/// functions are returned as they are, so that kernels still read their variant.
+ScoreMod score_mod_at_positions(const ScoreMod& score_mod, const torch::Tensor& offsets);
+
 }  // namespace attnkit::detail

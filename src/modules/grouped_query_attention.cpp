@@ -64,6 +64,7 @@ void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
   if (options.output_dim())
     stream << ", output_dim=" << *options.output_dim();
   detail::print_query_key_options(stream, options.rope(), options.qk_norm());
+  detail::print_score_options(stream, options.score_mod(), options.scale());
   stream << ")";
 }
 
@@ -96,9 +97,9 @@ KVCache GroupedQueryAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity
 torch::Tensor GroupedQueryAttentionImpl::attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                                            const torch::Tensor& lengths,
                                                            const Mask& mask) {
-  const auto new_lengths =
-      detail::check_cached_call(kName, is_training(), x, options.d_in(), /*context_length=*/0,
-                                cache, cache_layout_of(options), W_query->weight, mask, lengths);
+  const auto new_lengths = detail::check_cached_call(
+      kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
+      cache_layout_of(options), W_query->weight, mask, lengths, options.score_mod());
   detail::check_rope_cached_positions(kName, rope_tables, cache, new_lengths, x.size(1));
   torch::NoGradGuard no_grad;
   const auto g = options.num_kv_groups();

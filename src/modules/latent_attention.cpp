@@ -34,7 +34,7 @@ torch::Tensor attend_latents(MultiHeadLatentAttentionImpl& module, const torch::
   const auto query_latents = torch::matmul(queries, up_keys);  // (b, h, 1, latent)
   // The scale of the heads' width, not the latents'.
   auto settings = settings_of(module.options);
-  settings.options.scale(detail::default_scale(hd));
+  settings.options.scale(module.options.scale().value_or(detail::default_scale(hd)));
   const auto context_latents = detail::attend_step(query_latents, keys, keys, settings,
                                                    /*query_offset=*/latents.size(1) - 1,
                                                    /*mask=*/{}, rows);
@@ -82,7 +82,9 @@ void MultiHeadLatentAttentionImpl::pretty_print(std::ostream& stream) const {
          << ", qkv_bias=" << detail::option_text(options.qkv_bias())
          << ", latent_dim=" << latent_dim() << ", backend=" << backend_name(options.backend())
          << ", query_block_size=" << options.query_block_size()
-         << ", key_block_size=" << options.key_block_size() << ")";
+         << ", key_block_size=" << options.key_block_size();
+  detail::print_score_options(stream, options.score_mod(), options.scale());
+  stream << ")";
 }
 
 // Keys and values up-projected from the latents
@@ -122,7 +124,10 @@ torch::Tensor MultiHeadLatentAttentionImpl::attend_new_tokens(const torch::Tenso
   const detail::ValidTokens tokens(x, new_lengths);
   const auto queries = detail::split_heads(detail::project(W_query, x, tokens), h);
   const auto new_latents = detail::project(W_DKV, x, tokens);  // (b, n, latent_dim)
-  const bool decode_step = x.size(1) == 1 && mask.is_none();
+  // The absorbed form drops W_UK's bias term, a per-row constant: a score function (a
+  // softcap) would not leave it out of the softmax.
+  const bool decode_step =
+      x.size(1) == 1 && mask.is_none() && !(options.score_mod() && W_UK->bias.defined());
   if (!new_lengths.empty()) {
     const auto span = cache.append_latent_ragged(new_latents, new_lengths);  // (b, m, latent)
     if (decode_step) {

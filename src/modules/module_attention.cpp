@@ -2,6 +2,7 @@
 
 #include "core/checks.h"
 #include "core/planner.h"
+#include "core/score_variants.h"
 #include "modules/module_helpers.h"
 
 namespace attnkit::detail {
@@ -50,15 +51,23 @@ F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& key
 torch::Tensor attend_step(const torch::Tensor& queries, const torch::Tensor& keys,
                           const torch::Tensor& values, const ModuleAttention& settings,
                           int64_t query_offset, const Mask& mask, const KVCache::RaggedSpan* rows) {
+  // The kernels count q_idx from the call's first query; the module's score function reads
+  // positions in the sequence.
+  const auto& score_mod = settings.options.score_mod();
   if (rows == nullptr) {
     auto call = module_call(queries, keys, values, settings, /*training=*/false,
                             module_mask(settings, query_offset) & mask);
     call.step = StepKind::kCached;
+    if (query_offset != 0) {
+      call.options.score_mod(
+          score_mod_at_positions(score_mod, torch::tensor(query_offset).to(queries.device())));
+    }
     return run_checked_attention(call).context;
   }
   // Each row's own causal (and window) mask over its valid keys replaces the module's one
   // query offset; the planner adds it.
   auto call = module_call(queries, keys, values, settings, /*training=*/false, mask);
+  call.options.score_mod(score_mod_at_positions(score_mod, rows->starts));
   call.step = StepKind::kRagged;
   call.ragged.query_offsets = rows->starts;
   call.ragged.key_ends = rows->ends;
@@ -148,7 +157,8 @@ std::vector<int64_t> check_ragged_lengths(const char* module, const torch::Tenso
 std::vector<int64_t> check_cached_call(const char* module, bool training, const torch::Tensor& x,
                                        int64_t d_in, int64_t context_length, const KVCache& cache,
                                        const CacheLayout& layout, const torch::Tensor& parameter,
-                                       const Mask& mask, const torch::Tensor& lengths) {
+                                       const Mask& mask, const torch::Tensor& lengths,
+                                       const ScoreMod& score_mod) {
   TORCH_CHECK(!training, "[", module,
               "::forward_with_cache] the KV cache is for inference, but the module is in "
               "training mode: call eval() first (training runs forward over whole sequences)");
@@ -179,6 +189,11 @@ std::vector<int64_t> check_cached_call(const char* module, bool training, const 
               "::forward_with_cache] mask: a rolling cache of window_size ", layout.window_size,
               " keeps its keys in storage order, so a mask cannot name their positions; got ",
               mask.to_string(), "; masks work with the caches of modules without a window");
+  TORCH_CHECK(!score_reads_positions(score_mod) || layout.window_size == 0, "[", module,
+              "::forward_with_cache] option score_mod: a rolling cache of window_size ",
+              layout.window_size,
+              " keeps its keys in storage order, so a score function cannot read their "
+              "positions; a softcap (score_mods::softcap) reads none and works");
   const int64_t n = x.size(1);
   if (lengths.defined())
     return check_ragged_lengths(module, x, lengths, context_length, cache);
@@ -278,6 +293,17 @@ void print_query_key_options(std::ostream& stream, const c10::optional<RopeOptio
   }
   if (qk_norm)
     stream << ", qk_norm=true";
+}
+
+void print_score_options(std::ostream& stream, const ScoreMod& score_mod,
+                         const c10::optional<double>& scale) {
+  if (score_mod) {
+    const auto* softcap = score_mod.target<SoftcapScore>();
+    stream << ", score_mod="
+           << (softcap ? c10::str("softcap(", option_text(softcap->cap), ")") : "function");
+  }
+  if (scale)
+    stream << ", scale=" << option_text(*scale);
 }
 
 void check_rope_forward(const char* name, const RopeTables& rope, const torch::Tensor& query,

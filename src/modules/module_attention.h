@@ -4,6 +4,7 @@
 // GroupedQueryAttention, MultiHeadLatentAttention) does between its projections: attention
 // over split heads by the chosen backend, and the KV-cache bookkeeping of forward_with_cache.
 
+#include <cmath>
 #include <vector>
 
 #include <torch/torch.h>
@@ -27,8 +28,8 @@ struct ModuleAttention {
   functional::AttentionOptions options;
 };
 
-/// A module's ModuleAttention from its options (dropout, backend, query_block_size, key_block_size)
-/// and the shape of its mask.
+/// A module's ModuleAttention from its options (dropout, backend, query_block_size,
+/// key_block_size, score_mod, scale) and the shape of its mask.
 template <typename ModuleOptions>
 ModuleAttention module_attention_of(const ModuleOptions& opt, bool causal,
                                     c10::optional<int64_t> window_size) {
@@ -37,7 +38,9 @@ ModuleAttention module_attention_of(const ModuleOptions& opt, bool causal,
               .dropout_p(opt.dropout())
               .backend(opt.backend())
               .query_block_size(opt.query_block_size())
-              .key_block_size(opt.key_block_size())};
+              .key_block_size(opt.key_block_size())
+              .score_mod(opt.score_mod())
+              .scale(opt.scale())};
 }
 
 /// Queries (b, h, n, hd) against keys and values (b, g, m, hd) with g dividing h, query i at
@@ -61,7 +64,8 @@ torch::Tensor attend_step(const torch::Tensor& queries, const torch::Tensor& key
                           const KVCache::RaggedSpan* rows = nullptr);
 
 /// reset()'s checks of the options every multi-head module has: d_in, d_out and num_heads
-/// >= 1 with num_heads dividing d_out, dropout in [0, 1), and the block sizes >= 1.
+/// >= 1 with num_heads dividing d_out, dropout in [0, 1), the block sizes >= 1, and a scale,
+/// when set, finite and > 0.
 template <typename Options>
 void check_multi_head_options(const char* module, const Options& opt) {
   check_positive_option(module, "d_in", opt.d_in());
@@ -73,6 +77,9 @@ void check_multi_head_options(const char* module, const Options& opt) {
   TORCH_CHECK(opt.d_out() % opt.num_heads() == 0, "[", module,
               "] option d_out must be divisible by num_heads, got d_out = ", opt.d_out(),
               ", num_heads = ", opt.num_heads());
+  TORCH_CHECK(!opt.scale() || (std::isfinite(*opt.scale()) && *opt.scale() > 0.0), "[", module,
+              "] option scale must be finite and > 0 (unset: 1 / sqrt(head width)), got ",
+              opt.scale().value_or(0.0));
 }
 
 /// The inputs of the keys and values of forward(query, key, value): query itself for
@@ -98,14 +105,16 @@ KVCache make_module_cache(const char* module, const CacheLayout& layout, int64_t
 /// Everything that can be wrong with a forward_with_cache call, checked before anything is
 /// computed or written: training mode, the input x (b, n, d_in), the cache's layout, dtype
 /// and device, positions past context_length (0: no limit) or the cache's capacity, and a
-/// mask on a rolling cache (which holds its keys in storage order, not by position).
+/// mask on a rolling cache (which holds its keys in storage order, not by position), and a
+/// `score_mod` that may read positions on a rolling cache.
 /// With `lengths` defined (forward_with_cache(x, cache, lengths)): a (b) int64 tensor, each in
 /// [0, n], and each row's end within context_length and the capacity (any cache kind).
 /// Returns the lengths as numbers (empty without `lengths`).
 std::vector<int64_t> check_cached_call(const char* module, bool training, const torch::Tensor& x,
                                        int64_t d_in, int64_t context_length, const KVCache& cache,
                                        const CacheLayout& layout, const torch::Tensor& parameter,
-                                       const Mask& mask = {}, const torch::Tensor& lengths = {});
+                                       const Mask& mask = {}, const torch::Tensor& lengths = {},
+                                       const ScoreMod& score_mod = {});
 
 /// What a module with QK-norm or RoPE does to its heads between the projections and
 /// attention. `q_norm`/`k_norm` are empty holders without qk_norm, `rope` undefined without
@@ -154,6 +163,12 @@ RopeTables reset_query_key_transform(const char* name, torch::nn::Module& module
 /// `, rope=(context_length=4096, theta_base=10000, layout=split_half), qk_norm=true`.
 void print_query_key_options(std::ostream& stream, const c10::optional<RopeOptions>& rope,
                              bool qk_norm);
+
+/// pretty_print's text for the score_mod and scale options, each only when set:
+/// `, score_mod=softcap(50), scale=0.0625` (a function that is not a ready-made one prints as
+/// `function`).
+void print_score_options(std::ostream& stream, const ScoreMod& score_mod,
+                         const c10::optional<double>& scale);
 
 /// forward's check for a module with RoPE: self-attention (key undefined) of at most the
 /// tables' context_length tokens.

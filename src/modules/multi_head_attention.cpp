@@ -36,6 +36,7 @@ void print_multi_head_options(std::ostream& stream, const char* name,
          << ", query_block_size=" << options.query_block_size()
          << ", key_block_size=" << options.key_block_size();
   detail::print_query_key_options(stream, options.rope(), options.qk_norm());
+  detail::print_score_options(stream, options.score_mod(), options.scale());
   stream << ")";
 }
 
@@ -88,7 +89,7 @@ std::vector<int64_t> check_cached_mha_call(const char* name, const MultiHeadAtte
               "also attends to later ones, which a cache of earlier tokens cannot give");
   auto new_lengths =
       detail::check_cached_call(name, training, x, opt.d_in(), opt.context_length(), cache,
-                                cache_layout_of(opt), parameter, mask, lengths);
+                                cache_layout_of(opt), parameter, mask, lengths, opt.score_mod());
   detail::check_rope_cached_positions(name, rope, cache, new_lengths, x.size(1));
   return new_lengths;
 }
