@@ -5,6 +5,8 @@
 // and attention composed, on every backend; cached decoding equals forward; the state dict
 // holds q_norm.weight and k_norm.weight and no tables; bad options and inputs are named.
 
+#include <sstream>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -304,6 +306,52 @@ TEST(RopeModules, ForwardIsQkNormThenRopeThenAttentionOnEveryBackend) {
     const auto copy = std::dynamic_pointer_cast<attnkit::GroupedQueryAttentionImpl>(gqa->clone());
     EXPECT_TRUE(tensors_close(c10::str(layout, " clone"), copy->forward(x), gqa_expected, 1e-10));
   }
+}
+
+// Gemma's RMSNorm keeps its weight as an offset from 1, starting at zeros; Gemma 3's QK-norm
+// is that norm with the config's eps.
+TEST(RopeModules, GemmaNormsScaleByOnePlusTheirWeights) {
+  torch::manual_seed(4);
+  attnkit::RMSNorm norm(attnkit::RMSNormOptions(8).eps(1e-3).unit_offset(true));
+  norm->to(torch::kFloat64);
+  EXPECT_TRUE(norm->weight.eq(0).all().item<bool>());
+  const auto x = torch::randn({3, 8}, torch::kFloat64);
+  EXPECT_TRUE(
+      tensors_close("zeros", norm(x), x / torch::sqrt(x.pow(2).mean(-1, true) + 1e-3), 1e-12));
+  {
+    torch::NoGradGuard no_grad;
+    norm->weight.uniform_(-0.5, 0.5);
+  }
+  EXPECT_TRUE(tensors_close("offset", norm(x),
+                            x / torch::sqrt(x.pow(2).mean(-1, true) + 1e-3) * (norm->weight + 1),
+                            1e-12));
+  norm->reset_parameters();
+  EXPECT_TRUE(norm->weight.eq(0).all().item<bool>());
+  std::ostringstream printed;
+  norm->pretty_print(printed);
+  EXPECT_EQ(printed.str(), "attnkit::RMSNorm(dim=8, eps=0.001, unit_offset=true)");
+
+  attnkit::GroupedQueryAttention gqa(attnkit::GroupedQueryAttentionOptions(12, 16, 0.0, 4, 2)
+                                         .qk_norm(true)
+                                         .qk_norm_eps(1e-3)
+                                         .qk_norm_unit_offset(true));
+  for (const auto* each : {&gqa->q_norm, &gqa->k_norm}) {
+    EXPECT_EQ((*each)->options.dim(), 4);
+    EXPECT_EQ((*each)->options.eps(), 1e-3);
+    EXPECT_TRUE((*each)->options.unit_offset());
+    EXPECT_TRUE((*each)->weight.eq(0).all().item<bool>());
+  }
+  std::ostringstream gqa_printed;
+  gqa->pretty_print(gqa_printed);
+  EXPECT_NE(gqa_printed.str().find("qk_norm=true, qk_norm_eps=0.001, qk_norm_unit_offset=true"),
+            std::string::npos)
+      << gqa_printed.str();
+  expect_error_containing(
+      [] {
+        attnkit::GroupedQueryAttention(
+            attnkit::GroupedQueryAttentionOptions(12, 16, 0.0, 4, 2).qk_norm(true).qk_norm_eps(0));
+      },
+      "[GroupedQueryAttention] option qk_norm_eps must be > 0, got 0");
 }
 
 TEST(RopeModules, QkNormWeightsTrainAndRopeMakesAttentionShiftInvariant) {

@@ -59,7 +59,8 @@ using functional::RopeLayout;
 using functional::RopeOptions;
 
 /// Options for `RMSNorm` (PyTorch's `nn.RMSNorm(normalized_shape, eps)` over the last
-/// dimension): x / sqrt(mean(x^2) + eps) * weight. Example: `RMSNormOptions(64).eps(1e-5)`.
+/// dimension): x / sqrt(mean(x^2) + eps) * weight. Example: `RMSNormOptions(64).eps(1e-5)`;
+/// Gemma's `RMSNormOptions(64).unit_offset(true)`.
 struct RMSNormOptions {
   /* implicit */ RMSNormOptions(int64_t dim) : dim_(dim) {}
 
@@ -67,6 +68,9 @@ struct RMSNormOptions {
   TORCH_ARG(int64_t, dim);
   /// Added to the mean square (Qwen3's and Gemma 3's 1e-6).
   TORCH_ARG(double, eps) = 1e-6;
+  /// Gemma's norm: `weight` holds an offset from 1, x / sqrt(mean(x^2) + eps) * (1 + weight),
+  /// and starts at zeros, as Gemma's checkpoints store it.
+  TORCH_ARG(bool, unit_offset) = false;
 };
 
 /// Options for `SelfAttentionV1` (Python `SelfAttention_v1(d_in, d_out)`).
@@ -307,6 +311,10 @@ struct GroupedQueryAttentionOptions : AttentionBackendOptions<GroupedQueryAttent
   TORCH_ARG(c10::optional<RopeOptions>, rope) = c10::nullopt;
   /// QK-norm (Qwen3, Gemma 3), as in `MultiHeadAttentionOptions`.
   TORCH_ARG(bool, qk_norm) = false;
+  /// QK-norm's eps (config.json's rms_norm_eps in Qwen3 and Gemma 3).
+  TORCH_ARG(double, qk_norm_eps) = 1e-6;
+  /// QK-norm as Gemma 3's norm, its weights an offset from 1 (`RMSNormOptions::unit_offset`).
+  TORCH_ARG(bool, qk_norm_unit_offset) = false;
   /// Width of the output: `out_proj` maps d_out to it. Unset: d_out. Qwen3 sets d_in, since
   /// its heads together (num_heads * head_dim) are wider than the model.
   TORCH_ARG(c10::optional<int64_t>, output_dim) = c10::nullopt;

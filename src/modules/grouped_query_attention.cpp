@@ -33,6 +33,8 @@ void GroupedQueryAttentionImpl::reset() {
               "] option num_heads must be divisible by num_kv_groups, got num_heads = ",
               options.num_heads(), ", num_kv_groups = ", options.num_kv_groups());
   detail::check_window_option(kName, options.sliding_window_size(), /*causal=*/true);
+  TORCH_CHECK(options.qk_norm_eps() > 0.0, "[", kName, "] option qk_norm_eps must be > 0, got ",
+              options.qk_norm_eps());
   const auto d_in = options.d_in();
   const auto d_out = options.d_out();
   const auto output_dim = options.output_dim().value_or(d_out);
@@ -48,8 +50,9 @@ void GroupedQueryAttentionImpl::reset() {
                             torch::nn::Linear(torch::nn::LinearOptions(d_in, d_out).bias(bias)));
   out_proj = register_module(
       "out_proj", torch::nn::Linear(torch::nn::LinearOptions(d_out, output_dim).bias(false)));
-  rope_tables = detail::reset_query_key_transform(kName, *this, options.rope(), options.qk_norm(),
-                                                  d_out / options.num_heads(), q_norm, k_norm);
+  rope_tables = detail::reset_query_key_transform(
+      kName, *this, options.rope(), options.qk_norm(), d_out / options.num_heads(), q_norm, k_norm,
+      RMSNormOptions(1).eps(options.qk_norm_eps()).unit_offset(options.qk_norm_unit_offset()));
 }
 
 void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
@@ -64,6 +67,10 @@ void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
   if (options.output_dim())
     stream << ", output_dim=" << *options.output_dim();
   detail::print_query_key_options(stream, options.rope(), options.qk_norm());
+  if (options.qk_norm() && options.qk_norm_eps() != 1e-6)
+    stream << ", qk_norm_eps=" << detail::option_text(options.qk_norm_eps());
+  if (options.qk_norm() && options.qk_norm_unit_offset())
+    stream << ", qk_norm_unit_offset=true";
   detail::print_score_options(stream, options.score_mod(), options.scale());
   stream << ")";
 }

@@ -259,10 +259,12 @@ void reset_child_parameters(torch::nn::Module& module) {
 
 RopeTables reset_query_key_transform(const char* name, torch::nn::Module& module,
                                      const c10::optional<RopeOptions>& rope, bool qk_norm,
-                                     int64_t head_dim, RMSNorm& q_norm, RMSNorm& k_norm) {
+                                     int64_t head_dim, RMSNorm& q_norm, RMSNorm& k_norm,
+                                     const RMSNormOptions& norm_options) {
   if (qk_norm) {
-    q_norm = module.register_module("q_norm", RMSNorm(RMSNormOptions(head_dim)));
-    k_norm = module.register_module("k_norm", RMSNorm(RMSNormOptions(head_dim)));
+    const auto options = RMSNormOptions(norm_options).dim(head_dim);
+    q_norm = module.register_module("q_norm", RMSNorm(options));
+    k_norm = module.register_module("k_norm", RMSNorm(options));
   }
   if (!rope)
     return {};

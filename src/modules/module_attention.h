@@ -154,10 +154,12 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
 
 /// A module's reset() for its rope and qk_norm options: refuses an odd head width with RoPE
 /// and a rope context_length < 1; returns the tables (undefined without rope) and registers
-/// `q_norm` and `k_norm` (RMSNorm over head_dim) on `module` with qk_norm.
+/// `q_norm` and `k_norm` (RMSNorm over head_dim, with `norm_options`' eps and unit_offset) on
+/// `module` with qk_norm.
 RopeTables reset_query_key_transform(const char* name, torch::nn::Module& module,
                                      const c10::optional<RopeOptions>& rope, bool qk_norm,
-                                     int64_t head_dim, RMSNorm& q_norm, RMSNorm& k_norm);
+                                     int64_t head_dim, RMSNorm& q_norm, RMSNorm& k_norm,
+                                     const RMSNormOptions& norm_options = RMSNormOptions(1));
 
 /// pretty_print's text for the rope and qk_norm options, each only when set:
 /// `, rope=(context_length=4096, theta_base=10000, layout=split_half), qk_norm=true`.

@@ -13,16 +13,20 @@ void RMSNormImpl::reset() {
   detail::check_positive_option("RMSNorm", "dim", options.dim());
   TORCH_CHECK(options.eps() > 0.0, "[RMSNorm] option eps must be > 0, got ", options.eps());
   weight = register_parameter("weight", torch::ones({options.dim()}));
+  reset_parameters();
 }
 
 void RMSNormImpl::reset_parameters() {
   torch::NoGradGuard no_grad;
-  weight.fill_(1.0);
+  weight.fill_(options.unit_offset() ? 0.0 : 1.0);
 }
 
 void RMSNormImpl::pretty_print(std::ostream& stream) const {
   stream << "attnkit::RMSNorm(dim=" << options.dim()
-         << ", eps=" << detail::option_text(options.eps()) << ")";
+         << ", eps=" << detail::option_text(options.eps());
+  if (options.unit_offset())
+    stream << ", unit_offset=true";
+  stream << ")";
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
@@ -33,7 +37,7 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   const bool low_precision = x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kBFloat16;
   const auto wide = low_precision ? x.to(torch::kFloat32) : x;
   const auto normed = wide * torch::rsqrt(wide.pow(2).mean(-1, /*keepdim=*/true) + options.eps());
-  return (normed * weight).to(x.scalar_type());
+  return (normed * (options.unit_offset() ? weight + 1 : weight)).to(x.scalar_type());
 }
 
 }  // namespace attnkit
