@@ -741,6 +741,17 @@ TEST_F(SerializeTest, SafetensorsLoadsIntoAModuleThroughANameMap) {
       [&] { attnkit::load_safetensors(*fresh, path("gpt2.safetensors"), split_in_five); },
       "'transformer.h.0.attn.c_attn.bias': the rule for 'c_attn\\.(bias)' splits it into 5 "
       "parts along dimension 0, which shape [12] does not divide");
+  auto bad_sizes = names;
+  bad_sizes.rules[1].split_sizes = {4, 4, 5};
+  expect_error_containing(
+      [&] { attnkit::load_safetensors(*fresh, path("gpt2.safetensors"), bad_sizes); },
+      "'transformer.h.0.attn.c_attn.bias': the rule for 'c_attn\\.(bias)' splits it into parts "
+      "of [4, 4, 5] along dimension 0, which needs 13 rows of positive parts, got shape [12]");
+  bad_sizes.rules[1].split_sizes = {6, 6};
+  expect_error_containing(
+      [&] { attnkit::load_safetensors(*fresh, path("gpt2.safetensors"), bad_sizes); },
+      "the rule for 'c_attn\\.(bias)' has 3 targets but split_sizes [6, 6]");
+  expect_same_dict(attnkit::state_dict(*fresh), fresh_before);
   auto transpose_bias = names;
   transpose_bias.rules[3].transpose = true;
   expect_error_containing(
@@ -752,6 +763,32 @@ TEST_F(SerializeTest, SafetensorsLoadsIntoAModuleThroughANameMap) {
       [&] { attnkit::load_safetensors(*fresh, path("gpt2.safetensors"), two_to_one); },
       "'transformer.h.0.attn.c_proj.bias' maps to 'out_proj.weight', which another entry "
       "already maps to");
+}
+
+// Phi-3's fused qkv_proj: the query heads, then the narrower key and value heads, split by
+// sizes into a grouped-query module.
+TEST_F(SerializeTest, SafetensorsSplitsAFusedProjectionBySizes) {
+  torch::manual_seed(4);
+  attnkit::GroupedQueryAttention gqa(8, 8, 0.0, 4, /*num_kv_groups=*/2);  // head_dim 2
+  const auto want = attnkit::state_dict(*gqa);
+  attnkit::StateDict phi3;
+  phi3.insert("qkv_proj.weight",
+              torch::cat({want["W_query.weight"], want["W_key.weight"], want["W_value.weight"]}));
+  phi3.insert("o_proj.weight", want["out_proj.weight"]);
+  attnkit::save_safetensors(phi3, path("phi3.safetensors"));
+  const attnkit::NameMap names{
+      /*prefix=*/"",
+      /*ignored=*/{},
+      /*rules=*/
+      {{R"(qkv_proj\.weight)",
+        {"W_query.weight", "W_key.weight", "W_value.weight"},
+        /*transpose=*/false,
+        /*split_sizes=*/{8, 4, 4}},
+       {R"(o_proj\.weight)", {"out_proj.weight"}}}};
+  attnkit::GroupedQueryAttention loaded(8, 8, 0.0, 4, 2);
+  attnkit::load_safetensors(*loaded, path("phi3.safetensors"), names);
+  for (const auto& item : attnkit::state_dict(*loaded))
+    EXPECT_TRUE(tensors_close(item.key(), item.value(), want[item.key()], 0.0));
 }
 
 // Both directions against the `safetensors` package, which the pip leg's Python has (other

@@ -13,7 +13,8 @@
 // loss did not fall, so a test can tell that the model learns. --golden instead checks the
 // Llama-style model against scripts/llama_reference.py's outputs (prefill, then the three
 // prompts decoded together as one ragged batch) and exits 1 on a mismatch. --hf loads a
-// Hugging Face checkpoint (GPT-2, Llama 3, Qwen3) into the same model through a name map and
+// Hugging Face checkpoint (GPT-2, Llama 3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3) into
+// the same model through a name map and
 // checks it against transformers' logits and greedy tokens (reference_checks.h).
 
 #include <attnkit/attnkit.h>
@@ -74,9 +75,9 @@ constexpr const char* kUsage =
     "usage: tiny_gpt --data FILE [--llama] [--steps N] [--sample N] [--seed N]\n"
     "       tiny_gpt --golden data/golden/llama/reference.pt\n"
     "       tiny_gpt --hf DIR [--device cpu|cuda] [--dtype float64|float32|bfloat16]\n"
-    "  --hf DIR: DIR holds a Hugging Face GPT-2, Llama or Qwen3 checkpoint (config.json,\n"
-    "  model.safetensors) and reference.safetensors (scripts/hf_decoder_reference.py); checks\n"
-    "  float64 and float32 unless --dtype names one";
+    "  --hf DIR: DIR holds a Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2\n"
+    "  or Gemma 3 checkpoint (config.json, model.safetensors) and reference.safetensors\n"
+    "  (scripts/hf_decoder_reference.py); checks float64 and float32 unless --dtype names one";
 
 int usage(const std::string& message) {
   std::cerr << "tiny_gpt: " << message << "\n" << kUsage << "\n";

@@ -1,10 +1,12 @@
 #pragma once
-// tiny_gpt's model: pre-norm decoder blocks on attnkit's attention layers, in two designs
-// (GPT-2 style and Llama style), one torch::nn::Module that attnkit::generate decodes.
+// tiny_gpt's model: pre-norm decoder blocks on attnkit's attention layers, in three designs
+// (GPT-2 style, Llama style, and Gemma's variant of the Llama style), one torch::nn::Module
+// that attnkit::generate decodes.
 
 #include <attnkit/attnkit.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <utility>
@@ -31,6 +33,24 @@ struct ModelConfig {
   bool qk_norm = false;  // Qwen3's RMSNorm of queries and keys
   int64_t head_dim = 0;  // 0: d_model / heads; Qwen3's heads together may be wider
   attnkit::RopeOptions rope = attnkit::RopeOptions(64);
+  // Per layer: a sliding window of that many tokens (Mistral, Phi-3, Gemma's local layers),
+  // or 0 for full causal attention. Empty: every layer full.
+  std::vector<int64_t> windows;
+  // Gemma 3: the window layers' RoPE base (its local layers); unset: rope's for every layer.
+  c10::optional<double> window_rope_theta;
+  // Gemma 2: cap * tanh(score / cap) on the attention scores (0: none) and on the logits.
+  double attention_softcap = 0.0;
+  double final_softcap = 0.0;
+  // The attention scores' scale (Gemma's query_pre_attn_scalar^-0.5); unset: 1 / sqrt(head_dim).
+  c10::optional<double> attention_scale;
+  // Gemma's design on top of the Llama style: RMSNorms whose weights are offsets from 1, a
+  // norm after attention and after the feed-forward as well as before, GeGLU (tanh GELU) for
+  // SwiGLU, and token embeddings scaled by sqrt(d_model).
+  bool gemma = false;
+
+  int64_t window_of(int64_t layer) const {
+    return windows.empty() ? 0 : windows.at(static_cast<size_t>(layer));
+  }
 };
 
 // One pre-norm decoder block: x + attention(norm(x)), then x + feed_forward(norm(x)). Any
@@ -43,15 +63,15 @@ struct DecoderBlock : torch::nn::Module {
   }
 
   torch::Tensor forward(torch::Tensor x) {  // (b, n, d) -> (b, n, d)
-    x = x + attention->forward(attention_norm(x));
-    return x + feed_forward(feed_forward_norm(x));
+    x = x + after_attention(attention->forward(attention_norm(x)));
+    return x + after_feed_forward(feed_forward(feed_forward_norm(x)));
   }
   // The same for the next tokens of sequences whose earlier keys and values are in `cache`;
   // with `lengths` (b), row r brings its first lengths[r] tokens, the rest is padding.
   torch::Tensor forward_with_cache(torch::Tensor x, attnkit::KVCache& cache,
                                    const torch::Tensor& lengths) {
-    x = x + attention->forward_with_cache(attention_norm(x), cache, lengths);
-    return x + feed_forward(feed_forward_norm(x));
+    x = x + after_attention(attention->forward_with_cache(attention_norm(x), cache, lengths));
+    return x + after_feed_forward(feed_forward(feed_forward_norm(x)));
   }
   attnkit::KVCache make_kv_cache(int64_t batch, int64_t capacity) {
     return attention->make_kv_cache(batch, capacity);
@@ -60,6 +80,9 @@ struct DecoderBlock : torch::nn::Module {
   virtual torch::Tensor attention_norm(const torch::Tensor& x) = 0;
   virtual torch::Tensor feed_forward_norm(const torch::Tensor& x) = 0;
   virtual torch::Tensor feed_forward(const torch::Tensor& x) = 0;
+  // What a design does to each branch's output before the residual sum (Gemma: a norm).
+  virtual torch::Tensor after_attention(const torch::Tensor& y) { return y; }
+  virtual torch::Tensor after_feed_forward(const torch::Tensor& y) { return y; }
 
   std::shared_ptr<attnkit::CachedAttentionLayer> attention;
 };
@@ -91,38 +114,60 @@ struct GptBlock : DecoderBlock {
   torch::nn::Sequential feed_forward_;
 };
 
-// Llama's feed-forward: fc3(silu(fc1(x)) * fc2(x)), no biases.
-struct SwiGLUImpl : torch::nn::Module {
-  SwiGLUImpl(int64_t d_model, int64_t hidden)
+// Llama's feed-forward, SwiGLU: fc3(silu(fc1(x)) * fc2(x)), no biases; Gemma's GeGLU has the
+// tanh GELU for silu.
+struct GatedFeedForwardImpl : torch::nn::Module {
+  GatedFeedForwardImpl(int64_t d_model, int64_t hidden, bool gelu)
       : fc1(register_module("fc1", linear(d_model, hidden))),
         fc2(register_module("fc2", linear(d_model, hidden))),
-        fc3(register_module("fc3", linear(hidden, d_model))) {}
+        fc3(register_module("fc3", linear(hidden, d_model))),
+        gelu(gelu) {}
   static torch::nn::Linear linear(int64_t in, int64_t out) {
     return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return fc3(torch::silu(fc1(x)) * fc2(x)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto gate = fc1(x);
+    return fc3((gelu ? torch::gelu(gate, "tanh") : torch::silu(gate)) * fc2(x));
+  }
 
   torch::nn::Linear fc1, fc2, fc3;
+  bool gelu;
 };
-TORCH_MODULE(SwiGLU);
+TORCH_MODULE(GatedFeedForward);
 
-// Llama style: RMSNorm, grouped-query attention with RoPE (and QK-norm for Qwen3), SwiGLU.
+// Llama style: RMSNorm, grouped-query attention with RoPE (and QK-norm for Qwen3, biases for
+// Qwen2, a window for Mistral), SwiGLU.
 struct LlamaBlock : DecoderBlock {
-  LlamaBlock(const ModelConfig& c, double dropout)
-      : DecoderBlock(attnkit::GroupedQueryAttention(attention_options(c, dropout)).ptr()),
+  LlamaBlock(const ModelConfig& c, double dropout, int64_t layer)
+      : DecoderBlock(attnkit::GroupedQueryAttention(attention_options(c, dropout, layer)).ptr()),
         attention_norm_(register_module("attention_norm", norm(c))),
         feed_forward_norm_(register_module("feed_forward_norm", norm(c))),
-        feed_forward_(register_module("feed_forward", SwiGLU(c.d_model, c.hidden))) {}
+        feed_forward_(
+            register_module("feed_forward", GatedFeedForward(c.d_model, c.hidden, c.gemma))) {}
   static attnkit::RMSNorm norm(const ModelConfig& c) {
-    return attnkit::RMSNorm(attnkit::RMSNormOptions(c.d_model).eps(c.norm_eps));
+    return attnkit::RMSNorm(
+        attnkit::RMSNormOptions(c.d_model).eps(c.norm_eps).unit_offset(c.gemma));
   }
+  // Layer `layer`'s attention: its window (and, for Gemma 3's window layers, their RoPE base).
   static attnkit::GroupedQueryAttentionOptions attention_options(const ModelConfig& c,
-                                                                 double dropout) {
+                                                                 double dropout, int64_t layer) {
     const int64_t heads_width = c.heads * (c.head_dim > 0 ? c.head_dim : c.d_model / c.heads);
+    const int64_t window = c.window_of(layer);
+    auto rope = c.rope;
+    if (window > 0 && c.window_rope_theta)
+      rope.theta_base(*c.window_rope_theta).freq_config(c10::nullopt);
     auto options =
         attnkit::GroupedQueryAttentionOptions(c.d_model, heads_width, dropout, c.heads, c.kv_groups)
-            .rope(c.rope)
-            .qk_norm(c.qk_norm);
+            .qkv_bias(c.qkv_bias)
+            .rope(rope)
+            .qk_norm(c.qk_norm)
+            .qk_norm_eps(c.norm_eps)
+            .qk_norm_unit_offset(c.gemma)
+            .scale(c.attention_scale);
+    if (window > 0)
+      options.sliding_window_size(window);
+    if (c.attention_softcap > 0.0)
+      options.score_mod(attnkit::score_mods::softcap(c.attention_softcap));
     if (heads_width != c.d_model)
       options.output_dim(c.d_model);
     return options;
@@ -134,7 +179,25 @@ struct LlamaBlock : DecoderBlock {
 
   attnkit::RMSNorm attention_norm_;
   attnkit::RMSNorm feed_forward_norm_;
-  SwiGLU feed_forward_;
+  GatedFeedForward feed_forward_;
+};
+
+// Gemma 2 and 3: the Llama block with a norm on each branch's output too.
+struct GemmaBlock : LlamaBlock {
+  GemmaBlock(const ModelConfig& c, double dropout, int64_t layer)
+      : LlamaBlock(c, dropout, layer),
+        post_attention_norm_(register_module("post_attention_norm", norm(c))),
+        post_feed_forward_norm_(register_module("post_feed_forward_norm", norm(c))) {}
+
+  torch::Tensor after_attention(const torch::Tensor& y) override {
+    return post_attention_norm_(y);
+  }
+  torch::Tensor after_feed_forward(const torch::Tensor& y) override {
+    return post_feed_forward_norm_(y);
+  }
+
+  attnkit::RMSNorm post_attention_norm_;
+  attnkit::RMSNorm post_feed_forward_norm_;
 };
 
 // A torch::nn::Module and an attnkit::CausalLanguageModel, so attnkit::generate can decode it,
@@ -159,8 +222,10 @@ struct TinyGptImpl : torch::nn::Module, attnkit::CausalLanguageModel {
                       torch::nn::LinearOptions(config.d_model, config.vocab).bias(!config.llama)));
     }
     for (int64_t i = 0; i < config.layers; ++i) {
-      if (config.llama)
-        blocks->push_back(std::make_shared<LlamaBlock>(config, dropout));
+      if (config.gemma)
+        blocks->push_back(std::make_shared<GemmaBlock>(config, dropout, i));
+      else if (config.llama)
+        blocks->push_back(std::make_shared<LlamaBlock>(config, dropout, i));
       else
         blocks->push_back(std::make_shared<GptBlock>(config, dropout));
     }
@@ -173,9 +238,13 @@ struct TinyGptImpl : torch::nn::Module, attnkit::CausalLanguageModel {
     }
     return project_to_vocab(final_norm.forward(x));
   }
-  // (b, n, d) -> (b, n, vocab)
+  // (b, n, d) -> (b, n, vocab), Gemma 2's logits capped.
   torch::Tensor project_to_vocab(const torch::Tensor& x) {
-    return config.tied_head ? torch::nn::functional::linear(x, token_embedding->weight) : head(x);
+    const auto logits =
+        config.tied_head ? torch::nn::functional::linear(x, token_embedding->weight) : head(x);
+    if (config.final_softcap <= 0.0)
+      return logits;
+    return torch::tanh(logits / config.final_softcap) * config.final_softcap;
   }
 
   // attnkit::CausalLanguageModel
@@ -213,9 +282,12 @@ struct TinyGptImpl : torch::nn::Module, attnkit::CausalLanguageModel {
   }
 
   // Token embeddings of tokens (b, n), plus those of `positions` ((n) or (b, n)) in the GPT
-  // design; the Llama design rotates positions into queries and keys instead.
+  // design; the Llama design rotates positions into queries and keys instead, and Gemma's
+  // scales the embeddings by sqrt(d_model).
   torch::Tensor embed(const torch::Tensor& tokens, const torch::Tensor& positions) {
     auto x = token_embedding(tokens);
+    if (config.gemma)
+      return x * std::sqrt(static_cast<double>(config.d_model));
     return config.llama ? x : x + position_embedding(positions);
   }
 

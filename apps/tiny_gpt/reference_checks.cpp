@@ -193,8 +193,9 @@ class HfConfig {
   int64_t positive_or(const char* name, int64_t fallback) const {
     return json_.contains(name) && !json_[name].is_null() ? positive(name) : fallback;
   }
+  // A number field that may be absent or null: `fallback` then.
   double number_or(const char* name, double fallback) const {
-    if (!json_.contains(name))
+    if (!json_.contains(name) || json_[name].is_null())
       return fallback;
     if (!json_[name].is_number())
       fail(name, "a number", json_[name]);
@@ -262,29 +263,57 @@ attnkit::NameMap gpt2_names(bool tied) {
   return names;
 }
 
-// LlamaForCausalLM and Qwen3ForCausalLM (whose q_norm and k_norm are attnkit's qk_norm).
-attnkit::NameMap llama_names(bool tied) {
+// The Llama family's checkpoints: LlamaForCausalLM, Qwen3ForCausalLM (whose q_norm and k_norm
+// are attnkit's qk_norm), Qwen2ForCausalLM (query, key and value biases), MistralForCausalLM;
+// Phi3ForCausalLM's fused qkv_proj (split by sizes: the query heads, then the key and value
+// heads) and gate_up_proj (split in two); Gemma2ForCausalLM and Gemma3ForCausalLM, whose
+// post_attention_layernorm is the norm after attention, and pre_feedforward_layernorm and
+// post_feedforward_layernorm the two around the feed-forward.
+attnkit::NameMap llama_names(const std::string& architecture, const ModelConfig& c) {
   const std::string layer = R"(layers\.(\d+)\.)";
+  const std::string attention = "blocks.$1.attention.";
   attnkit::NameMap names{
       /*prefix=*/"model.",
       /*ignored=*/{layer + R"(self_attn\.rotary_emb\.inv_freq)"},
       /*rules=*/
       {
           {R"(embed_tokens\.weight)", {"token_embedding.weight"}},
-          {layer + R"(self_attn\.q_proj\.weight)", {"blocks.$1.attention.W_query.weight"}},
-          {layer + R"(self_attn\.k_proj\.weight)", {"blocks.$1.attention.W_key.weight"}},
-          {layer + R"(self_attn\.v_proj\.weight)", {"blocks.$1.attention.W_value.weight"}},
-          {layer + R"(self_attn\.o_proj\.weight)", {"blocks.$1.attention.out_proj.weight"}},
-          {layer + R"(self_attn\.(q_norm|k_norm)\.weight)", {"blocks.$1.attention.$2.weight"}},
+          {layer + R"(self_attn\.q_proj\.(weight|bias))", {attention + "W_query.$2"}},
+          {layer + R"(self_attn\.k_proj\.(weight|bias))", {attention + "W_key.$2"}},
+          {layer + R"(self_attn\.v_proj\.(weight|bias))", {attention + "W_value.$2"}},
+          {layer + R"(self_attn\.o_proj\.weight)", {attention + "out_proj.weight"}},
+          {layer + R"(self_attn\.(q_norm|k_norm)\.weight)", {attention + "$2.weight"}},
           {layer + R"(input_layernorm\.weight)", {"blocks.$1.attention_norm.weight"}},
-          {layer + R"(post_attention_layernorm\.weight)", {"blocks.$1.feed_forward_norm.weight"}},
           {layer + R"(mlp\.gate_proj\.weight)", {"blocks.$1.feed_forward.fc1.weight"}},
           {layer + R"(mlp\.up_proj\.weight)", {"blocks.$1.feed_forward.fc2.weight"}},
           {layer + R"(mlp\.down_proj\.weight)", {"blocks.$1.feed_forward.fc3.weight"}},
           {R"(norm\.weight)", {"final_norm.weight"}},
           {R"(lm_head\.weight)", {"head.weight"}},
       }};
-  if (tied)
+  if (c.gemma) {
+    names.rules.push_back(
+        {layer + R"(post_attention_layernorm\.weight)", {"blocks.$1.post_attention_norm.weight"}});
+    names.rules.push_back(
+        {layer + R"(pre_feedforward_layernorm\.weight)", {"blocks.$1.feed_forward_norm.weight"}});
+    names.rules.push_back({layer + R"(post_feedforward_layernorm\.weight)",
+                           {"blocks.$1.post_feed_forward_norm.weight"}});
+  } else {
+    names.rules.push_back(
+        {layer + R"(post_attention_layernorm\.weight)", {"blocks.$1.feed_forward_norm.weight"}});
+  }
+  if (architecture == "phi3") {
+    const int64_t head_dim = c.head_dim > 0 ? c.head_dim : c.d_model / c.heads;
+    names.rules.push_back({layer + R"(self_attn\.qkv_proj\.weight)",
+                           {attention + "W_query.weight", attention + "W_key.weight",
+                            attention + "W_value.weight"},
+                           /*transpose=*/false,
+                           /*split_sizes=*/
+                           {c.heads * head_dim, c.kv_groups * head_dim, c.kv_groups * head_dim}});
+    names.rules.push_back(
+        {layer + R"(mlp\.gate_up_proj\.weight)",
+         {"blocks.$1.feed_forward.fc1.weight", "blocks.$1.feed_forward.fc2.weight"}});
+  }
+  if (c.tied_head)
     names.ignored.push_back(R"(lm_head\.weight)");
   return names;
 }
@@ -312,10 +341,87 @@ ModelConfig gpt2_config(const HfConfig& json) {
   return c;
 }
 
-ModelConfig llama_config(const HfConfig& json, bool qwen3) {
+// One RoPE parameter set (transformers 5's rope_parameters, or 4.x's rope_theta and
+// rope_scaling, or Gemma 3's per layer type): its base, and Llama 3's frequency scaling.
+// `where` names the field in errors.
+attnkit::RopeOptions rope_of(const HfConfig& json, const nlohmann::json& rope, double theta,
+                             int64_t context_length, const std::string& where) {
+  auto options = attnkit::RopeOptions(context_length).theta_base(rope.value("rope_theta", theta));
+  const auto type = rope.value("rope_type", rope.value("type", std::string("default")));
+  if (type == "llama3") {
+    options.freq_config(
+        attnkit::RopeFrequencyConfig()
+            .factor(rope.at("factor").get<double>())
+            .low_freq_factor(rope.at("low_freq_factor").get<double>())
+            .high_freq_factor(rope.at("high_freq_factor").get<double>())
+            .original_context_length(rope.at("original_max_position_embeddings").get<int64_t>()));
+  } else if (type != "default") {
+    json.fail(where + ".rope_type",
+              "\"default\" or \"llama3\" (the RoPE that tiny_gpt's model computes)",
+              nlohmann::json(type));
+  }
+  if (rope.contains("partial_rotary_factor") && rope["partial_rotary_factor"] != 1.0)
+    json.fail(where + ".partial_rotary_factor", "1 (RoPE over the whole head)",
+              rope["partial_rotary_factor"]);
+  return options;
+}
+
+// Each layer's window: config.json's layer_types ("sliding_attention" takes sliding_window,
+// "full_attention" none); without it, Gemma 2's alternation (every other layer from the
+// first), Gemma 3's pattern (every sliding_window_pattern-th layer full), or, for Mistral
+// and Phi-3, sliding_window on every layer when it is set.
+std::vector<int64_t> windows_of(const HfConfig& json, const std::string& architecture,
+                                int64_t layers) {
+  const auto& root = json.json();
+  const bool has_window = root.contains("sliding_window") && !root["sliding_window"].is_null();
+  const int64_t window = has_window ? json.positive("sliding_window") : 0;
+  std::vector<std::string> types;
+  if (root.contains("layer_types") && !root["layer_types"].is_null()) {
+    const auto& listed = root["layer_types"];
+    if (!listed.is_array() || static_cast<int64_t>(listed.size()) != layers)
+      json.fail("layer_types", c10::str("a list of ", layers, " (num_hidden_layers) entries"),
+                listed);
+    for (const auto& type : listed)
+      types.push_back(type.is_string() ? type.get<std::string>() : type.dump());
+  } else if (architecture == "gemma2" || architecture == "gemma3_text") {
+    const int64_t pattern = architecture == "gemma2"
+                                ? 2
+                                : json.positive_or("sliding_window_pattern",
+                                                   json.positive_or("_sliding_window_pattern", 6));
+    for (int64_t i = 0; i < layers; ++i)
+      types.push_back((i + 1) % pattern != 0 ? "sliding_attention" : "full_attention");
+  } else if (architecture == "qwen2") {
+    json.require("use_sliding_window", false);  // without layer_types, its layers are unknown
+    return {};
+  } else {
+    return has_window ? std::vector<int64_t>(static_cast<size_t>(layers), window)
+                      : std::vector<int64_t>{};
+  }
+  std::vector<int64_t> windows;
+  for (size_t i = 0; i < types.size(); ++i) {
+    const auto name = c10::str("layer_types[", i, "]");
+    if (types[i] == "sliding_attention") {
+      if (!has_window)
+        json.fail("sliding_window", "a positive integer (" + name + " is sliding_attention)",
+                  root.value("sliding_window", nlohmann::json()));
+      windows.push_back(window);
+    } else if (types[i] == "full_attention") {
+      windows.push_back(0);
+    } else {
+      json.fail(name, "\"sliding_attention\" or \"full_attention\"", nlohmann::json(types[i]));
+    }
+  }
+  return windows;
+}
+
+// The Llama family: llama, qwen3, qwen2, mistral, phi3, gemma2, gemma3_text.
+ModelConfig llama_config(const HfConfig& json, const std::string& architecture) {
+  const bool gemma = architecture == "gemma2" || architecture == "gemma3_text";
   ModelConfig c;
   c.llama = true;
-  c.qk_norm = qwen3;
+  c.gemma = gemma;
+  c.qk_norm = architecture == "qwen3" || architecture == "gemma3_text";
+  c.qkv_bias = architecture == "qwen2";
   c.vocab = json.positive("vocab_size");
   c.d_model = json.positive("hidden_size");
   c.layers = json.positive("num_hidden_layers");
@@ -325,12 +431,28 @@ ModelConfig llama_config(const HfConfig& json, bool qwen3) {
   c.hidden = json.positive("intermediate_size");
   c.context_length = json.positive("max_position_embeddings");
   c.norm_eps = json.number_or("rms_norm_eps", 1e-6);
-  c.tied_head = json.value_or("tie_word_embeddings", false);
-  json.require("hidden_act", "silu");
-  json.require("attention_bias", false);
+  c.tied_head = json.value_or("tie_word_embeddings", gemma);
+  if (gemma) {
+    json.require("hidden_activation", "gelu_pytorch_tanh");
+    json.require("hidden_act", "gelu_pytorch_tanh");
+    json.require("use_bidirectional_attention", false);
+    c.attention_scale = 1.0 / std::sqrt(json.number_or("query_pre_attn_scalar", c.head_dim));
+    const auto cap = [&](const char* name) {
+      const double value = json.number_or(name, 0.0);  // null: none
+      if (value < 0.0)
+        json.fail(name, "null or a positive number", json.field(name));
+      return value;
+    };
+    c.attention_softcap = cap("attn_logit_softcapping");
+    c.final_softcap = cap("final_logit_softcapping");
+  } else {
+    json.require("hidden_act", "silu");
+  }
+  json.require("attention_bias", c.qkv_bias);
   json.require("mlp_bias", false);
-  json.require("use_sliding_window", false);
-  // transformers 5 writes rope_parameters; 4.x wrote rope_theta and rope_scaling.
+  c.windows = windows_of(json, architecture, c.layers);
+  // transformers 5 writes rope_parameters (Gemma 3: one set per layer type); 4.x wrote
+  // rope_theta and rope_scaling.
   const auto& root = json.json();
   const nlohmann::json rope =
       root.contains("rope_parameters") && root["rope_parameters"].is_object()
@@ -338,18 +460,19 @@ ModelConfig llama_config(const HfConfig& json, bool qwen3) {
       : root.contains("rope_scaling") && root["rope_scaling"].is_object()
           ? root["rope_scaling"]
           : nlohmann::json::object();
-  const double theta = rope.value("rope_theta", json.number_or("rope_theta", 10000.0));
-  c.rope = attnkit::RopeOptions(c.context_length).theta_base(theta);
-  const auto type = rope.value("rope_type", rope.value("type", std::string("default")));
-  if (type == "llama3") {
-    c.rope.freq_config(
-        attnkit::RopeFrequencyConfig()
-            .factor(rope.at("factor").get<double>())
-            .low_freq_factor(rope.at("low_freq_factor").get<double>())
-            .high_freq_factor(rope.at("high_freq_factor").get<double>())
-            .original_context_length(rope.at("original_max_position_embeddings").get<int64_t>()));
-  } else if (type != "default") {
-    json.fail("rope_type", "\"default\" or \"llama3\"", nlohmann::json(type));
+  const double theta = json.number_or("rope_theta", 10000.0);
+  if (rope.contains("full_attention") || rope.contains("sliding_attention")) {
+    const auto full = rope.value("full_attention", nlohmann::json::object());
+    c.rope = rope_of(json, full, theta, c.context_length, "rope_parameters.full_attention");
+    const auto local = rope.value("sliding_attention", nlohmann::json::object());
+    c.window_rope_theta =
+        rope_of(json, local, json.number_or("rope_local_base_freq", 10000.0), c.context_length,
+                "rope_parameters.sliding_attention")
+            .theta_base();
+  } else {
+    c.rope = rope_of(json, rope, theta, c.context_length, "rope_parameters");
+    if (architecture == "gemma3_text")  // 4.x: the local layers' base on its own
+      c.window_rope_theta = json.number_or("rope_local_base_freq", 10000.0);
   }
   if (c.heads % c.kv_groups != 0)
     json.fail("num_key_value_heads",
@@ -360,6 +483,9 @@ ModelConfig llama_config(const HfConfig& json, bool qwen3) {
 
 }  // namespace
 
+const std::vector<std::string> kLlamaFamily{"llama",   "qwen2", "qwen3",      "mistral",
+                                            "phi3",    "gemma2", "gemma3_text"};
+
 HfModel read_hf_model(const std::string& dir) {
   const HfConfig json(dir + "/config.json");
   HfModel model;
@@ -367,11 +493,14 @@ HfModel read_hf_model(const std::string& dir) {
   if (model.architecture == "gpt2") {
     model.config = gpt2_config(json);
     model.names = gpt2_names(model.config.tied_head);
-  } else if (model.architecture == "llama" || model.architecture == "qwen3") {
-    model.config = llama_config(json, model.architecture == "qwen3");
-    model.names = llama_names(model.config.tied_head);
+  } else if (std::find(kLlamaFamily.begin(), kLlamaFamily.end(), model.architecture) !=
+             kLlamaFamily.end()) {
+    model.config = llama_config(json, model.architecture);
+    model.names = llama_names(model.architecture, model.config);
   } else {
-    json.fail("model_type", "\"gpt2\", \"llama\" or \"qwen3\"",
+    json.fail("model_type",
+              "\"gpt2\", \"llama\", \"qwen2\", \"qwen3\", \"mistral\", \"phi3\", "
+              "\"gemma2\" or \"gemma3_text\"",
               json.json().value("model_type", nlohmann::json()));
   }
   return model;

@@ -1,7 +1,8 @@
 #pragma once
 // tiny_gpt's checks against models that nobody here wrote or that Python computed:
 //   --golden FILE   the Llama-style design against scripts/llama_reference.py's file;
-//   --hf DIR        a Hugging Face checkpoint (GPT-2, Llama 3, Qwen3) loaded through a name
+//   --hf DIR        a Hugging Face checkpoint (GPT-2, Llama 3, Qwen2, Qwen3, Mistral, Phi-3,
+//                   Gemma 2, Gemma 3) loaded through a name
 //                   map into tiny_gpt's model, against what transformers computed
 //                   (scripts/hf_decoder_reference.py).
 // Each prints one line per model and precision, and returns the exit code: 0, or 1 on a
@@ -20,7 +21,7 @@ int check_golden(const std::string& path);
 
 /// A Hugging Face decoder: tiny_gpt's configuration for it and its checkpoint's name map.
 struct HfModel {
-  std::string architecture;  // config.json's model_type: "gpt2", "llama" or "qwen3"
+  std::string architecture;  // config.json's model_type: "gpt2", "llama", "qwen3", "gemma2", ...
   ModelConfig config;
   attnkit::NameMap names;
 };

@@ -54,12 +54,16 @@ void save_safetensors(const StateDict& dict, const std::string& path,
 /// pattern's groups).
 struct NameRule {
   std::string pattern;
-  /// One target renames. Several split the tensor along dimension 0 into that many equal
-  /// parts, in order (GPT-2's fused `c_attn` into query, key and value).
+  /// One target renames. Several split the tensor along dimension 0 into that many parts, in
+  /// order: equal ones (GPT-2's fused `c_attn` into query, key and value), or `split_sizes`.
   std::vector<std::string> targets;
   /// Transposes a 2-d weight before any split (GPT-2's `Conv1D` stores (in, out), where
   /// `torch::nn::Linear` holds (out, in)).
   bool transpose = false;
+  /// With several targets: each part's size along dimension 0, in order, summing to it
+  /// (Phi-3's fused `qkv_proj`: the query heads, then the narrower key and value heads).
+  /// Empty: equal parts.
+  std::vector<int64_t> split_sizes = {};
 };
 
 /// How one architecture's checkpoint names become the names of an attnkit-based model. It is

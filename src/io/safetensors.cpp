@@ -1,6 +1,7 @@
 #include "attnkit/safetensors.h"
 
 #include <algorithm>
+#include <numeric>
 #include <cerrno>
 #include <cstring>
 #include <limits>
@@ -401,13 +402,27 @@ StateDict NameMap::apply(const StateDict& dict) const {
       tensor = tensor.t();
     }
     const auto parts = static_cast<int64_t>(spec.targets.size());
-    if (parts > 1) {
+    std::vector<torch::Tensor> pieces{tensor};
+    if (!spec.split_sizes.empty()) {
+      TORCH_CHECK(static_cast<int64_t>(spec.split_sizes.size()) == parts, "[NameMap::apply] '",
+                  item.key(), "': the rule for '", spec.pattern, "' has ", parts,
+                  " targets but split_sizes ", c10::IntArrayRef(spec.split_sizes));
+      const auto total = std::accumulate(spec.split_sizes.begin(), spec.split_sizes.end(),
+                                         int64_t{0});
+      const bool positive = std::all_of(spec.split_sizes.begin(), spec.split_sizes.end(),
+                                        [](int64_t size) { return size > 0; });
+      TORCH_CHECK(positive && tensor.dim() >= 1 && tensor.size(0) == total, "[NameMap::apply] '",
+                  item.key(), "': the rule for '", spec.pattern, "' splits it into parts of ",
+                  c10::IntArrayRef(spec.split_sizes), " along dimension 0, which needs ", total,
+                  " rows of positive parts, got shape ", shape_string(tensor));
+      pieces = tensor.split_with_sizes(spec.split_sizes, 0);
+    } else if (parts > 1) {
       TORCH_CHECK(tensor.dim() >= 1 && tensor.size(0) % parts == 0, "[NameMap::apply] '",
                   item.key(), "': the rule for '", spec.pattern, "' splits it into ", parts,
                   " parts along dimension 0, which shape ", shape_string(tensor),
                   " does not divide");
+      pieces = tensor.chunk(parts, 0);
     }
-    const auto pieces = parts > 1 ? tensor.chunk(parts, 0) : std::vector<torch::Tensor>{tensor};
     for (int64_t i = 0; i < parts; ++i)
       add(item.key(), match.format(spec.targets[i]), pieces[i]);
   }
