@@ -57,10 +57,10 @@ run_program("run tiny_gpt --llama" ${WORK_DIR}/build/tiny_gpt --llama
   --data ${ATTNKIT_SOURCE_DIR}/data/the-verdict.txt --steps 150 --sample 40)
 run_program("run tiny_gpt --golden" ${WORK_DIR}/build/tiny_gpt
   --golden ${ATTNKIT_SOURCE_DIR}/data/golden/llama/reference.pt)
-# Hugging Face checkpoints (GPT-2, Llama 3, Qwen3) loaded through name maps: transformers'
-# logits (float64 and float32) and greedy tokens of a ragged batch (data/golden/hf, made by
-# scripts/hf_decoder_reference.py).
-foreach(model gpt2 llama3 qwen3)
+# Hugging Face checkpoints loaded through name maps: transformers' logits (float64 and
+# float32), cached decoding against the uncached logits, and greedy tokens of a ragged batch
+# (data/golden/hf, made by scripts/hf_decoder_reference.py).
+foreach(model gpt2 llama3 qwen3 mistral qwen2 phi3 gemma2 gemma3)
   run_program("run tiny_gpt --hf ${model}" ${WORK_DIR}/build/tiny_gpt
     --hf ${ATTNKIT_SOURCE_DIR}/data/golden/hf/${model})
 endforeach()
@@ -75,6 +75,37 @@ execute_process(COMMAND ${WORK_DIR}/build/tiny_gpt --hf ${ATTNKIT_SOURCE_DIR}/da
 if(NOT result EQUAL 2 OR NOT error MATCHES "--dtype must be float64, float32 or bfloat16, got 'float16'")
   message(FATAL_ERROR "package test: tiny_gpt --hf --dtype float16 gave ${result}: ${error}")
 endif()
+# What a config asks for that the model cannot compute is refused, naming the field.
+set(hf_base [=["vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128]=])
+function(expect_hf_refusal what config pattern)
+  file(WRITE ${WORK_DIR}/refused/${what}/config.json "{${hf_base}, ${config}}")
+  execute_process(COMMAND ${WORK_DIR}/build/tiny_gpt --hf ${WORK_DIR}/refused/${what}
+    RESULT_VARIABLE result ERROR_VARIABLE error)
+  if(NOT result EQUAL 1 OR NOT error MATCHES "${pattern}")
+    message(FATAL_ERROR "package test: tiny_gpt --hf refusing ${what} gave ${result}: ${error}")
+  endif()
+endfunction()
+expect_hf_refusal(phi3_longrope
+  [=["model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}]=]
+  [=["rope_parameters.rope_type" must be "default" or "llama3" .*, got "longrope"]=])
+expect_hf_refusal(phi3_partial_rotary
+  [=["model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}]=]
+  [=["rope_parameters.partial_rotary_factor" must be 1 .*, got 0.5]=])
+expect_hf_refusal(gemma3_linear_rope
+  [=["model_type": "gemma3_text", "sliding_window": 5, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0}, "sliding_attention": {"rope_type": "default"}}]=]
+  [=["rope_parameters.full_attention.rope_type" must be "default" or "llama3" .*, got "linear"]=])
+expect_hf_refusal(gemma3_bidirectional
+  [=["model_type": "gemma3_text", "use_bidirectional_attention": true]=]
+  [=["use_bidirectional_attention" must be false .*, got true]=])
+expect_hf_refusal(gemma2_layer_type
+  [=["model_type": "gemma2", "sliding_window": 5, "layer_types": ["sliding_attention", "chunked_attention"]]=]
+  [=["layer_types.1." must be "sliding_attention" or "full_attention", got "chunked_attention"]=])
+expect_hf_refusal(gemma2_window_missing
+  [=["model_type": "gemma2", "layer_types": ["sliding_attention", "full_attention"]]=]
+  [=["sliding_window" must be a positive integer .layer_types.0. is sliding_attention., got null]=])
+expect_hf_refusal(mixtral
+  [=["model_type": "mixtral"]=]
+  [=["model_type" must be "gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2" or "gemma3_text", got "mixtral"]=])
 # Another golden file (RoPE's) is named as the wrong one, with exit code 1.
 execute_process(COMMAND ${WORK_DIR}/build/tiny_gpt
   --golden ${ATTNKIT_SOURCE_DIR}/data/golden/rope/reference.pt

@@ -189,9 +189,7 @@ struct GemmaBlock : LlamaBlock {
         post_attention_norm_(register_module("post_attention_norm", norm(c))),
         post_feed_forward_norm_(register_module("post_feed_forward_norm", norm(c))) {}
 
-  torch::Tensor after_attention(const torch::Tensor& y) override {
-    return post_attention_norm_(y);
-  }
+  torch::Tensor after_attention(const torch::Tensor& y) override { return post_attention_norm_(y); }
   torch::Tensor after_feed_forward(const torch::Tensor& y) override {
     return post_feed_forward_norm_(y);
   }

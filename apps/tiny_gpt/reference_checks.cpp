@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <stdexcept>
 #include <vector>
 
@@ -303,12 +304,12 @@ attnkit::NameMap llama_names(const std::string& architecture, const ModelConfig&
   }
   if (architecture == "phi3") {
     const int64_t head_dim = c.head_dim > 0 ? c.head_dim : c.d_model / c.heads;
-    names.rules.push_back({layer + R"(self_attn\.qkv_proj\.weight)",
-                           {attention + "W_query.weight", attention + "W_key.weight",
-                            attention + "W_value.weight"},
-                           /*transpose=*/false,
-                           /*split_sizes=*/
-                           {c.heads * head_dim, c.kv_groups * head_dim, c.kv_groups * head_dim}});
+    names.rules.push_back(
+        {layer + R"(self_attn\.qkv_proj\.weight)",
+         {attention + "W_query.weight", attention + "W_key.weight", attention + "W_value.weight"},
+         /*transpose=*/false,
+         /*split_sizes=*/
+         {c.heads * head_dim, c.kv_groups * head_dim, c.kv_groups * head_dim}});
     names.rules.push_back(
         {layer + R"(mlp\.gate_up_proj\.weight)",
          {"blocks.$1.feed_forward.fc1.weight", "blocks.$1.feed_forward.fc2.weight"}});
@@ -465,10 +466,9 @@ ModelConfig llama_config(const HfConfig& json, const std::string& architecture) 
     const auto full = rope.value("full_attention", nlohmann::json::object());
     c.rope = rope_of(json, full, theta, c.context_length, "rope_parameters.full_attention");
     const auto local = rope.value("sliding_attention", nlohmann::json::object());
-    c.window_rope_theta =
-        rope_of(json, local, json.number_or("rope_local_base_freq", 10000.0), c.context_length,
-                "rope_parameters.sliding_attention")
-            .theta_base();
+    c.window_rope_theta = rope_of(json, local, json.number_or("rope_local_base_freq", 10000.0),
+                                  c.context_length, "rope_parameters.sliding_attention")
+                              .theta_base();
   } else {
     c.rope = rope_of(json, rope, theta, c.context_length, "rope_parameters");
     if (architecture == "gemma3_text")  // 4.x: the local layers' base on its own
@@ -483,8 +483,8 @@ ModelConfig llama_config(const HfConfig& json, const std::string& architecture) 
 
 }  // namespace
 
-const std::vector<std::string> kLlamaFamily{"llama",   "qwen2", "qwen3",      "mistral",
-                                            "phi3",    "gemma2", "gemma3_text"};
+const std::vector<std::string> kLlamaFamily{"llama", "qwen2",  "qwen3",      "mistral",
+                                            "phi3",  "gemma2", "gemma3_text"};
 
 HfModel read_hf_model(const std::string& dir) {
   const HfConfig json(dir + "/config.json");
@@ -549,9 +549,31 @@ bool check_hf_dtype(const std::string& dir, const attnkit::StateDict& reference,
   const auto prefill = ragged_prefill(model, prompts, caches);
   for (int64_t r = 0; r < batch; ++r)
     ragged.add(prefill[r], expected_logits[r]);
+  // Then transformers' tokens fed one step at a time through the caches (rolling ones on the
+  // window layers), against the model's own logits without a cache over each whole sequence.
+  const int64_t steps = expected_tokens.front().size(0);
+  Difference decoded;
+  std::vector<torch::Tensor> uncached_sequences;
+  for (int64_t r = 0; r < batch; ++r) {
+    const auto sequence = torch::cat({prompts[r], expected_tokens[r].to(device)});
+    uncached_sequences.push_back(model->forward(sequence.unsqueeze(0))[0]);  // (n + steps, vocab)
+  }
+  for (int64_t step = 0; step + 1 < steps; ++step) {
+    std::vector<torch::Tensor> column;
+    for (const auto& tokens : expected_tokens)
+      column.push_back(tokens[step]);
+    const auto logits = model->ragged_logits_with_cache(
+        torch::stack(column).unsqueeze(1).to(device), torch::ones({batch}, torch::kInt64),
+        caches);  // (b, 1, vocab)
+    for (int64_t r = 0; r < batch; ++r)
+      decoded.add(logits[r][0], uncached_sequences[r][prompts[r].size(0) + step]);
+  }
+  // What each kind of layer's cache holds: a window layer's only its window.
+  std::map<int64_t, int64_t> cache_bytes;  // window (0: full) -> bytes of one layer's cache
+  for (size_t layer = 0; layer < caches.size(); ++layer)
+    cache_bytes[caches[layer].window_size()] = caches[layer].nbytes();
   // Greedy decoding of the prompts as one ragged batch: the tokens equal to transformers'
   // before the first that differs, per row.
-  const int64_t steps = expected_tokens.front().size(0);
   std::vector<attnkit::GenerationRequest> requests(prompts.begin(), prompts.end());
   const auto rows = attnkit::generate(*model, requests, attnkit::GenerateOptions(steps));
   int64_t equal_tokens = 0;
@@ -566,14 +588,23 @@ bool check_hf_dtype(const std::string& dir, const attnkit::StateDict& reference,
   // Token for token in float64 and float32; bfloat16's rounding may flip a near tie (the
   // reference prints the smallest top-2 gap), so there it is reported, not required.
   const bool ok = uncached.worst_relative <= tolerance && ragged.worst_relative <= tolerance &&
+                  decoded.worst_relative <= tolerance &&
                   (tokens_equal || dtype == torch::kBFloat16);
+  std::string bytes_text;
+  for (const auto& [window, bytes] : cache_bytes) {
+    bytes_text += c10::str(bytes_text.empty() ? "" : ", ",
+                           window > 0 ? c10::str("window ", window) : std::string("full"), " ",
+                           bytes, " bytes");
+  }
   std::cout << "hf " << dir << " " << c10::toString(dtype) << " on " << device
             << ": logits max diff " << uncached.worst << " (relative " << uncached.worst_relative
             << ", " << uncached.logits << " logits), ragged prefill with KV caches " << ragged.worst
-            << " (relative " << ragged.worst_relative << "), tolerance relative " << tolerance
-            << "; greedy tokens of the ragged batch of " << batch << ": " << equal_tokens << " of "
-            << batch * steps << " equal before the first difference"
-            << (ok ? " -> OK" : " -> MISMATCH") << "\n";
+            << " (relative " << ragged.worst_relative << "); " << steps - 1
+            << " cached decode steps against the uncached logits " << decoded.worst << " (relative "
+            << decoded.worst_relative << "); each layer's cache: " << bytes_text
+            << "; tolerance relative " << tolerance << "; greedy tokens of the ragged batch of "
+            << batch << ": " << equal_tokens << " of " << batch * steps
+            << " equal before the first difference" << (ok ? " -> OK" : " -> MISMATCH") << "\n";
   return ok;
 }
 
