@@ -354,6 +354,32 @@ TEST(RopeModules, GemmaNormsScaleByOnePlusTheirWeights) {
       "[GroupedQueryAttention] option qk_norm_eps must be > 0, got 0");
 }
 
+// Without a gradient to record, RMSNorm runs its one-pass CPU loop: the formula's values, for
+// both dtypes, both weight forms, and inputs that are not contiguous.
+TEST(RopeModules, RMSNormWithoutAutogradIsTheFormula) {
+  torch::manual_seed(5);
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    for (const bool unit_offset : {false, true}) {
+      attnkit::RMSNorm norm(attnkit::RMSNormOptions(12).eps(1e-4).unit_offset(unit_offset));
+      norm->to(dtype);
+      {
+        torch::NoGradGuard no_grad;
+        norm->weight.uniform_(-1.0, 2.0);
+      }
+      const auto x = torch::randn({5, 12, 3}, torch::dtype(dtype)).transpose(1, 2);  // strided
+      const auto with_autograd = norm(x);  // the weight wants a gradient: the formula's ops
+      ASSERT_TRUE(with_autograd.requires_grad());
+      torch::Tensor without;
+      {
+        torch::NoGradGuard no_grad;
+        without = norm(x);
+      }
+      EXPECT_TRUE(tensors_close(c10::str(dtype, " unit_offset ", unit_offset), without,
+                                with_autograd.detach(), dtype == torch::kFloat32 ? 1e-6 : 1e-14));
+    }
+  }
+}
+
 TEST(RopeModules, QkNormWeightsTrainAndRopeMakesAttentionShiftInvariant) {
   torch::manual_seed(3);
   attnkit::GroupedQueryAttention gqa(

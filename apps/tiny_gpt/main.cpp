@@ -75,9 +75,13 @@ constexpr const char* kUsage =
     "usage: tiny_gpt --data FILE [--llama] [--steps N] [--sample N] [--seed N]\n"
     "       tiny_gpt --golden data/golden/llama/reference.pt\n"
     "       tiny_gpt --hf DIR [--device cpu|cuda] [--dtype float64|float32|bfloat16]\n"
+    "                [--decode-speed N]\n"
     "  --hf DIR: DIR holds a Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2\n"
     "  or Gemma 3 checkpoint (config.json, model.safetensors) and reference.safetensors\n"
-    "  (scripts/hf_decoder_reference.py); checks float64 and float32 unless --dtype names one";
+    "  (scripts/hf_decoder_reference.py); checks float64 and float32 unless --dtype names one\n"
+    "  --decode-speed N (with --hf): instead of the checks, tokens/s of greedy decoding of N\n"
+    "  tokens after the reference's longest prompt, with and without the KV caches, in\n"
+    "  alternation, medians of 5 rounds (--dtype: float32 unless named)";
 
 int usage(const std::string& message) {
   std::cerr << "tiny_gpt: " << message << "\n" << kUsage << "\n";
@@ -94,6 +98,7 @@ int main(int argc, char** argv) try {
   int64_t steps = 300;
   int64_t sample_length = 200;
   int64_t seed = 1;
+  int64_t decode_speed_tokens = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -130,20 +135,28 @@ int main(int argc, char** argv) try {
         dtype = torch::kBFloat16;
       else
         return usage("--dtype must be float64, float32 or bfloat16, got '" + value + "'");
-    } else if (arg == "--steps" || arg == "--sample" || arg == "--seed") {
+    } else if (arg == "--steps" || arg == "--sample" || arg == "--seed" ||
+               arg == "--decode-speed") {
       char* end = nullptr;
       const long long number = std::strtoll(value.c_str(), &end, 10);
       if (*end != '\0' || number < 0)
         return usage(arg + " needs a number >= 0");
-      (arg == "--steps" ? steps : arg == "--sample" ? sample_length : seed) = number;
+      (arg == "--steps"    ? steps
+       : arg == "--sample" ? sample_length
+       : arg == "--seed"   ? seed
+                           : decode_speed_tokens) = number;
     } else {
       return usage("unknown argument " + arg);
     }
   }
+  if (!hf_dir.empty() && decode_speed_tokens > 0) {
+    return tiny_gpt::decode_speed(hf_dir, device, dtype.value_or(torch::kFloat32),
+                                  decode_speed_tokens);
+  }
   if (!hf_dir.empty())
     return tiny_gpt::check_hf(hf_dir, device, dtype);
-  if (device.is_cuda() || dtype)
-    return usage("--device and --dtype go with --hf");
+  if (device.is_cuda() || dtype || decode_speed_tokens > 0)
+    return usage("--device, --dtype and --decode-speed go with --hf");
   if (!golden_path.empty())
     return tiny_gpt::check_golden(golden_path);
   if (data_path.empty())

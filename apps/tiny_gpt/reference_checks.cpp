@@ -1,6 +1,7 @@
 #include "reference_checks.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <iostream>
@@ -619,6 +620,52 @@ int check_hf(const std::string& dir, torch::Device device, c10::optional<torch::
   for (const auto each : dtypes)
     ok = check_hf_dtype(dir, reference, device, each) && ok;
   return ok ? 0 : 1;
+}
+
+int decode_speed(const std::string& dir, torch::Device device, torch::ScalarType dtype,
+                 int64_t new_tokens) {
+  torch::NoGradGuard no_grad;
+  auto model = load_hf_model(dir, dtype, device);
+  const auto reference = attnkit::load_safetensors(dir + "/reference.safetensors");
+  // The longest prompt: generate decodes one prompt without caches, not a batch.
+  torch::Tensor prompt;
+  for (int64_t r = 0; reference.contains("prompt" + std::to_string(r)); ++r) {
+    const auto& each = reference["prompt" + std::to_string(r)];
+    if (!prompt.defined() || each.size(0) > prompt.size(0))
+      prompt = each;
+  }
+  TORCH_CHECK(prompt.defined(), "'", dir, "/reference.safetensors' has no prompt0");
+  if (prompt.size(0) + new_tokens > model->context_length()) {
+    std::cerr << "tiny_gpt: --decode-speed " << new_tokens << " after a prompt of "
+              << prompt.size(0) << " tokens passes the model's context of "
+              << model->context_length() << "\n";
+    return 1;
+  }
+  prompt = prompt.unsqueeze(0).to(device);  // (1, n)
+  const auto seconds = [&](bool cached) {
+    const auto options = attnkit::GenerateOptions(new_tokens).use_kv_cache(cached);
+    const auto start = std::chrono::steady_clock::now();
+    attnkit::generate(*model, prompt, options);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  seconds(true);
+  seconds(false);
+  std::vector<double> cached, uncached;
+  for (int round = 0; round < 5; ++round) {
+    cached.push_back(seconds(true));
+    uncached.push_back(seconds(false));
+  }
+  const auto median = [](std::vector<double> values) {
+    std::sort(values.begin(), values.end());
+    return values[values.size() / 2];
+  };
+  const auto tokens = static_cast<double>(new_tokens);
+  const double with_cache = tokens / median(cached), without = tokens / median(uncached);
+  std::cout << "decode " << dir << " " << c10::toString(dtype) << " on " << device
+            << ": a prompt of " << prompt.size(1) << " tokens, " << new_tokens
+            << " new tokens, with KV caches " << with_cache << " tokens/s, without " << without
+            << " tokens/s: " << with_cache / without << "x (medians of 5, alternating)\n";
+  return 0;
 }
 
 }  // namespace tiny_gpt

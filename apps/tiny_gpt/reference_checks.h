@@ -39,4 +39,11 @@ TinyGpt load_hf_model(const std::string& dir, torch::ScalarType dtype, torch::De
 /// prompts as one ragged batch. Without `dtype`, float64 and float32.
 int check_hf(const std::string& dir, torch::Device device, c10::optional<torch::ScalarType> dtype);
 
+/// Tokens/s of attnkit::generate on DIR's model: the reference's longest prompt, `new_tokens`
+/// greedy tokens, with the KV caches and without (each step recomputing the whole sequence),
+/// in alternation, medians of 5 rounds after one warm-up of each. Prints one line; returns 0
+/// (1 when new_tokens passes the model's context).
+int decode_speed(const std::string& dir, torch::Device device, torch::ScalarType dtype,
+                 int64_t new_tokens);
+
 }  // namespace tiny_gpt
