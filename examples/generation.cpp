@@ -3,6 +3,7 @@
 
 #include <attnkit/attnkit.h>
 
+#include <cmath>
 #include <iostream>
 
 namespace {
@@ -121,11 +122,31 @@ void family() {
   TORCH_CHECK(latents.capacity() == 1024);
 }
 
+void gemma2_attention() {
+  auto prompt = torch::rand({1, 12, 2304});
+  // [doc:gemma2]
+  // Gemma 2 2B's local layers: 8 query heads of 256 over 4 key/value heads, a 4,096-token
+  // window, scores capped at 50 and scaled by query_pre_attn_scalar^-0.5.
+  attnkit::GroupedQueryAttention local(
+      attnkit::GroupedQueryAttentionOptions(2304, 8 * 256, /*dropout=*/0.0, /*num_heads=*/8,
+                                            /*num_kv_groups=*/4)
+          .output_dim(2304)
+          .sliding_window_size(4096)
+          .score_mod(attnkit::score_mods::softcap(50.0))
+          .scale(1.0 / std::sqrt(256.0)));
+  local->eval();
+  auto cache = local->make_kv_cache(/*batch=*/1, /*capacity=*/0);  // rolling: 4,096 positions
+  auto out = local->forward_with_cache(prompt, cache);  // decode steps run the decode kernel
+  // [doc:end]
+  TORCH_CHECK(out.sizes() == prompt.sizes() && cache.window_size() == 4096);
+}
+
 }  // namespace
 
 int main() {
   cache_lifecycle();
   generation();
   family();
+  gemma2_attention();
   std::cout << "generation examples ran\n";
 }
