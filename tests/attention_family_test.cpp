@@ -42,6 +42,13 @@ CachedAttention make_family_module(const std::string& label) {
     return GroupedQueryAttention(
                gqa(2).sliding_window_size(3).score_mod(score_mods::softcap(0.5)).scale(0.3))
         .ptr();
+  // GPT-OSS's attention: sinks (drawn, so that each head's differs) on a rolling cache.
+  if (label == "gqa window 3 sinks") {
+    GroupedQueryAttention module(gqa(2).sliding_window_size(3).sinks(true));
+    torch::NoGradGuard no_grad;
+    module->sinks.uniform_(-1.0, 1.0);
+    return module.ptr();
+  }
   const auto mha = MultiHeadAttentionOptions(d_in, d_out, 16, 0.1, heads)
                        .qkv_bias(true)
                        .query_block_size(3)
@@ -74,6 +81,7 @@ const std::vector<std::string> kFamily{"gqa",
                                        "mqa",
                                        "gqa window 3",
                                        "gqa window 3 softcap scale",
+                                       "gqa window 3 sinks",
                                        "mha relative bias",
                                        "mha window 4",
                                        "mha-combined window 1",
@@ -103,6 +111,19 @@ TEST(AttentionFamily, ParametersHaveThePythonNamesOrderAndShapes) {
   EXPECT_EQ(gqa->W_key->weight.sizes(), (std::vector<int64_t>{4, 8}));  // 2 groups x head_dim 2
   EXPECT_EQ(gqa->W_query->weight.sizes(), (std::vector<int64_t>{12, 8}));
   EXPECT_TRUE(gqa->named_buffers().is_empty());
+  // GPT-OSS's sinks: one per query head, starting at zeros; the module's own parameter comes
+  // before its children's, as in Python's state_dict.
+  GroupedQueryAttention sunk(GroupedQueryAttentionOptions(8, 12, 0.0, 6, 2).sinks(true));
+  EXPECT_EQ(sunk->named_parameters().keys(),
+            (std::vector<std::string>{"sinks", "W_key.weight", "W_value.weight", "W_query.weight",
+                                      "out_proj.weight"}));
+  EXPECT_EQ(sunk->sinks.sizes(), (std::vector<int64_t>{6}));
+  {
+    torch::NoGradGuard no_grad;
+    sunk->sinks.fill_(1.0);
+  }
+  sunk->reset_parameters();
+  EXPECT_TRUE(sunk->sinks.eq(0).all().item<bool>());
   // Qwen3's shape: heads together (12) wider than the model (8), projected back to 8, also
   // from the cache.
   GroupedQueryAttention wide(GroupedQueryAttentionOptions(8, 12, 0.0, 6, 2).output_dim(8));
@@ -138,6 +159,10 @@ TEST(AttentionFamily, PrettyPrintShowsEveryOption) {
       ->pretty_print(scored);
   EXPECT_NE(scored.str().find(", score_mod=softcap(50), scale=0.0625)"), std::string::npos)
       << scored.str();
+  std::ostringstream with_sinks;
+  GroupedQueryAttention(GroupedQueryAttentionOptions(8, 12, 0.0, 6, 2).sinks(true))
+      ->pretty_print(with_sinks);
+  EXPECT_NE(with_sinks.str().find(", sinks=true)"), std::string::npos) << with_sinks.str();
   std::ostringstream function;
   MultiHeadAttention(MultiHeadAttentionOptions(8, 12, 4, 0.0, 2)
                          .score_mod(score_mods::alibi(score_mods::alibi_slopes(2))))

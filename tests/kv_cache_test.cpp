@@ -331,6 +331,12 @@ std::vector<RaggedModule> ragged_modules(torch::Device device) {
                              .score_mod(score_mods::relative_position_bias(torch::randn({2, 5}))))
           .ptr(),
       device));
+  GroupedQueryAttention with_sinks(GroupedQueryAttentionOptions(6, 16, 0.0, 4, 2).sinks(true));
+  {
+    torch::NoGradGuard no_grad;
+    with_sinks->sinks.uniform_(-1.0, 1.0);
+  }
+  modules.push_back(prepare_ragged("GroupedQueryAttention sinks", with_sinks.ptr(), device));
   modules.push_back(prepare_ragged(
       "MultiHeadLatentAttention",
       MultiHeadLatentAttention(MultiHeadLatentAttentionOptions(6, 8, 0.0, 2).latent_dim(3)).ptr(),

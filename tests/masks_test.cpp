@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <random>
 #include <set>
 #include <tuple>
@@ -23,6 +24,7 @@
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/score_graph.h"
 #include "attnkit/serialize.h"
+#include "core/decode_attention.h"
 #include "core/kernels.h"
 #include "source_paths.h"
 #include "test_support.h"
@@ -219,6 +221,72 @@ struct ScoreCase {
   attnkit::ScoreMod score_mod;  // empty: none
   std::function<torch::Tensor(torch::Tensor, int64_t, int64_t, int64_t, int64_t)> reference;
 };
+
+// Attention sinks (GPT-OSS): each head's logit joins every row's softmax with no value. The
+// math core against the definition spelled out (a key whose score is the sink and whose value
+// is zero), outputs and gradients, with grouped heads, a softcap and a row that sees no key;
+// the decode step's kernel against it too; kernels without sinks decline, by name.
+TEST(Attention, SinksJoinEachRowsSoftmaxWithNoValue) {
+  torch::manual_seed(21);
+  const auto dtype = torch::kFloat64;
+  const auto q = torch::randn({2, 4, 5, 8}, dtype).requires_grad_(true);
+  const auto k = torch::randn({2, 2, 7, 8}, dtype).requires_grad_(true);
+  const auto v = torch::randn({2, 2, 7, 8}, dtype).requires_grad_(true);
+  const auto sinks = torch::randn({4}, dtype).requires_grad_(true);
+  // Query 0 of every row sees no key (its window starts past the keys it may see).
+  const auto mask =
+      Mask::causal(2) &
+      Mask::from_function([](const torch::Tensor&, const torch::Tensor&, const torch::Tensor& q_idx,
+                             const torch::Tensor& kv_idx) { return q_idx.gt(0) | kv_idx.gt(6); });
+  const auto options =
+      AttentionOptions().mask(mask).score_mod(score_mods::softcap(2.0)).sinks(sinks);
+  const auto probe = torch::randn({2, 4, 5, 8}, dtype);
+  const auto grads = [&](const torch::Tensor& out) {
+    for (const auto& t : {q, k, v, sinks})
+      t.mutable_grad() = torch::Tensor();
+    (out * probe).sum().backward();
+    return std::vector<torch::Tensor>{q.grad().clone(), k.grad().clone(), v.grad().clone(),
+                                      sinks.grad().clone()};
+  };
+  const auto out = F::attention(q, k, v, options);
+  const auto got = grads(out);
+  // The definition: (b, 4, 5, 7) scores, then the sink as an eighth key of value zero.
+  auto scores = torch::tanh(torch::matmul(q, k.repeat_interleave(2, 1).transpose(2, 3)) /
+                            std::sqrt(8.0) / 2.0) *
+                2.0;
+  scores = scores.masked_fill(mask.dense(2, 4, 5, 7, torch::kCPU).logical_not(),
+                              -std::numeric_limits<double>::infinity());
+  const auto with_sink =
+      torch::cat({scores, sinks.view({1, 4, 1, 1}).expand({2, 4, 5, 1})}, -1);  // (2, 4, 5, 8)
+  const auto weights = torch::softmax(with_sink, -1).narrow(-1, 0, 7);
+  const auto expected = torch::matmul(weights, v.repeat_interleave(2, 1));
+  const auto want = grads(expected);
+  EXPECT_TRUE(tensors_close("output", out, expected, 1e-12));
+  EXPECT_TRUE(out.select(2, 0).eq(0).all().item<bool>());  // the row that sees no key
+  const char* names[] = {"q", "k", "v", "sinks"};
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_TRUE(tensors_close(c10::str("grad ", names[i]), got[i], want[i], 1e-12));
+  EXPECT_GT(got[3].abs().sum().item<double>(), 0.0);
+
+  // One query per row against a cache: the decode kernel's sinks (the last query sees all 7
+  // keys).
+  const torch::NoGradGuard no_grad;
+  const auto decoded = attnkit::detail::decode_attention(
+      q.detach().narrow(2, 4, 1).contiguous(), k.detach(), v.detach(), 1.0 / std::sqrt(8.0), {}, {},
+      /*softcap=*/2.0, sinks.detach());
+  EXPECT_TRUE(tensors_close("decode", decoded, expected.detach().narrow(2, 4, 1), 1e-12));
+
+  // Kernels without sinks decline, by name; a named one says why.
+  expect_error_containing(
+      [&] { F::attention(q, k, v, AttentionOptions(options).backend(AttentionBackend::kChunked)); },
+      "[attention] backend chunked cannot run this: the chunked kernel has no attention sinks");
+  expect_error_containing(
+      [&] { F::attention(q, k, v, AttentionOptions(options).kernel("fused_tiles")); },
+      "kernel fused_tiles cannot run this: the fused_tiles kernel has no attention sinks");
+  expect_error_containing(
+      [&] { F::attention(q, k, v, AttentionOptions().sinks(torch::zeros({3}, dtype))); },
+      "sinks must be a floating (4) tensor, one logit per query head of 4-D inputs");
+}
 
 TEST(Attention, EveryBackendMatchesTheDefinitionWithMasksAndScoreFunctions) {
   torch::manual_seed(3);

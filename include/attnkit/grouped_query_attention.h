@@ -60,6 +60,8 @@ class GroupedQueryAttentionImpl : public CachedAttentionModule<GroupedQueryAtten
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
   /// With `rope`: the tables queries and keys are rotated by; otherwise undefined.
   detail::RopeTables rope_tables;
+  /// With `sinks`: each query head's sink logit, (num_heads); otherwise undefined.
+  torch::Tensor sinks;
 
  protected:
   // Keys and values stay num_kv_groups heads wide: the kernels read each for its group of
@@ -70,6 +72,11 @@ class GroupedQueryAttentionImpl : public CachedAttentionModule<GroupedQueryAtten
                                             bool with_weights) override;
   torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                   const torch::Tensor& lengths, const Mask& mask) override;
+
+ public:
+  /// Re-initialises the projections and QK-norm's weights as the constructor drew them, and
+  /// the sinks to zeros.
+  void reset_parameters();
 };
 
 /// Module holder for `GroupedQueryAttentionImpl` (shared-pointer semantics).

@@ -315,6 +315,11 @@ struct GroupedQueryAttentionOptions : AttentionBackendOptions<GroupedQueryAttent
   TORCH_ARG(double, qk_norm_eps) = 1e-6;
   /// QK-norm as Gemma 3's norm, its weights an offset from 1 (`RMSNormOptions::unit_offset`).
   TORCH_ARG(bool, qk_norm_unit_offset) = false;
+  /// Attention sinks (GPT-OSS): a learned logit per query head, the parameter `sinks`
+  /// (num_heads, starting at zeros), in every row's softmax with no value
+  /// (`functional::AttentionOptions::sinks`). Calls run on the math core, decode steps on the
+  /// decode kernel.
+  TORCH_ARG(bool, sinks) = false;
   /// Width of the output: `out_proj` maps d_out to it. Unset: d_out. Qwen3 sets d_in, since
   /// its heads together (num_heads * head_dim) are wider than the model.
   TORCH_ARG(c10::optional<int64_t>, output_dim) = c10::nullopt;

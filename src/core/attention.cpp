@@ -74,7 +74,16 @@ functional::AttentionOutput math_attention(const torch::Tensor& query, const tor
       scores = scores.masked_fill(masked, kMasked);
     }
   }
-  auto weights = torch::softmax(scores, -1);
+  torch::Tensor weights;
+  if (masking.sinks.defined()) {
+    // Each row's softmax over its keys and its head's sink, which has no value:
+    // (b, h, n, m) scores and a (b, h, n, 1) sink column -> (b, h, n, m + 1) -> the m keys'.
+    const auto sinks = masking.sinks.to(scores.scalar_type()).view({1, -1, 1, 1});
+    const auto column = sinks.expand({scores.size(0), scores.size(1), scores.size(2), 1});
+    weights = torch::softmax(torch::cat({scores, column}, -1), -1).narrow(-1, 0, scores.size(-1));
+  } else {
+    weights = torch::softmax(scores, -1);
+  }
   if (allowed.defined()) {
     // A row that sees no key is softmax(-inf, ...) = NaN; it attends to nothing. On CPU the
     // (small) mask is checked first so the weights are rewritten only when needed; on a GPU
@@ -159,6 +168,14 @@ void check_attention_arguments(const torch::Tensor& q, const torch::Tensor& k,
               " dropout_p must be in [0, 1), got ", options.dropout_p());
   TORCH_CHECK(!options.scale().has_value() || std::isfinite(*options.scale()), kFn,
               " scale must be finite, got ", options.scale().value_or(0.0));
+  const auto& sinks = options.sinks();
+  TORCH_CHECK(!sinks.defined() || (sinks.dim() == 1 && q.dim() == 4 && sinks.size(0) == q.size(1) &&
+                                   sinks.is_floating_point() && sinks.device() == q.device()),
+              kFn, " sinks must be a floating (", q.dim() == 4 ? q.size(1) : -1,
+              ") tensor, one logit per query head of 4-D inputs, on ", q.device(), ", got ",
+              sinks.defined()
+                  ? c10::str(shape_string(sinks), " ", sinks.scalar_type(), " on ", sinks.device())
+                  : std::string());
   TORCH_CHECK(options.query_block_size() >= 1, kFn, " query_block_size must be >= 1, got ",
               options.query_block_size());
   TORCH_CHECK(options.key_block_size() >= 1, kFn, " key_block_size must be >= 1, got ",
@@ -292,6 +309,7 @@ functional::AttentionOutput run_math(const KernelInput& input) {
                      torch::arange(n, index).view({1, 1, -1, 1}),
                      torch::arange(m, index).view({1, 1, 1, -1})};
   }
+  masking.sinks = options.sinks();
   const auto k = group_size == 1 ? k4 : k4.repeat_interleave(group_size, 1);
   const auto v = group_size == 1 ? v4 : v4.repeat_interleave(group_size, 1);
   return math_attention(q4, k, v, masking, options.scale(), options.dropout_p(),
@@ -304,7 +322,8 @@ KernelSpec math_spec() {
   return {"math", AttentionBackend::kMath, /*runs_16bit_cuda_in_its_dtype=*/false,
           [](const KernelInput&) {
             return KernelDecision{"", run_math};
-          }};
+          },
+          /*takes_sinks=*/true};
 }
 
 functional::AttentionOutput run_checked_attention(const AttentionCall& call) {

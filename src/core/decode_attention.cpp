@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/checks.h"
 #include "core/kernels.h"
 #include "core/parallel.h"
 #include "core/row_softmax.h"
@@ -65,7 +66,8 @@ void key_dots(const scalar_t* q, const scalar_t* keys, int64_t key_stride, int64
 template <typename scalar_t>
 void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
                  double scale, const std::vector<int64_t>& key_begin,
-                 const std::vector<int64_t>& key_end, double softcap, torch::Tensor& out) {
+                 const std::vector<int64_t>& key_end, double softcap,
+                 const std::vector<double>& sinks, torch::Tensor& out) {
   const int64_t b = query.size(0), h = query.size(1), hd = query.size(3);
   const int64_t kv_heads = keys.size(1), m = keys.size(2), hd_v = values.size(3);
   const int64_t group_size = h / kv_heads;
@@ -92,7 +94,24 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const to
         continue;
       scalar_t* p = weights.data() + begin;
       key_dots(q_row, k_head, ks[2], hd, begin, end, weights.data());
-      if (softcap > 0.0) {  // the scores capped, then a softmax of scale 1
+      if (!sinks.empty()) {  // the scores (capped), and the head's sink in the denominator
+        const auto sink = static_cast<scalar_t>(sinks[head]);
+        scalar_t top = sink;
+        for (int64_t j = 0; j < end - begin; ++j) {
+          p[j] *= static_cast<scalar_t>(scale);
+          if (softcap > 0.0)
+            p[j] =
+                static_cast<scalar_t>(softcap) * std::tanh(p[j] / static_cast<scalar_t>(softcap));
+          top = std::max(top, p[j]);
+        }
+        scalar_t total = std::exp(sink - top);
+        for (int64_t j = 0; j < end - begin; ++j) {
+          p[j] = std::exp(p[j] - top);
+          total += p[j];
+        }
+        for (int64_t j = 0; j < end - begin; ++j)
+          p[j] /= total;
+      } else if (softcap > 0.0) {  // the scores capped, then a softmax of scale 1
         const auto cap = static_cast<scalar_t>(softcap);
         const auto scale_over_cap = static_cast<scalar_t>(scale / softcap);
         for (int64_t j = 0; j < end - begin; ++j)
@@ -128,7 +147,8 @@ bool decode_attention_fits(const torch::Tensor& query, const torch::Tensor& keys
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& keys,
                                const torch::Tensor& values, double scale,
                                const std::vector<int64_t>& key_begin,
-                               const std::vector<int64_t>& key_end, double softcap) {
+                               const std::vector<int64_t>& key_end, double softcap,
+                               const torch::Tensor& sinks) {
   TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap),
               "[decode_attention] softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(decode_attention_fits(query, keys, values),
@@ -150,10 +170,19 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
     TORCH_CHECK(0 <= key_begin[r] && key_end[r] <= m, "[decode_attention] row ", r, ": keys [",
                 key_begin[r], ", ", key_end[r], ") must lie in [0, ", m, "]");
   }
+  TORCH_CHECK(!sinks.defined() || (sinks.dim() == 1 && sinks.size(0) == h),
+              "[decode_attention] sinks must be (", h, "), one per query head, got ",
+              sinks.defined() ? shape_string(sinks) : std::string());
+  std::vector<double> sink_values;
+  if (sinks.defined()) {
+    const auto values = sinks.detach().to(torch::kCPU, torch::kDouble).contiguous();
+    sink_values.assign(values.data_ptr<double>(), values.data_ptr<double>() + h);
+  }
   // (b, 1, h, hd_v) memory, returned as (b, h, 1, hd_v): merging the heads is then a view.
   auto out = torch::empty({b, 1, h, values.size(3)}, query.options());
   AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "decode_attention", [&] {
-    decode_rows<scalar_t>(query, keys, values, scale, key_begin, key_end, softcap, out);
+    decode_rows<scalar_t>(query, keys, values, scale, key_begin, key_end, softcap, sink_values,
+                          out);
   });
   return out.transpose(1, 2);
 }
@@ -217,7 +246,7 @@ functional::AttentionOutput run_decode(const KernelInput& input) {
   const auto [begin, end] = decode_ranges(input);
   const auto* softcap = call.options.score_mod().target<SoftcapScore>();
   return {decode_attention(call.query, call.key, call.value, input.scale(), begin, end,
-                           softcap ? softcap->cap : 0.0),
+                           softcap ? softcap->cap : 0.0, call.options.sinks()),
           {}};
 }
 
@@ -227,7 +256,8 @@ KernelSpec decode_spec() {
   return {"decode", AttentionBackend::kAuto, /*runs_16bit_cuda_in_its_dtype=*/false,
           [](const KernelInput& input) {
             return KernelDecision{decode_declines(input), run_decode};
-          }};
+          },
+          /*takes_sinks=*/true};
 }
 
 }  // namespace attnkit::detail

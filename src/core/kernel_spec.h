@@ -152,6 +152,9 @@ struct KernelSpec {
   bool runs_16bit_cuda_in_its_dtype;
   /// Its decision on a call.
   std::function<KernelDecision(const KernelInput&)> decide;
+  /// Whether it runs attention sinks (AttentionOptions::sinks); the planner declines a call
+  /// with sinks for the kernels that do not.
+  bool takes_sinks = false;
 };
 
 /// Kernels in the order the planner asks them: fast paths first, a fallback that takes every

@@ -62,6 +62,8 @@ struct MathMasking {
   /// Applied to the scaled scores with `index` (b, h, q_idx, kv_idx) tensors; may be empty.
   ScoreMod score_mod;
   std::vector<torch::Tensor> index;
+  /// (h) attention sinks of 4-D scores (AttentionOptions::sinks); undefined: none.
+  torch::Tensor sinks;
 };
 
 /// `dropout(softmax(masked(score_mod(scale * q k^T)))) @ v` with autograd, for q (..., n, hd),

@@ -24,6 +24,20 @@ struct Choice {
   KernelDecision decision;
 };
 
+// The kernel's decision with what the planner asks of every kernel: a split forward and
+// backward for a split call, sinks for a call with sinks.
+KernelDecision decide(const KernelSpec& spec, const KernelInput& input) {
+  auto decision = spec.decide(input);
+  if (decision.declined.empty() && input.call.split && !decision.split.forward)
+    decision.declined = "it has no separate forward and backward (a split call)";
+  if (decision.declined.empty() && input.call.options.sinks().defined() && !spec.takes_sinks) {
+    decision.declined = c10::str("the ", spec.name,
+                                 " kernel has no attention sinks (the math core and the decode "
+                                 "kernel have)");
+  }
+  return decision;
+}
+
 // The first kernel of `table` serving `requested` that takes the input (the kernel the call
 // names, whatever it serves); spec null: none.
 Choice first_taking(const KernelInput& input, AttentionBackend requested,
@@ -35,16 +49,14 @@ Choice first_taking(const KernelInput& input, AttentionBackend requested,
     // would have nothing to cut.
     for (const auto& spec : table) {
       if (std::string(spec.name) == "math")
-        return {&spec, spec.decide(input)};
+        return {&spec, decide(spec, input)};
     }
   }
   const auto& named = input.call.options.kernel();
   for (const auto& spec : table) {
     if (named.empty() ? !serves(spec, requested) : spec.name != named)
       continue;
-    auto decision = spec.decide(input);
-    if (decision.declined.empty() && input.call.split && !decision.split.forward)
-      decision.declined = "it has no separate forward and backward (a split call)";
+    auto decision = decide(spec, input);
     if (decision.declined.empty())
       return {&spec, std::move(decision)};
   }
@@ -61,7 +73,7 @@ std::string lacks(AttentionBackend backend, const KernelInput& input, const Kern
       general = &spec;
   }
   TORCH_INTERNAL_ASSERT(general != nullptr, "no kernel serves backend ", backend_name(backend));
-  return general->decide(input).declined;
+  return decide(*general, input).declined;
 }
 
 // The kernel for the input in its own dtype: the requested backend's first taker, or, for a
@@ -77,7 +89,7 @@ Choice choose(const KernelInput& input, const KernelTable& table) {
     for (const auto& spec : table) {
       if (spec.name == named) {
         TORCH_CHECK(false, "[attention] kernel ", named,
-                    " cannot run this: ", spec.decide(input).declined);
+                    " cannot run this: ", decide(spec, input).declined);
       }
       names += names.empty() ? "" : ", ";
       names += spec.name;

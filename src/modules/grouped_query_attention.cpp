@@ -10,8 +10,12 @@ namespace {
 
 constexpr const char* kName = "GroupedQueryAttention";
 
-detail::ModuleAttention settings_of(const GroupedQueryAttentionOptions& opt) {
-  return detail::module_attention_of(opt, /*causal=*/true, opt.sliding_window_size());
+// The core's settings from the options, with the module's sinks (undefined without).
+detail::ModuleAttention settings_of(const GroupedQueryAttentionOptions& opt,
+                                    const torch::Tensor& sinks) {
+  auto settings = detail::module_attention_of(opt, /*causal=*/true, opt.sliding_window_size());
+  settings.options.sinks(sinks);
+  return settings;
 }
 
 detail::CacheLayout cache_layout_of(const GroupedQueryAttentionOptions& opt) {
@@ -50,6 +54,8 @@ void GroupedQueryAttentionImpl::reset() {
                             torch::nn::Linear(torch::nn::LinearOptions(d_in, d_out).bias(bias)));
   out_proj = register_module(
       "out_proj", torch::nn::Linear(torch::nn::LinearOptions(d_out, output_dim).bias(false)));
+  if (options.sinks())
+    sinks = register_parameter("sinks", torch::zeros({options.num_heads()}));
   rope_tables = detail::reset_query_key_transform(
       kName, *this, options.rope(), options.qk_norm(), d_out / options.num_heads(), q_norm, k_norm,
       RMSNormOptions(1).eps(options.qk_norm_eps()).unit_offset(options.qk_norm_unit_offset()));
@@ -72,6 +78,8 @@ void GroupedQueryAttentionImpl::pretty_print(std::ostream& stream) const {
   if (options.qk_norm() && options.qk_norm_unit_offset())
     stream << ", qk_norm_unit_offset=true";
   detail::print_score_options(stream, options.score_mod(), options.scale());
+  if (options.sinks())
+    stream << ", sinks=true";
   stream << ")";
 }
 
@@ -90,10 +98,18 @@ functional::AttentionOutput GroupedQueryAttentionImpl::attend_inputs(const torch
   const auto [queries, keys] = detail::QueryKeyTransform{q_norm, k_norm, rope_tables}(
       detail::split_heads(W_query(query), opt.num_heads()),
       detail::split_heads(W_key(key_input), g), int64_t{0});
-  auto attended =
-      detail::attend(queries, keys, detail::split_heads(W_value(value_input), g), settings_of(opt),
-                     is_training(), /*query_offset=*/0, with_weights, mask);
+  auto attended = detail::attend(queries, keys, detail::split_heads(W_value(value_input), g),
+                                 settings_of(opt, sinks), is_training(), /*query_offset=*/0,
+                                 with_weights, mask);
   return {out_proj(detail::merge_heads(attended.context)), attended.weights};
+}
+
+void GroupedQueryAttentionImpl::reset_parameters() {
+  detail::reset_child_parameters(*this);
+  if (sinks.defined()) {
+    torch::NoGradGuard no_grad;
+    sinks.zero_();
+  }
 }
 
 KVCache GroupedQueryAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
@@ -115,8 +131,8 @@ torch::Tensor GroupedQueryAttentionImpl::attend_new_tokens(const torch::Tensor& 
       {q_norm, k_norm, rope_tables},
       detail::split_heads(detail::project(W_query, x, tokens), options.num_heads()),
       detail::split_heads(detail::project(W_key, x, tokens), g),
-      detail::split_heads(detail::project(W_value, x, tokens), g), cache, settings_of(options),
-      mask, new_lengths);
+      detail::split_heads(detail::project(W_value, x, tokens), g), cache,
+      settings_of(options, sinks), mask, new_lengths);
   return detail::project(out_proj, detail::merge_heads(context), tokens);
 }
 
