@@ -175,8 +175,8 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
               sinks.defined() ? shape_string(sinks) : std::string());
   std::vector<double> sink_values;
   if (sinks.defined()) {
-    const auto values = sinks.detach().to(torch::kCPU, torch::kDouble).contiguous();
-    sink_values.assign(values.data_ptr<double>(), values.data_ptr<double>() + h);
+    const auto host = sinks.detach().to(torch::kCPU, torch::kDouble).contiguous();
+    sink_values.assign(host.data_ptr<double>(), host.data_ptr<double>() + h);
   }
   // (b, 1, h, hd_v) memory, returned as (b, h, 1, hd_v): merging the heads is then a view.
   auto out = torch::empty({b, 1, h, values.size(3)}, query.options());
