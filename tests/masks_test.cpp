@@ -288,6 +288,109 @@ TEST(Attention, SinksJoinEachRowsSoftmaxWithNoValue) {
       "sinks must be a floating (4) tensor, one logit per query head of 4-D inputs");
 }
 
+// The split call in public: attention_forward's output and lse, and attention_backward from
+// them. The keys in two uneven shards, each attended with the shard's part of a documents and
+// causal mask and a relative bias, merge into the whole call's output and lse; each shard's
+// backward from the merged forward gives its keys' and values' gradients, and the query's and
+// the bias's add up: what ring attention runs, against autograd through the whole call.
+TEST(Attention, SplitCallsOverKeyShardsMergeIntoTheWholeCall) {
+  torch::manual_seed(22);
+  const auto dtype = torch::kFloat64;
+  const int64_t n = 12, split = 5;
+  const auto q = torch::randn({2, 4, n, 8}, dtype).requires_grad_(true);
+  const auto k = torch::randn({2, 2, n, 8}, dtype).requires_grad_(true);
+  const auto v = torch::randn({2, 2, n, 8}, dtype).requires_grad_(true);
+  const auto bias = torch::randn({4, 7}, dtype).requires_grad_(true);
+  const auto document = torch::tensor({0, 0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 2});
+  // The mask over keys [offset, offset + m): query i sees key j of its document, j <= i.
+  const auto mask_from = [&](int64_t offset) {
+    return Mask::from_function([document, offset](const torch::Tensor&, const torch::Tensor&,
+                                                  const torch::Tensor& q_idx,
+                                                  const torch::Tensor& kv_idx) {
+      const auto key = kv_idx + offset;
+      return key.le(q_idx) & document.index({q_idx}).eq(document.index({key}));
+    });
+  };
+  const auto whole =
+      AttentionOptions().mask(mask_from(0)).score_mod(score_mods::relative_position_bias(bias));
+  // The reference: autograd through the whole call.
+  const auto probe = torch::randn({2, 4, n, 8}, dtype);
+  const auto reference = F::attention(q, k, v, whole);
+  (reference * probe).sum().backward();
+  // The whole split call: the same output, and its lse is the definition's.
+  const auto forward = F::attention_forward(q, k, v, whole);
+  EXPECT_FALSE(forward.out.requires_grad());
+  EXPECT_TRUE(tensors_close("whole out", forward.out, reference.detach(), 1e-12));
+  ASSERT_EQ(forward.lse.sizes(), (std::vector<int64_t>{2, 4, n}));
+  const auto grads = F::attention_backward(q, k, v, forward, probe, whole);
+  EXPECT_TRUE(tensors_close("whole grad q", grads.query, q.grad(), 1e-12));
+  EXPECT_TRUE(tensors_close("whole grad k", grads.key, k.grad(), 1e-12));
+  EXPECT_TRUE(tensors_close("whole grad v", grads.value, v.grad(), 1e-12));
+  ASSERT_EQ(grads.score_tensors.size(), 1u);
+  EXPECT_TRUE(tensors_close("whole grad bias", grads.score_tensors[0], bias.grad(), 1e-12));
+
+  // Two shards of the keys, [0, 5) and [5, 12), each with its part of the mask (a bias that
+  // reads positions would need its kv_idx counted from the shard's start, which the split
+  // kernels' named score functions do not take yet): each shard's split call, merged.
+  const std::vector<std::pair<int64_t, int64_t>> shards{{0, split}, {split, n}};
+  std::vector<F::AttentionWithLse> parts;
+  for (const auto& [begin, end] : shards) {
+    parts.push_back(F::attention_forward(q, k.narrow(2, begin, end - begin),
+                                         v.narrow(2, begin, end - begin),
+                                         AttentionOptions().mask(mask_from(begin))));
+  }
+  const auto merged = F::merge_attention(parts);
+  const auto plain = F::attention_forward(q, k, v, AttentionOptions().mask(mask_from(0)));
+  EXPECT_TRUE(tensors_close("merged out", merged.out, plain.out, 1e-12));
+  EXPECT_TRUE(tensors_close("merged lse", merged.lse, plain.lse, 1e-12));
+  // Query 0 of the second shard sees no key there: its lse is +inf and its output zeros.
+  EXPECT_TRUE(parts[1].lse.select(2, 0).isposinf().all().item<bool>());
+  // Each shard's backward from the merged forward.
+  const auto plain_grads =
+      F::attention_backward(q, k, v, plain, probe, AttentionOptions().mask(mask_from(0)));
+  auto grad_q = torch::zeros_like(q);
+  std::vector<torch::Tensor> grad_k, grad_v;
+  for (const auto& [begin, end] : shards) {
+    const auto shard =
+        F::attention_backward(q, k.narrow(2, begin, end - begin), v.narrow(2, begin, end - begin),
+                              merged, probe, AttentionOptions().mask(mask_from(begin)));
+    grad_q += shard.query;
+    grad_k.push_back(shard.key);
+    grad_v.push_back(shard.value);
+  }
+  EXPECT_TRUE(tensors_close("sharded grad q", grad_q, plain_grads.query, 1e-12));
+  EXPECT_TRUE(tensors_close("sharded grad k", torch::cat(grad_k, 2), plain_grads.key, 1e-12));
+  EXPECT_TRUE(tensors_close("sharded grad v", torch::cat(grad_v, 2), plain_grads.value, 1e-12));
+
+  // What the split call refuses, by name.
+  expect_error_containing(
+      [&] {
+        F::attention_forward(
+            q, k, v,
+            AttentionOptions().score_mod([](const torch::Tensor& s, const torch::Tensor&,
+                                            const torch::Tensor&, const torch::Tensor&,
+                                            const torch::Tensor&) { return s * 2; }));
+      },
+      "[attention_forward] score_mod: a C++ function, which only LibTorch's ops evaluate; a "
+      "split call takes the named score functions and ScoreGraphs");
+  expect_error_containing(
+      [&] { F::attention_forward(q, k, v, AttentionOptions().dropout_p(0.1).training(true)); },
+      "[attention_forward] dropout is not offered in a split call");
+  expect_error_containing(
+      [&] { F::attention_forward(q[0], k[0], v[0]); },
+      "[attention_forward] query, key and value must be 4-D (b, h, n, hd), got [4, 12, 8], "
+      "[2, 12, 8] and [2, 12, 8]");
+  expect_error_containing([&] { F::attention_backward(q, k, v, plain, probe.narrow(2, 0, 3)); },
+                          "[attention_backward] forward.out and grad_out must be (2, 4, 12, 8)");
+  expect_error_containing([&] { F::merge_attention({}); },
+                          "[merge_attention] needs at least one part");
+  expect_error_containing(
+      [&] {
+        F::merge_attention({plain, {plain.out.narrow(2, 0, 3), plain.lse}});
+      },
+      "[merge_attention] part 1: out must be shaped as part 0's [2, 4, 12, 8]");
+}
+
 TEST(Attention, EveryBackendMatchesTheDefinitionWithMasksAndScoreFunctions) {
   torch::manual_seed(3);
   const auto dtype = torch::kFloat64;

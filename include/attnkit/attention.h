@@ -126,6 +126,52 @@ AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::
                                        const torch::Tensor& value,
                                        const AttentionOptions& options = {});
 
+/// An attention call's output with each row's log-sum-exp: what a schedule of its own (the
+/// keys in shards, merged by `merge_attention`; ring attention) needs from each piece.
+struct AttentionWithLse {
+  /// (b, h, n, hd_v), in the inputs' dtype.
+  torch::Tensor out;
+  /// (b, h, n): log sum_j exp(s_ij) over each row's scaled, modified, unmasked scores, in the
+  /// dtype the kernel computed in (float32 for 16-bit inputs); +inf for a row that sees no key
+  /// (whose `out` is zeros).
+  torch::Tensor lse;
+};
+
+/// The gradients `attention_backward` returns.
+struct AttentionGradients {
+  torch::Tensor query, key, value;
+  /// Of each tensor the score function reads that wants a gradient (a relative-position
+  /// bias table, a ScoreGraph's tensors), in the order `ScoreGraph::bind` took them.
+  std::vector<torch::Tensor> score_tensors;
+};
+
+/// `attention`'s forward as a call of its own, outside autograd: the output and each row's
+/// log-sum-exp, for 4-D query (b, h, n, hd), key (b, g, m, hd) and value (b, g, m, hd_v). The
+/// kernels that have a separate forward and backward run it (the fused tile kernel on the CPU:
+/// any mask, block mask and named or graph score function; LibTorch's CPU flash kernel);
+/// `options.backend` is not read. Refused: dropout, sinks, C++ function score functions, and
+/// devices without such a kernel (CUDA). Example:
+/// `auto [out, lse] = attention_forward(q, k, v, AttentionOptions().mask(Mask::causal()));`
+AttentionWithLse attention_forward(const torch::Tensor& query, const torch::Tensor& key,
+                                   const torch::Tensor& value,
+                                   const AttentionOptions& options = {});
+
+/// The backward of `attention_forward` from its output and lse and the output's gradient
+/// (b, h, n, hd_v): the gradients of query, key and value (and of the score function's
+/// tensors that want one). Given the output and lse of a whole row (a merge of key shards),
+/// a call over one shard of the keys gives that shard's key and value gradients and its share
+/// of the query's, which add up over the shards. Outside autograd.
+AttentionGradients attention_backward(const torch::Tensor& query, const torch::Tensor& key,
+                                      const torch::Tensor& value, const AttentionWithLse& forward,
+                                      const torch::Tensor& grad_out,
+                                      const AttentionOptions& options = {});
+
+/// The attention of each query over the union of the parts' keys, from its attention over
+/// each part (the same queries, the keys in disjoint shards): outputs weighted by
+/// exp(lse_part - lse), lse = log sum exp(lse_part). A row that sees no key in a part (lse
+/// +inf there) takes nothing from it. Example: `merge_attention({first, second})`.
+AttentionWithLse merge_attention(const std::vector<AttentionWithLse>& parts);
+
 /// Why `backend` cannot run this problem ("" when it can): the fused backend has no score
 /// functions and only the default scale; it takes causal and sliding-window masks, and on
 /// LibTorch 2.x any other mask as SDPA's dense bool mask (up to 128 MiB of bools).

@@ -13,6 +13,7 @@
 #include "core/checks.h"
 #include "core/kernels.h"
 #include "core/planner.h"
+#include "core/score_variants.h"
 
 namespace attnkit {
 
@@ -230,6 +231,109 @@ torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& key,
   const auto options = resolve_block_mask(kFn, given);
   check_attention_arguments(query, key, value, options);
   return as_rank_of(detail::run_attention(call_of(query, key, value, options)).context, query);
+}
+
+namespace {
+
+const char* const kSplitFn = "[attention_forward]";
+
+// The split call of attention_forward and attention_backward: checked, 4-D, no dropout.
+detail::AttentionCall split_call_of(const char* fn, const torch::Tensor& query,
+                                    const torch::Tensor& key, const torch::Tensor& value,
+                                    const AttentionOptions& given) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, fn,
+              " query, key and value must be 4-D (b, h, n, hd), got ", shape_string(query), ", ",
+              shape_string(key), " and ", shape_string(value));
+  const auto options = resolve_block_mask(fn, given);
+  check_attention_arguments(query, key, value, options);
+  TORCH_CHECK(!options.training() || options.dropout_p() == 0.0, fn,
+              " dropout is not offered in a split call (its backward must redraw forward's "
+              "masks); got dropout_p ",
+              options.dropout_p(), " in training");
+  std::string why;
+  TORCH_CHECK(!options.score_mod() || detail::score_variant_of(options.score_mod(), &why), fn,
+              " score_mod: ", why,
+              "; a split call takes the named score functions and ScoreGraphs");
+  TORCH_CHECK(query.device().is_cpu(), fn, " a split call runs on the CPU, got ", query.device());
+  auto call = call_of(query, key, value, options);
+  call.options.backend(AttentionBackend::kAuto).dropout_p(0.0).training(false);
+  call.split = true;
+  return call;
+}
+
+}  // namespace
+
+AttentionWithLse attention_forward(const torch::Tensor& query, const torch::Tensor& key,
+                                   const torch::Tensor& value, const AttentionOptions& options) {
+  const torch::NoGradGuard no_grad;
+  auto result = detail::run_split_forward(split_call_of(kSplitFn, query, key, value, options));
+  return {result.out, result.lse};
+}
+
+AttentionGradients attention_backward(const torch::Tensor& query, const torch::Tensor& key,
+                                      const torch::Tensor& value, const AttentionWithLse& forward,
+                                      const torch::Tensor& grad_out,
+                                      const AttentionOptions& options) {
+  const char* fn = "[attention_backward]";
+  auto call = split_call_of(fn, query, key, value, options);
+  const auto rows = std::vector<int64_t>{query.size(0), query.size(1), query.size(2)};
+  TORCH_CHECK(forward.out.defined() && forward.lse.defined() && grad_out.defined() &&
+                  forward.out.dim() == 4 && forward.out.sizes().slice(0, 3) == rows &&
+                  forward.out.size(3) == value.size(3) && forward.lse.sizes() == rows &&
+                  grad_out.sizes() == forward.out.sizes(),
+              fn, " forward.out and grad_out must be (", query.size(0), ", ", query.size(1), ", ",
+              query.size(2), ", ", value.size(3), ") and forward.lse (", query.size(0), ", ",
+              query.size(1), ", ", query.size(2), "), got ",
+              forward.out.defined() ? shape_string(forward.out) : std::string("undefined"), ", ",
+              grad_out.defined() ? shape_string(grad_out) : std::string("undefined"), " and ",
+              forward.lse.defined() ? shape_string(forward.lse) : std::string("undefined"));
+  // The score function's tensors that want gradients, as leaves of their own.
+  std::vector<torch::Tensor> parameters;
+  if (const auto variant = detail::score_variant_of(call.options.score_mod())) {
+    for (const auto& tensor : variant->tensors()) {
+      if (tensor.requires_grad())
+        parameters.push_back(tensor);
+    }
+  }
+  const torch::NoGradGuard no_grad;
+  const auto grads =
+      detail::run_split_backward(call, {forward.out, forward.lse, grad_out, parameters});
+  return {grads[0], grads[1], grads[2], std::vector<torch::Tensor>(grads.begin() + 3, grads.end())};
+}
+
+AttentionWithLse merge_attention(const std::vector<AttentionWithLse>& parts) {
+  const char* fn = "[merge_attention]";
+  TORCH_CHECK(!parts.empty(), fn, " needs at least one part");
+  const auto& first = parts.front();
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto& part = parts[i];
+    TORCH_CHECK(part.out.defined() && part.lse.defined() && part.out.dim() == 4 &&
+                    part.out.sizes() == first.out.sizes() &&
+                    part.lse.sizes() == first.out.sizes().slice(0, 3),
+                fn, " part ", i, ": out must be shaped as part 0's ",
+                first.out.defined() ? shape_string(first.out) : std::string("undefined"),
+                " and lse as its first three dimensions, got ",
+                part.out.defined() ? shape_string(part.out) : std::string("undefined"), " and ",
+                part.lse.defined() ? shape_string(part.lse) : std::string("undefined"));
+  }
+  const torch::NoGradGuard no_grad;
+  constexpr double kInfinity = std::numeric_limits<double>::infinity();
+  // (parts, b, h, n): a row that sees no key in a part weighs nothing there.
+  auto lse = torch::stack([&] {
+    std::vector<torch::Tensor> each;
+    for (const auto& part : parts)
+      each.push_back(part.lse.masked_fill(part.lse.isposinf(), -kInfinity));
+    return each;
+  }());
+  const auto total = lse.logsumexp(0);  // (b, h, n), -inf where no part sees a key
+  const auto sees = total.isfinite();
+  const auto weights = (lse - total.unsqueeze(0)).exp().masked_fill(sees.logical_not(), 0.0);
+  auto out = torch::zeros_like(first.out);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    out +=
+        parts[i].out * weights[static_cast<int64_t>(i)].unsqueeze(-1).to(first.out.scalar_type());
+  }
+  return {out, total.masked_fill(sees.logical_not(), kInfinity)};
 }
 
 AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::Tensor& key,
