@@ -250,6 +250,15 @@ TEST(Attention, SinksJoinEachRowsSoftmaxWithNoValue) {
   };
   const auto out = F::attention(q, k, v, options);
   const auto got = grads(out);
+  // The chunked backend runs them on the fused tile kernel's split path (the sinks kernel):
+  // memory linear in n, the same values.
+  F::KernelRecord record;
+  const auto tiled =
+      F::attention(q, k, v, AttentionOptions(options).backend(AttentionBackend::kChunked));
+  const auto tiled_grads = grads(tiled);
+  ASSERT_GE(record.runs().size(), 2u);
+  EXPECT_EQ(record.runs()[0].kernel, "sinks");
+  EXPECT_EQ(record.runs()[1].kernel, "fused_tiles");
   // The definition: (b, 4, 5, 7) scores, then the sink as an eighth key of value zero.
   auto scores = torch::tanh(torch::matmul(q, k.repeat_interleave(2, 1).transpose(2, 3)) /
                             std::sqrt(8.0) / 2.0) *
@@ -267,6 +276,9 @@ TEST(Attention, SinksJoinEachRowsSoftmaxWithNoValue) {
   for (size_t i = 0; i < got.size(); ++i)
     EXPECT_TRUE(tensors_close(c10::str("grad ", names[i]), got[i], want[i], 1e-12));
   EXPECT_GT(got[3].abs().sum().item<double>(), 0.0);
+  EXPECT_TRUE(tensors_close("tiled output", tiled, expected, 1e-12));
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_TRUE(tensors_close(c10::str("tiled grad ", names[i]), tiled_grads[i], want[i], 1e-12));
 
   // One query per row against a cache: the decode kernel's sinks (the last query sees all 7
   // keys).
@@ -277,9 +289,6 @@ TEST(Attention, SinksJoinEachRowsSoftmaxWithNoValue) {
   EXPECT_TRUE(tensors_close("decode", decoded, expected.detach().narrow(2, 4, 1), 1e-12));
 
   // Kernels without sinks decline, by name; a named one says why.
-  expect_error_containing(
-      [&] { F::attention(q, k, v, AttentionOptions(options).backend(AttentionBackend::kChunked)); },
-      "[attention] backend chunked cannot run this: the chunked kernel has no attention sinks");
   expect_error_containing(
       [&] { F::attention(q, k, v, AttentionOptions(options).kernel("fused_tiles")); },
       "kernel fused_tiles cannot run this: the fused_tiles kernel has no attention sinks");

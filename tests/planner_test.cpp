@@ -11,6 +11,7 @@
 #include "core/kernels.h"
 #include "test_support.h"
 
+#include <limits>
 #include <set>
 
 #include <torch/version.h>
@@ -151,6 +152,30 @@ std::vector<PlannerCase> planner_cases() {
     call.with_weights = true;
     add("with weights", call, causal_allowed(12, 12, 0, 0, 12));
   }
+  // Attention sinks, causal: a whole sequence and a cached decode step. A kernel that ignores
+  // them gives every row weights that sum to 1.
+  const auto sinks = torch::tensor({0.5, -1.0, 2.0, 0.0});
+  for (const bool cached : {false, true}) {
+    const int64_t n = cached ? 1 : 12, offset = cached ? 8 : 0;
+    auto call =
+        sequence(F::AttentionOptions().mask(Mask::causal(offset)).sinks(sinks), n, cached ? 9 : 12);
+    if (cached)
+      call.step = StepKind::kCached;
+    const auto group = call.query.size(1) / call.key.size(1);
+    auto scores =
+        torch::matmul(call.query, call.key.repeat_interleave(group, 1).transpose(-2, -1)) /
+        std::sqrt(static_cast<double>(hd));
+    scores = scores.masked_fill(
+        causal_allowed(n, call.key.size(2), offset, 0, call.key.size(2)).logical_not(),
+        -std::numeric_limits<double>::infinity());
+    // (b, h, n, m) and each head's sink as one more column, which has no value.
+    const auto column = sinks.view({1, h, 1, 1}).expand({b, h, n, 1});
+    const auto weights =
+        torch::softmax(torch::cat({scores, column}, -1), -1).narrow(-1, 0, scores.size(-1));
+    cases.push_back(PlannerCase{cached ? "cached decode, sinks" : "sinks", call,
+                                torch::matmul(weights, call.value.repeat_interleave(group, 1)),
+                                torch::Tensor(), torch::ones({1, 1, n, 1}, torch::kBool)});
+  }
   {
     // Self-attention heads that are views of one packed projection (b, n, 3 * h * hd).
     const int64_t n = 10;
@@ -259,8 +284,8 @@ TEST(Planner, EveryPlannedKernelAnswersAsTheMathCore) {
       }
     }
   }
-  std::set<std::string> expected{"decode",      "ragged_loop_nest", "sdpa",
-                                 "fused_tiles", "chunked",          "math"};
+  std::set<std::string> expected{
+      "decode", "ragged_loop_nest", "sdpa", "fused_tiles", "chunked", "sinks", "math"};
   if (attnkit::detail::libtorch_has_sdpa()) {
     // A demanded fused backend with a mask beyond causal: documents as segments, others dense.
     expected.insert("sdpa_varlen");
@@ -283,7 +308,9 @@ TEST(Planner, ASplitCallRunsForwardAndBackwardApartAsTheMathCore) {
                                           "packed projection"};
   std::set<std::string> seen;
   for (const auto& c : planner_cases()) {
-    if (c.call.step != StepKind::kSequence || c.call.with_weights)
+    // Sinks are not a split call's: the sinks kernel builds on one.
+    if (c.call.step != StepKind::kSequence || c.call.with_weights ||
+        c.call.options.sinks().defined())
       continue;
     for (const bool bfloat16 : {false, true}) {
       SCOPED_TRACE(c.name + (bfloat16 ? ", bfloat16" : ""));

@@ -66,7 +66,9 @@ struct AttentionOptions {
   /// Attention sinks (GPT-OSS): one logit per query head, (heads), that takes part in every
   /// row's softmax with no value, so a row's weights sum to less than 1: weight j is
   /// exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k)). Gradients reach it. Undefined: none. The
-  /// math core and the decode kernel run it; the planner routes a call with sinks to them.
+  /// math core, the decode kernel and the chunked family (the fused tile kernel's split
+  /// forward and backward, memory linear in n) run it; the planner routes a call with sinks
+  /// to them.
   TORCH_ARG(torch::Tensor, sinks) = {};
   /// Dropout probability on the attention weights, in [0, 1); used only when `training`.
   TORCH_ARG(double, dropout_p) = 0.0;

@@ -317,8 +317,8 @@ struct GroupedQueryAttentionOptions : AttentionBackendOptions<GroupedQueryAttent
   TORCH_ARG(bool, qk_norm_unit_offset) = false;
   /// Attention sinks (GPT-OSS): a learned logit per query head, the parameter `sinks`
   /// (num_heads, starting at zeros), in every row's softmax with no value
-  /// (`functional::AttentionOptions::sinks`). Calls run on the math core, decode steps on the
-  /// decode kernel.
+  /// (`functional::AttentionOptions::sinks`). Whole sequences run on the fused tile kernel's
+  /// split path (or the math core), decode steps on the decode kernel.
   TORCH_ARG(bool, sinks) = false;
   /// Width of the output: `out_proj` maps d_out to it. Unset: d_out. Qwen3 sets d_in, since
   /// its heads together (num_heads * head_dim) are wider than the model.

@@ -35,6 +35,7 @@ KernelSpec flash_spec();             // sdpa_kernel.cpp
 KernelSpec sdpa_spec();              // sdpa_kernel.cpp
 KernelSpec sdpa_varlen_spec();       // varlen_kernel.cpp
 KernelSpec sdpa_masked_spec();       // sdpa_kernel.cpp
+KernelSpec sinks_spec();             // sink_attention.cpp
 KernelSpec fused_tiles_spec();       // fused_tiles.cpp
 KernelSpec chunked_spec();           // chunked.cpp
 KernelSpec math_spec();              // attention.cpp

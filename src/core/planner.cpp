@@ -182,6 +182,7 @@ const KernelTable& kernel_table() {
       sdpa_spec(),
       sdpa_varlen_spec(),
       sdpa_masked_spec(),
+      sinks_spec(),
       fused_tiles_spec(),
       chunked_spec(),
       math_spec(),
@@ -226,6 +227,19 @@ F::AttentionOutput run_attention(const AttentionCall& given, const KernelTable& 
         }
         return out;
       });
+}
+
+std::string split_call_lacks(const AttentionCall& call, const KernelTable& table) {
+  const KernelInput input(call);
+  if (first_taking(input, AttentionBackend::kAuto, table).spec != nullptr)
+    return "";
+  // The fused tile kernel is the split kernel that takes the most calls: its reason.
+  for (const auto& spec : table) {
+    if (std::string(spec.name) == "fused_tiles")
+      return c10::str(
+          "no kernel runs it as a split call (fused_tiles: ", decide(spec, input).declined, ")");
+  }
+  return "no kernel runs it as a split call";
 }
 
 SplitForward run_split_forward(const AttentionCall& given, const KernelTable& table) {

@@ -46,6 +46,9 @@ struct SplitForward {
 SplitForward run_split_forward(const AttentionCall& call,
                                const KernelTable& table = kernel_table());
 
+/// "" when a kernel of `table` runs `call` (a split call) as a split call, else why not.
+std::string split_call_lacks(const AttentionCall& call, const KernelTable& table = kernel_table());
+
 /// A split call's backward from its forward's output and lse (saved.parameters: the tensors
 /// the call's score function reads that want gradients): the gradients of query, key, value
 /// and then of each parameter, each in its tensor's dtype. The planner makes the same choice
