@@ -32,6 +32,8 @@ PUBLIC_LAYERS = {
     "options.h": "core",
     "rope.h": "core",
     "score_graph.h": "core",
+    # ScoreMod alone, so that options.h can hold one without attention.h.
+    "score_mod.h": "core",
     "threads.h": "core",
     "version.h": "core",
     "cached_attention.h": "modules",
