@@ -776,15 +776,14 @@ TEST_F(SerializeTest, SafetensorsSplitsAFusedProjectionBySizes) {
               torch::cat({want["W_query.weight"], want["W_key.weight"], want["W_value.weight"]}));
   phi3.insert("o_proj.weight", want["out_proj.weight"]);
   attnkit::save_safetensors(phi3, path("phi3.safetensors"));
-  const attnkit::NameMap names{
-      /*prefix=*/"",
-      /*ignored=*/{},
-      /*rules=*/
-      {{R"(qkv_proj\.weight)",
-        {"W_query.weight", "W_key.weight", "W_value.weight"},
-        /*transpose=*/false,
-        /*split_sizes=*/{8, 4, 4}},
-       {R"(o_proj\.weight)", {"out_proj.weight"}}}};
+  const attnkit::NameMap names{/*prefix=*/"",
+                               /*ignored=*/{},
+                               /*rules=*/
+                               {{R"(qkv_proj\.weight)",
+                                 {"W_query.weight", "W_key.weight", "W_value.weight"},
+                                 /*transpose=*/false,
+                                 /*split_sizes=*/{8, 4, 4}},
+                                {R"(o_proj\.weight)", {"out_proj.weight"}}}};
   attnkit::GroupedQueryAttention loaded(8, 8, 0.0, 4, 2);
   attnkit::load_safetensors(*loaded, path("phi3.safetensors"), names);
   for (const auto& item : attnkit::state_dict(*loaded))

@@ -113,12 +113,14 @@ bool score_reads_positions(const ScoreMod& score_mod) {
 ScoreMod score_mod_at_positions(const ScoreMod& score_mod, const torch::Tensor& offsets) {
   if (!score_reads_positions(score_mod))
     return score_mod;
-  return [score_mod, offsets](const torch::Tensor& score, const torch::Tensor& b,
-                              const torch::Tensor& h, const torch::Tensor& q_idx,
-                              const torch::Tensor& kv_idx) {
-    const auto shift = offsets.dim() == 0 ? offsets : offsets.index({b});
-    return score_mod(score, b, h, q_idx + shift, kv_idx);
-  };
+  return PositionedScore{score_mod, offsets};
+}
+
+torch::Tensor PositionedScore::operator()(const torch::Tensor& score, const torch::Tensor& b,
+                                          const torch::Tensor& h, const torch::Tensor& q_idx,
+                                          const torch::Tensor& kv_idx) const {
+  const auto shift = offsets.dim() == 0 ? offsets : offsets.index({b});
+  return score_mod(score, b, h, q_idx + shift, kv_idx);
 }
 
 torch::Tensor apply_score_mod(const ScoreMod& score_mod, const torch::Tensor& scores,

@@ -76,6 +76,18 @@ struct SoftcapScore {
   }
 };
 
+/// A module's score function in a cached step: q_idx counted from `offsets` (a scalar, or (b):
+/// row b's start) instead of the call's first query, so that it reads positions in the
+/// sequence (score_mod_at_positions). The fused tile kernel does not evaluate it; the chunked
+/// kernel and the math core call it.
+struct PositionedScore {
+  ScoreMod score_mod;
+  torch::Tensor offsets;
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
+                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const;
+};
+
 class ScoreProgram;
 
 /// A score function as the fused tile kernel evaluates it.

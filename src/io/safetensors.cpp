@@ -1,11 +1,11 @@
 #include "attnkit/safetensors.h"
 
 #include <algorithm>
-#include <numeric>
 #include <cerrno>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <regex>
 #include <set>
 
@@ -407,8 +407,8 @@ StateDict NameMap::apply(const StateDict& dict) const {
       TORCH_CHECK(static_cast<int64_t>(spec.split_sizes.size()) == parts, "[NameMap::apply] '",
                   item.key(), "': the rule for '", spec.pattern, "' has ", parts,
                   " targets but split_sizes ", c10::IntArrayRef(spec.split_sizes));
-      const auto total = std::accumulate(spec.split_sizes.begin(), spec.split_sizes.end(),
-                                         int64_t{0});
+      const auto total =
+          std::accumulate(spec.split_sizes.begin(), spec.split_sizes.end(), int64_t{0});
       const bool positive = std::all_of(spec.split_sizes.begin(), spec.split_sizes.end(),
                                         [](int64_t size) { return size > 0; });
       TORCH_CHECK(positive && tensor.dim() >= 1 && tensor.size(0) == total, "[NameMap::apply] '",
