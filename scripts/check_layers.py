@@ -23,6 +23,7 @@ PUBLIC_LAYERS = {
     "attention.h": "core",
     "autocast.h": "core",
     "block_mask.h": "core",
+    "context_parallel.h": "core",
     "book_steps.h": "core",
     "functional.h": "core",
     "mask.h": "core",

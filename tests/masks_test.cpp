@@ -19,6 +19,7 @@
 
 #include "attnkit/attention.h"
 #include "attnkit/block_mask.h"
+#include "attnkit/context_parallel.h"
 #include "attnkit/grouped_query_attention.h"
 #include "attnkit/latent_attention.h"
 #include "attnkit/multi_head_attention.h"
@@ -179,6 +180,81 @@ TEST(Mask, DenseFormAndTileVerdictsAgreeWithTheDefinition) {
       }
     }
   }
+}
+
+// A region of each mask (what a context-parallel rank applies to a pair of chunks) is the
+// slice of the whole mask: its dense form, and its tiles' verdicts, also read from a block mask.
+TEST(Mask, RegionsAreSlicesOfTheWholeMask) {
+  torch::manual_seed(7);
+  std::mt19937 random(5);
+  const int64_t n = 13;
+  for (const auto& c : mask_cases(n, n)) {
+    SCOPED_TRACE(c.name);
+    const auto truth = truth_tensor(c, n, n);
+    const auto blocks = attnkit::create_block_mask(c.mask, kBatch, kHeads, n, n,
+                                                   attnkit::BlockMaskOptions().block_size(4));
+    for (int trial = 0; trial < 12; ++trial) {
+      const int64_t q0 = random() % n, k0 = random() % n;
+      const int64_t queries = 1 + random() % (n - q0), keys = 1 + random() % (n - k0);
+      const auto expected = truth.narrow(2, q0, queries).narrow(3, k0, keys);
+      for (const auto& whole : {c.mask, attnkit::Mask::from_block_mask(blocks)}) {
+        const auto region = whole.region(q0, k0, n, n);
+        EXPECT_TRUE(torch::equal(
+            region.dense(kBatch, kHeads, queries, keys, torch::kCPU).expand_as(expected), expected))
+            << "region " << q0 << ", " << k0 << " of " << queries << " x " << keys;
+        for (int64_t b = 0; b < kBatch; ++b) {
+          const auto verdict =
+              region.tile(attnkit::Tile{b, 0, kHeads, 0, queries, 0, keys}, torch::kCPU);
+          const auto entries = expected[b];
+          if (verdict.kind == TileKind::kEmpty)
+            EXPECT_FALSE(entries.any().item<bool>());
+          else if (verdict.kind == TileKind::kFull)
+            EXPECT_TRUE(entries.all().item<bool>());
+          else
+            EXPECT_TRUE(torch::equal(verdict.allowed.expand_as(entries), entries));
+        }
+      }
+    }
+  }
+  // A region must lie inside the problem: refused when made, and when a call is larger.
+  const auto documents = attnkit::Mask::documents(torch::zeros({8}, torch::kInt64));
+  expect_error_containing([&] { (void)documents.region(8, 0, 8, 8); },
+                          "query_start must be in [0, num_queries)");
+  const auto q = torch::randn({1, 1, 6, 4});
+  expect_error_containing(
+      [&] {
+        (void)attnkit::functional::attention(q, q, q,
+                                             AttentionOptions().mask(documents.region(4, 0, 8, 8)));
+      },
+      "holds at most 4 queries and 8 keys, got 6 queries and 6 keys");
+}
+
+// Each rank's shard of a sequence, its positions, and the whole again, in both layouts.
+TEST(SequenceShards, ShardsCoverTheSequenceOnceAndRefuseLengthsThatDoNotDivide) {
+  const auto whole = torch::arange(24).view({1, 24, 1});
+  for (const auto layout : {attnkit::ShardLayout::kZigzag, attnkit::ShardLayout::kContiguous}) {
+    const attnkit::SequenceShards shards(24, 3, layout);
+    std::vector<torch::Tensor> pieces;
+    for (int r = 0; r < 3; ++r) {
+      pieces.push_back(shards.shard(whole, r, 1));
+      EXPECT_TRUE(torch::equal(pieces.back().view({-1}), shards.positions(r)));
+    }
+    EXPECT_TRUE(torch::equal(shards.unshard(pieces, 1), whole));
+  }
+  // Zigzag: rank 0 holds chunks 0 and 5 of six, rank 2 chunks 2 and 3.
+  const attnkit::SequenceShards zigzag(24, 3, attnkit::ShardLayout::kZigzag);
+  EXPECT_TRUE(torch::equal(zigzag.positions(0), torch::tensor({0, 1, 2, 3, 20, 21, 22, 23})));
+  EXPECT_TRUE(torch::equal(zigzag.positions(2), torch::tensor({8, 9, 10, 11, 12, 13, 14, 15})));
+  expect_error_containing(
+      [&] { (void)attnkit::SequenceShards(20, 3, attnkit::ShardLayout::kZigzag); },
+      "a sequence of 20 tokens must divide into 6 equal chunks (zigzag over 3 "
+      "ranks): pad it to a multiple of 6");
+  expect_error_containing(
+      [&] {
+        (void)zigzag.shard(torch::zeros({1, 20}), 0, 1);
+      },
+      "expected a tensor with 24 tokens along dimension 1, got [1, 20]");
+  expect_error_containing([&] { (void)zigzag.positions(3); }, "rank must be in [0, 3), got 3");
 }
 
 // The definition, element by element in float64: scores, score function, mask, softmax (a

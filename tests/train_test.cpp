@@ -613,6 +613,10 @@ class TwoIdenticalRanks : public T::Collectives {
   }
   std::vector<torch::Tensor> gather_all(const torch::Tensor& t) override { return {t, t}; }
   void check_same_on_every_rank(const std::string&, const std::string&) override {}
+  std::function<void()> start_send_receive(const std::vector<torch::Tensor>&, int,
+                                           std::vector<torch::Tensor>&, int) override {
+    throw std::logic_error("data-parallel training sends no tensor from rank to rank");
+  }
 
   struct Start {
     int64_t numel;

@@ -9,6 +9,7 @@
 #include "attnkit/book_steps.h"
 #include "attnkit/cached_attention.h"
 #include "attnkit/causal_attention.h"
+#include "attnkit/context_parallel.h"
 #include "attnkit/decode.h"
 #include "attnkit/functional.h"
 #include "attnkit/generate.h"

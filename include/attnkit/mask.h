@@ -116,6 +116,14 @@ class Mask {
   /// Example: `mha->forward(x, {}, {}, Mask::from_block_mask(bm))`.
   static Mask from_block_mask(const BlockMask& block_mask);
 
+  /// This mask over a region of a problem of num_queries x num_keys: entry (i, j) of the
+  /// result is entry (query_start + i, key_start + j) of this mask, so a call over a chunk of
+  /// the queries and a chunk of the keys sees the whole problem's mask there (what each rank
+  /// of a context-parallel call applies, attnkit/context_parallel.h). A call with the result
+  /// checks that its n queries and m keys lie inside the problem, and this mask against the
+  /// whole problem. Example: `Mask::documents(ids, true).region(512, 0, 1024, 1024)`.
+  Mask region(int64_t query_start, int64_t key_start, int64_t num_queries, int64_t num_keys) const;
+
   /// Both masks allow.
   Mask operator&(const Mask& other) const;
   /// Either mask allows.

@@ -133,26 +133,29 @@ torch::Tensor as_rank_of(const torch::Tensor& t4, const torch::Tensor& like) {
   return like.dim() == 2 ? t4.view({t4.size(2), t4.size(3)}) : like.dim() == 3 ? t4.squeeze(1) : t4;
 }
 
+}  // namespace
+
 void check_attention_arguments(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const AttentionOptions& options) {
-  TORCH_CHECK(q.defined() && k.defined() && v.defined(), kFn,
+                               const torch::Tensor& v, const AttentionOptions& options,
+                               const char* fn) {
+  TORCH_CHECK(q.defined() && k.defined() && v.defined(), fn,
               " query, key and value must all be defined tensors");
-  TORCH_CHECK(q.dim() >= 2 && q.dim() <= 4 && k.dim() == q.dim() && v.dim() == q.dim(), kFn,
+  TORCH_CHECK(q.dim() >= 2 && q.dim() <= 4 && k.dim() == q.dim() && v.dim() == q.dim(), fn,
               " query, key and value must share a rank of 2 to 4 ((n, hd), (b, n, hd) or (b, h, ",
               "n, hd)), got query ", shape_string(q), ", key ", shape_string(k), ", value ",
               shape_string(v));
-  TORCH_CHECK(q.dim() < 3 || (k.size(0) == q.size(0) && v.size(0) == q.size(0)), kFn,
+  TORCH_CHECK(q.dim() < 3 || (k.size(0) == q.size(0) && v.size(0) == q.size(0)), fn,
               " key and value must have the query's batch size ", q.size(0), ", got key ",
               shape_string(k), " and value ", shape_string(v));
-  TORCH_CHECK(q.size(-1) == k.size(-1), kFn,
+  TORCH_CHECK(q.size(-1) == k.size(-1), fn,
               " query and key must have the same last dimension (head_dim), got query ",
               shape_string(q), " and key ", shape_string(k));
-  TORCH_CHECK(k.size(-2) == v.size(-2) && (q.dim() < 4 || k.size(1) == v.size(1)), kFn,
+  TORCH_CHECK(k.size(-2) == v.size(-2) && (q.dim() < 4 || k.size(1) == v.size(1)), fn,
               " key and value must have the same heads and tokens, got key ", shape_string(k),
               " and value ", shape_string(v));
-  TORCH_CHECK(k.size(-2) >= 1, kFn, " key must hold at least one token, got ", shape_string(k));
+  TORCH_CHECK(k.size(-2) >= 1, fn, " key must hold at least one token, got ", shape_string(k));
   if (q.dim() == 4) {
-    TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, kFn, " key/value heads (", k.size(1),
+    TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, fn, " key/value heads (", k.size(1),
                 ") must divide query heads (", q.size(1), "), got query ", shape_string(q),
                 " and key ", shape_string(k));
   }
@@ -160,30 +163,32 @@ void check_attention_arguments(const torch::Tensor& q, const torch::Tensor& k,
   const auto q_dtype = detail::attention_dtype(q);
   TORCH_CHECK(q_dtype == detail::attention_dtype(k) && q_dtype == detail::attention_dtype(v) &&
                   q.is_floating_point() && k.is_floating_point() && v.is_floating_point(),
-              kFn, " query, key and value must share a floating dtype, got ", q.scalar_type(), ", ",
+              fn, " query, key and value must share a floating dtype, got ", q.scalar_type(), ", ",
               k.scalar_type(), ", ", v.scalar_type());
-  TORCH_CHECK(q.device() == k.device() && k.device() == v.device(), kFn,
+  TORCH_CHECK(q.device() == k.device() && k.device() == v.device(), fn,
               " query, key and value must be on one device, got ", q.device(), ", ", k.device(),
               ", ", v.device());
-  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, kFn,
+  TORCH_CHECK(options.dropout_p() >= 0.0 && options.dropout_p() < 1.0, fn,
               " dropout_p must be in [0, 1), got ", options.dropout_p());
-  TORCH_CHECK(!options.scale().has_value() || std::isfinite(*options.scale()), kFn,
+  TORCH_CHECK(!options.scale().has_value() || std::isfinite(*options.scale()), fn,
               " scale must be finite, got ", options.scale().value_or(0.0));
   const auto& sinks = options.sinks();
   TORCH_CHECK(!sinks.defined() || (sinks.dim() == 1 && q.dim() == 4 && sinks.size(0) == q.size(1) &&
                                    sinks.is_floating_point() && sinks.device() == q.device()),
-              kFn, " sinks must be a floating (", q.dim() == 4 ? q.size(1) : -1,
+              fn, " sinks must be a floating (", q.dim() == 4 ? q.size(1) : -1,
               ") tensor, one logit per query head of 4-D inputs, on ", q.device(), ", got ",
               sinks.defined()
                   ? c10::str(shape_string(sinks), " ", sinks.scalar_type(), " on ", sinks.device())
                   : std::string());
-  TORCH_CHECK(options.query_block_size() >= 1, kFn, " query_block_size must be >= 1, got ",
+  TORCH_CHECK(options.query_block_size() >= 1, fn, " query_block_size must be >= 1, got ",
               options.query_block_size());
-  TORCH_CHECK(options.key_block_size() >= 1, kFn, " key_block_size must be >= 1, got ",
+  TORCH_CHECK(options.key_block_size() >= 1, fn, " key_block_size must be >= 1, got ",
               options.key_block_size());
   const auto q4 = as_4d(q);
-  options.mask().check(kFn, q4.size(0), q4.size(1), q4.size(2), k.size(-2), q.device());
+  options.mask().check(fn, q4.size(0), q4.size(1), q4.size(2), k.size(-2), q.device());
 }
+
+namespace {
 
 // The options every backend reads: a block mask given as `block_mask` becomes the call's
 // mask (Mask::from_block_mask), so the chunked kernel reads its lists and the others its mask.

@@ -216,21 +216,30 @@ struct BlockMaskNode final : MaskNode {
   torch::Tensor tile_allowed(const Tile& tile, const torch::Device& device) const override {
     return blocks.mask().tile_allowed(tile, device).unsqueeze(0);
   }
+  // A tile of whole blocks (the last, short one included) combines their verdicts over its
+  // heads; any other tile takes the inner mask's structure.
   c10::optional<TileKind> kind(const Tile& t) const override {
     const int64_t qb = blocks.q_block_size(), kb = blocks.kv_block_size();
-    const bool one_block = t.query_begin % qb == 0 && t.key_begin % kb == 0 &&
-                           t.query_begin < blocks.q_len() && t.key_begin < blocks.kv_len() &&
-                           t.queries == std::min(qb, blocks.q_len() - t.query_begin) &&
-                           t.keys == std::min(kb, blocks.kv_len() - t.key_begin);
-    if (!one_block)
+    const int64_t q_end = t.query_begin + t.queries, k_end = t.key_begin + t.keys;
+    const bool whole_blocks = t.queries > 0 && t.keys > 0 && t.query_begin % qb == 0 &&
+                              t.key_begin % kb == 0 && q_end <= blocks.q_len() &&
+                              k_end <= blocks.kv_len() &&
+                              (q_end % qb == 0 || q_end == blocks.q_len()) &&
+                              (k_end % kb == 0 || k_end == blocks.kv_len());
+    if (!whole_blocks)
       return blocks.mask().structural_kind(t);
-    const int64_t i = t.query_begin / qb, j = t.key_begin / kb;
-    const TileKind kind = blocks.kind(t.batch, t.head_begin, i, j);
-    for (int64_t h = t.head_begin + 1; h < t.head_begin + t.heads; ++h) {
-      if (blocks.kind(t.batch, h, i, j) != kind)
-        return TileKind::kPartial;
+    c10::optional<TileKind> combined;
+    for (int64_t h = t.head_begin; h < t.head_begin + t.heads; ++h) {
+      for (int64_t i = t.query_begin / qb; i < (q_end + qb - 1) / qb; ++i) {
+        for (int64_t j = t.key_begin / kb; j < (k_end + kb - 1) / kb; ++j) {
+          const TileKind kind = blocks.kind(t.batch, h, i, j);
+          if (combined.has_value() && *combined != kind)
+            return TileKind::kPartial;
+          combined = kind;
+        }
+      }
     }
-    return kind;
+    return combined;
   }
   void check(const char* fn, int64_t batch, int64_t heads, int64_t n, int64_t m,
              const torch::Device& device) const override {
@@ -238,6 +247,47 @@ struct BlockMaskNode final : MaskNode {
   }
   std::string to_string() const override {
     return c10::str("block_mask(", blocks.mask().to_string(), ")");
+  }
+};
+
+// The inner mask over a region of a larger problem: entry (i, j) is the inner mask's
+// (query_start + i, key_start + j).
+struct RegionNode final : MaskNode {
+  std::shared_ptr<const MaskNode> inner;
+  int64_t query_start, key_start, num_queries, num_keys;
+
+  RegionNode(std::shared_ptr<const MaskNode> inner, int64_t query_start, int64_t key_start,
+             int64_t num_queries, int64_t num_keys)
+      : inner(std::move(inner)),
+        query_start(query_start),
+        key_start(key_start),
+        num_queries(num_queries),
+        num_keys(num_keys) {}
+
+  Tile shifted(Tile tile) const {
+    tile.query_begin += query_start;
+    tile.key_begin += key_start;
+    return tile;
+  }
+  torch::Tensor allowed(const Indices& at) const override {
+    return inner->allowed({at.b, at.h, at.q + query_start, at.kv + key_start});
+  }
+  torch::Tensor tile_allowed(const Tile& tile, const torch::Device& device) const override {
+    return inner->tile_allowed(shifted(tile), device);
+  }
+  c10::optional<TileKind> kind(const Tile& t) const override { return inner->kind(shifted(t)); }
+  void check(const char* fn, int64_t batch, int64_t heads, int64_t n, int64_t m,
+             const torch::Device& device) const override {
+    TORCH_CHECK(query_start + n <= num_queries && key_start + m <= num_keys, fn,
+                " mask: a region from query ", query_start, " and key ", key_start, " of a ",
+                num_queries, " x ", num_keys, " problem holds at most ", num_queries - query_start,
+                " queries and ", num_keys - key_start, " keys, got ", n, " queries and ", m,
+                " keys");
+    inner->check(fn, batch, heads, num_queries, num_keys, device);
+  }
+  std::string to_string() const override {
+    return c10::str(inner->to_string(), ".region(", query_start, ", ", key_start, ", ", num_queries,
+                    ", ", num_keys, ")");
   }
 };
 
@@ -378,6 +428,25 @@ Mask Mask::sliding_window(int64_t window_size) const {
               to_string());
   return Mask(std::make_shared<detail::CombinedNode>(
       combined->left, std::make_shared<detail::CausalNode>(*right, window_size), true));
+}
+
+Mask Mask::region(int64_t query_start, int64_t key_start, int64_t num_queries,
+                  int64_t num_keys) const {
+  TORCH_CHECK(
+      query_start >= 0 && query_start < num_queries && key_start >= 0 && key_start < num_keys,
+      "[Mask::region] query_start must be in [0, num_queries) and key_start in [0, "
+      "num_keys), got query_start ",
+      query_start, " of ", num_queries, " and key_start ", key_start, " of ", num_keys);
+  if (is_none())
+    return *this;
+  // A causal mask's region is a causal mask, which every causal kernel takes.
+  const auto* causal = dynamic_cast<const detail::CausalNode*>(node_.get());
+  if (causal != nullptr && !causal->per_row() && causal->offset + query_start - key_start >= 0) {
+    return Mask(std::make_shared<detail::CausalNode>(causal->offset + query_start - key_start,
+                                                     causal->window));
+  }
+  return Mask(
+      std::make_shared<detail::RegionNode>(node_, query_start, key_start, num_queries, num_keys));
 }
 
 Mask Mask::key_padding(const torch::Tensor& padding_or_lengths) {

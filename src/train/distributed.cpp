@@ -76,6 +76,12 @@ class SingleProcess : public Collectives {
   }
   std::vector<torch::Tensor> gather_all(const torch::Tensor& tensor) override { return {tensor}; }
   void check_same_on_every_rank(const std::string&, const std::string&) override {}
+  std::function<void()> start_send_receive(const std::vector<torch::Tensor>& send, int,
+                                           std::vector<torch::Tensor>& receive, int) override {
+    for (size_t i = 0; i < send.size(); ++i)
+      receive[i].copy_(send[i]);
+    return [] {};
+  }
 };
 
 // The first line where `a` and `b` differ ("" for the end of the text).
@@ -200,6 +206,48 @@ class C10dCollectives : public Collectives {
     return output[0];
   }
 
+  std::function<void()> start_send_receive(const std::vector<torch::Tensor>& send, int to,
+                                           std::vector<torch::Tensor>& receive, int from) override {
+    TORCH_CHECK(send.size() == receive.size() && to >= 0 && to < world_size_ && from >= 0 &&
+                    from < world_size_,
+                "[start_send_receive] expected as many tensors to receive as to send and ranks "
+                "in [0, ",
+                world_size_, "), got ", send.size(), " and ", receive.size(), " tensors, to ", to,
+                ", from ", from);
+    // Every rank makes its calls in the same order, so a count of them gives the matching
+    // tags; one tensor per message (Gloo's rule).
+    const int tag = static_cast<int>((transfers_++ % 100000) * 16);
+    TORCH_CHECK(send.size() <= 16, "[start_send_receive] at most 16 tensors, got ", send.size());
+    struct Pending {
+      std::vector<at::Tensor> sent, landing;
+      std::vector<c10::intrusive_ptr<c10d::Work>> sends, receives;
+    };
+    auto pending = std::make_shared<Pending>();
+    for (size_t i = 0; i < send.size(); ++i) {
+      pending->sent.push_back(send[i].to(device_).contiguous());
+      std::vector<at::Tensor> one{pending->sent.back()};
+      pending->sends.push_back(group_->send(one, to, tag + static_cast<int>(i)));
+    }
+    for (size_t i = 0; i < receive.size(); ++i) {
+      const bool direct = receive[i].device() == device_ && receive[i].is_contiguous();
+      pending->landing.push_back(
+          direct ? receive[i]
+                 : torch::empty(receive[i].sizes(), receive[i].options().device(device_)));
+      std::vector<at::Tensor> one{pending->landing.back()};
+      pending->receives.push_back(group_->recv(one, from, tag + static_cast<int>(i)));
+    }
+    return [this, pending, receive, to, from]() mutable {
+      for (auto& work : pending->sends)
+        wait_for(to, "a send to", work);
+      for (auto& work : pending->receives)
+        wait_for(from, "a receive from", work);
+      for (size_t i = 0; i < receive.size(); ++i) {
+        if (!pending->landing[i].is_same(receive[i]))
+          receive[i].copy_(pending->landing[i]);
+      }
+    };
+  }
+
   void check_same_on_every_rank(const std::string& what, const std::string& text) override {
     const std::string prefix = "attnkit/" + what + "/";
     store_->set(prefix + std::to_string(rank_), std::vector<uint8_t>(text.begin(), text.end()));
@@ -242,6 +290,16 @@ class C10dCollectives : public Collectives {
     }
   }
 
+  // Waits for a transfer with rank `peer`; a failure names that rank.
+  void wait_for(int peer, const char* what, const c10::intrusive_ptr<c10d::Work>& work) {
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      throw RankLost(c10::str("lost rank ", peer, " during ", what, " rank ", peer, " (",
+                              first_line(e.what()), ")"));
+    }
+  }
+
   // Runs a collective on `tensor`, through a contiguous copy on the backend's device if the
   // tensor is elsewhere.
   template <typename Start>
@@ -259,6 +317,7 @@ class C10dCollectives : public Collectives {
   c10::intrusive_ptr<Group> group_;
   std::string backend_;
   torch::Device device_;
+  int64_t transfers_ = 0;
 };
 
 }  // namespace

@@ -16,6 +16,8 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/context_parallel.h"
+
 namespace attnkit::train {
 
 /// Where this process sits in a run: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
@@ -43,12 +45,11 @@ struct RankLost : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// The collective operations the trainer needs, over all ranks, in place.
-class Collectives {
+/// The collective operations the trainer needs, over all ranks, in place, and the transfers
+/// of a context-parallel call (attnkit::ShardExchange: rank(), world_size(),
+/// start_send_receive()).
+class Collectives : public attnkit::ShardExchange {
  public:
-  virtual ~Collectives() = default;
-  virtual int rank() const = 0;
-  virtual int world_size() const = 0;
   bool is_main() const { return rank() == 0; }
   /// "none" for one process, else the c10d backend ("gloo" or "nccl").
   virtual std::string backend() const = 0;

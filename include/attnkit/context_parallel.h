@@ -1,0 +1,107 @@
+#pragma once
+
+/// Context parallelism: one sequence's queries, keys and values split over R ranks, each
+/// rank computing its queries' attention over the whole sequence's keys, which it receives
+/// from the others shard by shard. Output and gradients equal the single-process call, for
+/// any mask and any score function that reads no position (docs/distributed.md).
+///
+/// The library knows nothing of process groups: a `ShardExchange` moves the tensors.
+/// attnkit-train's c10d group (Gloo on the CPU) is one (src/train/distributed.h).
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "attnkit/attention.h"
+
+namespace attnkit {
+
+/// How a sequence's tokens are spread over the ranks.
+enum class ShardLayout {
+  /// Rank r holds tokens [r n / R, (r + 1) n / R). Under a sliding window shorter than a
+  /// shard a rank needs its own and its predecessor's keys alone, and exchanges no others.
+  kContiguous,
+  /// The sequence in 2 R chunks; rank r holds chunks r and 2 R - 1 - r (a head and a tail),
+  /// so that under a causal or document mask every rank computes about the same number of
+  /// tiles (zigzag). The default.
+  kZigzag,
+};
+
+/// A contiguous run of a sequence that one rank holds.
+struct SequenceChunk {
+  /// Its first token's position in the whole sequence.
+  int64_t start = 0;
+  int64_t length = 0;
+  /// Its first token's position in the rank's shard.
+  int64_t local_start = 0;
+};
+
+/// The split of a sequence of `length` tokens over `ranks` ranks by `layout`. length must
+/// divide into ranks (kContiguous) or 2 ranks (kZigzag) equal chunks.
+/// Example: `SequenceShards shards(4096, 2, ShardLayout::kZigzag);
+///           auto q_mine = shards.shard(q, rank, 2);`
+class SequenceShards {
+ public:
+  SequenceShards(int64_t length, int ranks, ShardLayout layout = ShardLayout::kZigzag);
+
+  int64_t length() const { return length_; }
+  int ranks() const { return ranks_; }
+  ShardLayout layout() const { return layout_; }
+  /// Tokens per rank: length / ranks.
+  int64_t shard_length() const { return length_ / ranks_; }
+  /// Rank `rank`'s chunks, in the order its shard holds them.
+  std::vector<SequenceChunk> chunks(int rank) const;
+  /// The positions in the whole sequence of rank `rank`'s tokens, int64 (shard_length): the
+  /// positions its rotary embeddings take.
+  torch::Tensor positions(int rank) const;
+  /// Rank `rank`'s tokens of a whole sequence along dimension `dim`.
+  torch::Tensor shard(const torch::Tensor& whole, int rank, int64_t dim) const;
+  /// The whole sequence along `dim` from every rank's shard, in rank order.
+  torch::Tensor unshard(const std::vector<torch::Tensor>& shards, int64_t dim) const;
+
+ private:
+  int64_t length_;
+  int ranks_;
+  ShardLayout layout_;
+};
+
+/// What a context-parallel call needs from the ranks' process group: point-to-point
+/// transfers that it starts and waits for later, so that computing hides them.
+class ShardExchange {
+ public:
+  virtual ~ShardExchange() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  /// Starts sending `send` to rank `to` and receiving into `receive` (tensors shaped and
+  /// typed as rank `from` sends them) from rank `from`, and returns a function that waits for
+  /// both. Every rank starts its transfers in the same order. A rank that is lost makes the
+  /// wait throw, naming it.
+  virtual std::function<void()> start_send_receive(const std::vector<torch::Tensor>& send, int to,
+                                                   std::vector<torch::Tensor>& receive,
+                                                   int from) = 0;
+};
+
+namespace functional {
+
+/// `attention` over a whole sequence split over the ranks of `exchange` by `layout`: query
+/// (b, h, s, hd), key (b, g, s, hd) and value (b, g, s, hd_v) are this rank's shards
+/// (`SequenceShards::shard`, s = n / R), and the result is this rank's queries' output
+/// (b, h, s, hd_v), with autograd: its backward sends each key and value shard's gradient
+/// home. `options.mask` (or `options.block_mask`) is the whole sequence's (n x n); each rank
+/// applies its region to each pair of chunks and skips the pairs it leaves empty, and no
+/// rank receives the keys that none of its queries sees. Every rank passes the same options.
+/// The CPU's split kernels compute each pair (attention_forward); refused: dropout, sinks,
+/// score functions that read positions or hold tensors that want gradients, and a shard
+/// whose length does not divide into the layout's chunks. Refusals come before any exchange.
+/// Example: `context_parallel_attention(q, k, v, group,
+///              AttentionOptions().mask(Mask::causal()))`.
+torch::Tensor context_parallel_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                         const torch::Tensor& value, ShardExchange& exchange,
+                                         const AttentionOptions& options = {},
+                                         ShardLayout layout = ShardLayout::kZigzag);
+
+}  // namespace functional
+
+}  // namespace attnkit

@@ -1,0 +1,421 @@
+// Context-parallel attention: each rank holds a shard of a sequence and computes its queries'
+// attention over every shard's keys. A step s of the call pairs this rank r with rank r - s:
+// it receives that rank's keys and values (and sends its own to rank r + s), computes each
+// pair of chunks (a query chunk of its own, a key chunk of theirs) with the split forward,
+// and merges the pairs' outputs by their log-sum-exp. Steps whose pairs the mask leaves
+// empty on every rank are not taken, so their shards never move. The backward walks the
+// same steps: each pair's key and value gradients go back to the rank that holds the keys.
+
+#include "attnkit/context_parallel.h"
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <utility>
+
+#include "core/checks.h"
+#include "core/kernels.h"
+#include "core/score_variants.h"
+
+namespace attnkit {
+
+namespace {
+
+const char* const kFn = "[context_parallel_attention]";
+
+const char* layout_name(ShardLayout layout) {
+  return layout == ShardLayout::kZigzag ? "zigzag" : "contiguous";
+}
+
+}  // namespace
+
+SequenceShards::SequenceShards(int64_t length, int ranks, ShardLayout layout)
+    : length_(length), ranks_(ranks), layout_(layout) {
+  TORCH_CHECK(ranks >= 1, "[SequenceShards] ranks must be >= 1, got ", ranks);
+  const int64_t chunks = layout == ShardLayout::kZigzag ? 2 * ranks : ranks;
+  TORCH_CHECK(length >= chunks && length % chunks == 0, "[SequenceShards] a sequence of ", length,
+              " tokens must divide into ", chunks, " equal chunks (", layout_name(layout), " over ",
+              ranks, " ranks): pad it to a multiple of ", chunks);
+}
+
+std::vector<SequenceChunk> SequenceShards::chunks(int rank) const {
+  TORCH_CHECK(rank >= 0 && rank < ranks_, "[SequenceShards] rank must be in [0, ", ranks_,
+              "), got ", rank);
+  if (layout_ == ShardLayout::kContiguous)
+    return {{rank * shard_length(), shard_length(), 0}};
+  const int64_t chunk = length_ / (2 * ranks_);
+  return {{rank * chunk, chunk, 0}, {(2 * ranks_ - 1 - rank) * chunk, chunk, chunk}};
+}
+
+torch::Tensor SequenceShards::positions(int rank) const {
+  std::vector<torch::Tensor> pieces;
+  for (const auto& chunk : chunks(rank))
+    pieces.push_back(torch::arange(chunk.start, chunk.start + chunk.length, torch::kInt64));
+  return torch::cat(pieces);
+}
+
+torch::Tensor SequenceShards::shard(const torch::Tensor& whole, int rank, int64_t dim) const {
+  TORCH_CHECK(
+      whole.defined() && dim >= -whole.dim() && dim < whole.dim() && whole.size(dim) == length_,
+      "[SequenceShards::shard] expected a tensor with ", length_, " tokens along dimension ", dim,
+      ", got ", whole.defined() ? detail::shape_string(whole) : std::string("an undefined tensor"));
+  std::vector<torch::Tensor> pieces;
+  for (const auto& chunk : chunks(rank))
+    pieces.push_back(whole.narrow(dim, chunk.start, chunk.length));
+  return torch::cat(pieces, dim);
+}
+
+torch::Tensor SequenceShards::unshard(const std::vector<torch::Tensor>& shards, int64_t dim) const {
+  TORCH_CHECK(static_cast<int>(shards.size()) == ranks_, "[SequenceShards::unshard] expected ",
+              ranks_, " shards (one per rank), got ", shards.size());
+  // (start in the sequence, piece) for every chunk of every rank, then in sequence order.
+  std::vector<std::pair<int64_t, torch::Tensor>> pieces;
+  for (int r = 0; r < ranks_; ++r) {
+    const auto& shard = shards[r];
+    TORCH_CHECK(shard.defined() && dim >= -shard.dim() && dim < shard.dim() &&
+                    shard.size(dim) == shard_length(),
+                "[SequenceShards::unshard] shard ", r, " must hold ", shard_length(),
+                " tokens along dimension ", dim, ", got ",
+                shard.defined() ? detail::shape_string(shard) : std::string("undefined"));
+    for (const auto& chunk : chunks(r))
+      pieces.emplace_back(chunk.start, shard.narrow(dim, chunk.local_start, chunk.length));
+  }
+  std::sort(pieces.begin(), pieces.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<torch::Tensor> ordered;
+  for (auto& piece : pieces)
+    ordered.push_back(std::move(piece.second));
+  return torch::cat(ordered, dim);
+}
+
+namespace functional {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// One pair of a step: a query chunk of this rank and a key chunk of the rank it pairs with,
+// under the whole mask's region there (none where the region is full).
+struct ChunkPair {
+  size_t query_chunk;  // index into this rank's chunks
+  SequenceChunk keys;  // in the other rank's shard
+  Mask mask;
+};
+
+struct Step {
+  int offset;  // pairs rank r with rank r - offset
+  std::vector<ChunkPair> pairs;
+};
+
+// Everything a call decided before its first transfer; the backward reuses it.
+struct Plan : torch::CustomClassHolder {
+  ShardExchange* exchange = nullptr;
+  int rank = 0, ranks = 1;
+  std::vector<SequenceChunk> chunks;  // this rank's
+  std::vector<Step> steps;            // the steps some rank needs, offset 0 first
+  AttentionOptions pair_options;      // the call's options without a mask
+};
+
+// What the whole mask's region over a pair of chunks is, over every batch entry and head:
+// empty, full, or partial (also when its structure does not say).
+TileKind pair_kind(const Mask& region, int64_t batch, int64_t heads, int64_t queries,
+                   int64_t keys) {
+  if (region.is_none())
+    return TileKind::kFull;
+  bool empty = true, full = true;
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto kind = region.structural_kind(Tile{b, 0, heads, 0, queries, 0, keys});
+    if (!kind.has_value() || *kind == TileKind::kPartial)
+      return TileKind::kPartial;
+    empty = empty && *kind == TileKind::kEmpty;
+    full = full && *kind == TileKind::kFull;
+  }
+  return empty ? TileKind::kEmpty : full ? TileKind::kFull : TileKind::kPartial;
+}
+
+int wrap(int rank, int ranks) {
+  return ((rank % ranks) + ranks) % ranks;
+}
+
+c10::intrusive_ptr<Plan> make_plan(const torch::Tensor& query, const torch::Tensor& key,
+                                   const torch::Tensor& value, ShardExchange& exchange,
+                                   const AttentionOptions& given, ShardLayout layout) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, kFn,
+              " query, key and value must be 4-D (b, h, s, hd) shards, got ",
+              detail::shape_string(query), ", ", detail::shape_string(key), " and ",
+              detail::shape_string(value));
+  TORCH_CHECK(key.size(2) == query.size(2), kFn,
+              " query and key must hold the same shard of the sequence, got ", query.size(2),
+              " queries and ", key.size(2), " keys");
+  const int ranks = exchange.world_size(), rank = exchange.rank();
+  TORCH_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, kFn, " exchange: rank ", rank,
+              " of a world of ", ranks);
+  const int64_t shard = query.size(2), n = shard * ranks;
+  const int64_t chunks = layout == ShardLayout::kZigzag ? 2 : 1;
+  TORCH_CHECK(shard % chunks == 0 && shard >= chunks, kFn, " a ", layout_name(layout),
+              " shard holds ", chunks, " equal chunks, got a shard of ", shard,
+              " tokens: pad the sequence to a multiple of ", chunks * ranks);
+  const SequenceShards shards(n, ranks, layout);
+
+  auto options = given;
+  Mask mask = options.mask();
+  if (options.block_mask().defined()) {
+    TORCH_CHECK(mask.is_none(), kFn,
+                " pass the mask either as mask(...) or inside block_mask(...), not both");
+    mask = Mask::from_block_mask(options.block_mask());
+  }
+  options.mask({}).block_mask({});
+  TORCH_CHECK(!options.training() || options.dropout_p() == 0.0, kFn,
+              " dropout is not offered (a split call's backward cannot redraw it); got "
+              "dropout_p ",
+              options.dropout_p(), " in training");
+  TORCH_CHECK(!options.sinks().defined(), kFn, " attention sinks are not offered");
+  TORCH_CHECK(!detail::score_reads_positions(options.score_mod()), kFn,
+              " score_mod: a score function that may read q_idx or kv_idx is not offered (each "
+              "pair of chunks counts them from 0); a softcap is");
+  // The whole sequence's mask must fit the whole problem: refused here, before any transfer.
+  mask.check(kFn, query.size(0), query.size(1), n, n, query.device());
+  // Each pair's call checks the rest (devices, dtypes, heads) before the first transfer too.
+  check_attention_arguments(query, key, value, options, kFn);
+  TORCH_CHECK(query.device().is_cpu(), kFn,
+              " the split kernels that compute each pair run on the CPU, got ", query.device());
+
+  auto plan = c10::make_intrusive<Plan>();
+  plan->exchange = &exchange;
+  plan->rank = rank;
+  plan->ranks = ranks;
+  plan->chunks = shards.chunks(rank);
+  plan->pair_options = options;
+  // Every rank judges every rank's pairs, so that all agree on the steps without talking.
+  for (int offset = 0; offset < ranks; ++offset) {
+    Step step{offset, {}};
+    bool needed = offset == 0;
+    for (int r = 0; r < ranks; ++r) {
+      const auto mine = shards.chunks(r);
+      for (size_t i = 0; i < mine.size(); ++i) {
+        for (const auto& keys : shards.chunks(wrap(r - offset, ranks))) {
+          auto region = mask.is_none() ? mask : mask.region(mine[i].start, keys.start, n, n);
+          const auto kind =
+              pair_kind(region, query.size(0), query.size(1), mine[i].length, keys.length);
+          if (kind == TileKind::kEmpty)
+            continue;
+          needed = true;
+          if (r == rank)
+            step.pairs.push_back({i, keys, kind == TileKind::kFull ? Mask() : region});
+        }
+      }
+    }
+    if (needed)
+      plan->steps.push_back(std::move(step));
+  }
+  return plan;
+}
+
+// Every rank's shard must be shaped and typed as every other's: each rank sends its sizes to
+// every other rank (R - 1 small transfers), so that all fail alike, naming the first rank that
+// differs, before the first transfer of tensors.
+void check_same_shapes(const Plan& plan, const torch::Tensor& query, const torch::Tensor& key,
+                       const torch::Tensor& value) {
+  std::vector<int64_t> sizes;
+  for (const auto* t : {&query, &key, &value}) {
+    for (const auto size : t->sizes())
+      sizes.push_back(size);
+  }
+  sizes.push_back(static_cast<int64_t>(query.scalar_type()));
+  const auto mine = torch::tensor(sizes, torch::kInt64);
+  std::vector<torch::Tensor> every(static_cast<size_t>(plan.ranks));
+  every[static_cast<size_t>(plan.rank)] = mine;
+  for (int offset = 1; offset < plan.ranks; ++offset) {
+    const int from = wrap(plan.rank - offset, plan.ranks);
+    std::vector<torch::Tensor> theirs{torch::empty_like(mine)};
+    plan.exchange->start_send_receive({mine}, wrap(plan.rank + offset, plan.ranks), theirs, from)();
+    every[static_cast<size_t>(from)] = theirs[0];
+  }
+  const auto text = [](const torch::Tensor& t) {
+    std::ostringstream out;
+    for (int64_t i = 0; i < t.numel(); ++i)
+      out << (i == 0 ? "[" : ", ") << t[i].item<int64_t>();
+    return out.str() + "]";
+  };
+  for (int r = 1; r < plan.ranks; ++r) {
+    TORCH_CHECK(every[static_cast<size_t>(r)].equal(every[0]), kFn,
+                " every rank's query, key and value must be shaped and typed alike; rank 0 has ",
+                text(every[0]), ", rank ", r, " has ", text(every[static_cast<size_t>(r)]),
+                " (the sizes of query, key and value, then the dtype's number)");
+  }
+}
+
+// A transfer under way: what it receives, and the wait.
+struct Transfer {
+  std::vector<torch::Tensor> received;
+  std::function<void()> wait;
+};
+
+// Starts step `step`'s exchange of this rank's `tensors`: they go to rank r + offset, and
+// the same shapes come from rank r - offset.
+Transfer start_step(const Plan& plan, const Step& step, const std::vector<torch::Tensor>& tensors,
+                    bool towards_higher) {
+  Transfer transfer;
+  for (const auto& t : tensors)
+    transfer.received.push_back(torch::empty_like(t));
+  const int to = wrap(plan.rank + (towards_higher ? step.offset : -step.offset), plan.ranks);
+  const int from = wrap(plan.rank - (towards_higher ? step.offset : -step.offset), plan.ranks);
+  transfer.wait = plan.exchange->start_send_receive(tensors, to, transfer.received, from);
+  return transfer;
+}
+
+c10::ScalarType compute_dtype(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kHalf || t.scalar_type() == torch::kBFloat16 ? torch::kFloat
+                                                                                : t.scalar_type();
+}
+
+torch::Tensor chunk_of(const torch::Tensor& t, const SequenceChunk& chunk) {
+  return t.narrow(2, chunk.local_start, chunk.length);
+}
+
+// Walks the plan's steps with each step's keys and values: this rank's own at offset 0, the
+// others' received while the step before computes.
+template <typename Compute>
+void walk_steps(const Plan& plan, const torch::Tensor& key, const torch::Tensor& value,
+                const Compute& compute) {
+  const std::vector<torch::Tensor> own{key.contiguous(), value.contiguous()};
+  std::optional<Transfer> next;
+  for (size_t i = 0; i < plan.steps.size(); ++i) {
+    std::vector<torch::Tensor> current = own;
+    if (i > 0) {
+      next->wait();
+      current = std::move(next->received);
+      next.reset();
+    }
+    if (i + 1 < plan.steps.size())
+      next = start_step(plan, plan.steps[i + 1], own, /*towards_higher=*/true);
+    compute(plan.steps[i], current[0], current[1]);
+  }
+}
+
+// The dtype the pairs' outputs are merged and the gradients summed in: float64 for float32
+// inputs too, so that R merges round once where the single call rounds once; float32 for
+// 16-bit inputs, which their kernels compute in.
+c10::ScalarType accumulate_dtype(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat ? torch::kDouble : compute_dtype(t);
+}
+
+AttentionWithLse forward_over_steps(const Plan& plan, const torch::Tensor& query,
+                                    const torch::Tensor& key, const torch::Tensor& value) {
+  const auto dtype = accumulate_dtype(query);
+  std::vector<std::optional<AttentionWithLse>> merged(plan.chunks.size());
+  walk_steps(
+      plan, key, value, [&](const Step& step, const torch::Tensor& k, const torch::Tensor& v) {
+        for (const auto& pair : step.pairs) {
+          auto options = plan.pair_options;
+          options.mask(pair.mask);
+          auto part = attention_forward(chunk_of(query, plan.chunks[pair.query_chunk]),
+                                        chunk_of(k, pair.keys), chunk_of(v, pair.keys), options);
+          part.out = part.out.to(dtype);  // merged in the compute dtype
+          auto& slot = merged[pair.query_chunk];
+          slot = slot.has_value() ? merge_attention({*slot, part}) : part;
+        }
+      });
+  std::vector<torch::Tensor> outs, lses;
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
+    if (merged[i].has_value()) {
+      outs.push_back(merged[i]->out);
+      lses.push_back(merged[i]->lse);
+      continue;
+    }
+    // A chunk whose queries see no key anywhere: zeros, and lse +inf.
+    const auto q = chunk_of(query, plan.chunks[i]);
+    outs.push_back(torch::zeros({q.size(0), q.size(1), q.size(2), value.size(3)},
+                                query.options().dtype(dtype)));
+    lses.push_back(torch::full({q.size(0), q.size(1), q.size(2)},
+                               std::numeric_limits<double>::infinity(),
+                               query.options().dtype(dtype)));
+  }
+  // lse in the dtype the kernels computed in, as a single call returns it.
+  return {torch::cat(outs, 2).to(query.scalar_type()),
+          torch::cat(lses, 2).to(compute_dtype(query))};
+}
+
+std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Tensor& query,
+                                               const torch::Tensor& key, const torch::Tensor& value,
+                                               const AttentionWithLse& forward,
+                                               const torch::Tensor& grad_out) {
+  const auto dtype = accumulate_dtype(query);
+  auto grad_query = torch::zeros(query.sizes(), query.options().dtype(dtype));
+  auto grad_key = torch::zeros(key.sizes(), key.options().dtype(dtype));
+  auto grad_value = torch::zeros(value.sizes(), value.options().dtype(dtype));
+  // The gradients of the last step's keys and values on their way home.
+  std::optional<Transfer> returning;
+  const auto take_home = [&] {
+    if (!returning.has_value())
+      return;
+    returning->wait();
+    grad_key += returning->received[0];
+    grad_value += returning->received[1];
+    returning.reset();
+  };
+  walk_steps(
+      plan, key, value, [&](const Step& step, const torch::Tensor& k, const torch::Tensor& v) {
+        // The keys' gradients: this rank's own at offset 0, else those of rank r - offset.
+        const bool own = step.offset == 0;
+        auto step_grad_key = own ? grad_key : torch::zeros(k.sizes(), k.options().dtype(dtype));
+        auto step_grad_value = own ? grad_value : torch::zeros(v.sizes(), v.options().dtype(dtype));
+        for (const auto& pair : step.pairs) {
+          const auto& chunk = plan.chunks[pair.query_chunk];
+          auto options = plan.pair_options;
+          options.mask(pair.mask);
+          const auto grads = attention_backward(
+              chunk_of(query, chunk), chunk_of(k, pair.keys), chunk_of(v, pair.keys),
+              {chunk_of(forward.out, chunk),
+               forward.lse.narrow(2, chunk.local_start, chunk.length)},
+              chunk_of(grad_out, chunk), options);
+          chunk_of(grad_query, chunk) += grads.query.to(dtype);
+          chunk_of(step_grad_key, pair.keys) += grads.key.to(dtype);
+          chunk_of(step_grad_value, pair.keys) += grads.value.to(dtype);
+        }
+        take_home();
+        if (!own) {
+          returning = start_step(plan, step, {step_grad_key, step_grad_value},
+                                 /*towards_higher=*/false);
+        }
+      });
+  take_home();
+  return {grad_query.to(query.scalar_type()), grad_key.to(key.scalar_type()),
+          grad_value.to(value.scalar_type())};
+}
+
+struct ContextParallelFunction : public torch::autograd::Function<ContextParallelFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<Plan> plan,
+                               const torch::Tensor& query, const torch::Tensor& key,
+                               const torch::Tensor& value) {
+    const auto result = forward_over_steps(*plan, query, key, value);
+    ctx->save_for_backward({query, key, value, result.out, result.lse});
+    ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
+    return result.out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto capsule = ctx->saved_data["plan"].toCapsule();
+    const auto& plan = *static_cast<const Plan*>(capsule.get());
+    const auto computed = backward_over_steps(plan, saved[0], saved[1], saved[2],
+                                              {saved[3], saved[4]}, grads[0].contiguous());
+    return {torch::Tensor(), computed[0], computed[1], computed[2]};
+  }
+};
+
+}  // namespace
+
+torch::Tensor context_parallel_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                         const torch::Tensor& value, ShardExchange& exchange,
+                                         const AttentionOptions& options, ShardLayout layout) {
+  const auto plan = make_plan(query, key, value, exchange, options, layout);
+  check_same_shapes(*plan, query, key, value);
+  return ContextParallelFunction::apply(plan, query, key, value);
+}
+
+}  // namespace functional
+
+}  // namespace attnkit
