@@ -2,10 +2,18 @@
 // single-process call: outputs and gradients for each mask, layout and dtype, the steps each
 // mask exchanges, and the refusals. Run without RANK it starts its own R ranks.
 // Usage: attnkit-context-parallel-check [--ranks R] [--fault die] [--timeout S]
+//        attnkit-context-parallel-check --bench N [--ranks R | --single] [--threads T]
+//                                       [--rounds K]
 //   --fault die: rank 1 exits before the call; the others must stop within the timeout,
 //   naming it (the run then fails, as it should).
+//   --bench N: times causal forward+backward at b 1, h 8, hd 64, n N, float32 (K rounds, 3) on
+//   R ranks, or as one attention call (--single), and reports each rank's time, the time it
+//   waited for transfers, and its peak memory above its inputs.
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -32,9 +40,15 @@ class CountingExchange : public attnkit::ShardExchange {
   std::function<void()> start_send_receive(const std::vector<torch::Tensor>& send, int to,
                                            std::vector<torch::Tensor>& receive, int from) override {
     ++transfers;
-    return inner_.start_send_receive(send, to, receive, from);
+    auto wait = inner_.start_send_receive(send, to, receive, from);
+    return [this, wait] {
+      const auto start = std::chrono::steady_clock::now();
+      wait();
+      waited_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    };
   }
   int transfers = 0;
+  double waited_s = 0.0;
 
  private:
   attnkit::ShardExchange& inner_;
@@ -63,9 +77,73 @@ double largest_error(const torch::Tensor& got, const torch::Tensor& want) {
          (scale > 0 ? scale : 1.0);
 }
 
-int run_rank(int ranks, const std::string& fault, int timeout_s) {
+// This process's resident memory in MiB: "VmRSS" now, or "VmHWM" its peak since the last
+// reset_peak().
+double memory_mib(const char* field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field, 0) == 0)
+      return std::stod(line.substr(line.find(':') + 1)) / 1024.0;  // kB
+  }
+  return 0.0;
+}
+
+void reset_peak() {
+  std::ofstream("/proc/self/clear_refs") << "5";
+}
+
+// Causal forward+backward at n tokens, `rounds` times: on this rank's shard (group given) or as one
+// call. Prints the median time, the time spent waiting for transfers, and the peak memory
+// above the inputs.
+int bench(int64_t n, int rounds, attnkit::train::Collectives* group) {
+  const int ranks = group == nullptr ? 1 : group->world_size();
+  const int rank = group == nullptr ? 0 : group->rank();
+  const SequenceShards shards(n, ranks, ShardLayout::kZigzag);
+  torch::manual_seed(rank);
+  const auto make = [&] { return torch::randn({1, 8, n / ranks, 64}).requires_grad_(); };
+  const auto q = make(), k = make(), v = make();
+  const auto grad = torch::randn({1, 8, n / ranks, 64});
+  const auto options = AttentionOptions().mask(Mask::causal());
+  std::vector<double> times, waits, peaks;
+  for (int round = 0; round < rounds; ++round) {
+    for (auto* t : {&q, &k, &v})
+      t->mutable_grad() = torch::Tensor();
+    reset_peak();
+    const double before = memory_mib("VmRSS");
+    const auto start = std::chrono::steady_clock::now();
+    double waited = 0.0;
+    if (group == nullptr) {
+      attnkit::functional::attention(q, k, v, options).backward(grad);
+    } else {
+      CountingExchange counting(*group);
+      attnkit::functional::context_parallel_attention(q, k, v, counting, options).backward(grad);
+      waited = counting.waited_s;
+    }
+    times.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    waits.push_back(waited);
+    peaks.push_back(memory_mib("VmHWM") - before);
+  }
+  const auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  std::cout << c10::str(group == nullptr ? "one call" : c10::str("rank ", rank, " of ", ranks),
+                        ", n ", n, ", ", torch::get_num_threads(), " thread(s): forward+backward ",
+                        median(times), " s (median of ", rounds, ": ", times, "), waiting ",
+                        median(waits), " s, busy ", median(times) - median(waits), " s, peak ",
+                        median(peaks), " MiB above the inputs (",
+                        *std::max_element(peaks.begin(), peaks.end()), " at most)\n")
+            << std::flush;
+  return 0;
+}
+
+int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_length, int rounds) {
   const auto environment = attnkit::train::read_rank_environment();
   auto group = attnkit::train::join_process_group(environment, "gloo", timeout_s);
+  if (bench_length > 0)
+    return bench(bench_length, rounds, group.get());
   const int rank = group->rank();
   int failures = 0;
   const auto fail = [&](const std::string& what) {
@@ -222,31 +300,52 @@ int run_rank(int ranks, const std::string& fault, int timeout_s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int ranks = 2, timeout_s = 60;
+  int ranks = 2, timeout_s = 60, threads = 1, rounds = 3;
+  int64_t bench_length = 0;
+  bool single = false;
   std::string fault;
   std::vector<std::string> arguments;
+  const char* usage =
+      "usage: attnkit-context-parallel-check [--ranks R] [--fault die] [--timeout S]\n"
+      "       attnkit-context-parallel-check --bench N [--ranks R | --single] [--threads T]\n"
+      "       [--rounds K]\n";
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--single") {
+      single = true;
+      continue;
+    }
     if (i + 1 >= argc) {
-      std::cerr << "usage: attnkit-context-parallel-check [--ranks R] [--fault die] "
-                   "[--timeout S]\n";
+      std::cerr << usage;
       return 2;
     }
     const std::string value = argv[++i];
-    if (flag == "--ranks")
+    if (flag == "--ranks") {
       ranks = std::stoi(value);
-    else if (flag == "--fault")
+    } else if (flag == "--fault") {
       fault = value;
-    else if (flag == "--timeout")
+    } else if (flag == "--timeout") {
       timeout_s = std::stoi(value);
+    } else if (flag == "--bench") {
+      bench_length = std::stoll(value);
+    } else if (flag == "--threads") {
+      threads = std::stoi(value);
+    } else if (flag == "--rounds") {
+      rounds = std::stoi(value);
+    } else {
+      std::cerr << usage;
+      return 2;
+    }
     arguments.push_back(flag);
     arguments.push_back(value);
   }
   try {
-    torch::set_num_threads(1);
+    torch::set_num_threads(threads);
+    if (single)
+      return bench(bench_length, rounds, nullptr);
     if (std::getenv("WORLD_SIZE") == nullptr)
       return attnkit::train::launch_local_ranks(ranks, arguments, std::cerr, 30);
-    return run_rank(ranks, fault, timeout_s);
+    return run_rank(ranks, fault, timeout_s, bench_length, rounds);
   } catch (const std::exception& e) {
     std::cerr << "attnkit-context-parallel-check: " << e.what() << "\n";
     return 1;

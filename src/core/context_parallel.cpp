@@ -295,16 +295,9 @@ void walk_steps(const Plan& plan, const torch::Tensor& key, const torch::Tensor&
   }
 }
 
-// The dtype the pairs' outputs are merged and the gradients summed in: float64 for float32
-// inputs too, so that R merges round once where the single call rounds once; float32 for
-// 16-bit inputs, which their kernels compute in.
-c10::ScalarType accumulate_dtype(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kFloat ? torch::kDouble : compute_dtype(t);
-}
-
 AttentionWithLse forward_over_steps(const Plan& plan, const torch::Tensor& query,
                                     const torch::Tensor& key, const torch::Tensor& value) {
-  const auto dtype = accumulate_dtype(query);
+  const auto dtype = compute_dtype(query);
   std::vector<std::optional<AttentionWithLse>> merged(plan.chunks.size());
   walk_steps(
       plan, key, value, [&](const Step& step, const torch::Tensor& k, const torch::Tensor& v) {
@@ -333,16 +326,14 @@ AttentionWithLse forward_over_steps(const Plan& plan, const torch::Tensor& query
                                std::numeric_limits<double>::infinity(),
                                query.options().dtype(dtype)));
   }
-  // lse in the dtype the kernels computed in, as a single call returns it.
-  return {torch::cat(outs, 2).to(query.scalar_type()),
-          torch::cat(lses, 2).to(compute_dtype(query))};
+  return {torch::cat(outs, 2).to(query.scalar_type()), torch::cat(lses, 2)};
 }
 
 std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Tensor& query,
                                                const torch::Tensor& key, const torch::Tensor& value,
                                                const AttentionWithLse& forward,
                                                const torch::Tensor& grad_out) {
-  const auto dtype = accumulate_dtype(query);
+  const auto dtype = compute_dtype(query);
   auto grad_query = torch::zeros(query.sizes(), query.options().dtype(dtype));
   auto grad_key = torch::zeros(key.sizes(), key.options().dtype(dtype));
   auto grad_value = torch::zeros(value.sizes(), value.options().dtype(dtype));
