@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -105,25 +106,30 @@ int bench(int64_t n, int rounds, attnkit::train::Collectives* group) {
   const auto q = make(), k = make(), v = make();
   const auto grad = torch::randn({1, 8, n / ranks, 64});
   const auto options = AttentionOptions().mask(Mask::causal());
-  std::vector<double> times, waits, peaks;
+  const double inputs_mib = 4.0 * static_cast<double>(q.numel() * q.element_size()) / (1 << 20);
+  // Per round: seconds, seconds waiting, and MiB above the inputs: the forward's peak, what it
+  // keeps for the backward (the output, and what autograd saves), and the backward's peak.
+  std::vector<double> times, waits, forward_peaks, kept, backward_peaks;
   for (int round = 0; round < rounds; ++round) {
     for (auto* t : {&q, &k, &v})
       t->mutable_grad() = torch::Tensor();
-    reset_peak();
     const double before = memory_mib("VmRSS");
+    reset_peak();
     const auto start = std::chrono::steady_clock::now();
-    double waited = 0.0;
-    if (group == nullptr) {
-      attnkit::functional::attention(q, k, v, options).backward(grad);
-    } else {
-      CountingExchange counting(*group);
-      attnkit::functional::context_parallel_attention(q, k, v, counting, options).backward(grad);
-      waited = counting.waited_s;
-    }
+    std::optional<CountingExchange> counting;
+    if (group != nullptr)
+      counting.emplace(*group);
+    auto out = group == nullptr
+                   ? attnkit::functional::attention(q, k, v, options)
+                   : attnkit::functional::context_parallel_attention(q, k, v, *counting, options);
+    forward_peaks.push_back(memory_mib("VmHWM") - before);
+    kept.push_back(memory_mib("VmRSS") - before);
+    reset_peak();
+    out.backward(grad);
     times.push_back(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    waits.push_back(waited);
-    peaks.push_back(memory_mib("VmHWM") - before);
+    backward_peaks.push_back(memory_mib("VmHWM") - before);
+    waits.push_back(counting.has_value() ? counting->waited_s : 0.0);
   }
   const auto median = [](std::vector<double> x) {
     std::sort(x.begin(), x.end());
@@ -132,9 +138,10 @@ int bench(int64_t n, int rounds, attnkit::train::Collectives* group) {
   std::cout << c10::str(group == nullptr ? "one call" : c10::str("rank ", rank, " of ", ranks),
                         ", n ", n, ", ", torch::get_num_threads(), " thread(s): forward+backward ",
                         median(times), " s (median of ", rounds, ": ", times, "), waiting ",
-                        median(waits), " s, busy ", median(times) - median(waits), " s, peak ",
-                        median(peaks), " MiB above the inputs (",
-                        *std::max_element(peaks.begin(), peaks.end()), " at most)\n")
+                        median(waits), " s, busy ", median(times) - median(waits),
+                        " s; MiB above the inputs (q, k, v, grad: ", inputs_mib, "): forward peak ",
+                        median(forward_peaks), ", kept ", median(kept), ", backward peak ",
+                        median(backward_peaks), "\n")
             << std::flush;
   return 0;
 }
@@ -228,8 +235,11 @@ int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_l
         };
         const auto q_s = mine(q), k_s = mine(k), v_s = mine(v);
         CountingExchange counting(*group);
+        // Zigzag runs take other ranks' chunks in pieces of 8 (float64) or 16 tokens.
+        const auto parallel = attnkit::ContextParallelOptions().layout(layout).piece_bytes(
+            layout == ShardLayout::kZigzag ? 4096 : 8 << 20);
         const auto out_s = attnkit::functional::context_parallel_attention(q_s, k_s, v_s, counting,
-                                                                           c.options, layout);
+                                                                           c.options, parallel);
         const int forward_transfers = counting.transfers - (ranks - 1);  // less the shapes'
         out_s.backward(shards.shard(grad, rank, 2));
         const std::vector<torch::Tensor> got{out_s, q_s.grad(), k_s.grad(), v_s.grad()};

@@ -83,9 +83,22 @@ class ShardExchange {
                                                    int from) = 0;
 };
 
+/// Options of `context_parallel_attention`.
+/// Example: `ContextParallelOptions().layout(ShardLayout::kContiguous)`.
+struct ContextParallelOptions {
+  /// How the sequence lies over the ranks (each rank's shard is `SequenceShards::shard`).
+  TORCH_ARG(ShardLayout, layout) = ShardLayout::kZigzag;
+  /// The most bytes of keys (and as many of values) that one transfer moves: a chunk of another
+  /// rank's keys comes in pieces of this size, so that the buffers in flight stay small beside a
+  /// shard, and a piece that no query of any rank sees is not sent. 8 MiB is 4,096 tokens of 8
+  /// float32 heads of 64.
+  TORCH_ARG(int64_t, piece_bytes) = 8 << 20;
+};
+
 namespace functional {
 
-/// `attention` over a whole sequence split over the ranks of `exchange` by `layout`: query
+/// `attention` over a whole sequence split over the ranks of `exchange` (as `parallel.layout`
+/// says): query
 /// (b, h, s, hd), key (b, g, s, hd) and value (b, g, s, hd_v) are this rank's shards
 /// (`SequenceShards::shard`, s = n / R), and the result is this rank's queries' output
 /// (b, h, s, hd_v), with autograd: its backward sends each key and value shard's gradient
@@ -100,7 +113,7 @@ namespace functional {
 torch::Tensor context_parallel_attention(const torch::Tensor& query, const torch::Tensor& key,
                                          const torch::Tensor& value, ShardExchange& exchange,
                                          const AttentionOptions& options = {},
-                                         ShardLayout layout = ShardLayout::kZigzag);
+                                         const ContextParallelOptions& parallel = {});
 
 }  // namespace functional
 

@@ -1,10 +1,12 @@
 // Context-parallel attention: each rank holds a shard of a sequence and computes its queries'
-// attention over every shard's keys. A step s of the call pairs this rank r with rank r - s:
-// it receives that rank's keys and values (and sends its own to rank r + s), computes each
-// pair of chunks (a query chunk of its own, a key chunk of theirs) with the split forward,
-// and merges the pairs' outputs by their log-sum-exp. Steps whose pairs the mask leaves
-// empty on every rank are not taken, so their shards never move. The backward walks the
-// same steps: each pair's key and value gradients go back to the rank that holds the keys.
+// attention over every shard's keys. A step of the call pairs this rank r with rank
+// r - offset and one piece of that rank's keys and values: rank r receives the piece (and
+// sends its own piece to rank r + offset) while the step before computes, computes each of
+// its query chunks against the piece with the split forward, and merges the outputs by their
+// log-sum-exp. Pieces hold at most `piece_bytes` of keys, so the buffers in flight stay small
+// beside a shard. Steps whose pairs the mask leaves empty on every rank are not taken, so
+// their pieces never move. The backward walks the same steps: each piece's key and value
+// gradients go back to the rank that holds it.
 
 #include "attnkit/context_parallel.h"
 
@@ -96,16 +98,16 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// One pair of a step: a query chunk of this rank and a key chunk of the rank it pairs with,
-// under the whole mask's region there (none where the region is full).
+// One pair of a step: a query chunk of this rank against the step's keys, under the whole
+// mask's region there (none where the region is full).
 struct ChunkPair {
   size_t query_chunk;  // index into this rank's chunks
-  SequenceChunk keys;  // in the other rank's shard
   Mask mask;
 };
 
 struct Step {
-  int offset;  // pairs rank r with rank r - offset
+  int offset;          // pairs rank r with the keys of rank r - offset
+  SequenceChunk keys;  // the piece: where it sits in the sequence and in its rank's shard
   std::vector<ChunkPair> pairs;
 };
 
@@ -114,7 +116,7 @@ struct Plan : torch::CustomClassHolder {
   ShardExchange* exchange = nullptr;
   int rank = 0, ranks = 1;
   std::vector<SequenceChunk> chunks;  // this rank's
-  std::vector<Step> steps;            // the steps some rank needs, offset 0 first
+  std::vector<Step> steps;            // offset 0 first, then the steps some rank needs
   AttentionOptions pair_options;      // the call's options without a mask
 };
 
@@ -141,7 +143,11 @@ int wrap(int rank, int ranks) {
 
 c10::intrusive_ptr<Plan> make_plan(const torch::Tensor& query, const torch::Tensor& key,
                                    const torch::Tensor& value, ShardExchange& exchange,
-                                   const AttentionOptions& given, ShardLayout layout) {
+                                   const AttentionOptions& given,
+                                   const ContextParallelOptions& parallel) {
+  const auto layout = parallel.layout();
+  TORCH_CHECK(parallel.piece_bytes() >= 1, kFn, " piece_bytes must be >= 1, got ",
+              parallel.piece_bytes());
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, kFn,
               " query, key and value must be 4-D (b, h, s, hd) shards, got ",
               detail::shape_string(query), ", ", detail::shape_string(key), " and ",
@@ -189,26 +195,46 @@ c10::intrusive_ptr<Plan> make_plan(const torch::Tensor& query, const torch::Tens
   plan->chunks = shards.chunks(rank);
   plan->pair_options = options;
   // Every rank judges every rank's pairs, so that all agree on the steps without talking.
+  // Offset 0 (this rank's own keys) moves nothing: its pieces are whole chunks.
+  const int64_t token_bytes = key.size(0) * key.size(1) * key.size(3) * key.element_size();
+  const int64_t piece_tokens =
+      std::max<int64_t>(1, parallel.piece_bytes() / std::max<int64_t>(1, token_bytes));
+  const int64_t batch = query.size(0), heads = query.size(1);
   for (int offset = 0; offset < ranks; ++offset) {
-    Step step{offset, {}};
-    bool needed = offset == 0;
-    for (int r = 0; r < ranks; ++r) {
-      const auto mine = shards.chunks(r);
-      for (size_t i = 0; i < mine.size(); ++i) {
-        for (const auto& keys : shards.chunks(wrap(r - offset, ranks))) {
-          auto region = mask.is_none() ? mask : mask.region(mine[i].start, keys.start, n, n);
-          const auto kind =
-              pair_kind(region, query.size(0), query.size(1), mine[i].length, keys.length);
-          if (kind == TileKind::kEmpty)
-            continue;
-          needed = true;
-          if (r == rank)
-            step.pairs.push_back({i, keys, kind == TileKind::kFull ? Mask() : region});
+    const auto local_chunks = shards.chunks(0);  // every rank's chunks lie alike in its shard
+    for (size_t c = 0; c < local_chunks.size(); ++c) {
+      const int64_t length = local_chunks[c].length;
+      const int64_t piece = offset == 0 ? length : std::min(length, piece_tokens);
+      for (int64_t begin = 0; begin < length; begin += piece) {
+        const int64_t size = std::min(piece, length - begin);
+        bool needed = false;
+        Step step{offset, {}, {}};
+        for (int r = 0; r < ranks; ++r) {
+          const auto keys_chunk = shards.chunks(wrap(r - offset, ranks))[c];
+          const SequenceChunk keys{keys_chunk.start + begin, size, keys_chunk.local_start + begin};
+          const auto mine = shards.chunks(r);
+          for (size_t i = 0; i < mine.size(); ++i) {
+            auto region = mask.is_none() ? mask : mask.region(mine[i].start, keys.start, n, n);
+            const auto kind = pair_kind(region, batch, heads, mine[i].length, keys.length);
+            if (kind == TileKind::kEmpty)
+              continue;
+            needed = true;
+            if (r == rank) {
+              step.keys = keys;
+              step.pairs.push_back({i, kind == TileKind::kFull ? Mask() : region});
+            }
+          }
+        }
+        // A step that moves a piece is taken by every rank when one needs it.
+        if (needed && (offset != 0 || !step.pairs.empty())) {
+          if (step.pairs.empty()) {
+            const auto keys_chunk = shards.chunks(wrap(rank - offset, ranks))[c];
+            step.keys = {keys_chunk.start + begin, size, keys_chunk.local_start + begin};
+          }
+          plan->steps.push_back(std::move(step));
         }
       }
     }
-    if (needed)
-      plan->steps.push_back(std::move(step));
   }
   return plan;
 }
@@ -253,16 +279,17 @@ struct Transfer {
   std::function<void()> wait;
 };
 
-// Starts step `step`'s exchange of this rank's `tensors`: they go to rank r + offset, and
-// the same shapes come from rank r - offset.
+// Starts step `step`'s exchange of `tensors`: towards higher ranks, this rank's piece goes to
+// rank r + offset and rank r - offset's comes here; the other way, gradients go home.
 Transfer start_step(const Plan& plan, const Step& step, const std::vector<torch::Tensor>& tensors,
                     bool towards_higher) {
   Transfer transfer;
   for (const auto& t : tensors)
-    transfer.received.push_back(torch::empty_like(t));
-  const int to = wrap(plan.rank + (towards_higher ? step.offset : -step.offset), plan.ranks);
-  const int from = wrap(plan.rank - (towards_higher ? step.offset : -step.offset), plan.ranks);
-  transfer.wait = plan.exchange->start_send_receive(tensors, to, transfer.received, from);
+    transfer.received.push_back(torch::empty_like(t, at::MemoryFormat::Contiguous));
+  const int shift = towards_higher ? step.offset : -step.offset;
+  transfer.wait =
+      plan.exchange->start_send_receive(tensors, wrap(plan.rank + shift, plan.ranks),
+                                        transfer.received, wrap(plan.rank - shift, plan.ranks));
   return transfer;
 }
 
@@ -275,23 +302,42 @@ torch::Tensor chunk_of(const torch::Tensor& t, const SequenceChunk& chunk) {
   return t.narrow(2, chunk.local_start, chunk.length);
 }
 
-// Walks the plan's steps with each step's keys and values: this rank's own at offset 0, the
-// others' received while the step before computes.
+// Walks the plan's steps with each step's piece of keys and values: views of this rank's own
+// at offset 0; else the other rank's, received while the step before computes.
 template <typename Compute>
 void walk_steps(const Plan& plan, const torch::Tensor& key, const torch::Tensor& value,
                 const Compute& compute) {
-  const std::vector<torch::Tensor> own{key.contiguous(), value.contiguous()};
+  const auto& steps = plan.steps;
+  // The next step from `i` on that moves a piece (steps.size() for none), and its transfer.
+  const auto moving_from = [&](size_t i) {
+    while (i < steps.size() && steps[i].offset == 0)
+      ++i;
+    return i;
+  };
+  const auto start = [&](size_t i) {
+    // This rank's piece where the other rank's lies in its shard: the same place.
+    const auto& keys = steps[i].keys;
+    return start_step(plan, steps[i],
+                      {chunk_of(key, keys).contiguous(), chunk_of(value, keys).contiguous()},
+                      /*towards_higher=*/true);
+  };
+  size_t next_index = moving_from(0);
   std::optional<Transfer> next;
-  for (size_t i = 0; i < plan.steps.size(); ++i) {
-    std::vector<torch::Tensor> current = own;
-    if (i > 0) {
-      next->wait();
-      current = std::move(next->received);
-      next.reset();
+  if (next_index < steps.size())
+    next = start(next_index);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const auto& step = steps[i];
+    if (step.offset == 0) {
+      compute(step, chunk_of(key, step.keys), chunk_of(value, step.keys));
+      continue;
     }
-    if (i + 1 < plan.steps.size())
-      next = start_step(plan, plan.steps[i + 1], own, /*towards_higher=*/true);
-    compute(plan.steps[i], current[0], current[1]);
+    next->wait();
+    const auto current = std::move(next->received);
+    next.reset();
+    next_index = moving_from(i + 1);
+    if (next_index < steps.size())
+      next = start(next_index);
+    compute(step, current[0], current[1]);
   }
 }
 
@@ -304,8 +350,8 @@ AttentionWithLse forward_over_steps(const Plan& plan, const torch::Tensor& query
         for (const auto& pair : step.pairs) {
           auto options = plan.pair_options;
           options.mask(pair.mask);
-          auto part = attention_forward(chunk_of(query, plan.chunks[pair.query_chunk]),
-                                        chunk_of(k, pair.keys), chunk_of(v, pair.keys), options);
+          auto part =
+              attention_forward(chunk_of(query, plan.chunks[pair.query_chunk]), k, v, options);
           part.out = part.out.to(dtype);  // merged in the compute dtype
           auto& slot = merged[pair.query_chunk];
           slot = slot.has_value() ? merge_attention({*slot, part}) : part;
@@ -337,39 +383,43 @@ std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Te
   auto grad_query = torch::zeros(query.sizes(), query.options().dtype(dtype));
   auto grad_key = torch::zeros(key.sizes(), key.options().dtype(dtype));
   auto grad_value = torch::zeros(value.sizes(), value.options().dtype(dtype));
-  // The gradients of the last step's keys and values on their way home.
+  // The gradients of this rank's piece of keys and values, from the rank that took it last.
   std::optional<Transfer> returning;
+  SequenceChunk returning_piece;
   const auto take_home = [&] {
     if (!returning.has_value())
       return;
     returning->wait();
-    grad_key += returning->received[0];
-    grad_value += returning->received[1];
+    chunk_of(grad_key, returning_piece) += returning->received[0];
+    chunk_of(grad_value, returning_piece) += returning->received[1];
     returning.reset();
   };
   walk_steps(
       plan, key, value, [&](const Step& step, const torch::Tensor& k, const torch::Tensor& v) {
-        // The keys' gradients: this rank's own at offset 0, else those of rank r - offset.
+        // The piece's gradients: into this rank's own at offset 0, else sent home after.
         const bool own = step.offset == 0;
-        auto step_grad_key = own ? grad_key : torch::zeros(k.sizes(), k.options().dtype(dtype));
-        auto step_grad_value = own ? grad_value : torch::zeros(v.sizes(), v.options().dtype(dtype));
+        auto piece_grad_key =
+            own ? chunk_of(grad_key, step.keys) : torch::zeros(k.sizes(), k.options().dtype(dtype));
+        auto piece_grad_value = own ? chunk_of(grad_value, step.keys)
+                                    : torch::zeros(v.sizes(), v.options().dtype(dtype));
         for (const auto& pair : step.pairs) {
           const auto& chunk = plan.chunks[pair.query_chunk];
           auto options = plan.pair_options;
           options.mask(pair.mask);
-          const auto grads = attention_backward(
-              chunk_of(query, chunk), chunk_of(k, pair.keys), chunk_of(v, pair.keys),
-              {chunk_of(forward.out, chunk),
-               forward.lse.narrow(2, chunk.local_start, chunk.length)},
-              chunk_of(grad_out, chunk), options);
+          const auto grads =
+              attention_backward(chunk_of(query, chunk), k, v,
+                                 {chunk_of(forward.out, chunk),
+                                  forward.lse.narrow(2, chunk.local_start, chunk.length)},
+                                 chunk_of(grad_out, chunk), options);
           chunk_of(grad_query, chunk) += grads.query.to(dtype);
-          chunk_of(step_grad_key, pair.keys) += grads.key.to(dtype);
-          chunk_of(step_grad_value, pair.keys) += grads.value.to(dtype);
+          piece_grad_key += grads.key.to(dtype);
+          piece_grad_value += grads.value.to(dtype);
         }
         take_home();
         if (!own) {
-          returning = start_step(plan, step, {step_grad_key, step_grad_value},
+          returning = start_step(plan, step, {piece_grad_key, piece_grad_value},
                                  /*towards_higher=*/false);
+          returning_piece = step.keys;  // this rank's piece lies where the other's does
         }
       });
   take_home();
@@ -401,8 +451,9 @@ struct ContextParallelFunction : public torch::autograd::Function<ContextParalle
 
 torch::Tensor context_parallel_attention(const torch::Tensor& query, const torch::Tensor& key,
                                          const torch::Tensor& value, ShardExchange& exchange,
-                                         const AttentionOptions& options, ShardLayout layout) {
-  const auto plan = make_plan(query, key, value, exchange, options, layout);
+                                         const AttentionOptions& options,
+                                         const ContextParallelOptions& parallel) {
+  const auto plan = make_plan(query, key, value, exchange, options, parallel);
   check_same_shapes(*plan, query, key, value);
   return ContextParallelFunction::apply(plan, query, key, value);
 }
