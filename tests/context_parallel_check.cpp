@@ -270,6 +270,39 @@ int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_l
     }
   }
 
+  // RoPE at each shard's positions in the whole sequence: each chunk rotated from its start
+  // gives the shard of the whole sequence's rotation, so the attention equals the whole call.
+  {
+    torch::manual_seed(13);
+    const auto q = torch::randn({batch, heads, n, head_dim}, torch::kDouble);
+    const auto k = torch::randn({batch, kv_heads, n, head_dim}, torch::kDouble);
+    const auto v = torch::randn({batch, kv_heads, n, head_dim}, torch::kDouble);
+    const auto [cos, sin] = attnkit::functional::compute_rope_params(head_dim, 10000.0, n,
+                                                                     c10::nullopt, torch::kDouble);
+    const auto options = AttentionOptions().mask(Mask::causal());
+    const auto whole =
+        attnkit::functional::attention(attnkit::functional::apply_rope(q, cos, sin),
+                                       attnkit::functional::apply_rope(k, cos, sin), v, options);
+    const SequenceShards shards(n, ranks, ShardLayout::kZigzag);
+    const auto rotated_shard = [&](const torch::Tensor& x) {
+      const auto mine = shards.shard(x, rank, 2);
+      std::vector<torch::Tensor> pieces;
+      for (const auto& part : shards.chunks(rank)) {
+        pieces.push_back(attnkit::functional::apply_rope(
+            mine.narrow(2, part.local_start, part.length), cos, sin, part.start));
+      }
+      return torch::cat(pieces, 2);
+    };
+    const auto out = attnkit::functional::context_parallel_attention(
+        rotated_shard(q), rotated_shard(k), shards.shard(v, rank, 2), *group, options);
+    const double error = relative_error(out, shards.shard(whole, rank, 2));
+    if (error <= 1e-12)
+      pass(c10::str("RoPE at each chunk's start, causal, zigzag, ", ranks, " ranks: within ", error,
+                    " relative"));
+    else
+      fail(c10::str("RoPE at each chunk's start: differs by ", error, " (relative) > 1e-12"));
+  }
+
   // Refusals, before any transfer of tensors.
   const auto expect_refusal = [&](const std::string& what, const std::string& needle,
                                   const std::function<void()>& call) {

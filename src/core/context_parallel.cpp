@@ -1,12 +1,12 @@
 // Context-parallel attention: each rank holds a shard of a sequence and computes its queries'
 // attention over every shard's keys. A step of the call pairs this rank r with rank
 // r - offset and one piece of that rank's keys and values: rank r receives the piece (and
-// sends its own piece to rank r + offset) while the step before computes, computes each of
-// its query chunks against the piece with the split forward, and merges the outputs by their
-// log-sum-exp. Pieces hold at most `piece_bytes` of keys, so the buffers in flight stay small
-// beside a shard. Steps whose pairs the mask leaves empty on every rank are not taken, so
-// their pieces never move. The backward walks the same steps: each piece's key and value
-// gradients go back to the rank that holds it.
+// sends its own piece to rank r + offset) while the step before computes, computes each
+// piece of its queries against it with the split forward, and merges the outputs into its
+// own by their log-sum-exp, in place. Pieces hold at most `piece_bytes` of keys, so the
+// buffers in flight and the copies each call makes stay small beside a shard. Steps whose pairs the
+// mask leaves empty on every rank are not taken, so their pieces never move. The backward walks the
+// same steps: each piece's key and value gradients go back to the rank that holds it.
 
 #include "attnkit/context_parallel.h"
 
@@ -98,26 +98,26 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// One pair of a step: a query chunk of this rank against the step's keys, under the whole
+// One pair of a step: a piece of this rank's queries against the step's keys, under the whole
 // mask's region there (none where the region is full).
-struct ChunkPair {
-  size_t query_chunk;  // index into this rank's chunks
+struct PiecePair {
+  size_t query_piece;  // index into the plan's query_pieces
   Mask mask;
 };
 
 struct Step {
   int offset;          // pairs rank r with the keys of rank r - offset
   SequenceChunk keys;  // the piece: where it sits in the sequence and in its rank's shard
-  std::vector<ChunkPair> pairs;
+  std::vector<PiecePair> pairs;
 };
 
 // Everything a call decided before its first transfer; the backward reuses it.
 struct Plan : torch::CustomClassHolder {
   ShardExchange* exchange = nullptr;
   int rank = 0, ranks = 1;
-  std::vector<SequenceChunk> chunks;  // this rank's
-  std::vector<Step> steps;            // offset 0 first, then the steps some rank needs
-  AttentionOptions pair_options;      // the call's options without a mask
+  std::vector<SequenceChunk> query_pieces;  // this rank's
+  std::vector<Step> steps;                  // offset 0 first, then the steps some rank needs
+  AttentionOptions pair_options;            // the call's options without a mask
 };
 
 // What the whole mask's region over a pair of chunks is, over every batch entry and head:
@@ -135,6 +135,18 @@ TileKind pair_kind(const Mask& region, int64_t batch, int64_t heads, int64_t que
     full = full && *kind == TileKind::kFull;
   }
   return empty ? TileKind::kEmpty : full ? TileKind::kFull : TileKind::kPartial;
+}
+
+// `chunks` cut into pieces of at most `tokens`, in order.
+std::vector<SequenceChunk> pieces_of(const std::vector<SequenceChunk>& chunks, int64_t tokens) {
+  std::vector<SequenceChunk> pieces;
+  for (const auto& chunk : chunks) {
+    for (int64_t begin = 0; begin < chunk.length; begin += tokens) {
+      pieces.push_back(
+          {chunk.start + begin, std::min(tokens, chunk.length - begin), chunk.local_start + begin});
+    }
+  }
+  return pieces;
 }
 
 int wrap(int rank, int ranks) {
@@ -192,48 +204,39 @@ c10::intrusive_ptr<Plan> make_plan(const torch::Tensor& query, const torch::Tens
   plan->exchange = &exchange;
   plan->rank = rank;
   plan->ranks = ranks;
-  plan->chunks = shards.chunks(rank);
-  plan->pair_options = options;
-  // Every rank judges every rank's pairs, so that all agree on the steps without talking.
-  // Offset 0 (this rank's own keys) moves nothing: its pieces are whole chunks.
+  // Queries and keys both go in pieces: a pair's call copies its pieces (their rows are
+  // strided in a shard), so the pieces bound those copies and the buffers in flight.
   const int64_t token_bytes = key.size(0) * key.size(1) * key.size(3) * key.element_size();
   const int64_t piece_tokens =
       std::max<int64_t>(1, parallel.piece_bytes() / std::max<int64_t>(1, token_bytes));
+  std::vector<std::vector<SequenceChunk>> pieces;  // every rank's, alike in each shard
+  for (int r = 0; r < ranks; ++r)
+    pieces.push_back(pieces_of(shards.chunks(r), piece_tokens));
+  plan->query_pieces = pieces[static_cast<size_t>(rank)];
+  plan->pair_options = options;
+  // Every rank judges every rank's pairs, so that all agree on the steps without talking.
   const int64_t batch = query.size(0), heads = query.size(1);
   for (int offset = 0; offset < ranks; ++offset) {
-    const auto local_chunks = shards.chunks(0);  // every rank's chunks lie alike in its shard
-    for (size_t c = 0; c < local_chunks.size(); ++c) {
-      const int64_t length = local_chunks[c].length;
-      const int64_t piece = offset == 0 ? length : std::min(length, piece_tokens);
-      for (int64_t begin = 0; begin < length; begin += piece) {
-        const int64_t size = std::min(piece, length - begin);
-        bool needed = false;
-        Step step{offset, {}, {}};
-        for (int r = 0; r < ranks; ++r) {
-          const auto keys_chunk = shards.chunks(wrap(r - offset, ranks))[c];
-          const SequenceChunk keys{keys_chunk.start + begin, size, keys_chunk.local_start + begin};
-          const auto mine = shards.chunks(r);
-          for (size_t i = 0; i < mine.size(); ++i) {
-            auto region = mask.is_none() ? mask : mask.region(mine[i].start, keys.start, n, n);
-            const auto kind = pair_kind(region, batch, heads, mine[i].length, keys.length);
-            if (kind == TileKind::kEmpty)
-              continue;
-            needed = true;
-            if (r == rank) {
-              step.keys = keys;
-              step.pairs.push_back({i, kind == TileKind::kFull ? Mask() : region});
-            }
-          }
-        }
-        // A step that moves a piece is taken by every rank when one needs it.
-        if (needed && (offset != 0 || !step.pairs.empty())) {
-          if (step.pairs.empty()) {
-            const auto keys_chunk = shards.chunks(wrap(rank - offset, ranks))[c];
-            step.keys = {keys_chunk.start + begin, size, keys_chunk.local_start + begin};
-          }
-          plan->steps.push_back(std::move(step));
+    for (size_t p = 0; p < pieces[0].size(); ++p) {
+      Step step{offset, pieces[static_cast<size_t>(wrap(rank - offset, ranks))][p], {}};
+      bool needed = false;
+      for (int r = 0; r < ranks; ++r) {
+        const auto& keys = pieces[static_cast<size_t>(wrap(r - offset, ranks))][p];
+        const auto& mine = pieces[static_cast<size_t>(r)];
+        for (size_t i = 0; i < mine.size(); ++i) {
+          auto region = mask.is_none() ? mask : mask.region(mine[i].start, keys.start, n, n);
+          const auto kind = pair_kind(region, batch, heads, mine[i].length, keys.length);
+          if (kind == TileKind::kEmpty)
+            continue;
+          needed = true;
+          if (r == rank)
+            step.pairs.push_back({i, kind == TileKind::kFull ? Mask() : region});
         }
       }
+      // A step that moves a piece is taken by every rank when one needs it; this rank's own
+      // pieces move nothing.
+      if (needed && (offset != 0 || !step.pairs.empty()))
+        plan->steps.push_back(std::move(step));
     }
   }
   return plan;
@@ -341,38 +344,41 @@ void walk_steps(const Plan& plan, const torch::Tensor& key, const torch::Tensor&
   }
 }
 
+// Merges a part's (out, lse) into a piece's running (out, log_weight) in place: each side
+// weighted by exp(its lse - the new lse). log_weight is -inf where no key has been seen yet.
+void merge_into(torch::Tensor& out, torch::Tensor& log_weight, AttentionWithLse part) {
+  constexpr double kInfinity = std::numeric_limits<double>::infinity();
+  const auto part_weight = part.lse.masked_fill(part.lse.isposinf(), -kInfinity);
+  const auto total = torch::logaddexp(log_weight, part_weight);
+  // (b, h, n) -> (b, h, n, 1); 0 where neither side has seen a key (-inf - -inf is nan).
+  const auto kept = (log_weight - total).exp().nan_to_num(0.0).unsqueeze(-1);
+  const auto taken = (part_weight - total).exp().nan_to_num(0.0).unsqueeze(-1);
+  out.mul_(kept).add_(part.out.to(out.scalar_type()).mul_(taken));
+  log_weight.copy_(total);
+}
+
 AttentionWithLse forward_over_steps(const Plan& plan, const torch::Tensor& query,
                                     const torch::Tensor& key, const torch::Tensor& value) {
+  constexpr double kInfinity = std::numeric_limits<double>::infinity();
   const auto dtype = compute_dtype(query);
-  std::vector<std::optional<AttentionWithLse>> merged(plan.chunks.size());
-  walk_steps(
-      plan, key, value, [&](const Step& step, const torch::Tensor& k, const torch::Tensor& v) {
-        for (const auto& pair : step.pairs) {
-          auto options = plan.pair_options;
-          options.mask(pair.mask);
-          auto part =
-              attention_forward(chunk_of(query, plan.chunks[pair.query_chunk]), k, v, options);
-          part.out = part.out.to(dtype);  // merged in the compute dtype
-          auto& slot = merged[pair.query_chunk];
-          slot = slot.has_value() ? merge_attention({*slot, part}) : part;
-        }
-      });
-  std::vector<torch::Tensor> outs, lses;
-  for (size_t i = 0; i < plan.chunks.size(); ++i) {
-    if (merged[i].has_value()) {
-      outs.push_back(merged[i]->out);
-      lses.push_back(merged[i]->lse);
-      continue;
-    }
-    // A chunk whose queries see no key anywhere: zeros, and lse +inf.
-    const auto q = chunk_of(query, plan.chunks[i]);
-    outs.push_back(torch::zeros({q.size(0), q.size(1), q.size(2), value.size(3)},
-                                query.options().dtype(dtype)));
-    lses.push_back(torch::full({q.size(0), q.size(1), q.size(2)},
-                               std::numeric_limits<double>::infinity(),
-                               query.options().dtype(dtype)));
-  }
-  return {torch::cat(outs, 2).to(query.scalar_type()), torch::cat(lses, 2)};
+  auto out = torch::zeros({query.size(0), query.size(1), query.size(2), value.size(3)},
+                          query.options().dtype(dtype));
+  auto log_weight = torch::full({query.size(0), query.size(1), query.size(2)}, -kInfinity,
+                                query.options().dtype(dtype));
+  walk_steps(plan, key, value,
+             [&](const Step& step, const torch::Tensor& k, const torch::Tensor& v) {
+               for (const auto& pair : step.pairs) {
+                 const auto& piece = plan.query_pieces[pair.query_piece];
+                 auto options = plan.pair_options;
+                 options.mask(pair.mask);
+                 auto piece_out = chunk_of(out, piece);
+                 auto piece_weight = log_weight.narrow(2, piece.local_start, piece.length);
+                 merge_into(piece_out, piece_weight,
+                            attention_forward(chunk_of(query, piece), k, v, options));
+               }
+             });
+  // A row that saw no key: lse +inf, as a single call's, and zeros.
+  return {out.to(query.scalar_type()), log_weight.masked_fill(log_weight.isneginf(), kInfinity)};
 }
 
 std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Tensor& query,
@@ -403,7 +409,7 @@ std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Te
         auto piece_grad_value = own ? chunk_of(grad_value, step.keys)
                                     : torch::zeros(v.sizes(), v.options().dtype(dtype));
         for (const auto& pair : step.pairs) {
-          const auto& chunk = plan.chunks[pair.query_chunk];
+          const auto& chunk = plan.query_pieces[pair.query_piece];
           auto options = plan.pair_options;
           options.mask(pair.mask);
           const auto grads =
