@@ -3,7 +3,7 @@
 // mask exchanges, and the refusals. Run without RANK it starts its own R ranks.
 // Usage: attnkit-context-parallel-check [--ranks R] [--fault die] [--timeout S]
 //        attnkit-context-parallel-check --bench N [--ranks R | --single] [--threads T]
-//                                       [--rounds K]
+//                                       [--rounds K] [--piece-kib P]
 //   --fault die: rank 1 exits before the call; the others must stop within the timeout,
 //   naming it (the run then fails, as it should).
 //   --bench N: times causal forward+backward at b 1, h 8, hd 64, n N, float32 (K rounds, 3) on
@@ -97,7 +97,7 @@ void reset_peak() {
 // Causal forward+backward at n tokens, `rounds` times: on this rank's shard (group given) or as one
 // call. Prints the median time, the time spent waiting for transfers, and the peak memory
 // above the inputs.
-int bench(int64_t n, int rounds, attnkit::train::Collectives* group) {
+int bench(int64_t n, int rounds, int64_t piece_bytes, attnkit::train::Collectives* group) {
   const int ranks = group == nullptr ? 1 : group->world_size();
   const int rank = group == nullptr ? 0 : group->rank();
   const SequenceShards shards(n, ranks, ShardLayout::kZigzag);
@@ -119,9 +119,10 @@ int bench(int64_t n, int rounds, attnkit::train::Collectives* group) {
     std::optional<CountingExchange> counting;
     if (group != nullptr)
       counting.emplace(*group);
-    auto out = group == nullptr
-                   ? attnkit::functional::attention(q, k, v, options)
-                   : attnkit::functional::context_parallel_attention(q, k, v, *counting, options);
+    auto out = group == nullptr ? attnkit::functional::attention(q, k, v, options)
+                                : attnkit::functional::context_parallel_attention(
+                                      q, k, v, *counting, options,
+                                      attnkit::ContextParallelOptions().piece_bytes(piece_bytes));
     forward_peaks.push_back(memory_mib("VmHWM") - before);
     kept.push_back(memory_mib("VmRSS") - before);
     reset_peak();
@@ -136,9 +137,10 @@ int bench(int64_t n, int rounds, attnkit::train::Collectives* group) {
     return x[x.size() / 2];
   };
   std::cout << c10::str(group == nullptr ? "one call" : c10::str("rank ", rank, " of ", ranks),
-                        ", n ", n, ", ", torch::get_num_threads(), " thread(s): forward+backward ",
-                        median(times), " s (median of ", rounds, ": ", times, "), waiting ",
-                        median(waits), " s, busy ", median(times) - median(waits),
+                        ", n ", n, ", ", torch::get_num_threads(), " thread(s) (",
+                        attnkit::blas_threads(), "): forward+backward ", median(times),
+                        " s (median of ", rounds, ": ", times, "), waiting ", median(waits),
+                        " s, busy ", median(times) - median(waits),
                         " s; MiB above the inputs (q, k, v, grad: ", inputs_mib, "): forward peak ",
                         median(forward_peaks), ", kept ", median(kept), ", backward peak ",
                         median(backward_peaks), "\n")
@@ -146,11 +148,12 @@ int bench(int64_t n, int rounds, attnkit::train::Collectives* group) {
   return 0;
 }
 
-int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_length, int rounds) {
+int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_length, int rounds,
+             int64_t piece_bytes) {
   const auto environment = attnkit::train::read_rank_environment();
   auto group = attnkit::train::join_process_group(environment, "gloo", timeout_s);
   if (bench_length > 0)
-    return bench(bench_length, rounds, group.get());
+    return bench(bench_length, rounds, piece_bytes, group.get());
   const int rank = group->rank();
   int failures = 0;
   const auto fail = [&](const std::string& what) {
@@ -344,14 +347,14 @@ int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_l
 
 int main(int argc, char** argv) {
   int ranks = 2, timeout_s = 60, threads = 1, rounds = 3;
-  int64_t bench_length = 0;
+  int64_t bench_length = 0, piece_bytes = attnkit::ContextParallelOptions().piece_bytes();
   bool single = false;
   std::string fault;
   std::vector<std::string> arguments;
   const char* usage =
       "usage: attnkit-context-parallel-check [--ranks R] [--fault die] [--timeout S]\n"
       "       attnkit-context-parallel-check --bench N [--ranks R | --single] [--threads T]\n"
-      "       [--rounds K]\n";
+      "       [--rounds K] [--piece-kib P]\n";
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--single") {
@@ -375,6 +378,8 @@ int main(int argc, char** argv) {
       threads = std::stoi(value);
     } else if (flag == "--rounds") {
       rounds = std::stoi(value);
+    } else if (flag == "--piece-kib") {
+      piece_bytes = std::stoll(value) << 10;
     } else {
       std::cerr << usage;
       return 2;
@@ -383,12 +388,12 @@ int main(int argc, char** argv) {
     arguments.push_back(value);
   }
   try {
-    torch::set_num_threads(threads);
+    attnkit::set_num_threads(threads);  // LibTorch's threads and the BLAS's
     if (single)
-      return bench(bench_length, rounds, nullptr);
+      return bench(bench_length, rounds, piece_bytes, nullptr);
     if (std::getenv("WORLD_SIZE") == nullptr)
       return attnkit::train::launch_local_ranks(ranks, arguments, std::cerr, 30);
-    return run_rank(ranks, fault, timeout_s, bench_length, rounds);
+    return run_rank(ranks, fault, timeout_s, bench_length, rounds, piece_bytes);
   } catch (const std::exception& e) {
     std::cerr << "attnkit-context-parallel-check: " << e.what() << "\n";
     return 1;

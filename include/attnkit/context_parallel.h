@@ -97,17 +97,17 @@ struct ContextParallelOptions {
 
 namespace functional {
 
-/// `attention` over a whole sequence split over the ranks of `exchange` (as `parallel.layout`
-/// says): query
-/// (b, h, s, hd), key (b, g, s, hd) and value (b, g, s, hd_v) are this rank's shards
-/// (`SequenceShards::shard`, s = n / R), and the result is this rank's queries' output
-/// (b, h, s, hd_v), with autograd: its backward sends each key and value shard's gradient
-/// home. `options.mask` (or `options.block_mask`) is the whole sequence's (n x n); each rank
-/// applies its region to each pair of chunks and skips the pairs it leaves empty, and no
-/// rank receives the keys that none of its queries sees. Every rank passes the same options.
-/// The CPU's split kernels compute each pair (attention_forward); refused: dropout, sinks,
-/// score functions that read positions or hold tensors that want gradients, and a shard
-/// whose length does not divide into the layout's chunks. Refusals come before any exchange.
+/// `attention` over a whole sequence split over the ranks of `exchange` as `parallel.layout`
+/// says: query (b, h, s, hd), key (b, g, s, hd) and value (b, g, s, hd_v) are this rank's
+/// shards (`SequenceShards::shard`, s = n / R), and the result is this rank's queries' output
+/// (b, h, s, hd_v), with autograd: its backward sends each piece of keys' and values'
+/// gradients home. `options.mask` (or `options.block_mask`) is the whole sequence's (n x n);
+/// each rank applies its region to each pair of pieces and skips the pairs it leaves empty,
+/// and no rank receives keys that none of its queries sees. Every rank passes the same
+/// options, and `exchange` must outlive the backward, which sends gradients through it. The
+/// CPU's split kernels compute each pair (attention_forward). Refused, before any exchange:
+/// dropout, sinks, score functions that may read positions (all but a softcap), and a shard
+/// that does not divide into the layout's chunks.
 /// Example: `context_parallel_attention(q, k, v, group,
 ///              AttentionOptions().mask(Mask::causal()))`.
 torch::Tensor context_parallel_attention(const torch::Tensor& query, const torch::Tensor& key,

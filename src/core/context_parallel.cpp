@@ -11,6 +11,7 @@
 #include "attnkit/context_parallel.h"
 
 #include <algorithm>
+#include <deque>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -311,7 +312,7 @@ template <typename Compute>
 void walk_steps(const Plan& plan, const torch::Tensor& key, const torch::Tensor& value,
                 const Compute& compute) {
   const auto& steps = plan.steps;
-  // The next step from `i` on that moves a piece (steps.size() for none), and its transfer.
+  // The first step from `i` on that moves a piece (steps.size() for none).
   const auto moving_from = [&](size_t i) {
     while (i < steps.size() && steps[i].offset == 0)
       ++i;
@@ -324,22 +325,27 @@ void walk_steps(const Plan& plan, const torch::Tensor& key, const torch::Tensor&
                       {chunk_of(key, keys).contiguous(), chunk_of(value, keys).contiguous()},
                       /*towards_higher=*/true);
   };
+  // Two pieces in flight: a rank whose piece computes faster than its partner's (the
+  // pieces of one step are unequal work) finds the next but one already sent.
+  constexpr size_t kInFlight = 2;
+  std::deque<Transfer> in_flight;
   size_t next_index = moving_from(0);
-  std::optional<Transfer> next;
-  if (next_index < steps.size())
-    next = start(next_index);
-  for (size_t i = 0; i < steps.size(); ++i) {
-    const auto& step = steps[i];
+  const auto top_up = [&] {
+    while (in_flight.size() < kInFlight && next_index < steps.size()) {
+      in_flight.push_back(start(next_index));
+      next_index = moving_from(next_index + 1);
+    }
+  };
+  top_up();
+  for (const auto& step : steps) {
     if (step.offset == 0) {
       compute(step, chunk_of(key, step.keys), chunk_of(value, step.keys));
       continue;
     }
-    next->wait();
-    const auto current = std::move(next->received);
-    next.reset();
-    next_index = moving_from(i + 1);
-    if (next_index < steps.size())
-      next = start(next_index);
+    in_flight.front().wait();
+    const auto current = std::move(in_flight.front().received);
+    in_flight.pop_front();
+    top_up();
     compute(step, current[0], current[1]);
   }
 }
@@ -389,16 +395,18 @@ std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Te
   auto grad_query = torch::zeros(query.sizes(), query.options().dtype(dtype));
   auto grad_key = torch::zeros(key.sizes(), key.options().dtype(dtype));
   auto grad_value = torch::zeros(value.sizes(), value.options().dtype(dtype));
-  // The gradients of this rank's piece of keys and values, from the rank that took it last.
-  std::optional<Transfer> returning;
-  SequenceChunk returning_piece;
-  const auto take_home = [&] {
-    if (!returning.has_value())
-      return;
-    returning->wait();
-    chunk_of(grad_key, returning_piece) += returning->received[0];
-    chunk_of(grad_value, returning_piece) += returning->received[1];
-    returning.reset();
+  // The gradients of this rank's pieces of keys and values on their way home from the ranks
+  // that took them, with where each piece lies in this rank's shard (where the other's lies in
+  // its). Added here with a step's delay, so that a slower partner does not hold this rank up.
+  std::deque<std::pair<Transfer, SequenceChunk>> returning;
+  const auto take_home = [&](size_t keep) {
+    while (returning.size() > keep) {
+      auto& [transfer, piece] = returning.front();
+      transfer.wait();
+      chunk_of(grad_key, piece) += transfer.received[0];
+      chunk_of(grad_value, piece) += transfer.received[1];
+      returning.pop_front();
+    }
   };
   walk_steps(
       plan, key, value, [&](const Step& step, const torch::Tensor& k, const torch::Tensor& v) {
@@ -421,14 +429,14 @@ std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Te
           piece_grad_key += grads.key.to(dtype);
           piece_grad_value += grads.value.to(dtype);
         }
-        take_home();
         if (!own) {
-          returning = start_step(plan, step, {piece_grad_key, piece_grad_value},
-                                 /*towards_higher=*/false);
-          returning_piece = step.keys;  // this rank's piece lies where the other's does
+          take_home(1);
+          returning.emplace_back(start_step(plan, step, {piece_grad_key, piece_grad_value},
+                                            /*towards_higher=*/false),
+                                 step.keys);
         }
       });
-  take_home();
+  take_home(0);
   return {grad_query.to(query.scalar_type()), grad_key.to(key.scalar_type()),
           grad_value.to(value.scalar_type())};
 }
