@@ -627,6 +627,46 @@ class TwoIdenticalRanks : public T::Collectives {
   int waited = 0;
 };
 
+// Context parallelism on one rank, in pieces of 8 tokens: every pair of pieces and every merge
+// of the multi-rank path but the transfers (tests/context_parallel_check.cpp runs 2 and 4
+// ranks), here also under the sanitizers.
+TEST(ContextParallel, OneRankInPiecesEqualsTheWholeCall) {
+  torch::manual_seed(3);
+  const int64_t n = 64;
+  const auto ids = torch::arange(n, torch::kInt64).div(23, "floor");
+  const auto allowed = torch::rand({n, n}) < 0.5;
+  const std::vector<std::pair<std::string, attnkit::functional::AttentionOptions>> cases{
+      {"causal", attnkit::functional::AttentionOptions().mask(attnkit::Mask::causal())},
+      {"documents, softcap", attnkit::functional::AttentionOptions()
+                                 .mask(attnkit::Mask::documents(ids, true))
+                                 .score_mod(attnkit::score_mods::softcap(5.0))},
+      {"block mask", attnkit::functional::AttentionOptions().block_mask(
+                         attnkit::create_block_mask(attnkit::Mask::from_tensor(allowed), 1, 1, n, n,
+                                                    attnkit::BlockMaskOptions().block_size(16)))},
+  };
+  auto one_rank = attnkit::train::single_process();
+  for (const auto layout : {attnkit::ShardLayout::kZigzag, attnkit::ShardLayout::kContiguous}) {
+    for (const auto& [name, options] : cases) {
+      SCOPED_TRACE(name);
+      const auto make = [&](int64_t heads) {
+        return torch::randn({2, heads, n, 8}, torch::kDouble).requires_grad_();
+      };
+      const auto q = make(4), k = make(2), v = make(2);
+      const auto grad = torch::randn({2, 4, n, 8}, torch::kDouble);
+      const auto want = attnkit::functional::attention(q, k, v, options);
+      const auto want_grads = torch::autograd::grad({want}, {q, k, v}, {grad});
+      // 8 tokens of 2 float64 heads of 8 in a batch of 2: 1,024 bytes.
+      const auto got = attnkit::functional::context_parallel_attention(
+          q, k, v, *one_rank, options,
+          attnkit::ContextParallelOptions().layout(layout).piece_bytes(1024));
+      const auto got_grads = torch::autograd::grad({got}, {q, k, v}, {grad});
+      EXPECT_TRUE(torch::allclose(got, want, 1e-12, 1e-12));
+      for (size_t i = 0; i < 3; ++i)
+        EXPECT_TRUE(torch::allclose(got_grads[i], want_grads[i], 1e-12, 1e-12)) << "input " << i;
+    }
+  }
+}
+
 TEST(DataParallel, GradientBucketsStartDuringBackwardInOrderAndSumEveryGradient) {
   torch::manual_seed(3);
   auto first = torch::nn::Linear(8, 16), second = torch::nn::Linear(16, 4);

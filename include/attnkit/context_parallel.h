@@ -88,11 +88,12 @@ class ShardExchange {
 struct ContextParallelOptions {
   /// How the sequence lies over the ranks (each rank's shard is `SequenceShards::shard`).
   TORCH_ARG(ShardLayout, layout) = ShardLayout::kZigzag;
-  /// The most bytes of keys (and as many of values) that one transfer moves: a chunk of another
-  /// rank's keys comes in pieces of this size, so that the buffers in flight stay small beside a
-  /// shard, and a piece that no query of any rank sees is not sent. 8 MiB is 4,096 tokens of 8
-  /// float32 heads of 64.
-  TORCH_ARG(int64_t, piece_bytes) = 8 << 20;
+  /// The most bytes of keys (and as many of values) in a piece: queries and other ranks' keys
+  /// go in pieces of this many tokens, so that the buffers in flight and the copies each call
+  /// makes stay small beside a shard, and a piece that no query of any rank sees is not sent.
+  /// 4 MiB is 2,048 tokens of 8 float32 heads of 64: as fast as 8 MiB at n 32,768 on 2 ranks,
+  /// with less memory (docs/distributed.md).
+  TORCH_ARG(int64_t, piece_bytes) = 4 << 20;
 };
 
 namespace functional {
