@@ -132,7 +132,13 @@ attnkit::cli::CommandLine make_command_line() {
       .value("Data-parallel", "bucket-mb",
              "0 = one allreduce of all gradients after backward; else buckets of this many MB "
              "whose allreduce starts while backward still runs",
-             "0");
+             "0")
+      .value("Data-parallel", "context-parallel",
+             "R ranks share each sequence (context parallelism): each holds 1/R of its tokens "
+             "(zigzag shards) and attention exchanges keys and values point to point; --nproc "
+             "must be a multiple of R (the rest is data-parallel). CPU, --dropout 0, a module "
+             "with masks, sequences that divide into 2R chunks",
+             "1");
   cli.value("Output", "save",
             "checkpoint path: latest state there, best held-out loss at NAME.best.EXT; one run "
             "at a time per path")
@@ -147,7 +153,9 @@ attnkit::cli::CommandLine make_command_line() {
   cli.example("attnkit-train --task reverse --module sa-v2 --dump-attention reverse.png",
               "a bidirectional task, and a heatmap of what the model attends to")
       .example("attnkit-train --task text --ffn --nproc 2 --save run.pt --sample 200",
-               "two data-parallel ranks on the text task; a checkpoint; 200 sampled bytes");
+               "two data-parallel ranks on the text task; a checkpoint; 200 sampled bytes")
+      .example("attnkit-train --task text --rope --seq-len 256 --nproc 2 --context-parallel 2",
+               "each sequence split over two ranks (context parallelism)");
   return cli;
 }
 
@@ -238,6 +246,7 @@ int main(int argc, char** argv) {
     config.dump_attention = cli.text("dump-attention");
     config.dist_backend = cli.text("dist-backend");
     config.bucket_mb = cli.number("bucket-mb");
+    config.context_parallel = cli.integer("context-parallel");
     nproc = cli.integer("nproc");
     config.quiet = cli.given("quiet");
     config.progress_bar = ::isatty(STDOUT_FILENO) == 1;
@@ -261,7 +270,8 @@ int main(int argc, char** argv) {
       const char* world_size = std::getenv("WORLD_SIZE");
       TORCH_CHECK(world_size == nullptr, "--nproc ", nproc, " with WORLD_SIZE set (", world_size,
                   "): this process is a rank of another launcher's run; drop one of them");
-      T::check_global_batch(config.batch_size, static_cast<int>(nproc));
+      T::check_context_parallel_ranks(config.context_parallel, static_cast<int>(nproc));
+      T::check_global_batch(config.batch_size, static_cast<int>(nproc / config.context_parallel));
       T::check_dtype_ranks(config.dtype, config.autocast, static_cast<int>(nproc));
       return T::launch_local_ranks(static_cast<int>(nproc), rank_arguments(argc, argv), std::cerr);
     }

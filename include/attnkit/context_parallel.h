@@ -118,4 +118,43 @@ torch::Tensor context_parallel_attention(const torch::Tensor& query, const torch
 
 }  // namespace functional
 
+/// Runs the multi-head modules context-parallel on this thread while it lives, as
+/// PyTorch's `context_parallel` does for SDPA: the self-attention forward of
+/// MultiHeadAttention, MultiHeadAttentionCombinedQKV, GroupedQueryAttention and
+/// MultiHeadLatentAttention takes x (b, s, d) as this rank's shard (SequenceShards::shard) of
+/// a sequence of `sequence_length` tokens, rotates each token at its position in the whole
+/// sequence (RoPE), reads the mask it is given (and its own causal mask and window) as the
+/// whole sequence's, and attends through context_parallel_attention over `exchange`.
+/// Refused inside a scope, by name: attention weights, cross-attention, KV-cache calls, and
+/// what context_parallel_attention refuses (dropout in training, sinks, score functions that
+/// read positions). The backward needs `exchange`, not the scope. Every rank runs the same
+/// modules in the same order.
+/// Example: `{ ContextParallelScope cp(group, 4096); loss = lm(tokens_mine).mean(); }
+///           loss.backward();`
+class ContextParallelScope {
+ public:
+  ContextParallelScope(ShardExchange& exchange, int64_t sequence_length,
+                       const ContextParallelOptions& options = {});
+  /// Restores the scope it found (none, or an outer one).
+  ~ContextParallelScope();
+  ContextParallelScope(const ContextParallelScope&) = delete;
+  ContextParallelScope& operator=(const ContextParallelScope&) = delete;
+
+  /// The innermost scope on this thread, or null.
+  static const ContextParallelScope* current();
+
+  ShardExchange& exchange() const { return exchange_; }
+  const ContextParallelOptions& options() const { return options_; }
+  /// The sequence's split: this rank's chunks and positions.
+  const SequenceShards& shards() const { return shards_; }
+  /// This rank's tokens' positions in the whole sequence, int64 (s) on `device`.
+  torch::Tensor positions(const torch::Device& device) const;
+
+ private:
+  ShardExchange& exchange_;
+  ContextParallelOptions options_;
+  SequenceShards shards_;
+  const ContextParallelScope* outer_;
+};
+
 }  // namespace attnkit

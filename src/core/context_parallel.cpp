@@ -474,4 +474,33 @@ torch::Tensor context_parallel_attention(const torch::Tensor& query, const torch
 
 }  // namespace functional
 
+namespace {
+
+thread_local const ContextParallelScope* current_scope = nullptr;
+
+}  // namespace
+
+ContextParallelScope::ContextParallelScope(ShardExchange& exchange, int64_t sequence_length,
+                                           const ContextParallelOptions& options)
+    : exchange_(exchange),
+      options_(options),
+      shards_(sequence_length, exchange.world_size(), options.layout()),
+      outer_(current_scope) {
+  TORCH_CHECK(options.piece_bytes() >= 1, "[ContextParallelScope] piece_bytes must be >= 1, got ",
+              options.piece_bytes());
+  current_scope = this;
+}
+
+ContextParallelScope::~ContextParallelScope() {
+  current_scope = outer_;
+}
+
+const ContextParallelScope* ContextParallelScope::current() {
+  return current_scope;
+}
+
+torch::Tensor ContextParallelScope::positions(const torch::Device& device) const {
+  return shards_.positions(exchange_.rank()).to(device);
+}
+
 }  // namespace attnkit

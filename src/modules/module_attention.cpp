@@ -35,12 +35,53 @@ AttentionCall module_call(const torch::Tensor& queries, const torch::Tensor& key
   return call;
 }
 
+const char* const kScope = "[ContextParallelScope]";
+
+// detail::attend inside a ContextParallelScope: the module's mask and `mask` are the whole
+// sequence's, and this rank's queries attend to every rank's keys.
+F::AttentionOutput attend_context_parallel(const torch::Tensor& queries, const torch::Tensor& keys,
+                                           const torch::Tensor& values,
+                                           const ModuleAttention& settings, bool training,
+                                           int64_t query_offset, bool with_weights,
+                                           const Mask& mask, const ContextParallelScope& scope) {
+  TORCH_CHECK(!with_weights, kScope,
+              " attention weights are not computed by a context-parallel call "
+              "(forward_with_weights); call it outside the scope");
+  TORCH_CHECK(query_offset == 0, kScope, " a module's call at query offset ", query_offset,
+              ": only whole-sequence calls run context-parallel");
+  const auto shard = scope.shards().shard_length();
+  TORCH_CHECK(queries.size(2) == shard, kScope, " a module's input must be this rank's shard of ",
+              shard, " tokens (a sequence of ", scope.shards().length(), " over ",
+              scope.shards().ranks(), " ranks), got ", queries.size(2), " tokens");
+  auto options = settings.options;
+  options.mask(module_mask(settings, 0) & mask).training(training);
+  return {F::context_parallel_attention(queries, keys, values, scope.exchange(), options,
+                                        scope.options()),
+          torch::Tensor()};
+}
+
 }  // namespace
+
+torch::Tensor rotate_shard(const RopeTables& rope, const torch::Tensor& heads,
+                           const ContextParallelScope& scope) {
+  const auto& shards = scope.shards();
+  TORCH_CHECK(heads.size(2) == shards.shard_length(), kScope,
+              " a module's input must be this rank's shard of ", shards.shard_length(),
+              " tokens, got ", heads.size(2));
+  std::vector<torch::Tensor> rotated;
+  for (const auto& chunk : shards.chunks(scope.exchange().rank()))
+    rotated.push_back(rope.rotate(heads.narrow(2, chunk.local_start, chunk.length), chunk.start));
+  return torch::cat(rotated, 2);  // (b, h, s, hd)
+}
 
 F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& keys,
                           const torch::Tensor& values, const ModuleAttention& settings,
                           bool training, int64_t query_offset, bool with_weights, const Mask& mask,
                           const torch::Tensor& packed_qkv) {
+  if (const auto* scope = ContextParallelScope::current()) {
+    return attend_context_parallel(queries, keys, values, settings, training, query_offset,
+                                   with_weights, mask, *scope);
+  }
   auto call = module_call(queries, keys, values, settings, training,
                           module_mask(settings, query_offset) & mask);
   call.with_weights = with_weights;
@@ -79,6 +120,9 @@ std::pair<torch::Tensor, torch::Tensor> key_value_inputs(
     const char* module, const torch::Tensor& query, const torch::Tensor& key,
     const torch::Tensor& value, const InputSpec& spec, const torch::Tensor& parameter) {
   check_forward_input(module, query, spec, parameter, "query");
+  TORCH_CHECK(!key.defined() || ContextParallelScope::current() == nullptr, "[", module,
+              "::forward] cross-attention inside a ContextParallelScope is not offered: the "
+              "scope shards one sequence's self-attention");
   if (!key.defined()) {
     TORCH_CHECK(!value.defined(), "[", module,
                 "::forward] value given without key: cross-attention takes key (and value)");
@@ -159,6 +203,9 @@ std::vector<int64_t> check_cached_call(const char* module, bool training, const 
                                        const CacheLayout& layout, const torch::Tensor& parameter,
                                        const Mask& mask, const torch::Tensor& lengths,
                                        const ScoreMod& score_mod) {
+  TORCH_CHECK(ContextParallelScope::current() == nullptr, "[", module,
+              "::forward_with_cache] a KV cache holds one process's whole sequence: call it "
+              "outside the ContextParallelScope");
   TORCH_CHECK(!training, "[", module,
               "::forward_with_cache] the KV cache is for inference, but the module is in "
               "training mode: call eval() first (training runs forward over whole sequences)");
@@ -316,7 +363,10 @@ void check_rope_forward(const char* name, const RopeTables& rope, const torch::T
               "::forward] key: RoPE rotates queries and keys by their positions in one "
               "sequence, so a module with the rope option does self-attention only; got key ",
               shape_string(key));
-  check_rope_positions(name, "forward] query", rope, 0, query.size(1));
+  // Inside a ContextParallelScope the query is a shard, and positions reach the whole length.
+  const auto* scope = ContextParallelScope::current();
+  check_rope_positions(name, "forward] query", rope, 0,
+                       scope != nullptr ? scope->shards().length() : query.size(1));
 }
 
 void check_rope_positions(const char* name, const char* where, const RopeTables& rope,

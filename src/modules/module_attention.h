@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "attnkit/attention.h"
+#include "attnkit/context_parallel.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
 #include "attnkit/rms_norm.h"
@@ -116,6 +117,11 @@ std::vector<int64_t> check_cached_call(const char* module, bool training, const 
                                        const Mask& mask = {}, const torch::Tensor& lengths = {},
                                        const ScoreMod& score_mod = {});
 
+/// Heads (b, h, s, hd) of this rank's shard in `scope`, each chunk rotated at its start in
+/// the whole sequence.
+torch::Tensor rotate_shard(const RopeTables& rope, const torch::Tensor& heads,
+                           const ContextParallelScope& scope);
+
 /// What a module with QK-norm or RoPE does to its heads between the projections and
 /// attention. `q_norm`/`k_norm` are empty holders without qk_norm, `rope` undefined without
 /// rope.
@@ -126,7 +132,9 @@ struct QueryKeyTransform {
 
   bool active() const { return !q_norm.is_empty() || rope.defined(); }
   /// Query heads (b, h, n, hd) and key heads (b, g, m, hd) normed, then rotated with token i
-  /// at position `positions` + i (an int64_t, or an int64 scalar or (b) tensor).
+  /// at position `positions` + i (an int64_t, or an int64 scalar or (b) tensor). Inside a
+  /// ContextParallelScope the heads are this rank's shard, each token rotated at its position
+  /// in the whole sequence (cached calls, which pass other positions, are refused there).
   template <typename Positions>
   std::pair<torch::Tensor, torch::Tensor> operator()(torch::Tensor queries, torch::Tensor keys,
                                                      const Positions& positions) const {
@@ -135,8 +143,13 @@ struct QueryKeyTransform {
       keys = k_norm.ptr()->forward(keys);
     }
     if (rope.defined()) {
-      queries = rope.rotate(queries, positions);
-      keys = rope.rotate(keys, positions);
+      if (const auto* scope = ContextParallelScope::current()) {
+        queries = rotate_shard(rope, queries, *scope);
+        keys = rotate_shard(rope, keys, *scope);
+      } else {
+        queries = rope.rotate(queries, positions);
+        keys = rope.rotate(keys, positions);
+      }
     }
     return {queries, keys};
   }

@@ -362,6 +362,14 @@ RankEnvironment read_rank_environment(const std::function<const char*(const char
   return env;
 }
 
+RankRange::RankRange(Collectives& group, int first, int size)
+    : group_(group), first_(first), size_(size) {
+  TORCH_CHECK(size >= 1 && first >= 0 && first + size <= group.world_size() &&
+                  group.rank() >= first && group.rank() < first + size,
+              "[RankRange] ranks [", first, ", ", first + size, ") must hold rank ", group.rank(),
+              " and lie within the group's ", group.world_size());
+}
+
 std::unique_ptr<Collectives> single_process() {
   return std::make_unique<SingleProcess>();
 }

@@ -67,6 +67,23 @@ class Collectives : public attnkit::ShardExchange {
   virtual void check_same_on_every_rank(const std::string& what, const std::string& text) = 0;
 };
 
+/// Ranks [first, first + size) of `group`, numbered from 0: the transfers of one
+/// context-parallel group inside a larger run (attnkit-train --context-parallel).
+class RankRange : public attnkit::ShardExchange {
+ public:
+  RankRange(Collectives& group, int first, int size);
+  int rank() const override { return group_.rank() - first_; }
+  int world_size() const override { return size_; }
+  std::function<void()> start_send_receive(const std::vector<torch::Tensor>& send, int to,
+                                           std::vector<torch::Tensor>& receive, int from) override {
+    return group_.start_send_receive(send, first_ + to, receive, first_ + from);
+  }
+
+ private:
+  Collectives& group_;
+  int first_, size_;
+};
+
 /// One process: every operation leaves its arguments as they are.
 std::unique_ptr<Collectives> single_process();
 

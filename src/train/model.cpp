@@ -336,19 +336,26 @@ torch::Tensor AttentionModelImpl::run(const torch::Tensor& tokens,
                                       const torch::Tensor& document_ids,
                                       std::vector<torch::Tensor>* maps) {
   Mask mask;
-  torch::Tensor positions = torch::arange(tokens.size(1), tokens.options());
+  // Inside a ContextParallelScope the tokens are this rank's shard of the sequence: positions
+  // are the shard's, and the document ids, mask and attention the whole sequence's.
+  const auto* scope = ContextParallelScope::current();
+  const auto n = scope != nullptr ? scope->shards().length() : tokens.size(1);
+  torch::Tensor positions =
+      scope != nullptr ? scope->positions(tokens.device()) : torch::arange(n, tokens.options());
   if (document_ids.defined()) {
-    TORCH_CHECK(document_ids.sizes() == tokens.sizes(),
-                "[AttentionModel::forward] document_ids: expected the tokens' shape ",
-                tokens.sizes(), ", got ", document_ids.sizes());
+    TORCH_CHECK(document_ids.dim() == 2 && document_ids.size(0) == tokens.size(0) &&
+                    document_ids.size(1) == n,
+                "[AttentionModel::forward] document_ids: expected (", tokens.size(0), ", ", n, ")",
+                scope != nullptr ? ", the whole sequence's," : "", " got ", document_ids.sizes());
     // Judged once per step, read by every layer (FlexAttention's pattern): the block mask's
     // lists serve each layer's tiles, and the documents' ids are compared only on the tiles
     // where documents meet. Block size 128: the modules' default chunk size.
-    const auto n = tokens.size(1);
     mask = Mask::from_block_mask(
         create_block_mask(Mask::documents(document_ids, /*causal=*/config_.causal), tokens.size(0),
                           1, n, n, BlockMaskOptions().device(tokens.device())));
     positions = positions_in_documents(document_ids);
+    if (scope != nullptr)
+      positions = scope->shards().shard(positions, scope->exchange().rank(), 1);
   }
   auto x = embed(tokens, positions);
   for (auto& block : *blocks_) {

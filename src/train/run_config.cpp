@@ -146,6 +146,16 @@ TrainConfig resolve(TrainConfig c) {
               c.memory_budget_gb);
   TORCH_CHECK(c.bucket_mb >= 0 && std::isfinite(c.bucket_mb),
               "--bucket-mb: expected >= 0 (0 = one allreduce after backward), got ", c.bucket_mb);
+  TORCH_CHECK(c.context_parallel >= 1, "--context-parallel: expected >= 1 (1 = none), got ",
+              c.context_parallel);
+  if (c.context_parallel > 1) {
+    TORCH_CHECK(takes_masks(c.model.module), "--context-parallel: --module ", c.model.module,
+                " does not run context-parallel; use mha, mha-combined, gqa, mqa or mla");
+    TORCH_CHECK(c.model.dropout == 0.0,
+                "--context-parallel: attention dropout is not offered "
+                "(the split calls' backward cannot redraw it); expected --dropout 0, got ",
+                c.model.dropout);
+  }
   TORCH_CHECK(c.sample >= 0, "--sample: expected >= 0, got ", c.sample);
   TORCH_CHECK(!c.pack || c.task == "text",
               "--pack: only the text task has documents to pack, got --task ", c.task);
@@ -176,6 +186,9 @@ TrainConfig resolve(TrainConfig c) {
   // One process; a launched rank chooses again knowing its machine's ranks (apps/train.cpp).
   c.dist_backend = choose_dist_backend(c.dist_backend, device, RankEnvironment{});
   check_backend_serves(c.dist_backend, device);
+  TORCH_CHECK(c.context_parallel == 1 || device.is_cpu(), "--context-parallel: the split kernels ",
+              "that compute each pair of shards run on the CPU; expected --device cpu, got ",
+              device);
   check_checkpoint_path(c.save);
   check_writable("--save", c.save);
   check_writable("--metrics", c.metrics);
@@ -256,6 +269,7 @@ std::string rank_agreement_text(const TrainConfig& c) {
       {"dump-attention", c.dump_attention},
       {"dist-backend", c.dist_backend},
       {"bucket-mb", c10::str(c.bucket_mb)},
+      {"context-parallel", std::to_string(c.context_parallel)},
       {"dtype", c.dtype},
       {"autocast", c.autocast ? "true" : "false"}};
   fields.insert(fields.end(), run.begin(), run.end());
@@ -269,6 +283,22 @@ void check_global_batch(int64_t batch_size, int world_size) {
   TORCH_CHECK(batch_size >= world_size, "--batch-size ", batch_size,
               " is the global batch and must give each of the ", world_size,
               " ranks at least one sequence");
+}
+
+void check_context_parallel_ranks(int64_t context_parallel, int world_size) {
+  TORCH_CHECK(world_size % context_parallel == 0, "--context-parallel ", context_parallel,
+              ": the ranks form groups of ", context_parallel,
+              " that share a sequence, so "
+              "the number of ranks must be a multiple of it; got ",
+              world_size, world_size == 1 ? " (start them with --nproc)" : "");
+}
+
+void check_context_parallel_length(const TrainConfig& config, int64_t input_length) {
+  const auto chunks = 2 * config.context_parallel;
+  TORCH_CHECK(input_length % chunks == 0, "--context-parallel ", config.context_parallel, ": task ",
+              config.task, " with --seq-len ", config.seq_len, " has sequences of ", input_length,
+              " tokens, which must divide into ", chunks,
+              " equal chunks (zigzag shards); choose another --seq-len");
 }
 
 void check_dtype_ranks(const std::string& dtype, bool autocast, int world_size) {

@@ -46,8 +46,11 @@ struct BatchScore {
   int64_t scored = 0;
 };
 
+// `divide_by` > 0: the loss is the sum over scored positions divided by it (a context-parallel
+// rank's part of the whole batch's mean, which its shard may score no position of), else the
+// mean.
 BatchScore score(AttentionModel& model, const Batch& batch, const torch::Device& device,
-                 bool count_correct) {
+                 bool count_correct, int64_t divide_by = 0) {
   // Unscored positions get a target cross_entropy ignores, which is cheaper than gathering
   // the scored rows with a boolean index (a nonzero, a gather and a scatter in backward).
   constexpr int64_t kIgnored = -100;
@@ -58,9 +61,13 @@ BatchScore score(AttentionModel& model, const Batch& batch, const torch::Device&
       batch.targets.masked_fill(batch.loss_mask.logical_not(), kIgnored).to(device);  // (b, n)
   namespace nnf = torch::nn::functional;
   // The loss in float32 whatever the model's dtype (--dtype): log-softmax over the vocabulary.
-  BatchScore result{nnf::cross_entropy(logits.flatten(0, 1).to(torch::kFloat), targets.flatten(),
-                                       nnf::CrossEntropyFuncOptions().ignore_index(kIgnored)),
-                    0, batch.loss_mask.sum().item<int64_t>()};
+  auto options = nnf::CrossEntropyFuncOptions().ignore_index(kIgnored);
+  if (divide_by > 0)
+    options.reduction(torch::kSum);
+  auto loss =
+      nnf::cross_entropy(logits.flatten(0, 1).to(torch::kFloat), targets.flatten(), options);
+  BatchScore result{divide_by > 0 ? loss / static_cast<double>(divide_by) : loss, 0,
+                    batch.loss_mask.sum().item<int64_t>()};
   if (count_correct) {
     // An ignored target (-100) never equals an arg max.
     result.correct = logits.argmax(-1).eq(targets).sum().item<int64_t>();
@@ -82,6 +89,13 @@ Batch part_of(const Batch& batch, int64_t part, int64_t parts) {
   const auto& ids = batch.document_ids;
   return {batch.inputs.slice(0, begin, end), batch.targets.slice(0, begin, end),
           batch.loss_mask.slice(0, begin, end), ids.defined() ? ids.slice(0, begin, end) : ids};
+}
+
+// Rank `rank`'s tokens of every row of a batch (SequenceShards::shard). The document ids stay
+// whole: the model builds the whole sequence's mask from them.
+Batch sequence_shard(const Batch& batch, const SequenceShards& shards, int rank) {
+  return {shards.shard(batch.inputs, rank, 1), shards.shard(batch.targets, rank, 1),
+          shards.shard(batch.loss_mask, rank, 1), batch.document_ids};
 }
 
 // A training step's loss and its gradients (written to `gradients`, the optimizer's flat
@@ -233,6 +247,10 @@ class TrainingRun {
   const std::unique_ptr<Collectives> one_process_;
   Collectives& group_;
   const int rank_, world_size_;
+  // --context-parallel: groups of context_ranks_ consecutive ranks share each sequence; the
+  // groups are the data-parallel ranks (data_rank_ of data_ranks_).
+  int context_ranks_ = 1, data_ranks_ = 1, data_rank_ = 0;
+  std::unique_ptr<RankRange> context_group_;  // this rank's group; null without
   int threads_ = 1;
   int64_t shares_ = 1, eval_shares_ = 1;
   std::optional<attnkit::SingleThreadedBlas> blas_on_one_thread_;
@@ -267,10 +285,18 @@ TrainingRun::TrainingRun(const TrainConfig& config, std::ostream& out,
       rank_(group_.rank()),
       world_size_(group_.world_size()) {
   group_.check_same_on_every_rank("flags", rank_agreement_text(config));
-  check_global_batch(config.batch_size, world_size_);
+  check_context_parallel_ranks(config.context_parallel, world_size_);
+  context_ranks_ = static_cast<int>(config.context_parallel);
+  data_ranks_ = world_size_ / context_ranks_;
+  data_rank_ = rank_ / context_ranks_;
+  check_global_batch(config.batch_size, data_ranks_);
+  if (context_ranks_ > 1)
+    context_group_ =
+        std::make_unique<RankRange>(group_, data_rank_ * context_ranks_, context_ranks_);
   threads_ = run_threads(config, local_ranks(world_size_));
   attnkit::set_num_threads(threads_);
-  shares_ = step_shares(config, device_, threads_);
+  // A context-parallel step is one sequence of transfers: no shares on worker threads.
+  shares_ = context_group_ ? 1 : step_shares(config, device_, threads_);
   eval_shares_ = device_.is_cpu() ? threads_ : 1;  // no dropout there
   // With shares every BLAS call runs inside a worker, on one thread; pinned for the whole run
   // (evaluation and sampling too), so that no BLAS thread spins on a worker's core.
@@ -281,6 +307,8 @@ TrainingRun::TrainingRun(const TrainConfig& config, std::ostream& out,
 
   task_ = make_task(config.task, config.seq_len, config.seed, config.data, config.pack);
   const auto model_config = model_config_of(config, *task_);
+  if (context_group_)
+    check_context_parallel_length(config, task_->input_length());
   if (config.memory_budget_gb > 0)
     attnkit::set_memory_budget(static_cast<int64_t>(config.memory_budget_gb * 1e9));
   if (device_.is_cpu())
@@ -367,9 +395,16 @@ void TrainingRun::print_setup() {
       line << "; a step with dropout on 1 (its masks need one order of draws)";
     line << "\n";
   }
+  if (context_group_) {
+    Line(out_) << "context-parallel: each sequence of " << task_->input_length() << " tokens over "
+               << context_ranks_ << " ranks (zigzag shards of "
+               << task_->input_length() / context_ranks_ << "), attention over point-to-point "
+               << "transfers\n";
+  }
   if (world_size_ > 1) {
     const auto buckets = gradient_sync_->bucket_sizes();
-    Line(out_) << "data-parallel: " << world_size_ << " ranks (" << group_.backend() << "), "
+    Line(out_) << "data-parallel: " << data_ranks_
+               << (context_group_ ? " groups of ranks (" : " ranks (") << group_.backend() << "), "
                << config_.batch_size << " sequences per step in all, "
                << optimizer_->flat_gradients().numel() << " gradients summed in " << buckets.size()
                << (buckets.size() == 1 ? " allreduce after backward\n"
@@ -404,7 +439,7 @@ void TrainingRun::step(int64_t step) {
   const auto step_start = Clock::now();
   // Every rank draws the whole global batch from the shared stream and keeps its share.
   const auto batch = task_->train_batch(config_.batch_size, data_generator_);
-  const auto share = part_of(batch, rank_, world_size_);
+  const auto share = part_of(batch, data_rank_, data_ranks_);
   // A step with dropout runs on one thread: one batch's ops at toy sizes are slower spread
   // over cores (0.6x at 2 threads here), and shares are not an option (step_shares).
   std::optional<OneThread> serial_step;
@@ -413,16 +448,25 @@ void TrainingRun::step(int64_t step) {
   auto& model = working_model();
   const double loss_scale = mixed_ ? mixed_->loss_scale() : 1.0;
   // The shares' gradients are summed into the optimizer's float32 buffer whatever --dtype is.
-  const auto s = shares_ > 1
-                     ? forward_backward_in_shares(model, share, device_, config_.progress_bar,
-                                                  shares_, optimizer_->flat_gradients(), loss_scale)
-                     : score(model, share, device_, /*count_correct=*/config_.progress_bar);
+  const auto scored = batch.loss_mask.sum().item<int64_t>();  // the whole batch's
+  BatchScore s;
+  if (context_group_) {
+    // The forward inside the scope; its backward (below) exchanges through the group.
+    const attnkit::ContextParallelScope scope(*context_group_, task_->input_length());
+    s = score(model, sequence_shard(share, scope.shards(), context_group_->rank()), device_,
+              config_.progress_bar, /*divide_by=*/std::max<int64_t>(scored, 1));
+  } else if (shares_ > 1) {
+    s = forward_backward_in_shares(model, share, device_, config_.progress_bar, shares_,
+                                   optimizer_->flat_gradients(), loss_scale);
+  } else {
+    s = score(model, share, device_, /*count_correct=*/config_.progress_bar);
+  }
   // This rank's part of the mean over the whole batch's scored positions: the parts'
   // gradients then sum to the whole batch's.
-  const auto scored = world_size_ == 1 ? s.scored : batch.loss_mask.sum().item<int64_t>();
   const auto loss_part =
-      world_size_ == 1 ? s.loss
-                       : s.loss * (static_cast<double>(s.scored) / std::max<int64_t>(scored, 1));
+      world_size_ == 1 || context_group_
+          ? s.loss
+          : s.loss * (static_cast<double>(s.scored) / std::max<int64_t>(scored, 1));
   double loss = loss_part.item<double>();
   double correct = static_cast<double>(s.correct);
   if (world_size_ > 1) {

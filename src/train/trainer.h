@@ -70,6 +70,9 @@ struct TrainConfig {
   /// Data-parallel runs: 0 = one allreduce of every gradient after backward; else buckets of
   /// this many MB whose allreduce starts during backward (gradient_sync.h).
   double bucket_mb = 0.0;
+  /// Ranks that share each sequence (context parallelism, zigzag shards): the run's ranks
+  /// form world_size / context_parallel data-parallel groups of this many. 1: none.
+  int64_t context_parallel = 1;
   bool quiet = false;
   /// Redraw a progress bar in place (the CLI sets this when stdout is a terminal);
   /// otherwise print one plain line per evaluation.
@@ -138,6 +141,13 @@ TrainResult train(const TrainConfig& config, std::ostream& out,
 
 /// Fails unless a global batch of `batch_size` sequences gives each rank at least one.
 void check_global_batch(int64_t batch_size, int world_size);
+
+/// Fails unless `world_size` ranks form whole context-parallel groups of `context_parallel`.
+void check_context_parallel_ranks(int64_t context_parallel, int world_size);
+
+/// Fails unless a task's sequences of `input_length` tokens divide into the 2 R equal chunks
+/// of R = `context_parallel` zigzag shards.
+void check_context_parallel_length(const TrainConfig& config, int64_t input_length);
 
 /// Fails for a 16-bit --dtype with more than one rank unless --autocast: the working copy is
 /// single-process (the gradient buckets hook the float32 parameters, which its backward does
