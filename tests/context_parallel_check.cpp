@@ -1,9 +1,12 @@
 // Context-parallel attention on R processes over loopback (c10d, Gloo), against the
 // single-process call: outputs and gradients for each mask, layout and dtype, the steps each
 // mask exchanges, and the refusals. Run without RANK it starts its own R ranks.
-// Usage: attnkit-context-parallel-check [--ranks R] [--fault die] [--timeout S]
+// Usage: attnkit-context-parallel-check [--ranks R] [--fault die] [--timeout S] [--data PATH]
 //        attnkit-context-parallel-check --bench N [--ranks R | --single] [--threads T]
 //                                       [--rounds K] [--piece-kib P]
+//   Each rank also trains attnkit-train's model 50 steps context-parallel (the copy and reverse
+//   tasks, and with --data, the text file, the text task with packed documents) and compares
+//   every step's loss with one process's run.
 //   --fault die: rank 1 exits before the call; the others must stop within the timeout,
 //   naming it (the run then fails, as it should).
 //   --bench N: times causal forward+backward at b 1, h 8, hd 64, n N, float32 (K rounds, 3) on
@@ -24,6 +27,7 @@
 
 #include "train/distributed.h"
 #include "train/launcher.h"
+#include "train/trainer.h"
 
 namespace {
 
@@ -148,8 +152,37 @@ int bench(int64_t n, int rounds, int64_t piece_bytes, attnkit::train::Collective
   return 0;
 }
 
+// attnkit-train's runs, context-parallel over `group` (groups of `context_parallel` ranks)
+// against one process: every step's loss within 1e-5 relative; "" or what differs.
+std::string train_difference(attnkit::train::TrainConfig config, int64_t context_parallel,
+                             attnkit::train::Collectives& group) {
+  namespace T = attnkit::train;
+  config.quiet = true;
+  config.steps = 50;
+  config.device = "cpu";
+  std::ostringstream quiet;
+  const auto one = T::train(T::resolve(config), quiet, nullptr, nullptr).losses;
+  config.context_parallel = context_parallel;
+  const auto split = T::train(T::resolve(config), quiet, nullptr, &group).losses;
+  if (split.size() != one.size())
+    return c10::str(split.size(), " steps against ", one.size());
+  double worst = 0.0;
+  size_t worst_step = 0;
+  for (size_t i = 0; i < one.size(); ++i) {
+    const double error = std::abs(split[i] - one[i]) / std::max(1.0, std::abs(one[i]));
+    if (error > worst) {
+      worst = error;
+      worst_step = i + 1;
+    }
+  }
+  std::ostringstream text;
+  text << "largest difference " << worst << " at step " << worst_step << " (losses " << one.front()
+       << " -> " << one.back() << ")";
+  return (worst <= 1e-5 ? "ok " : "FAIL ") + text.str();
+}
+
 int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_length, int rounds,
-             int64_t piece_bytes) {
+             int64_t piece_bytes, const std::string& data) {
   const auto environment = attnkit::train::read_rank_environment();
   auto group = attnkit::train::join_process_group(environment, "gloo", timeout_s);
   if (bench_length > 0)
@@ -306,6 +339,53 @@ int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_l
       fail(c10::str("RoPE at each chunk's start: differs by ", error, " (relative) > 1e-12"));
   }
 
+  // attnkit-train: 50 steps context-parallel against one process.
+  {
+    namespace T = attnkit::train;
+    std::vector<std::pair<std::string, T::TrainConfig>> runs;
+    T::TrainConfig copy;
+    copy.model.module = "mha";
+    copy.model.layers = 2;
+    runs.emplace_back("copy, mha, 2 layers", copy);
+    T::TrainConfig reverse;
+    reverse.task = "reverse";
+    reverse.model.module = "mha-combined";
+    runs.emplace_back("reverse (bidirectional), mha-combined", reverse);
+    if (!data.empty()) {
+      T::TrainConfig text;
+      text.task = "text";
+      text.data = data;
+      text.pack = true;
+      text.batch_size = 8;
+      text.model.module = "gqa";
+      text.model.rope = true;
+      text.model.qk_norm = true;
+      text.model.ffn = true;
+      runs.emplace_back("text, packed documents, gqa, RoPE, QK-norm", text);
+    }
+    // (--context-parallel, run): every run on 2 ranks; on 4 (4 ranks take 4x the time on 2
+    // cores), the copy task on all 4 and the last run on 2 data-parallel groups of 2.
+    std::vector<std::pair<int64_t, size_t>> picked;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      if (ranks == 2)
+        picked.emplace_back(2, i);
+    }
+    if (ranks == 4) {
+      picked.emplace_back(4, 0);
+      picked.emplace_back(2, runs.size() - 1);
+    }
+    for (const auto& [cp, index] : picked) {
+      const auto& [name, config] = runs[index];
+      const auto result = train_difference(config, cp, *group);
+      const auto what = c10::str("attnkit-train, ", name, ", --context-parallel ", cp, " of ",
+                                 ranks, " ranks, 50 steps' losses against one process: ");
+      if (result.rfind("ok ", 0) == 0)
+        pass(what + result.substr(3));
+      else
+        fail(what + result);
+    }
+  }
+
   // Refusals, before any transfer of tensors.
   const auto expect_refusal = [&](const std::string& what, const std::string& needle,
                                   const std::function<void()>& call) {
@@ -349,10 +429,11 @@ int main(int argc, char** argv) {
   int ranks = 2, timeout_s = 60, threads = 1, rounds = 3;
   int64_t bench_length = 0, piece_bytes = attnkit::ContextParallelOptions().piece_bytes();
   bool single = false;
-  std::string fault;
+  std::string fault, data;
   std::vector<std::string> arguments;
   const char* usage =
-      "usage: attnkit-context-parallel-check [--ranks R] [--fault die] [--timeout S]\n"
+      "usage: attnkit-context-parallel-check [--ranks R] [--fault die] [--timeout S] "
+      "[--data PATH]\n"
       "       attnkit-context-parallel-check --bench N [--ranks R | --single] [--threads T]\n"
       "       [--rounds K] [--piece-kib P]\n";
   for (int i = 1; i < argc; ++i) {
@@ -368,6 +449,8 @@ int main(int argc, char** argv) {
     const std::string value = argv[++i];
     if (flag == "--ranks") {
       ranks = std::stoi(value);
+    } else if (flag == "--data") {
+      data = value;
     } else if (flag == "--fault") {
       fault = value;
     } else if (flag == "--timeout") {
@@ -393,7 +476,7 @@ int main(int argc, char** argv) {
       return bench(bench_length, rounds, piece_bytes, nullptr);
     if (std::getenv("WORLD_SIZE") == nullptr)
       return attnkit::train::launch_local_ranks(ranks, arguments, std::cerr, 30);
-    return run_rank(ranks, fault, timeout_s, bench_length, rounds, piece_bytes);
+    return run_rank(ranks, fault, timeout_s, bench_length, rounds, piece_bytes, data);
   } catch (const std::exception& e) {
     std::cerr << "attnkit-context-parallel-check: " << e.what() << "\n";
     return 1;

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Context-parallel attention on 2 and 4 ranks over loopback (tests/context_parallel_check.cpp),
 # then a rank that dies during a call: the other must stop within the group's timeout, naming it.
-# Usage: tests/context_parallel_test.sh PATH/TO/attnkit-context-parallel-check
+# Each run also trains attnkit-train's model context-parallel against one process (the text
+# task on DATA).
+# Usage: tests/context_parallel_test.sh PATH/TO/attnkit-context-parallel-check DATA
 set -u
 check=$1
+data=$2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 failures=0
 
 for ranks in 2 4; do
-  if "$check" --ranks "$ranks" >"$work/out" 2>&1; then
+  if "$check" --ranks "$ranks" --data "$data" >"$work/out" 2>&1; then
     echo "ok: $ranks ranks: $(grep -c '^ok:' "$work/out") checks passed"
   else
     echo "FAIL: $ranks ranks:"

@@ -249,7 +249,8 @@ class C10dCollectives : public Collectives {
   }
 
   void check_same_on_every_rank(const std::string& what, const std::string& text) override {
-    const std::string prefix = "attnkit/" + what + "/";
+    // Keys of their own per check: the store keeps the last check's texts.
+    const std::string prefix = "attnkit/" + what + "/" + std::to_string(checks_++) + "/";
     store_->set(prefix + std::to_string(rank_), std::vector<uint8_t>(text.begin(), text.end()));
     std::vector<std::string> texts, read_keys;
     for (int r = 0; r < world_size_; ++r) {
@@ -318,6 +319,7 @@ class C10dCollectives : public Collectives {
   std::string backend_;
   torch::Device device_;
   int64_t transfers_ = 0;
+  int64_t checks_ = 0;  // check_same_on_every_rank calls so far
 };
 
 }  // namespace
