@@ -153,7 +153,8 @@ int bench(int64_t n, int rounds, int64_t piece_bytes, attnkit::train::Collective
 }
 
 // attnkit-train's runs, context-parallel over `group` (groups of `context_parallel` ranks)
-// against one process: every step's loss within 1e-5 relative; "" or what differs.
+// against one process: every step's loss within 1e-5 relative ("ok " and the largest
+// difference), or what differs.
 std::string train_difference(attnkit::train::TrainConfig config, int64_t context_parallel,
                              attnkit::train::Collectives& group) {
   namespace T = attnkit::train;
@@ -178,7 +179,7 @@ std::string train_difference(attnkit::train::TrainConfig config, int64_t context
   std::ostringstream text;
   text << "largest difference " << worst << " at step " << worst_step << " (losses " << one.front()
        << " -> " << one.back() << ")";
-  return (worst <= 1e-5 ? "ok " : "FAIL ") + text.str();
+  return (worst <= 1e-5 ? "ok " : "") + text.str();
 }
 
 int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_length, int rounds,

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "attnkit/attnkit.h"
 #include "attnkit/threads.h"
 #include "source_paths.h"
 #include "test_support.h"
@@ -515,6 +516,34 @@ TEST_F(TrainTest, ResolveNamesTheBadFlag) {
   expect_error_containing([&] { T::resolve(config); },
                           "--pack: --module causal takes no mask, so it cannot keep packed "
                           "documents apart; use mha, mha-combined, gqa, mqa or mla");
+  config = small_config();
+  config.context_parallel = 0;
+  expect_error_containing([&] { T::resolve(config); },
+                          "--context-parallel: expected >= 1 (1 = none), got 0");
+  config.context_parallel = 2;
+  config.model.dropout = 0.1;
+  expect_error_containing([&] { T::resolve(config); },
+                          "--context-parallel: attention dropout is not offered (the split calls' "
+                          "backward cannot redraw it); expected --dropout 0, got 0.1");
+  config.model.dropout = 0.0;
+  config.model.module = "causal";
+  config.model.backend = "";
+  expect_error_containing([&] { T::resolve(config); },
+                          "--context-parallel: --module causal does not run context-parallel");
+  config = small_config();
+  config.context_parallel = 2;
+  config.model.dropout = 0.0;
+  expect_error_containing([&] { run(config); },
+                          "--context-parallel 2: the ranks form groups of 2 that share a sequence, "
+                          "so the number of ranks must be a multiple of it; got 1 (start them "
+                          "with --nproc)");
+  expect_error_containing([] { T::check_context_parallel_ranks(2, 3); }, "got 3");
+  config.task = "reverse";
+  config.seq_len = 6;
+  config.context_parallel = 4;
+  expect_error_containing([&] { T::check_context_parallel_length(config, 6); },
+                          "--context-parallel 4: task reverse with --seq-len 6 has sequences of 6 "
+                          "tokens, which must divide into 8 equal chunks");
   EXPECT_EQ(T::best_checkpoint_path("dir.v2/run.pt"), "dir.v2/run.best.pt");
   EXPECT_EQ(T::best_checkpoint_path("dir.v2/run"), "dir.v2/run.best");
 }
@@ -665,6 +694,80 @@ TEST(ContextParallel, OneRankInPiecesEqualsTheWholeCall) {
         EXPECT_TRUE(torch::allclose(got_grads[i], want_grads[i], 1e-12, 1e-12)) << "input " << i;
     }
   }
+}
+
+// On one rank a scope's shard is the whole sequence in two zigzag chunks, the second rotated
+// from position n / 2: the modules' scoped forward and gradients equal their plain ones
+// (tests/context_parallel_test.sh compares 2 and 4 ranks through attnkit-train).
+TEST(ContextParallel, ModulesInAScopeOnOneRankEqualTheirPlainForward) {
+  torch::manual_seed(5);
+  const int64_t n = 24, d = 16;
+  const auto ids = torch::arange(n, torch::kInt64).div(10, "floor");
+  auto one_rank = attnkit::train::single_process();
+  const auto rope = attnkit::RopeOptions(n);
+  std::vector<std::pair<std::string, std::shared_ptr<attnkit::CachedAttentionLayer>>> modules{
+      {"mha, RoPE, QK-norm",
+       attnkit::MultiHeadAttention(
+           attnkit::MultiHeadAttentionOptions(d, d, n, 0.0, 4).rope(rope).qk_norm(true))
+           .ptr()},
+      {"gqa, RoPE, window 5",
+       attnkit::GroupedQueryAttention(
+           attnkit::GroupedQueryAttentionOptions(d, d, 0.0, 4, 2).rope(rope).sliding_window_size(5))
+           .ptr()},
+      {"mla",
+       attnkit::MultiHeadLatentAttention(attnkit::MultiHeadLatentAttentionOptions(d, d, 0.0, 2))
+           .ptr()},
+  };
+  for (const auto& [name, layer] : modules) {
+    SCOPED_TRACE(name);
+    const auto x = torch::randn({2, n, d}).requires_grad_();
+    const auto mask = attnkit::Mask::documents(ids, /*causal=*/false);
+    const auto want = layer->forward(x, {}, {}, mask);
+    const auto grad = torch::randn_like(want);
+    const auto parameters = layer->as_module()->parameters();
+    auto inputs = parameters;
+    inputs.push_back(x);
+    const auto want_grads = torch::autograd::grad({want}, inputs, {grad});
+    torch::Tensor got;
+    {
+      const attnkit::ContextParallelScope scope(*one_rank, n);
+      got = layer->forward(x, {}, {}, mask);
+    }
+    const auto got_grads = torch::autograd::grad({got}, inputs, {grad});
+    EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-6));
+    for (size_t i = 0; i < inputs.size(); ++i)
+      EXPECT_TRUE(torch::allclose(got_grads[i], want_grads[i], 1e-4, 1e-5)) << "input " << i;
+  }
+}
+
+TEST(ContextParallel, AScopeRefusesWhatItCannotShard) {
+  const int64_t n = 16, d = 8;
+  auto one_rank = attnkit::train::single_process();
+  attnkit::MultiHeadAttention mha(attnkit::MultiHeadAttentionOptions(d, d, n, 0.0, 2));
+  const auto x = torch::randn({1, n, d});
+  const attnkit::ContextParallelScope scope(*one_rank, n);
+  expect_error_containing([&] { mha->forward_with_weights(x); },
+                          "[ContextParallelScope] attention weights are not computed by a "
+                          "context-parallel call");
+  expect_error_containing([&] { mha->forward(x, x); },
+                          "cross-attention inside a ContextParallelScope is not offered");
+  expect_error_containing(
+      [&] {
+        mha->forward(torch::randn({1, 8, d}));
+      },
+      "a module's input must be this rank's shard of 16 tokens (a sequence of "
+      "16 over 1 ranks), got 8 tokens");
+  mha->eval();
+  auto cache = mha->make_kv_cache(1, n);
+  expect_error_containing([&] { mha->forward_with_cache(x, cache); },
+                          "a KV cache holds one process's whole sequence: call it outside the "
+                          "ContextParallelScope");
+  EXPECT_EQ(cache.size(), 0);
+  mha->train();
+  attnkit::MultiHeadAttention with_dropout(attnkit::MultiHeadAttentionOptions(d, d, n, 0.1, 2));
+  expect_error_containing([&] { with_dropout->forward(x); }, "dropout is not offered");
+  expect_error_containing([&] { attnkit::ContextParallelScope(*one_rank, 15); },
+                          "must divide into 2 equal chunks");
 }
 
 TEST(DataParallel, GradientBucketsStartDuringBackwardInOrderAndSumEveryGradient) {
