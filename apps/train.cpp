@@ -24,6 +24,7 @@
 #include "train/interrupts.h"
 #include "train/launcher.h"
 #include "train/line.h"
+#include "train/tasks.h"
 #include "train/trainer.h"
 
 namespace {
@@ -271,6 +272,11 @@ int main(int argc, char** argv) {
       TORCH_CHECK(world_size == nullptr, "--nproc ", nproc, " with WORLD_SIZE set (", world_size,
                   "): this process is a rank of another launcher's run; drop one of them");
       T::check_context_parallel_ranks(config.context_parallel, static_cast<int>(nproc));
+      if (config.context_parallel > 1) {  // once here, not once per rank
+        const auto task =
+            T::make_task(config.task, config.seq_len, config.seed, config.data, config.pack);
+        T::check_context_parallel_length(config, task->input_length());
+      }
       T::check_global_batch(config.batch_size, static_cast<int>(nproc / config.context_parallel));
       T::check_dtype_ranks(config.dtype, config.autocast, static_cast<int>(nproc));
       return T::launch_local_ranks(static_cast<int>(nproc), rank_arguments(argc, argv), std::cerr);

@@ -236,11 +236,11 @@ else
     -- --dtype float16 --autocast --steps 300 --eval-every 300 --threads 1
 fi
 
-# --help (its groups in this order, then two examples) and --version.
+# --help (its groups in this order, then three examples) and --version.
 checks=$((checks + 1))
 groups=$("$train" --help | sed -n 's/^ \([A-Za-z-]*\) options:$/\1/p; s/^ Examples:$/Examples/p' | paste -sd' ')
 examples=$("$train" --help | grep -c '^  attnkit-train --')
-if [ "$groups" = "Task Model Training Data-parallel Output Examples" ] && [ "$examples" -eq 2 ] &&
+if [ "$groups" = "Task Model Training Data-parallel Output Examples" ] && [ "$examples" -eq 3 ] &&
   "$train" --version | grep -q "attnkit-train "; then
   echo "ok: --help and --version"
 else

@@ -64,6 +64,9 @@ struct Case {
   AttentionOptions options;
   // Key/value transfers of the forward with the contiguous layout; -1: not checked.
   int contiguous_steps = -1;
+  // A tensor the score function reads that wants a gradient (undefined: none): each rank's
+  // gradient is its queries' share, and the shares sum to the single call's.
+  torch::Tensor score_tensor = torch::Tensor();
 };
 
 // ||got - want|| / ||want|| (Frobenius): the relative error of the tensor as a whole. The
@@ -247,6 +250,28 @@ int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_l
        AttentionOptions().mask(Mask::causal()).score_mod(attnkit::score_mods::softcap(20.0)),
        ranks - 1},
       {"random block mask", AttentionOptions().block_mask(random_blocks)},
+      // Score functions that read positions: q_idx and kv_idx in the whole sequence.
+      {"ALiBi, causal",
+       AttentionOptions()
+           .mask(Mask::causal())
+           .score_mod(attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(heads)))},
+  };
+  // Built per dtype: a learnable relative-position table (no mask) and a graph reading a
+  // (h, n, n) bias under a sliding window.
+  const auto with_score_tensors = [&](c10::ScalarType dtype) {
+    auto all = cases;
+    const auto table = torch::randn({heads, 2 * 24 + 1}, torch::dtype(dtype)).requires_grad_();
+    all.push_back({"relative-position table (D 24)",
+                   AttentionOptions().score_mod(attnkit::score_mods::relative_position_bias(table)),
+                   -1, table});
+    const auto bias = torch::randn({heads, n, n}, torch::dtype(dtype)).requires_grad_();
+    all.push_back(
+        {"a graph, bias[h, q_idx, kv_idx], sliding window 20",
+         AttentionOptions()
+             .mask(Mask::causal().sliding_window(20))
+             .score_mod(attnkit::ScoreGraph::parse("index $0 %2 %3 %4\nadd %0 %5").bind({bias})),
+         1, bias});
+    return all;
   };
   for (const auto dtype : {torch::kDouble, torch::kFloat}) {
     const double tolerance = dtype == torch::kDouble ? 1e-12 : 1e-6;
@@ -256,7 +281,7 @@ int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_l
     };
     const auto q = make(heads), k = make(kv_heads), v = make(kv_heads);
     const auto grad = torch::randn({batch, heads, n, head_dim}, torch::dtype(dtype));
-    for (const auto& c : cases) {
+    for (const auto& c : with_score_tensors(dtype)) {
       // The single-process call.
       for (auto* t : {&q, &k, &v}) {
         if (t->grad().defined())
@@ -265,12 +290,16 @@ int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_l
       const auto out = attnkit::functional::attention(q, k, v, c.options);
       out.backward(grad);
       const std::vector<torch::Tensor> want{out, q.grad(), k.grad(), v.grad()};
+      const auto want_score_grad =
+          c.score_tensor.defined() ? c.score_tensor.grad().clone() : torch::Tensor();
       for (const auto layout : {ShardLayout::kZigzag, ShardLayout::kContiguous}) {
         const SequenceShards shards(n, ranks, layout);
         const auto mine = [&](const torch::Tensor& whole) {
           return shards.shard(whole.detach(), rank, 2).requires_grad_();
         };
         const auto q_s = mine(q), k_s = mine(k), v_s = mine(v);
+        if (c.score_tensor.defined())
+          c.score_tensor.mutable_grad().zero_();
         CountingExchange counting(*group);
         // Zigzag runs take other ranks' chunks in pieces of 8 (float64) or 16 tokens.
         const auto parallel = attnkit::ContextParallelOptions().layout(layout).piece_bytes(
@@ -293,6 +322,17 @@ int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_l
           if (!(error <= tolerance))
             fail(c10::str(label, ": ", names[i], " differs by ", error, " (relative) > ",
                           tolerance));
+        }
+        if (c.score_tensor.defined()) {
+          auto summed = c.score_tensor.grad().clone();  // this rank's share, summed over ranks
+          group->sum(summed);
+          const double error = relative_error(summed, want_score_grad);
+          worst = std::max(worst, error);
+          worst_entry = std::max(worst_entry, largest_error(summed, want_score_grad));
+          if (!(error <= tolerance))
+            fail(c10::str(label,
+                          ": the score tensor's gradient, summed over the ranks, differs by ",
+                          error, " (relative) > ", tolerance));
         }
         if (layout == ShardLayout::kContiguous && c.contiguous_steps >= 0 &&
             forward_transfers != c.contiguous_steps) {
@@ -410,11 +450,12 @@ int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_l
     attnkit::functional::context_parallel_attention(q_bad, q_bad, q_bad, *group);
   });
   const auto q_ok = torch::randn({1, 2, 2 * chunk, 8});
-  expect_refusal("a score function that reads positions", "may read q_idx", [&] {
+  expect_refusal("a C++ function as the score function", "score_mod: a C++ function", [&] {
     attnkit::functional::context_parallel_attention(
         q_ok, q_ok, q_ok, *group,
-        AttentionOptions().score_mod(
-            attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(2))));
+        AttentionOptions().score_mod([](const torch::Tensor& score, const torch::Tensor&,
+                                        const torch::Tensor&, const torch::Tensor&,
+                                        const torch::Tensor&) { return score * 2; }));
   });
   expect_refusal("a mask for another length", "document_ids must have shape", [&] {
     attnkit::functional::context_parallel_attention(

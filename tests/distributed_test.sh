@@ -191,6 +191,11 @@ expect_error 2 "--dist-backend nccl: NCCL reduces GPU tensors and needs --device
   -- WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 -- --dist-backend nccl --device cpu
 expect_error 2 "--batch-size 1 is the global batch and must give each of the 2 ranks" -- -- \
   --nproc 2 --batch-size 1 --steps 1
+expect_error 2 "--context-parallel 2: the ranks form groups of 2 that share a sequence, so the number of ranks must be a multiple of it; got 3" \
+  -- -- --nproc 3 --context-parallel 2 --steps 1
+expect_error 2 "--context-parallel 2: the ranks form groups of 2" -- -- --context-parallel 2 --steps 1
+expect_error 2 "--context-parallel 2: task copy with --seq-len 7 has sequences of 14 tokens, which must divide into 4 equal chunks" \
+  -- -- --nproc 2 --context-parallel 2 --seq-len 7 --steps 1
 
 # A port in use: something else listens there.
 python3 -c 'import socket, time

@@ -664,36 +664,77 @@ TEST(ContextParallel, OneRankInPiecesEqualsTheWholeCall) {
   const int64_t n = 64;
   const auto ids = torch::arange(n, torch::kInt64).div(23, "floor");
   const auto allowed = torch::rand({n, n}) < 0.5;
-  const std::vector<std::pair<std::string, attnkit::functional::AttentionOptions>> cases{
-      {"causal", attnkit::functional::AttentionOptions().mask(attnkit::Mask::causal())},
-      {"documents, softcap", attnkit::functional::AttentionOptions()
-                                 .mask(attnkit::Mask::documents(ids, true))
-                                 .score_mod(attnkit::score_mods::softcap(5.0))},
-      {"block mask", attnkit::functional::AttentionOptions().block_mask(
-                         attnkit::create_block_mask(attnkit::Mask::from_tensor(allowed), 1, 1, n, n,
-                                                    attnkit::BlockMaskOptions().block_size(16)))},
+  // Score functions that read positions: each piece must count them in the whole sequence,
+  // and their tensors' gradients sum over the pieces.
+  const auto table = torch::randn({4, 2 * 10 + 1}, torch::kDouble).requires_grad_();
+  const auto bias = torch::randn({4, n, n}, torch::kDouble).requires_grad_();
+  struct Case {
+    std::string name;
+    attnkit::functional::AttentionOptions options;
+    torch::Tensor score_tensor;  // wants a gradient; undefined for none
+  };
+  const std::vector<Case> cases{
+      {"causal", attnkit::functional::AttentionOptions().mask(attnkit::Mask::causal()), {}},
+      {"documents, softcap",
+       attnkit::functional::AttentionOptions()
+           .mask(attnkit::Mask::documents(ids, true))
+           .score_mod(attnkit::score_mods::softcap(5.0)),
+       {}},
+      {"block mask",
+       attnkit::functional::AttentionOptions().block_mask(
+           attnkit::create_block_mask(attnkit::Mask::from_tensor(allowed), 1, 1, n, n,
+                                      attnkit::BlockMaskOptions().block_size(16))),
+       {}},
+      {"ALiBi, causal",
+       attnkit::functional::AttentionOptions()
+           .mask(attnkit::Mask::causal())
+           .score_mod(attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(4))),
+       {}},
+      {"relative-position table, no mask",
+       attnkit::functional::AttentionOptions().score_mod(
+           attnkit::score_mods::relative_position_bias(table)),
+       table},
+      {"a graph: bias[h, q_idx, kv_idx], causal",
+       attnkit::functional::AttentionOptions()
+           .mask(attnkit::Mask::causal())
+           .score_mod(attnkit::ScoreGraph::parse("index $0 %2 %3 %4\nadd %0 %5").bind({bias})),
+       bias},
   };
   auto one_rank = attnkit::train::single_process();
   for (const auto layout : {attnkit::ShardLayout::kZigzag, attnkit::ShardLayout::kContiguous}) {
-    for (const auto& [name, options] : cases) {
-      SCOPED_TRACE(name);
+    for (const auto& c : cases) {
+      SCOPED_TRACE(c.name);
       const auto make = [&](int64_t heads) {
         return torch::randn({2, heads, n, 8}, torch::kDouble).requires_grad_();
       };
       const auto q = make(4), k = make(2), v = make(2);
+      std::vector<torch::Tensor> inputs{q, k, v};
+      if (c.score_tensor.defined())
+        inputs.push_back(c.score_tensor);
       const auto grad = torch::randn({2, 4, n, 8}, torch::kDouble);
-      const auto want = attnkit::functional::attention(q, k, v, options);
-      const auto want_grads = torch::autograd::grad({want}, {q, k, v}, {grad});
+      const auto want = attnkit::functional::attention(q, k, v, c.options);
+      const auto want_grads = torch::autograd::grad({want}, inputs, {grad});
       // 8 tokens of 2 float64 heads of 8 in a batch of 2: 1,024 bytes.
       const auto got = attnkit::functional::context_parallel_attention(
-          q, k, v, *one_rank, options,
+          q, k, v, *one_rank, c.options,
           attnkit::ContextParallelOptions().layout(layout).piece_bytes(1024));
-      const auto got_grads = torch::autograd::grad({got}, {q, k, v}, {grad});
+      const auto got_grads = torch::autograd::grad({got}, inputs, {grad});
       EXPECT_TRUE(torch::allclose(got, want, 1e-12, 1e-12));
-      for (size_t i = 0; i < 3; ++i)
+      for (size_t i = 0; i < inputs.size(); ++i)
         EXPECT_TRUE(torch::allclose(got_grads[i], want_grads[i], 1e-12, 1e-12)) << "input " << i;
     }
   }
+  // A C++ function the split kernels cannot run is refused by name.
+  const auto q = torch::randn({1, 2, 8, 4});
+  expect_error_containing(
+      [&] {
+        attnkit::functional::context_parallel_attention(
+            q, q, q, *one_rank,
+            attnkit::functional::AttentionOptions().score_mod(
+                [](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor&,
+                   const torch::Tensor&, const torch::Tensor&) { return score; }));
+      },
+      "[context_parallel_attention] score_mod: a C++ function");
 }
 
 // On one rank a scope's shard is the whole sequence in two zigzag chunks, the second rotated

@@ -3,7 +3,7 @@
 /// Context parallelism: one sequence's queries, keys and values split over R ranks, each
 /// rank computing its queries' attention over the whole sequence's keys, which it receives
 /// from the others shard by shard. Output and gradients equal the single-process call, for
-/// any mask and any score function that reads no position (docs/distributed.md).
+/// any mask and any named score function or ScoreGraph (docs/distributed.md).
 ///
 /// The library knows nothing of process groups: a `ShardExchange` moves the tensors.
 /// attnkit-train's c10d group (Gloo on the CPU) is one (src/train/distributed.h).
@@ -106,9 +106,12 @@ namespace functional {
 /// each rank applies its region to each pair of pieces and skips the pairs it leaves empty,
 /// and no rank receives keys that none of its queries sees. Every rank passes the same
 /// options, and `exchange` must outlive the backward, which sends gradients through it. The
-/// CPU's split kernels compute each pair (attention_forward). Refused, before any exchange:
-/// dropout, sinks, score functions that may read positions (all but a softcap), and a shard
-/// that does not divide into the layout's chunks.
+/// CPU's split kernels compute each pair (attention_forward). A score function reads q_idx and
+/// kv_idx as positions in the whole sequence; the gradients of its tensors (a relative-position
+/// table) are this rank's queries' share, which sum over the ranks like any parameter's.
+/// Refused, before any exchange: dropout, sinks, C++ function score functions (the split
+/// kernels run the named ones and ScoreGraphs), and a shard that does not divide into the
+/// layout's chunks.
 /// Example: `context_parallel_attention(q, k, v, group,
 ///              AttentionOptions().mask(Mask::causal()))`.
 torch::Tensor context_parallel_attention(const torch::Tensor& query, const torch::Tensor& key,
@@ -126,8 +129,8 @@ torch::Tensor context_parallel_attention(const torch::Tensor& query, const torch
 /// sequence (RoPE), reads the mask it is given (and its own causal mask and window) as the
 /// whole sequence's, and attends through context_parallel_attention over `exchange`.
 /// Refused inside a scope, by name: attention weights, cross-attention, KV-cache calls, and
-/// what context_parallel_attention refuses (dropout in training, sinks, score functions that
-/// read positions). The backward needs `exchange`, not the scope. Every rank runs the same
+/// what context_parallel_attention refuses (dropout in training, sinks, C++ function score
+/// functions). The backward needs `exchange`, not the scope. Every rank runs the same
 /// modules in the same order.
 /// Example: `{ ContextParallelScope cp(group, 4096); loss = lm(tokens_mine).mean(); }
 ///           loss.backward();`

@@ -119,7 +119,18 @@ struct Plan : torch::CustomClassHolder {
   std::vector<SequenceChunk> query_pieces;  // this rank's
   std::vector<Step> steps;                  // offset 0 first, then the steps some rank needs
   AttentionOptions pair_options;            // the call's options without a mask
+  // The score function's tensors that want gradients (a relative-position table, a graph's).
+  std::vector<torch::Tensor> score_tensors;
 };
+
+// The options of one pair's call: its region of the mask, and the score function reading the
+// pieces' positions in the whole sequence.
+AttentionOptions options_of(const Plan& plan, const PiecePair& pair, const SequenceChunk& keys) {
+  auto options = plan.pair_options;
+  options.mask(pair.mask).score_mod(detail::score_mod_at_positions(
+      plan.pair_options.score_mod(), plan.query_pieces[pair.query_piece].start, keys.start));
+  return options;
+}
 
 // What the whole mask's region over a pair of chunks is, over every batch entry and head:
 // empty, full, or partial (also when its structure does not say).
@@ -191,9 +202,10 @@ c10::intrusive_ptr<Plan> make_plan(const torch::Tensor& query, const torch::Tens
               "dropout_p ",
               options.dropout_p(), " in training");
   TORCH_CHECK(!options.sinks().defined(), kFn, " attention sinks are not offered");
-  TORCH_CHECK(!detail::score_reads_positions(options.score_mod()), kFn,
-              " score_mod: a score function that may read q_idx or kv_idx is not offered (each "
-              "pair of chunks counts them from 0); a softcap is");
+  std::string why;
+  const auto variant = detail::score_variant_of(options.score_mod(), &why);
+  TORCH_CHECK(variant, kFn, " score_mod: ", why,
+              "; a context-parallel call takes the named score functions and ScoreGraphs");
   // The whole sequence's mask must fit the whole problem: refused here, before any transfer.
   mask.check(kFn, query.size(0), query.size(1), n, n, query.device());
   // Each pair's call checks the rest (devices, dtypes, heads) before the first transfer too.
@@ -215,6 +227,10 @@ c10::intrusive_ptr<Plan> make_plan(const torch::Tensor& query, const torch::Tens
     pieces.push_back(pieces_of(shards.chunks(r), piece_tokens));
   plan->query_pieces = pieces[static_cast<size_t>(rank)];
   plan->pair_options = options;
+  for (const auto& tensor : variant->tensors()) {
+    if (tensor.requires_grad())
+      plan->score_tensors.push_back(tensor);
+  }
   // Every rank judges every rank's pairs, so that all agree on the steps without talking.
   const int64_t batch = query.size(0), heads = query.size(1);
   for (int offset = 0; offset < ranks; ++offset) {
@@ -371,18 +387,17 @@ AttentionWithLse forward_over_steps(const Plan& plan, const torch::Tensor& query
                           query.options().dtype(dtype));
   auto log_weight = torch::full({query.size(0), query.size(1), query.size(2)}, -kInfinity,
                                 query.options().dtype(dtype));
-  walk_steps(plan, key, value,
-             [&](const Step& step, const torch::Tensor& k, const torch::Tensor& v) {
-               for (const auto& pair : step.pairs) {
-                 const auto& piece = plan.query_pieces[pair.query_piece];
-                 auto options = plan.pair_options;
-                 options.mask(pair.mask);
-                 auto piece_out = chunk_of(out, piece);
-                 auto piece_weight = log_weight.narrow(2, piece.local_start, piece.length);
-                 merge_into(piece_out, piece_weight,
-                            attention_forward(chunk_of(query, piece), k, v, options));
-               }
-             });
+  walk_steps(
+      plan, key, value, [&](const Step& step, const torch::Tensor& k, const torch::Tensor& v) {
+        for (const auto& pair : step.pairs) {
+          const auto& piece = plan.query_pieces[pair.query_piece];
+          auto piece_out = chunk_of(out, piece);
+          auto piece_weight = log_weight.narrow(2, piece.local_start, piece.length);
+          merge_into(
+              piece_out, piece_weight,
+              attention_forward(chunk_of(query, piece), k, v, options_of(plan, pair, step.keys)));
+        }
+      });
   // A row that saw no key: lse +inf, as a single call's, and zeros.
   return {out.to(query.scalar_type()), log_weight.masked_fill(log_weight.isneginf(), kInfinity)};
 }
@@ -395,6 +410,9 @@ std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Te
   auto grad_query = torch::zeros(query.sizes(), query.options().dtype(dtype));
   auto grad_key = torch::zeros(key.sizes(), key.options().dtype(dtype));
   auto grad_value = torch::zeros(value.sizes(), value.options().dtype(dtype));
+  std::vector<torch::Tensor> grad_score_tensors;  // summed over the pairs
+  for (const auto& tensor : plan.score_tensors)
+    grad_score_tensors.push_back(torch::zeros_like(tensor));
   // The gradients of this rank's pieces of keys and values on their way home from the ranks
   // that took them, with where each piece lies in this rank's shard (where the other's lies in
   // its). Added here with a step's delay, so that a slower partner does not hold this rank up.
@@ -418,16 +436,16 @@ std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Te
                                     : torch::zeros(v.sizes(), v.options().dtype(dtype));
         for (const auto& pair : step.pairs) {
           const auto& chunk = plan.query_pieces[pair.query_piece];
-          auto options = plan.pair_options;
-          options.mask(pair.mask);
           const auto grads =
               attention_backward(chunk_of(query, chunk), k, v,
                                  {chunk_of(forward.out, chunk),
                                   forward.lse.narrow(2, chunk.local_start, chunk.length)},
-                                 chunk_of(grad_out, chunk), options);
+                                 chunk_of(grad_out, chunk), options_of(plan, pair, step.keys));
           chunk_of(grad_query, chunk) += grads.query.to(dtype);
           piece_grad_key += grads.key.to(dtype);
           piece_grad_value += grads.value.to(dtype);
+          for (size_t t = 0; t < grad_score_tensors.size(); ++t)
+            grad_score_tensors[t] += grads.score_tensors[t];
         }
         if (!own) {
           take_home(1);
@@ -437,14 +455,19 @@ std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Te
         }
       });
   take_home(0);
-  return {grad_query.to(query.scalar_type()), grad_key.to(key.scalar_type()),
-          grad_value.to(value.scalar_type())};
+  std::vector<torch::Tensor> grads{grad_query.to(query.scalar_type()),
+                                   grad_key.to(key.scalar_type()),
+                                   grad_value.to(value.scalar_type())};
+  grads.insert(grads.end(), grad_score_tensors.begin(), grad_score_tensors.end());
+  return grads;
 }
 
 struct ContextParallelFunction : public torch::autograd::Function<ContextParallelFunction> {
   static torch::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<Plan> plan,
                                const torch::Tensor& query, const torch::Tensor& key,
-                               const torch::Tensor& value) {
+                               const torch::Tensor& value, at::TensorList /*score_tensors*/) {
+    // The score tensors are inputs so that autograd asks for their gradients; the plan holds
+    // them.
     const auto result = forward_over_steps(*plan, query, key, value);
     ctx->save_for_backward({query, key, value, result.out, result.lse});
     ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
@@ -457,7 +480,9 @@ struct ContextParallelFunction : public torch::autograd::Function<ContextParalle
     const auto& plan = *static_cast<const Plan*>(capsule.get());
     const auto computed = backward_over_steps(plan, saved[0], saved[1], saved[2],
                                               {saved[3], saved[4]}, grads[0].contiguous());
-    return {torch::Tensor(), computed[0], computed[1], computed[2]};
+    variable_list grads_in{torch::Tensor()};
+    grads_in.insert(grads_in.end(), computed.begin(), computed.end());
+    return grads_in;
   }
 };
 
@@ -469,7 +494,8 @@ torch::Tensor context_parallel_attention(const torch::Tensor& query, const torch
                                          const ContextParallelOptions& parallel) {
   const auto plan = make_plan(query, key, value, exchange, options, parallel);
   check_same_shapes(*plan, query, key, value);
-  return ContextParallelFunction::apply(plan, query, key, value);
+  return ContextParallelFunction::apply(plan, query, key, value,
+                                        at::TensorList(plan->score_tensors));
 }
 
 }  // namespace functional

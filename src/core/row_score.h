@@ -24,9 +24,15 @@ struct RowScore {
   torch::Tensor table;  // kAlibi: (heads); kRelativeBias: (heads or 1, 2 D + 1)
   int64_t max_distance;
   std::shared_ptr<const ScoreProgram> program;  // kGraph
+  int64_t query_offset, key_offset;             // added to the call's positions
 
   explicit RowScore(const ScoreVariant& v)
-      : kind(v.kind), cap(static_cast<T>(v.cap)), max_distance(v.max_distance), program(v.program) {
+      : kind(v.kind),
+        cap(static_cast<T>(v.cap)),
+        max_distance(v.max_distance),
+        program(v.program),
+        query_offset(v.query_offset),
+        key_offset(v.key_offset) {
     if (v.table.defined())
       table = v.table.detach().to(torch::kCPU, c10::CppTypeToScalarType<T>::value).contiguous();
   }
@@ -47,10 +53,12 @@ struct RowScore {
                                                 : Kept::kNothing;
   }
 
-  // Scores s[0, count) of query position q against keys k0, k0 + 1, ... of batch o and head
-  // `head`, modified in place.
+  // Scores s[0, count) of the call's query q against its keys k0, k0 + 1, ... of batch o
+  // and head `head`, modified in place.
   void apply(T* s, int64_t count, int64_t o, int64_t head, int64_t q, int64_t k0,
              ScoreProgram::Workspace& work) const {
+    q += query_offset;  // positions in the sequence
+    k0 += key_offset;
     switch (kind) {
       case ScoreVariant::Kind::kNone:
         return;
@@ -83,6 +91,8 @@ struct RowScore {
   // nullptr where not wanted; a table is tensor 0) gain this row's share.
   void backward(T* ds, const T* kept, int64_t count, int64_t o, int64_t head, int64_t q, int64_t k0,
                 ScoreProgram::Workspace& work, const std::vector<double*>& tensor_grads) const {
+    q += query_offset;
+    k0 += key_offset;
     double* table_grad = tensor_grads.empty() ? nullptr : tensor_grads[0];
     switch (kind) {
       case ScoreVariant::Kind::kNone:

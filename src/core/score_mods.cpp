@@ -81,6 +81,19 @@ std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::str
   };
   if (const auto* graph = score_mod.target<GraphScore>())
     return graph_variant(*graph, /*adds_score=*/false);
+  if (const auto* positioned = score_mod.target<PositionedScore>()) {
+    if (positioned->offsets.dim() != 0) {
+      if (why != nullptr)
+        *why = "q_idx counted from a start per row (a ragged cached step)";
+      return std::nullopt;
+    }
+    auto inner = score_variant_of(positioned->score_mod, why);
+    if (inner) {
+      inner->query_offset += positioned->offsets.item<int64_t>();
+      inner->key_offset += positioned->key_offset;
+    }
+    return inner;
+  }
   if (const auto* softcap = score_mod.target<SoftcapScore>()) {
     variant.kind = ScoreVariant::Kind::kSoftcap;
     variant.cap = softcap->cap;
@@ -116,11 +129,18 @@ ScoreMod score_mod_at_positions(const ScoreMod& score_mod, const torch::Tensor& 
   return PositionedScore{score_mod, offsets};
 }
 
+ScoreMod score_mod_at_positions(const ScoreMod& score_mod, int64_t query_offset,
+                                int64_t key_offset) {
+  if (!score_reads_positions(score_mod) || (query_offset == 0 && key_offset == 0))
+    return score_mod;
+  return PositionedScore{score_mod, torch::tensor(query_offset, torch::kInt64), key_offset};
+}
+
 torch::Tensor PositionedScore::operator()(const torch::Tensor& score, const torch::Tensor& b,
                                           const torch::Tensor& h, const torch::Tensor& q_idx,
                                           const torch::Tensor& kv_idx) const {
   const auto shift = offsets.dim() == 0 ? offsets : offsets.index({b});
-  return score_mod(score, b, h, q_idx + shift, kv_idx);
+  return score_mod(score, b, h, q_idx + shift, key_offset == 0 ? kv_idx : kv_idx + key_offset);
 }
 
 torch::Tensor apply_score_mod(const ScoreMod& score_mod, const torch::Tensor& scores,

@@ -76,13 +76,15 @@ struct SoftcapScore {
   }
 };
 
-/// A module's score function in a cached step: q_idx counted from `offsets` (a scalar, or (b):
-/// row b's start) instead of the call's first query, so that it reads positions in the
-/// sequence (score_mod_at_positions). The fused tile kernel does not evaluate it; the chunked
-/// kernel and the math core call it.
+/// A score function that reads positions in a longer sequence than the call's: q_idx counted
+/// from `offsets` (a scalar, or (b): row b's start) instead of the call's first query, and
+/// kv_idx from `key_offset` (score_mod_at_positions). A module's cached step shifts its
+/// queries; a context-parallel pair of pieces both. The fused tile kernel evaluates it with a
+/// scalar offset (its variant's offsets); the chunked kernel and the math core call it.
 struct PositionedScore {
   ScoreMod score_mod;
   torch::Tensor offsets;
+  int64_t key_offset = 0;
   torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
                            const torch::Tensor& h, const torch::Tensor& q_idx,
                            const torch::Tensor& kv_idx) const;
@@ -98,6 +100,10 @@ struct ScoreVariant {
   torch::Tensor table;                          // kAlibi: the slopes; kRelativeBias: the table
   int64_t max_distance = 0;                     // kRelativeBias
   std::shared_ptr<const ScoreProgram> program;  // kGraph
+  /// The positions it reads: q_idx is query_offset plus the query's index in the call, kv_idx
+  /// key_offset plus the key's (a PositionedScore's offsets).
+  int64_t query_offset = 0;
+  int64_t key_offset = 0;
 
   /// The tensors it reads, whose gradients backward computes: the table, or the graph's.
   std::vector<torch::Tensor> tensors() const;
@@ -115,5 +121,10 @@ bool score_reads_positions(const ScoreMod& score_mod);
 /// row, or a (b) int64 tensor, row b's queries starting at offsets[b]. Position-free score
 /// functions are returned as they are, so that kernels still read their variant.
 ScoreMod score_mod_at_positions(const ScoreMod& score_mod, const torch::Tensor& offsets);
+
+/// `score_mod` with q_idx counted from `query_offset` and kv_idx from `key_offset`: a call
+/// over a piece of a longer sequence's queries and keys (context parallelism).
+ScoreMod score_mod_at_positions(const ScoreMod& score_mod, int64_t query_offset,
+                                int64_t key_offset);
 
 }  // namespace attnkit::detail
