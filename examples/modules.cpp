@@ -1,5 +1,5 @@
-// The examples of docs/modules.md, docs/backends.md, docs/interop.md, docs/masks.md and
-// docs/threads.md.
+// The examples of docs/modules.md, docs/backends.md, docs/interop.md, docs/masks.md,
+// docs/threads.md and docs/distributed.md.
 // Each region between "[doc:NAME]" and "[doc:end]" is shown on a page, exactly as here.
 
 #include <attnkit/attnkit.h>
@@ -231,6 +231,38 @@ void any_cached_layer() {
 
 }  // namespace
 
+// The world of one process, for the example: a real run passes its process group's
+// transfers (attnkit-train's c10d group is a ShardExchange).
+class OneRank : public attnkit::ShardExchange {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  std::function<void()> start_send_receive(const std::vector<torch::Tensor>& send, int,
+                                           std::vector<torch::Tensor>& receive, int) override {
+    for (size_t i = 0; i < send.size(); ++i)
+      receive[i].copy_(send[i]);
+    return [] {};
+  }
+};
+
+void context_parallel() {
+  OneRank group;
+  const int64_t n = 256;
+  const auto x = torch::randn({2, n, 64});
+  // [doc:context-parallel]
+  attnkit::MultiHeadAttention mha(
+      attnkit::MultiHeadAttentionOptions(64, 64, n, 0.0, 4).rope(attnkit::RopeOptions(n)));
+  const attnkit::SequenceShards shards(n, group.world_size());  // zigzag
+  torch::Tensor y;
+  {
+    attnkit::ContextParallelScope scope(group, n);
+    y = mha(shards.shard(x, group.rank(), 1));  // this rank's tokens: (2, n / R, 64)
+  }
+  y.sum().backward();  // key and value gradients travel home through `group`
+  // [doc:end]
+  TORCH_CHECK(torch::allclose(shards.unshard({y}, 1), mha(x), 1e-5, 1e-6));
+}
+
 int main() {
   one_line_each();
   options_and_names();
@@ -243,4 +275,5 @@ int main() {
   block_masks();
   threads();
   any_cached_layer();
+  context_parallel();
 }

@@ -347,6 +347,54 @@ int run_rank(int ranks, const std::string& fault, int timeout_s, int64_t bench_l
     }
   }
 
+  // bfloat16 (computed in float32, merged in float32): against the float64 call on the same
+  // values, within 1.25x of the single bfloat16 call's own error, output and gradients.
+  for (const auto& c : {cases[1], cases.back()}) {  // causal; ALiBi
+    torch::manual_seed(17);
+    const auto make = [&](int64_t h) {
+      return torch::randn({batch, h, n, head_dim}).to(torch::kBFloat16).requires_grad_();
+    };
+    const auto q = make(heads), k = make(kv_heads), v = make(kv_heads);
+    const auto grad = torch::randn({batch, heads, n, head_dim}).to(torch::kBFloat16);
+    const auto run = [&](const torch::Tensor& q_in, const torch::Tensor& k_in,
+                         const torch::Tensor& v_in, const torch::Tensor& grad_in, bool split) {
+      const auto out = split ? attnkit::functional::context_parallel_attention(
+                                   q_in, k_in, v_in, *group, c.options,
+                                   attnkit::ContextParallelOptions().piece_bytes(4096))
+                             : attnkit::functional::attention(q_in, k_in, v_in, c.options);
+      const auto grads = torch::autograd::grad({out}, {q_in, k_in, v_in}, {grad_in});
+      return std::vector<torch::Tensor>{out, grads[0], grads[1], grads[2]};
+    };
+    const auto wide = [](const torch::Tensor& t) {
+      return t.detach().to(torch::kDouble).requires_grad_();
+    };
+    const auto exact = run(wide(q), wide(k), wide(v), grad.to(torch::kDouble), false);
+    const auto single = run(q, k, v, grad, false);
+    const SequenceShards shards(n, ranks, ShardLayout::kZigzag);
+    const auto mine = [&](const torch::Tensor& whole) {
+      return shards.shard(whole.detach(), rank, 2).requires_grad_();
+    };
+    const auto split = run(mine(q), mine(k), mine(v), shards.shard(grad, rank, 2), true);
+    const char* names[] = {"output", "query gradient", "key gradient", "value gradient"};
+    double worst_ratio = 0.0;
+    bool bad = false;
+    for (size_t i = 0; i < exact.size(); ++i) {
+      const auto reference = shards.shard(exact[i], rank, 2);
+      const double single_error =
+          relative_error(shards.shard(single[i], rank, 2).to(torch::kDouble), reference);
+      const double split_error = relative_error(split[i].to(torch::kDouble), reference);
+      worst_ratio = std::max(worst_ratio, split_error / single_error);
+      if (!(split_error <= 1.25 * single_error)) {
+        bad = true;
+        fail(c10::str(c.name, ", bfloat16: the ", names[i], " is ", split_error,
+                      " from float64, the single call's ", single_error, " (more than 1.25x)"));
+      }
+    }
+    if (!bad)
+      pass(c10::str(c.name, ", bfloat16, zigzag, ", ranks, " ranks: output and gradients within ",
+                    worst_ratio, "x the single bfloat16 call's error against float64"));
+  }
+
   // RoPE at each shard's positions in the whole sequence: each chunk rotated from its start
   // gives the shard of the whole sequence's rotation, so the attention equals the whole call.
   {

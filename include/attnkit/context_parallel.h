@@ -106,8 +106,9 @@ namespace functional {
 /// each rank applies its region to each pair of pieces and skips the pairs it leaves empty,
 /// and no rank receives keys that none of its queries sees. Every rank passes the same
 /// options, and `exchange` must outlive the backward, which sends gradients through it. The
-/// CPU's split kernels compute each pair (attention_forward). A score function reads q_idx and
-/// kv_idx as positions in the whole sequence; the gradients of its tensors (a relative-position
+/// CPU's split kernels compute each pair (attention_forward); 16-bit shards travel in 16 bits
+/// and are computed and merged in float32, rounded once at the end. A score function reads q_idx
+/// and kv_idx as positions in the whole sequence; the gradients of its tensors (a relative-position
 /// table) are this rank's queries' share, which sum over the ranks like any parameter's.
 /// Refused, before any exchange: dropout, sinks, C++ function score functions (the split
 /// kernels run the named ones and ScoreGraphs), and a shard that does not divide into the

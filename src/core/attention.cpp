@@ -323,22 +323,26 @@ AttentionWithLse merge_attention(const std::vector<AttentionWithLse>& parts) {
   }
   const torch::NoGradGuard no_grad;
   constexpr double kInfinity = std::numeric_limits<double>::infinity();
-  // (parts, b, h, n): a row that sees no key in a part weighs nothing there.
-  auto lse = torch::stack([&] {
-    std::vector<torch::Tensor> each;
-    for (const auto& part : parts)
-      each.push_back(part.lse.masked_fill(part.lse.isposinf(), -kInfinity));
-    return each;
-  }());
-  const auto total = lse.logsumexp(0);  // (b, h, n), -inf where no part sees a key
-  const auto sees = total.isfinite();
-  const auto weights = (lse - total.unsqueeze(0)).exp().masked_fill(sees.logical_not(), 0.0);
-  auto out = torch::zeros_like(first.out);
-  for (size_t i = 0; i < parts.size(); ++i) {
-    out +=
-        parts[i].out * weights[static_cast<int64_t>(i)].unsqueeze(-1).to(first.out.scalar_type());
-  }
-  return {out, total.masked_fill(sees.logical_not(), kInfinity)};
+  // Merged in the dtype the parts' lse was computed in (float32 for 16-bit parts).
+  auto out = torch::zeros(first.out.sizes(), first.out.options().dtype(first.lse.scalar_type()));
+  auto log_weight = torch::full(first.lse.sizes(), -kInfinity, first.lse.options());
+  for (const auto& part : parts)
+    merge_into(out, log_weight, part);
+  // A row that sees no key in any part: lse +inf, as a single call's, and zeros.
+  return {out.to(first.out.scalar_type()),
+          log_weight.masked_fill(log_weight.isneginf(), kInfinity)};
+}
+
+void merge_into(torch::Tensor& out, torch::Tensor& log_weight, const AttentionWithLse& part) {
+  constexpr double kInfinity = std::numeric_limits<double>::infinity();
+  const auto part_weight = part.lse.masked_fill(part.lse.isposinf(), -kInfinity);
+  const auto total = torch::logaddexp(log_weight, part_weight);
+  // (b, h, n) -> (b, h, n, 1); 0 where neither side has seen a key (-inf - -inf is nan).
+  const auto kept = (log_weight - total).exp().nan_to_num(0.0).unsqueeze(-1);
+  const auto taken = (part_weight - total).exp().nan_to_num(0.0).unsqueeze(-1);
+  out.mul_(kept.to(out.scalar_type()))
+      .addcmul_(part.out.to(out.scalar_type()), taken.to(out.scalar_type()));
+  log_weight.copy_(total);
 }
 
 AttentionOutput attention_with_weights(const torch::Tensor& query, const torch::Tensor& key,

@@ -366,19 +366,6 @@ void walk_steps(const Plan& plan, const torch::Tensor& key, const torch::Tensor&
   }
 }
 
-// Merges a part's (out, lse) into a piece's running (out, log_weight) in place: each side
-// weighted by exp(its lse - the new lse). log_weight is -inf where no key has been seen yet.
-void merge_into(torch::Tensor& out, torch::Tensor& log_weight, AttentionWithLse part) {
-  constexpr double kInfinity = std::numeric_limits<double>::infinity();
-  const auto part_weight = part.lse.masked_fill(part.lse.isposinf(), -kInfinity);
-  const auto total = torch::logaddexp(log_weight, part_weight);
-  // (b, h, n) -> (b, h, n, 1); 0 where neither side has seen a key (-inf - -inf is nan).
-  const auto kept = (log_weight - total).exp().nan_to_num(0.0).unsqueeze(-1);
-  const auto taken = (part_weight - total).exp().nan_to_num(0.0).unsqueeze(-1);
-  out.mul_(kept).add_(part.out.to(out.scalar_type()).mul_(taken));
-  log_weight.copy_(total);
-}
-
 AttentionWithLse forward_over_steps(const Plan& plan, const torch::Tensor& query,
                                     const torch::Tensor& key, const torch::Tensor& value) {
   constexpr double kInfinity = std::numeric_limits<double>::infinity();
@@ -387,19 +374,24 @@ AttentionWithLse forward_over_steps(const Plan& plan, const torch::Tensor& query
                           query.options().dtype(dtype));
   auto log_weight = torch::full({query.size(0), query.size(1), query.size(2)}, -kInfinity,
                                 query.options().dtype(dtype));
-  walk_steps(
-      plan, key, value, [&](const Step& step, const torch::Tensor& k, const torch::Tensor& v) {
-        for (const auto& pair : step.pairs) {
-          const auto& piece = plan.query_pieces[pair.query_piece];
-          auto piece_out = chunk_of(out, piece);
-          auto piece_weight = log_weight.narrow(2, piece.local_start, piece.length);
-          merge_into(
-              piece_out, piece_weight,
-              attention_forward(chunk_of(query, piece), k, v, options_of(plan, pair, step.keys)));
-        }
-      });
-  // A row that saw no key: lse +inf, as a single call's, and zeros.
-  return {out.to(query.scalar_type()), log_weight.masked_fill(log_weight.isneginf(), kInfinity)};
+  // 16-bit shards are computed in float32 (as a single call computes them) and their pieces
+  // travel in 16 bits: each pair's output then merges unrounded.
+  const auto query_computed = query.to(dtype);
+  walk_steps(plan, key, value,
+             [&](const Step& step, const torch::Tensor& k, const torch::Tensor& v) {
+               const auto k_computed = k.to(dtype), v_computed = v.to(dtype);
+               for (const auto& pair : step.pairs) {
+                 const auto& piece = plan.query_pieces[pair.query_piece];
+                 auto piece_out = chunk_of(out, piece);
+                 auto piece_weight = log_weight.narrow(2, piece.local_start, piece.length);
+                 merge_into(piece_out, piece_weight,
+                            attention_forward(chunk_of(query_computed, piece), k_computed,
+                                              v_computed, options_of(plan, pair, step.keys)));
+               }
+             });
+  // In the compute dtype, which backward reads. A row that saw no key: lse +inf, as a single
+  // call's, and zeros.
+  return {out, log_weight.masked_fill(log_weight.isneginf(), kInfinity)};
 }
 
 std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Tensor& query,
@@ -410,6 +402,7 @@ std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Te
   auto grad_query = torch::zeros(query.sizes(), query.options().dtype(dtype));
   auto grad_key = torch::zeros(key.sizes(), key.options().dtype(dtype));
   auto grad_value = torch::zeros(value.sizes(), value.options().dtype(dtype));
+  const auto query_computed = query.to(dtype), grad_out_computed = grad_out.to(dtype);
   std::vector<torch::Tensor> grad_score_tensors;  // summed over the pairs
   for (const auto& tensor : plan.score_tensors)
     grad_score_tensors.push_back(torch::zeros_like(tensor));
@@ -434,13 +427,14 @@ std::vector<torch::Tensor> backward_over_steps(const Plan& plan, const torch::Te
             own ? chunk_of(grad_key, step.keys) : torch::zeros(k.sizes(), k.options().dtype(dtype));
         auto piece_grad_value = own ? chunk_of(grad_value, step.keys)
                                     : torch::zeros(v.sizes(), v.options().dtype(dtype));
+        const auto k_computed = k.to(dtype), v_computed = v.to(dtype);
         for (const auto& pair : step.pairs) {
           const auto& chunk = plan.query_pieces[pair.query_piece];
-          const auto grads =
-              attention_backward(chunk_of(query, chunk), k, v,
-                                 {chunk_of(forward.out, chunk),
-                                  forward.lse.narrow(2, chunk.local_start, chunk.length)},
-                                 chunk_of(grad_out, chunk), options_of(plan, pair, step.keys));
+          const auto grads = attention_backward(
+              chunk_of(query_computed, chunk), k_computed, v_computed,
+              {chunk_of(forward.out, chunk),
+               forward.lse.narrow(2, chunk.local_start, chunk.length)},
+              chunk_of(grad_out_computed, chunk), options_of(plan, pair, step.keys));
           chunk_of(grad_query, chunk) += grads.query.to(dtype);
           piece_grad_key += grads.key.to(dtype);
           piece_grad_value += grads.value.to(dtype);
@@ -471,7 +465,7 @@ struct ContextParallelFunction : public torch::autograd::Function<ContextParalle
     const auto result = forward_over_steps(*plan, query, key, value);
     ctx->save_for_backward({query, key, value, result.out, result.lse});
     ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
-    return result.out;
+    return result.out.to(query.scalar_type());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

@@ -287,4 +287,11 @@ void check_attention_arguments(const torch::Tensor& query, const torch::Tensor& 
                                const torch::Tensor& value, const AttentionOptions& options,
                                const char* fn = "[attention]");
 
+/// Merges a part's (out, lse) into a running (out, log_weight) in place, each side weighted by
+/// exp(its lse - their logaddexp): the attention over both parts' keys. log_weight is -inf
+/// where no key has been seen yet (and becomes the merged lse); a part's lse is +inf for a
+/// row that saw no key, which then takes nothing from it. `out` may be of a wider dtype than
+/// the part's (16-bit parts merged in float32).
+void merge_into(torch::Tensor& out, torch::Tensor& log_weight, const AttentionWithLse& part);
+
 }  // namespace attnkit::functional
