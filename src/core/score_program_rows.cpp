@@ -117,17 +117,27 @@ struct Readers {
 namespace {
 
 // An index step's flat offsets into its (contiguous) tensor: `base` from the indices that
-// are uniform, plus row[j] from those that vary along the row (null when none does; `row`
-// is the workspace's buffer). LibTorch's rules: a negative index counts from the end; one out
-// of range is an error. Each row index is checked by its extremes, then converted in one pass.
+// are uniform, plus row[j] from those that vary along the row (`row` is the workspace's
+// buffer), or plus j * step where the only index that varies is kv_idx itself (a bias
+// tensor's last dimension: a strided, often contiguous, read). LibTorch's rules: a negative
+// index counts from the end; one out of range is an error. Each row index is checked by its
+// extremes, then converted in one pass.
 struct Offsets {
   int64_t base = 0;
   const int64_t* row = nullptr;
+  int64_t step = 0;
+  int64_t operator()(int64_t j) const { return base + (row != nullptr ? row[j] : j * step); }
 };
+
+// Slot 4 holds kv_idx: k0, k0 + 1, ... along the row.
+constexpr int64_t kKeySlot = 4;
 
 Offsets index_offsets(const ScoreProgram::Step& step, const Readers& in, int64_t n,
                       int64_t* row_buffer) {
   Offsets offsets;
+  int64_t varying = 0;
+  for (size_t d = 0; d < in.size; ++d)
+    varying += in[d].stride != 0 ? 1 : 0;
   const auto refuse = [&](double value, size_t d) {
     TORCH_CHECK(false, "[ScoreGraph] index ", static_cast<int64_t>(value),
                 " is out of bounds for dimension ", d, " with size ", step.sizes[d],
@@ -137,10 +147,15 @@ Offsets index_offsets(const ScoreProgram::Step& step, const Readers& in, int64_t
     const int64_t size = step.sizes[d], stride = step.strides[d];
     const double* x = in[d].data;
     const int64_t count = in[d].stride != 0 ? n : 1;
+    const bool keys = step.args[d].kind == Arg::Kind::kSlot && step.args[d].slot == kKeySlot;
     double low = x[0], high = x[0];
-    for (int64_t j = 1; j < count; ++j) {
-      low = std::min(low, x[j]);
-      high = std::max(high, x[j]);
+    if (keys) {  // ascending
+      high = x[count - 1];
+    } else {
+      for (int64_t j = 1; j < count; ++j) {
+        low = std::min(low, x[j]);
+        high = std::max(high, x[j]);
+      }
     }
     if (low < static_cast<double>(-size) || high >= static_cast<double>(size)) {
       for (int64_t j = 0; j < count; ++j) {  // the first that is out of range, as LibTorch
@@ -155,6 +170,11 @@ Offsets index_offsets(const ScoreProgram::Step& step, const Readers& in, int64_t
     };
     if (in[d].stride == 0) {
       offsets.base += offset(x[0]);
+      continue;
+    }
+    if (keys && varying == 1 && !wraps) {
+      offsets.base += offset(x[0]);
+      offsets.step = stride;
       continue;
     }
     if (offsets.row == nullptr) {
@@ -225,8 +245,11 @@ void ScoreProgram::run_forward(int64_t count, int64_t b, int64_t h, int64_t q, i
   slot(1)[0] = static_cast<double>(b);
   slot(2)[0] = static_cast<double>(h);
   slot(3)[0] = static_cast<double>(q);
+  // k0 + j through int32 lanes, which convert to double vectorized (a row is far below 2^31)
+  const double first_key = static_cast<double>(k0);
+  double* keys = slot(kKeySlot);
   for (int64_t j = 0; j < count; ++j)
-    slot(4)[j] = static_cast<double>(k0 + j);
+    keys[j] = first_key + static_cast<double>(static_cast<int32_t>(j));
   for (const auto& step : steps_) {
     const int64_t n = uniform_[step.out] ? 1 : count;
     double* out = slot(step.out);
@@ -281,7 +304,14 @@ void ScoreProgram::run_forward(int64_t count, int64_t b, int64_t h, int64_t q, i
       case Code::kAdd: map2(out, n, in[0], in[1], [&](double x, double y) { return x + y; }); break;
       case Code::kSub: map2(out, n, in[0], in[1], [&](double x, double y) { return x - y; }); break;
       case Code::kMul: map2(out, n, in[0], in[1], [&](double x, double y) { return x * y; }); break;
-      case Code::kDiv: map2(out, n, in[0], in[1], [&](double x, double y) { return x / y; }); break;
+      case Code::kDiv:
+        if (in[1].stride == 0) {  // by a uniform value: one division, then products
+          const double inverse = 1 / in[1].data[0];
+          map1(out, n, in[0], [&](double x) { return x * inverse; });
+        } else {
+          map2(out, n, in[0], in[1], [&](double x, double y) { return x / y; });
+        }
+        break;
       case Code::kFloorDivide:
         map2(out, n, in[0], in[1], [&](double x, double y) { return floor_divide(x, y, c); });
         break;
@@ -330,9 +360,17 @@ void ScoreProgram::run_forward(int64_t count, int64_t b, int64_t h, int64_t q, i
         AT_DISPATCH_ALL_TYPES_AND3(
             at::kBool, at::kHalf, at::kBFloat16, tensor.scalar_type(), "ScoreProgram index", [&] {
               const scalar_t* data = tensor.data_ptr<scalar_t>();
-              for (int64_t j = 0; j < n; ++j)
-                out[j] = static_cast<double>(static_cast<float_or_double<scalar_t>>(
-                    data[offsets.base + (offsets.row == nullptr ? 0 : offsets.row[j])]));
+              const auto number = [](scalar_t x) {
+                return static_cast<double>(static_cast<float_or_double<scalar_t>>(x));
+              };
+              if (offsets.row == nullptr && offsets.step == 1) {  // contiguous: vectorized
+                const scalar_t* from = data + offsets.base;
+                for (int64_t j = 0; j < n; ++j)
+                  out[j] = number(from[j]);
+              } else {
+                for (int64_t j = 0; j < n; ++j)
+                  out[j] = number(data[offsets(j)]);
+              }
             });
         break;
       }
@@ -365,7 +403,7 @@ void ScoreProgram::run_backward(int64_t count, Workspace& work,
       for (int64_t j = 0; j < n; ++j) {
         const double g = grad_out(j);
         if (g != 0)
-          grad[offsets.base + (offsets.row == nullptr ? 0 : offsets.row[j])] += g;
+          grad[offsets(j)] += g;
       }
       continue;
     }
