@@ -49,6 +49,7 @@ class ScoreProgram {
     std::vector<double> values, adjoints;
     std::vector<float> floats;
     std::vector<int64_t> offsets;  // an index's offsets along the row
+    std::vector<double> splats;    // backward: two uniform operands repeated along the row
     int64_t widest = 0;
   };
   Workspace workspace(int64_t widest, bool float_tanh) const;

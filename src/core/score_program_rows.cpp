@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 
 #include "core/checks.h"
 #include "core/row_softmax.h"
@@ -12,13 +13,15 @@
 
 // The row loops compiled twice, for AVX2 and for any x86-64, the loader picking one (GCC's
 // function multiversioning): AVX2 doubles the lanes of each step's loop. No FMA, so that both
-// round alike.
+// round alike. What they call must be inlined into them to be compiled for AVX2 as well.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define ATTNKIT_AVX2_CLONES __attribute__((target_clones("avx2", "default")))
 #define ATTNKIT_ALWAYS_INLINE __attribute__((always_inline)) inline
+#define ATTNKIT_ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
 #else
 #define ATTNKIT_AVX2_CLONES
 #define ATTNKIT_ALWAYS_INLINE inline
+#define ATTNKIT_ALWAYS_INLINE_LAMBDA
 #endif
 
 namespace attnkit::detail {
@@ -115,6 +118,23 @@ ATTNKIT_ALWAYS_INLINE void map2(double* __restrict out, int64_t n, const Reader&
   } else {
     std::fill_n(out, n, f(x[0], y[0]));
   }
+}
+
+// x, or +0 where `keep` is false, with no branch.
+ATTNKIT_ALWAYS_INLINE double zero_unless(bool keep, double x) {
+  uint64_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits &= uint64_t{0} - static_cast<uint64_t>(keep);
+  std::memcpy(&x, &bits, sizeof bits);
+  return x;
+}
+
+// A reader's values along n entries: its row, or a uniform value repeated into `scratch`.
+ATTNKIT_ALWAYS_INLINE const double* as_row(const Reader& r, int64_t n, double* scratch) {
+  if (r.stride != 0 || n == 1)
+    return r.data;
+  std::fill_n(scratch, n, r.data[0]);
+  return scratch;
 }
 
 // A step's operands as readers: a fixed array, since a row's steps allocate nothing.
@@ -246,6 +266,7 @@ ScoreProgram::Workspace ScoreProgram::workspace(int64_t widest, bool float_tanh)
   work.values.resize(uniform_.size() * static_cast<size_t>(widest));
   work.adjoints.resize(uniform_.size() * static_cast<size_t>(widest));
   work.offsets.resize(static_cast<size_t>(widest));
+  work.splats.resize(2 * static_cast<size_t>(widest));
   return work;
 }
 
@@ -271,7 +292,7 @@ ATTNKIT_AVX2_CLONES void ScoreProgram::run_forward(int64_t count, int64_t b, int
                              ? Reader{slot(arg.slot), uniform_[arg.slot] ? 0 : 1}
                              : Reader{&arg.number, 0};
     }
-    const auto fill = [&](auto f) {
+    const auto fill = [&](auto f) ATTNKIT_ALWAYS_INLINE_LAMBDA {
       for (int64_t j = 0; j < n; ++j)
         out[j] = f(j);
     };
@@ -427,18 +448,30 @@ ATTNKIT_AVX2_CLONES void ScoreProgram::run_backward(
       const bool sums = uniform_[arg.slot];
       // grad_in += grad_out * d out / d operand k, the derivative partial(a, b, y, j) chosen
       // once per step; an entry whose gradient is 0 adds 0 (not 0 times an infinite slope).
-      const auto accumulate = [&](auto partial) {
-        double sum = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          const double g = grad_out(j);
-          const double term = g != 0 ? g * partial(in[0](j), in[1](j), out_value(j), j) : 0.0;
-          if (sums)
-            sum += term;
-          else
-            grad_in[j] += term;
-        }
-        if (sums)
+      // Operands as rows (a uniform one repeated into the workspace), so that the loops
+      // below read plain arrays and vectorize.
+      const double* __restrict a_row = as_row(in[0], n, work.splats.data());
+      const double* __restrict b_row =
+          in.size > 1 ? as_row(in[1], n, work.splats.data() + widest) : a_row;
+      const double* __restrict y_row = out_value.data;
+      const double* __restrict g_row = grad_out.data;
+      const auto accumulate = [&](auto partial) ATTNKIT_ALWAYS_INLINE_LAMBDA {
+        // Computed, then cleared by a bit mask: a conditional product stays a branch per
+        // entry, which keeps the loop from vectorizing (GCC does not speculate
+        // floating-point operations that may trap, and turns a select back into the branch).
+        const auto term = [&](int64_t j) ATTNKIT_ALWAYS_INLINE_LAMBDA {
+          return zero_unless(g_row[j] != 0, g_row[j] * partial(a_row[j], b_row[j], y_row[j], j));
+        };
+        if (sums) {
+          double sum = 0;
+          for (int64_t j = 0; j < n; ++j)
+            sum += term(j);
           grad_in[0] += sum;
+        } else {
+          double* __restrict into = grad_in;
+          for (int64_t j = 0; j < n; ++j)
+            into[j] += term(j);
+        }
       };
       const bool first = k == 0;
       using D = double;
