@@ -923,8 +923,9 @@ TEST(FusedTiles, EachScoreVariantsGradientsAreTheFiniteDifferences) {
 // against the float64 math core, whose autograd differentiates the same graph op by op:
 // forward and every gradient, the captured tensors' too, under a mask with partial tiles and
 // a row that sees no key, with GQA. The graphs cover an additive bias tensor, a softcap over
-// a bias, integer index arithmetic, bool and bitwise operations, where, clamp and the
-// unary and binary functions, and a one-element captured tensor.
+// a bias, division by a uniform value and by rows (the score's too), integer index
+// arithmetic, bool and bitwise operations, where, clamp and the unary and binary functions,
+// and a one-element captured tensor.
 TEST(FusedTiles, ScoreGraphsMatchTheFloat64MathCore) {
   torch::manual_seed(5);
   const int64_t b = 2, h = 4, kv = 2, n = 37, hd = 8;
@@ -949,6 +950,9 @@ TEST(FusedTiles, ScoreGraphsMatchTheFloat64MathCore) {
        "index $0 %3\nindex $0 %4\neq %5 %6\nfloat %7\nmul %8 f:1.5\nadd %0 %9",
        {document_ids}},
       {"temperature", "mul %0 $0", {temperature}},
+      {"division by rows",
+       "remainder %4 i:4\nadd %5 i:1\ndiv %0 %6\nexp %0\ndiv %7 %8\nadd %9 %0",
+       {}},
       {"odd keys", "bitwise_and %4 i:1\neq %5 i:1\nmul %0 $0\nwhere %6 %7 %0", {temperature}},
       {"functions",
        "clamp %0 f:-2.0 f:2.0\nsigmoid %5\nmul %6 %0\nmul %0 %0\nadd %8 f:1.0\nlog %9\n"
