@@ -277,7 +277,8 @@ int main(int argc, char** argv) {
             T::make_task(config.task, config.seq_len, config.seed, config.data, config.pack);
         T::check_context_parallel_length(config, task->input_length());
       }
-      T::check_global_batch(config.batch_size, static_cast<int>(nproc / config.context_parallel));
+      T::check_global_batch(config.batch_size, static_cast<int>(nproc / config.context_parallel),
+                            config.context_parallel);
       T::check_dtype_ranks(config.dtype, config.autocast, static_cast<int>(nproc));
       return T::launch_local_ranks(static_cast<int>(nproc), rank_arguments(argc, argv), std::cerr);
     }

@@ -191,6 +191,8 @@ expect_error 2 "--dist-backend nccl: NCCL reduces GPU tensors and needs --device
   -- WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 -- --dist-backend nccl --device cpu
 expect_error 2 "--batch-size 1 is the global batch and must give each of the 2 ranks" -- -- \
   --nproc 2 --batch-size 1 --steps 1
+expect_error 2 "--batch-size 1 is the global batch and must give each of the 2 groups of 2 ranks (--context-parallel) that share a sequence at least one sequence" \
+  -- -- --nproc 4 --context-parallel 2 --batch-size 1 --steps 1
 expect_error 2 "--context-parallel 2: the ranks form groups of 2 that share a sequence, so the number of ranks must be a multiple of it; got 3" \
   -- -- --nproc 3 --context-parallel 2 --steps 1
 expect_error 2 "--context-parallel 2: the ranks form groups of 2" -- -- --context-parallel 2 --steps 1

@@ -611,6 +611,10 @@ TEST(DataParallel, OneProcessCollectivesChangeNothing) {
   expect_error_containing([] { T::check_global_batch(3, 4); },
                           "--batch-size 3 is the global batch and must give each of the 4 ranks "
                           "at least one sequence");
+  expect_error_containing([] { T::check_global_batch(1, 2, 2); },
+                          "--batch-size 1 is the global batch and must give each of the 2 groups "
+                          "of 2 ranks (--context-parallel) that share a sequence at least one "
+                          "sequence");
 }
 
 TEST(DataParallel, ARankWithoutRankZeroGivesUpAfterTheTimeout) {

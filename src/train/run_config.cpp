@@ -279,10 +279,13 @@ std::string rank_agreement_text(const TrainConfig& c) {
   return text;
 }
 
-void check_global_batch(int64_t batch_size, int world_size) {
-  TORCH_CHECK(batch_size >= world_size, "--batch-size ", batch_size,
-              " is the global batch and must give each of the ", world_size,
-              " ranks at least one sequence");
+void check_global_batch(int64_t batch_size, int data_ranks, int64_t context_parallel) {
+  TORCH_CHECK(batch_size >= data_ranks, "--batch-size ", batch_size,
+              " is the global batch and must give each of the ", data_ranks,
+              context_parallel > 1 ? c10::str(" groups of ", context_parallel,
+                                              " ranks (--context-parallel) that share a sequence")
+                                   : std::string(" ranks"),
+              " at least one sequence");
 }
 
 void check_context_parallel_ranks(int64_t context_parallel, int world_size) {

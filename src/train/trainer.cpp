@@ -289,7 +289,7 @@ TrainingRun::TrainingRun(const TrainConfig& config, std::ostream& out,
   context_ranks_ = static_cast<int>(config.context_parallel);
   data_ranks_ = world_size_ / context_ranks_;
   data_rank_ = rank_ / context_ranks_;
-  check_global_batch(config.batch_size, data_ranks_);
+  check_global_batch(config.batch_size, data_ranks_, context_ranks_);
   if (context_ranks_ > 1)
     context_group_ =
         std::make_unique<RankRange>(group_, data_rank_ * context_ranks_, context_ranks_);
@@ -448,13 +448,15 @@ void TrainingRun::step(int64_t step) {
   auto& model = working_model();
   const double loss_scale = mixed_ ? mixed_->loss_scale() : 1.0;
   // The shares' gradients are summed into the optimizer's float32 buffer whatever --dtype is.
-  const auto scored = batch.loss_mask.sum().item<int64_t>();  // the whole batch's
+  // The whole batch's scored positions, which each rank's loss is a share of; one process's
+  // step counts them itself (s.scored).
+  const int64_t batch_scored = world_size_ > 1 ? batch.loss_mask.sum().item<int64_t>() : 0;
   BatchScore s;
   if (context_group_) {
     // The forward inside the scope; its backward (below) exchanges through the group.
     const attnkit::ContextParallelScope scope(*context_group_, task_->input_length());
     s = score(model, sequence_shard(share, scope.shards(), context_group_->rank()), device_,
-              config_.progress_bar, /*divide_by=*/std::max<int64_t>(scored, 1));
+              config_.progress_bar, /*divide_by=*/std::max<int64_t>(batch_scored, 1));
   } else if (shares_ > 1) {
     s = forward_backward_in_shares(model, share, device_, config_.progress_bar, shares_,
                                    optimizer_->flat_gradients(), loss_scale);
@@ -466,7 +468,8 @@ void TrainingRun::step(int64_t step) {
   const auto loss_part =
       world_size_ == 1 || context_group_
           ? s.loss
-          : s.loss * (static_cast<double>(s.scored) / std::max<int64_t>(scored, 1));
+          : s.loss * (static_cast<double>(s.scored) / std::max<int64_t>(batch_scored, 1));
+  const int64_t scored = world_size_ > 1 ? batch_scored : s.scored;
   double loss = loss_part.item<double>();
   double correct = static_cast<double>(s.correct);
   if (world_size_ > 1) {

@@ -139,8 +139,10 @@ struct NonFiniteLoss : std::runtime_error {
 TrainResult train(const TrainConfig& config, std::ostream& out,
                   const std::atomic<bool>* stop = nullptr, Collectives* ranks = nullptr);
 
-/// Fails unless a global batch of `batch_size` sequences gives each rank at least one.
-void check_global_batch(int64_t batch_size, int world_size);
+/// Fails unless a global batch of `batch_size` sequences gives each of `data_ranks`
+/// data-parallel ranks at least one: the ranks themselves, or with --context-parallel R > 1
+/// their groups of R that share a sequence.
+void check_global_batch(int64_t batch_size, int data_ranks, int64_t context_parallel = 1);
 
 /// Fails unless `world_size` ranks form whole context-parallel groups of `context_parallel`.
 void check_context_parallel_ranks(int64_t context_parallel, int world_size);
