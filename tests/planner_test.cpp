@@ -394,6 +394,36 @@ TEST(Planner, AKernelThatClaimsWhatItCannotRunFailsTheCases) {
   }
 }
 
+// The math core's additive bias (MathMasking::bias, what sdpa_masked falls back to without
+// SDPA): softmax(scale q k^T + bias, masked) v, the bias converted to the scores' dtype, a
+// row that sees no key zero.
+TEST(MathCore, AnAdditiveBiasIsAddedBeforeTheMaskAndTheSoftmax) {
+  torch::manual_seed(3);
+  const int64_t b = 2, h = 3, n = 5, m = 7, hd = 4;
+  const auto q = torch::randn({b, h, n, hd}, torch::kFloat64);
+  const auto k = torch::randn({b, h, m, hd}, torch::kFloat64);
+  const auto v = torch::randn({b, h, m, hd}, torch::kFloat64);
+  const auto bias = torch::randn({1, h, n, m}, torch::kFloat32);  // float32 into float64 scores
+  auto allowed = torch::rand({b, 1, n, m}) < 0.7;
+  allowed.index_put_({0, 0, 2}, false);  // batch 0's query 2 sees nothing
+  attnkit::detail::MathMasking masking;
+  masking.allowed = allowed;
+  masking.bias = bias;
+  const auto out = attnkit::detail::math_attention(q, k, v, masking, 0.5, 0.0, false).context;
+  const auto scores = (torch::matmul(q, k.transpose(-2, -1)) * 0.5 + bias.to(torch::kFloat64))
+                          .masked_fill(allowed.logical_not(), -INFINITY);
+  const auto weights = torch::softmax(scores, -1).nan_to_num(0.0);
+  EXPECT_TRUE(tensors_close("context", out, torch::matmul(weights, v), 1e-12));
+  EXPECT_TRUE(out[0][0][2].abs().max().item<double>() == 0.0);
+  // bfloat16 scores take the float32 bias in their own dtype.
+  const auto out16 =
+      attnkit::detail::math_attention(q.to(torch::kBFloat16), k.to(torch::kBFloat16),
+                                      v.to(torch::kBFloat16), masking, 0.5, 0.0, false)
+          .context;
+  EXPECT_EQ(out16.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(tensors_close("bfloat16 context", out16.to(torch::kFloat64), out, 5e-2));
+}
+
 // Every call a module makes reaches the planner: a forward, a cached prefill, a cached decode
 // step, a ragged prefill and a ragged decode step of each multi-head module (MLA's absorbed
 // decode among them) under every backend each leave exactly one record of the kernel that ran.

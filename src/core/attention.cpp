@@ -65,6 +65,8 @@ functional::AttentionOutput math_attention(const torch::Tensor& query, const tor
   }
   if (masking.score_mod)
     scores = apply_score_mod(masking.score_mod, scores, masking.index);
+  if (masking.bias.defined())
+    scores = scores + masking.bias.to(scores.scalar_type());
   const auto& allowed = masking.allowed;
   if (allowed.defined()) {
     constexpr double kMasked = -std::numeric_limits<double>::infinity();

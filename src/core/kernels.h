@@ -63,6 +63,8 @@ struct MathMasking {
   /// Applied to the scaled scores with `index` (b, h, q_idx, kv_idx) tensors; may be empty.
   ScoreMod score_mod;
   std::vector<torch::Tensor> index;
+  /// Floating, broadcastable to the scores: added after score_mod; undefined: none.
+  torch::Tensor bias;
   /// (h) attention sinks of 4-D scores (AttentionOptions::sinks); undefined: none.
   torch::Tensor sinks;
 };

@@ -312,10 +312,7 @@ torch::Tensor sdpa_masked_attention(const torch::Tensor& query, const torch::Ten
   const int64_t group_size = query.size(1) / key.size(1);
   MathMasking masking;
   masking.allowed = attend;
-  if (bias.defined()) {
-    masking.score_mod = [bias](const torch::Tensor& score, auto&&...) { return score + bias; };
-    masking.index = {bias, bias, bias, bias};  // unread by the score function above
-  }
+  masking.bias = bias;
   auto context = math_attention(query, key.repeat_interleave(group_size, 1),
                                 value.repeat_interleave(group_size, 1), masking, c10::nullopt,
                                 dropout_p, dropout_p > 0.0)
