@@ -13,6 +13,8 @@
 #include "core/planner.h"
 #include "test_support.h"
 
+#include <dlfcn.h>
+
 #include <array>
 #include <set>
 
@@ -307,6 +309,26 @@ TEST(Threads, BadCountsAreRefusedAndChangeNothing) {
   EXPECT_EQ(text.str(), attnkit::blas_threads().name == "unknown"
                             ? "BLAS threads unknown"
                             : attnkit::blas_threads().name + ", 2 threads");
+}
+
+// pip's LibTorch links MKL, whose thread count is also per thread: a product inside one of
+// run_tasks' tasks must find MKL on one thread (else it takes MKL's threaded driver, which then
+// runs alone, about 9% slower per call), and the calling thread has its count back afterwards.
+// Debian's LibTorch has no MKL: nothing to check there.
+TEST(Threads, TasksRunMklOnOneThreadAndGiveItsCountBack) {
+  const auto mkl_max_threads =
+      reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "MKL_Get_Max_Threads"));
+  if (mkl_max_threads == nullptr)
+    GTEST_SKIP() << "this LibTorch has no MKL";
+  const ThreadCountsRestorer restore;
+  attnkit::set_num_threads(2);
+  ASSERT_EQ(mkl_max_threads(), 2);
+  std::array<int, 4> in_task{};
+  attnkit::run_tasks(static_cast<int64_t>(in_task.size()), torch::kCPU,
+                     [&](int64_t t) { in_task[static_cast<size_t>(t)] = mkl_max_threads(); });
+  for (size_t t = 0; t < in_task.size(); ++t)
+    EXPECT_EQ(in_task[t], 1) << "task " << t;
+  EXPECT_EQ(mkl_max_threads(), 2);
 }
 
 // `attention(causal)` against the math path, float32 and float64, causal and not, over

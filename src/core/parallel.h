@@ -29,6 +29,22 @@ namespace attnkit::detail {
 // The BLAS on one thread while one is alive (attnkit/threads.h).
 using attnkit::SingleThreadedBlas;
 
+// While one is alive, MKL (which pip's LibTorch links) runs the calling thread's products on
+// one thread; nothing without MKL. SingleThreadedBlas cannot do this for MKL: its count is set
+// per thread (mkl_set_num_threads_local), and with at::get_num_threads() > 1 a product called
+// from a parallel region's worker takes MKL's threaded driver, which then runs alone and is
+// about 9% slower per call than its sequential path (the fused tile kernel's GEMMs, 2 threads).
+class OneMklThreadHere {
+ public:
+  OneMklThreadHere();
+  ~OneMklThreadHere();
+  OneMklThreadHere(const OneMklThreadHere&) = delete;
+  OneMklThreadHere& operator=(const OneMklThreadHere&) = delete;
+
+ private:
+  int previous_ = -1;  // the thread's own count before (0: MKL's global count); -1: no MKL
+};
+
 // Workers for num_tasks tasks on `device`: at::get_num_threads() capped by num_tasks; 1 on
 // a GPU (CUDA's current device and stream are per thread, and the host side is not the
 // bottleneck there) and inside a parallel region (ATen does not nest them).
@@ -42,7 +58,7 @@ inline int64_t worker_count(int64_t num_tasks, const torch::Device& device) {
 // next task as they finish one, so list the costly tasks first. With several workers, each
 // has the caller's thread-local state (inference mode, dispatch keys: an OpenMP worker starts
 // without them, and an in-place op on an inference tensor there was refused), grad mode is
-// off in them and the BLAS is single-threaded.
+// off in them and the BLAS (MKL included) is single-threaded.
 template <typename Task>
 void run_tasks(int64_t num_tasks, const torch::Device& device, const Task& task) {
   const int64_t workers = worker_count(num_tasks, device);
@@ -56,6 +72,7 @@ void run_tasks(int64_t num_tasks, const torch::Device& device, const Task& task)
   const at::ThreadLocalState caller_state;
   at::parallel_for(0, workers, /*grain_size=*/1, [&](int64_t, int64_t) {
     const at::ThreadLocalStateGuard caller_state_guard(caller_state);
+    const OneMklThreadHere one_mkl_thread;
     torch::NoGradGuard no_grad;
     for (int64_t t = next++; t < num_tasks; t = next++)
       task(t);

@@ -42,6 +42,30 @@ const BlasControl& blas_control() {
   return control;
 }
 
+// MKL's per-thread count, mkl_set_num_threads_local (it returns the thread's previous count,
+// 0 meaning MKL's global one); null without MKL. Its C entry point is MKL_Set_Num_Threads_Local
+// (mkl_service.h maps the lower-case name to it): the lower-case symbol is the Fortran one,
+// which takes a pointer. pip's LibTorch links MKL into libtorch_cpu,
+// which Python loads into a local scope: looked up there too, through the library that holds
+// a LibTorch function.
+using MklSetLocal = int (*)(int);
+
+MklSetLocal mkl_set_local() {
+  static const MklSetLocal set = [] {
+    constexpr const char* kSymbol = "MKL_Set_Num_Threads_Local";
+    if (auto found = find_symbol<MklSetLocal>(kSymbol))
+      return found;
+    Dl_info libtorch{};
+    if (dladdr(reinterpret_cast<void*>(&at::get_num_threads), &libtorch) == 0 ||
+        libtorch.dli_fname == nullptr)
+      return MklSetLocal{nullptr};
+    void* handle = dlopen(libtorch.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    return handle != nullptr ? reinterpret_cast<MklSetLocal>(dlsym(handle, kSymbol))
+                             : MklSetLocal{nullptr};
+  }();
+  return set;
+}
+
 std::mutex single_threaded_mutex;
 int single_threaded_holders = 0;
 int threads_before_single = 1;
@@ -95,6 +119,20 @@ SingleThreadedBlas::~SingleThreadedBlas() {
   if (--single_threaded_holders == 0 && threads_before_single != 1)
     blas.set(threads_before_single);
 }
+
+namespace detail {
+
+OneMklThreadHere::OneMklThreadHere() {
+  if (const auto set = mkl_set_local())
+    previous_ = set(1);
+}
+
+OneMklThreadHere::~OneMklThreadHere() {
+  if (previous_ >= 0)
+    mkl_set_local()(previous_);
+}
+
+}  // namespace detail
 
 void run_tasks(int64_t num_tasks, const c10::Device& device,
                const std::function<void(int64_t)>& task) {
