@@ -79,6 +79,22 @@ struct Slices {
   }
 };
 
+// Zeroes rows [0, rows) of slice (o, h), each `cols` wide.
+template <typename T>
+void clear_rows(const Slices<T>& s, int64_t o, int64_t h, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    std::memset(s.row(o, h, r), 0, static_cast<size_t>(cols) * sizeof(T));
+}
+
+// x . y over n entries, summed in double.
+template <typename T>
+T dot(const T* x, const T* y, int64_t n) {
+  double sum = 0.0;
+  for (int64_t j = 0; j < n; ++j)
+    sum += static_cast<double>(x[j]) * y[j];
+  return static_cast<T>(sum);
+}
+
 // rows x cols of a matrix with unit-stride rows, as a tensor for the BLAS calls.
 template <typename T>
 torch::Tensor matrix(T* data, int64_t rows, int64_t cols, int64_t row_stride) {
@@ -271,15 +287,15 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
   const TilePlan plan(problem, q4, k4, v4);
   const RowScore<T> score(problem.variant);
   const int64_t kv_heads = k4.size(1), dv = plan.value_dim, hd = plan.head_dim;
-  // D_i = dO_i . O_i, the softmax's backward term, (outer, heads, n).
-  const auto delta = (grad_out4 * out4).sum(-1).contiguous();
-  auto grad_q4 = torch::zeros(q4.sizes(), q4.options());
-  auto grad_k4 = torch::zeros(k4.sizes(), k4.options());
-  auto grad_v4 = torch::zeros(v4.sizes(), v4.options());
-  const Slices<T> q(q4), k(k4), v(v4), grad_out(grad_out4), grad_q(grad_q4), grad_k(grad_k4),
-      grad_v(grad_v4);
+  // The gradients are cleared, and D computed, by the tasks that own their rows: fresh pages
+  // of a freed gradient are faulted in on first touch, and a serial pass here held a second
+  // thread idle for it (docs/threads.md).
+  auto grad_q4 = torch::empty(q4.sizes(), q4.options());
+  auto grad_k4 = torch::empty(k4.sizes(), k4.options());
+  auto grad_v4 = torch::empty(v4.sizes(), v4.options());
+  const Slices<T> q(q4), k(k4), v(v4), out(out4), grad_out(grad_out4), grad_q(grad_q4),
+      grad_k(grad_k4), grad_v(grad_v4);
   const T* lse_data = lse.data_ptr<T>();
-  const T* delta_data = delta.data_ptr<T>();
   const auto tensors = problem.variant.tensors();
   const int64_t tasks = plan.outer * kv_heads;
   // Each task's share of the tensors' gradients, summed in task order afterwards (the same
@@ -306,6 +322,11 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
                     ? torch::empty({plan.query_block * plan.widest_tile}, options)
                     : torch::Tensor();
     auto work = score.workspace(plan.widest_tile);
+    for (int64_t h = kh * plan.group_size; h < (kh + 1) * plan.group_size; ++h)
+      clear_rows(grad_q, o, h, plan.num_queries, hd);
+    clear_rows(grad_k, o, kh, plan.num_keys, hd);
+    clear_rows(grad_v, o, kh, plan.num_keys, dv);
+    std::vector<T> delta(static_cast<size_t>(plan.query_block));
     std::vector<double*> tensor_grads(tensors.size(), nullptr);
     const int64_t share = per_task ? task : workers == 1 ? 0 : at::get_thread_num();
     TORCH_CHECK(share < static_cast<int64_t>(share_grads.size()), "[fused_tiles] worker ", share,
@@ -329,7 +350,11 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
         const auto grad_out_block = matrix(grad_out.row(o, h, q0), bq, dv, grad_out.row_stride);
         auto grad_q_block = matrix(grad_q.row(o, h, q0), bq, hd, grad_q.row_stride);
         const T* row_lse = lse_data + (o * plan.heads + h) * plan.num_queries + q0;
-        const T* row_delta = delta_data + (o * plan.heads + h) * plan.num_queries + q0;
+        // D_i = dO_i . O_i, the softmax's backward term.
+        for (int64_t i = 0; i < bq; ++i)
+          delta[static_cast<size_t>(i)] =
+              dot(grad_out.row(o, h, q0 + i), out.row(o, h, q0 + i), dv);
+        const T* row_delta = delta.data();
         for (const auto& visit : plan.tiles(o, h, qi)) {
           const int64_t k0 = visit.key_begin, bk = visit.keys;
           T* p_data = scores.data_ptr<T>();
