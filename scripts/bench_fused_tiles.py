@@ -258,8 +258,12 @@ def scaling(args):
                 if round_index > 0:
                     times[threads].append(time.perf_counter() - start)
         one, two = (statistics.median(times[t]) * 1e3 for t in (1, 2))
+        # Each round's own ratio too: the machine's speed drifts within a run, and a pair of
+        # calls made back to back shares its speed.
+        paired = statistics.median(a / b for a, b in zip(times[1], times[2]))
         print(f"{case:20s} n {args.n[0]:5d} {args.dtypes[0]:8s} attnkit fwd+bwd: 1 thread "
-              f"{one:8.1f} ms, 2 threads {two:8.1f} ms: {one / two:.2f}x", flush=True)
+              f"{one:8.1f} ms, 2 threads {two:8.1f} ms: {one / two:.2f}x (pair by pair "
+              f"{paired:.2f}x)", flush=True)
 
 
 def precision():
