@@ -329,6 +329,12 @@ def main():
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--memory-side", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1 (timed rounds after the warm-up), got {args.repeats}")
+    for name in ("n", "threads"):
+        bad = [value for value in getattr(args, name) if value < 1]
+        if bad:
+            parser.error(f"--{name} must be >= 1, got {bad[0]}")
     if args.precision:
         precision()
         return
