@@ -86,15 +86,6 @@ void clear_rows(const Slices<T>& s, int64_t o, int64_t h, int64_t rows, int64_t 
     std::memset(s.row(o, h, r), 0, static_cast<size_t>(cols) * sizeof(T));
 }
 
-// x . y over n entries, summed in double.
-template <typename T>
-T dot(const T* x, const T* y, int64_t n) {
-  double sum = 0.0;
-  for (int64_t j = 0; j < n; ++j)
-    sum += static_cast<double>(x[j]) * y[j];
-  return static_cast<T>(sum);
-}
-
 // rows x cols of a matrix with unit-stride rows, as a tensor for the BLAS calls.
 template <typename T>
 torch::Tensor matrix(T* data, int64_t rows, int64_t cols, int64_t row_stride) {
