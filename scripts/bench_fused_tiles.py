@@ -26,6 +26,9 @@ Usage (pip's PyTorch and the pip build's package):
   ... scripts/bench_fused_tiles.py --precision   the bfloat16 table gradient's error
   ... scripts/bench_fused_tiles.py --scaling [--cases ...]   fwd+bwd at 1 and 2 threads, in
       alternation in one process
+  ... scripts/bench_fused_tiles.py --document-route [--n 256 1024 4096]   attnkit.attention's
+      documents without a gradient: by document on SDPA against the block mask's route, in
+      alternation in one process (b 1 and 8; documents of n / 8, 16 and 4 tokens)
 """
 
 import argparse
@@ -266,6 +269,47 @@ def scaling(args):
               f"{paired:.2f}x)", flush=True)
 
 
+def document_route(args):
+    """attnkit.attention(document_ids=...) without a gradient: its route by document on SDPA
+    (taken where its rule says) against the block mask's route it replaces (create_block_mask
+    of the same mask_mod, then flex_attention), both sides in alternation."""
+    import torch
+    import attnkit
+    torch.set_num_threads(args.threads[0])
+    for n in args.n:
+        for batch in (1, 8):
+            for tokens in sorted({n // 8, 16, 4} - {0}, reverse=True):
+                q, k, v = (torch.randn(batch, 8, n, 64) for _ in range(3))
+                ids = torch.arange(n) // tokens
+                for causal in (False, True):
+                    def mask_mod(b, h, qi, kv):
+                        same = ids[qi] == ids[kv]
+                        return same & (kv <= qi) if causal else same
+                    sides = {
+                        "by document": lambda: attnkit.attention(q, k, v, causal=causal,
+                                                                 document_ids=ids),
+                        "block mask": lambda: attnkit.flex_attention(
+                            q, k, v, block_mask=attnkit.create_block_mask(mask_mod, 1, 1, n, n)),
+                    }
+                    times = {name: [] for name in sides}
+                    with torch.no_grad():
+                        taken = attnkit._attention_by_document(q, k, v, ids, causal,
+                                                               None) is not None
+                        for round_index in range(args.repeats + 1):
+                            for name, call in sides.items():
+                                start = time.perf_counter()
+                                call()
+                                if round_index > 0:
+                                    times[name].append(time.perf_counter() - start)
+                    mine, theirs = (statistics.median(times[name]) * 1e3 for name in sides)
+                    paired = statistics.median(
+                        b / a for a, b in zip(times["by document"], times["block mask"]))
+                    print(f"b {batch} n {n:5d} documents of {tokens:4d} causal {causal!s:5s} "
+                          f"route {'taken' if taken else 'declined':8s} attention {mine:8.2f} ms, "
+                          f"block mask's route {theirs:8.2f} ms: {theirs / mine:.2f}x (pair by "
+                          f"pair {paired:.2f}x)", flush=True)
+
+
 def precision():
     """The relative-position table's gradient in bfloat16 (causal, n 1,024): the mean absolute
     error of attnkit's and of the dense math's (scores in float32, as FlexAttention's eager
@@ -324,6 +368,9 @@ def main():
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--scaling", action="store_true",
                         help="attnkit's fwd+bwd at 1 and 2 threads in alternation instead")
+    parser.add_argument("--document-route", action="store_true",
+                        help="attnkit.attention's documents by document on SDPA against the "
+                        "block mask's route instead (no gradient)")
     parser.add_argument("--precision", action="store_true",
                         help="the bfloat16 table gradient's error instead of timings")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -340,6 +387,9 @@ def main():
         return
     if args.scaling:
         scaling(args)
+        return
+    if args.document_route:
+        document_route(args)
         return
     if args.child:
         args.child_case, n, args.child_dtype, threads = args.child

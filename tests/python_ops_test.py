@@ -693,6 +693,74 @@ class OwnMasks(unittest.TestCase):
         for mine, theirs in zip(grads, ref_grads):
             self.assertLess(max_error(mine, theirs), 1e-10)
 
+    def test_documents_without_a_gradient_run_by_document_on_sdpa(self):
+        # attnkit.attention's route for document_ids: one SDPA call per document, no block
+        # mask. It is taken only where it was measured faster; elsewhere the block mask's.
+        g = torch.Generator().manual_seed(5)
+        q, k, v = [torch.randn(2, 3, 160, 8, generator=g, dtype=torch.float64)
+                   for _ in range(3)]
+        row_ids = torch.tensor([[0] * 40 + [1] * 100 + [2] * 20,
+                                [5] * 90 + [7] * 70])  # (B, L): each row its own documents
+        split = torch.tensor([0] * 60 + [1] * 60 + [0] * 40)  # document 0 in two runs
+        sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention", None)
+        calls = []
+
+        def counted(*args, **kwargs):
+            calls.append(args[0].shape[2])
+            return sdpa(*args, **kwargs)
+        cases = [  # ids, causal, scale, gradient, how many SDPA calls where PyTorch has SDPA
+            (row_ids, False, None, False, 5),
+            (row_ids, True, 0.3, False, 5),
+            (row_ids, True, None, True, 0),   # a gradient to keep: the block mask's route
+            (split, False, None, False, 0),   # a document in two runs
+            (torch.arange(160) // 2, True, None, False, 0),  # 80 documents of 2 tokens
+        ]
+        long_q, long_k, long_v = [torch.randn(2, 1, 600, 4, generator=g, dtype=torch.float64)
+                                  for _ in range(3)]
+        long_documents = torch.arange(600) // 300  # causal, longer than 256, rows sharing ids
+        long_cases = [(long_documents, True, 0), (long_documents, False, 4)]
+        if sdpa is not None:
+            torch.nn.functional.scaled_dot_product_attention = counted
+        try:
+            for ids, causal, scale, gradient, want_calls in cases:
+                with self.subTest(causal=causal, scale=scale, gradient=gradient,
+                                  documents=int(ids.max()) + 1):
+                    calls.clear()
+                    inputs = [t.clone().requires_grad_(gradient) for t in (q, k, v)]
+                    out = attnkit.attention(*inputs, causal=causal, document_ids=ids,
+                                            scale=scale, block_size=32)
+                    rows = ids if ids.dim() == 2 else ids.unsqueeze(0)
+
+                    def mask_mod(b, h, qi, kv):
+                        same = rows[b if rows.shape[0] > 1 else 0, qi] == \
+                            rows[b if rows.shape[0] > 1 else 0, kv]
+                        return same & (kv <= qi) if causal else same
+                    ref, _ = dense_reference(*inputs, None, mask_mod, scale)
+                    self.assertLess(max_error(out, ref), 1e-12)
+                    routed = len(calls)
+                    self.assertEqual(routed, want_calls if sdpa is not None else 0)
+                    self.assertEqual(sum(calls), 320 if routed else 0)  # every token, once
+                    if gradient:
+                        grads = torch.autograd.grad(out.square().sum(), inputs)
+                        ref_grads = torch.autograd.grad(ref.square().sum(), inputs)
+                        for mine, theirs in zip(grads, ref_grads):
+                            self.assertLess(max_error(mine, theirs), 1e-10)
+            for ids, causal, want_calls in long_cases:
+                with self.subTest(long_documents=True, causal=causal):
+                    calls.clear()
+                    out = attnkit.attention(long_q, long_k, long_v, causal=causal,
+                                            document_ids=ids)
+
+                    def long_mask(b, h, qi, kv):
+                        same = ids[qi] == ids[kv]
+                        return same & (kv <= qi) if causal else same
+                    ref, _ = dense_reference(long_q, long_k, long_v, None, long_mask)
+                    self.assertLess(max_error(out, ref), 1e-12)
+                    self.assertEqual(len(calls), want_calls if sdpa is not None else 0)
+        finally:
+            if sdpa is not None:
+                torch.nn.functional.scaled_dot_product_attention = sdpa
+
     def test_refusals_name_the_argument(self):
         q = torch.randn(2, 2, 16, 8)
         cases = [

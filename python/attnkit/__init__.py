@@ -191,6 +191,8 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
     attention). Scores: softcap (cap * tanh(s / cap)), alibi_slopes (H) (adds slope[h] *
     (kv_idx - q_idx)), bias (H, 2 D + 1) a learnable relative-position bias (adds
     bias[h, clamp(kv_idx - q_idx, -D, D) + D]). dropout_p applies when training.
+    Without a gradient to keep, document_ids runs one PyTorch SDPA call per document where
+    that was measured faster than a block mask (docs/backends.md, "Documents from Python").
     """
     L, S = query.shape[2], key.shape[2]
     parts = []
@@ -217,6 +219,12 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
         ids = document_ids if document_ids.dim() == 2 else document_ids.unsqueeze(0)
         parts.append(lambda b, h, q, kv: ids[b if ids.shape[0] > 1 else 0, q] ==
                      ids[b if ids.shape[0] > 1 else 0, kv])
+    if document_ids is not None and key_lengths is None and window is None and \
+            query_offset == 0 and softcap is None and alibi_slopes is None and bias is None and \
+            not (training and dropout_p > 0.0):
+        out = _attention_by_document(query, key, value, document_ids, causal, scale)
+        if out is not None:
+            return out
     block_mask = None
     if parts and query.numel() > 0:  # an empty batch or query has no row to mask
         def mask_mod(b, h, q, kv):
@@ -234,6 +242,71 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
     score_mod = _combined_score_mod(softcap, alibi_slopes, bias)
     out, _ = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
                    dropout_p if training else 0.0)
+    return out
+
+
+# Where one SDPA call per document beats the block mask's route (docs/backends.md): documents
+# of this many tokens on average or more, and at least this many (query, key) pairs that the
+# block mask's mask_mod would evaluate per call (a call costs about 20 us, a pair 2.6 ns).
+_SHORTEST_MEAN_DOCUMENT = 4
+_PAIRS_PER_DOCUMENT_CALL = 1024
+# ... and causal documents in a batch of rows that share one block mask at most this long.
+_LONGEST_CAUSAL_DOCUMENT = 256
+
+
+def _compiling():
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    dynamo = getattr(torch, "_dynamo", None)
+    return dynamo is not None and hasattr(dynamo, "is_compiling") and dynamo.is_compiling()
+
+
+def _attention_by_document(query, key, value, document_ids, causal, scale):
+    """Documents on PyTorch's SDPA, one call per document (what the C++ sdpa_varlen kernel
+    does): exact, nothing across documents computed, and no block mask to make, whose mask_mod
+    over every (query, key) pair costs about as much as the kernel (docs/backends.md). Taken
+    where that was measured faster: the CPU, float32 or float64, no gradient to keep, heads
+    not grouped, each document one run of tokens, documents not too many for their length,
+    causal ones not long where rows share the block mask.
+    None where the call is not one of those; the block mask's route runs it then."""
+    F = torch.nn.functional
+    wants_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value))
+    if not hasattr(F, "scaled_dot_product_attention") or wants_grad or _compiling() or \
+            query.device.type != "cpu" or query.dtype not in (torch.float32, torch.float64) or \
+            query.shape[1] != key.shape[1] or query.numel() == 0 or key.numel() == 0 or \
+            (scale is not None and _release(torch.__version__) < (2, 1)):
+        return None
+    _check_problem(query, key, value, True)
+    ids = document_ids.to("cpu")
+    mask_rows = ids.shape[0] if ids.dim() == 2 else 1  # the block mask's B
+    ids = ids if ids.dim() == 2 else ids.unsqueeze(0).expand(query.shape[0], -1)  # (B, L)
+    if ids.shape[0] != query.shape[0]:
+        return None  # the block mask's route names the mismatch
+    # Each row's documents as runs of equal ids: a run's end where the id changes.
+    changes = ids[:, 1:] != ids[:, :-1]  # (B, L - 1)
+    runs = int(changes.sum()) + ids.shape[0]
+    tokens = ids.shape[1]
+    if ids.shape[0] * tokens < _SHORTEST_MEAN_DOCUMENT * runs or \
+            mask_rows * tokens * tokens < _PAIRS_PER_DOCUMENT_CALL * runs:
+        return None  # many short documents: their calls cost more than the block mask
+    if causal and ids.shape[0] * tokens > _LONGEST_CAUSAL_DOCUMENT * runs and \
+            ids.shape[0] > mask_rows:
+        # Long causal documents in a batch: the tiles skip each document's upper half, one
+        # block mask serves every row, and SDPA's CPU kernel gains less from causality.
+        return None
+    row_ends = [(torch.nonzero(changes[b]).flatten() + 1).tolist() + [tokens]
+                for b in range(ids.shape[0])]
+    if any(len(ends) != torch.unique(row).numel() for ends, row in zip(row_ends, ids)):
+        return None  # a document in more than one run: the block mask's route
+    out = query.new_empty(*query.shape[:3], value.shape[-1])
+    extra = {} if scale is None else {"scale": float(scale)}
+    for b, ends in enumerate(row_ends):
+        for start, end in zip([0] + ends[:-1], ends):
+            out[b, :, start:end] = F.scaled_dot_product_attention(
+                query[b:b + 1, :, start:end], key[b:b + 1, :, start:end],
+                value[b:b + 1, :, start:end], is_causal=causal, **extra)[0]
     return out
 
 
