@@ -59,9 +59,9 @@ struct BenchConfig {
 };
 
 // --mask KIND: "module" (--causal and --window), "documents:K" (each row K documents of
-// n / K tokens, causal), "padded" (key padding, lengths uniform in [min(128, n), n], seed 0;
-// causal with --causal), "causal-mod" (causal as a mask_mod); "-dense" after any of them
-// gives the same mask as a dense bool tensor (Mask::from_tensor).
+// n / K tokens; causal with --causal), "padded" (key padding, lengths uniform in
+// [min(128, n), n], seed 0; causal with --causal), "causal-mod" (causal as a mask_mod);
+// "-dense" after any of them gives the same mask as a dense bool tensor (Mask::from_tensor).
 struct MaskKind {
   std::string kind;  // without "-dense"
   bool dense = false;
@@ -103,7 +103,7 @@ attnkit::Mask make_mask(const BenchConfig& c, const torch::Device& device) {
   if (kind == "documents") {
     // (n): token j belongs to document j / (n / K)
     const auto ids = torch::arange(c.tokens, torch::kInt64).div(c.tokens / documents, "floor");
-    mask = Mask::documents(ids.to(device), /*causal=*/true);
+    mask = Mask::documents(ids.to(device), c.causal);
   } else if (kind == "padded") {
     const int64_t low = std::min<int64_t>(128, c.tokens);
     const auto generator = at::detail::createCPUGenerator(0);
@@ -616,9 +616,9 @@ int main(int argc, char** argv) {
              "0");
   cli.value("Shape", "mask",
             "the core implementations' attnkit::Mask: module (--causal, --window), "
-            "documents:K (K causal documents per row), padded (key padding, lengths uniform in "
-            "128..n; causal with --causal), causal-mod (a mask_mod); KIND-dense: the same as a "
-            "bool tensor",
+            "documents:K (K documents per row; causal with --causal), padded (key padding, "
+            "lengths uniform in 128..n; causal with --causal), causal-mod (a mask_mod); "
+            "KIND-dense: the same as a bool tensor",
             "module")
       .value("Shape", "score", "the core implementations' score function: none, alibi, softcap",
              "none")

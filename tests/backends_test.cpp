@@ -1118,10 +1118,11 @@ TEST(FusedTiles, DropoutIsSeededDifferentiableAndDropsAtItsRate) {
 // The planner takes the fused tile kernel for CPU float32, float64 (and 16-bit) calls with a
 // mask or a named score function, and says why it leaves the others to the chunked kernel.
 TEST(FusedTiles, ThePlannerTakesItWhereItCanAndSaysWhyNot) {
-  // Past the loop nest's tile (kLoopNestMaxTile), and a mask no fused route takes.
-  const auto q = torch::randn({1, 2, 100, 8}), k = torch::randn({1, 2, 100, 8});
+  // Past the loop nest's tile (kLoopNestMaxTile), and a mask no fused route takes: causal
+  // documents longer than SDPA by segment takes (256 tokens on average).
+  const auto q = torch::randn({1, 2, 600, 8}), k = torch::randn({1, 2, 600, 8});
   const auto options = F::AttentionOptions().mask(
-      attnkit::Mask::documents(torch::arange(100).div(30, "floor"), /*causal=*/true));
+      attnkit::Mask::documents(torch::arange(600).div(300, "floor"), /*causal=*/true));
   const auto ran = [&](const torch::Tensor& query, const F::AttentionOptions& o) {
     F::KernelRecord record;
     F::attention(query, query.is_floating_point() ? k.to(query.scalar_type()) : k,
@@ -1134,6 +1135,16 @@ TEST(FusedTiles, ThePlannerTakesItWhereItCanAndSaysWhyNot) {
             "fused_tiles");
   EXPECT_EQ(ran(q.to(torch::kFloat64), options), "fused_tiles");
   EXPECT_EQ(ran(q, F::AttentionOptions(options).dropout_p(0.1).training(true)), "fused_tiles");
+  // Causal documents of 200 tokens without a gradient: SDPA by segment on LibTorch 2.x.
+  const auto shorter = F::AttentionOptions().mask(
+      attnkit::Mask::documents(torch::arange(600).div(200, "floor"), /*causal=*/true));
+  EXPECT_EQ(ran(q, shorter), attnkit::detail::libtorch_has_sdpa() ? "sdpa_varlen" : "fused_tiles");
+  if (attnkit::detail::libtorch_has_sdpa()) {
+    expect_error_containing(
+        [&] { F::attention(q, k, k, F::AttentionOptions(options).kernel("sdpa_varlen")); },
+        "the variable-length route runs causal segments only where kFused is demanded, or for "
+        "documents of at most 256 tokens on average");
+  }
   // A C++ function as the score function stays on the chunked kernel, with a reason.
   const attnkit::ScoreMod general = [](auto s, auto, auto, auto, auto) { return s * 0.5; };
   EXPECT_EQ(ran(q, F::AttentionOptions(options).score_mod(general)), "chunked");

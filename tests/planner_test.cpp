@@ -464,8 +464,9 @@ TEST(Planner, EveryModuleCallLeavesOneKernelRecord) {
 }
 
 // A demanded backend's refusal names what it lacks; a module's preference gives way. On
-// LibTorch 2.x a demanded fused backend runs a document mask through SDPA with the dense
-// mask; on the CPU a preference (and kAuto) keeps the faster fused tile kernel.
+// LibTorch 2.x a demanded fused backend runs a document mask by segment on SDPA; on the CPU a
+// preference (and kAuto) does so for short causal documents with no gradient to keep, and
+// keeps the faster fused tile kernel where one is kept.
 TEST(Planner, ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay) {
   auto c = planner_cases()[3];  // documents
   ASSERT_EQ(c.name, "documents");
@@ -484,9 +485,12 @@ TEST(Planner, ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay) {
         "sliding-window masks on LibTorch 1.x (2.x takes any mask through its SDPA), not ");
   }
   c.call.backend_is_preference = true;
-  EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "fused_tiles");
+  const char* by_segment = attnkit::detail::libtorch_has_sdpa() ? "sdpa_varlen" : "fused_tiles";
+  EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, by_segment);
   auto automatic = c.call;
   automatic.options.backend(AttentionBackend::kAuto);
+  EXPECT_STREQ(attnkit::detail::plan_attention(automatic).name, by_segment);
+  automatic.query = automatic.query.clone().requires_grad_();
   EXPECT_STREQ(attnkit::detail::plan_attention(automatic).name, "fused_tiles");
   c.call.with_weights = true;
   EXPECT_STREQ(attnkit::detail::plan_attention(c.call).name, "math");

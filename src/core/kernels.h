@@ -150,6 +150,7 @@ struct VarlenSegment {
 struct VarlenLayout {
   std::vector<VarlenSegment> segments;
   bool causal = false;
+  bool documents = false;  // each segment a document: its queries are its keys
 };
 
 /// `mask` on `batch` rows of n queries and m keys as segments, when it is key padding whose

@@ -75,6 +75,7 @@ std::optional<VarlenLayout> varlen_layout(const Mask& mask, int64_t batch, int64
       begin = end;
     }
   }
+  layout.documents = true;
   return layout;
 }
 
@@ -259,6 +260,17 @@ torch::Tensor flash_varlen_attention(const torch::Tensor& query, const torch::Te
 namespace {
 
 // Why the route declines `input`; `layout` gets the call's segments once it has them.
+// Causal documents up to this mean length run faster by segment than on the fused tile
+// kernel, which computes whole 128-token tiles around the diagonal (docs/backends.md).
+constexpr int64_t kLongestCausalDocument = 256;
+
+double mean_segment_queries(const VarlenLayout& layout) {
+  int64_t queries = 0;
+  for (const auto& segment : layout.segments)
+    queries += segment.q_end - segment.q_begin;
+  return layout.segments.empty() ? 0.0 : static_cast<double>(queries) / layout.segments.size();
+}
+
 std::string sdpa_varlen_declines(const KernelInput& input, std::optional<VarlenLayout>& layout) {
   const auto& call = input.call;
   if (!libtorch_has_sdpa())
@@ -271,11 +283,12 @@ std::string sdpa_varlen_declines(const KernelInput& input, std::optional<VarlenL
   if (!why.empty())
     return why;
   // One SDPA call per segment. Where kFused is only preferred (kAuto, the modules), the route
-  // runs where it was measured ahead of the chunked kernel: on the CPU, with no gradient to
+  // runs where it was measured ahead of the tile kernels: on the CPU, with no gradient to
   // keep, not causal (docs/benchmarks.md: MiniLM's packed sentences 1.2x faster end to end;
-  // key padding level). Forward+backward it is 1.1-1.6x slower, causal forward up to 2x; on
-  // CUDA it is unmeasured against the masked route. Checked before the layout, whose host
-  // work the other calls are spared.
+  // key padding level), or causal documents of at most kLongestCausalDocument tokens on
+  // average (docs/backends.md: 1.35-3.6x the fused tile kernel's forward; level at 512).
+  // Forward+backward it is slower; on CUDA it is unmeasured against the masked route.
+  // Checked before the layout, whose host work the other calls are spared.
   const bool demanded =
       !call.backend_is_preference && call.options.backend() == AttentionBackend::kFused;
   const bool keeps_no_gradient =
@@ -293,8 +306,13 @@ std::string sdpa_varlen_declines(const KernelInput& input, std::optional<VarlenL
         "one run of tokens), alone or with causal(), not ",
         input.mask().to_string());
   }
-  if (!demanded && layout->causal)
-    return "the variable-length route runs causal segments only where kFused is demanded";
+  if (!demanded && layout->causal &&
+      !(layout->documents && mean_segment_queries(*layout) <= kLongestCausalDocument)) {
+    return c10::str(
+        "the variable-length route runs causal segments only where kFused is demanded, or for "
+        "documents of at most ",
+        kLongestCausalDocument, " tokens on average");
+  }
   return "";
 }
 
