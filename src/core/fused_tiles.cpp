@@ -11,7 +11,8 @@
 // whole tile (a few MiB, beyond L1 and often L2); here the tile's rows are read once after
 // each GEMM, and the only LibTorch calls in the tile loop are the GEMMs themselves
 // (at::mm_out / addmm_ on the inputs in place, which reach the BLAS) and, for a partial tile
-// of a mask, its entries (Mask::tile_allowed).
+// of a mask that has no host form (a tensor, a mask_mod), its entries (Mask::tile_allowed);
+// the named kinds and Python's packed tiles write theirs directly (MaskNode::fill_tile).
 //
 // Layout: float32 or float64 (a 16-bit call arrives as float32: the planner computes it so;
 // AVX2 row loops for float32 where the CPU has them, portable loops otherwise), inputs as
@@ -24,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,6 +34,7 @@
 #include "core/attention_layout.h"
 #include "core/kernels.h"
 #include "core/loop_nest_kernel.h"
+#include "core/mask_node.h"
 #include "core/parallel.h"
 #include "core/row_score.h"
 #include "core/row_softmax.h"
@@ -121,16 +124,21 @@ struct TilePlan {
                      /*merge_partial=*/false);
   }
 
-  // A partial tile's mask entries, (queries, keys) row-major; empty for any other tile.
-  torch::Tensor allowed(const TileVisit& visit, int64_t o, int64_t h, int64_t q0,
-                        int64_t bq) const {
+  // A partial tile's mask entries, (queries, keys) row-major, written into `buffer` (bq *
+  // widest_tile entries) by the mask's kinds, or else evaluated into `evaluated`; nullptr for
+  // any other tile.
+  const bool* allowed(const TileVisit& visit, int64_t o, int64_t h, int64_t q0, int64_t bq,
+                      bool* buffer, torch::Tensor& evaluated) const {
     if (visit.kind != TileKind::kPartial)
-      return {};
+      return nullptr;
     const Tile tile{o, h, 1, q0, bq, visit.key_begin, visit.keys};
-    return problem.mask.tile_allowed(tile, torch::kCPU)
-        .expand({1, bq, visit.keys})
-        .reshape({bq, visit.keys})
-        .contiguous();
+    if (fill_tile(problem.mask, tile, buffer))
+      return buffer;
+    evaluated = problem.mask.tile_allowed(tile, torch::kCPU)
+                    .expand({1, bq, visit.keys})
+                    .reshape({bq, visit.keys})
+                    .contiguous();
+    return evaluated.data_ptr<bool>();
   }
 
   // The dropout factors of a tile, (bq, keys) row-major: 0 or 1 / (1 - p), from a CPU
@@ -163,17 +171,18 @@ struct TilePlan {
 
   // Scores of a tile: S = Qs K^T with the score function and the mask applied, in `scores`
   // (bq rows of visit.keys); each row's modified scores are handed to `row_done(i, row)`.
-  // `raw` (when given) keeps the rows as they were before the score function.
+  // `raw` (when given) keeps the rows as they were before the score function. `mask_bits`:
+  // room for a partial tile's entries (query_block * widest_tile).
   template <typename T, typename RowDone>
   void tile_scores(const torch::Tensor& scaled_q, const Slices<T>& k, int64_t o, int64_t h,
                    int64_t q0, int64_t bq, const TileVisit& visit, T* scores,
-                   const RowScore<T>& score, ScoreProgram::Workspace& work, T* raw,
+                   const RowScore<T>& score, ScoreProgram::Workspace& work, bool* mask_bits, T* raw,
                    RowDone&& row_done) const {
     const int64_t k0 = visit.key_begin, bk = visit.keys;
     auto s = matrix(scores, bq, bk, bk);
     at::mm_out(s, scaled_q, matrix(k.row(o, h / group_size, k0), bk, head_dim, k.row_stride).t());
-    const auto allowed = this->allowed(visit, o, h, q0, bq);
-    const bool* bits = allowed.defined() ? allowed.data_ptr<bool>() : nullptr;
+    torch::Tensor evaluated;
+    const bool* bits = allowed(visit, o, h, q0, bq, mask_bits, evaluated);
     for (int64_t i = 0; i < bq; ++i) {
       T* row = scores + i * bk;
       if (raw != nullptr)
@@ -218,11 +227,12 @@ std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem
     T* acc_data = acc.data_ptr<T>();
     std::vector<T> running_max(bq, minus_infinity<T>()), running_sum(bq, 0);
     auto work = score.workspace(plan.widest_tile);
+    std::unique_ptr<bool[]> mask_bits(new bool[plan.query_block * plan.widest_tile]);
     for (const auto& visit : plan.tiles(o, h, qi)) {
       const auto factors = plan.template dropout_factors<T>(o, h, q0, bq, visit);
       const T* factor = factors.defined() ? factors.template data_ptr<T>() : nullptr;
       plan.tile_scores(scaled_q, k, o, h, q0, bq, visit, scores.data_ptr<T>(), score, work,
-                       static_cast<T*>(nullptr), [&](int64_t i, T* row) {
+                       mask_bits.get(), static_cast<T*>(nullptr), [&](int64_t i, T* row) {
                          const T new_max = std::max(running_max[i], row_max(row, visit.keys));
                          if (new_max == minus_infinity<T>()) {  // no key seen yet: weights 0
                            std::fill(row, row + visit.keys, T(0));
@@ -313,6 +323,7 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
                     ? torch::empty({plan.query_block * plan.widest_tile}, options)
                     : torch::Tensor();
     auto work = score.workspace(plan.widest_tile);
+    std::unique_ptr<bool[]> mask_bits(new bool[plan.query_block * plan.widest_tile]);
     for (int64_t h = kh * plan.group_size; h < (kh + 1) * plan.group_size; ++h)
       clear_rows(grad_q, o, h, plan.num_queries, hd);
     clear_rows(grad_k, o, kh, plan.num_keys, hd);
@@ -351,7 +362,7 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
           T* p_data = scores.data_ptr<T>();
           T* kept_data = kept.defined() ? kept.template data_ptr<T>() : nullptr;
           // P = e^(modified scores - lse): 0 where masked, and for a row that sees no key.
-          plan.tile_scores(q_block, k, o, h, q0, bq, visit, p_data, score, work,
+          plan.tile_scores(q_block, k, o, h, q0, bq, visit, p_data, score, work, mask_bits.get(),
                            keeps == Kept::kRaw ? kept_data : nullptr, [&](int64_t i, T* row) {
                              if (keeps == Kept::kModified)
                                std::memcpy(kept_data + i * bk, row, bk * sizeof(T));

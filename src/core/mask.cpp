@@ -8,7 +8,9 @@
 #include "attnkit/block_mask.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
+#include <memory>
 
 #include "core/checks.h"
 #include "core/kernels.h"
@@ -46,6 +48,19 @@ struct CausalNode final : MaskNode {
       ok = ok.logical_and(position - at.kv < window);
     return ok;
   }
+  bool fill_tile(const Tile& t, bool* out) const override {
+    for (int64_t i = 0; i < t.queries; ++i) {
+      // Row i allows the keys in [position - window + 1, position]: [lo, hi) of the tile.
+      const int64_t position = offset_of(t.batch) + t.query_begin + i - t.key_begin;
+      const int64_t hi = std::clamp<int64_t>(position + 1, 0, t.keys);
+      const int64_t lo = window > 0 ? std::clamp<int64_t>(position - window + 1, 0, hi) : 0;
+      bool* row = out + i * t.keys;
+      std::fill(row, row + lo, false);
+      std::fill(row + lo, row + hi, true);
+      std::fill(row + hi, row + t.keys, false);
+    }
+    return true;
+  }
   c10::optional<TileKind> kind(const Tile& t) const override {
     const int64_t first = offset_of(t.batch) + t.query_begin, last = first + t.queries - 1;
     const int64_t k0 = t.key_begin, k1 = t.key_begin + t.keys - 1;
@@ -82,6 +97,20 @@ struct KeyPaddingNode final : MaskNode {
     if (lengths.defined())
       return at.kv < lengths.index({at.b});
     return padding.index({at.b, at.kv}).logical_not();
+  }
+  bool fill_tile(const Tile& t, bool* out) const override {
+    for (int64_t j = 0; j < t.keys; ++j) {
+      const int64_t key = t.key_begin + j;
+      if (lengths.defined()) {
+        out[j] = key < lengths_cpu[t.batch];
+      } else {
+        const auto* row = counts_cpu.data() + t.batch * (padding.size(1) + 1);
+        out[j] = row[key + 1] > row[key];
+      }
+    }
+    for (int64_t i = 1; i < t.queries; ++i)  // every query of a row sees the same keys
+      std::memcpy(out + i * t.keys, out, t.keys * sizeof(bool));
+    return true;
   }
   c10::optional<TileKind> kind(const Tile& t) const override {
     int64_t valid;
@@ -127,6 +156,15 @@ struct DocumentsNode final : MaskNode {
     if (ids.dim() == 1)
       return ids.index({at.q}) == ids.index({at.kv});
     return ids.index({at.b, at.q}) == ids.index({at.b, at.kv});
+  }
+  bool fill_tile(const Tile& t, bool* out) const override {
+    const auto* row = host.data() + (ids.dim() == 1 ? 0 : t.batch * ids.size(-1));
+    for (int64_t i = 0; i < t.queries; ++i) {
+      const int64_t document = row[t.query_begin + i];
+      for (int64_t j = 0; j < t.keys; ++j)
+        out[i * t.keys + j] = row[t.key_begin + j] == document;
+    }
+    return true;
   }
   std::pair<int64_t, int64_t> id_range(int64_t batch, int64_t begin, int64_t count) const {
     const int64_t n = ids.size(-1);
@@ -216,6 +254,9 @@ struct BlockMaskNode final : MaskNode {
   torch::Tensor tile_allowed(const Tile& tile, const torch::Device& device) const override {
     return blocks.mask().tile_allowed(tile, device).unsqueeze(0);
   }
+  bool fill_tile(const Tile& tile, bool* out) const override {
+    return detail::fill_tile(blocks.mask(), tile, out);
+  }
   // A tile of whole blocks (the last, short one included) combines their verdicts over its
   // heads; any other tile takes the inner mask's structure.
   c10::optional<TileKind> kind(const Tile& t) const override {
@@ -275,6 +316,9 @@ struct RegionNode final : MaskNode {
   torch::Tensor tile_allowed(const Tile& tile, const torch::Device& device) const override {
     return inner->tile_allowed(shifted(tile), device);
   }
+  bool fill_tile(const Tile& tile, bool* out) const override {
+    return inner->fill_tile(shifted(tile), out);
+  }
   c10::optional<TileKind> kind(const Tile& t) const override { return inner->kind(shifted(t)); }
   void check(const char* fn, int64_t batch, int64_t heads, int64_t n, int64_t m,
              const torch::Device& device) const override {
@@ -303,6 +347,15 @@ struct CombinedNode final : MaskNode {
   torch::Tensor allowed(const Indices& at) const override {
     const auto a = left->allowed(at), b = right->allowed(at);
     return is_and ? a.logical_and(b) : a.logical_or(b);
+  }
+  bool fill_tile(const Tile& t, bool* out) const override {
+    const size_t count = static_cast<size_t>(t.queries * t.keys);
+    std::unique_ptr<bool[]> other(new bool[count]);
+    if (!left->fill_tile(t, out) || !right->fill_tile(t, other.get()))
+      return false;
+    for (size_t e = 0; e < count; ++e)
+      out[e] = is_and ? (out[e] && other[e]) : (out[e] || other[e]);
+    return true;
   }
   c10::optional<TileKind> kind(const Tile& t) const override {
     const auto a = left->kind(t), b = right->kind(t);
@@ -380,6 +433,14 @@ std::optional<std::vector<MaskPart>> and_parts(const Mask& mask) {
   for (const auto* node : nodes)
     parts.push_back(part_of(node));
   return parts;
+}
+
+bool fill_tile(const Mask& mask, const Tile& tile, bool* out) {
+  if (mask.is_none()) {
+    std::fill(out, out + tile.queries * tile.keys, true);
+    return true;
+  }
+  return tile.heads == 1 && MaskAccess::node(mask)->fill_tile(tile, out);
 }
 
 }  // namespace detail

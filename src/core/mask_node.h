@@ -40,7 +40,15 @@ struct MaskNode {
   virtual torch::Tensor tile_allowed(const Tile& tile, const torch::Device& device) const {
     return allowed(tile_indices(tile, device));
   }
+  // A one-head tile's entries as bools, row-major (queries, keys), into `out`, from host
+  // copies and without LibTorch operations (the fused tile kernel asks for every partial tile
+  // of every head: tens of microseconds each as tensor operations). false: this kind does
+  // not (a tensor, a mask_mod); the caller evaluates the tile.
+  virtual bool fill_tile(const Tile&, bool*) const { return false; }
 };
+
+/// `mask`'s fill_tile (a mask of no kind allows everything).
+bool fill_tile(const Mask& mask, const Tile& tile, bool* out);
 
 struct MaskAccess {
   static const MaskNode* node(const Mask& mask) { return mask.node_.get(); }

@@ -1,6 +1,8 @@
 // The partial tiles of a FlexAttention block mask as attnkit's Python operators receive them
 // (mask_parts.h's packed_tiles_mask), as a Mask node.
 
+#include <algorithm>
+#include <cstring>
 #include <memory>
 #include <utility>
 
@@ -42,6 +44,27 @@ struct PackedTilesNode final : MaskNode {
       return torch::full({1, 1, 1, 1}, slot == -1, options);
     // (q_block, kv_block) -> (1, 1, queries, keys)
     return bits[slot].narrow(0, 0, t.queries).narrow(1, 0, t.keys).view({1, 1, t.queries, -1});
+  }
+  bool fill_tile(const Tile& t, bool* out) const override {
+    const bool one_block = slots.is_cpu() && slots.is_contiguous() && bits.is_cpu() &&
+                           bits.is_contiguous() && t.heads == 1 && t.query_begin % q_block == 0 &&
+                           t.key_begin % kv_block == 0 && t.queries <= q_block &&
+                           t.keys <= kv_block;
+    if (!one_block)
+      return false;
+    const int64_t nq = slots.size(2), nk = slots.size(3);
+    const int64_t b = slots.size(0) == 1 ? 0 : t.batch, h = slots.size(1) == 1 ? 0 : t.head_begin;
+    const int64_t slot =
+        slots.data_ptr<int64_t>()[((b * slots.size(1) + h) * nq + t.query_begin / q_block) * nk +
+                                  t.key_begin / kv_block];
+    if (slot < 0) {  // -1: a full block, -2: an empty one
+      std::fill(out, out + t.queries * t.keys, slot == -1);
+      return true;
+    }
+    const bool* tile = bits.data_ptr<bool>() + slot * q_block * kv_block;
+    for (int64_t i = 0; i < t.queries; ++i)
+      std::memcpy(out + i * t.keys, tile + i * kv_block, t.keys * sizeof(bool));
+    return true;
   }
   std::string to_string() const override { return "packed_tiles"; }
 };
