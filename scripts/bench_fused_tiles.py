@@ -29,6 +29,9 @@ Usage (pip's PyTorch and the pip build's package):
   ... scripts/bench_fused_tiles.py --document-route [--n 256 1024 4096]   attnkit.attention's
       documents without a gradient: by document on SDPA against the block mask's route, in
       alternation in one process (b 1 and 8; documents of n / 8, 16 and 4 tokens)
+  ... scripts/bench_fused_tiles.py --own-masks [--n 4096]   attnkit.attention's own masks
+      (windows, key lengths, documents), forward and forward+backward, against
+      create_block_mask of the same mask_mod then flex_attention, in alternation
 """
 
 import argparse
@@ -310,6 +313,50 @@ def document_route(args):
                           f"pair {paired:.2f}x)", flush=True)
 
 
+def own_masks(args):
+    """attnkit.attention with its own masks (b 1, causal) against what it did before it found
+    their block masks from their structure: create_block_mask of the same mask_mod, then
+    flex_attention; forward (no gradient) and forward+backward, in alternation."""
+    import torch
+    import attnkit
+    torch.set_num_threads(args.threads[0])
+    n = args.n[0]
+    ids = torch.arange(n) * 8 // n
+    lengths = torch.tensor([n * 3 // 4])
+    cases = {
+        "window 512": (dict(window=512), lambda b, h, q, kv: (kv <= q) & (kv > q - 512)),
+        "window 1,024": (dict(window=1024), lambda b, h, q, kv: (kv <= q) & (kv > q - 1024)),
+        "key lengths": (dict(key_lengths=lengths),
+                        lambda b, h, q, kv: (kv <= q) & (kv < lengths[b])),
+        "documents": (dict(document_ids=ids), lambda b, h, q, kv: (kv <= q) & (ids[q] == ids[kv])),
+    }
+    for gradient in (False, True):
+        for name, (mask, mask_mod) in cases.items():
+            q, k, v = (torch.randn(1, 8, n, 64, requires_grad=gradient) for _ in range(3))
+
+            def own():
+                return attnkit.attention(q, k, v, causal=True, **mask)
+
+            def evaluated():
+                blocks = attnkit.create_block_mask(mask_mod, 1, 1, n, n)
+                return attnkit.flex_attention(q, k, v, block_mask=blocks)
+            times = {own: [], evaluated: []}
+            with torch.set_grad_enabled(gradient):
+                for round_index in range(args.repeats + 1):
+                    for call in times:
+                        start = time.perf_counter()
+                        out = call()
+                        if gradient:
+                            out.sum().backward()
+                        if round_index > 0:
+                            times[call].append(time.perf_counter() - start)
+            mine, theirs = (statistics.median(times[call]) * 1e3 for call in (own, evaluated))
+            paired = statistics.median(b / a for a, b in zip(times[own], times[evaluated]))
+            print(f"{'fwd+bwd' if gradient else 'fwd':7s} n {n:5d} {name:12s} attention "
+                  f"{mine:8.1f} ms, create_block_mask + flex_attention {theirs:8.1f} ms: "
+                  f"{theirs / mine:.2f}x (pair by pair {paired:.2f}x)", flush=True)
+
+
 def precision():
     """The relative-position table's gradient in bfloat16 (causal, n 1,024): the mean absolute
     error of attnkit's and of the dense math's (scores in float32, as FlexAttention's eager
@@ -371,6 +418,9 @@ def main():
     parser.add_argument("--document-route", action="store_true",
                         help="attnkit.attention's documents by document on SDPA against the "
                         "block mask's route instead (no gradient)")
+    parser.add_argument("--own-masks", action="store_true",
+                        help="attnkit.attention's own masks against create_block_mask of the "
+                        "same mask_mod then flex_attention instead")
     parser.add_argument("--precision", action="store_true",
                         help="the bfloat16 table gradient's error instead of timings")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -390,6 +440,9 @@ def main():
         return
     if args.document_route:
         document_route(args)
+        return
+    if args.own_masks:
+        own_masks(args)
         return
     if args.child:
         args.child_case, n, args.child_dtype, threads = args.child

@@ -693,6 +693,52 @@ class OwnMasks(unittest.TestCase):
         for mine, theirs in zip(grads, ref_grads):
             self.assertLess(max_error(mine, theirs), 1e-10)
 
+    def test_own_masks_make_the_block_mask_that_create_block_mask_makes(self):
+        # attnkit.attention finds its masks' tile kinds from their structure; each must equal
+        # create_block_mask's, which evaluates mask_mod on every (query, key) pair.
+        g = torch.Generator().manual_seed(6)
+        for L, S, block in [(100, 100, 16), (128, 128, 32), (300, 300, 128), (40, 300, 32),
+                            (300, 40, 16)]:
+            lengths = torch.randint(0, S + 1, (3,), generator=g)
+            ids = torch.sort(torch.randint(0, 7, (3, S), generator=g), dim=-1).values
+            offsets = [0, 5] + ([S - L] if S > L else [])
+            for causal, offset, window, with_lengths, with_ids in [
+                    (True, o, w, kl, False) for o in offsets for w in (None, 1, 20)
+                    for kl in (False, True)] + [
+                    (c, 0, w, kl, True) for c in (False, True) for w in ((None, 7) if c else
+                                                                          (None,))
+                    for kl in (False, True)]:
+                if with_ids and L != S:
+                    continue
+                B = 3 if (with_lengths or with_ids) else 1
+
+                def mask_mod(b, h, q, kv):
+                    allowed = torch.ones_like(q + kv, dtype=torch.bool)
+                    if causal:
+                        allowed = allowed & (kv <= q + offset)
+                        if window is not None:
+                            allowed = allowed & (kv > q + offset - window)
+                    if with_lengths:
+                        allowed = allowed & (kv < lengths[b])
+                    if with_ids:
+                        allowed = allowed & (ids[b, q] == ids[b, kv])
+                    return allowed
+                with self.subTest(L=L, S=S, block=block, causal=causal, offset=offset,
+                                  window=window, lengths=with_lengths, ids=with_ids):
+                    want = attnkit.create_block_mask(mask_mod, B, 1, L, S, BLOCK_SIZE=block)
+                    got = attnkit._block_mask.own_block_mask(
+                        mask_mod, B, L, S, block, "cpu", causal=causal, query_offset=offset,
+                        window=window, key_lengths=lengths if with_lengths else None,
+                        document_ids=ids if with_ids else None)
+                    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                                 "full_kv_indices"):
+                        self.assertTrue(torch.equal(getattr(got, name), getattr(want, name)),
+                                        name)
+                    # The bits it keeps are those the operators would evaluate.
+                    bits = got._attnkit_partial_tiles[1]
+                    self.assertTrue(torch.equal(
+                        bits, attnkit._block_mask._partial_bits(want, L, S)))
+
     def test_documents_without_a_gradient_run_by_document_on_sdpa(self):
         # attnkit.attention's route for document_ids: one SDPA call per document, no block
         # mask. It is taken only where it was measured faster; elsewhere the block mask's.
@@ -773,6 +819,7 @@ class OwnMasks(unittest.TestCase):
             (dict(bias=torch.zeros(2)), "bias must be (heads, 2 D + 1), got (2,)"),
             (dict(alibi_slopes=torch.ones(3)), "alibi_slopes must be (2,), one slope per query "
                                                "head, got (3,)"),
+            (dict(causal=True, block_size=0), "block_size must be >= 1, got 0"),
         ]
         for kwargs, words in cases:
             with self.subTest(str(kwargs)), self.assertRaises(ValueError) as caught:

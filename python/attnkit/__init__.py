@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import _score_graph
-from ._block_mask import BlockMask, create_block_mask, partial_tiles
+from ._block_mask import BlockMask, create_block_mask, own_block_mask, partial_tiles
 from ._score_graph import ScoreModError
 
 __all__ = ["flex_attention", "attention", "create_block_mask", "BlockMask", "ScoreModError",
@@ -234,8 +234,13 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
             return allowed
         B = query.shape[0] if (key_lengths is not None or
                                (document_ids is not None and document_ids.dim() == 2)) else 1
-        block_mask = create_block_mask(mask_mod, B, 1, L, S, device=query.device,
-                                       BLOCK_SIZE=block_size)
+        if not isinstance(block_size, int) or isinstance(block_size, bool):
+            raise TypeError(f"attnkit.attention: block_size must be an int, got {block_size!r}")
+        if block_size < 1:
+            raise ValueError(f"attnkit.attention: block_size must be >= 1, got {block_size}")
+        block_mask = own_block_mask(mask_mod, B, L, S, block_size, query.device,
+                                    causal=causal, query_offset=query_offset, window=window,
+                                    key_lengths=key_lengths, document_ids=document_ids)
     if alibi_slopes is not None and tuple(alibi_slopes.shape) != (query.shape[1],):
         raise ValueError(f"attnkit.attention: alibi_slopes must be ({query.shape[1]},), one slope "
                          f"per query head, got {tuple(alibi_slopes.shape)}")

@@ -70,10 +70,57 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
         allowed = (allowed & inside).expand(B, H, q_block, nk * kv_block)
         tiles = allowed.reshape(B, H, q_block, nk, kv_block).transpose(2, 3)
         kinds[:, :, i] = tiles.any(-1).any(-1).to(torch.int8) + tiles.all(-1).all(-1).to(torch.int8)
+    return block_mask_of_kinds(kinds, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
+
+
+def block_mask_of_kinds(kinds, BLOCK_SIZE, mask_mod, seq_lengths):
+    """A BlockMask from (B, H, nq, nk) int8 tile kinds: 0 empty, 1 partial, 2 full."""
     kv_num, kv_idx = _ordered(kinds, 1)
     full_num, full_idx = _ordered(kinds, 2)
-    return BlockMask(kv_num, kv_idx, full_num, full_idx, (q_block, kv_block), mask_mod,
-                     (Q_LEN, KV_LEN))
+    return BlockMask(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE, mask_mod, seq_lengths)
+
+
+def own_mask_kinds(B, Q_LEN, KV_LEN, block, device, causal=False, query_offset=0, window=None,
+                   key_lengths=None, document_ids=None):
+    """attnkit.attention's masks' tile kinds, (B, 1, nq, nk) int8 as create_block_mask
+    makes them, found from the masks' structure instead of from mask_mod on every (query,
+    key) pair (which costs as much as the attention at n 4,096). Empty and full are exact;
+    partial may allow nothing (two parts each partial on a tile, or document ids whose ranges
+    meet without a shared id), which own_block_mask settles from the tile's bits."""
+    nq, nk = -(-Q_LEN // block), -(-KV_LEN // block)
+    index = dict(dtype=torch.int64, device=device)
+    q_first = (torch.arange(nq, **index) * block).view(-1, 1)  # (nq, 1)
+    q_last = (q_first + block).clamp(max=Q_LEN) - 1
+    k_first = (torch.arange(nk, **index) * block).view(1, -1)  # (1, nk)
+    k_last = (k_first + block).clamp(max=KV_LEN) - 1
+    # A tile past the last query or key has entries outside the problem: never full.
+    whole = (q_first + block <= Q_LEN) & (k_first + block <= KV_LEN)  # (nq, nk)
+    empty = torch.zeros(B, 1, nq, nk, dtype=torch.bool, device=device)
+    full = whole.expand(B, 1, nq, nk).clone()
+    if causal:
+        first, last = q_first + query_offset, q_last + query_offset  # the rows' positions
+        empty |= k_first > last
+        full &= k_last <= first
+        if window is not None:
+            empty |= first - k_last >= window
+            full &= last - k_first < window
+    if key_lengths is not None:
+        lengths = key_lengths.to(device=device, dtype=torch.int64).view(-1, 1, 1, 1)  # (B,1,1,1)
+        empty |= k_first >= lengths
+        full &= k_last < lengths
+    if document_ids is not None:
+        ids = document_ids.to(device=device, dtype=torch.int64)
+        ids = ids if ids.dim() == 2 else ids.unsqueeze(0)  # (B or 1, L)
+        # Each block's smallest and largest id; the last id repeated to a whole block.
+        padded = torch.cat([ids, ids[:, -1:].expand(-1, nq * block - ids.shape[1])], 1)
+        low = padded.view(ids.shape[0], nq, block).amin(-1).unsqueeze(1)  # (B or 1, 1, nq)
+        high = padded.view(ids.shape[0], nq, block).amax(-1).unsqueeze(1)
+        q_low, q_high = low.unsqueeze(-1), high.unsqueeze(-1)  # (B or 1, 1, nq, 1)
+        k_low, k_high = low.unsqueeze(-2), high.unsqueeze(-2)  # (B or 1, 1, 1, nk)
+        empty |= (q_high < k_low) | (k_high < q_low)
+        full &= (q_low == q_high) & (k_low == k_high) & (q_low == k_low)
+    kinds = full.to(torch.int8) + 1  # 2 full, 1 partial
+    return kinds.masked_fill_(empty, 0)
 
 
 def _block_sizes(block_mask):
@@ -98,18 +145,42 @@ def _partial_bits(block_mask, q_len, kv_len):
     columns = torch.where(listed, idx.long().clamp(0, width - 1), torch.full_like(idx.long(), width))
     grid.scatter_(-1, columns, listed)
     grid = grid[..., :width]
-    b, h, qb, kvb = grid.nonzero(as_tuple=True)
+    return _tile_bits(block_mask.mask_mod, grid.nonzero(as_tuple=True), (q_block, kv_block),
+                      (q_len, kv_len))
+
+
+def _tile_bits(mask_mod, tiles, block_sizes, seq_lengths):
+    """mask_mod on the tiles (b, h, q block, kv block) (index tensors of P tiles): bool (P,
+    q_block, kv_block), False outside the problem."""
+    (b, h, qb, kvb), (q_block, kv_block), (q_len, kv_len) = tiles, block_sizes, seq_lengths
+    device = b.device
     q = qb.view(-1, 1, 1) * q_block + torch.arange(q_block, device=device).view(1, -1, 1)
     kv = kvb.view(-1, 1, 1) * kv_block + torch.arange(kv_block, device=device).view(1, 1, -1)
     inside = (q < q_len) & (kv < kv_len)
     if b.numel() == 0:
         return torch.zeros(0, q_block, kv_block, dtype=torch.bool, device=device)
-    allowed = block_mask.mask_mod(b.view(-1, 1, 1), h.view(-1, 1, 1), q.clamp(max=q_len - 1),
-                                  kv.clamp(max=kv_len - 1))
+    allowed = mask_mod(b.view(-1, 1, 1), h.view(-1, 1, 1), q.clamp(max=q_len - 1),
+                       kv.clamp(max=kv_len - 1))
     if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
         raise TypeError("attnkit.flex_attention: block_mask.mask_mod must return a bool tensor, "
                         f"got {getattr(allowed, 'dtype', type(allowed).__name__)}")
     return (allowed & inside).expand(b.numel(), q_block, kv_block).contiguous()
+
+
+def own_block_mask(mask_mod, B, Q_LEN, KV_LEN, block, device, **structure):
+    """attnkit.attention's block mask for its own masks (own_mask_kinds' `structure`): the
+    lists create_block_mask(mask_mod, B, 1, ...) makes, with mask_mod evaluated on the tiles
+    the structure leaves partial only, and their bits kept for the operators."""
+    kinds = own_mask_kinds(B, Q_LEN, KV_LEN, block, device, **structure)
+    partial = (kinds == 1).nonzero(as_tuple=True)
+    bits = _tile_bits(mask_mod, partial, (block, block), (Q_LEN, KV_LEN))
+    # A tile whose parts are each partial can allow nothing (a window's edge past a row's
+    # key length): empty, as create_block_mask finds it.
+    some = bits.flatten(1).any(1)
+    kinds[tuple(index[~some] for index in partial)] = 0
+    block_mask = block_mask_of_kinds(kinds, (block, block), mask_mod, (Q_LEN, KV_LEN))
+    block_mask._attnkit_partial_tiles = ((Q_LEN, KV_LEN), bits[some])
+    return block_mask
 
 
 def partial_tiles(block_mask, query, key):
