@@ -836,6 +836,10 @@ class OwnMasks(unittest.TestCase):
                 attnkit.create_block_mask(causal, None, None, 16, 16, BLOCK_SIZE=size)
             self.assertIn("BLOCK_SIZE must be an int or a pair of ints (query block, key block), "
                           f"got {size!r}", str(caught.exception))
+        for size in (2.5, True):
+            with self.subTest(block_size=size), self.assertRaises(TypeError) as caught:
+                attnkit.attention(q, q, q, causal=True, block_size=size)
+            self.assertIn(f"block_size must be an int, got {size!r}", str(caught.exception))
         learned = torch.tensor(0.3, requires_grad=True)
         with self.assertRaises(TypeError) as caught:
             attnkit.flex_attention(q, q, q, scale=learned)
