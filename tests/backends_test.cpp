@@ -10,6 +10,7 @@
 #include "attnkit/score_graph.h"
 #include "attnkit/threads.h"
 #include "core/kernels.h"
+#include "core/key_ranges.h"
 #include "core/planner.h"
 #include "test_support.h"
 
@@ -1113,6 +1114,108 @@ TEST(FusedTiles, DropoutIsSeededDifferentiableAndDropsAtItsRate) {
   EXPECT_TRUE(torch::allclose(factor.masked_select(~dropped), torch::full({}, 1 / 0.75, f64)));
   const double rate = dropped.to(f64).mean().item<double>();
   EXPECT_NEAR(rate, 0.25, 0.03);  // 5 standard deviations of 4,000 draws
+}
+
+// Backward's key ranges (core/key_ranges.h): where they start, which range owns each query
+// block's dQ, and the slots the others write; then the kernel with them (4 workers, one
+// key/value head: 4 tasks per worker need ranges) against the same call on one worker, which
+// splits nothing.
+TEST(FusedTiles, KeyRangesSplitBackwardAndGiveOneWorkersGradients) {
+  using attnkit::TileKind;
+  using attnkit::detail::split_keys;
+  using attnkit::detail::TileVisit;
+  // Four query blocks of 16 over 64 keys, causal: block qi sees [0, 16 qi) whole and its
+  // diagonal block partly, so the keys' weights are 64, 48, 32, 16 rows.
+  const auto causal_tiles = [](int64_t qi) {
+    std::vector<TileVisit> tiles;
+    if (qi > 0)
+      tiles.push_back({0, 16 * qi, TileKind::kFull});
+    tiles.push_back({16 * qi, 16, TileKind::kPartial});
+    return tiles;
+  };
+  const auto causal = split_keys(2, 16, 64, 4, 16, causal_tiles, /*slot_budget_rows=*/64);
+  ASSERT_EQ(causal.ranges.count(), 2);
+  EXPECT_EQ(causal.ranges.begin(1), 32);  // 112 of 160 rows' weight before it
+  EXPECT_EQ(causal.slot_rows, 32);        // blocks 2 and 3 see both ranges
+  for (int64_t qi = 0; qi < 4; ++qi) {
+    EXPECT_EQ(causal.owner_of(qi), 0) << qi;
+    EXPECT_EQ(causal.slot_of(qi, 0), -1) << qi;
+    EXPECT_EQ(causal.slot_of(qi, 1), qi < 2 ? -1 : 16 * (qi - 2)) << qi;
+  }
+  // Its whole tile of block 3, cut to range 1, keeps the tile it came from.
+  const auto parts = causal.ranges.part(causal_tiles(3), 1, 64);
+  ASSERT_EQ(parts.size(), 2u);
+  EXPECT_EQ(parts[0].part.key_begin, 32);
+  EXPECT_EQ(parts[0].part.keys, 16);
+  EXPECT_EQ(parts[0].whole.key_begin, 0);
+  EXPECT_EQ(parts[0].whole.keys, 48);
+  // Slots over the budget: fewer ranges (here one, no split).
+  EXPECT_EQ(split_keys(2, 16, 64, 4, 16, causal_tiles, 31).ranges.count(), 1);
+  // Two causal documents of 32 (weights 32, 16, 32, 16): four ranges would cut block 1's
+  // tiles [0, 32) and [32, 64) and need two slots; within a budget of none, two ranges.
+  const auto document_tiles = [](int64_t qi) {
+    return std::vector<TileVisit>{{qi < 2 ? 0 : 32, 16 * (qi % 2 + 1), TileKind::kPartial}};
+  };
+  EXPECT_EQ(split_keys(4, 16, 64, 4, 16, document_tiles, 32).ranges.count(), 4);
+  const auto documents = split_keys(4, 16, 64, 4, 16, document_tiles, 0);
+  ASSERT_EQ(documents.ranges.count(), 2);
+  EXPECT_EQ(documents.ranges.begin(1), 32);
+  EXPECT_EQ(documents.slot_rows, 0);
+  EXPECT_EQ(documents.owner_of(1), 0);
+  EXPECT_EQ(documents.owner_of(3), 1);
+
+  const ThreadCountsRestorer restore;
+  torch::manual_seed(31);
+  const int64_t n = 160;
+  const auto q = torch::randn({1, 4, n, 8}, torch::kFloat64);
+  const auto k = torch::randn({1, 1, n, 8}, torch::kFloat64);
+  const auto v = torch::randn({1, 1, n, 8}, torch::kFloat64);
+  const auto probe = torch::randn_like(q);
+  const auto table = (torch::randn({4, 2 * 12 + 1}, torch::kFloat64) * 0.5).requires_grad_(true);
+  const std::vector<std::pair<std::string, F::AttentionOptions>> cases{
+      // Tiles of 48 keys, cut where ranges start: dropout draws each tile whole.
+      {"no mask, dropout", F::AttentionOptions().dropout_p(0.3).training(true)},
+      {"window 40 (dQ slots)",
+       F::AttentionOptions().mask(attnkit::Mask::causal().sliding_window(40))},
+      {"documents", F::AttentionOptions().mask(attnkit::Mask::documents(
+                        torch::arange(n).div(37, "floor"), /*causal=*/true))},
+      {"blocks 1 and 2 see no key",
+       F::AttentionOptions().mask(
+           attnkit::Mask::from_tensor(torch::ones({n, n}, torch::kBool)
+                                          .tril()
+                                          .index_put_({torch::indexing::Slice(16, 48)}, false)))},
+      {"causal, relative table",
+       F::AttentionOptions()
+           .mask(attnkit::Mask::causal())
+           .score_mod(attnkit::score_mods::relative_position_bias(table))}};
+  for (const auto& [name, options] : cases) {
+    SCOPED_TRACE(name);
+    const auto run = [&, &options = options](int threads) {
+      attnkit::set_num_threads(threads);
+      torch::manual_seed(5);
+      std::vector<torch::Tensor> inputs{q.clone().requires_grad_(true),
+                                        k.clone().requires_grad_(true),
+                                        v.clone().requires_grad_(true), table};
+      const auto out =
+          F::attention(inputs[0], inputs[1], inputs[2],
+                       F::AttentionOptions(options).query_block_size(16).key_block_size(48).kernel(
+                           "fused_tiles"));
+      auto grads = torch::autograd::grad({(out * probe).sum()}, inputs, {}, {}, false,
+                                         /*allow_unused=*/true);
+      grads.insert(grads.begin(), out);
+      return grads;
+    };
+    const auto serial = run(1);
+    const auto split = run(4);
+    const std::vector<std::string> names{"output", "grad q", "grad k", "grad v", "grad table"};
+    for (size_t i = 0; i < serial.size(); ++i) {
+      if (!serial[i].defined()) {
+        EXPECT_FALSE(split[i].defined()) << names[i];
+        continue;
+      }
+      EXPECT_TRUE(tensors_close(names[i], split[i], serial[i], 1e-12, 0.0));
+    }
+  }
 }
 
 // The planner takes the fused tile kernel for CPU float32, float64 (and 16-bit) calls with a

@@ -18,8 +18,9 @@
 // AVX2 row loops for float32 where the CPU has them, portable loops otherwise), inputs as
 // (outer, heads, n, f) slices with unit-stride rows, read in place. Grouped-query attention
 // reads each key/value head for its query heads without copies. Forward's tasks are (outer,
-// head, query block), the last blocks first; backward's are (outer, key/value head), each
-// owning its key and value gradients, with the table's gradient summed in task order.
+// head, query block), the last blocks first; backward's are (outer, key/value head, key
+// range), each owning its range's key and value gradients (one range where the pairs are
+// enough for the workers; key_ranges.h), with the table's gradient summed in task order.
 
 #include <algorithm>
 #include <cmath>
@@ -33,6 +34,7 @@
 #include "attnkit/attention.h"
 #include "core/attention_layout.h"
 #include "core/kernels.h"
+#include "core/key_ranges.h"
 #include "core/loop_nest_kernel.h"
 #include "core/mask_node.h"
 #include "core/parallel.h"
@@ -52,6 +54,9 @@ using torch::autograd::variable_list;
 // The most memory backward's per-task copies of the score function's tensor gradients may
 // take (float64); above it, one copy per worker.
 constexpr int64_t kTaskGradBytes = int64_t{256} << 20;
+
+// Backward's tasks per worker, at least, where key ranges can make them (key_ranges.h).
+constexpr int64_t kBackwardTasksPerWorker = 8;
 
 // ---- the problem ---------------------------------------------------------------------------
 
@@ -82,10 +87,11 @@ struct Slices {
   }
 };
 
-// Zeroes rows [0, rows) of slice (o, h), each `cols` wide.
+// Zeroes rows [first, last) of slice (o, h), each `cols` wide.
 template <typename T>
-void clear_rows(const Slices<T>& s, int64_t o, int64_t h, int64_t rows, int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r)
+void clear_rows(const Slices<T>& s, int64_t o, int64_t h, int64_t first, int64_t last,
+                int64_t cols) {
+  for (int64_t r = first; r < last; ++r)
     std::memset(s.row(o, h, r), 0, static_cast<size_t>(cols) * sizeof(T));
 }
 
@@ -298,7 +304,23 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
       grad_k(grad_k4), grad_v(grad_v4);
   const T* lse_data = lse.data_ptr<T>();
   const auto tensors = problem.variant.tensors();
-  const int64_t tasks = plan.outer * kv_heads;
+  const int64_t blocks = plan.num_query_blocks(), lists = plan.outer * plan.heads * blocks;
+  // Too few (batch, key/value head) tasks for the workers: each split into key ranges
+  // (key_ranges.h), whose dQ slots may take up to dQ's own rows.
+  const int64_t pairs = plan.outer * kv_heads;
+  const int64_t most_workers = worker_count(pairs * blocks, q4.device());
+  const int64_t wanted_ranges =
+      most_workers == 1 ? 1 : (kBackwardTasksPerWorker * most_workers + pairs - 1) / pairs;
+  const auto split = split_keys(
+      wanted_ranges, problem.blocks.defined() ? problem.blocks.kv_block_size() : plan.query_block,
+      plan.num_keys, lists, plan.query_block,
+      [&](int64_t list) {
+        return plan.tiles(list / (plan.heads * blocks), list / blocks % plan.heads, list % blocks);
+      },
+      plan.outer * plan.heads * plan.num_queries);
+  const int64_t ranges = split.ranges.count(), tasks = pairs * ranges;
+  auto slots = torch::empty({split.slot_rows, hd}, q4.options());
+  T* slot_data = slots.template data_ptr<T>();
   // Each task's share of the tensors' gradients, summed in task order afterwards (the same
   // inputs give the same gradients); where one copy per task would pass kTaskGradBytes (a
   // bias tensor of n^2 entries), one copy per worker, summed in float64 in the order the
@@ -311,7 +333,9 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
   std::vector<std::vector<torch::Tensor>> share_grads(
       static_cast<size_t>(per_task ? tasks : std::max<int64_t>(at::get_num_threads(), 1)));
   run_tasks(tasks, q4.device(), [&](int64_t task) {
-    const int64_t o = task / kv_heads, kh = task % kv_heads;
+    const int64_t pair = task / ranges, r = task % ranges;
+    const int64_t o = pair / kv_heads, kh = pair % kv_heads;
+    const int64_t keys_begin = split.ranges.begin(r), keys_end = split.ranges.end(r, plan.num_keys);
     const auto options = q4.options();
     auto scaled_q = torch::empty({plan.query_block, hd}, options);
     auto scores = torch::empty({plan.query_block * plan.widest_tile}, options);
@@ -324,10 +348,8 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
                     : torch::Tensor();
     auto work = score.workspace(plan.widest_tile);
     std::unique_ptr<bool[]> mask_bits(new bool[plan.query_block * plan.widest_tile]);
-    for (int64_t h = kh * plan.group_size; h < (kh + 1) * plan.group_size; ++h)
-      clear_rows(grad_q, o, h, plan.num_queries, hd);
-    clear_rows(grad_k, o, kh, plan.num_keys, hd);
-    clear_rows(grad_v, o, kh, plan.num_keys, dv);
+    clear_rows(grad_k, o, kh, keys_begin, keys_end, hd);
+    clear_rows(grad_v, o, kh, keys_begin, keys_end, dv);
     std::vector<T> delta(static_cast<size_t>(plan.query_block));
     std::vector<double*> tensor_grads(tensors.size(), nullptr);
     const int64_t share = per_task ? task : workers == 1 ? 0 : at::get_thread_num();
@@ -344,20 +366,30 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
       }
     }
     for (int64_t h = kh * plan.group_size; h < (kh + 1) * plan.group_size; ++h) {
-      for (int64_t qi = 0; qi < plan.num_query_blocks(); ++qi) {
+      for (int64_t qi = 0; qi < blocks; ++qi) {
         const int64_t q0 = qi * plan.query_block;
         const int64_t bq = std::min(plan.query_block, plan.num_queries - q0);
+        const int64_t list = (o * plan.heads + h) * blocks + qi;
+        // This range's dQ goes to the gradient (its owner clears it, seen or not) or a slot.
+        const bool owns = split.owner_of(list) == r;
+        if (owns)
+          clear_rows(grad_q, o, h, q0, q0 + bq, hd);
+        const auto visits = split.ranges.part(plan.tiles(o, h, qi), r, plan.num_keys);
+        if (visits.empty())
+          continue;
+        auto grad_q_block =
+            owns ? matrix(grad_q.row(o, h, q0), bq, hd, grad_q.row_stride)
+                 : matrix(slot_data + split.slot_of(list, r) * hd, bq, hd, hd).zero_();
         auto q_block = scaled_q.narrow(0, 0, bq);
         plan.scaled_queries(q, o, h, q0, bq, q_block.data_ptr<T>());
         const auto grad_out_block = matrix(grad_out.row(o, h, q0), bq, dv, grad_out.row_stride);
-        auto grad_q_block = matrix(grad_q.row(o, h, q0), bq, hd, grad_q.row_stride);
         const T* row_lse = lse_data + (o * plan.heads + h) * plan.num_queries + q0;
         // D_i = dO_i . O_i, the softmax's backward term.
         for (int64_t i = 0; i < bq; ++i)
           delta[static_cast<size_t>(i)] =
               dot(grad_out.row(o, h, q0 + i), out.row(o, h, q0 + i), dv);
         const T* row_delta = delta.data();
-        for (const auto& visit : plan.tiles(o, h, qi)) {
+        for (const auto& [visit, whole] : visits) {
           const int64_t k0 = visit.key_begin, bk = visit.keys;
           T* p_data = scores.data_ptr<T>();
           T* kept_data = kept.defined() ? kept.template data_ptr<T>() : nullptr;
@@ -369,8 +401,11 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
                              exp_shifted(row, bk, row_lse[i]);
                            });
           const auto p = matrix(p_data, bq, bk, bk);
-          // With dropout, P Z (Z the tile's factors) is what forward multiplied into V.
-          const auto factors = plan.template dropout_factors<T>(o, h, q0, bq, visit);
+          // With dropout, P Z (Z the tile's factors, drawn for the whole tile as forward drew
+          // them) is what forward multiplied into V.
+          auto factors = plan.template dropout_factors<T>(o, h, q0, bq, whole);
+          if (factors.defined() && bk != whole.keys)
+            factors = factors.narrow(1, k0 - whole.key_begin, bk).contiguous();
           const T* factor = factors.defined() ? factors.template data_ptr<T>() : nullptr;
           const auto dropped = factors.defined() ? p * factors : p;
           const auto k_tile = matrix(k.row(o, kh, k0), bk, hd, k.row_stride);
@@ -403,6 +438,22 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
       }
     }
   });
+  // The later ranges' dQ, added in range order.
+  if (split.slot_rows > 0) {
+    run_tasks(plan.outer * plan.heads, q4.device(), [&](int64_t pair) {
+      const int64_t o = pair / plan.heads, h = pair % plan.heads;
+      for (int64_t qi = 0; qi < blocks; ++qi) {
+        const int64_t q0 = qi * plan.query_block;
+        const int64_t bq = std::min(plan.query_block, plan.num_queries - q0);
+        auto grad_q_block = matrix(grad_q.row(o, h, q0), bq, hd, grad_q.row_stride);
+        for (int64_t r = 0; r < ranges; ++r) {
+          const int64_t row = split.slot_of(pair * blocks + qi, r);
+          if (row >= 0)
+            grad_q_block.add_(matrix(slot_data + row * hd, bq, hd, hd));
+        }
+      }
+    });
+  }
   std::vector<torch::Tensor> tensor_grads(tensors.size());
   for (size_t t = 0; t < tensors.size(); ++t) {
     if (!wanted[t])
