@@ -12,6 +12,7 @@
 #include "core/kernels.h"
 #include "core/key_ranges.h"
 #include "core/planner.h"
+#include "core/score_program.h"
 #include "test_support.h"
 
 #include <dlfcn.h>
@@ -957,12 +958,18 @@ TEST(FusedTiles, ScoreGraphsMatchTheFloat64MathCore) {
   const auto mask = attnkit::Mask::from_tensor(allowed) & attnkit::Mask::causal();
   const auto f64 = torch::kFloat64;
   const auto bias = (torch::randn({b, h, n, n}, f64) * 0.5).requires_grad_(true);
+  const auto heads_bias = (torch::randn({h, n, n}, f64) * 0.5).requires_grad_(true);
   const auto per_head = torch::randn({h}, f64).requires_grad_(true);
   const auto temperature = torch::full({}, 0.8, f64).requires_grad_(true);
   const auto document_ids = torch::arange(n).div(11, "floor");
   const auto table = (torch::randn({h, 9}, f64) * 0.3).requires_grad_(true);
   const std::vector<std::tuple<std::string, std::string, std::vector<torch::Tensor>>> graphs{
       {"bias tensor", "index $0 %1 %2 %3 %4\nadd %0 %5", {bias}},
+      // Gradients summed over the batch, and over two reads: not written in place.
+      {"bias shared by the batch", "index $0 %2 %3 %4\nadd %0 %5", {heads_bias}},
+      {"bias read twice",
+       "index $0 %1 %2 %3 %4\nindex $0 %1 %2 %4 %3\nadd %5 %6\nadd %0 %7",
+       {bias}},
       {"softcap over a bias",
        "index $0 %2\nadd %0 %5\ndiv %6 f:2.5\ntanh %7\nmul %8 f:2.5",
        {per_head}},
@@ -1031,6 +1038,29 @@ TEST(FusedTiles, ScoreGraphsMatchTheFloat64MathCore) {
 
 // What the row programs cannot evaluate stays on the chunked kernel, and a forced fused call
 // says why; an index out of range is LibTorch's error in either kernel.
+// Which captured tensors backward writes the gradient of in place, each entry once
+// (ScoreProgram::reads_an_entry_per_score): one read, at the score's own (b, h, q_idx, kv_idx).
+TEST(FusedTiles, OnlyATensorEachScoreReadsItsOwnEntryOfIsWrittenInPlace) {
+  const auto bias = torch::zeros({2, 3, 5, 5});
+  const auto heads_bias = torch::zeros({3, 5, 5});
+  const auto reads_own = [](const std::string& text, const torch::Tensor& tensor, bool one_batch) {
+    std::string why;
+    const auto program = attnkit::detail::ScoreProgram::compile(attnkit::ScoreGraph::parse(text),
+                                                                {tensor}, false, &why);
+    EXPECT_TRUE(program) << why;
+    return program && program->reads_an_entry_per_score(0, one_batch);
+  };
+  EXPECT_TRUE(reads_own("index $0 %1 %2 %3 %4\nadd %0 %5", bias, false));
+  EXPECT_TRUE(reads_own("index $0 %2 %3 %4\nadd %0 %5", heads_bias, true));
+  // The same (heads, n, n) bias under a batch of several: every batch entry adds to it.
+  EXPECT_FALSE(reads_own("index $0 %2 %3 %4\nadd %0 %5", heads_bias, false));
+  // Keys and queries swapped, an index computed from kv_idx, two reads.
+  EXPECT_FALSE(reads_own("index $0 %1 %2 %4 %3\nadd %0 %5", bias, false));
+  EXPECT_FALSE(reads_own("sub %4 i:0\nindex $0 %1 %2 %3 %5\nadd %0 %6", bias, false));
+  EXPECT_FALSE(
+      reads_own("index $0 %1 %2 %3 %4\nindex $0 %1 %2 %3 %4\nadd %5 %6\nadd %0 %7", bias, false));
+}
+
 TEST(FusedTiles, ScoreGraphsItCannotEvaluateGoToTheChunkedKernel) {
   const auto q = torch::randn({1, 2, 40, 8});
   const auto options = F::AttentionOptions().mask(attnkit::Mask::causal());

@@ -279,8 +279,9 @@ std::pair<torch::Tensor, torch::Tensor> tiles_forward(const TileProblem& problem
 }
 
 // Backward: the gradients of q4, k4, v4 ((outer, heads or key/value heads, n, f), in T)
-// and of the tensors the score function reads (ScoreVariant::tensors(), float64, each its
-// tensor's shape; undefined where not wanted) from forward's output and log-sum-exp.
+// and of the tensors the score function reads (ScoreVariant::tensors(), each its tensor's
+// shape, float64 or, for a tensor each score reads its own entry of, its dtype; undefined
+// where not wanted) from forward's output and log-sum-exp.
 struct TileGrads {
   torch::Tensor query, key, value;
   std::vector<torch::Tensor> tensors;
@@ -321,13 +322,25 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
   const int64_t ranges = split.ranges.count(), tasks = pairs * ranges;
   auto slots = torch::empty({split.slot_rows, hd}, q4.options());
   T* slot_data = slots.template data_ptr<T>();
-  // Each task's share of the tensors' gradients, summed in task order afterwards (the same
-  // inputs give the same gradients); where one copy per task would pass kTaskGradBytes (a
-  // bias tensor of n^2 entries), one copy per worker, summed in float64 in the order the
-  // tasks fell to the workers.
+  // A tensor each score reads its own entry of (a bias over (heads, n, n)) has its gradient
+  // written in place, in its dtype, each entry once by the one task that reads it: no copies.
+  std::vector<torch::Tensor> own_entry_grads(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const auto dtype = tensors[t].scalar_type();
+    if (wanted[t] && problem.variant.program &&
+        (dtype == torch::kFloat || dtype == torch::kDouble) &&
+        problem.variant.program->reads_an_entry_per_score(t, plan.outer == 1))
+      own_entry_grads[t] = torch::zeros(tensors[t].sizes(), dtype);
+  }
+  // The other tensors: each task's share of their gradients, summed in task order afterwards
+  // (the same inputs give the same gradients); where one copy per task would pass
+  // kTaskGradBytes, one copy per worker, summed in float64 in the order the tasks fell to the
+  // workers.
   int64_t grad_bytes = 0;
-  for (size_t t = 0; t < tensors.size(); ++t)
-    grad_bytes += wanted[t] ? tensors[t].numel() * int64_t{sizeof(double)} : 0;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    if (wanted[t] && !own_entry_grads[t].defined())
+      grad_bytes += tensors[t].numel() * int64_t{sizeof(double)};
+  }
   const bool per_task = grad_bytes * tasks <= kTaskGradBytes;
   const int64_t workers = worker_count(tasks, q4.device());
   std::vector<std::vector<torch::Tensor>> share_grads(
@@ -351,7 +364,7 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
     clear_rows(grad_k, o, kh, keys_begin, keys_end, hd);
     clear_rows(grad_v, o, kh, keys_begin, keys_end, dv);
     std::vector<T> delta(static_cast<size_t>(plan.query_block));
-    std::vector<double*> tensor_grads(tensors.size(), nullptr);
+    std::vector<GradSink> tensor_grads(tensors.size());
     const int64_t share = per_task ? task : workers == 1 ? 0 : at::get_thread_num();
     TORCH_CHECK(share < static_cast<int64_t>(share_grads.size()), "[fused_tiles] worker ", share,
                 " of ", share_grads.size());
@@ -359,10 +372,15 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
     if (grads.empty())
       grads.resize(tensors.size());
     for (size_t t = 0; t < tensors.size(); ++t) {
-      if (wanted[t]) {
+      const auto& own = own_entry_grads[t];
+      if (own.defined() && own.scalar_type() == torch::kFloat) {
+        tensor_grads[t].entries = own.data_ptr<float>();
+      } else if (own.defined()) {
+        tensor_grads[t].sums = own.data_ptr<double>();
+      } else if (wanted[t]) {
         if (!grads[t].defined())
           grads[t] = torch::zeros(tensors[t].sizes(), torch::kDouble);
-        tensor_grads[t] = grads[t].data_ptr<double>();
+        tensor_grads[t].sums = grads[t].data_ptr<double>();
       }
     }
     for (int64_t h = kh * plan.group_size; h < (kh + 1) * plan.group_size; ++h) {
@@ -454,9 +472,9 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
       }
     });
   }
-  std::vector<torch::Tensor> tensor_grads(tensors.size());
+  std::vector<torch::Tensor> tensor_grads(own_entry_grads);
   for (size_t t = 0; t < tensors.size(); ++t) {
-    if (!wanted[t])
+    if (!wanted[t] || tensor_grads[t].defined())
       continue;
     for (const auto& grads : share_grads) {
       if (grads.empty() || !grads[t].defined())

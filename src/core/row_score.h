@@ -87,13 +87,13 @@ struct RowScore {
 
   // Backward through apply: ds[0, count), the gradient with respect to the modified scores,
   // becomes the one with respect to the scores; `kept` is what backward_keeps() names. The
-  // gradients of the tensors the function reads (tensor_grads[t], float64, tensor t's shape;
-  // nullptr where not wanted; a table is tensor 0) gain this row's share.
+  // gradients of the tensors the function reads (tensor_grads[t]; a table is tensor 0, summed
+  // in float64) gain this row's share.
   void backward(T* ds, const T* kept, int64_t count, int64_t o, int64_t head, int64_t q, int64_t k0,
-                ScoreProgram::Workspace& work, const std::vector<double*>& tensor_grads) const {
+                ScoreProgram::Workspace& work, const std::vector<GradSink>& tensor_grads) const {
     q += query_offset;
     k0 += key_offset;
-    double* table_grad = tensor_grads.empty() ? nullptr : tensor_grads[0];
+    double* table_grad = tensor_grads.empty() ? nullptr : tensor_grads[0].sums;
     switch (kind) {
       case ScoreVariant::Kind::kNone:
         return;

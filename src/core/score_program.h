@@ -25,6 +25,16 @@
 
 namespace attnkit::detail {
 
+// Where backward adds a captured tensor's gradient (contiguous, the tensor's shape): float64
+// sums, or the float32 gradient itself for a tensor each score reads its own entry of
+// (ScoreProgram::reads_an_entry_per_score: each entry then gains one term, rounded once). Both
+// null where the gradient is not wanted.
+struct GradSink {
+  double* sums = nullptr;
+  float* entries = nullptr;
+  bool wanted() const { return sums != nullptr || entries != nullptr; }
+};
+
 class ScoreProgram {
  public:
   /// `graph` over its captured `tensors` (ScoreGraph::bind's), computing the graph's value, or
@@ -41,6 +51,11 @@ class ScoreProgram {
   /// required them when the program was compiled.
   const std::vector<torch::Tensor>& tensors() const { return tensors_; }
   bool wants_grad(size_t tensor) const { return wants_grad_[tensor]; }
+
+  /// Whether each score reads its own entry of tensor `tensor`: one index step reads it, at
+  /// (b, h, q_idx, kv_idx), or at (h, q_idx, kv_idx) when `one_batch` (the call's leading
+  /// dimensions are one slice). Its gradient's entries then each gain one term per call.
+  bool reads_an_entry_per_score(size_t tensor, bool one_batch) const;
 
   /// Buffers for rows of up to `widest` keys: one per worker. With `float_tanh` (a float32
   /// call) tanh is computed in float32, vectorized, as LibTorch computes a float32 graph;
@@ -61,13 +76,13 @@ class ScoreProgram {
              Workspace& work) const;
 
   /// Backward through apply: ds[0, count), the gradient with respect to the modified scores,
-  /// becomes the one with respect to the scores `raw` (before apply); tensor_grads[t] (float64,
-  /// tensor t's shape, contiguous; nullptr for a tensor whose gradient is not wanted) gains the
-  /// row's share. An entry whose incoming gradient is 0 (masked, or a row that sees no key)
-  /// stays 0, whatever the graph's derivative is there.
+  /// becomes the one with respect to the scores `raw` (before apply); tensor_grads[t] (a sink
+  /// that wants nothing for a tensor whose gradient is not wanted) gains the row's share. An entry
+  /// whose incoming gradient is 0 (masked, or a row that sees no key) stays 0, whatever the graph's
+  /// derivative is there.
   template <typename T>
   void backward(T* ds, const T* raw, int64_t count, int64_t b, int64_t h, int64_t q, int64_t k0,
-                Workspace& work, const std::vector<double*>& tensor_grads) const;
+                Workspace& work, const std::vector<GradSink>& tensor_grads) const;
 
   struct Step;  // one node of the graph, resolved (score_program_steps.h)
 
@@ -75,7 +90,8 @@ class ScoreProgram {
   ScoreProgram() = default;
   void run_forward(int64_t count, int64_t b, int64_t h, int64_t q, int64_t k0,
                    Workspace& work) const;
-  void run_backward(int64_t count, Workspace& work, const std::vector<double*>& tensor_grads) const;
+  void run_backward(int64_t count, Workspace& work,
+                    const std::vector<GradSink>& tensor_grads) const;
 
   std::vector<Step> steps_;
   std::vector<torch::Tensor> tensors_;

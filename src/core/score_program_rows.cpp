@@ -5,6 +5,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "core/checks.h"
 #include "core/row_softmax.h"
@@ -412,7 +413,7 @@ ATTNKIT_AVX2_CLONES void ScoreProgram::run_forward(int64_t count, int64_t b, int
 }
 
 ATTNKIT_AVX2_CLONES void ScoreProgram::run_backward(
-    int64_t count, Workspace& work, const std::vector<double*>& tensor_grads) const {
+    int64_t count, Workspace& work, const std::vector<GradSink>& tensor_grads) const {
   const int64_t widest = work.widest;
   const double* values = work.values.data();
   double* adjoints = work.adjoints.data();
@@ -429,15 +430,22 @@ ATTNKIT_AVX2_CLONES void ScoreProgram::run_backward(
     for (const auto& arg : step->args)
       in.at[in.size++] = arg.kind == Arg::Kind::kSlot ? value(arg.slot) : Reader{&arg.number, 0};
     if (step->code == Code::kIndex) {
-      double* grad = tensor_grads[step->tensor];
-      if (grad == nullptr)
+      const auto& sink = tensor_grads[step->tensor];
+      if (!sink.wanted())
         continue;
       const auto offsets = index_offsets(*step, in, n, work.offsets.data());
-      for (int64_t j = 0; j < n; ++j) {
-        const double g = grad_out(j);
-        if (g != 0)
-          grad[offsets(j)] += g;
-      }
+      const auto add = [&](auto* grad) {
+        using Entry = std::remove_pointer_t<decltype(grad)>;
+        for (int64_t j = 0; j < n; ++j) {
+          const double g = grad_out(j);
+          if (g != 0)
+            grad[offsets(j)] += static_cast<Entry>(g);
+        }
+      };
+      if (sink.entries != nullptr)
+        add(sink.entries);
+      else
+        add(sink.sums);
       continue;
     }
     for (size_t k = 0; k < step->args.size(); ++k) {
@@ -570,7 +578,7 @@ void ScoreProgram::apply(T* s, int64_t count, int64_t b, int64_t h, int64_t q, i
 template <typename T>
 void ScoreProgram::backward(T* ds, const T* raw, int64_t count, int64_t b, int64_t h, int64_t q,
                             int64_t k0, Workspace& work,
-                            const std::vector<double*>& tensor_grads) const {
+                            const std::vector<GradSink>& tensor_grads) const {
   double* score = work.values.data();
   for (int64_t j = 0; j < count; ++j)
     score[j] = static_cast<double>(raw[j]);
@@ -608,9 +616,9 @@ template void ScoreProgram::apply<double>(double*, int64_t, int64_t, int64_t, in
                                           Workspace&) const;
 template void ScoreProgram::backward<float>(float*, const float*, int64_t, int64_t, int64_t,
                                             int64_t, int64_t, Workspace&,
-                                            const std::vector<double*>&) const;
+                                            const std::vector<GradSink>&) const;
 template void ScoreProgram::backward<double>(double*, const double*, int64_t, int64_t, int64_t,
                                              int64_t, int64_t, Workspace&,
-                                             const std::vector<double*>&) const;
+                                             const std::vector<GradSink>&) const;
 
 }  // namespace attnkit::detail
