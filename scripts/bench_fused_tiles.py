@@ -24,8 +24,8 @@ Usage (pip's PyTorch and the pip build's package):
       [--n 4096 16384] [--threads 1 2] [--dtypes float32 bfloat16] [--cases ...] \\
       [--repeats 5] [--memory]
   ... scripts/bench_fused_tiles.py --precision   the bfloat16 table gradient's error
-  ... scripts/bench_fused_tiles.py --scaling [--cases ...]   fwd+bwd at 1 and 2 threads, in
-      alternation in one process
+  ... scripts/bench_fused_tiles.py --scaling [--cases ...] [--kv-heads 1]   fwd+bwd at 1 and
+      2 threads, in alternation in one process (with key/value heads shared by 8 / K queries)
   ... scripts/bench_fused_tiles.py --document-route [--n 256 1024 4096]   attnkit.attention's
       documents without a gradient: by document on SDPA against the block mask's route, in
       alternation in one process (b 1 and 8; documents of n / 8, 16 and 4 tokens)
@@ -132,8 +132,9 @@ def gemm_rate(torch, repeats=50):
     return rates
 
 
-def sides(case, n, dtype_name, compiled_flex=True):
-    """The sides of one configuration as {name: call}."""
+def sides(case, n, dtype_name, compiled_flex=True, kv_heads=HEADS):
+    """The sides of one configuration as {name: call}; with kv_heads < HEADS, attnkit's only
+    (grouped-query attention)."""
     import torch
     import torch.nn.functional as F
     import attnkit
@@ -141,15 +142,18 @@ def sides(case, n, dtype_name, compiled_flex=True):
     dtype = getattr(torch, dtype_name)
     mask_mod, score_mod, trained = problem(case, n, torch)
     g = torch.Generator().manual_seed(0)
-    q, k, v = [torch.randn(1, HEADS, n, HEAD_DIM, generator=g).to(dtype).requires_grad_(True)
-               for _ in range(3)]
+    q, k, v = [torch.randn(1, heads, n, HEAD_DIM, generator=g).to(dtype).requires_grad_(True)
+               for heads in (HEADS, kv_heads, kv_heads)]
     ak_mask = attnkit.create_block_mask(mask_mod, None, None, n, n)
     calls = {}
 
     def attnkit_call():
-        return attnkit.flex_attention(q, k, v, score_mod=score_mod, block_mask=ak_mask)
+        return attnkit.flex_attention(q, k, v, score_mod=score_mod, block_mask=ak_mask,
+                                      enable_gqa=kv_heads != HEADS)
     calls["attnkit fwd"] = ("fwd", attnkit_call)
     calls["attnkit fwd+bwd"] = ("bwd", attnkit_call)
+    if kv_heads != HEADS:
+        return calls, ak_mask, trained
     if compiled_flex:  # compiling takes seconds: only where flex is timed
         from inductor_link import link_inductor_against_this_torch
         link_inductor_against_this_torch()
@@ -253,7 +257,8 @@ def scaling(args):
     (torch.set_num_threads between calls): the ratio of the medians."""
     import torch
     for case in args.cases:
-        calls, _, _ = sides(case, args.n[0], args.dtypes[0], compiled_flex=False)
+        calls, _, _ = sides(case, args.n[0], args.dtypes[0], compiled_flex=False,
+                            kv_heads=args.kv_heads)
         kind, call = calls["attnkit fwd+bwd"]
         times = {1: [], 2: []}
         for round_index in range(args.repeats + 1):
@@ -267,7 +272,8 @@ def scaling(args):
         # Each round's own ratio too: the machine's speed drifts within a run, and a pair of
         # calls made back to back shares its speed.
         paired = statistics.median(a / b for a, b in zip(times[1], times[2]))
-        print(f"{case:20s} n {args.n[0]:5d} {args.dtypes[0]:8s} attnkit fwd+bwd: 1 thread "
+        print(f"{case:20s} n {args.n[0]:5d} {args.dtypes[0]:8s} kv heads {args.kv_heads} "
+              f"attnkit fwd+bwd: 1 thread "
               f"{one:8.1f} ms, 2 threads {two:8.1f} ms: {one / two:.2f}x (pair by pair "
               f"{paired:.2f}x)", flush=True)
 
@@ -415,6 +421,9 @@ def main():
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--scaling", action="store_true",
                         help="attnkit's fwd+bwd at 1 and 2 threads in alternation instead")
+    parser.add_argument("--kv-heads", type=int, default=HEADS,
+                        help=f"with --scaling: key/value heads, a divisor of {HEADS} "
+                        f"(grouped-query attention; default {HEADS})")
     parser.add_argument("--document-route", action="store_true",
                         help="attnkit.attention's documents by document on SDPA against the "
                         "block mask's route instead (no gradient)")
@@ -432,6 +441,11 @@ def main():
         bad = [value for value in getattr(args, name) if value < 1]
         if bad:
             parser.error(f"--{name} must be >= 1, got {bad[0]}")
+    if args.kv_heads < 1 or HEADS % args.kv_heads != 0:
+        parser.error(f"--kv-heads must divide {HEADS} (the query heads), got {args.kv_heads}")
+    if args.kv_heads != HEADS and not args.scaling:
+        parser.error("--kv-heads is taken with --scaling only (the baselines use 8 key/value "
+                     f"heads), got --kv-heads {args.kv_heads} without it")
     if args.precision:
         precision()
         return
