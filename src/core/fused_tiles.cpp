@@ -323,14 +323,15 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
   auto slots = torch::empty({split.slot_rows, hd}, q4.options());
   T* slot_data = slots.template data_ptr<T>();
   // A tensor each score reads its own entry of (a bias over (heads, n, n)) has its gradient
-  // written in place, in its dtype, each entry once by the one task that reads it: no copies.
+  // written in place, each entry once by the one task that reads it: no copies. In float64
+  // for a float64 tensor, else float32 (a 16-bit tensor's is rounded to its dtype after).
   std::vector<torch::Tensor> own_entry_grads(tensors.size());
   for (size_t t = 0; t < tensors.size(); ++t) {
-    const auto dtype = tensors[t].scalar_type();
     if (wanted[t] && problem.variant.program &&
-        (dtype == torch::kFloat || dtype == torch::kDouble) &&
         problem.variant.program->reads_an_entry_per_score(t, plan.outer == 1))
-      own_entry_grads[t] = torch::zeros(tensors[t].sizes(), dtype);
+      own_entry_grads[t] =
+          torch::zeros(tensors[t].sizes(),
+                       tensors[t].scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
   }
   // The other tensors: each task's share of their gradients, summed in task order afterwards
   // (the same inputs give the same gradients); where one copy per task would pass
