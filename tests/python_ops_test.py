@@ -75,6 +75,22 @@ def head_offset(score, b, h, q, kv):
     return score + HEAD_OFFSET[h]
 
 
+ENTRY_BIAS = torch.randn(4, 256, 256, generator=torch.Generator().manual_seed(3),
+                         dtype=torch.float64) * 0.5
+
+
+def entry_bias(score, b, h, q, kv):
+    """A learnable (H, L, L) bias, each score reading its own entry: in a batch of one, the
+    fused tile kernel writes its gradient in place."""
+    return score + ENTRY_BIAS[h, q, kv]
+
+
+# Score functions that read a captured tensor whose gradient is checked: the tensor, and the
+# function over a copy of it.
+CAPTURED = {head_offset: (HEAD_OFFSET, lambda t: lambda score, b, h, q, kv: score + t[h]),
+            entry_bias: (ENTRY_BIAS, lambda t: lambda score, b, h, q, kv: score + t[h, q, kv])}
+
+
 SCORE_MODS = [identity, times_two, squared, causal_score, rel_bias, rel_causal, alibi, trig,
               head_offset]
 
@@ -168,15 +184,17 @@ class FlexCases(unittest.TestCase):
         q64, k64, v64 = [t.requires_grad_() for t in self.inputs(dtype, kv_heads, B, H)]
 
         def with_buffer(buffer):
-            # head_offset reads a captured buffer: each run gets its own, in its dtype.
-            if score_mod is not head_offset:
+            # head_offset and entry_bias read a captured buffer: each run gets its own, in its
+            # dtype.
+            if score_mod not in CAPTURED:
                 return score_mod, []
-            return (lambda score, b, h, q, kv: score + buffer[h]), [buffer]
+            return CAPTURED[score_mod][1](buffer), [buffer]
 
         def low(tensors):
             return [t.detach().to(dtype).requires_grad_() for t in tensors]
 
-        buffer64 = HEAD_OFFSET.clone().requires_grad_()
+        buffer64 = (CAPTURED[score_mod][0] if score_mod in CAPTURED
+                    else HEAD_OFFSET).clone().requires_grad_()
         mod64, extra64 = with_buffer(buffer64)
         ref_out, ref_lse = flex_forward(q64, k64, v64, mod64, mask_mod, gqa)
         dense_out, _ = reference(q64, k64, v64, mod64, mask_mod, gqa)
@@ -231,6 +249,11 @@ class FlexCases(unittest.TestCase):
             self.check_case(times_two, documents, torch.float32, B=1)
         with self.subTest("H=1"):
             self.check_case(alibi, sliding_window, torch.float32, H=1)
+        # A bias at each score's own entry: in place in a batch of one, summed over a batch.
+        for dtype in (torch.float32, torch.bfloat16):
+            for B in (1, 2):
+                with self.subTest("entry bias", dtype=dtype, B=B):
+                    self.check_case(entry_bias, causal, dtype, B=B)
 
 
 class CausalLists(unittest.TestCase):
