@@ -965,8 +965,9 @@ TEST(FusedTiles, ScoreGraphsMatchTheFloat64MathCore) {
   const auto table = (torch::randn({h, 9}, f64) * 0.3).requires_grad_(true);
   const std::vector<std::tuple<std::string, std::string, std::vector<torch::Tensor>>> graphs{
       {"bias tensor", "index $0 %1 %2 %3 %4\nadd %0 %5", {bias}},
-      // Gradients summed over the batch, and over two reads: not written in place.
+      // Written in place by one task per entry, every batch slice in that task.
       {"bias shared by the batch", "index $0 %2 %3 %4\nadd %0 %5", {heads_bias}},
+      // Gradients summed over two reads: not written in place.
       {"bias read twice",
        "index $0 %1 %2 %3 %4\nindex $0 %1 %2 %4 %3\nadd %5 %6\nadd %0 %7",
        {bias}},
@@ -1043,16 +1044,18 @@ TEST(FusedTiles, ScoreGraphsMatchTheFloat64MathCore) {
 TEST(FusedTiles, OnlyATensorEachScoreReadsItsOwnEntryOfIsWrittenInPlace) {
   const auto bias = torch::zeros({2, 3, 5, 5});
   const auto heads_bias = torch::zeros({3, 5, 5});
-  const auto reads_own = [](const std::string& text, const torch::Tensor& tensor, bool one_batch) {
+  const auto reads_own = [](const std::string& text, const torch::Tensor& tensor,
+                            bool slices_in_one_task) {
     std::string why;
     const auto program = attnkit::detail::ScoreProgram::compile(attnkit::ScoreGraph::parse(text),
                                                                 {tensor}, false, &why);
     EXPECT_TRUE(program) << why;
-    return program && program->reads_an_entry_per_score(0, one_batch);
+    return program && program->reads_an_entry_per_score(0, slices_in_one_task);
   };
   EXPECT_TRUE(reads_own("index $0 %1 %2 %3 %4\nadd %0 %5", bias, false));
   EXPECT_TRUE(reads_own("index $0 %2 %3 %4\nadd %0 %5", heads_bias, true));
-  // The same (heads, n, n) bias under a batch of several: every batch entry adds to it.
+  // The same (heads, n, n) bias under a batch of several, each slice in its own task: every
+  // batch slice adds to it.
   EXPECT_FALSE(reads_own("index $0 %2 %3 %4\nadd %0 %5", heads_bias, false));
   // Keys and queries swapped, an index computed from kv_idx, two reads.
   EXPECT_FALSE(reads_own("index $0 %1 %2 %4 %3\nadd %0 %5", bias, false));
@@ -1245,6 +1248,45 @@ TEST(FusedTiles, KeyRangesSplitBackwardAndGiveOneWorkersGradients) {
       }
       EXPECT_TRUE(tensors_close(names[i], split[i], serial[i], 1e-12, 0.0));
     }
+  }
+}
+
+// A bias over (heads, n, n) read by a batch of several: each backward task runs every batch
+// slice of its key/value head and key range, so one task writes each entry of the bias's
+// gradient, in place, adding the slices in order. The same gradients from 1 and 4 workers
+// (the split into key ranges differs), and the math core's.
+TEST(FusedTiles, ABiasSharedByTheBatchGetsItsGradientFromOneTaskPerEntry) {
+  const ThreadCountsRestorer restore;
+  torch::manual_seed(11);
+  const int64_t b = 3, h = 2, n = 96, hd = 8;
+  const auto q = torch::randn({b, h, n, hd}), k = torch::randn({b, h, n, hd}),
+             v = torch::randn({b, h, n, hd}), probe = torch::randn({b, h, n, hd});
+  const auto bias = torch::randn({h, n, n}) * 0.5;
+  const auto graph = attnkit::ScoreGraph::parse("index $0 %2 %3 %4\nadd %0 %5");
+  const auto run = [&](const std::string& kernel, int threads, torch::ScalarType dtype) {
+    attnkit::set_num_threads(threads);
+    std::vector<torch::Tensor> inputs;
+    for (const auto* t : {&q, &k, &v, &bias})
+      inputs.push_back(t->to(dtype).requires_grad_(true));
+    const auto out = F::attention(inputs[0], inputs[1], inputs[2],
+                                  F::AttentionOptions()
+                                      .mask(attnkit::Mask::causal())
+                                      .score_mod(graph.bind({inputs[3]}))
+                                      .query_block_size(16)
+                                      .key_block_size(32)
+                                      .kernel(kernel));
+    auto grads = torch::autograd::grad({(out * probe.to(dtype)).sum()}, inputs);
+    grads.insert(grads.begin(), out);
+    return grads;
+  };
+  const auto expected = run("math", 1, torch::kFloat64);
+  const auto serial = run("fused_tiles", 1, torch::kFloat32);
+  const auto split = run("fused_tiles", 4, torch::kFloat32);
+  const std::vector<std::string> names{"output", "grad q", "grad k", "grad v", "grad bias"};
+  for (size_t i = 0; i < names.size(); ++i) {
+    EXPECT_TRUE(tensors_close(names[i] + " (1 worker)", serial[i], expected[i], 1e-4, 1e-4));
+    // Each entry's terms in the same order whatever the split: equal to float32's rounding.
+    EXPECT_TRUE(tensors_close(names[i] + " (4 workers)", split[i], serial[i], 1e-6, 1e-6));
   }
 }
 

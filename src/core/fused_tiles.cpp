@@ -20,7 +20,8 @@
 // reads each key/value head for its query heads without copies. Forward's tasks are (outer,
 // head, query block), the last blocks first; backward's are (outer, key/value head, key
 // range), each owning its range's key and value gradients (one range where the pairs are
-// enough for the workers; key_ranges.h), with the table's gradient summed in task order.
+// enough for the workers; key_ranges.h), with the table's gradient summed in task order
+// (every outer slice in one task where a bias over (heads, n, n) is written in place).
 
 #include <algorithm>
 #include <cmath>
@@ -306,10 +307,23 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
   const T* lse_data = lse.data_ptr<T>();
   const auto tensors = problem.variant.tensors();
   const int64_t blocks = plan.num_query_blocks(), lists = plan.outer * plan.heads * blocks;
+  // A tensor each score reads its own entry of (a bias over (heads, n, n)) has its gradient
+  // written in place, each entry by the one task that reads it: no copies. In float64 for a
+  // float64 tensor, else float32 (a 16-bit tensor's is rounded to its dtype after). Read at
+  // (h, q_idx, kv_idx) by a batch of several, it is written in place when each task runs every
+  // batch slice of its key/value head and key range, adding the slices' terms in order.
+  const auto own_entries = [&](size_t t, bool batch_in_task) {
+    return wanted[t] && problem.variant.program &&
+           problem.variant.program->reads_an_entry_per_score(t, plan.outer == 1 || batch_in_task);
+  };
+  bool batch_in_task = false;
+  for (size_t t = 0; t < tensors.size() && plan.outer > 1; ++t)
+    batch_in_task = batch_in_task || (!own_entries(t, false) && own_entries(t, true));
+  const int64_t task_batches = batch_in_task ? plan.outer : 1;
   // Too few (batch, key/value head) tasks for the workers: each split into key ranges
   // (key_ranges.h), whose dQ slots may take up to dQ's own rows.
-  const int64_t pairs = plan.outer * kv_heads;
-  const int64_t most_workers = worker_count(pairs * blocks, q4.device());
+  const int64_t pairs = plan.outer / task_batches * kv_heads;
+  const int64_t most_workers = worker_count(plan.outer * kv_heads * blocks, q4.device());
   const int64_t wanted_ranges =
       most_workers == 1 ? 1 : (kBackwardTasksPerWorker * most_workers + pairs - 1) / pairs;
   const auto split = split_keys(
@@ -322,13 +336,9 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
   const int64_t ranges = split.ranges.count(), tasks = pairs * ranges;
   auto slots = torch::empty({split.slot_rows, hd}, q4.options());
   T* slot_data = slots.template data_ptr<T>();
-  // A tensor each score reads its own entry of (a bias over (heads, n, n)) has its gradient
-  // written in place, each entry once by the one task that reads it: no copies. In float64
-  // for a float64 tensor, else float32 (a 16-bit tensor's is rounded to its dtype after).
   std::vector<torch::Tensor> own_entry_grads(tensors.size());
   for (size_t t = 0; t < tensors.size(); ++t) {
-    if (wanted[t] && problem.variant.program &&
-        problem.variant.program->reads_an_entry_per_score(t, plan.outer == 1))
+    if (own_entries(t, batch_in_task))
       own_entry_grads[t] =
           torch::zeros(tensors[t].sizes(),
                        tensors[t].scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
@@ -348,7 +358,7 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
       static_cast<size_t>(per_task ? tasks : std::max<int64_t>(at::get_num_threads(), 1)));
   run_tasks(tasks, q4.device(), [&](int64_t task) {
     const int64_t pair = task / ranges, r = task % ranges;
-    const int64_t o = pair / kv_heads, kh = pair % kv_heads;
+    const int64_t first_batch = pair / kv_heads * task_batches, kh = pair % kv_heads;
     const int64_t keys_begin = split.ranges.begin(r), keys_end = split.ranges.end(r, plan.num_keys);
     const auto options = q4.options();
     auto scaled_q = torch::empty({plan.query_block, hd}, options);
@@ -362,8 +372,6 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
                     : torch::Tensor();
     auto work = score.workspace(plan.widest_tile);
     std::unique_ptr<bool[]> mask_bits(new bool[plan.query_block * plan.widest_tile]);
-    clear_rows(grad_k, o, kh, keys_begin, keys_end, hd);
-    clear_rows(grad_v, o, kh, keys_begin, keys_end, dv);
     std::vector<T> delta(static_cast<size_t>(plan.query_block));
     std::vector<GradSink> tensor_grads(tensors.size());
     const int64_t share = per_task ? task : workers == 1 ? 0 : at::get_thread_num();
@@ -384,7 +392,14 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
         tensor_grads[t].sums = grads[t].data_ptr<double>();
       }
     }
-    for (int64_t h = kh * plan.group_size; h < (kh + 1) * plan.group_size; ++h) {
+    // Every batch slice the task holds, and each query head that reads its key/value head.
+    for (int64_t slice = 0; slice < task_batches * plan.group_size; ++slice) {
+      const int64_t o = first_batch + slice / plan.group_size;
+      const int64_t h = kh * plan.group_size + slice % plan.group_size;
+      if (h == kh * plan.group_size) {  // a new batch slice: its key rows are this task's
+        clear_rows(grad_k, o, kh, keys_begin, keys_end, hd);
+        clear_rows(grad_v, o, kh, keys_begin, keys_end, dv);
+      }
       for (int64_t qi = 0; qi < blocks; ++qi) {
         const int64_t q0 = qi * plan.query_block;
         const int64_t bq = std::min(plan.query_block, plan.num_queries - q0);

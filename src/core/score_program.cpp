@@ -233,9 +233,9 @@ std::shared_ptr<const ScoreProgram> ScoreProgram::compile(const ScoreGraph& grap
   return program;
 }
 
-bool ScoreProgram::reads_an_entry_per_score(size_t tensor, bool one_batch) const {
+bool ScoreProgram::reads_an_entry_per_score(size_t tensor, bool slices_in_one_task) const {
   // Slots 1..4 are b, h, q_idx, kv_idx.
-  const std::vector<int64_t> every{1, 2, 3, 4}, one_batch_slots{2, 3, 4};
+  const std::vector<int64_t> every{1, 2, 3, 4}, head_slots{2, 3, 4};
   int64_t reads = 0;
   bool own_entry = false;
   for (const auto& step : steps_) {
@@ -245,7 +245,7 @@ bool ScoreProgram::reads_an_entry_per_score(size_t tensor, bool one_batch) const
     std::vector<int64_t> slots;
     for (const auto& arg : step.args)
       slots.push_back(arg.kind == Arg::Kind::kSlot ? arg.slot : -1);
-    own_entry = slots == every || (one_batch && slots == one_batch_slots);
+    own_entry = slots == every || (slices_in_one_task && slots == head_slots);
   }
   return reads == 1 && own_entry;
 }

@@ -27,8 +27,8 @@ namespace attnkit::detail {
 
 // Where backward adds a captured tensor's gradient (contiguous, the tensor's shape): float64
 // sums, or the float32 gradient itself for a tensor each score reads its own entry of
-// (ScoreProgram::reads_an_entry_per_score: each entry then gains one term, rounded once). Both
-// null where the gradient is not wanted.
+// (ScoreProgram::reads_an_entry_per_score: each entry then gains one term per batch slice,
+// from the one task that reads it). Both null where the gradient is not wanted.
 struct GradSink {
   double* sums = nullptr;
   float* entries = nullptr;
@@ -53,9 +53,10 @@ class ScoreProgram {
   bool wants_grad(size_t tensor) const { return wants_grad_[tensor]; }
 
   /// Whether each score reads its own entry of tensor `tensor`: one index step reads it, at
-  /// (b, h, q_idx, kv_idx), or at (h, q_idx, kv_idx) when `one_batch` (the call's leading
-  /// dimensions are one slice). Its gradient's entries then each gain one term per call.
-  bool reads_an_entry_per_score(size_t tensor, bool one_batch) const;
+  /// (b, h, q_idx, kv_idx), or at (h, q_idx, kv_idx) when `slices_in_one_task` (the call's leading
+  /// dimensions are one slice, or every slice runs in the task that reads the entry). Its
+  /// gradient's entries then each gain one term per call and slice.
+  bool reads_an_entry_per_score(size_t tensor, bool slices_in_one_task) const;
 
   /// Buffers for rows of up to `widest` keys: one per worker. With `float_tanh` (a float32
   /// call) tanh is computed in float32, vectorized, as LibTorch computes a float32 graph;
