@@ -25,7 +25,8 @@ Usage (pip's PyTorch and the pip build's package):
       [--repeats 5] [--memory]
   ... scripts/bench_fused_tiles.py --precision   the bfloat16 table gradient's error
   ... scripts/bench_fused_tiles.py --scaling [--cases ...] [--kv-heads 1]   fwd+bwd at 1 and
-      2 threads, in alternation in one process (with key/value heads shared by 8 / K queries)
+      2 threads, in alternation in one process (with key/value heads shared by 8 / K queries),
+      next to the machine's own scaling on a GEMM in the same rounds
   ... scripts/bench_fused_tiles.py --document-route [--n 256 1024 4096]   attnkit.attention's
       documents without a gradient: by document on SDPA against the block mask's route, in
       alternation in one process (b 1 and 8; documents of n / 8, 16 and 4 tokens)
@@ -254,28 +255,46 @@ def spawn(extra, args, env):
 
 def scaling(args):
     """attnkit's forward+backward at 1 and 2 threads in alternation, in one process per case
-    (torch.set_num_threads between calls): the ratio of the medians."""
+    (torch.set_num_threads between calls): the ratio of the medians. Each round also times the
+    machine's own scaling in the same alternation: torch.mm of two 1,024 x 1,024 float32
+    matrices (MKL's threaded GEMM in pip's LibTorch, compute-bound and evenly split), so that
+    a run on a machine whose second core is slower than its first says so."""
     import torch
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    product = torch.empty(1024, 1024)
+
+    def gemm():
+        for _ in range(4):
+            torch.mm(a, b, out=product)
+
     for case in args.cases:
         calls, _, _ = sides(case, args.n[0], args.dtypes[0], compiled_flex=False,
                             kv_heads=args.kv_heads)
         kind, call = calls["attnkit fwd+bwd"]
-        times = {1: [], 2: []}
+        times = {(side, threads): [] for side in ("attnkit", "gemm") for threads in (1, 2)}
         for round_index in range(args.repeats + 1):
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                start = time.perf_counter()
-                run(kind, call)
-                if round_index > 0:
-                    times[threads].append(time.perf_counter() - start)
-        one, two = (statistics.median(times[t]) * 1e3 for t in (1, 2))
-        # Each round's own ratio too: the machine's speed drifts within a run, and a pair of
-        # calls made back to back shares its speed.
-        paired = statistics.median(a / b for a, b in zip(times[1], times[2]))
+                for side, work in (("attnkit", lambda: run(kind, call)), ("gemm", gemm)):
+                    start = time.perf_counter()
+                    work()
+                    if round_index > 0:
+                        times[side, threads].append(time.perf_counter() - start)
+
+        def ratios(side):
+            one, two = (times[side, t] for t in (1, 2))
+            # Each round's own ratio too: the machine's speed drifts within a run, and a pair
+            # of calls made back to back shares its speed.
+            return (statistics.median(one) * 1e3, statistics.median(two) * 1e3,
+                    statistics.median(x / y for x, y in zip(one, two)))
+
+        one, two, paired = ratios("attnkit")
+        gemm_one, gemm_two, gemm_paired = ratios("gemm")
         print(f"{case:20s} n {args.n[0]:5d} {args.dtypes[0]:8s} kv heads {args.kv_heads} "
               f"attnkit fwd+bwd: 1 thread "
               f"{one:8.1f} ms, 2 threads {two:8.1f} ms: {one / two:.2f}x (pair by pair "
-              f"{paired:.2f}x)", flush=True)
+              f"{paired:.2f}x); the machine's GEMM in the same rounds: {gemm_one / gemm_two:.2f}x "
+              f"(pair by pair {gemm_paired:.2f}x)", flush=True)
 
 
 def document_route(args):
@@ -420,7 +439,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--scaling", action="store_true",
-                        help="attnkit's fwd+bwd at 1 and 2 threads in alternation instead")
+                        help="attnkit's fwd+bwd at 1 and 2 threads in alternation instead, "
+                        "next to a GEMM's (the machine's own scaling)")
     parser.add_argument("--kv-heads", type=int, default=HEADS,
                         help=f"with --scaling: key/value heads, a divisor of {HEADS} "
                         f"(grouped-query attention; default {HEADS})")
