@@ -1,7 +1,7 @@
 #pragma once
 
 // The kernels behind attnkit's attention, which only the planner (planner.cpp) chooses
-// among: the math core (dense, autograd; attention.cpp), the chunked kernel (tiles read from
+// among: the math core (dense, autograd; math_kernel.cpp), the chunked kernel (tiles read from
 // a block mask, online softmax, its own backward; chunked.cpp), the loop-nest kernel over
 // split heads, a packed projection or a ragged step (loop_nest_attention.cpp), LibTorch's
 // SDPA (sdpa_kernel.cpp, which holds every LibTorch-version split) and the decode step
@@ -38,7 +38,7 @@ KernelSpec sdpa_masked_spec();       // sdpa_kernel.cpp
 KernelSpec sinks_spec();             // sink_attention.cpp
 KernelSpec fused_tiles_spec();       // fused_tiles.cpp
 KernelSpec chunked_spec();           // chunked.cpp
-KernelSpec math_spec();              // attention.cpp
+KernelSpec math_spec();              // math_kernel.cpp
 
 /// Largest n * m the loop-nest kernels take. Measured with attnkit-bench (loop nest against
 /// the math core, forward+backward, 2-core x86): at head_dim 64 the loop nest wins at n = 32
