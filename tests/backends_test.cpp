@@ -1166,7 +1166,8 @@ TEST(FusedTiles, KeyRangesSplitBackwardAndGiveOneWorkersGradients) {
     tiles.push_back({16 * qi, 16, TileKind::kPartial});
     return tiles;
   };
-  const auto causal = split_keys(2, 16, 64, 4, 16, causal_tiles, /*slot_budget_rows=*/64);
+  const auto causal =
+      split_keys(2, /*most_free=*/2, 16, 64, 4, 16, causal_tiles, /*slot_budget_rows=*/64);
   ASSERT_EQ(causal.ranges.count(), 2);
   EXPECT_EQ(causal.ranges.begin(1), 32);  // 112 of 160 rows' weight before it
   EXPECT_EQ(causal.slot_rows, 32);        // blocks 2 and 3 see both ranges
@@ -1183,19 +1184,34 @@ TEST(FusedTiles, KeyRangesSplitBackwardAndGiveOneWorkersGradients) {
   EXPECT_EQ(parts[0].whole.key_begin, 0);
   EXPECT_EQ(parts[0].whole.keys, 48);
   // Slots over the budget: fewer ranges (here one, no split).
-  EXPECT_EQ(split_keys(2, 16, 64, 4, 16, causal_tiles, 31).ranges.count(), 1);
+  EXPECT_EQ(split_keys(2, 2, 16, 64, 4, 16, causal_tiles, 31).ranges.count(), 1);
   // Two causal documents of 32 (weights 32, 16, 32, 16): four ranges would cut block 1's
   // tiles [0, 32) and [32, 64) and need two slots; within a budget of none, two ranges.
   const auto document_tiles = [](int64_t qi) {
     return std::vector<TileVisit>{{qi < 2 ? 0 : 32, 16 * (qi % 2 + 1), TileKind::kPartial}};
   };
-  EXPECT_EQ(split_keys(4, 16, 64, 4, 16, document_tiles, 32).ranges.count(), 4);
-  const auto documents = split_keys(4, 16, 64, 4, 16, document_tiles, 0);
+  EXPECT_EQ(split_keys(4, 4, 16, 64, 4, 16, document_tiles, 32).ranges.count(), 4);
+  const auto documents = split_keys(4, 4, 16, 64, 4, 16, document_tiles, 0);
   ASSERT_EQ(documents.ranges.count(), 2);
   EXPECT_EQ(documents.ranges.begin(1), 32);
   EXPECT_EQ(documents.slot_rows, 0);
   EXPECT_EQ(documents.owner_of(1), 0);
   EXPECT_EQ(documents.owner_of(3), 1);
+  // Up to most_free ranges where they take no more slots: not for these documents (four
+  // ranges cut block 1's and block 3's keys), but for four documents of 16, one a block,
+  // where four ranges take none, even when one range was wanted.
+  EXPECT_EQ(split_keys(2, 4, 16, 64, 4, 16, document_tiles, 64).ranges.count(), 2);
+  const auto one_block_documents = [](int64_t qi) {
+    return std::vector<TileVisit>{{16 * qi, 16, TileKind::kPartial}};
+  };
+  for (const int64_t wanted : {1, 2}) {
+    const auto finer = split_keys(wanted, 4, 16, 64, 4, 16, one_block_documents, 0);
+    ASSERT_EQ(finer.ranges.count(), 4) << wanted;
+    EXPECT_EQ(finer.slot_rows, 0) << wanted;
+    for (int64_t qi = 0; qi < 4; ++qi)
+      EXPECT_EQ(finer.owner_of(qi), qi) << wanted;
+  }
+  EXPECT_EQ(split_keys(2, 2, 16, 64, 4, 16, one_block_documents, 0).ranges.count(), 2);
 
   const ThreadCountsRestorer restore;
   torch::manual_seed(31);
@@ -1248,6 +1264,42 @@ TEST(FusedTiles, KeyRangesSplitBackwardAndGiveOneWorkersGradients) {
       }
       EXPECT_TRUE(tensors_close(names[i], split[i], serial[i], 1e-12, 0.0));
     }
+  }
+}
+
+// Documents of one key block each: 2 workers over 4 key/value heads want 4 ranges a head, and
+// take 8 (every further start falls between documents, so no dQ slot): the same gradients as
+// one worker's, and the math core's.
+TEST(FusedTiles, DocumentsSplitIntoMoreRangesGiveOneWorkersGradients) {
+  const ThreadCountsRestorer restore;
+  torch::manual_seed(13);
+  const int64_t h = 4, n = 192, hd = 8;
+  const auto q = torch::randn({1, h, n, hd}, torch::kFloat64),
+             k = torch::randn({1, h, n, hd}, torch::kFloat64),
+             v = torch::randn({1, h, n, hd}, torch::kFloat64), probe = torch::randn_like(q);
+  const auto options =
+      F::AttentionOptions()
+          .mask(attnkit::Mask::documents(torch::arange(n).div(16, "floor"), /*causal=*/true))
+          .query_block_size(16)
+          .key_block_size(16);
+  const auto run = [&](const std::string& kernel, int threads) {
+    attnkit::set_num_threads(threads);
+    std::vector<torch::Tensor> inputs{q.clone().requires_grad_(true),
+                                      k.clone().requires_grad_(true),
+                                      v.clone().requires_grad_(true)};
+    const auto out =
+        F::attention(inputs[0], inputs[1], inputs[2], F::AttentionOptions(options).kernel(kernel));
+    auto grads = torch::autograd::grad({(out * probe).sum()}, inputs);
+    grads.insert(grads.begin(), out);
+    return grads;
+  };
+  const auto expected = run("math", 1);
+  const auto serial = run("fused_tiles", 1);
+  const auto split = run("fused_tiles", 2);
+  const std::vector<std::string> names{"output", "grad q", "grad k", "grad v"};
+  for (size_t i = 0; i < names.size(); ++i) {
+    EXPECT_TRUE(tensors_close(names[i] + " (1 worker)", serial[i], expected[i], 1e-10, 1e-10));
+    EXPECT_TRUE(tensors_close(names[i] + " (2 workers)", split[i], serial[i], 1e-12, 0.0));
   }
 }
 

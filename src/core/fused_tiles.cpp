@@ -56,8 +56,12 @@ using torch::autograd::variable_list;
 // take (float64); above it, one copy per worker.
 constexpr int64_t kTaskGradBytes = int64_t{256} << 20;
 
-// Backward's tasks per worker, at least, where key ranges can make them (key_ranges.h).
+// Backward's tasks per worker, at least, where key ranges can make them (key_ranges.h); up
+// to kMostBackwardTasksPerWorker where the further ranges cost no dQ slots (documents: 16
+// equal tasks left one of 2 workers waiting 5.5 ms of a 70 ms backward for the other's last,
+// 64 left it 0.75 ms; docs/threads.md).
 constexpr int64_t kBackwardTasksPerWorker = 8;
+constexpr int64_t kMostBackwardTasksPerWorker = 32;
 
 // ---- the problem ---------------------------------------------------------------------------
 
@@ -321,14 +325,17 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
     batch_in_task = batch_in_task || (!own_entries(t, false) && own_entries(t, true));
   const int64_t task_batches = batch_in_task ? plan.outer : 1;
   // Too few (batch, key/value head) tasks for the workers: each split into key ranges
-  // (key_ranges.h), whose dQ slots may take up to dQ's own rows.
+  // (key_ranges.h), whose dQ slots may take up to dQ's own rows; and into more, smaller ones
+  // where they take no more slots.
   const int64_t pairs = plan.outer / task_batches * kv_heads;
   const int64_t most_workers = worker_count(plan.outer * kv_heads * blocks, q4.device());
-  const int64_t wanted_ranges =
-      most_workers == 1 ? 1 : (kBackwardTasksPerWorker * most_workers + pairs - 1) / pairs;
+  const auto ranges_for = [&](int64_t tasks_per_worker) {
+    return most_workers == 1 ? 1 : (tasks_per_worker * most_workers + pairs - 1) / pairs;
+  };
   const auto split = split_keys(
-      wanted_ranges, problem.blocks.defined() ? problem.blocks.kv_block_size() : plan.query_block,
-      plan.num_keys, lists, plan.query_block,
+      ranges_for(kBackwardTasksPerWorker), ranges_for(kMostBackwardTasksPerWorker),
+      problem.blocks.defined() ? problem.blocks.kv_block_size() : plan.query_block, plan.num_keys,
+      lists, plan.query_block,
       [&](int64_t list) {
         return plan.tiles(list / (plan.heads * blocks), list / blocks % plan.heads, list % blocks);
       },

@@ -24,13 +24,14 @@ std::vector<int64_t> balanced_starts(const std::vector<int64_t>& weight, int64_t
 
 }  // namespace
 
-BackwardSplit split_keys(int64_t wanted, int64_t unit, int64_t num_keys, int64_t lists,
-                         int64_t query_block,
+BackwardSplit split_keys(int64_t wanted, int64_t most_free, int64_t unit, int64_t num_keys,
+                         int64_t lists, int64_t query_block,
                          const std::function<std::vector<TileVisit>(int64_t)>& tiles_of,
                          int64_t slot_budget_rows) {
   const int64_t units = (num_keys + unit - 1) / unit;
   wanted = std::min(wanted, units);
-  if (wanted <= 1)
+  most_free = std::min(most_free, units);
+  if (wanted <= 1 && most_free <= 1)
     return {};
   std::vector<std::vector<TileVisit>> tiles(static_cast<size_t>(lists));
   std::vector<int64_t> weight(static_cast<size_t>(units), 0);
@@ -43,11 +44,12 @@ BackwardSplit split_keys(int64_t wanted, int64_t unit, int64_t num_keys, int64_t
   }
   if (std::all_of(weight.begin(), weight.end(), [](int64_t w) { return w == 0; }))
     return {};  // no tile: nothing to split
-  for (int64_t count = wanted; count > 1; count /= 2) {
+  // The split into about `count` ranges, with its dQ owners and slots.
+  const auto split_into = [&](int64_t count) {
     BackwardSplit split{KeyRanges(balanced_starts(weight, count, unit)), {}, {}, 0};
     const int64_t ranges = split.ranges.count();
     if (ranges == 1)
-      return {};
+      return split;
     split.owner.assign(static_cast<size_t>(lists), 0);
     split.slot_row.assign(static_cast<size_t>(lists * ranges), -1);
     for (int64_t list = 0; list < lists; ++list) {
@@ -66,10 +68,28 @@ BackwardSplit split_keys(int64_t wanted, int64_t unit, int64_t num_keys, int64_t
         last_seen = std::max(last_seen, last);
       }
     }
-    if (split.slot_rows <= slot_budget_rows)
-      return split;
+    return split;
+  };
+  BackwardSplit split;  // one range
+  for (int64_t count = wanted; count > 1; count /= 2) {
+    auto candidate = split_into(count);
+    if (candidate.ranges.count() == 1)
+      break;
+    if (candidate.slot_rows <= slot_budget_rows) {
+      split = std::move(candidate);
+      break;
+    }
   }
-  return {};
+  // More ranges while they cost no more slots (their starts fall where no query block's keys
+  // cross, as between documents): smaller tasks, so less time where one worker waits for the
+  // other's last task.
+  for (int64_t count = split.ranges.count() * 2; count <= most_free; count *= 2) {
+    auto finer = split_into(count);
+    if (finer.ranges.count() <= split.ranges.count() || finer.slot_rows > split.slot_rows)
+      break;
+    split = std::move(finer);
+  }
+  return split;
 }
 
 }  // namespace attnkit::detail

@@ -5,10 +5,11 @@
 // core idle where those are fewer than the workers (b 1 with one key/value head: 1.23x at 2
 // threads), and four equal tasks per worker balanced badly on cores of unequal speed. So, when
 // there are too few of them, each (batch, key/value head) is split into key ranges of about
-// equal work, a task each. A query block seen from several ranges gets its dQ from each: the
-// first range that sees it writes the gradient, every later one its own slot, and the slots
-// are added in range order after the tasks (the same inputs and thread count give the same
-// gradients).
+// equal work, a task each; and into more (smaller tasks, less waiting for the last one) where
+// the further ranges start where no query block's keys cross, as between documents. A query
+// block seen from several ranges gets its dQ from each: the first range that sees it writes
+// the gradient, every later one its own slot, and the slots are added in range order after
+// the tasks (the same inputs and thread count give the same gradients).
 
 #include <algorithm>
 #include <cstdint>
@@ -85,9 +86,10 @@ struct BackwardSplit {
 // Backward's split for `wanted` ranges at most: range starts on multiples of `unit` keys
 // (the block mask's key block, where tiles may be cut), each range about an equal share of
 // the rows the tiles hold; fewer ranges (halving) while the dQ slots would take more rows
-// than `slot_budget_rows`. tiles_of(list) gives a list's tiles in key order.
-BackwardSplit split_keys(int64_t wanted, int64_t unit, int64_t num_keys, int64_t lists,
-                         int64_t query_block,
+// than `slot_budget_rows`, and more (doubling, up to `most_free`) while they take no more
+// slots than that split. tiles_of(list) gives a list's tiles in key order.
+BackwardSplit split_keys(int64_t wanted, int64_t most_free, int64_t unit, int64_t num_keys,
+                         int64_t lists, int64_t query_block,
                          const std::function<std::vector<TileVisit>(int64_t)>& tiles_of,
                          int64_t slot_budget_rows);
 
