@@ -324,16 +324,27 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
   for (size_t t = 0; t < tensors.size() && plan.outer > 1; ++t)
     batch_in_task = batch_in_task || (!own_entries(t, false) && own_entries(t, true));
   const int64_t task_batches = batch_in_task ? plan.outer : 1;
+  // The tensors not written in place: each task's share of their gradients, summed in task
+  // order afterwards (the same inputs give the same gradients); where one copy per task would
+  // pass kTaskGradBytes, one copy per worker, summed in float64 in the order the tasks fell to
+  // the workers. grad_bytes: one copy.
+  int64_t grad_bytes = 0;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    if (wanted[t] && !own_entries(t, batch_in_task))
+      grad_bytes += tensors[t].numel() * int64_t{sizeof(double)};
+  }
   // Too few (batch, key/value head) tasks for the workers: each split into key ranges
   // (key_ranges.h), whose dQ slots may take up to dQ's own rows; and into more, smaller ones
-  // where they take no more slots.
+  // where they take no more slots and no task sums a copy of a gradient (a copy per task is
+  // cleared and added after the loop, a cost that would grow with the tasks).
   const int64_t pairs = plan.outer / task_batches * kv_heads;
   const int64_t most_workers = worker_count(plan.outer * kv_heads * blocks, q4.device());
   const auto ranges_for = [&](int64_t tasks_per_worker) {
     return most_workers == 1 ? 1 : (tasks_per_worker * most_workers + pairs - 1) / pairs;
   };
   const auto split = split_keys(
-      ranges_for(kBackwardTasksPerWorker), ranges_for(kMostBackwardTasksPerWorker),
+      ranges_for(kBackwardTasksPerWorker),
+      ranges_for(grad_bytes == 0 ? kMostBackwardTasksPerWorker : kBackwardTasksPerWorker),
       problem.blocks.defined() ? problem.blocks.kv_block_size() : plan.query_block, plan.num_keys,
       lists, plan.query_block,
       [&](int64_t list) {
@@ -349,15 +360,6 @@ TileGrads tiles_backward(const TileProblem& problem, const torch::Tensor& q4,
       own_entry_grads[t] =
           torch::zeros(tensors[t].sizes(),
                        tensors[t].scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
-  }
-  // The other tensors: each task's share of their gradients, summed in task order afterwards
-  // (the same inputs give the same gradients); where one copy per task would pass
-  // kTaskGradBytes, one copy per worker, summed in float64 in the order the tasks fell to the
-  // workers.
-  int64_t grad_bytes = 0;
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    if (wanted[t] && !own_entry_grads[t].defined())
-      grad_bytes += tensors[t].numel() * int64_t{sizeof(double)};
   }
   const bool per_task = grad_bytes * tasks <= kTaskGradBytes;
   const int64_t workers = worker_count(tasks, q4.device());
