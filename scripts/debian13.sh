@@ -15,7 +15,10 @@
 #
 # Environment:
 #   ATTNKIT_DEBIAN13_ROOT   where the root lives (default: $XDG_CACHE_HOME/attnkit/debian13,
-#                           or ~/.cache/attnkit/debian13); delete it to start afresh
+#                           or ~/.cache/attnkit/debian13); to start afresh, delete it with
+#                           `rm -rf --one-file-system` while no run uses it (a run killed
+#                           outright can leave the host's /dev and the repository mounted
+#                           inside it; the next run undoes such mounts first)
 #   ATTNKIT_DEBIAN_MIRROR   the archive debootstrap uses (default: debootstrap's own)
 #   CI, ATTNKIT_WERROR, ATTNKIT_CCACHE   passed on to COMMAND (the build's settings: .ci/run,
 #                           scripts/compiler_cache.sh); the rest of the environment is not
@@ -44,6 +47,10 @@ unmount_under() {
     sort -r | while read -r target; do umount -l "$target"; done
 }
 trap 'unmount_under "$root"; unmount_under "$root.partial"' EXIT
+# A run killed outright (SIGKILL) leaves its mounts behind, among them a bind of a folder
+# that may since be deleted. The lock is ours, so whatever is mounted under the root now is
+# such a leftover: undone before anything is mounted again.
+unmount_under "$root"
 
 run_inside() {  # run_inside [--as-caller] COMMAND...: in the repository folder, clean environment
   local userspec=()
