@@ -837,7 +837,12 @@ class OwnMasks(unittest.TestCase):
             (dict(causal=True, window=0), "window must be >= 1, got 0"),
             (dict(causal=True, query_offset=-1), "query_offset must be >= 0"),
             (dict(key_lengths=torch.tensor([3])), "key_lengths must be (2,), got (1,)"),
+            (dict(key_lengths=torch.tensor([17, 3])), "key_lengths must be in [0, 16] (the "
+                                                      "number of keys), got [17, 3]"),
+            (dict(key_lengths=torch.tensor([4, -1])), "key_lengths must be in [0, 16]"),
             (dict(document_ids=torch.zeros(15, dtype=torch.long)), "document_ids needs"),
+            (dict(document_ids=torch.zeros(3, 16, dtype=torch.long)),
+             "document_ids must be (16,) or (2, 16), got (3, 16)"),
             (dict(softcap=-1.0), "softcap must be > 0, got -1.0"),
             (dict(bias=torch.zeros(2)), "bias must be (heads, 2 D + 1), got (2,)"),
             (dict(alibi_slopes=torch.ones(3)), "alibi_slopes must be (2,), one slope per query "
@@ -848,6 +853,14 @@ class OwnMasks(unittest.TestCase):
             with self.subTest(str(kwargs)), self.assertRaises(ValueError) as caught:
                 attnkit.attention(q, q, q, **kwargs)
             self.assertIn(words, str(caught.exception))
+        # Ids or lengths that are not integers (0.5 and 0.7 would be one document as int64).
+        for name, given in (("key_lengths", torch.tensor([4.0, 3.0])),
+                            ("document_ids", torch.arange(16) / 2.0),
+                            ("document_ids", torch.ones(16, dtype=torch.bool))):
+            with self.subTest(name, dtype=given.dtype), self.assertRaises(TypeError) as caught:
+                attnkit.attention(q, q, q, **{name: given})
+            self.assertIn(f"{name} must be an integer tensor, got {given.dtype}",
+                          str(caught.exception))
         with self.assertRaises(ValueError) as caught:
             attnkit.flex_attention(q, q[:1], q[:1])
         self.assertIn("one batch size", str(caught.exception))

@@ -186,9 +186,9 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
     """attnkit's own masks and score functions, without making a block mask yourself.
 
     Masks (combined with &): causal (query i sees keys j <= query_offset + i), window (with
-    causal: only the last `window` keys), key_lengths (B) int64 (row r sees keys < its
-    length), document_ids (L) or (B, L) int64 (a query sees its own document only; self-
-    attention). Scores: softcap (cap * tanh(s / cap)), alibi_slopes (H) (adds slope[h] *
+    causal: only the last `window` keys), key_lengths (B) integers in [0, S] (row r sees
+    keys < its length), document_ids (L) or (B, L) integers (a query sees its own document
+    only; self-attention). Scores: softcap (cap * tanh(s / cap)), alibi_slopes (H) (adds slope[h] *
     (kv_idx - q_idx)), bias (H, 2 D + 1) a learnable relative-position bias (adds
     bias[h, clamp(kv_idx - q_idx, -D, D) + D]). dropout_p applies when training.
     Without a gradient to keep, document_ids runs one PyTorch SDPA call per document where
@@ -211,11 +211,20 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
         if key_lengths.shape != (query.shape[0],):
             raise ValueError(f"attnkit.attention: key_lengths must be ({query.shape[0]},), got "
                              f"{tuple(key_lengths.shape)}")
+        _check_integers("key_lengths", key_lengths)
+        if key_lengths.numel() > 0 and not bool(((key_lengths >= 0) & (key_lengths <= S)).all()):
+            raise ValueError(f"attnkit.attention: key_lengths must be in [0, {S}] (the number "
+                             f"of keys), got {key_lengths.tolist()}")
         parts.append(lambda b, h, q, kv: kv < key_lengths[b])
     if document_ids is not None:
         if L != S or document_ids.shape[-1] != L:
             raise ValueError("attnkit.attention: document_ids needs self-attention and one id per "
                              f"token: queries {L}, keys {S}, ids {tuple(document_ids.shape)}")
+        if document_ids.dim() not in (1, 2) or \
+                (document_ids.dim() == 2 and document_ids.shape[0] != query.shape[0]):
+            raise ValueError(f"attnkit.attention: document_ids must be ({L},) or "
+                             f"({query.shape[0]}, {L}), got {tuple(document_ids.shape)}")
+        _check_integers("document_ids", document_ids)
         ids = document_ids if document_ids.dim() == 2 else document_ids.unsqueeze(0)
         parts.append(lambda b, h, q, kv: ids[b if ids.shape[0] > 1 else 0, q] ==
                      ids[b if ids.shape[0] > 1 else 0, kv])
@@ -248,6 +257,11 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
     out, _ = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
                    dropout_p if training else 0.0)
     return out
+
+
+def _check_integers(name, tensor):
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise TypeError(f"attnkit.attention: {name} must be an integer tensor, got {tensor.dtype}")
 
 
 # Where one SDPA call per document beats the block mask's route (docs/backends.md): documents
@@ -287,8 +301,6 @@ def _attention_by_document(query, key, value, document_ids, causal, scale):
     ids = document_ids.to("cpu")
     mask_rows = ids.shape[0] if ids.dim() == 2 else 1  # the block mask's B
     ids = ids if ids.dim() == 2 else ids.unsqueeze(0).expand(query.shape[0], -1)  # (B, L)
-    if ids.shape[0] != query.shape[0]:
-        return None  # the block mask's route names the mismatch
     # Each row's documents as runs of equal ids: a run's end where the id changes.
     changes = ids[:, 1:] != ids[:, :-1]  # (B, L - 1)
     runs = int(changes.sum()) + ids.shape[0]
