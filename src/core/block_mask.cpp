@@ -133,18 +133,18 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
   };
   std::vector<PendingStripe> pending;
   std::vector<char> undecided(static_cast<size_t>(B * nk));
+  std::vector<char> column_undecided(static_cast<size_t>(nk));  // for some batch entry
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t q0 = i * qb, bq = std::min(qb, Q_LEN - q0);
-    int64_t lo = nk, hi = -1;
     std::fill(undecided.begin(), undecided.end(), 0);
+    std::fill(column_undecided.begin(), column_undecided.end(), 0);
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t j = 0; j < nk; ++j) {
         const int64_t k0 = j * kb, bk = std::min(kb, KV_LEN - k0);
         const auto known = mask.structural_kind(Tile{b, 0, H, q0, bq, k0, bk});
         if (!known.has_value() || *known == TileKind::kPartial) {
           undecided[static_cast<size_t>(b * nk + j)] = 1;
-          lo = std::min(lo, j);
-          hi = std::max(hi, j);
+          column_undecided[static_cast<size_t>(j)] = 1;
           continue;
         }
         // A short tile is padded with masked entries: never full.
@@ -154,16 +154,25 @@ BlockMask create_block_mask(const Mask& mask, int64_t B, int64_t H, int64_t Q_LE
           kinds[slot(b, h, i, j)] = kind;
       }
     }
-    if (hi < lo)
-      continue;
-    PendingStripe stripe{i, lo, hi + 1 - lo,
-                         std::vector<char>(static_cast<size_t>(B * (hi + 1 - lo)))};
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t j = lo; j <= hi; ++j)
-        stripe.wanted[static_cast<size_t>(b * stripe.blocks + j - lo)] =
-            undecided[static_cast<size_t>(b * nk + j)];
+    // One stripe per run of undecided key blocks: the blocks between two runs (a window's
+    // full ones, between its two edges) are not evaluated.
+    for (int64_t lo = 0; lo < nk;) {
+      if (!column_undecided[static_cast<size_t>(lo)]) {
+        ++lo;
+        continue;
+      }
+      int64_t end = lo;
+      while (end < nk && column_undecided[static_cast<size_t>(end)])
+        ++end;
+      PendingStripe stripe{i, lo, end - lo, std::vector<char>(static_cast<size_t>(B * (end - lo)))};
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t j = lo; j < end; ++j)
+          stripe.wanted[static_cast<size_t>(b * stripe.blocks + j - lo)] =
+              undecided[static_cast<size_t>(b * nk + j)];
+      }
+      pending.push_back(std::move(stripe));
+      lo = end;
     }
-    pending.push_back(std::move(stripe));
   }
   if (!pending.empty()) {
     // The stripes are independent: evaluated on the CPU's workers (a mask_mod may thus be
