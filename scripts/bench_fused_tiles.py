@@ -13,10 +13,13 @@ in alternation, REPEATS rounds after a warm-up round, and prints medians:
   sdpa fwd+bwd         F.scaled_dot_product_attention with the same mask as a dense tensor:
                        bool, or float with an additive bias (what a CPU user trains with)
   dense fwd+bwd        the dense math (for a score function SDPA cannot take: softcap)
+  attnkit ... f32      (bfloat16, float16) attnkit with ATTNKIT_CPU_16BIT_MATMUL=float32: the
+                       16-bit call computed in float32, as before the matrix units
 
 and the executed GFLOP/s of attnkit's tiles (the scores that its block mask does not skip) next
-to this core's float32 GEMM rate at the tile's shapes ((128 x 64) (64 x 1024) and
-(128 x 1024) (1024 x 64)), measured in the same child. With --memory, each side's peak RSS
+to this core's GEMM rate at the tile's shapes ((128 x 64) (64 x 1024) and (128 x 1024)
+(1024 x 64)) in float32 and in the 16-bit dtype, measured in the same child. Each line names
+the kernel attnkit ran and how its 16-bit products ran (the planner's record). With --memory, each side's peak RSS
 over one forward+backward call above the RSS before it, each in a process of its own.
 
 Usage (pip's PyTorch and the pip build's package):
@@ -114,13 +117,15 @@ def problem(case, n, torch):
     }[case]
 
 
-def gemm_rate(torch, repeats=50):
-    """float32 GFLOP/s of torch.mm at the tile's two shapes, medians of `repeats` calls."""
+def gemm_rate(torch, dtype=None, repeats=50):
+    """GFLOP/s of torch.mm in `dtype` (float32 by default) at the tile's two shapes, medians of
+    `repeats` calls."""
+    dtype = dtype or torch.float32
     rates = {}
     for name, (m, k, n) in {"q k^T (128x64)(64x1024)": (128, 64, 1024),
                             "p v (128x1024)(1024x64)": (128, 1024, 64)}.items():
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        out = torch.empty(m, n)
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+        out = torch.empty(m, n, dtype=dtype)
         for _ in range(5):
             torch.mm(a, b, out=out)
         times = []
@@ -153,6 +158,15 @@ def sides(case, n, dtype_name, compiled_flex=True, kv_heads=HEADS):
                                       enable_gqa=kv_heads != HEADS)
     calls["attnkit fwd"] = ("fwd", attnkit_call)
     calls["attnkit fwd+bwd"] = ("bwd", attnkit_call)
+    if dtype != torch.float32:
+        def float32_path():
+            os.environ["ATTNKIT_CPU_16BIT_MATMUL"] = "float32"  # read by the planner per call
+            try:
+                return attnkit_call()
+            finally:
+                del os.environ["ATTNKIT_CPU_16BIT_MATMUL"]
+        calls["attnkit fwd f32"] = ("fwd", float32_path)
+        calls["attnkit fwd+bwd f32"] = ("bwd", float32_path)
     if kv_heads != HEADS:
         return calls, ak_mask, trained
     if compiled_flex:  # compiling takes seconds: only where flex is timed
@@ -216,9 +230,18 @@ def child(args):
             run(kind, call)
             if round_index > 0:
                 times[name].append(time.perf_counter() - start)
+    import attnkit
+    dtype = getattr(torch, args.child_dtype)
+    record = "float32" if dtype == torch.float32 else attnkit.cpu_16bit_matmul(dtype)
+    gemm = {}
+    if args.child_threads == 1:
+        gemm = {f"float32 {name}": rate for name, rate in gemm_rate(torch).items()}
+        if dtype != torch.float32:
+            gemm.update({f"{args.child_dtype} {name}": rate
+                         for name, rate in gemm_rate(torch, dtype).items()})
     result = {"median_ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
               "executed_scores": executed_scores(ak_mask) * HEADS,
-              "gemm_gflops": gemm_rate(torch) if args.child_threads == 1 else {}}
+              "gemm_gflops": gemm, "record": record}
     print(json.dumps(result))
 
 
@@ -434,7 +457,7 @@ def main():
     parser.add_argument("--n", type=int, nargs="+", default=[4096])
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--dtypes", nargs="+", default=["float32"],
-                        choices=["float32", "bfloat16"])
+                        choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory", action="store_true")
@@ -506,8 +529,11 @@ def report(case, n, dtype, threads, args, env):
     line = f"{head} attnkit fwd {fwd:8.1f} ms"
     if "flex fwd" in ms:
         line += f" | flex fwd {ms['flex fwd']:8.1f} ms: {ms['flex fwd'] / fwd:5.2f}x"
+    if "attnkit fwd f32" in ms:
+        line += f" | attnkit fwd f32 {ms['attnkit fwd f32']:8.1f} ms: " \
+                f"{ms['attnkit fwd f32'] / fwd:5.2f}x"
     line += f" || attnkit fwd+bwd {both:8.1f} ms"
-    for other in ("sdpa fwd+bwd", "dense fwd+bwd"):
+    for other in ("attnkit fwd+bwd f32", "sdpa fwd+bwd", "dense fwd+bwd"):
         if other in ms:
             line += f" | {other} {ms[other]:8.1f} ms: {ms[other] / both:5.2f}x"
     if n > DENSE_LIMIT:
@@ -519,6 +545,7 @@ def report(case, n, dtype, threads, args, env):
     if result["gemm_gflops"]:
         line += " (GEMM " + ", ".join(f"{name} {rate:.1f}"
                                       for name, rate in result["gemm_gflops"].items()) + ")"
+    line += f" || ran: {result['record']}"
     if args.memory:
         peaks = []
         for side in ("attnkit fwd+bwd", "sdpa fwd+bwd", "dense fwd+bwd"):

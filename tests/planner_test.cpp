@@ -9,7 +9,10 @@
 #include "attnkit/latent_attention.h"
 #include "attnkit/multi_head_attention.h"
 #include "core/kernels.h"
+#include "core/matrix_units.h"
 #include "test_support.h"
+
+#include <cstdlib>
 
 #include <limits>
 #include <set>
@@ -497,7 +500,7 @@ TEST(Planner, ADemandedBackendNamesWhatItLacksAndAPreferenceGivesWay) {
 }
 
 // The public record names the kernel each call ran, with the dtype it computed in: demanded
-// backends, the weights, a 16-bit call (float32 inside), a module and a decode step. Records
+// backends, the weights, a 16-bit call, a module and a decode step. Records
 // nest: the innermost one gets the calls.
 TEST(Planner, TheKernelRecordNamesWhatRan) {
   torch::manual_seed(9);
@@ -516,7 +519,11 @@ TEST(Planner, TheKernelRecordNamesWhatRan) {
     ASSERT_EQ(inner.runs().size(), 3u);
     EXPECT_EQ(inner.runs()[0].kernel, "math");
     EXPECT_EQ(inner.runs()[1].kernel, "fused_tiles");
-    EXPECT_EQ(inner.runs()[1].computed_in, torch::kFloat);
+    // bfloat16 in its own dtype on a CPU with matrix units for it, else float32 inside.
+    EXPECT_EQ(inner.runs()[1].computed_in,
+              attnkit::detail::cpu_16bit_matmul_lacks(torch::kBFloat16).empty()
+                  ? torch::kBFloat16
+                  : torch::kFloat);
     EXPECT_EQ(inner.runs()[2].computed_in, torch::kDouble);
     EXPECT_EQ(inner.runs()[2].device, torch::Device(torch::kCPU));
   }
@@ -654,6 +661,16 @@ double relative_error(const torch::Tensor& got, const torch::Tensor& reference) 
 
 }  // namespace
 
+// While alive, 16-bit CPU calls are computed in float32 whatever the CPU has
+// (ATTNKIT_CPU_16BIT_MATMUL=float32, which the planner reads per call).
+class Float32ForSixteenBit {
+ public:
+  Float32ForSixteenBit() { setenv("ATTNKIT_CPU_16BIT_MATMUL", "float32", 1); }
+  ~Float32ForSixteenBit() { unsetenv("ATTNKIT_CPU_16BIT_MATMUL"); }
+  Float32ForSixteenBit(const Float32ForSixteenBit&) = delete;
+  Float32ForSixteenBit& operator=(const Float32ForSixteenBit&) = delete;
+};
+
 // bfloat16 and float16 are computed in float32 and rounded once: on every backend, for every
 // mask kind and score function, the output and the gradients of q, k and v are within 2x the
 // float32 floor (float32 arithmetic on the same 16-bit inputs, each result rounded once to
@@ -664,6 +681,9 @@ double relative_error(const torch::Tensor& got, const torch::Tensor& reference) 
 // before they meet the values, as PyTorch's own SDPA does: their bound is 5x (PyTorch 2.6's CPU
 // SDPA is at 4x on outputs and 5.6x on gradients in bfloat16). On CUDA the head size is 64, which
 // the fused kernels take, and the test checks which route kAuto chose, by the kernel record.
+// On a CPU with matrix units for the dtype (matrix_units.h) the fused tile kernel runs it in
+// its own dtype (P and dS rounded to it for their products, as FlexAttention's math does):
+// bound 2.5x. The CPU cases run twice, on that path and forced to float32.
 class SixteenBitDevices : public DeviceTest {};
 
 TEST_P(SixteenBitDevices, EveryBackendMaskAndScoreFunctionIsWithinTheFloat32Floor) {
@@ -707,11 +727,20 @@ TEST_P(SixteenBitDevices, EveryBackendMaskAndScoreFunctionIsWithinTheFloat32Floo
        "sdpa_masked"},
   };
   const bool on_cuda = device().is_cuda();
+  for (const bool forced_float32 : {false, true}) {
+  if (forced_float32 && on_cuda)
+    break;
+  std::optional<Float32ForSixteenBit> forced;
+  if (forced_float32)
+    forced.emplace();
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    // Grouped-query attention too: 2 key/value heads for the 4 query heads.
+    const bool grouped = dtype == torch::kHalf;
     // Scores of a few units, as trained models have: the softmax is far from uniform.
     const auto q = (2 * torch::randn({b, h, n, hd})).to(on.dtype(dtype));
-    const auto k = (2 * torch::randn({b, h, n, hd})).to(on.dtype(dtype));
-    const auto v = torch::randn({b, h, n, hd}).to(on.dtype(dtype));
+    const int64_t kv_heads = grouped ? 2 : h;
+    const auto k = (2 * torch::randn({b, kv_heads, n, hd})).to(on.dtype(dtype));
+    const auto v = torch::randn({b, kv_heads, n, hd}).to(on.dtype(dtype));
     const auto probe = torch::randn({b, h, n, hd}).to(on.dtype(dtype));
     for (const auto& c : cases) {
       const auto run = [&](const torch::Tensor& q_in, const torch::Tensor& k_in,
@@ -740,9 +769,14 @@ TEST_P(SixteenBitDevices, EveryBackendMaskAndScoreFunctionIsWithinTheFloat32Floo
             attnkit::detail::flash_kernel_available(device())) {
           EXPECT_EQ(kernel, c.cuda_route);
         }
+        const bool units = !on_cuda && kernel == "fused_tiles" &&
+                           attnkit::detail::cpu_16bit_matmul_lacks(dtype).empty();
         EXPECT_EQ(record.runs()[0].computed_in,
-                  on_cuda && fused_16bit ? dtype : torch::ScalarType(torch::kFloat));
-        const double bound = on_cuda && fused_16bit ? 5.0 : 2.0;
+                  (on_cuda && fused_16bit) || units ? dtype : torch::ScalarType(torch::kFloat));
+        EXPECT_EQ(record.runs()[0].sixteen_bit.rfind("float32: ", 0) == 0,
+                  record.runs()[0].computed_in == torch::kFloat)
+            << record.runs()[0].sixteen_bit;
+        const double bound = on_cuda && fused_16bit ? 5.0 : units ? 2.5 : 2.0;
         const char* names[] = {"output", "dq", "dk", "dv"};
         for (size_t i = 0; i < got.size(); ++i) {
           EXPECT_EQ(got[i].scalar_type(), dtype) << names[i];
@@ -759,9 +793,96 @@ TEST_P(SixteenBitDevices, EveryBackendMaskAndScoreFunctionIsWithinTheFloat32Floo
       }
     }
   }
+  }
 }
 
 ATTNKIT_INSTANTIATE_DEVICE_TESTS(SixteenBitDevices);
+
+// The planner's record says how a 16-bit CPU call multiplied and why: on the matrix units
+// where the CPU and LibTorch have them (the instructions named), else float32 and the reason;
+// ATTNKIT_CPU_16BIT_MATMUL=float32 forces float32 and says so.
+TEST(SixteenBitCpu, TheRecordNamesTheUnitsOrWhyFloat32) {
+  const auto q = torch::randn({1, 2, 64, 16}).to(torch::kBFloat16);
+  // A softcap: the fused tile kernel's (LibTorch's SDPA takes plain causal calls and windows).
+  const auto options =
+      F::AttentionOptions().mask(Mask::causal()).score_mod(attnkit::score_mods::softcap(20.0));
+  const auto lacks = attnkit::detail::cpu_16bit_matmul_lacks(torch::kBFloat16);
+  {
+    F::KernelRecord record;
+    F::attention(q, q, q, options);
+    ASSERT_EQ(record.runs().size(), 1u);
+    const auto& run = record.runs()[0];
+    EXPECT_EQ(run.kernel, "fused_tiles");
+    if (lacks.empty()) {
+      EXPECT_EQ(run.computed_in, torch::kBFloat16);
+      EXPECT_NE(run.sixteen_bit.find(attnkit::detail::cpu_16bit_matmul_units(torch::kBFloat16)),
+                std::string::npos)
+          << run.sixteen_bit;
+    } else {
+      EXPECT_EQ(run.computed_in, torch::kFloat);
+      EXPECT_EQ(run.sixteen_bit, "float32: " + lacks);
+    }
+  }
+  {
+    Float32ForSixteenBit forced;
+    F::KernelRecord record;
+    F::attention(q, q, q, options);
+    ASSERT_EQ(record.runs().size(), 1u);
+    EXPECT_EQ(record.runs()[0].computed_in, torch::kFloat);
+    EXPECT_EQ(record.runs()[0].sixteen_bit,
+              "float32: ATTNKIT_CPU_16BIT_MATMUL=float32 asks for float32");
+  }
+  F::KernelRecord record;
+  F::attention(q.to(torch::kFloat), q.to(torch::kFloat), q.to(torch::kFloat), options);
+  EXPECT_EQ(record.runs().at(0).sixteen_bit, "");
+}
+
+// On the matrix units, forward rounds the weights P to the input dtype once before they meet
+// the values (as FlexAttention's math does) and sums them unrounded. With one key tile the
+// kernel's output is then the float64 emulation of exactly that, rounded to bfloat16: equal
+// bits but for the rare weight whose float32 value sits at a rounding boundary. The same
+// emulation without the rounding of P, or with P rounded twice (through float16), matches far
+// fewer outputs: the test tells them apart (checked below), so a kernel that skips the
+// rounding or rounds twice fails.
+TEST(SixteenBitCpu, WeightsAreRoundedOnceBeforeTheValues) {
+  const auto dtype = torch::kBFloat16;
+  const auto lacks = attnkit::detail::cpu_16bit_matmul_lacks(dtype);
+  if (!lacks.empty())
+    GTEST_SKIP() << "no 16-bit products on this machine: " << lacks;
+  const int64_t h = 2, n = 128, m = 256, hd = 64;
+  torch::manual_seed(5);
+  // Scores c_i t_j, exact in float32: one feature each, bfloat16 values.
+  auto q = torch::zeros({1, h, n, hd});
+  auto k = torch::zeros({1, h, m, hd});
+  q.select(3, 0).copy_(torch::randint(1, 9, {1, h, n}).to(torch::kFloat) / 4);
+  k.select(3, 0).copy_(torch::rand({1, h, m}) * -4);
+  q = q.to(dtype);
+  k = k.to(dtype);
+  const auto v = torch::randn({1, h, m, hd}).to(dtype);
+  F::KernelRecord record;
+  const auto out =
+      F::attention(q, k, v, F::AttentionOptions().scale(1.0).key_block_size(1024));
+  ASSERT_EQ(record.runs().at(0).kernel, "fused_tiles");
+  ASSERT_EQ(record.runs().at(0).computed_in, dtype);
+  // (1, h, n, m) float32 scores and weights against each row's maximum.
+  const auto scores = torch::matmul(q.to(torch::kFloat), k.to(torch::kFloat).transpose(-1, -2));
+  const auto weights = (scores - std::get<0>(scores.max(-1, true))).exp();
+  const auto emulated = [&](const torch::Tensor& p, const torch::Tensor& summed) {
+    return (torch::matmul(p.to(torch::kDouble), v.to(torch::kDouble)) /
+            summed.to(torch::kDouble).sum(-1, true))
+        .to(dtype);
+  };
+  const auto matching = [&](const torch::Tensor& reference) {
+    return out.eq(reference).to(torch::kDouble).mean().item<double>();
+  };
+  const auto rounded = weights.to(dtype);
+  const double rounded_once = matching(emulated(rounded, weights));
+  const double unrounded = matching(emulated(weights, weights));
+  const double rounded_twice = matching(emulated(weights.to(torch::kHalf).to(dtype), weights));
+  EXPECT_GE(rounded_once, 0.99);  // 1.0 on AVX-512 BF16 (2026-12-06)
+  EXPECT_LT(unrounded, 0.95) << "the test cannot tell an unrounded P apart";  // 0.57
+  EXPECT_LT(rounded_twice, 0.95) << "the test cannot tell a P rounded twice apart";  // 0.61
+}
 
 // On CUDA the flash route draws its dropout on the GPU from LibTorch's generator: a seed
 // repeats the draw, a new draw differs, and the draws average to the output without dropout

@@ -193,11 +193,16 @@ struct KernelRun {
   /// "sdpa" (LibTorch's SDPA; on 1.13 its stand-in, docs/backends.md), "sdpa_varlen",
   /// "sdpa_masked", "chunked" or "math".
   std::string kernel;
-  /// The dtype it computed in: a 16-bit call's float32, else the inputs' (under autocast,
-  /// the autocast dtype's).
+  /// The dtype it computed in: a 16-bit call's own where its kernel runs it so (LibTorch's
+  /// CUDA kernels; the fused tile kernel on a CPU with matrix units), else float32; the
+  /// inputs' for other calls (under autocast, the autocast dtype's).
   c10::ScalarType computed_in;
   /// The inputs' device.
   c10::Device device;
+  /// For a 16-bit call, how its products ran and why: "BFloat16 products on AVX-512 BF16
+  /// (oneDNN's brgemm), float32 accumulation", or "float32: " and the reason (a CPU without
+  /// AMX or AVX-512 BF16/FP16, a LibTorch without brgemm, ...); empty for other calls.
+  std::string sixteen_bit;
 };
 
 /// The planner's record: while one is alive, every attention call that this thread makes

@@ -20,7 +20,7 @@ from ._block_mask import BlockMask, create_block_mask, own_block_mask, partial_t
 from ._score_graph import ScoreModError
 
 __all__ = ["flex_attention", "attention", "create_block_mask", "BlockMask", "ScoreModError",
-           "library_path"]
+           "library_path", "cpu_16bit_matmul"]
 
 
 def library_path():
@@ -162,6 +162,13 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p
         if "[ScoreGraph::parse]" in str(error):
             raise ScoreModError(f"score_mod uses what attnkit cannot run: {error}") from None
         raise
+
+
+def cpu_16bit_matmul(dtype):
+    """How attnkit's CPU kernels multiply ``dtype`` (torch.bfloat16 or torch.float16): the
+    matrix units they run on ("AMX-BF16", "AVX-512 BF16", "AMX-FP16", "AVX-512 FP16"), or
+    "float32: " and why the call is computed in float32 instead (docs/backends.md)."""
+    return torch.ops.attnkit.cpu_16bit_matmul(dtype)
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,

@@ -155,6 +155,9 @@ struct KernelSpec {
   /// Whether it runs attention sinks (AttentionOptions::sinks); the planner declines a call
   /// with sinks for the kernels that do not.
   bool takes_sinks = false;
+  /// Whether a 16-bit CPU call runs in its own dtype, its products on the CPU's matrix units
+  /// (matrix_units.h), where its decision takes it; false: computed in float32.
+  bool runs_16bit_cpu_in_its_dtype = false;
 };
 
 /// Kernels in the order the planner asks them: fast paths first, a fallback that takes every

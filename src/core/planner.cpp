@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "core/kernels.h"
+#include "core/matrix_units.h"
 
 namespace attnkit::detail {
 
@@ -130,27 +131,47 @@ std::optional<AttentionCall> autocast_call(const AttentionCall& call) {
 }
 
 // A 16-bit call is computed in float32 and its result rounded once, except where its kernel
-// runs 16-bit CUDA calls in their own dtype: attnkit's kernels and LibTorch's CPU ops would
-// keep the scores, the softmax statistics, the accumulators and the gradients in the 16-bit
-// dtype (and 1.13 has no float16 matrix product on the CPU at all). `plan` and `run` see the
-// call as it is computed, with the kernel that computes it.
+// runs it in its own dtype: LibTorch's CUDA kernels, and on the CPU the fused tile kernel where
+// the CPU multiplies the dtype natively (matrix_units.h); each keeps the scores, the softmax
+// statistics and the accumulators in float32. Other kernels and LibTorch's CPU ops would keep
+// them in the 16-bit dtype (and 1.13 has no float16 matrix product on the CPU at all). `plan`
+// and `run` see the call as it is computed, with the kernel that computes it, and for a
+// 16-bit call how its products ran and why.
 template <typename Result, typename Planned>
 Result in_its_precision(const AttentionCall& call, const KernelTable& table,
                         const Planned& planned) {
-  if (is_16bit(call.query) && call.query.is_cuda()) {
+  if (!is_16bit(call.query)) {
+    const KernelInput input(call);
+    return planned(input, choose(input, table), std::string());
+  }
+  const auto dtype = call.query.scalar_type();
+  std::string why_float32;
+  if (call.query.is_cuda()) {
     const KernelInput input(call);
     // A demanded backend that cannot run it is refused (or given way) on the float32 copy.
     auto choice = first_taking(input, call.options.backend(), table);
     if (choice.spec != nullptr && choice.spec->runs_16bit_cuda_in_its_dtype)
-      return planned(input, choice);
+      return planned(input, choice, c10::str(dtype, " in LibTorch's CUDA kernel"));
+    why_float32 = c10::str("the ", choice.spec != nullptr ? choice.spec->name : "chosen",
+                           " kernel computes 16-bit CUDA calls in float32");
+  } else {
+    why_float32 = cpu_16bit_matmul_lacks(dtype);
+    if (why_float32.empty()) {
+      const KernelInput input(call);
+      auto choice = first_taking(input, call.options.backend(), table);
+      if (choice.spec != nullptr && choice.spec->runs_16bit_cpu_in_its_dtype)
+        return planned(input, choice,
+                       c10::str(dtype, " products on ", cpu_16bit_matmul_units(dtype),
+                                " (oneDNN's brgemm), float32 accumulation"));
+      why_float32 =
+          choice.spec != nullptr
+              ? c10::str("the ", choice.spec->name, " kernel computes 16-bit calls in float32")
+              : "no kernel takes the 16-bit call in its dtype";
+    }
   }
-  if (is_16bit(call.query)) {
-    const auto float_call = in_dtype(call, torch::kFloat);
-    const KernelInput input(float_call);
-    return planned(input, choose(input, table));
-  }
-  const KernelInput input(call);
-  return planned(input, choose(input, table));
+  const auto float_call = in_dtype(call, torch::kFloat);
+  const KernelInput input(float_call);
+  return planned(input, choose(input, table), c10::str("float32: ", why_float32));
 }
 
 }  // namespace
@@ -159,10 +180,11 @@ Result in_its_precision(const AttentionCall& call, const KernelTable& table,
 thread_local F::KernelRecord* t_innermost_record = nullptr;
 
 struct KernelRecordAccess {
-  static void append(const AttentionCall& call, const KernelSpec& spec) {
+  static void append(const AttentionCall& call, const KernelSpec& spec,
+                     const std::string& sixteen_bit) {
     if (t_innermost_record != nullptr) {
       t_innermost_record->runs_.push_back(
-          {spec.name, call.query.scalar_type(), call.query.device()});
+          {spec.name, call.query.scalar_type(), call.query.device(), sixteen_bit});
     }
   }
   static void open(F::KernelRecord* record) {
@@ -207,7 +229,7 @@ const KernelSpec& plan_attention(const AttentionCall& given, const KernelTable& 
   const auto autocast = autocast_call(given);
   return *in_its_precision<const KernelSpec*>(
       autocast ? *autocast : given, table,
-      [](const KernelInput&, const Choice& choice) { return choice.spec; });
+      [](const KernelInput&, const Choice& choice, const std::string&) { return choice.spec; });
 }
 
 F::AttentionOutput run_attention(const AttentionCall& given, const KernelTable& table) {
@@ -216,8 +238,9 @@ F::AttentionOutput run_attention(const AttentionCall& given, const KernelTable& 
   const auto& call = autocast ? *autocast : given;
   const auto dtype = call.query.scalar_type();
   return in_its_precision<F::AttentionOutput>(
-      call, table, [dtype](const KernelInput& input, const Choice& choice) {
-        KernelRecordAccess::append(input.call, *choice.spec);
+      call, table,
+      [dtype](const KernelInput& input, const Choice& choice, const std::string& sixteen_bit) {
+        KernelRecordAccess::append(input.call, *choice.spec, sixteen_bit);
         auto out = choice.decision.run(input);
         // A call computed in float32 comes back in its own dtype: rounded once.
         if (out.context.scalar_type() != dtype) {
@@ -249,8 +272,9 @@ SplitForward run_split_forward(const AttentionCall& given, const KernelTable& ta
   const auto& call = autocast ? *autocast : given;
   const auto dtype = call.query.scalar_type();
   return in_its_precision<SplitForward>(
-      call, table, [dtype](const KernelInput& input, const Choice& choice) {
-        KernelRecordAccess::append(input.call, *choice.spec);
+      call, table,
+      [dtype](const KernelInput& input, const Choice& choice, const std::string& sixteen_bit) {
+        KernelRecordAccess::append(input.call, *choice.spec, sixteen_bit);
         auto [out, lse] = choice.decision.split.forward(input);
         return SplitForward{out.to(dtype), lse, choice.spec->name};
       });
@@ -263,11 +287,13 @@ std::vector<torch::Tensor> run_split_backward(const AttentionCall& given, const 
   NoAutocast no_autocast;
   const auto& call = autocast ? *autocast : given;
   return in_its_precision<std::vector<torch::Tensor>>(
-      call, table, [&](const KernelInput& input, const Choice& choice) {
-        // Forward's tensors in the dtype the kernel computes in.
+      call, table, [&](const KernelInput& input, const Choice& choice, const std::string&) {
+        // Forward's tensors in the dtype the kernel computes in: a 16-bit call's output and
+        // log-sum-exp in float32 (its softmax statistics), its output's gradient in its dtype.
         const auto dtype = input.call.query.scalar_type();
-        const SplitSaved cast{saved.out.to(dtype), saved.lse.to(dtype), saved.grad_out.to(dtype),
-                              saved.parameters};
+        const auto compute = is_16bit(input.call.query) ? torch::kFloat : dtype;
+        const SplitSaved cast{saved.out.to(compute), saved.lse.to(compute),
+                              saved.grad_out.to(dtype), saved.parameters};
         auto grads = choice.decision.split.backward(input, cast);
         // Each gradient in its tensor's dtype (a given tensor's, before autocast).
         grads[0] = grads[0].to(given.query.scalar_type());

@@ -20,6 +20,7 @@
 #include "core/checks.h"
 #include "core/kernels.h"
 #include "core/mask_parts.h"
+#include "core/matrix_units.h"
 #include "core/planner.h"
 
 namespace attnkit::ops {
@@ -435,6 +436,15 @@ std::tuple<Tensor, Tensor> flex_attention_autocast(
                  dropout_p, dropout_seed);
 }
 
+// How 16-bit CPU calls of `dtype` multiply: the matrix units' name, or "float32: " and why.
+std::string cpu_16bit_matmul(c10::ScalarType dtype) {
+  TORCH_CHECK(dtype == torch::kBFloat16 || dtype == torch::kHalf,
+              "[attnkit.cpu_16bit_matmul] dtype: expected torch.bfloat16 or torch.float16, got ",
+              dtype);
+  const auto lacks = detail::cpu_16bit_matmul_lacks(dtype);
+  return lacks.empty() ? detail::cpu_16bit_matmul_units(dtype) : "float32: " + lacks;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnkit, m) {
@@ -443,6 +453,7 @@ TORCH_LIBRARY(attnkit, m) {
   m.def(
       "flex_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
       "Tensor out, Tensor lse, " ATTNKIT_FLEX_TAIL ") -> (Tensor, Tensor, Tensor, Tensor[])");
+  m.def("cpu_16bit_matmul(ScalarType dtype) -> str", &cpu_16bit_matmul);
 }
 
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
