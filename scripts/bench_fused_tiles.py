@@ -55,6 +55,9 @@ CASES = ["documents", "documents_prefix_lm", "window_512", "window_1024",
 # Cases whose score function adds a bias: SDPA takes it as a float mask.
 ADDITIVE = ("alibi", "relative_bias", "bias_tensor")
 HEADS, HEAD_DIM = 8, 64
+# The sides of a 16-bit run computed in float32 (ATTNKIT_CPU_16BIT_MATMUL=float32): as attnkit
+# ran them before the matrix units.
+FLOAT32_SIDE = " f32"
 # Above this n a dense (1, H, n, n) float32 matrix is 8 GiB and more: SDPA with a dense mask
 # and the dense math do not fit this machine's memory with their backward.
 DENSE_LIMIT = 8192
@@ -158,15 +161,9 @@ def sides(case, n, dtype_name, compiled_flex=True, kv_heads=HEADS):
                                       enable_gqa=kv_heads != HEADS)
     calls["attnkit fwd"] = ("fwd", attnkit_call)
     calls["attnkit fwd+bwd"] = ("bwd", attnkit_call)
-    if dtype != torch.float32:
-        def float32_path():
-            os.environ["ATTNKIT_CPU_16BIT_MATMUL"] = "float32"  # read by the planner per call
-            try:
-                return attnkit_call()
-            finally:
-                del os.environ["ATTNKIT_CPU_16BIT_MATMUL"]
-        calls["attnkit fwd f32"] = ("fwd", float32_path)
-        calls["attnkit fwd+bwd f32"] = ("bwd", float32_path)
+    if dtype != torch.float32:  # run() computes these in float32 (FLOAT32_SIDE)
+        calls["attnkit fwd" + FLOAT32_SIDE] = ("fwd", attnkit_call)
+        calls["attnkit fwd+bwd" + FLOAT32_SIDE] = ("bwd", attnkit_call)
     if kv_heads != HEADS:
         return calls, ak_mask, trained
     if compiled_flex:  # compiling takes seconds: only where flex is timed
@@ -201,8 +198,16 @@ def sides(case, n, dtype_name, compiled_flex=True, kv_heads=HEADS):
     return calls, ak_mask, trained
 
 
-def run(kind, call):
+def run(kind, call, name=""):
     import torch
+    if name.endswith(FLOAT32_SIDE):
+        # The planner reads this per call: forward and backward (a second call) in float32.
+        os.environ["ATTNKIT_CPU_16BIT_MATMUL"] = "float32"
+        try:
+            run(kind, call)
+        finally:
+            del os.environ["ATTNKIT_CPU_16BIT_MATMUL"]
+        return
     if kind == "fwd":  # no graph kept (and flex_attention refuses one on the CPU)
         with torch.no_grad():
             call()
@@ -227,7 +232,7 @@ def child(args):
     for round_index in range(args.repeats + 1):  # round 0 warms up (and compiles)
         for name, (kind, call) in calls.items():
             start = time.perf_counter()
-            run(kind, call)
+            run(kind, call, name)
             if round_index > 0:
                 times[name].append(time.perf_counter() - start)
     import attnkit

@@ -189,6 +189,16 @@ c10::intrusive_ptr<TileProblem> problem_of(const KernelInput& input,
   problem->query_block = options.query_block_size();
   problem->key_block = options.key_block_size();
   problem->dropout_p = input.dropout_p();
+  if (is_16bit(call.query)) {
+    bool wants_gradient = call.split ? call.backward_follows : false;
+    if (!call.split && torch::GradMode::is_enabled()) {
+      wants_gradient = call.query.requires_grad() || call.key.requires_grad() ||
+                       call.value.requires_grad();
+      for (const auto& t : problem->variant.tensors())
+        wants_gradient = wants_gradient || t.requires_grad();
+    }
+    problem->unrounded_weights = wants_gradient;
+  }
   // A split call brings its seed (backward is a second call); any other draws one from the
   // global generator, so torch::manual_seed fixes the masks.
   if (problem->dropout_p > 0.0)
@@ -224,7 +234,10 @@ KernelSpec fused_tiles_spec() {
                   const auto& call = in.call;
                   const auto result = tiles_forward(*problem, slices_of(call.query),
                                                     slices_of(call.key), slices_of(call.value));
-                  return std::pair{shaped_like(result.out, call.query), result.lse};
+                  // 16-bit: the output before its rounding, which the planner rounds
+                  // (SplitForward::unrounded).
+                  const auto& out = result.out_float.defined() ? result.out_float : result.out;
+                  return std::pair{shaped_like(out, call.query), result.lse};
                 },
                 [problem_for](const KernelInput& in, const SplitSaved& saved) {
                   const auto problem = problem_for(in);

@@ -42,6 +42,11 @@ struct TileProblem : torch::CustomClassHolder {
   int64_t key_block = 1024;
   double dropout_p = 0.0;
   int64_t dropout_seed = -1;  // drawn per call (split calls: the call's)
+  // 16-bit with a backward to follow: P V in float32 from unrounded P, so that backward's
+  // D = rowsum(dO * O) equals rowsum(P * dP) as in FlexAttention's math (from P rounded for a
+  // 16-bit product, a per-head bias's gradient, 0 in exact arithmetic, was 1e-2 off where
+  // the math's is 1e-7). Without a backward, P is rounded for the matrix units.
+  bool unrounded_weights = false;
 };
 
 // (outer, heads, rows, cols) slices with unit-stride rows.

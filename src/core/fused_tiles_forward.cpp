@@ -33,12 +33,17 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4,
   auto lse = torch::empty({plan.outer, plan.heads, plan.num_queries}, compute);
   const Slices<In> q(q4), k(k4), v(v4), out(out4);
   T* lse_data = lse.template data_ptr<T>();
-  // 16-bit: the output before rounding; K^T and V as the matrix units take them.
-  torch::Tensor out_float4, keys_t, values;
+  // 16-bit: the output before rounding; K^T and V as the matrix units take them, or V in
+  // float32 where P stays unrounded (TileProblem::unrounded_weights).
+  torch::Tensor out_float4, keys_t, values, values_float;
+  const bool unrounded = kUnits && problem.unrounded_weights;
   if constexpr (kUnits) {
     out_float4 = torch::empty(out4.sizes(), compute);
     keys_t = packed_slices(k4, /*transposed=*/true);
-    values = packed_slices(v4, /*transposed=*/false);
+    if (unrounded)
+      values_float = v4.to(torch::kFloat);
+    else
+      values = packed_slices(v4, /*transposed=*/false);
   }
   const int64_t blocks = plan.num_query_blocks(), pairs = plan.outer * plan.heads;
   const int64_t kv_heads = k4.size(1);
@@ -83,13 +88,18 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4,
                                             acc_data + i * dv, dv,
                                             factor != nullptr ? factor + i * bk : nullptr);
                          if constexpr (kUnits) {
-                           In* weight_row = weights.template data_ptr<In>() + i * paired;
-                           round_row(row, bk, weight_row);
-                           if (paired != bk)
-                             weight_row[bk] = In(0.0f);
+                           if (!unrounded) {
+                             In* weight_row = weights.template data_ptr<In>() + i * paired;
+                             round_row(row, bk, weight_row);
+                             if (paired != bk)
+                               weight_row[bk] = In(0.0f);
+                           }
                          }
                        });
-      if constexpr (kUnits) {
+      if (unrounded) {
+        acc.addmm_(matrix(scores.template data_ptr<T>(), bq, bk, bk),
+                   values_float[o][kh].narrow(0, k0, bk));
+      } else if constexpr (kUnits) {
         const In* value_rows = values.template data_ptr<In>() + (o * kv_heads + kh) * values.size(2);
         matmul_16bit(bq, dv, paired, weights.template data_ptr<In>(), paired, value_rows + k0 * dv, dv,
                      acc_data, dv, /*accumulate=*/true);

@@ -69,6 +69,9 @@ struct AttentionCall {
   /// A split call's dropout seed (>= 0 where it trains with dropout): backward redraws the
   /// masks forward drew from it.
   int64_t dropout_seed = -1;
+  /// A split forward whose backward follows (the operators' autograd): its output is made as
+  /// backward reads it (SplitForward::unrounded).
+  bool backward_follows = false;
 };
 
 /// A mask as the fused kernels take it: none (causal false), or query i seeing keys up to

@@ -276,7 +276,8 @@ SplitForward run_split_forward(const AttentionCall& given, const KernelTable& ta
       [dtype](const KernelInput& input, const Choice& choice, const std::string& sixteen_bit) {
         KernelRecordAccess::append(input.call, *choice.spec, sixteen_bit);
         auto [out, lse] = choice.decision.split.forward(input);
-        return SplitForward{out.to(dtype), lse, choice.spec->name};
+        return SplitForward{out.to(dtype), lse, choice.spec->name,
+                            out.scalar_type() != dtype ? out : torch::Tensor()};
       });
 }
 

@@ -38,10 +38,12 @@ functional::AttentionOutput run_attention(const AttentionCall& call,
 /// A split call's forward (call.split): the output (b, h, n, hd_v) in the inputs' dtype and
 /// the rows' log-sum-exp (b, h, n) in the compute dtype (float32 for 16-bit inputs), +inf for
 /// a row that sees no key; `kernel` is the kernel that ran it. The dtype, autocast and kernel
-/// record policy is run_attention's.
+/// record policy is run_attention's. `unrounded`: for 16-bit inputs the output before its
+/// rounding (float32), which the backward's D = rowsum(dO * O) wants; else undefined.
 struct SplitForward {
   torch::Tensor out, lse;
   const char* kernel;
+  torch::Tensor unrounded;
 };
 SplitForward run_split_forward(const AttentionCall& call,
                                const KernelTable& table = kernel_table());

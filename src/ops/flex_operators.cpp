@@ -214,12 +214,21 @@ torch::ScalarType compute_dtype(const Tensor& t) {
   return detail::is_16bit(t) ? torch::kFloat : t.scalar_type();
 }
 
-std::tuple<Tensor, Tensor> flex_forward(const Tensor& query, const Tensor& key, const Tensor& value,
-                                        const FlexArguments& args) {
+// The output, its lse, and what backward reads as the output: for 16-bit inputs the output
+// before its rounding (float32; backward's D = rowsum(dO * O) from the rounded output missed a
+// per-head bias's gradient, 0 in exact arithmetic, by 1e-4), else a (0) tensor (the output
+// itself serves).
+std::tuple<Tensor, Tensor, Tensor> flex_forward(const Tensor& query, const Tensor& key,
+                                                const Tensor& value, const FlexArguments& args,
+                                                bool backward_follows) {
   check_inputs(query, key, value);
   const torch::NoGradGuard no_grad;
-  auto result = detail::run_split_forward(call_of(query, key, value, args, args.score_tensors));
-  return {result.out.contiguous(), result.lse.contiguous()};
+  auto call = call_of(query, key, value, args, args.score_tensors);
+  call.backward_follows = backward_follows;
+  auto result = detail::run_split_forward(call);
+  auto for_backward = result.unrounded.defined() ? result.unrounded.contiguous()
+                                                 : torch::empty({0}, query.options());
+  return {result.out.contiguous(), result.lse.contiguous(), for_backward};
 }
 
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
@@ -274,10 +283,29 @@ std::tuple<Tensor, Tensor> flex_attention_kernel(
     const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
     c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
     int64_t dropout_seed) {
+  auto [out, lse, for_backward] =
+      flex_forward(query, key, value,
+                   arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                partial_tiles, q_block_size, kv_block_size, score_graph,
+                                score_tensors, scale, dropout_p, dropout_seed),
+                   /*backward_follows=*/false);
+  return {out, lse};
+}
+
+// flex_attention with what its backward reads as the output (flex_forward): the autograd
+// kernel's forward.
+std::tuple<Tensor, Tensor, Tensor> flex_attention_for_backward_kernel(
+    const Tensor& query, const Tensor& key, const Tensor& value,
+    const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
+    const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
+    const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
+    c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
+    int64_t dropout_seed) {
   return flex_forward(query, key, value,
                       arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                                    partial_tiles, q_block_size, kv_block_size, score_graph,
-                                   score_tensors, scale, dropout_p, dropout_seed));
+                                   score_tensors, scale, dropout_p, dropout_seed),
+                      /*backward_follows=*/true);
 }
 
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_kernel(
@@ -309,6 +337,22 @@ std::tuple<Tensor, Tensor> flex_attention_meta(
   return {torch::empty(shape, query.options()),
           torch::empty({query.size(0), query.size(1), query.size(2)},
                        query.options().dtype(compute_dtype(query)))};
+}
+
+std::tuple<Tensor, Tensor, Tensor> flex_attention_for_backward_meta(
+    const Tensor& query, const Tensor& key, const Tensor& value,
+    const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
+    const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
+    const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
+    c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
+    int64_t dropout_seed) {
+  auto [out, lse] = flex_attention_meta(query, key, value, kv_num_blocks, kv_indices,
+                                        full_kv_num_blocks, full_kv_indices, partial_tiles,
+                                        q_block_size, kv_block_size, score_graph, score_tensors,
+                                        scale, dropout_p, dropout_seed);
+  auto for_backward = detail::is_16bit(query) ? torch::empty(out.sizes(), lse.options())
+                                              : torch::empty({0}, query.options());
+  return {out, lse, for_backward};
 }
 
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_meta(
@@ -343,16 +387,19 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
                                const std::string& score_graph, at::TensorList score_tensors,
                                double scale, double dropout_p, int64_t dropout_seed) {
     static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("attnkit::flex_attention", "")
-                         .typed<decltype(flex_attention_kernel)>();
-    Tensor out, lse;
+                         .findSchemaOrThrow("attnkit::flex_attention_for_backward", "")
+                         .typed<decltype(flex_attention_for_backward_kernel)>();
+    Tensor out, lse, for_backward;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(out, lse) = op.call(query, key, value, blocks[0], blocks[1], blocks[2], blocks[3],
-                                   blocks[4], q_block_size, kv_block_size, score_graph,
-                                   score_tensors, scale, dropout_p, dropout_seed);
+      std::tie(out, lse, for_backward) =
+          op.call(query, key, value, blocks[0], blocks[1], blocks[2], blocks[3], blocks[4],
+                  q_block_size, kv_block_size, score_graph, score_tensors, scale, dropout_p,
+                  dropout_seed);
     }
-    variable_list saved{query, key, value, out, lse};
+    // Backward's output: the unrounded one of a 16-bit call.
+    variable_list saved{query, key, value, for_backward.dim() == out.dim() ? for_backward : out,
+                        lse};
     saved.insert(saved.end(), score_tensors.begin(), score_tensors.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["blocks"] = blocks;
@@ -453,21 +500,26 @@ TORCH_LIBRARY(attnkit, m) {
   m.def(
       "flex_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
       "Tensor out, Tensor lse, " ATTNKIT_FLEX_TAIL ") -> (Tensor, Tensor, Tensor, Tensor[])");
+  m.def("flex_attention_for_backward(Tensor query, Tensor key, Tensor value, " ATTNKIT_FLEX_TAIL
+        ") -> (Tensor, Tensor, Tensor)");
   m.def("cpu_16bit_matmul(ScalarType dtype) -> str", &cpu_16bit_matmul);
 }
 
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
   m.impl("flex_attention", &flex_attention_kernel);
+  m.impl("flex_attention_for_backward", &flex_attention_for_backward_kernel);
   m.impl("flex_attention_backward", &flex_attention_backward_kernel);
 }
 
 TORCH_LIBRARY_IMPL(attnkit, CUDA, m) {
   m.impl("flex_attention", &flex_attention_kernel);
+  m.impl("flex_attention_for_backward", &flex_attention_for_backward_kernel);
   m.impl("flex_attention_backward", &flex_attention_backward_kernel);
 }
 
 TORCH_LIBRARY_IMPL(attnkit, Meta, m) {
   m.impl("flex_attention", &flex_attention_meta);
+  m.impl("flex_attention_for_backward", &flex_attention_for_backward_meta);
   m.impl("flex_attention_backward", &flex_attention_backward_meta);
 }
 
