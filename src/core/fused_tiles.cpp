@@ -14,8 +14,9 @@
 // of a mask that has no host form (a tensor, a mask_mod), its entries (Mask::tile_allowed);
 // the named kinds and Python's packed tiles write theirs directly (MaskNode::fill_tile).
 //
-// Layout: float32 or float64 (a 16-bit call arrives as float32: the planner computes it so;
-// AVX2 row loops for float32 where the CPU has them, portable loops otherwise), inputs as
+// Layout: float32 or float64, or bfloat16/float16 on the CPU's matrix units (matrix_units.h;
+// elsewhere a 16-bit call arrives as float32: the planner computes it so; AVX2 row loops for
+// float32 rows where the CPU has them, portable loops otherwise), inputs as
 // (outer, heads, n, f) slices with unit-stride rows, read in place. Grouped-query attention
 // reads each key/value head for its query heads without copies. Forward's tasks are (outer,
 // head, query block), the last blocks first; backward's are (outer, key/value head, key

@@ -453,6 +453,20 @@ std::tuple<Tensor, Tensor> flex_attention_autograd(
     const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
     c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
     int64_t dropout_seed) {
+  // Without a gradient to keep (no_grad, inference) the plain operator: a 16-bit call then
+  // rounds P for the matrix units' P V (flex_forward).
+  bool wants_gradient = query.requires_grad() || key.requires_grad() || value.requires_grad();
+  for (const auto& t : score_tensors)
+    wants_gradient = wants_gradient || t.requires_grad();
+  if (!torch::GradMode::is_enabled() || !wants_gradient) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("attnkit::flex_attention", "")
+                         .typed<decltype(flex_attention_kernel)>();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return op.call(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                   full_kv_indices, partial_tiles, q_block_size, kv_block_size, score_graph,
+                   score_tensors, scale, dropout_p, dropout_seed);
+  }
   auto outputs = FlexAttentionFunction::apply(
       query, key, value,
       std::vector<c10::optional<Tensor>>{kv_num_blocks, kv_indices, full_kv_num_blocks,
