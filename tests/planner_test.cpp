@@ -330,8 +330,9 @@ TEST(Planner, ASplitCallRunsForwardAndBackwardApartAsTheMathCore) {
       F::KernelRecord record;
       const auto forward = attnkit::detail::run_split_forward(call);
       // bfloat16 on a CPU with matrix units for it: the fused tile kernel in its own dtype,
-      // where LibTorch's flash kernel would compute the call in float32.
-      const bool units = bfloat16 && attnkit::detail::cpu_16bit_matmul_lacks(dtype).empty();
+      // where LibTorch's flash kernel would compute a call of enough keys in float32.
+      const bool units = bfloat16 && attnkit::detail::cpu_16bit_matmul_lacks(dtype).empty() &&
+                         call.key.size(-2) >= attnkit::detail::kMatrixUnitsFromKeys;
       const std::string expected_kernel =
           cpu_flash && flash_cases.count(c.name) && !units ? "sdpa"
           : c.name == "score_mod distance"                 ? "chunked"

@@ -40,9 +40,11 @@ KernelDecision decide(const KernelSpec& spec, const KernelInput& input) {
 }
 
 // The first kernel of `table` serving `requested` that takes the input (the kernel the call
-// names, whatever it serves); spec null: none.
-Choice first_taking(const KernelInput& input, AttentionBackend requested,
-                    const KernelTable& table) {
+// names, whatever it serves); spec null: none. `input_for(spec)` is the input each kernel is
+// asked with (by default `input`); `passed_over(spec)` skips a kernel.
+template <typename InputFor, typename PassedOver>
+Choice first_taking(const KernelInput& input, AttentionBackend requested, const KernelTable& table,
+                    const InputFor& input_for, const PassedOver& passed_over) {
   const auto& call = input.call;
   if (call.query.numel() == 0 && !call.split) {
     // Nothing to tile: no batch entry, head or query. The math core answers it (an empty
@@ -55,13 +57,20 @@ Choice first_taking(const KernelInput& input, AttentionBackend requested,
   }
   const auto& named = input.call.options.kernel();
   for (const auto& spec : table) {
-    if (named.empty() ? !serves(spec, requested) : spec.name != named)
+    if (named.empty() ? !serves(spec, requested) || passed_over(spec) : spec.name != named)
       continue;
-    auto decision = decide(spec, input);
+    auto decision = decide(spec, input_for(spec));
     if (decision.declined.empty())
       return {&spec, std::move(decision)};
   }
   return {};
+}
+
+Choice first_taking(const KernelInput& input, AttentionBackend requested,
+                    const KernelTable& table) {
+  return first_taking(
+      input, requested, table, [&](const KernelSpec&) -> const KernelInput& { return input; },
+      [](const KernelSpec&) { return false; });
 }
 
 std::string lacks(AttentionBackend backend, const KernelInput& input, const KernelTable& table) {
@@ -107,12 +116,19 @@ Choice choose(const KernelInput& input, const KernelTable& table) {
 }
 
 // The call on copies of its inputs in `dtype` (each a no-op where it has it already);
-// autograd casts the gradients back to the inputs' dtypes.
-AttentionCall in_dtype(const AttentionCall& call, torch::ScalarType dtype) {
+// autograd casts the gradients back to the inputs' dtypes. `values` false: uninitialised
+// tensors of the copies' shapes and strides, for asking kernels whether they take the copy.
+AttentionCall in_dtype(const AttentionCall& call, torch::ScalarType dtype, bool values = true) {
+  const auto copy = [&](const torch::Tensor& t) {
+    // A stand-in wants a gradient where the copy would (kernels decide by it).
+    return values ? t.to(dtype)
+                  : torch::empty_like(t, t.options().dtype(dtype))
+                        .requires_grad_(t.requires_grad() && torch::GradMode::is_enabled());
+  };
   auto cast = call;
-  cast.query = call.query.to(dtype);
-  cast.key = call.key.to(dtype);
-  cast.value = call.value.to(dtype);
+  cast.query = copy(call.query);
+  cast.key = copy(call.key);
+  cast.value = copy(call.value);
   // The packed loop nest would read the projection in its own dtype; the cast views serve.
   if (call.query.scalar_type() != dtype)
     cast.packed_qkv = torch::Tensor();
@@ -157,8 +173,24 @@ Result in_its_precision(const AttentionCall& call, const KernelTable& table,
   } else {
     why_float32 = cpu_16bit_matmul_lacks(dtype);
     if (why_float32.empty()) {
+      // The kernel the float32 copy would get (each kernel asked with a stand-in of the copy),
+      // but for a kernel that runs the call in its dtype, asked with the call itself; a kernel
+      // that yields 16-bit CPU calls to the matrix units is passed over unless demanded.
       const KernelInput input(call);
-      auto choice = first_taking(input, call.options.backend(), table);
+      const auto stand_in_call = in_dtype(call, torch::kFloat, /*values=*/false);
+      const KernelInput stand_in(stand_in_call);  // holds a reference to the call
+      const auto input_for = [&](const KernelSpec& spec) -> const KernelInput& {
+        return spec.runs_16bit_cpu_in_its_dtype ? input : stand_in;
+      };
+      const auto passed_over = [&](const KernelSpec& spec) {
+        return spec.yields_16bit_cpu_to_matrix_units && !cpu_route_allowed(call) &&
+               input.key_tokens() >= kMatrixUnitsFromKeys;
+      };
+      auto choice =
+          first_taking(input, call.options.backend(), table, input_for, passed_over);
+      // A preference its backend cannot serve goes to the table's first taker, as choose().
+      if (choice.spec == nullptr && call.backend_is_preference && call.options.kernel().empty())
+        choice = first_taking(input, AttentionBackend::kAuto, table, input_for, passed_over);
       if (choice.spec != nullptr && choice.spec->runs_16bit_cpu_in_its_dtype)
         return planned(input, choice,
                        c10::str(dtype, " products on ", cpu_16bit_matmul_units(dtype),

@@ -23,7 +23,6 @@
 #include "attnkit/attention.h"
 #include "core/checks.h"
 #include "core/kernels.h"
-#include "core/matrix_units.h"
 #include "core/parallel.h"
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
@@ -548,30 +547,14 @@ KernelSpec flash_spec() {
           }};
 }
 
-// LibTorch's CPU SDPA gets a 16-bit call as the planner's float32 copy. Where the CPU
-// multiplies the dtype natively, the fused tile kernel runs the call in its own dtype, faster
-// (causal bfloat16, n 4,096: docs/benchmarks.md): the automatic choice leaves it to that
-// kernel; a demanded kFused or a named kernel still runs here.
-std::string leaves_16bit_to_matrix_units(const KernelInput& input) {
-  const auto& call = input.call;
-  if (!call.query.is_cpu() || !is_16bit(call.query) || cpu_route_allowed(call) ||
-      !cpu_16bit_matmul_lacks(call.query.scalar_type()).empty())
-    return "";
-  return c10::str("LibTorch's CPU SDPA would compute this ", call.query.scalar_type(),
-                  " call in float32; the fused tile kernel multiplies it on the CPU's ",
-                  cpu_16bit_matmul_units(call.query.scalar_type()));
-}
-
 KernelSpec sdpa_spec() {
   return {"sdpa", AttentionBackend::kFused, /*runs_16bit_cuda_in_its_dtype=*/libtorch_has_sdpa(),
           [](const KernelInput& input) {
             const auto span = input.causal_span().value_or(CausalSpan{});
             // A split call (the operators) runs on LibTorch's CPU flash kernel, which takes
             // any scale; a whole call on its SDPA.
-            auto why = leaves_16bit_to_matrix_units(input);
-            if (why.empty())
-              why = input.call.split ? cpu_flash_split_declines(input)
-                                     : fused_kernels_decline(input);
+            auto why =
+                input.call.split ? cpu_flash_split_declines(input) : fused_kernels_decline(input);
             auto split =
                 input.call.split && why.empty() ? cpu_flash_split(span.causal) : SplitKernel{};
             return KernelDecision{
@@ -582,7 +565,9 @@ KernelSpec sdpa_spec() {
                       sdpa_attention(call.query, call.key, call.value, {span, in.dropout_p()}), {}};
                 },
                 std::move(split)};
-          }};
+          },
+          /*takes_sinks=*/false, /*runs_16bit_cpu_in_its_dtype=*/false,
+          /*yields_16bit_cpu_to_matrix_units=*/true};
 }
 
 KernelSpec sdpa_masked_spec() {
