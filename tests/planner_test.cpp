@@ -842,6 +842,55 @@ TEST(SixteenBitCpu, TheRecordNamesTheUnitsOrWhyFloat32) {
   EXPECT_EQ(record.runs().at(0).sixteen_bit, "");
 }
 
+// Dropout on the matrix units draws the masks the float32 path draws (the same seed gives the
+// same tiles' factors), forward and backward: the two agree to the bfloat16 rounding of their
+// results, where another mask would differ by whole weights. Grouped-query attention (2
+// key/value heads for 4 query heads) and a window's partial tiles; at 2 threads the key-range
+// split backward.
+TEST(SixteenBitCpu, DropoutDrawsTheFloat32PathsMasks) {
+  const auto dtype = torch::kBFloat16;
+  const auto lacks = attnkit::detail::cpu_16bit_matmul_lacks(dtype);
+  if (!lacks.empty())
+    GTEST_SKIP() << "no 16-bit products on this machine: " << lacks;
+  torch::manual_seed(3);
+  const auto q = torch::randn({2, 4, 320, 32}).to(dtype);
+  const auto k = torch::randn({2, 2, 320, 32}).to(dtype);
+  const auto v = torch::randn({2, 2, 320, 32}).to(dtype);
+  const auto probe = torch::randn({2, 4, 320, 32}).to(dtype);
+  const auto options = F::AttentionOptions()
+                           .mask(Mask::causal().sliding_window(70))
+                           .dropout_p(0.3)
+                           .training(true)
+                           .query_block_size(64)
+                           .key_block_size(64)
+                           .kernel("fused_tiles");  // one kernel's draws, in either dtype
+  const auto run = [&] {
+    torch::manual_seed(17);  // the call's dropout seed
+    F::KernelRecord record;
+    auto result = output_and_grads(
+        [&](auto& a, auto& b, auto& c) { return F::attention(a, b, c, options); }, q, k, v,
+        probe);
+    result.push_back(torch::tensor(record.runs().at(0).computed_in == dtype));
+    return result;
+  };
+  const auto native = run();
+  std::vector<torch::Tensor> in_float32;
+  {
+    Float32ForSixteenBit forced;
+    in_float32 = run();
+  }
+  ASSERT_TRUE(native.back().item<bool>()) << "the matrix units did not run the call";
+  ASSERT_FALSE(in_float32.back().item<bool>());
+  const char* names[] = {"output", "dq", "dk", "dv"};
+  for (size_t i = 0; i < 4; ++i) {
+    const auto reference = in_float32[i].to(torch::kDouble);
+    const double error =
+        ((native[i].to(torch::kDouble) - reference).abs().max() / reference.abs().max())
+            .item<double>();
+    EXPECT_LE(error, 1.0 / 64) << names[i];  // bfloat16 keeps 8 bits: 1/256 per rounding
+  }
+}
+
 // On the matrix units, forward rounds the weights P to the input dtype once before they meet
 // the values (as FlexAttention's math does) and sums them unrounded. With one key tile the
 // kernel's output is then the float64 emulation of exactly that, rounded to bfloat16: equal
