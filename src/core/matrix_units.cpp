@@ -54,10 +54,10 @@ const SixteenBitInstructions& instructions() {
   return found;
 }
 
+#ifdef ATTNKIT_HAVE_BRGEMM
 // Whether brgemm multiplies `dtype` here: one small product, checked against its answer (it
 // refuses where oneDNN's ukernel is off or mkldnn is disabled).
 bool brgemm_answers(torch::ScalarType dtype) {
-#ifdef ATTNKIT_HAVE_BRGEMM
   try {
     const auto a = torch::arange(1, 5, torch::kFloat).view({2, 2}).to(dtype);
     const auto b = torch::arange(1, 33, torch::kFloat).view({2, 16}).to(dtype);
@@ -78,11 +78,8 @@ bool brgemm_answers(torch::ScalarType dtype) {
   } catch (const c10::Error&) {
     return false;
   }
-#else
-  (void)dtype;
-  return false;
-#endif
 }
+#endif
 
 }  // namespace
 
