@@ -333,10 +333,9 @@ TEST(Planner, ASplitCallRunsForwardAndBackwardApartAsTheMathCore) {
       // where LibTorch's flash kernel would compute a call of enough keys in float32.
       const bool units = bfloat16 && attnkit::detail::cpu_16bit_matmul_lacks(dtype).empty() &&
                          call.key.size(-2) >= attnkit::detail::kMatrixUnitsFromKeys;
-      const std::string expected_kernel =
-          cpu_flash && flash_cases.count(c.name) && !units ? "sdpa"
-          : c.name == "score_mod distance"                 ? "chunked"
-                                                           : "fused_tiles";
+      const std::string expected_kernel = cpu_flash && flash_cases.count(c.name) && !units ? "sdpa"
+                                          : c.name == "score_mod distance" ? "chunked"
+                                                                           : "fused_tiles";
       EXPECT_EQ(std::string(forward.kernel), expected_kernel);
       ASSERT_EQ(record.runs().size(), 1u);
       EXPECT_EQ(record.runs()[0].kernel, expected_kernel);
@@ -526,9 +525,8 @@ TEST(Planner, TheKernelRecordNamesWhatRan) {
     EXPECT_EQ(inner.runs()[1].kernel, "fused_tiles");
     // bfloat16 in its own dtype on a CPU with matrix units for it, else float32 inside.
     EXPECT_EQ(inner.runs()[1].computed_in,
-              attnkit::detail::cpu_16bit_matmul_lacks(torch::kBFloat16).empty()
-                  ? torch::kBFloat16
-                  : torch::kFloat);
+              attnkit::detail::cpu_16bit_matmul_lacks(torch::kBFloat16).empty() ? torch::kBFloat16
+                                                                                : torch::kFloat);
     EXPECT_EQ(inner.runs()[2].computed_in, torch::kDouble);
     EXPECT_EQ(inner.runs()[2].device, torch::Device(torch::kCPU));
   }
@@ -733,71 +731,71 @@ TEST_P(SixteenBitDevices, EveryBackendMaskAndScoreFunctionIsWithinTheFloat32Floo
   };
   const bool on_cuda = device().is_cuda();
   for (const bool forced_float32 : {false, true}) {
-  if (forced_float32 && on_cuda)
-    break;
-  std::optional<Float32ForSixteenBit> forced;
-  if (forced_float32)
-    forced.emplace();
-  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
-    // Grouped-query attention too: 2 key/value heads for the 4 query heads.
-    const bool grouped = dtype == torch::kHalf;
-    // Scores of a few units, as trained models have: the softmax is far from uniform.
-    const auto q = (2 * torch::randn({b, h, n, hd})).to(on.dtype(dtype));
-    const int64_t kv_heads = grouped ? 2 : h;
-    const auto k = (2 * torch::randn({b, kv_heads, n, hd})).to(on.dtype(dtype));
-    const auto v = torch::randn({b, kv_heads, n, hd}).to(on.dtype(dtype));
-    const auto probe = torch::randn({b, h, n, hd}).to(on.dtype(dtype));
-    for (const auto& c : cases) {
-      const auto run = [&](const torch::Tensor& q_in, const torch::Tensor& k_in,
-                           const torch::Tensor& v_in, AttentionBackend backend) {
-        auto options = c.options;
-        options.backend(backend).query_block_size(64).key_block_size(64);
-        return output_and_grads(
-            [&](auto& a, auto& e, auto& f) { return F::attention(a, e, f, options); }, q_in, k_in,
-            v_in, probe.to(q_in.scalar_type()));
-      };
-      const auto exact = run(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
-                             AttentionBackend::kMath);
-      const auto floor = run(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat),
-                             AttentionBackend::kMath);
-      for (const auto backend : kBackends) {
-        if (!F::unsupported_reason(backend, q, k, v, c.options).empty())
-          continue;  // the fused backend's masks and score functions, on LibTorch 1.x
-        SCOPED_TRACE(c10::str(c.name, ", ", dtype, ", backend ", attnkit::backend_name(backend)));
-        F::KernelRecord record;
-        const auto got = run(q, k, v, backend);
-        ASSERT_EQ(record.runs().size(), 1u);
-        const std::string kernel = record.runs()[0].kernel;
-        const bool fused_16bit = kernel == "sdpa" || kernel == "flash" || kernel == "sdpa_masked" ||
-                                 kernel == "sdpa_varlen";
-        if (on_cuda && backend == AttentionBackend::kAuto && dtype == torch::kBFloat16 &&
-            attnkit::detail::flash_kernel_available(device())) {
-          EXPECT_EQ(kernel, c.cuda_route);
-        }
-        const bool units = !on_cuda && kernel == "fused_tiles" &&
-                           attnkit::detail::cpu_16bit_matmul_lacks(dtype).empty();
-        EXPECT_EQ(record.runs()[0].computed_in,
-                  (on_cuda && fused_16bit) || units ? dtype : torch::ScalarType(torch::kFloat));
-        EXPECT_EQ(record.runs()[0].sixteen_bit.rfind("float32: ", 0) == 0,
-                  record.runs()[0].computed_in == torch::kFloat)
-            << record.runs()[0].sixteen_bit;
-        const double bound = on_cuda && fused_16bit ? 5.0 : units ? 2.5 : 2.0;
-        const char* names[] = {"output", "dq", "dk", "dv"};
-        for (size_t i = 0; i < got.size(); ++i) {
-          EXPECT_EQ(got[i].scalar_type(), dtype) << names[i];
-          const double floor_error = relative_error(floor[i].to(dtype), exact[i]);
-          const double error = relative_error(got[i], exact[i]);
-          EXPECT_LE(error, bound * floor_error)
-              << names[i] << " (" << kernel << "): the float32 floor is " << floor_error;
-          if (on_cuda) {
-            std::cout << "[16-bit] " << c.name << " " << dtype << " "
-                      << attnkit::backend_name(backend) << " " << kernel << " " << names[i] << " "
-                      << error / floor_error << "x floor\n";
+    if (forced_float32 && on_cuda)
+      break;
+    std::optional<Float32ForSixteenBit> forced;
+    if (forced_float32)
+      forced.emplace();
+    for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+      // Grouped-query attention too: 2 key/value heads for the 4 query heads.
+      const bool grouped = dtype == torch::kHalf;
+      // Scores of a few units, as trained models have: the softmax is far from uniform.
+      const auto q = (2 * torch::randn({b, h, n, hd})).to(on.dtype(dtype));
+      const int64_t kv_heads = grouped ? 2 : h;
+      const auto k = (2 * torch::randn({b, kv_heads, n, hd})).to(on.dtype(dtype));
+      const auto v = torch::randn({b, kv_heads, n, hd}).to(on.dtype(dtype));
+      const auto probe = torch::randn({b, h, n, hd}).to(on.dtype(dtype));
+      for (const auto& c : cases) {
+        const auto run = [&](const torch::Tensor& q_in, const torch::Tensor& k_in,
+                             const torch::Tensor& v_in, AttentionBackend backend) {
+          auto options = c.options;
+          options.backend(backend).query_block_size(64).key_block_size(64);
+          return output_and_grads(
+              [&](auto& a, auto& e, auto& f) { return F::attention(a, e, f, options); }, q_in, k_in,
+              v_in, probe.to(q_in.scalar_type()));
+        };
+        const auto exact = run(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
+                               AttentionBackend::kMath);
+        const auto floor = run(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat),
+                               AttentionBackend::kMath);
+        for (const auto backend : kBackends) {
+          if (!F::unsupported_reason(backend, q, k, v, c.options).empty())
+            continue;  // the fused backend's masks and score functions, on LibTorch 1.x
+          SCOPED_TRACE(c10::str(c.name, ", ", dtype, ", backend ", attnkit::backend_name(backend)));
+          F::KernelRecord record;
+          const auto got = run(q, k, v, backend);
+          ASSERT_EQ(record.runs().size(), 1u);
+          const std::string kernel = record.runs()[0].kernel;
+          const bool fused_16bit = kernel == "sdpa" || kernel == "flash" ||
+                                   kernel == "sdpa_masked" || kernel == "sdpa_varlen";
+          if (on_cuda && backend == AttentionBackend::kAuto && dtype == torch::kBFloat16 &&
+              attnkit::detail::flash_kernel_available(device())) {
+            EXPECT_EQ(kernel, c.cuda_route);
+          }
+          const bool units = !on_cuda && kernel == "fused_tiles" &&
+                             attnkit::detail::cpu_16bit_matmul_lacks(dtype).empty();
+          EXPECT_EQ(record.runs()[0].computed_in,
+                    (on_cuda && fused_16bit) || units ? dtype : torch::ScalarType(torch::kFloat));
+          EXPECT_EQ(record.runs()[0].sixteen_bit.rfind("float32: ", 0) == 0,
+                    record.runs()[0].computed_in == torch::kFloat)
+              << record.runs()[0].sixteen_bit;
+          const double bound = on_cuda && fused_16bit ? 5.0 : units ? 2.5 : 2.0;
+          const char* names[] = {"output", "dq", "dk", "dv"};
+          for (size_t i = 0; i < got.size(); ++i) {
+            EXPECT_EQ(got[i].scalar_type(), dtype) << names[i];
+            const double floor_error = relative_error(floor[i].to(dtype), exact[i]);
+            const double error = relative_error(got[i], exact[i]);
+            EXPECT_LE(error, bound * floor_error)
+                << names[i] << " (" << kernel << "): the float32 floor is " << floor_error;
+            if (on_cuda) {
+              std::cout << "[16-bit] " << c.name << " " << dtype << " "
+                        << attnkit::backend_name(backend) << " " << kernel << " " << names[i] << " "
+                        << error / floor_error << "x floor\n";
+            }
           }
         }
       }
     }
-  }
   }
 }
 
@@ -868,8 +866,7 @@ TEST(SixteenBitCpu, DropoutDrawsTheFloat32PathsMasks) {
     torch::manual_seed(17);  // the call's dropout seed
     F::KernelRecord record;
     auto result = output_and_grads(
-        [&](auto& a, auto& b, auto& c) { return F::attention(a, b, c, options); }, q, k, v,
-        probe);
+        [&](auto& a, auto& b, auto& c) { return F::attention(a, b, c, options); }, q, k, v, probe);
     result.push_back(torch::tensor(record.runs().at(0).computed_in == dtype));
     return result;
   };
@@ -914,8 +911,7 @@ TEST(SixteenBitCpu, WeightsAreRoundedOnceBeforeTheValues) {
   k = k.to(dtype);
   const auto v = torch::randn({1, h, m, hd}).to(dtype);
   F::KernelRecord record;
-  const auto out =
-      F::attention(q, k, v, F::AttentionOptions().scale(1.0).key_block_size(1024));
+  const auto out = F::attention(q, k, v, F::AttentionOptions().scale(1.0).key_block_size(1024));
   ASSERT_EQ(record.runs().at(0).kernel, "fused_tiles");
   ASSERT_EQ(record.runs().at(0).computed_in, dtype);
   // (1, h, n, m) float32 scores and weights against each row's maximum.
@@ -934,7 +930,7 @@ TEST(SixteenBitCpu, WeightsAreRoundedOnceBeforeTheValues) {
   const double unrounded = matching(emulated(weights, weights));
   const double rounded_twice = matching(emulated(weights.to(torch::kHalf).to(dtype), weights));
   EXPECT_GE(rounded_once, 0.99);  // 1.0 on AVX-512 BF16 (2026-12-06)
-  EXPECT_LT(unrounded, 0.95) << "the test cannot tell an unrounded P apart";  // 0.57
+  EXPECT_LT(unrounded, 0.95) << "the test cannot tell an unrounded P apart";         // 0.57
   EXPECT_LT(rounded_twice, 0.95) << "the test cannot tell a P rounded twice apart";  // 0.61
 }
 

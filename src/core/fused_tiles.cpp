@@ -51,14 +51,10 @@ torch::Tensor slices_of(const torch::Tensor& t) {
 // The backward of a call whose score function's tensors `parameters` want gradients (each
 // one of ScoreVariant::tensors(), or a tensor the function does not read): the gradients of
 // q4, k4, v4, then of each parameter (zeros for one the function does not read).
-std::vector<torch::Tensor> backward_with_parameters(const TileProblem& problem,
-                                                    const torch::Tensor& q4,
-                                                    const torch::Tensor& k4,
-                                                    const torch::Tensor& v4,
-                                                    const torch::Tensor& out4,
-                                                    const torch::Tensor& lse,
-                                                    const torch::Tensor& grad_out4,
-                                                    const std::vector<torch::Tensor>& parameters) {
+std::vector<torch::Tensor> backward_with_parameters(
+    const TileProblem& problem, const torch::Tensor& q4, const torch::Tensor& k4,
+    const torch::Tensor& v4, const torch::Tensor& out4, const torch::Tensor& lse,
+    const torch::Tensor& grad_out4, const std::vector<torch::Tensor>& parameters) {
   const auto tensors = problem.variant.tensors();
   std::vector<bool> wanted(tensors.size(), false);
   for (size_t t = 0; t < tensors.size(); ++t) {
@@ -84,8 +80,8 @@ struct FusedTileAttention : public torch::autograd::Function<FusedTileAttention>
                                const torch::Tensor& v, at::TensorList parameters) {
     const auto result = tiles_forward(*problem, slices_of(q), slices_of(k), slices_of(v));
     // Backward's D reads the output before its rounding (16-bit).
-    variable_list to_save{q, k, v,
-                          result.out_float.defined() ? result.out_float : result.out, result.lse};
+    variable_list to_save{q, k, v, result.out_float.defined() ? result.out_float : result.out,
+                          result.lse};
     to_save.insert(to_save.end(), parameters.begin(), parameters.end());
     ctx->save_for_backward(to_save);
     ctx->saved_data["problem"] = c10::IValue::make_capsule(problem);
@@ -193,8 +189,8 @@ c10::intrusive_ptr<TileProblem> problem_of(const KernelInput& input,
   if (is_16bit(call.query)) {
     bool wants_gradient = call.split ? call.backward_follows : false;
     if (!call.split && torch::GradMode::is_enabled()) {
-      wants_gradient = call.query.requires_grad() || call.key.requires_grad() ||
-                       call.value.requires_grad();
+      wants_gradient =
+          call.query.requires_grad() || call.key.requires_grad() || call.value.requires_grad();
       for (const auto& t : problem->variant.tensors())
         wants_gradient = wants_gradient || t.requires_grad();
     }
@@ -212,7 +208,9 @@ c10::intrusive_ptr<TileProblem> problem_of(const KernelInput& input,
 }  // namespace
 
 KernelSpec fused_tiles_spec() {
-  return {"fused_tiles", AttentionBackend::kChunked, /*runs_16bit_cuda_in_its_dtype=*/false,
+  return {"fused_tiles",
+          AttentionBackend::kChunked,
+          /*runs_16bit_cuda_in_its_dtype=*/false,
           [](const KernelInput& input) {
             // A graph's program reads its tensors on the CPU: made for CPU calls only (a CUDA
             // call's bias tensor is not copied to be declined).
@@ -269,7 +267,8 @@ KernelSpec fused_tiles_spec() {
                 },
                 std::move(split)};
           },
-          /*takes_sinks=*/false, /*runs_16bit_cpu_in_its_dtype=*/true};
+          /*takes_sinks=*/false,
+          /*runs_16bit_cpu_in_its_dtype=*/true};
 }
 
 }  // namespace attnkit::detail

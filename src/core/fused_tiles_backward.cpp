@@ -43,8 +43,8 @@ constexpr int64_t kFreeRangesGradBytes = int64_t{4} << 20;
 // Rows [q0, q0 + bq) of slice (o, h), each `cols` wide, transposed into `out` (cols x
 // paired_rows, row-major), columns [bq, paired_rows) zero.
 template <typename In>
-void transpose_rows(const Slices<In>& s, int64_t o, int64_t h, int64_t q0, int64_t bq,
-                    int64_t cols, int64_t paired_rows, In* out) {
+void transpose_rows(const Slices<In>& s, int64_t o, int64_t h, int64_t q0, int64_t bq, int64_t cols,
+                    int64_t paired_rows, In* out) {
   for (int64_t i = 0; i < paired_rows; ++i) {
     const In* row = i < bq ? s.row(o, h, q0 + i) : nullptr;
     for (int64_t c = 0; c < cols; ++c)
@@ -55,8 +55,8 @@ void transpose_rows(const Slices<In>& s, int64_t o, int64_t h, int64_t q0, int64
 // A (cols x keys) float32 sum, transposed and rounded into rows [first, first + keys) of
 // slice (o, h).
 template <typename In>
-void round_transposed(const float* sums, int64_t cols, int64_t keys, const Slices<In>& s,
-                      int64_t o, int64_t h, int64_t first) {
+void round_transposed(const float* sums, int64_t cols, int64_t keys, const Slices<In>& s, int64_t o,
+                      int64_t h, int64_t first) {
   for (int64_t j = 0; j < keys; ++j) {
     In* row = s.row(o, h, first + j);
     for (int64_t c = 0; c < cols; ++c)
@@ -65,9 +65,8 @@ void round_transposed(const float* sums, int64_t cols, int64_t keys, const Slice
 }
 
 template <typename In>
-TileGrads backward_of(const TileProblem& problem, const torch::Tensor& q4,
-                      const torch::Tensor& k4, const torch::Tensor& v4,
-                      const torch::Tensor& out4, const torch::Tensor& lse,
+TileGrads backward_of(const TileProblem& problem, const torch::Tensor& q4, const torch::Tensor& k4,
+                      const torch::Tensor& v4, const torch::Tensor& out4, const torch::Tensor& lse,
                       const torch::Tensor& grad_out4, const std::vector<bool>& wanted) {
   using T = ComputeType<In>;
   constexpr bool kUnits = kSixteenBit<In>;
@@ -155,7 +154,8 @@ TileGrads backward_of(const TileProblem& problem, const torch::Tensor& q4,
     const int64_t pair = task / ranges, r = task % ranges;
     const int64_t first_batch = pair / kv_heads * task_batches, kh = pair % kv_heads;
     const int64_t keys_begin = split.ranges.begin(r), keys_end = split.ranges.end(r, plan.num_keys);
-    const int64_t widest = (plan.widest_tile + 1) / 2 * 2, paired_block = (plan.query_block + 1) / 2 * 2;
+    const int64_t widest = (plan.widest_tile + 1) / 2 * 2,
+                  paired_block = (plan.query_block + 1) / 2 * 2;
     auto scaled_q = kUnits ? torch::Tensor() : torch::empty({plan.query_block, hd}, compute);
     auto scores = torch::empty({plan.query_block * plan.widest_tile}, compute);
     auto grad_scores = torch::empty({plan.query_block * plan.widest_tile}, compute);
@@ -235,7 +235,8 @@ TileGrads backward_of(const TileProblem& problem, const torch::Tensor& q4,
         const int64_t paired_rows = (bq + 1) / 2 * 2;
         if constexpr (kUnits) {
           transpose_rows(q, o, h, q0, bq, hd, paired_rows, queries_t.template data_ptr<In>());
-          transpose_rows(grad_out, o, h, q0, bq, dv, paired_rows, grad_out_t.template data_ptr<In>());
+          transpose_rows(grad_out, o, h, q0, bq, dv, paired_rows,
+                         grad_out_t.template data_ptr<In>());
         } else {
           q_block = scaled_q.narrow(0, 0, bq);
           plan.scaled_queries(q, o, h, q0, bq, q_block.template data_ptr<T>());
@@ -264,7 +265,8 @@ TileGrads backward_of(const TileProblem& problem, const torch::Tensor& q4,
           // P = e^(modified scores - lse): 0 where masked, and for a row that sees no key.
           const auto multiply = [&](T* s) {
             if constexpr (kUnits) {
-              const In* keys_tile = keys_t.template data_ptr<In>() + (o * kv_heads + kh) * keys_t.size(2);
+              const In* keys_tile =
+                  keys_t.template data_ptr<In>() + (o * kv_heads + kh) * keys_t.size(2);
               matmul_16bit(bq, bk, hd, q.row(o, h, q0), q.row_stride, keys_tile + k0 * 2,
                            plan.num_keys, s, bk, /*accumulate=*/false);
             } else {
@@ -309,8 +311,9 @@ TileGrads backward_of(const TileProblem& problem, const torch::Tensor& q4,
               }
               round_row_pair(first, second, bk, pairs_data + i * bk);
             }
-            matmul_16bit(dv, bk, paired_rows, grad_out_t.template data_ptr<In>(), paired_rows, pairs_data,
-                         bk, grad_values_t.template data_ptr<T>() + k_at, range_keys, /*accumulate=*/true);
+            matmul_16bit(dv, bk, paired_rows, grad_out_t.template data_ptr<In>(), paired_rows,
+                         pairs_data, bk, grad_values_t.template data_ptr<T>() + k_at, range_keys,
+                         /*accumulate=*/true);
           } else {
             const auto p = matrix(p_data, bq, bk, bk);
             const auto dropped = factors.defined() ? p * factors : p;
@@ -353,9 +356,11 @@ TileGrads backward_of(const TileProblem& problem, const torch::Tensor& q4,
                              pairs_data + i * bk);
             const In* key_rows = keys.template data_ptr<In>() + (o * kv_heads + kh) * keys.size(2);
             matmul_16bit(bq, hd, paired, rows_data, paired, key_rows + k0 * hd, hd,
-                         grad_q_block.template data_ptr<T>(), grad_q_block.stride(0), /*accumulate=*/true);
-            matmul_16bit(hd, bk, paired_rows, queries_t.template data_ptr<In>(), paired_rows, pairs_data, bk,
-                         grad_keys_t.template data_ptr<T>() + k_at, range_keys, /*accumulate=*/true);
+                         grad_q_block.template data_ptr<T>(), grad_q_block.stride(0),
+                         /*accumulate=*/true);
+            matmul_16bit(hd, bk, paired_rows, queries_t.template data_ptr<In>(), paired_rows,
+                         pairs_data, bk, grad_keys_t.template data_ptr<T>() + k_at, range_keys,
+                         /*accumulate=*/true);
           } else {
             const auto ds = matrix(ds_data, bq, bk, bk);
             grad_q_block.addmm_(ds, matrix(k.row(o, kh, k0), bk, hd, k.row_stride), /*beta=*/1,
@@ -367,7 +372,8 @@ TileGrads backward_of(const TileProblem& problem, const torch::Tensor& q4,
       // The slice's last query head: its key rows' dK and dV are complete.
       if constexpr (kUnits) {
         if (h == (kh + 1) * plan.group_size - 1) {
-          round_transposed(grad_keys_t.template data_ptr<T>(), hd, range_keys, grad_k, o, kh, keys_begin);
+          round_transposed(grad_keys_t.template data_ptr<T>(), hd, range_keys, grad_k, o, kh,
+                           keys_begin);
           round_transposed(grad_values_t.template data_ptr<T>(), dv, range_keys, grad_v, o, kh,
                            keys_begin);
         }
@@ -407,7 +413,6 @@ TileGrads backward_of(const TileProblem& problem, const torch::Tensor& q4,
   return {kUnits ? grad_q4.to(q4.scalar_type()) : grad_q4, grad_k4, grad_v4,
           std::move(tensor_grads)};
 }
-
 
 }  // namespace
 

@@ -21,8 +21,8 @@ namespace attnkit::detail {
 namespace {
 
 template <typename In>
-TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4,
-                       const torch::Tensor& k4, const torch::Tensor& v4) {
+TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4, const torch::Tensor& k4,
+                       const torch::Tensor& v4) {
   using T = ComputeType<In>;
   constexpr bool kUnits = kSixteenBit<In>;
   const TilePlan plan(problem, q4, k4, v4);
@@ -74,15 +74,15 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4,
       const auto multiply = [&](T* s) {
         if constexpr (kUnits) {
           const In* keys = keys_t.template data_ptr<In>() + (o * kv_heads + kh) * keys_t.size(2);
-          matmul_16bit(bq, bk, hd, q.row(o, h, q0), q.row_stride, keys + k0 * 2, plan.num_keys,
-                       s, bk, /*accumulate=*/false);
+          matmul_16bit(bq, bk, hd, q.row(o, h, q0), q.row_stride, keys + k0 * 2, plan.num_keys, s,
+                       bk, /*accumulate=*/false);
         } else {
           auto product = matrix(s, bq, bk, bk);
           at::mm_out(product, scaled_q, matrix(k.row(o, kh, k0), bk, hd, k.row_stride).t());
         }
       };
-      plan.tile_scores(multiply, kUnits ? static_cast<T>(problem.scale) : T(1), o, h, q0, bq,
-                       visit, scores.template data_ptr<T>(), score, work, mask_bits.get(),
+      plan.tile_scores(multiply, kUnits ? static_cast<T>(problem.scale) : T(1), o, h, q0, bq, visit,
+                       scores.template data_ptr<T>(), score, work, mask_bits.get(),
                        static_cast<T*>(nullptr), [&](int64_t i, T* row) {
                          online_softmax_row(row, bk, running_max[i], running_sum[i],
                                             acc_data + i * dv, dv,
@@ -100,9 +100,10 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4,
         acc.addmm_(matrix(scores.template data_ptr<T>(), bq, bk, bk),
                    values_float[o][kh].narrow(0, k0, bk));
       } else if constexpr (kUnits) {
-        const In* value_rows = values.template data_ptr<In>() + (o * kv_heads + kh) * values.size(2);
-        matmul_16bit(bq, dv, paired, weights.template data_ptr<In>(), paired, value_rows + k0 * dv, dv,
-                     acc_data, dv, /*accumulate=*/true);
+        const In* value_rows =
+            values.template data_ptr<In>() + (o * kv_heads + kh) * values.size(2);
+        matmul_16bit(bq, dv, paired, weights.template data_ptr<In>(), paired, value_rows + k0 * dv,
+                     dv, acc_data, dv, /*accumulate=*/true);
       } else {
         acc.addmm_(matrix(scores.template data_ptr<T>(), bq, bk, bk),
                    matrix(v.row(o, kh, k0), bk, dv, v.row_stride));
@@ -117,7 +118,8 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4,
       for (int64_t d = 0; d < dv; ++d)
         acc_row[d] *= inverse;
       if constexpr (kUnits) {
-        T* float_row = out_float4.template data_ptr<T>() + ((o * plan.heads + h) * plan.num_queries + q0 + i) * dv;
+        T* float_row = out_float4.template data_ptr<T>() +
+                       ((o * plan.heads + h) * plan.num_queries + q0 + i) * dv;
         std::memcpy(float_row, acc_row, dv * sizeof(T));
         round_row(acc_row, dv, out.row(o, h, q0 + i));
       } else {

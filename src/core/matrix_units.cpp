@@ -103,9 +103,8 @@ std::string cpu_16bit_matmul_lacks(torch::ScalarType dtype) {
   if (dtype != torch::kBFloat16 && dtype != torch::kHalf)
     return c10::str(dtype, " is not a 16-bit dtype");
   if (cpu_16bit_matmul_units(dtype).empty()) {
-    return dtype == torch::kBFloat16
-               ? "this CPU has neither AMX-BF16 nor AVX-512 BF16"
-               : "this CPU has neither AMX-FP16 nor AVX-512 FP16";
+    return dtype == torch::kBFloat16 ? "this CPU has neither AMX-BF16 nor AVX-512 BF16"
+                                     : "this CPU has neither AMX-FP16 nor AVX-512 FP16";
   }
   static std::once_flag probed;
   static bool answers[2] = {false, false};
@@ -156,8 +155,8 @@ void pack_pairs(const In* src, int64_t row_stride, int64_t col_stride, int64_t k
 namespace {
 
 // 16 floats rounded to 16 bits, to nearest even (AVX-512 BF16's conversion; F16C's for half).
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m256i round16(
-    __m512 x, c10::BFloat16*) {
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m256i round16(__m512 x,
+                                                                              c10::BFloat16*) {
   return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
 }
 __attribute__((target("avx512f,avx512bw"))) inline __m256i round16(__m512 x, c10::Half*) {
@@ -165,8 +164,9 @@ __attribute__((target("avx512f,avx512bw"))) inline __m256i round16(__m512 x, c10
 }
 
 template <typename In>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) int64_t round_row_avx512(
-    const float* src, int64_t count, In* dst) {
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) int64_t round_row_avx512(const float* src,
+                                                                                int64_t count,
+                                                                                In* dst) {
   int64_t j = 0;
   for (; j + 16 <= count; j += 16) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
@@ -196,8 +196,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) int64_t round_row_pair_av
 }
 
 bool has_avx512_conversions() {
-  static const bool has = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") &&
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512bf16");
   return has;
 }
@@ -257,11 +256,11 @@ torch::Tensor packed_slices(const torch::Tensor& x4, bool transposed) {
                                               : packed_slices_of<c10::Half>(x4, transposed);
 }
 
-#define ATTNKIT_MATRIX_UNITS_FOR(In)                                                            \
-  template void matmul_16bit<In>(int64_t, int64_t, int64_t, const In*, int64_t, const In*,     \
-                                 int64_t, float*, int64_t, bool);                              \
-  template void pack_pairs<In>(const In*, int64_t, int64_t, int64_t, int64_t, int64_t, In*);   \
-  template void round_row<In>(const float*, int64_t, In*);                                     \
+#define ATTNKIT_MATRIX_UNITS_FOR(In)                                                         \
+  template void matmul_16bit<In>(int64_t, int64_t, int64_t, const In*, int64_t, const In*,   \
+                                 int64_t, float*, int64_t, bool);                            \
+  template void pack_pairs<In>(const In*, int64_t, int64_t, int64_t, int64_t, int64_t, In*); \
+  template void round_row<In>(const float*, int64_t, In*);                                   \
   template void round_row_pair<In>(const float*, const float*, int64_t, In*);
 ATTNKIT_MATRIX_UNITS_FOR(c10::BFloat16)
 ATTNKIT_MATRIX_UNITS_FOR(c10::Half)

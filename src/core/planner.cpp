@@ -186,8 +186,7 @@ Result in_its_precision(const AttentionCall& call, const KernelTable& table,
         return spec.yields_16bit_cpu_to_matrix_units && !cpu_route_allowed(call) &&
                input.key_tokens() >= kMatrixUnitsFromKeys;
       };
-      auto choice =
-          first_taking(input, call.options.backend(), table, input_for, passed_over);
+      auto choice = first_taking(input, call.options.backend(), table, input_for, passed_over);
       // A preference its backend cannot serve goes to the table's first taker, as choose().
       if (choice.spec == nullptr && call.backend_is_preference && call.options.kernel().empty())
         choice = first_taking(input, AttentionBackend::kAuto, table, input_for, passed_over);
@@ -195,10 +194,9 @@ Result in_its_precision(const AttentionCall& call, const KernelTable& table,
         return planned(input, choice,
                        c10::str(dtype, " products on ", cpu_16bit_matmul_units(dtype),
                                 " (oneDNN's brgemm), float32 accumulation"));
-      why_float32 =
-          choice.spec != nullptr
-              ? c10::str("the ", choice.spec->name, " kernel computes 16-bit calls in float32")
-              : "no kernel takes the 16-bit call in its dtype";
+      why_float32 = choice.spec != nullptr ? c10::str("the ", choice.spec->name,
+                                                      " kernel computes 16-bit calls in float32")
+                                           : "no kernel takes the 16-bit call in its dtype";
     }
   }
   const auto float_call = in_dtype(call, torch::kFloat);

@@ -548,7 +548,9 @@ KernelSpec flash_spec() {
 }
 
 KernelSpec sdpa_spec() {
-  return {"sdpa", AttentionBackend::kFused, /*runs_16bit_cuda_in_its_dtype=*/libtorch_has_sdpa(),
+  return {"sdpa",
+          AttentionBackend::kFused,
+          /*runs_16bit_cuda_in_its_dtype=*/libtorch_has_sdpa(),
           [](const KernelInput& input) {
             const auto span = input.causal_span().value_or(CausalSpan{});
             // A split call (the operators) runs on LibTorch's CPU flash kernel, which takes
@@ -566,7 +568,8 @@ KernelSpec sdpa_spec() {
                 },
                 std::move(split)};
           },
-          /*takes_sinks=*/false, /*runs_16bit_cpu_in_its_dtype=*/false,
+          /*takes_sinks=*/false,
+          /*runs_16bit_cpu_in_its_dtype=*/false,
           /*yields_16bit_cpu_to_matrix_units=*/true};
 }
 

@@ -346,10 +346,10 @@ std::tuple<Tensor, Tensor, Tensor> flex_attention_for_backward_meta(
     const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
     c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
     int64_t dropout_seed) {
-  auto [out, lse] = flex_attention_meta(query, key, value, kv_num_blocks, kv_indices,
-                                        full_kv_num_blocks, full_kv_indices, partial_tiles,
-                                        q_block_size, kv_block_size, score_graph, score_tensors,
-                                        scale, dropout_p, dropout_seed);
+  auto [out, lse] =
+      flex_attention_meta(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                          full_kv_indices, partial_tiles, q_block_size, kv_block_size, score_graph,
+                          score_tensors, scale, dropout_p, dropout_seed);
   auto for_backward = detail::is_16bit(query) ? torch::empty(out.sizes(), lse.options())
                                               : torch::empty({0}, query.options());
   return {out, lse, for_backward};
@@ -392,10 +392,9 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
     Tensor out, lse, for_backward;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(out, lse, for_backward) =
-          op.call(query, key, value, blocks[0], blocks[1], blocks[2], blocks[3], blocks[4],
-                  q_block_size, kv_block_size, score_graph, score_tensors, scale, dropout_p,
-                  dropout_seed);
+      std::tie(out, lse, for_backward) = op.call(
+          query, key, value, blocks[0], blocks[1], blocks[2], blocks[3], blocks[4], q_block_size,
+          kv_block_size, score_graph, score_tensors, scale, dropout_p, dropout_seed);
     }
     // Backward's output: the unrounded one of a 16-bit call.
     variable_list saved{query, key, value, for_backward.dim() == out.dim() ? for_backward : out,
