@@ -19,6 +19,7 @@
 #include "attnkit/threads.h"
 #include "command_line.h"
 #include "train/line.h"
+#include "train/mixed_precision.h"
 #include "train/model.h"
 #include "train/trainer.h"
 
@@ -177,6 +178,10 @@ int main(int argc, char** argv) {
       .value("Run", "repeats", "timed runs of each mode (the median is reported)", "3")
       .value("Run", "device", "auto | cpu | cuda | cuda:N (auto: a GPU when one is visible)", "cpu")
       .value("Run", "threads", "CPU threads, for LibTorch and its BLAS; 0 = their defaults", "1")
+      .value("Run", "dtype",
+             "float32 | bfloat16 | float16: the weights' and the KV caches' dtype (16-bit caches "
+             "are read in place by the decode kernel)",
+             "float32")
       .value("Run", "seed", "seed of the weights and the prompt", "123")
       .flag("Run", "no-uncached", "time only the cached mode")
       .value("Run", "batch-prompts",
@@ -201,7 +206,7 @@ int main(int argc, char** argv) {
           prompt_min = 0;
   uint64_t seed = 0;
   bool uncached = true, trace = false;
-  std::string json, device_name;
+  std::string json, device_name, dtype_name;
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
@@ -225,6 +230,7 @@ int main(int argc, char** argv) {
     repeats = cli.integer("repeats");
     threads = cli.integer("threads");
     device_name = cli.text("device");
+    dtype_name = cli.text("dtype");
     seed = cli.unsigned_integer("seed");
     uncached = !cli.given("no-uncached");
     batch_prompts = cli.integer("batch-prompts");
@@ -259,10 +265,12 @@ int main(int argc, char** argv) {
       attnkit::set_num_threads(static_cast<int>(threads));
 
     const auto device = attnkit::train::resolve_device(device_name);  // fails without CUDA
+    const auto dtype = attnkit::train::parse_train_dtype(dtype_name);
+    attnkit::train::check_dtype_runs_on(dtype, device);
 
     torch::manual_seed(seed);
     attnkit::train::AttentionModel model(config);  // validates the sizes
-    model->to(device);
+    model->to(device, dtype);
     model->eval();
     if (batch_prompts > 0)
       return run_batch(model, config, device, batch_prompts, prompt_min, prompt_length, new_tokens,
@@ -307,9 +315,10 @@ int main(int argc, char** argv) {
                                               : "")
                     << ", vocab " << config.vocab_size << ", context " << config.context_length
                     << ", d " << config.d_model << ", " << config.heads << " heads, "
-                    << config.layers << " layers, LibTorch " << TORCH_VERSION_MAJOR << "."
-                    << TORCH_VERSION_MINOR << ", " << device << ", " << torch::get_num_threads()
-                    << " thread(s) (" << attnkit::blas_threads() << ")\n"
+                    << config.layers << " layers, " << dtype_name << ", LibTorch "
+                    << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << ", " << device << ", "
+                    << torch::get_num_threads() << " thread(s) (" << attnkit::blas_threads()
+                    << ")\n"
                     << "prompt " << prompt_length << ", " << new_tokens
                     << " new tokens, greedy, median of " << repeats << "\n";
     for (const auto& run : runs) {
@@ -342,8 +351,8 @@ int main(int argc, char** argv) {
       attnkit::write_atomically(json, "--json:", [&](std::ostream& out) {
         out << std::setprecision(6) << "{\"language\": \"C++\", \"torch\": \""
             << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << "\", \"device\": \"" << device
-            << "\", \"threads\": " << torch::get_num_threads() << ", \"blas\": \""
-            << attnkit::blas_threads().name
+            << "\", \"dtype\": \"" << dtype_name << "\", \"threads\": " << torch::get_num_threads()
+            << ", \"blas\": \"" << attnkit::blas_threads().name
             << "\", \"blas_threads\": " << attnkit::blas_threads().num_threads << ", \"module\": \""
             << config.module << "\", \"backend\": \"" << config.backend
             << "\", \"kv_groups\": " << config.kv_groups << ", \"window\": " << config.window

@@ -957,6 +957,47 @@ TEST(DecodeAttention, EqualsTheMathDefinitionForEveryHeadLayoutAndRowRange) {
   }
 }
 
+// A 16-bit cache is read in place, its arithmetic in float32 and the result rounded once:
+// against the float64 math on the same 16-bit values, no further off than the float32 math
+// rounded once (the floor), for every head layout, partial blocks of 8 keys and of 8 features,
+// softcaps and sinks; the result keeps the cache's dtype.
+TEST(DecodeAttention, ReadsA16BitCacheInPlaceAtTheFloat32Floor) {
+  torch::manual_seed(9);
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    for (const auto& [kv_heads, hd] : {std::pair<int64_t, int64_t>{6, 16}, {2, 13}, {1, 64}}) {
+      const int64_t b = 3, h = 6, m = 37, hd_v = 21;
+      const auto as = torch::TensorOptions().dtype(dtype);
+      const auto query = (2 * torch::randn({b, h, 1, hd})).to(as);
+      const auto keys = (2 * torch::randn({b, kv_heads, 40, hd})).to(as).narrow(2, 0, m);
+      const auto values = torch::randn({b, kv_heads, 40, hd_v}).to(as).narrow(2, 0, m);
+      const auto sinks = torch::randn({h});
+      const std::vector<int64_t> begin{0, 5, 9}, end{37, 30, 9};
+      const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+      for (const double softcap : {0.0, 3.0}) {
+        for (const bool with_sinks : {false, true}) {
+          SCOPED_TRACE(c10::str(dtype, ", ", kv_heads, " key heads, width ", hd, ", softcap ",
+                                softcap, with_sinks ? ", sinks" : ""));
+          const auto decode = [&](torch::ScalarType as_dtype) {
+            return attnkit::detail::decode_attention(query.to(as_dtype), keys.to(as_dtype),
+                                                     values.to(as_dtype), scale, begin, end,
+                                                     softcap, with_sinks ? sinks : torch::Tensor());
+          };
+          const auto got = decode(dtype);
+          ASSERT_EQ(got.scalar_type(), dtype);
+          const auto exact = decode(torch::kDouble);
+          const double error = (got.to(torch::kDouble) - exact).abs().max().item<double>();
+          const double floor = (decode(torch::kFloat).to(dtype).to(torch::kDouble) - exact)
+                                   .abs()
+                                   .max()
+                                   .item<double>();
+          EXPECT_GT(floor, 0.0);
+          EXPECT_LE(error, 1.5 * floor) << "the float32 floor is " << floor;
+        }
+      }
+    }
+  }
+}
+
 // A softcapped module (Gemma 2's attention) decodes on the decode kernel, rolling cache and
 // all; a score function that reads positions goes to the kernels that evaluate any.
 TEST(DecodeAttention, ASoftcappedModulesStepRunsOnTheDecodeKernel) {
@@ -1046,13 +1087,17 @@ TEST(DecodeAttention, RefusesWhatItCannotTake) {
       [&] {
         attnkit::detail::decode_attention(torch::randn({2, 4, 2, 8}), keys, keys, 1.0);
       },
-      "expected one CPU float or double query per row");
+      "expected one CPU floating-point query per row");
+  expect_error_containing(
+      [&] { attnkit::detail::decode_attention(query.to(torch::kHalf), keys, keys, 1.0); },
+      "got query [2, 4, 1, 8] Half on cpu, keys [2, 2, 5, 8] Float, values [2, 2, 5, 8] Float");
   expect_error_containing(
       [&] { attnkit::detail::decode_attention(query, keys, keys, 1.0, {}, {}, -1.0); },
       "[decode_attention] softcap must be >= 0 (0: none), got -1");
-  // Autograd to record, or half precision: the general path's, not this kernel's.
+  // Autograd to record, or a query in another dtype than the cache: the general path's.
   EXPECT_FALSE(attnkit::detail::decode_attention_fits(query.clone().requires_grad_(), keys, keys));
-  EXPECT_FALSE(attnkit::detail::decode_attention_fits(
-      query.to(torch::kBFloat16), keys.to(torch::kBFloat16), keys.to(torch::kBFloat16)));
+  EXPECT_FALSE(attnkit::detail::decode_attention_fits(query.to(torch::kBFloat16), keys, keys));
   EXPECT_TRUE(attnkit::detail::decode_attention_fits(query, keys, keys));
+  EXPECT_TRUE(attnkit::detail::decode_attention_fits(query.to(torch::kHalf), keys.to(torch::kHalf),
+                                                     keys.to(torch::kHalf)));
 }

@@ -888,6 +888,40 @@ TEST(SixteenBitCpu, DropoutDrawsTheFloat32PathsMasks) {
   }
 }
 
+// A 16-bit module's decode step reads its cache in place on any CPU, with or without matrix
+// units (no float32 copy of the cache per step), and its record says so; the float32 path
+// (ATTNKIT_CPU_16BIT_MATMUL=float32) gives the same step to the 16-bit rounding of the result.
+TEST(SixteenBitCpu, ADecodeStepReadsItsCacheInPlace) {
+  torch::manual_seed(31);
+  const torch::NoGradGuard no_grad;
+  attnkit::GroupedQueryAttention gqa(
+      attnkit::GroupedQueryAttentionOptions(32, 32, 0.0, 4, 2).sliding_window_size(4));
+  gqa->eval();
+  gqa->to(torch::kBFloat16);
+  const auto x = torch::randn({2, 7, 32}).to(torch::kBFloat16);
+  const auto step = [&] {
+    auto cache = gqa->make_kv_cache(2, 8);
+    gqa->forward_with_cache(x.narrow(1, 0, 6), cache);
+    F::KernelRecord record;
+    const auto y = gqa->forward_with_cache(x.narrow(1, 6, 1), cache);
+    EXPECT_EQ(record.runs().size(), 1u);
+    return std::make_pair(y, record.runs().at(0));
+  };
+  const auto [in_place, run] = step();
+  EXPECT_EQ(run.kernel, "decode");
+  EXPECT_EQ(run.computed_in, torch::kBFloat16);
+  EXPECT_EQ(run.sixteen_bit, "BFloat16 read in place, float32 arithmetic");
+  ASSERT_EQ(in_place.scalar_type(), torch::kBFloat16);
+  Float32ForSixteenBit forced;
+  const auto [copied, float32_run] = step();
+  EXPECT_EQ(float32_run.kernel, "decode");
+  EXPECT_EQ(float32_run.computed_in, torch::kFloat);
+  EXPECT_EQ(float32_run.sixteen_bit, "float32: ATTNKIT_CPU_16BIT_MATMUL=float32 asks for float32");
+  // Both round the attention once; the output projection then rounds again in bfloat16.
+  EXPECT_TRUE(
+      tensors_close("decode step", in_place.to(torch::kFloat), copied.to(torch::kFloat), 2e-2));
+}
+
 // On the matrix units, forward rounds the weights P to the input dtype once before they meet
 // the values (as FlexAttention's math does) and sums them unrounded. With one key tile the
 // kernel's output is then the float64 emulation of exactly that, rounded to bfloat16: equal

@@ -194,13 +194,15 @@ struct KernelRun {
   /// "sdpa_masked", "chunked" or "math".
   std::string kernel;
   /// The dtype it computed in: a 16-bit call's own where its kernel runs it so (LibTorch's
-  /// CUDA kernels; the fused tile kernel on a CPU with matrix units), else float32; the
-  /// inputs' for other calls (under autocast, the autocast dtype's).
+  /// CUDA kernels; the fused tile kernel on a CPU with matrix units; the decode kernel, which
+  /// reads 16-bit caches in place), else float32; the inputs' for other calls (under autocast,
+  /// the autocast dtype's).
   c10::ScalarType computed_in;
   /// The inputs' device.
   c10::Device device;
   /// For a 16-bit call, how its products ran and why: "BFloat16 products on AVX-512 BF16
-  /// (oneDNN's brgemm), float32 accumulation", or "float32: " and the reason (a CPU without
+  /// (oneDNN's brgemm), float32 accumulation", "BFloat16 read in place, float32 arithmetic"
+  /// (the decode kernel), or "float32: " and the reason (a CPU without
   /// AMX or AVX-512 BF16/FP16, a LibTorch without brgemm, ...); empty for other calls.
   std::string sixteen_bit;
 };

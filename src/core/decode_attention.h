@@ -9,9 +9,10 @@
 
 namespace attnkit::detail {
 
-/// Whether decode_attention takes these: one query per row, (b, h, 1, hd) on the CPU, float
-/// or double like the keys and values, last dimensions contiguous, h a multiple of the key
-/// heads, and no autograd to record (the decode step runs under NoGradGuard).
+/// Whether decode_attention takes these: one query per row, (b, h, 1, hd) on the CPU, float32,
+/// float64, bfloat16 or float16 like the keys and values (16-bit ones read in place, the
+/// arithmetic in float32, the result rounded once), last dimensions contiguous, h a multiple of the
+/// key heads, and no autograd to record (the decode step runs under NoGradGuard).
 bool decode_attention_fits(const torch::Tensor& query, const torch::Tensor& keys,
                            const torch::Tensor& values);
 

@@ -166,6 +166,11 @@ struct KernelSpec {
   /// unless the call demands it (cpu_route_allowed): LibTorch's CPU SDPA, which computes the
   /// call in float32.
   bool yields_16bit_cpu_to_matrix_units = false;
+  /// Whether a 16-bit CPU call runs on its own tensors on any CPU, each element widened to
+  /// float32 as it is read and the arithmetic in float32, the result rounded once: the decode
+  /// kernel, which reads each cached key and value once and has no products for matrix units
+  /// (a float32 copy of the cache per step would cost more than the step).
+  bool reads_16bit_cpu_in_place = false;
 };
 
 /// From this many keys a 16-bit CPU call runs faster on the matrix units (the fused tile

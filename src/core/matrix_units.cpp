@@ -92,10 +92,16 @@ std::string cpu_16bit_matmul_units(torch::ScalarType dtype) {
   return "";
 }
 
-std::string cpu_16bit_matmul_lacks(torch::ScalarType dtype) {
+std::string cpu_16bit_forced_float32() {
   const char* setting = std::getenv("ATTNKIT_CPU_16BIT_MATMUL");
   if (setting != nullptr && std::strcmp(setting, "float32") == 0)
     return "ATTNKIT_CPU_16BIT_MATMUL=float32 asks for float32";
+  return "";
+}
+
+std::string cpu_16bit_matmul_lacks(torch::ScalarType dtype) {
+  if (auto forced = cpu_16bit_forced_float32(); !forced.empty())
+    return forced;
 #ifndef ATTNKIT_HAVE_BRGEMM
   (void)dtype;
   return "this LibTorch has no 16-bit brgemm (LibTorch 2.x's at::native::cpublas::brgemm)";

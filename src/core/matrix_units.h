@@ -16,6 +16,10 @@
 
 namespace attnkit::detail {
 
+/// "ATTNKIT_CPU_16BIT_MATMUL=float32 asks for float32" where the environment sets it, else "":
+/// every 16-bit CPU call then runs the float32 path (benchmarks compare the two paths by it).
+std::string cpu_16bit_forced_float32();
+
 /// Why bfloat16 or float16 CPU calls of `dtype` cannot multiply in their own dtype here: ""
 /// where they can. Reasons: the environment's ATTNKIT_CPU_16BIT_MATMUL=float32, a LibTorch
 /// without brgemm (1.13), a CPU without the instructions, a brgemm that refused (mkldnn off).

@@ -147,8 +147,9 @@ std::optional<AttentionCall> autocast_call(const AttentionCall& call) {
 }
 
 // A 16-bit call is computed in float32 and its result rounded once, except where its kernel
-// runs it in its own dtype: LibTorch's CUDA kernels, and on the CPU the fused tile kernel where
-// the CPU multiplies the dtype natively (matrix_units.h); each keeps the scores, the softmax
+// runs it in its own dtype: LibTorch's CUDA kernels; on the CPU the fused tile kernel where
+// the CPU multiplies the dtype natively (matrix_units.h), and the decode kernel, which reads a
+// 16-bit cache in place on any CPU; each keeps the scores, the softmax
 // statistics and the accumulators in float32. Other kernels and LibTorch's CPU ops would keep
 // them in the 16-bit dtype (and 1.13 has no float16 matrix product on the CPU at all). `plan`
 // and `run` see the call as it is computed, with the kernel that computes it, and for a
@@ -170,34 +171,43 @@ Result in_its_precision(const AttentionCall& call, const KernelTable& table,
       return planned(input, choice, c10::str(dtype, " in LibTorch's CUDA kernel"));
     why_float32 = c10::str("the ", choice.spec != nullptr ? choice.spec->name : "chosen",
                            " kernel computes 16-bit CUDA calls in float32");
+  } else if (const auto forced = cpu_16bit_forced_float32(); !forced.empty()) {
+    why_float32 = forced;
   } else {
-    why_float32 = cpu_16bit_matmul_lacks(dtype);
-    if (why_float32.empty()) {
-      // The kernel the float32 copy would get (each kernel asked with a stand-in of the copy),
-      // but for a kernel that runs the call in its dtype, asked with the call itself; a kernel
-      // that yields 16-bit CPU calls to the matrix units is passed over unless demanded.
-      const KernelInput input(call);
-      const auto stand_in_call = in_dtype(call, torch::kFloat, /*values=*/false);
-      const KernelInput stand_in(stand_in_call);  // holds a reference to the call
-      const auto input_for = [&](const KernelSpec& spec) -> const KernelInput& {
-        return spec.runs_16bit_cpu_in_its_dtype ? input : stand_in;
-      };
-      const auto passed_over = [&](const KernelSpec& spec) {
-        return spec.yields_16bit_cpu_to_matrix_units && !cpu_route_allowed(call) &&
-               input.key_tokens() >= kMatrixUnitsFromKeys;
-      };
-      auto choice = first_taking(input, call.options.backend(), table, input_for, passed_over);
-      // A preference its backend cannot serve goes to the table's first taker, as choose().
-      if (choice.spec == nullptr && call.backend_is_preference && call.options.kernel().empty())
-        choice = first_taking(input, AttentionBackend::kAuto, table, input_for, passed_over);
-      if (choice.spec != nullptr && choice.spec->runs_16bit_cpu_in_its_dtype)
-        return planned(input, choice,
-                       c10::str(dtype, " products on ", cpu_16bit_matmul_units(dtype),
-                                " (oneDNN's brgemm), float32 accumulation"));
-      why_float32 = choice.spec != nullptr ? c10::str("the ", choice.spec->name,
+    // The kernel the float32 copy would get (each kernel asked with a stand-in of the copy),
+    // but for a kernel that runs the call in its dtype, asked with the call itself; with
+    // matrix units, a kernel that yields 16-bit CPU calls to them is passed over unless
+    // demanded.
+    const auto units_lack = cpu_16bit_matmul_lacks(dtype);
+    const bool units = units_lack.empty();
+    const auto in_its_dtype = [units](const KernelSpec& spec) {
+      return spec.reads_16bit_cpu_in_place || (units && spec.runs_16bit_cpu_in_its_dtype);
+    };
+    const KernelInput input(call);
+    const auto stand_in_call = in_dtype(call, torch::kFloat, /*values=*/false);
+    const KernelInput stand_in(stand_in_call);  // holds a reference to the call
+    const auto input_for = [&](const KernelSpec& spec) -> const KernelInput& {
+      return in_its_dtype(spec) ? input : stand_in;
+    };
+    const auto passed_over = [&](const KernelSpec& spec) {
+      return units && spec.yields_16bit_cpu_to_matrix_units && !cpu_route_allowed(call) &&
+             input.key_tokens() >= kMatrixUnitsFromKeys;
+    };
+    auto choice = first_taking(input, call.options.backend(), table, input_for, passed_over);
+    // A preference its backend cannot serve goes to the table's first taker, as choose().
+    if (choice.spec == nullptr && call.backend_is_preference && call.options.kernel().empty())
+      choice = first_taking(input, AttentionBackend::kAuto, table, input_for, passed_over);
+    if (choice.spec != nullptr && in_its_dtype(*choice.spec)) {
+      return planned(input, choice,
+                     choice.spec->reads_16bit_cpu_in_place
+                         ? c10::str(dtype, " read in place, float32 arithmetic")
+                         : c10::str(dtype, " products on ", cpu_16bit_matmul_units(dtype),
+                                    " (oneDNN's brgemm), float32 accumulation"));
+    }
+    why_float32 = !units                   ? units_lack
+                  : choice.spec != nullptr ? c10::str("the ", choice.spec->name,
                                                       " kernel computes 16-bit calls in float32")
                                            : "no kernel takes the 16-bit call in its dtype";
-    }
   }
   const auto float_call = in_dtype(call, torch::kFloat);
   const KernelInput input(float_call);
