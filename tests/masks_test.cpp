@@ -474,6 +474,17 @@ TEST(Attention, SplitCallsOverKeyShardsMergeIntoTheWholeCall) {
         F::merge_attention({plain, {plain.out.narrow(2, 0, 3), plain.lse}});
       },
       "[merge_attention] part 1: out must be shaped as part 0's [2, 4, 12, 8]");
+  const F::AttentionWithLse misshapen{plain.out, plain.lse, plain.out.narrow(2, 0, 3)};
+  expect_error_containing(
+      [&] {
+        F::merge_attention({plain, misshapen});
+      },
+      "[merge_attention] part 1: out_for_backward must be shaped as its out [2, 4, 12, 8], got "
+      "[2, 4, 3, 8]");
+  expect_error_containing(
+      [&] { F::attention_backward(q, k, v, misshapen, probe); },
+      "[attention_backward] forward.out_for_backward must be shaped as forward.out [2, 4, 12, 8], "
+      "got [2, 4, 3, 8]");
 }
 
 TEST(Attention, EveryBackendMatchesTheDefinitionWithMasksAndScoreFunctions) {

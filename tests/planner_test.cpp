@@ -888,6 +888,62 @@ TEST(SixteenBitCpu, DropoutDrawsTheFloat32PathsMasks) {
   }
 }
 
+// The split calls (attention_forward, attention_backward: ring attention's pieces) keep a
+// 16-bit forward's output before its rounding where gradients are wanted, and backward reads it
+// for D = rowsum(dO * O): a per-head bias's gradient (0 in exact arithmetic) stays within 10x
+// of its size with float32 inputs. From the rounded output it is far off (the check that this
+// test can tell them apart). merge_attention merges the unrounded outputs; without a gradient
+// to keep, there is none.
+TEST(SixteenBitCpu, TheSplitBackwardReadsTheOutputBeforeItsRounding) {
+  torch::manual_seed(41);
+  const int64_t b = 2, h = 4, n = 256, e = 16;
+  const auto q = (2 * torch::randn({b, h, n, e})).to(torch::kBFloat16).requires_grad_();
+  const auto k = (2 * torch::randn({b, h, n, e})).to(torch::kBFloat16).requires_grad_();
+  const auto v = torch::randn({b, h, n, e}).to(torch::kBFloat16).requires_grad_();
+  const auto probe = torch::randn({b, h, n, e}).to(torch::kBFloat16);
+  const auto bias = torch::randn({h}).requires_grad_();
+  const auto options =
+      F::AttentionOptions()
+          .mask(Mask::causal())
+          .score_mod(attnkit::ScoreGraph::parse("index $0 %2\nadd %0 %5").bind({bias}));
+  const auto bias_gradient = [&](const torch::Tensor& q_in, const torch::Tensor& k_in,
+                                 const torch::Tensor& v_in, bool rounded_out) {
+    auto forward = F::attention_forward(q_in, k_in, v_in, options);
+    if (rounded_out)
+      forward.out_for_backward = torch::Tensor();
+    const auto grads =
+        F::attention_backward(q_in, k_in, v_in, forward, probe.to(q_in.scalar_type()), options);
+    return grads.score_tensors.at(0).abs().max().item<double>();
+  };
+  const auto forward = F::attention_forward(q, k, v, options);
+  ASSERT_TRUE(forward.out_for_backward.defined());
+  EXPECT_EQ(forward.out_for_backward.scalar_type(), torch::kFloat);
+  EXPECT_TRUE(forward.out.equal(forward.out_for_backward.to(torch::kBFloat16)));
+  const auto as_float = [](const torch::Tensor& t) {
+    return t.detach().to(torch::kFloat).requires_grad_();
+  };
+  const double floor = bias_gradient(as_float(q), as_float(k), as_float(v), false);
+  const double unrounded = bias_gradient(q, k, v, false);
+  const double rounded = bias_gradient(q, k, v, true);
+  EXPECT_LE(unrounded, 10 * floor) << "float32 inputs: " << floor;
+  EXPECT_GT(rounded, 10 * floor) << "the rounded output: " << rounded;
+  // Two key shards merged: the merged output before its rounding, as the whole call's.
+  std::vector<F::AttentionWithLse> parts;
+  for (const int64_t begin : {int64_t{0}, n / 2})
+    parts.push_back(F::attention_forward(q, k.narrow(2, begin, n / 2), v.narrow(2, begin, n / 2)));
+  const auto merged = F::merge_attention(parts);
+  const auto whole = F::attention_forward(q, k, v);
+  ASSERT_TRUE(merged.out_for_backward.defined());
+  EXPECT_TRUE(tensors_close("merged", merged.out_for_backward, whole.out_for_backward, 1e-5));
+  {
+    const torch::NoGradGuard no_grad;
+    EXPECT_FALSE(F::attention_forward(q, k, v, options).out_for_backward.defined());
+  }
+  EXPECT_FALSE(F::attention_forward(q.detach(), k.detach(), v.detach(),
+                                    F::AttentionOptions().mask(Mask::causal()))
+                   .out_for_backward.defined());
+}
+
 // A 16-bit module's decode step reads its cache in place on any CPU, with or without matrix
 // units (no float32 copy of the cache per step), and its record says so; the float32 path
 // (ATTNKIT_CPU_16BIT_MATMUL=float32) gives the same step to the 16-bit rounding of the result.

@@ -137,6 +137,13 @@ struct AttentionWithLse {
   /// dtype the kernel computed in (float32 for 16-bit inputs); +inf for a row that sees no key
   /// (whose `out` is zeros).
   torch::Tensor lse;
+  /// For 16-bit inputs computed with float32 accumulators, `out` before its rounding
+  /// (float32), where a backward will follow: `attention_forward` makes it when the inputs
+  /// (or the score function's tensors) want gradients under grad mode, and `merge_attention`
+  /// merges it. `attention_backward` reads it for D = rowsum(dO * O), which the rounded output
+  /// would put off (a per-head bias's gradient, 0 in exact arithmetic, about 1e-2 off in
+  /// bfloat16). Undefined otherwise: backward then reads `out`.
+  torch::Tensor out_for_backward = {};
 };
 
 /// The gradients `attention_backward` returns.

@@ -212,9 +212,12 @@ detail::AttentionCall split_call_of(const char* fn, const torch::Tensor& query,
 
 AttentionWithLse attention_forward(const torch::Tensor& query, const torch::Tensor& key,
                                    const torch::Tensor& value, const AttentionOptions& options) {
+  auto call = split_call_of(kSplitFn, query, key, value, options);
+  // Made as backward reads it where autograd would want gradients (SplitForward::unrounded).
+  call.backward_follows = detail::wants_gradient(call);
   const torch::NoGradGuard no_grad;
-  auto result = detail::run_split_forward(split_call_of(kSplitFn, query, key, value, options));
-  return {result.out, result.lse};
+  auto result = detail::run_split_forward(call);
+  return {result.out, result.lse, call.backward_follows ? result.unrounded : torch::Tensor()};
 }
 
 AttentionGradients attention_backward(const torch::Tensor& query, const torch::Tensor& key,
@@ -243,8 +246,11 @@ AttentionGradients attention_backward(const torch::Tensor& query, const torch::T
     }
   }
   const torch::NoGradGuard no_grad;
-  const auto grads =
-      detail::run_split_backward(call, {forward.out, forward.lse, grad_out, parameters});
+  const auto& out = forward.out_for_backward.defined() ? forward.out_for_backward : forward.out;
+  TORCH_CHECK(out.sizes() == forward.out.sizes(), fn,
+              " forward.out_for_backward must be shaped as forward.out ", shape_string(forward.out),
+              ", got ", shape_string(out));
+  const auto grads = detail::run_split_backward(call, {out, forward.lse, grad_out, parameters});
   return {grads[0], grads[1], grads[2], std::vector<torch::Tensor>(grads.begin() + 3, grads.end())};
 }
 
@@ -252,8 +258,10 @@ AttentionWithLse merge_attention(const std::vector<AttentionWithLse>& parts) {
   const char* fn = "[merge_attention]";
   TORCH_CHECK(!parts.empty(), fn, " needs at least one part");
   const auto& first = parts.front();
+  bool any_for_backward = false;
   for (size_t i = 0; i < parts.size(); ++i) {
     const auto& part = parts[i];
+    any_for_backward = any_for_backward || part.out_for_backward.defined();
     TORCH_CHECK(part.out.defined() && part.lse.defined() && part.out.dim() == 4 &&
                     part.out.sizes() == first.out.sizes() &&
                     part.lse.sizes() == first.out.sizes().slice(0, 3),
@@ -262,6 +270,10 @@ AttentionWithLse merge_attention(const std::vector<AttentionWithLse>& parts) {
                 " and lse as its first three dimensions, got ",
                 part.out.defined() ? shape_string(part.out) : std::string("undefined"), " and ",
                 part.lse.defined() ? shape_string(part.lse) : std::string("undefined"));
+    TORCH_CHECK(
+        !part.out_for_backward.defined() || part.out_for_backward.sizes() == part.out.sizes(), fn,
+        " part ", i, ": out_for_backward must be shaped as its out ", shape_string(part.out),
+        ", got ", shape_string(part.out_for_backward));
   }
   const torch::NoGradGuard no_grad;
   constexpr double kInfinity = std::numeric_limits<double>::infinity();
@@ -271,8 +283,9 @@ AttentionWithLse merge_attention(const std::vector<AttentionWithLse>& parts) {
   for (const auto& part : parts)
     merge_into(out, log_weight, part);
   // A row that sees no key in any part: lse +inf, as a single call's, and zeros.
-  return {out.to(first.out.scalar_type()),
-          log_weight.masked_fill(log_weight.isneginf(), kInfinity)};
+  const bool rounded = out.scalar_type() != first.out.scalar_type();
+  return {out.to(first.out.scalar_type()), log_weight.masked_fill(log_weight.isneginf(), kInfinity),
+          rounded && any_for_backward ? out : torch::Tensor()};
 }
 
 void merge_into(torch::Tensor& out, torch::Tensor& log_weight, const AttentionWithLse& part) {
@@ -282,8 +295,10 @@ void merge_into(torch::Tensor& out, torch::Tensor& log_weight, const AttentionWi
   // (b, h, n) -> (b, h, n, 1); 0 where neither side has seen a key (-inf - -inf is nan).
   const auto kept = (log_weight - total).exp().nan_to_num(0.0).unsqueeze(-1);
   const auto taken = (part_weight - total).exp().nan_to_num(0.0).unsqueeze(-1);
+  // A 16-bit part's output before its rounding, where it has one.
+  const auto& part_out = part.out_for_backward.defined() ? part.out_for_backward : part.out;
   out.mul_(kept.to(out.scalar_type()))
-      .addcmul_(part.out.to(out.scalar_type()), taken.to(out.scalar_type()));
+      .addcmul_(part_out.to(out.scalar_type()), taken.to(out.scalar_type()));
   log_weight.copy_(total);
 }
 

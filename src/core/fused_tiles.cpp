@@ -155,11 +155,12 @@ std::string tiles_decline(const KernelInput& input, const std::optional<ScoreVar
                     call.query.size(1), " rows, not ", shape_string(table));
   if (variant->kind == ScoreVariant::Kind::kGraph) {
     // A graph LibTorch refuses on one score (a result of another dtype than the score's, an
-    // index out of range) stays with the chunked kernel, which raises LibTorch's error.
+    // index out of range) stays with the chunked kernel, which raises LibTorch's error. The
+    // score as the kernel holds it: float32 for 16-bit inputs (a float32 bias then adds).
     try {
       const auto zero = torch::zeros({1, 1, 1, 1}, torch::kInt64);
-      apply_score_mod(call.options.score_mod(),
-                      torch::zeros({1, 1, 1, 1}, call.query.scalar_type()),
+      const auto score_dtype = is_16bit(call.query) ? torch::kFloat : dtype;
+      apply_score_mod(call.options.score_mod(), torch::zeros({1, 1, 1, 1}, score_dtype),
                       {zero, zero, zero, zero});
     } catch (const c10::Error& error) {
       return c10::str(
@@ -187,14 +188,7 @@ c10::intrusive_ptr<TileProblem> problem_of(const KernelInput& input,
   problem->key_block = options.key_block_size();
   problem->dropout_p = input.dropout_p();
   if (is_16bit(call.query)) {
-    bool wants_gradient = call.split ? call.backward_follows : false;
-    if (!call.split && torch::GradMode::is_enabled()) {
-      wants_gradient =
-          call.query.requires_grad() || call.key.requires_grad() || call.value.requires_grad();
-      for (const auto& t : problem->variant.tensors())
-        wants_gradient = wants_gradient || t.requires_grad();
-    }
-    problem->unrounded_weights = wants_gradient;
+    problem->unrounded_weights = call.split ? call.backward_follows : wants_gradient(call);
   }
   // A split call brings its seed (backward is a second call); any other draws one from the
   // global generator, so torch::manual_seed fixes the masks.

@@ -83,4 +83,18 @@ bool is_16bit(const torch::Tensor& tensor) {
   return tensor.scalar_type() == torch::kBFloat16 || tensor.scalar_type() == torch::kHalf;
 }
 
+bool wants_gradient(const AttentionCall& call) {
+  if (!torch::GradMode::is_enabled())
+    return false;
+  if (call.query.requires_grad() || call.key.requires_grad() || call.value.requires_grad())
+    return true;
+  if (const auto variant = score_variant_of(call.options.score_mod())) {
+    for (const auto& tensor : variant->tensors()) {
+      if (tensor.requires_grad())
+        return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace attnkit::detail

@@ -198,4 +198,8 @@ bool cpu_route_allowed(const AttentionCall& call);
 
 bool is_16bit(const torch::Tensor& tensor);
 
+/// Whether autograd would want this call's gradients: grad mode on, and the query, key, value
+/// or a tensor its score function reads (score_variant_of) wants one.
+bool wants_gradient(const AttentionCall& call);
+
 }  // namespace attnkit::detail
