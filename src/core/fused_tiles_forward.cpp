@@ -2,14 +2,16 @@
 // query block) task, S = Q K^T per key tile by one GEMM, the rows' score function, mask and
 // online softmax, and P V by one GEMM into a float accumulator.
 //
-// float32 and float64 multiply with LibTorch's GEMM (at::mm_out, addmm_ on the inputs in
-// place), the queries scaled first. bfloat16 and float16 multiply on the matrix units
+// float32 multiplies on oneDNN's float32 micro-kernel (matmul_float32, K^T laid out once per
+// key/value head), float64 with LibTorch's GEMM (at::mm_out, addmm_ on the inputs in place),
+// the queries scaled first. bfloat16 and float16 multiply on the matrix units
 // (matrix_units.h): K^T and V packed once per (outer, key/value head), the queries read in
 // place and the scale applied to the float32 scores; P is rounded to the input dtype for P V
 // (as FlexAttention's and PyTorch's flash kernels round it), the softmax statistics and the
 // accumulator stay float32.
 
 #include <memory>
+#include <type_traits>
 #include <utility>
 
 #include "core/fused_tiles.h"
@@ -25,9 +27,10 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4, cons
                        const torch::Tensor& v4) {
   using T = ComputeType<In>;
   constexpr bool kUnits = kSixteenBit<In>;
+  constexpr bool kFloat32 = std::is_same_v<In, float>;
   const TilePlan plan(problem, q4, k4, v4);
   const RowScore<T> score(problem.variant);
-  const int64_t dv = plan.value_dim, hd = plan.head_dim;
+  const int64_t dv = plan.value_dim, hd = plan.head_dim, n = plan.num_keys, keys_ld = n + 16;
   auto out4 = torch::empty({plan.outer, plan.heads, plan.num_queries, dv}, q4.options());
   const auto compute = q4.options().dtype(c10::CppTypeToScalarType<T>::value);
   auto lse = torch::empty({plan.outer, plan.heads, plan.num_queries}, compute);
@@ -41,9 +44,14 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4, cons
     out_float4 = torch::empty(out4.sizes(), compute);
     keys_t = packed_slices(k4, /*transposed=*/true);
     if (unrounded)
-      values_float = v4.to(torch::kFloat);
+      values_float = v4.to(torch::kFloat).contiguous();  // (outer, g, n, dv)
     else
       values = packed_slices(v4, /*transposed=*/false);
+  } else if constexpr (kFloat32) {
+    // (outer, g, hd, keys_ld): K^T once per head, its rows padded off a power-of-two stride
+    // (rows 4,096 floats apart share the L1 cache's sets).
+    keys_t = torch::empty({k4.size(0), k4.size(1), hd, keys_ld}, k4.options());
+    keys_t.narrow(3, 0, n).copy_(k4.transpose(2, 3));
   }
   const int64_t blocks = plan.num_query_blocks(), pairs = plan.outer * plan.heads;
   const int64_t kv_heads = k4.size(1);
@@ -76,6 +84,11 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4, cons
           const In* keys = keys_t.template data_ptr<In>() + (o * kv_heads + kh) * keys_t.size(2);
           matmul_16bit(bq, bk, hd, q.row(o, h, q0), q.row_stride, keys + k0 * 2, plan.num_keys, s,
                        bk, /*accumulate=*/false);
+        } else if constexpr (kFloat32) {
+          const float* keys =
+              keys_t.template data_ptr<float>() + (o * kv_heads + kh) * hd * keys_ld;
+          matmul_float32(bq, bk, hd, scaled_q.template data_ptr<float>(), hd, keys + k0, keys_ld, s,
+                         bk, /*accumulate=*/false);
         } else {
           auto product = matrix(s, bq, bk, bk);
           at::mm_out(product, scaled_q, matrix(k.row(o, kh, k0), bk, hd, k.row_stride).t());
@@ -96,14 +109,21 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4, cons
                            }
                          }
                        });
-      if (unrounded) {
-        acc.addmm_(matrix(scores.template data_ptr<T>(), bq, bk, bk),
-                   values_float[o][kh].narrow(0, k0, bk));
-      } else if constexpr (kUnits) {
-        const In* value_rows =
-            values.template data_ptr<In>() + (o * kv_heads + kh) * values.size(2);
-        matmul_16bit(bq, dv, paired, weights.template data_ptr<In>(), paired, value_rows + k0 * dv,
-                     dv, acc_data, dv, /*accumulate=*/true);
+      if constexpr (kUnits) {
+        if (unrounded) {  // P V in float32 on unrounded P
+          const float* value_rows =
+              values_float.template data_ptr<float>() + ((o * kv_heads + kh) * n + k0) * dv;
+          matmul_float32(bq, dv, bk, scores.template data_ptr<float>(), bk, value_rows, dv,
+                         acc_data, dv, /*accumulate=*/true);
+        } else {
+          const In* value_rows =
+              values.template data_ptr<In>() + (o * kv_heads + kh) * values.size(2);
+          matmul_16bit(bq, dv, paired, weights.template data_ptr<In>(), paired,
+                       value_rows + k0 * dv, dv, acc_data, dv, /*accumulate=*/true);
+        }
+      } else if constexpr (kFloat32) {
+        matmul_float32(bq, dv, bk, scores.template data_ptr<float>(), bk, v.row(o, kh, k0),
+                       v.row_stride, acc_data, dv, /*accumulate=*/true);
       } else {
         acc.addmm_(matrix(scores.template data_ptr<T>(), bq, bk, bk),
                    matrix(v.row(o, kh, k0), bk, dv, v.row_stride));

@@ -143,6 +143,53 @@ void release_matrix_units() {
 #endif
 }
 
+namespace {
+
+// C = (or +=) A B through LibTorch's GEMM, on views of the buffers.
+void matmul_float32_by_mm(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a,
+                          const float* b, int64_t ld_b, float* c, int64_t ld_c, bool accumulate) {
+  const auto view = [](const float* data, int64_t rows, int64_t cols, int64_t ld) {
+    return torch::from_blob(const_cast<float*>(data), {rows, cols}, {ld, 1}, torch::kFloat);
+  };
+  auto product = view(c, m, n, ld_c);
+  if (accumulate)
+    product.addmm_(view(a, m, k, ld_a), view(b, k, n, ld_b));
+  else
+    at::mm_out(product, view(a, m, k, ld_a), view(b, k, n, ld_b));
+}
+
+#ifdef ATTNKIT_HAVE_BRGEMM
+// Whether brgemm multiplies float32 here: one small product against its answer.
+bool float32_brgemm_answers() {
+  try {
+    const auto a = torch::arange(1, 7, torch::kFloat).view({2, 3});
+    const auto b = torch::arange(1, 49, torch::kFloat).view({3, 16});
+    auto c = torch::zeros({2, 16});
+    at::native::cpublas::brgemm(2, 16, 3, 3, 16, 16, false, a.data_ptr<float>(),
+                                b.data_ptr<float>(), c.data_ptr<float>(), /*is_vnni=*/false);
+    at::native::cpublas::brgemm_release(/*is_vnni=*/false);
+    return torch::equal(c, a.mm(b));
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+#endif
+
+}  // namespace
+
+void matmul_float32(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b,
+                    int64_t ld_b, float* c, int64_t ld_c, bool accumulate) {
+#ifdef ATTNKIT_HAVE_BRGEMM
+  static const bool answers = float32_brgemm_answers();
+  if (answers) {
+    at::native::cpublas::brgemm(m, n, k, ld_a, ld_b, ld_c, accumulate, a, b, c,
+                                /*is_vnni=*/false);
+    return;
+  }
+#endif
+  matmul_float32_by_mm(m, n, k, a, ld_a, b, ld_b, c, ld_c, accumulate);
+}
+
 template <typename In>
 void pack_pairs(const In* src, int64_t row_stride, int64_t col_stride, int64_t k, int64_t n,
                 int64_t ld, In* packed) {

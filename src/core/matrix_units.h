@@ -39,6 +39,14 @@ void matmul_16bit(int64_t m, int64_t n, int64_t k, const In* a, int64_t ld_a, co
 /// Ends a worker's run of matmul_16bit calls (releases AMX's tile configuration).
 void release_matrix_units();
 
+/// C (m x n, row stride ld_c) = (or += with accumulate) A (m x k, row stride ld_a) times B
+/// (k x n, row stride ld_b), all float32 and row-major: on oneDNN's float32 micro-kernel
+/// (brgemm) where this LibTorch has it (2.6 on) and it answers a probe, else LibTorch's GEMM.
+/// No tensors and no dispatcher per call; at the fused tile kernel's shapes it ran 111-115
+/// GFLOP/s against at::mm's 94-96 on AVX-512 (docs/benchmarks.md).
+void matmul_float32(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b,
+                    int64_t ld_b, float* c, int64_t ld_c, bool accumulate);
+
 /// Packs B (k x n, element (r, c) at src[r * row_stride + c * col_stride]) in pairs of rows
 /// into `packed` ((k + 1) / 2 * ld * 2 entries; columns [n, ld) untouched), k odd: a zero row.
 template <typename In>
