@@ -569,3 +569,31 @@ TEST(DeprecatedAdapters, RunThroughThePlannerWhichRecordsEachCall) {
       "[scaled_dot_product_attention] the leading dimensions of query [2, 3, 6, 4], key [2, 3, "
       "6, 4], value [2, 3, 6, 4] and attn_mask [4, 6, 6] must broadcast together");
 }
+
+// Block sizes longer than the sequence are clamped to it before anything is allocated: the
+// tiled kernels give the default blocks' answer (key_block_size(1 << 40) failed in the
+// allocator; a block of 2^30 on 32 tokens grew to 24 GB), forward and backward, in float32
+// and in bfloat16 (where the matrix units' even blocks still hold).
+TEST(Attention, BlockSizesLongerThanTheSequenceAreClampedToIt) {
+  torch::manual_seed(61);
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    const auto q = torch::randn({1, 2, 33, 8}).to(dtype).requires_grad_();
+    for (const char* kernel : {"fused_tiles", "chunked"}) {
+      SCOPED_TRACE(c10::str(kernel, ", ", dtype));
+      const auto run = [&](int64_t block) {
+        const auto options = F::AttentionOptions()
+                                 .mask(attnkit::Mask::causal().sliding_window(5))
+                                 .kernel(kernel)
+                                 .query_block_size(block)
+                                 .key_block_size(block);
+        const auto out = F::attention(q, q, q, options);
+        const auto grad = torch::autograd::grad({out.sum()}, {q})[0];
+        return std::make_pair(out, grad);
+      };
+      const auto [out, grad] = run(int64_t{1} << 40);
+      const auto [want, want_grad] = run(8);
+      EXPECT_TRUE(tensors_close("out", out, want, dtype == torch::kFloat ? 1e-6 : 2e-2));
+      EXPECT_TRUE(tensors_close("grad", grad, want_grad, dtype == torch::kFloat ? 1e-5 : 5e-2));
+    }
+  }
+}

@@ -876,6 +876,11 @@ class OwnMasks(unittest.TestCase):
             with self.subTest(block_size=size), self.assertRaises(TypeError) as caught:
                 attnkit.attention(q, q, q, causal=True, block_size=size)
             self.assertIn(f"block_size must be an int, got {size!r}", str(caught.exception))
+        # A block longer than the sequence is clamped to it (2**30 on 32 tokens grew to 24 GB).
+        x = torch.randn(1, 2, 32, 8)
+        self.assertLess(max_error(
+            attnkit.attention(x, x, x, causal=True, window=5, block_size=2**30),
+            attnkit.attention(x, x, x, causal=True, window=5, block_size=8)), 1e-6)
         learned = torch.tensor(0.3, requires_grad=True)
         with self.assertRaises(TypeError) as caught:
             attnkit.flex_attention(q, q, q, scale=learned)

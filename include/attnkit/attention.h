@@ -77,7 +77,8 @@ struct AttentionOptions {
   /// Which kernel computes it; `kAuto` picks one that supports the problem.
   TORCH_ARG(AttentionBackend, backend) = AttentionBackend::kAuto;
   /// Query tokens per tile of the chunked backend, and the block size of the block mask a
-  /// masked call makes (a given `block_mask` brings its own).
+  /// masked call makes (a given `block_mask` brings its own). Both block sizes are clamped to
+  /// the longer of the queries and keys (rounded up to even): a longer block holds no more.
   TORCH_ARG(int64_t, query_block_size) = 128;
   /// Key tokens per tile of the chunked backend at most: adjacent non-empty key blocks are
   /// computed together up to this width.

@@ -254,6 +254,10 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
             raise TypeError(f"attnkit.attention: block_size must be an int, got {block_size!r}")
         if block_size < 1:
             raise ValueError(f"attnkit.attention: block_size must be >= 1, got {block_size}")
+        # A block longer than the sequence holds no more tokens, and the mask is judged per
+        # block: at most the longer length, rounded up to even (block_size=2**30 on 32 tokens
+        # grew to 24 GB).
+        block_size = min(block_size, max(2, (max(L, S) + 1) // 2 * 2))
         block_mask = own_block_mask(mask_mod, B, L, S, block_size, query.device,
                                     causal=causal, query_offset=query_offset, window=window,
                                     key_lengths=key_lengths, document_ids=document_ids)

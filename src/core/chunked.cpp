@@ -449,12 +449,13 @@ c10::intrusive_ptr<ChunkedProblem> problem_of(const torch::Tensor& query, const 
   auto call = c10::make_intrusive<ChunkedProblem>();
   call->mask = options.mask();
   // The block mask's device is the attention's.
-  call->blocks = tile_block_mask(options.mask(), query, key.size(-2), options.query_block_size(),
-                                 query.device());
+  const int64_t tokens = std::max(query.size(-2), key.size(-2));
+  const int64_t query_block = block_for(options.query_block_size(), tokens);
+  call->blocks = tile_block_mask(options.mask(), query, key.size(-2), query_block, query.device());
   call->score_mod = options.score_mod();
   call->scale = options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
-  call->query_block = options.query_block_size();
-  call->key_block = options.key_block_size();
+  call->query_block = query_block;
+  call->key_block = block_for(options.key_block_size(), tokens);
   call->dropout_p = options.dropout_p();
   return call;
 }

@@ -121,19 +121,21 @@ std::string tiles_decline(const KernelInput& input, const std::optional<ScoreVar
     // The units multiply pairs along the inner dimension: head sizes, and the starts of key
     // tiles and key ranges, even.
     const auto& options = call.options;
-    int64_t query_block = options.query_block_size(), kv_block = options.query_block_size();
+    const int64_t tokens = std::max(input.query_tokens(), input.key_tokens());
+    int64_t query_block = block_for(options.query_block_size(), tokens), kv_block = query_block;
     if (const auto* given = input.mask().block_mask()) {
       query_block = given->q_block_size();
       kv_block = given->kv_block_size();
     }
     const int64_t head_size = call.query.size(-1), value_size = call.value.size(-1);
-    if (head_size % 2 != 0 || value_size % 2 != 0 || options.key_block_size() % 2 != 0 ||
-        query_block % 2 != 0 || kv_block % 2 != 0)
+    const int64_t key_block = block_for(options.key_block_size(), tokens);
+    if (head_size % 2 != 0 || value_size % 2 != 0 || key_block % 2 != 0 || query_block % 2 != 0 ||
+        kv_block % 2 != 0)
       return c10::str(
           "the fused tile kernel's 16-bit products take even head sizes and blocks, not head "
           "sizes ",
           head_size, " and ", value_size, " with blocks of ", query_block, " queries, ", kv_block,
-          " keys and key tiles of ", options.key_block_size());
+          " keys and key tiles of ", key_block);
   } else if (dtype != torch::kFloat && dtype != torch::kDouble) {
     return c10::str("the fused tile kernel computes in float32, float64, or 16-bit, not ", dtype);
   }
@@ -180,12 +182,14 @@ c10::intrusive_ptr<TileProblem> problem_of(const KernelInput& input,
   const auto& options = call.options;
   auto problem = c10::make_intrusive<TileProblem>();
   problem->mask = input.mask();
-  problem->blocks = tile_block_mask(problem->mask, call.query, call.key.size(-2),
-                                    options.query_block_size(), torch::kCPU);
+  const int64_t tokens = std::max(input.query_tokens(), input.key_tokens());
+  const int64_t query_block = block_for(options.query_block_size(), tokens);
+  problem->blocks =
+      tile_block_mask(problem->mask, call.query, call.key.size(-2), query_block, torch::kCPU);
   problem->variant = variant.value_or(ScoreVariant{});
   problem->scale = input.scale();
-  problem->query_block = options.query_block_size();
-  problem->key_block = options.key_block_size();
+  problem->query_block = query_block;
+  problem->key_block = block_for(options.key_block_size(), tokens);
   problem->dropout_p = input.dropout_p();
   if (is_16bit(call.query)) {
     problem->unrounded_weights = call.split ? call.backward_follows : wants_gradient(call);

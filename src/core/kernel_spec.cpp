@@ -83,6 +83,10 @@ bool is_16bit(const torch::Tensor& tensor) {
   return tensor.scalar_type() == torch::kBFloat16 || tensor.scalar_type() == torch::kHalf;
 }
 
+int64_t block_for(int64_t size, int64_t tokens) {
+  return std::min(size, std::max<int64_t>(2, (tokens + 1) / 2 * 2));
+}
+
 bool wants_gradient(const AttentionCall& call) {
   if (!torch::GradMode::is_enabled())
     return false;

@@ -198,6 +198,12 @@ bool cpu_route_allowed(const AttentionCall& call);
 
 bool is_16bit(const torch::Tensor& tensor);
 
+/// A block size (AttentionOptions' query_block_size, key_block_size) as a tiled kernel uses
+/// it: `size`, but at most `tokens` (the longer of the queries and keys) rounded up to even.
+/// A larger block holds no more tokens, and the kernels allocate by it: key_block_size(1 << 40)
+/// failed in the allocator, and a block of 2^30 on 32 tokens grew to 24 GB.
+int64_t block_for(int64_t size, int64_t tokens);
+
 /// Whether autograd would want this call's gradients: grad mode on, and the query, key, value
 /// or a tensor its score function reads (score_variant_of) wants one.
 bool wants_gradient(const AttentionCall& call);
