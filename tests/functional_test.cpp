@@ -597,3 +597,39 @@ TEST(Attention, BlockSizesLongerThanTheSequenceAreClampedToIt) {
     }
   }
 }
+
+// Whatever a C++ score function or mask function throws reaches the caller as an error, on
+// every backend and with worker threads: an exception that is no std::exception (throw 42)
+// ended the process from a worker (std::terminate).
+TEST(Attention, AnythingAUserFunctionThrowsReachesTheCaller) {
+  ASSERT_GE(torch::get_num_threads(), 1);
+  const auto q = torch::randn({2, 4, 64, 8});
+  const attnkit::ScoreMod throws_int = [](const torch::Tensor& score, const torch::Tensor&,
+                                          const torch::Tensor&, const torch::Tensor&,
+                                          const torch::Tensor&) -> torch::Tensor {
+    if (score.numel() > 0)
+      throw 42;
+    return score;
+  };
+  for (const auto backend : {attnkit::AttentionBackend::kAuto, attnkit::AttentionBackend::kChunked,
+                             attnkit::AttentionBackend::kMath}) {
+    SCOPED_TRACE(attnkit::backend_name(backend));
+    const auto mask_throws = attnkit::Mask::from_function(
+        [](const torch::Tensor&, const torch::Tensor&, const torch::Tensor& q_idx,
+           const torch::Tensor&) -> torch::Tensor {
+          if (q_idx.numel() > 0)
+            throw 42;
+          return q_idx;
+        });
+    for (const auto& options : {F::AttentionOptions().backend(backend).score_mod(throws_int),
+                                F::AttentionOptions().backend(backend).mask(mask_throws)}) {
+      bool caught = false;
+      try {
+        F::attention(q, q, q, options);
+      } catch (...) {
+        caught = true;
+      }
+      EXPECT_TRUE(caught);
+    }
+  }
+}
