@@ -10,6 +10,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __x86_64__
+#include <cpuid.h>
+#endif
+
 #include "core/checks.h"
 #include "core/kernels.h"
 #include "core/parallel.h"
@@ -87,8 +91,13 @@ __attribute__((target("avx2,fma,f16c"))) void add_weighted_row_avx2(float weight
     acc[d] += weight * static_cast<float>(row[d]);
 }
 
+// F16C's conversions, from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not
+// know "f16c".
 inline bool has_f16c() {
-  static const bool has = __builtin_cpu_supports("f16c");
+  static const bool has = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && ((ecx >> 29) & 1) != 0;
+  }();
   return has;
 }
 #endif
