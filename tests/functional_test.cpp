@@ -598,6 +598,59 @@ TEST(Attention, BlockSizesLongerThanTheSequenceAreClampedToIt) {
   }
 }
 
+// Backward after a NaN (docs/masks.md, "NaN and infinity"), on the kernels that train: a row
+// whose output is NaN gets a NaN query gradient, never a finite one; a NaN query leaves the
+// other rows' gradients as they were. Blocks of 4 tokens: keys in tiles apart.
+TEST(Attention, ANaNReachesTheGradientsOfTheRowsThatSeeIt) {
+  torch::manual_seed(67);
+  const int64_t n = 24, nan_key = 5, nan_query = 20;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const auto ids = torch::arange(n).div(8, "floor");  // three documents of 8
+  for (const auto& [name, mask] : std::vector<std::pair<std::string, attnkit::Mask>>{
+           {"causal", attnkit::Mask::causal()},
+           {"window 3", attnkit::Mask::causal().sliding_window(3)},
+           {"documents", attnkit::Mask::documents(ids, /*causal=*/true)}}) {
+    const auto sees_key = mask.dense(1, 1, n, n, torch::kCPU)
+                              .select(-1, nan_key)
+                              .reshape({n});  // the rows that see the NaN key
+    for (const char* kernel : {"fused_tiles", "chunked", "math"}) {
+      SCOPED_TRACE(name + ", " + kernel);
+      const auto options =
+          F::AttentionOptions().mask(mask).kernel(kernel).query_block_size(4).key_block_size(4);
+      const auto q = torch::randn({1, 2, n, 8}), k = torch::randn({1, 2, n, 8}),
+                 v = torch::randn({1, 2, n, 8});
+      const auto run = [&](const torch::Tensor& query, const torch::Tensor& key) {
+        const auto qg = query.clone().requires_grad_(), kg = key.clone().requires_grad_();
+        const auto out = F::attention(qg, kg, v, options);
+        const auto dq = torch::autograd::grad({out}, {qg}, {torch::ones_like(out)})[0];
+        return std::make_pair(out.detach(), dq);
+      };
+      // A NaN key: exactly the rows that see it are NaN, and so are their gradients. (A NaN
+      // value also reaches the rows whose weights multiply it by 0, as in the math core.)
+      auto k_nan = k.clone();
+      k_nan.select(2, nan_key).fill_(nan);
+      const auto [out, dq] = run(q, k_nan);
+      const auto nan_rows = out.isnan().all(-1);  // (1, 2, n)
+      EXPECT_TRUE(torch::equal(nan_rows, sees_key.expand_as(nan_rows)))
+          << nan_rows.sum().item<int64_t>() << " NaN rows, " << sees_key.sum().item<int64_t>()
+          << " rows see the key";
+      EXPECT_TRUE(dq.isnan().all(-1).masked_select(nan_rows).all().item<bool>());
+      // A NaN query: its row only; the other rows' query gradients unchanged.
+      auto q_nan = q.clone();
+      q_nan.select(2, nan_query).fill_(nan);
+      const auto [out_q, dq_q] = run(q_nan, k);
+      const auto [clean_out, clean_dq] = run(q, k);
+      const auto others = torch::arange(n).ne(nan_query);
+      EXPECT_TRUE(out_q.select(2, nan_query).isnan().all().item<bool>());
+      EXPECT_TRUE(dq_q.select(2, nan_query).isnan().all().item<bool>());
+      EXPECT_TRUE(tensors_close("other rows", out_q.index({"...", others, torch::indexing::Slice()}),
+                                clean_out.index({"...", others, torch::indexing::Slice()}), 1e-5));
+      EXPECT_TRUE(tensors_close("their dq", dq_q.index({"...", others, torch::indexing::Slice()}),
+                                clean_dq.index({"...", others, torch::indexing::Slice()}), 1e-5));
+    }
+  }
+}
+
 // Whatever a C++ score function or mask function throws reaches the caller as an error, on
 // every backend and with worker threads: an exception that is no std::exception (throw 42)
 // ended the process from a worker (std::terminate).

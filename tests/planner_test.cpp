@@ -300,6 +300,61 @@ TEST(Planner, EveryPlannedKernelAnswersAsTheMathCore) {
   EXPECT_EQ(picked, expected);
 }
 
+// A NaN reaches every output that attends to it, on every kernel the planner picks, as in
+// the math core and in PyTorch's flex_attention (docs/masks.md, "NaN and infinity"): a NaN in
+// a query, in a key or in a modified score; a masked key's NaN is skipped. Some kernels
+// dropped it: their exponential turned NaN into 0.
+TEST(Planner, EveryPlannedKernelSpreadsANaNAsTheMathCore) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  int64_t partly_nan = 0;  // calls where the math core's NaN reaches some rows and not others
+  for (const auto& c : planner_cases()) {
+    if (c.call.packed_qkv.defined())
+      continue;  // the query and key are views of the packed projection the kernel reads
+    for (const char* where : {"query", "key", "score"}) {
+      auto call = c.call;
+      if (std::string(where) == "query") {
+        call.query = call.query.clone();
+        call.query.select(2, call.query.size(2) - 1).select(2, 0).fill_(nan);  // the last row
+      } else if (std::string(where) == "key") {
+        if (call.key.is_same(call.value))
+          continue;  // a NaN value reaches the rows whose weights multiply it, even by 0
+        call.key = call.key.clone();
+        call.key.select(2, std::min<int64_t>(2, call.key.size(2) - 1)).fill_(nan);
+      } else {
+        // ALiBi with one head's slope NaN: that head's scores are NaN on every route.
+        if (call.options.score_mod() || call.options.sinks().defined())
+          continue;
+        auto slopes = torch::linspace(0.25, 1.0, call.query.size(1));
+        slopes[1] = nan;
+        call.options.score_mod(attnkit::score_mods::alibi(slopes));
+      }
+      auto math = call;
+      math.options.backend(AttentionBackend::kMath).kernel("math");
+      const torch::NoGradGuard no_grad;
+      const auto expected = attnkit::detail::run_attention(math).context;
+      const auto rows = c.counted_rows.expand_as(expected);
+      const auto expected_nan = expected.isnan().masked_select(rows);
+      partly_nan += expected_nan.any().item<bool>() && !expected_nan.all().item<bool>();
+      for (const auto backend : kBackends) {
+        SCOPED_TRACE(c.name + ", NaN in the " + where + ", backend " +
+                     attnkit::backend_name(backend));
+        call.options.backend(backend);
+        call.backend_is_preference = true;
+        const auto out = attnkit::detail::run_attention(call).context;
+        SCOPED_TRACE(c10::str("kernel ", attnkit::detail::plan_attention(call).name));
+        const auto got_nan = out.isnan().masked_select(rows);
+        EXPECT_TRUE(torch::equal(got_nan, expected_nan))
+            << got_nan.sum().item<int64_t>() << " NaN against the math core's "
+            << expected_nan.sum().item<int64_t>();
+        const auto finite = expected.isnan().logical_not().logical_and(rows);
+        EXPECT_TRUE(torch::allclose(out.masked_select(finite), expected.masked_select(finite), 1e-4,
+                                    1e-5));
+      }
+    }
+  }
+  EXPECT_GE(partly_nan, 10);  // masks that hide the NaN key from some rows
+}
+
 // A split call (the PyTorch operators' form) runs forward and backward apart, on every
 // sequence case: forward answers as the math core, backward's gradients are the math core's
 // autograd ones. LibTorch's CPU flash kernel (2.5 on) takes no mask and causal from query 0,

@@ -478,6 +478,65 @@ class BadInput(unittest.TestCase):
                      score_mod=complex_table)
 
 
+@unittest.skipUnless(HAS_FLEX, "PyTorch's flex_attention (2.5 on)")
+class NaNAsFlexAttention(unittest.TestCase):
+    """A NaN in a key or a modified score reaches every output that attends to it, and a
+    masked key's NaN is skipped, as in PyTorch's flex_attention (docs/masks.md). Some routes
+    dropped it: the output was finite, as if the key were not there."""
+
+    def check(self, out, expected):
+        self.assertTrue(torch.equal(out.isnan(), expected.isnan()),
+                        f"{int(out.isnan().sum())} NaN against flex_attention's "
+                        f"{int(expected.isnan().sum())}")
+        self.assertTrue(bool(expected.isnan().any()) and not bool(expected.isnan().all()))
+        finite = ~expected.isnan()
+        self.assertLess(max_error(out[finite], expected[finite]), 1e-5)
+
+    def test_a_nan_key_or_score(self):
+        torch.manual_seed(83)
+        L = int(DOCUMENT_IDS.numel())
+        q, k, v = (torch.randn(1, 2, L, 16) for _ in range(3))
+        k[:, :, 100] = float("nan")
+        for mask_mod in MASK_MODS:
+            for score_mod in (None, times_two, alibi, causal_score):
+                with self.subTest(mask_mod=mask_mod.__name__,
+                                  score_mod=getattr(score_mod, "__name__", None)):
+                    bm = attnkit.create_block_mask(mask_mod, None, None, L, L)
+                    out = attnkit.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+                    self.check(out, flex_forward(q, k, v, score_mod, mask_mod, False)[0])
+        # attnkit.attention's own masks, and one head's ALiBi slope NaN.
+        def window(b, h, qi, kv):
+            return (kv <= qi) & (kv > qi - 8)
+        self.check(attnkit.attention(q, k, v, causal=True, window=8),
+                   flex_forward(q, k, v, None, window, False)[0])
+        lengths = torch.tensor([150])
+        self.check(attnkit.attention(q, k, v, causal=True, key_lengths=lengths),
+                   flex_forward(q, k, v, None,
+                                lambda b, h, qi, kv: (kv <= qi) & (kv < lengths[b]), False)[0])
+        slopes = torch.tensor([float("nan"), 0.5])
+        q, k = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+        v = torch.randn(1, 2, 64, 16)
+        self.check(attnkit.attention(q, k, v, causal=True, alibi_slopes=slopes),
+                   flex_forward(q, k, v, lambda s, b, h, qi, kv: s + slopes[h] * (kv - qi),
+                                causal, False)[0])
+
+    def test_the_rows_that_see_a_nan_get_nan_gradients(self):
+        torch.manual_seed(89)
+        L = int(DOCUMENT_IDS.numel())
+        q, k, v = (torch.randn(1, 2, L, 16, requires_grad=True) for _ in range(3))
+        k_nan = k.detach().clone()
+        k_nan[:, :, 100] = float("nan")
+        k_nan.requires_grad_()
+        bm = attnkit.create_block_mask(documents, None, None, L, L, BLOCK_SIZE=16)
+        out = attnkit.flex_attention(q, k_nan, v, score_mod=times_two, block_mask=bm)
+        out.sum().backward()
+        nan_rows = out.isnan().all(-1)
+        self.assertEqual(int(nan_rows.sum()), 2 * 90)  # the third document, both heads
+        self.assertTrue(bool(q.grad.isnan().all(-1)[nan_rows].all()))
+        # Rows 0-31 (the first document's) share no tile of 16 with the NaN key: finite.
+        self.assertTrue(bool(q.grad[:, :, :32].isfinite().all()))
+
+
 class PaddedBlockLists(unittest.TestCase):
     def test_zero_padded_kv_indices_as_from_kv_blocks_makes_them(self):
         # Rows list fewer blocks than kv_indices holds; the rest is zeros. Row 0 lists block 0
@@ -872,6 +931,25 @@ class OwnMasks(unittest.TestCase):
                 attnkit.create_block_mask(causal, None, None, 16, 16, BLOCK_SIZE=size)
             self.assertIn("BLOCK_SIZE must be an int or a pair of ints (query block, key block), "
                           f"got {size!r}", str(caught.exception))
+        for size in (1.5, True):
+            with self.subTest(window=size), self.assertRaises(TypeError) as caught:
+                attnkit.attention(q, q, q, causal=True, window=size)
+            self.assertIn(f"window must be an int, got {size!r}", str(caught.exception))
+        with self.assertRaises(TypeError) as caught:
+            attnkit.create_block_mask(lambda b, h, qi, kv: (kv <= qi).float(), None, None, 16, 16)
+        self.assertIn("mask_mod must return a bool tensor, got torch.float32",
+                      str(caught.exception))
+        # BLOCK_SIZE far above the lengths: the lists of one block, at the lengths' cost (16,384
+        # on 64 tokens took 2.2 GB).
+        big = attnkit.create_block_mask(causal, None, None, 64, 48, BLOCK_SIZE=16384)
+        self.assertEqual(big.kv_num_blocks.tolist(), [[[1]]])
+        self.assertEqual(big.full_kv_num_blocks.tolist(), [[[0]]])
+        x = torch.randn(1, 2, 64, 8)
+        self.assertLess(max_error(attnkit.flex_attention(x, x[:, :, :48], x[:, :, :48], block_mask=big),
+                                  attnkit.flex_attention(x, x[:, :, :48], x[:, :, :48],
+                                                         block_mask=attnkit.create_block_mask(
+                                                             causal, None, None, 64, 48,
+                                                             BLOCK_SIZE=16))), 1e-6)
         for size in (2.5, True):
             with self.subTest(block_size=size), self.assertRaises(TypeError) as caught:
                 attnkit.attention(q, q, q, causal=True, block_size=size)

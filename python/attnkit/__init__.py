@@ -205,6 +205,8 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
     parts = []
     if window is not None and not causal:
         raise ValueError("attnkit.attention: window needs causal=True")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
+        raise TypeError(f"attnkit.attention: window must be an int, got {window!r}")
     if window is not None and window < 1:
         raise ValueError(f"attnkit.attention: window must be >= 1, got {window}")
     if query_offset < 0:

@@ -61,15 +61,23 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
     index = dict(dtype=torch.int64, device=device)
     b = torch.arange(B, **index).view(-1, 1, 1, 1)
     h = torch.arange(H, **index).view(1, -1, 1, 1)
-    kv = torch.arange(nk * kv_block, **index).view(1, 1, 1, -1)
+    kv = torch.arange(KV_LEN, **index).view(1, 1, 1, -1)
     kinds = torch.empty(B, H, nq, nk, dtype=torch.int8, device=device)
     for i in range(nq):
-        q = torch.arange(i * q_block, (i + 1) * q_block, **index).view(1, 1, -1, 1)
-        inside = (q < Q_LEN) & (kv < KV_LEN)
-        allowed = mask_mod(b, h, q.clamp(max=Q_LEN - 1), kv.clamp(max=KV_LEN - 1))
-        allowed = (allowed & inside).expand(B, H, q_block, nk * kv_block)
-        tiles = allowed.reshape(B, H, q_block, nk, kv_block).transpose(2, 3)
-        kinds[:, :, i] = tiles.any(-1).any(-1).to(torch.int8) + tiles.all(-1).all(-1).to(torch.int8)
+        # mask_mod on the block's real queries and keys only: a BLOCK_SIZE far above the
+        # lengths costs no more than the lengths (16,384 on 64 tokens took 2.2 GB).
+        rows = min(q_block, Q_LEN - i * q_block)
+        q = torch.arange(i * q_block, i * q_block + rows, **index).view(1, 1, -1, 1)
+        allowed = mask_mod(b, h, q, kv)
+        if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
+            raise TypeError("attnkit.create_block_mask: mask_mod must return a bool tensor, got "
+                            f"{getattr(allowed, 'dtype', type(allowed).__name__)}")
+        # (B, H, rows, nk * kv_block): keys past KV_LEN are outside, so their tiles are never full
+        padded = torch.zeros(B, H, rows, nk * kv_block, dtype=torch.bool, device=device)
+        padded[..., :KV_LEN] = allowed.expand(B, H, rows, KV_LEN)
+        tiles = padded.view(B, H, rows, nk, kv_block)
+        full = tiles.all(-1).all(2) & (rows == q_block)
+        kinds[:, :, i] = tiles.any(-1).any(2).to(torch.int8) + full.to(torch.int8)
     return block_mask_of_kinds(kinds, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
 
 

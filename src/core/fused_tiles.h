@@ -193,7 +193,8 @@ struct TilePlan {
 template <typename T>
 void online_softmax_row(T* row, int64_t keys, T& running_max, T& running_sum, T* acc_row,
                         int64_t dv, const T* row_factor) {
-  const T new_max = std::max(running_max, row_max(row, keys));
+  // NaN once the row has met a NaN score: its weights, sum and output become NaN.
+  const T new_max = max_or_nan(running_max, row_max(row, keys));
   if (new_max == minus_infinity<T>()) {  // no key seen yet: weights 0
     std::fill(row, row + keys, T(0));
     return;

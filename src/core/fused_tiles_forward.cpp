@@ -133,7 +133,7 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4, cons
       release_matrix_units();
     for (int64_t i = 0; i < bq; ++i) {
       T* acc_row = acc_data + i * dv;
-      const bool seen = running_sum[i] > 0;
+      const bool seen = running_sum[i] != 0;  // NaN: seen, and NaN
       const T inverse = seen ? 1 / running_sum[i] : 0;
       for (int64_t d = 0; d < dv; ++d)
         acc_row[d] *= inverse;

@@ -47,6 +47,23 @@ const std::optional<CausalSpan>& KernelInput::causal_span() const {
   return *causal_span_;
 }
 
+bool KernelInput::cpu_query_or_key_has_nan() const {
+  if (!cpu_nan_) {
+    // One pass over the query and the key, against the attention's n * m passes.
+    cpu_nan_ = call.query.is_cpu() && call.query.is_floating_point() &&
+               (call.query.isnan().any().item<bool>() || call.key.isnan().any().item<bool>());
+  }
+  return *cpu_nan_;
+}
+
+std::string libtorch_cpu_nan_declines(const KernelInput& input) {
+  if (input.cpu_query_or_key_has_nan())
+    return "the query or key holds a NaN, which LibTorch's CPU SDPA drops from a row (its flash "
+           "kernel) or spreads into masked rows (a dense mask); attnkit's kernels keep NaN "
+           "where it is seen (docs/masks.md)";
+  return "";
+}
+
 std::string fused_kernels_decline(const KernelInput& input) {
   const auto& call = input.call;
   if (call.options.score_mod())
@@ -71,7 +88,7 @@ std::string sdpa_routes_decline(const KernelInput& input) {
     return c10::str("the fused backend has only the default scale 1/sqrt(head_dim), not ",
                     *input.call.options.scale());
   }
-  return "";
+  return libtorch_cpu_nan_declines(input);
 }
 
 bool cpu_route_allowed(const AttentionCall& call) {

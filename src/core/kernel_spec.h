@@ -108,10 +108,13 @@ class KernelInput {
   const Mask& mask() const;
   /// mask() as a causal span; nullopt when it is none of: no mask, causal, sliding window.
   const std::optional<CausalSpan>& causal_span() const;
+  /// Whether a CPU call's query or key holds a NaN (looked at once per call).
+  bool cpu_query_or_key_has_nan() const;
 
  private:
   mutable std::optional<Mask> mask_;
   mutable std::optional<std::optional<CausalSpan>> causal_span_;
+  mutable std::optional<bool> cpu_nan_;
 };
 
 /// What a split call's backward reads besides the call: forward's output (b, h, n, hd_v) and
@@ -191,6 +194,10 @@ std::string fused_kernels_decline(const KernelInput& input);
 
 /// What the SDPA routes for any mask (sdpa_varlen, sdpa_masked) lack: "" or why.
 std::string sdpa_routes_decline(const KernelInput& input);
+
+/// Why LibTorch's CPU SDPA and flash kernels decline a call whose query or key holds a NaN:
+/// they break attnkit's NaN rule (docs/masks.md). "" otherwise.
+std::string libtorch_cpu_nan_declines(const KernelInput& input);
 
 /// Whether a route that the CPU runs slower than the chunked kernel may take the call: a
 /// demanded kFused there (docs/benchmarks.md) or a named kernel, anything on other devices.

@@ -15,15 +15,21 @@
 
 namespace attnkit::detail {
 
+template <typename T>
+T minus_infinity() {
+  return -std::numeric_limits<T>::infinity();
+}
+
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL
 // Floats per AVX2 register.
 constexpr int64_t kLanes = 8;
 
 // e^x for x <= 0 (every softmax argument is), eight at a time, after Cephes' expf:
 // x = k ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 polynomial, 2^k in the exponent
-// bits. Within 2 ulp of std::exp; arguments below -87.3 give about 1e-38 instead of 0.
+// bits. Within 2 ulp of std::exp; arguments below -87.3 give about 1e-38 instead of 0. NaN
+// gives NaN (maxps returns its second operand when one is NaN).
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 exp_nonpositive_avx2(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
   const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   // r = x - k ln2, with ln2 in two parts so that k * ln2_high is exact.
@@ -51,23 +57,37 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 tanh_avx2(__m25
   return _mm256_or_ps(t, _mm256_and_ps(sign_bit, x));
 }
 
+// The row's maximum, NaN if any entry is NaN (a NaN score reaches its row's output).
+__attribute__((target("avx2,fma"))) inline float row_max_avx2(const float* s, int64_t count) {
+  __m256 max8 = _mm256_set1_ps(minus_infinity<float>()), nan8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes) {
+    const __m256 x = _mm256_loadu_ps(s + j);
+    max8 = _mm256_max_ps(max8, x);
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan8) != 0)
+    return std::numeric_limits<float>::quiet_NaN();
+  float result = minus_infinity<float>();
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, max8);
+  for (const float lane : lanes)
+    result = std::max(result, lane);
+  for (; j < count; ++j) {
+    if (std::isnan(s[j]))
+      return s[j];
+    result = std::max(result, s[j]);
+  }
+  return result;
+}
+
 __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(const float* scores, int64_t count,
                                                                  float scale, float* p) {
-  __m256 max8 = _mm256_set1_ps(scores[0]);
-  int64_t j = 0;
-  for (; j + kLanes <= count; j += kLanes)
-    max8 = _mm256_max_ps(max8, _mm256_loadu_ps(scores + j));
-  if (j < count)  // masked-off lanes load 0; scores[0] stands in for them
-    max8 =
-        _mm256_max_ps(max8, _mm256_blendv_ps(_mm256_set1_ps(scores[0]),
-                                             _mm256_maskload_ps(scores + j, first_lanes(count - j)),
-                                             _mm256_castsi256_ps(first_lanes(count - j))));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(max8), _mm256_extractf128_ps(max8, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const __m256 row_max = _mm256_set1_ps(_mm_cvtss_f32(m4)), scale8 = _mm256_set1_ps(scale);
+  const __m256 row_max = _mm256_set1_ps(row_max_avx2(scores, count)),
+               scale8 = _mm256_set1_ps(scale);
   __m256 sum8 = _mm256_setzero_ps();
-  for (j = 0; j + kLanes <= count; j += kLanes) {
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes) {
     const __m256 e = exp_nonpositive_avx2(
         _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + j), row_max), scale8));
     _mm256_storeu_ps(p + j, e);
@@ -104,7 +124,31 @@ __attribute__((target("avx2,fma"))) inline float dot_avx2(const float* a, const 
 }
 #endif
 
-// p[0, count) = softmax(scores[0, count) * scale).
+// The row's maximum, NaN if any entry is NaN.
+template <typename T>
+T row_max(const T* s, int64_t count) {
+#ifdef ATTNKIT_HAVE_AVX2_KERNEL
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2_fma())
+      return row_max_avx2(s, count);
+  }
+#endif
+  T result = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < count; ++j) {
+    if (std::isnan(s[j]))
+      return s[j];
+    result = std::max(result, s[j]);
+  }
+  return result;
+}
+
+// max(a, b), NaN if either is (std::max(x, NaN) is x).
+template <typename T>
+T max_or_nan(T a, T b) {
+  return std::isnan(b) ? b : std::max(a, b);
+}
+
+// p[0, count) = softmax(scores[0, count) * scale): a NaN score makes the row NaN.
 template <typename T>
 void softmax_row(const T* scores, int64_t count, T scale, T* p) {
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL
@@ -115,10 +159,10 @@ void softmax_row(const T* scores, int64_t count, T scale, T* p) {
     }
   }
 #endif
-  const T row_max = *std::max_element(scores, scores + count);
+  const T top = row_max(scores, count);
   T sum = 0;
   for (int64_t j = 0; j < count; ++j) {
-    p[j] = std::exp((scores[j] - row_max) * scale);
+    p[j] = std::exp((scores[j] - top) * scale);
     sum += p[j];
   }
   const T inverse = T(1) / sum;
@@ -140,31 +184,12 @@ T dot(const T* a, const T* b, int64_t count) {
   return sum;
 }
 
-template <typename T>
-T minus_infinity() {
-  return -std::numeric_limits<T>::infinity();
-}
-
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL
-// e^x, exactly 0 for x below -87.3 (and -inf): a masked score contributes nothing.
+// e^x, exactly 0 for x below -87.3 (and -inf): a masked score contributes nothing. NaN stays
+// NaN (the comparison is unordered-true).
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 exp_or_zero_avx2(__m256 x) {
-  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GT_OQ);
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_NLE_UQ);
   return _mm256_and_ps(exp_nonpositive_avx2(x), live);
-}
-
-__attribute__((target("avx2,fma"))) inline float row_max_avx2(const float* s, int64_t count) {
-  __m256 max8 = _mm256_set1_ps(minus_infinity<float>());
-  int64_t j = 0;
-  for (; j + kLanes <= count; j += kLanes)
-    max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + j));
-  float result = minus_infinity<float>();
-  alignas(32) float lanes[kLanes];
-  _mm256_store_ps(lanes, max8);
-  for (const float lane : lanes)
-    result = std::max(result, lane);
-  for (; j < count; ++j)
-    result = std::max(result, s[j]);
-  return result;
 }
 
 __attribute__((target("avx2,fma"))) inline float exp_shifted_avx2(float* s, int64_t count,
@@ -200,20 +225,6 @@ __attribute__((target("avx2,fma"))) inline void softcap_avx2(float* s, int64_t c
     s[j] = cap * std::tanh(s[j] / cap);
 }
 #endif
-
-template <typename T>
-T row_max(const T* s, int64_t count) {
-#ifdef ATTNKIT_HAVE_AVX2_KERNEL
-  if constexpr (std::is_same_v<T, float>) {
-    if (has_avx2_fma())
-      return row_max_avx2(s, count);
-  }
-#endif
-  T result = minus_infinity<T>();
-  for (int64_t j = 0; j < count; ++j)
-    result = std::max(result, s[j]);
-  return result;
-}
 
 // s = e^(s - shift) (0 where s is -inf); returns the row's sum.
 template <typename T>

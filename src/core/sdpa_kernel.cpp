@@ -557,6 +557,8 @@ KernelSpec sdpa_spec() {
             // any scale; a whole call on its SDPA.
             auto why =
                 input.call.split ? cpu_flash_split_declines(input) : fused_kernels_decline(input);
+            if (why.empty())
+              why = libtorch_cpu_nan_declines(input);
             auto split =
                 input.call.split && why.empty() ? cpu_flash_split(span.causal) : SplitKernel{};
             return KernelDecision{
