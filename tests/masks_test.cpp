@@ -184,6 +184,31 @@ TEST(Mask, DenseFormAndTileVerdictsAgreeWithTheDefinition) {
 
 // A region of each mask (what a context-parallel rank applies to a pair of chunks) is the
 // slice of the whole mask: its dense form, and its tiles' verdicts, also read from a block mask.
+// A causal offset whose last query position overflows int64 is refused by name, on every
+// backend (Mask::causal(INT64_MAX) wrapped, and every query saw no key: zeros); one that fits
+// sees every key, as it should.
+TEST(Mask, ACausalOffsetPastInt64IsRefusedByName) {
+  const auto q = torch::randn({2, 2, 32, 8});
+  const int64_t most = std::numeric_limits<int64_t>::max();
+  for (const auto backend : {AttentionBackend::kAuto, AttentionBackend::kChunked,
+                             AttentionBackend::kMath}) {
+    SCOPED_TRACE(attnkit::backend_name(backend));
+    for (const auto& mask : {Mask::causal(most), Mask::causal(most - 31).sliding_window(4),
+                             Mask::causal(torch::tensor({int64_t{0}, most}))}) {
+      const auto call = [&] {
+        F::attention(q, q, q, F::AttentionOptions().mask(mask).backend(backend));
+      };
+      expect_error_containing(call, "mask: causal query_offset");
+      expect_error_containing(call,
+                              " must be at most INT64_MAX - 32 = 9223372036854775775 (the last "
+                              "query's key position must fit in int64), got 9223372036854775");
+    }
+    const auto fits = F::attention(
+        q, q, q, F::AttentionOptions().mask(Mask::causal(most - 32)).backend(backend));
+    EXPECT_TRUE(tensors_close("every key seen", fits, F::attention(q, q, q), 1e-5));
+  }
+}
+
 TEST(Mask, RegionsAreSlicesOfTheWholeMask) {
   torch::manual_seed(7);
   std::mt19937 random(5);

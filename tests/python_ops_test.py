@@ -895,6 +895,10 @@ class OwnMasks(unittest.TestCase):
             (dict(window=4), "window needs causal=True"),
             (dict(causal=True, window=0), "window must be >= 1, got 0"),
             (dict(causal=True, query_offset=-1), "query_offset must be >= 0"),
+            (dict(causal=True, query_offset=2 ** 63 - 1), "query_offset must be at most "
+                                                          "2**63 - 1 - 16 (the last query's key "
+                                                          "position must fit in int64), got "
+                                                          "9223372036854775807"),
             (dict(key_lengths=torch.tensor([3])), "key_lengths must be (2,), got (1,)"),
             (dict(key_lengths=torch.tensor([17, 3])), "key_lengths must be in [0, 16] (the "
                                                       "number of keys), got [17, 3]"),
@@ -954,6 +958,10 @@ class OwnMasks(unittest.TestCase):
             with self.subTest(block_size=size), self.assertRaises(TypeError) as caught:
                 attnkit.attention(q, q, q, causal=True, block_size=size)
             self.assertIn(f"block_size must be an int, got {size!r}", str(caught.exception))
+        # The largest offset that fits: every key seen.
+        self.assertLess(max_error(attnkit.attention(q, q, q, causal=True,
+                                                    query_offset=2 ** 63 - 1 - 16),
+                                  attnkit.attention(q, q, q)), 1e-6)
         # A block longer than the sequence is clamped to it (2**30 on 32 tokens grew to 24 GB).
         x = torch.randn(1, 2, 32, 8)
         self.assertLess(max_error(

@@ -211,6 +211,11 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
         raise ValueError(f"attnkit.attention: window must be >= 1, got {window}")
     if query_offset < 0:
         raise ValueError(f"attnkit.attention: query_offset must be >= 0, got {query_offset}")
+    if query_offset > 2 ** 63 - 1 - max(L, 1):
+        # Query i's key position, query_offset + i, is an int64 (past it, the sum wrapped and
+        # every query saw no key).
+        raise ValueError(f"attnkit.attention: query_offset must be at most 2**63 - 1 - {max(L, 1)} "
+                         f"(the last query's key position must fit in int64), got {query_offset}")
     if causal:
         def causal_mod(b, h, q, kv):
             seen = kv <= q + query_offset

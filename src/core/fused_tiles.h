@@ -193,10 +193,14 @@ struct TilePlan {
 template <typename T>
 void online_softmax_row(T* row, int64_t keys, T& running_max, T& running_sum, T* acc_row,
                         int64_t dv, const T* row_factor) {
-  // NaN once the row has met a NaN score: its weights, sum and output become NaN.
-  const T new_max = max_or_nan(running_max, row_max(row, keys));
-  if (new_max == minus_infinity<T>()) {  // no key seen yet: weights 0
-    std::fill(row, row + keys, T(0));
+  // A NaN score is passed over by the maximum and kept by the exponential: the row's
+  // weights, sum and output become NaN (docs/masks.md).
+  const T new_max = std::max(running_max, row_max(row, keys));
+  if (new_max == minus_infinity<T>()) {  // no number seen yet: masked, or NaN
+    const bool has_nan = std::any_of(row, row + keys, [](T s) { return std::isnan(s); });
+    std::fill(row, row + keys, has_nan ? std::numeric_limits<T>::quiet_NaN() : T(0));
+    if (has_nan)
+      running_sum = std::numeric_limits<T>::quiet_NaN();
     return;
   }
   const T correction = std::exp(running_max - new_max);

@@ -49,9 +49,11 @@ const std::optional<CausalSpan>& KernelInput::causal_span() const {
 
 bool KernelInput::cpu_query_or_key_has_nan() const {
   if (!cpu_nan_) {
-    // One pass over the query and the key, against the attention's n * m passes.
+    // A sum is NaN where an entry is (or where +inf meets -inf: the call then runs on
+    // attnkit's kernels, which is right too): one pass over the query and the key, without
+    // isnan()'s bool tensors.
     cpu_nan_ = call.query.is_cpu() && call.query.is_floating_point() &&
-               (call.query.isnan().any().item<bool>() || call.key.isnan().any().item<bool>());
+               (call.query.sum().isnan().item<bool>() || call.key.sum().isnan().item<bool>());
   }
   return *cpu_nan_;
 }
@@ -88,7 +90,7 @@ std::string sdpa_routes_decline(const KernelInput& input) {
     return c10::str("the fused backend has only the default scale 1/sqrt(head_dim), not ",
                     *input.call.options.scale());
   }
-  return libtorch_cpu_nan_declines(input);
+  return "";
 }
 
 bool cpu_route_allowed(const AttentionCall& call) {

@@ -70,13 +70,23 @@ struct CausalNode final : MaskNode {
       return TileKind::kFull;
     return TileKind::kPartial;
   }
-  void check(const char* fn, int64_t batch, int64_t, int64_t, int64_t,
+  void check(const char* fn, int64_t batch, int64_t, int64_t num_queries, int64_t,
              const torch::Device& device) const override {
-    if (!per_row())
-      return;
-    TORCH_CHECK(offsets.size(0) == batch, fn, " mask: causal query_offsets must have shape (",
-                batch, ") (the batch), got ", shape_string(offsets));
-    check_device(fn, "causal query_offsets", offsets, device);
+    if (per_row()) {
+      TORCH_CHECK(offsets.size(0) == batch, fn, " mask: causal query_offsets must have shape (",
+                  batch, ") (the batch), got ", shape_string(offsets));
+      check_device(fn, "causal query_offsets", offsets, device);
+    }
+    // Query i's position, offset + i, is an int64: the last one must fit (past it, the sum
+    // wrapped, and every query saw no key).
+    const int64_t largest = per_row() && !offsets_cpu.empty()
+                                ? *std::max_element(offsets_cpu.begin(), offsets_cpu.end())
+                                : offset;
+    const int64_t bound = std::numeric_limits<int64_t>::max() - std::max<int64_t>(num_queries, 1);
+    TORCH_CHECK(largest <= bound, fn, " mask: causal query_offset",
+                per_row() ? "s" : "", " must be at most INT64_MAX - ",
+                std::max<int64_t>(num_queries, 1), " = ", bound,
+                " (the last query's key position must fit in int64), got ", largest);
   }
   std::string to_string() const override {
     const auto causal = per_row() ? std::string("causal(query_offsets per row)")

@@ -57,27 +57,20 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 tanh_avx2(__m25
   return _mm256_or_ps(t, _mm256_and_ps(sign_bit, x));
 }
 
-// The row's maximum, NaN if any entry is NaN (a NaN score reaches its row's output).
+// The row's largest number (NaN entries are passed over: the exponential keeps them, so
+// they reach the weights and the sum).
 __attribute__((target("avx2,fma"))) inline float row_max_avx2(const float* s, int64_t count) {
-  __m256 max8 = _mm256_set1_ps(minus_infinity<float>()), nan8 = _mm256_setzero_ps();
+  __m256 max8 = _mm256_set1_ps(minus_infinity<float>());
   int64_t j = 0;
-  for (; j + kLanes <= count; j += kLanes) {
-    const __m256 x = _mm256_loadu_ps(s + j);
-    max8 = _mm256_max_ps(max8, x);
-    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  }
-  if (_mm256_movemask_ps(nan8) != 0)
-    return std::numeric_limits<float>::quiet_NaN();
+  for (; j + kLanes <= count; j += kLanes)
+    max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + j));
   float result = minus_infinity<float>();
   alignas(32) float lanes[kLanes];
   _mm256_store_ps(lanes, max8);
   for (const float lane : lanes)
     result = std::max(result, lane);
-  for (; j < count; ++j) {
-    if (std::isnan(s[j]))
-      return s[j];
+  for (; j < count; ++j)
     result = std::max(result, s[j]);
-  }
   return result;
 }
 
@@ -124,7 +117,8 @@ __attribute__((target("avx2,fma"))) inline float dot_avx2(const float* a, const 
 }
 #endif
 
-// The row's maximum, NaN if any entry is NaN.
+// The row's largest number, -inf if it has none (NaN entries are passed over: the
+// exponentials below keep them).
 template <typename T>
 T row_max(const T* s, int64_t count) {
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL
@@ -133,22 +127,14 @@ T row_max(const T* s, int64_t count) {
       return row_max_avx2(s, count);
   }
 #endif
-  T result = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < count; ++j) {
-    if (std::isnan(s[j]))
-      return s[j];
+  T result = minus_infinity<T>();
+  for (int64_t j = 0; j < count; ++j)
     result = std::max(result, s[j]);
-  }
   return result;
 }
 
-// max(a, b), NaN if either is (std::max(x, NaN) is x).
-template <typename T>
-T max_or_nan(T a, T b) {
-  return std::isnan(b) ? b : std::max(a, b);
-}
-
-// p[0, count) = softmax(scores[0, count) * scale): a NaN score makes the row NaN.
+// p[0, count) = softmax(scores[0, count) * scale): a NaN score makes the row NaN (its
+// exponential is NaN, and so is the sum).
 template <typename T>
 void softmax_row(const T* scores, int64_t count, T scale, T* p) {
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL

@@ -426,7 +426,7 @@ std::string sdpa_masked_declines(const KernelInput& input) {
     return "on the CPU the chunked kernel runs masks and score functions faster than SDPA "
            "with a dense mask; demand kFused for this route";
   }
-  return "";
+  return libtorch_cpu_nan_declines(input);  // last: it reads the query and key
 }
 
 functional::AttentionOutput run_sdpa_masked(const KernelInput& input) {

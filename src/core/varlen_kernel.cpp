@@ -313,7 +313,7 @@ std::string sdpa_varlen_declines(const KernelInput& input, std::optional<VarlenL
         "documents of at most ",
         kLongestCausalDocument, " tokens on average");
   }
-  return "";
+  return libtorch_cpu_nan_declines(input);  // last: it reads the query and key
 }
 
 }  // namespace
