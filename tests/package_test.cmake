@@ -103,6 +103,58 @@ expect_hf_refusal(gemma2_layer_type
 expect_hf_refusal(gemma2_window_missing
   [=["model_type": "gemma2", "layer_types": ["sliding_attention", "full_attention"]]=]
   [=["sliding_window" must be a positive integer .layer_types.0. is sliding_attention., got null]=])
+# Values transformers would misread, or that name the wrong type, refused by name.
+expect_hf_refusal(gemma2_softcap_zero
+  [=["model_type": "gemma2", "sliding_window": 5, "attn_logit_softcapping": 0.0]=]
+  [=["attn_logit_softcapping" must be null or a finite positive number, got 0.0]=])
+expect_hf_refusal(gemma2_final_softcap_zero
+  [=["model_type": "gemma2", "sliding_window": 5, "final_logit_softcapping": 0.0]=]
+  [=["final_logit_softcapping" must be null or a finite positive number, got 0.0]=])
+expect_hf_refusal(gemma2_query_scalar_negative
+  [=["model_type": "gemma2", "sliding_window": 5, "query_pre_attn_scalar": -24]=]
+  [=["query_pre_attn_scalar" must be null or a finite positive number, got -24]=])
+expect_hf_refusal(tied_as_string
+  [=["model_type": "llama", "tie_word_embeddings": "false"]=]
+  [=["tie_word_embeddings" must be true or false, got "false"]=])
+expect_hf_refusal(qwen3_sliding_without_layer_types
+  [=["model_type": "qwen3", "use_sliding_window": true, "sliding_window": 5]=]
+  [=["use_sliding_window" must be false without layer_types .*, got true]=])
+# Sizes whose weights pass the memory budget, refused by name before anything is built.
+expect_hf_refusal(layers_huge
+  [=["model_type": "llama", "num_hidden_layers": 1000000000]=]
+  [=[more than attnkit::memory_budget.*the largest part: num_hidden_layers 1000000000 x hidden_size 32]=])
+expect_hf_refusal(vocab_huge
+  [=["model_type": "llama", "vocab_size": 1000000000000]=]
+  [=[more than attnkit::memory_budget.*the largest part: vocab_size 1000000000000 x hidden_size 32]=])
+expect_hf_refusal(positions_huge
+  [=["model_type": "llama", "max_position_embeddings": 10000000000000]=]
+  [=[more than attnkit::memory_budget.*the largest part: max_position_embeddings 10000000000000]=])
+expect_hf_refusal(width_huge
+  [=["model_type": "llama", "hidden_size": 1000000000]=]
+  [=[more than attnkit::memory_budget.*the largest part: num_hidden_layers 2 x hidden_size 1000000000]=])
+# A window of 10^12 tokens is the whole context: the model is built (and then the missing
+# weights are named).
+file(WRITE ${WORK_DIR}/accepted/window_huge/config.json
+  [=[{"model_type": "mistral", "sliding_window": 1000000000000, "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128}]=])
+file(COPY ${ATTNKIT_SOURCE_DIR}/data/golden/hf/mistral/reference.safetensors
+  DESTINATION ${WORK_DIR}/accepted/window_huge)
+execute_process(COMMAND ${WORK_DIR}/build/tiny_gpt --hf ${WORK_DIR}/accepted/window_huge
+  RESULT_VARIABLE result ERROR_VARIABLE error)
+if(NOT result EQUAL 1 OR NOT error MATCHES "cannot open '[^']*/window_huge/model.safetensors'")
+  message(FATAL_ERROR "package test: tiny_gpt --hf with a window of 10^12 gave ${result}: ${error}")
+endif()
+# A key the architecture's transformers class ignores is ignored: Llama 3's checkpoint with
+# "sliding_window": 3 still answers as transformers computed it (tiny_gpt windowed every layer,
+# and its logits were 7.8 off).
+file(READ ${ATTNKIT_SOURCE_DIR}/data/golden/hf/llama3/config.json llama_config)
+string(REPLACE [=["model_type"]=] [=["sliding_window": 3, "model_type"]=] llama_config
+  "${llama_config}")
+file(WRITE ${WORK_DIR}/accepted/llama3_sliding_window/config.json "${llama_config}")
+file(COPY ${ATTNKIT_SOURCE_DIR}/data/golden/hf/llama3/model.safetensors
+  ${ATTNKIT_SOURCE_DIR}/data/golden/hf/llama3/reference.safetensors
+  DESTINATION ${WORK_DIR}/accepted/llama3_sliding_window)
+run_program("run tiny_gpt --hf llama3 with sliding_window 3" ${WORK_DIR}/build/tiny_gpt
+  --hf ${WORK_DIR}/accepted/llama3_sliding_window)
 expect_hf_refusal(mixtral
   [=["model_type": "mixtral"]=]
   [=["model_type" must be "gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2" or "gemma3_text", got "mixtral"]=])

@@ -13,26 +13,12 @@
 #include <attnkit/attnkit.h>
 #include <torch/torch.h>
 
+#include "hf_config.h"
 #include "model.h"
 
 namespace tiny_gpt {
 
 int check_golden(const std::string& path);
-
-/// A Hugging Face decoder: tiny_gpt's configuration for it and its checkpoint's name map.
-struct HfModel {
-  std::string architecture;  // config.json's model_type: "gpt2", "llama", "qwen3", "gemma2", ...
-  ModelConfig config;
-  attnkit::NameMap names;
-};
-
-/// Reads DIR/config.json. Throws std::runtime_error naming the file and the field for what
-/// tiny_gpt's model cannot express (another model_type, activation, biases, rope_type...).
-HfModel read_hf_model(const std::string& dir);
-
-/// The model of DIR (config.json, model.safetensors: strict, through the name map) in `dtype`
-/// on `device`, in eval mode.
-TinyGpt load_hf_model(const std::string& dir, torch::ScalarType dtype, torch::Device device);
 
 /// DIR's model against DIR/reference.safetensors: each prompt's logits without a cache and
 /// from a ragged prefill with the KV caches, and attnkit::generate's greedy tokens for the
