@@ -130,6 +130,10 @@ attnkit::cli::CommandLine make_command_line() {
              "copied), nccl on the GPUs (CUDA builds with NCCL; one GPU per rank); auto = nccl "
              "for --device cuda where built with it, else gloo",
              "auto")
+      .value("Data-parallel", "dist-timeout",
+             "seconds a rank waits for the others: for all of them to join the run, and in "
+             "each collective (a rank that waits longer ends the run with an error)",
+             "60")
       .value("Data-parallel", "bucket-mb",
              "0 = one allreduce of all gradients after backward; else buckets of this many MB "
              "whose allreduce starts while backward still runs",
@@ -198,7 +202,7 @@ int main(int argc, char** argv) {
   namespace T = attnkit::train;
   auto cli = make_command_line();
   T::TrainConfig config;
-  int64_t nproc = 1;
+  int64_t nproc = 1, dist_timeout_s = 60;
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
@@ -249,6 +253,7 @@ int main(int argc, char** argv) {
     config.bucket_mb = cli.number("bucket-mb");
     config.context_parallel = cli.integer("context-parallel");
     nproc = cli.integer("nproc");
+    dist_timeout_s = cli.integer("dist-timeout");
     config.quiet = cli.given("quiet");
     config.progress_bar = ::isatty(STDOUT_FILENO) == 1;
   } catch (const attnkit::cli::UsageError& e) {
@@ -267,6 +272,8 @@ int main(int argc, char** argv) {
     stop_requested =
         T::install_stop_handlers(config.save, rank == nullptr || std::string(rank) == "0");
     TORCH_CHECK(nproc >= 1, "--nproc: expected >= 1, got ", nproc);
+    TORCH_CHECK(dist_timeout_s >= 1 && dist_timeout_s <= 86400,
+                "--dist-timeout: expected 1..86400 seconds, got ", dist_timeout_s);
     if (nproc > 1) {
       const char* world_size = std::getenv("WORLD_SIZE");
       TORCH_CHECK(world_size == nullptr, "--nproc ", nproc, " with WORLD_SIZE set (", world_size,
@@ -291,7 +298,8 @@ int main(int argc, char** argv) {
       // Plain `cuda`: this rank's own GPU, LOCAL_RANK.
       const auto device = T::rank_device(requested_device, environment, config.dist_backend);
       config.device = device.str();
-      ranks = T::join_process_group(environment, config.dist_backend, /*timeout_s=*/60, device);
+      ranks = T::join_process_group(environment, config.dist_backend,
+                                    static_cast<int>(dist_timeout_s), device);
     }
   } catch (const c10::Error& e) {
     return fail(e.what_without_backtrace());

@@ -199,6 +199,14 @@ expect_error 2 "--context-parallel 2: the ranks form groups of 2" -- -- --contex
 expect_error 2 "--context-parallel 2: task copy with --seq-len 7 has sequences of 14 tokens, which must divide into 4 equal chunks" \
   -- -- --nproc 2 --context-parallel 2 --seq-len 7 --steps 1
 
+expect_error 2 "--dist-timeout: expected 1..86400 seconds, got 0" -- -- --dist-timeout 0
+# An address that does not resolve is named at once (it waited the whole timeout, then blamed
+# the port); a rank whose peers never come says what it waited for (it said "Socket Timeout").
+expect_error 2 "environment MASTER_ADDR: cannot resolve '256.1.1.1'" -- WORLD_SIZE=2 RANK=0 \
+  MASTER_ADDR=256.1.1.1 MASTER_PORT=1 -- --steps 1
+lonely_port=$((29400 + RANDOM % 500))
+expect_error 2 "the 2 ranks did not all join the run at 127.0.0.1:$lonely_port within 3 s: start every rank 0..1 with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE" \
+  -- WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 "MASTER_PORT=$lonely_port" -- --steps 1 --dist-timeout 3
 # A port in use: something else listens there.
 python3 -c 'import socket, time
 s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(); print(s.getsockname()[1], flush=True)

@@ -1,6 +1,7 @@
 #include "distributed.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -106,8 +107,30 @@ std::string first_line(const std::string& text) {
   return text.substr(0, text.find('\n'));
 }
 
+// What a rank that waited in vain for the others is told, with c10d's `detail` (which said
+// only "Socket Timeout", or blamed the port).
+std::string not_all_joined(const RankEnvironment& env, int timeout_s, const std::string& detail) {
+  return c10::str("the ", env.world_size, " ranks did not all join the run at ", env.master_addr,
+                  ":", env.master_port, " within ", timeout_s, " s: start every rank 0..",
+                  env.world_size - 1,
+                  " with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE (or a WORLD_SIZE of as "
+                  "many ranks as run; --dist-timeout waits longer): ",
+                  first_line(detail));
+}
+
 // The rendezvous: rank 0 opens the store at MASTER_ADDR:MASTER_PORT, the others connect.
 c10::intrusive_ptr<c10d::Store> open_store(const RankEnvironment& env, int timeout_s) {
+  // An address that does not resolve (256.1.1.1) waited the whole timeout, then blamed the
+  // port.
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int resolved = ::getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &found);
+  if (found != nullptr)
+    ::freeaddrinfo(found);
+  TORCH_CHECK(resolved == 0, "environment MASTER_ADDR: cannot resolve '", env.master_addr,
+              "' (", ::gai_strerror(resolved), "): give rank 0's host name or IP address");
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(env.master_port);
   options.isServer = env.rank == 0;
@@ -121,12 +144,11 @@ c10::intrusive_ptr<c10d::Store> open_store(const RankEnvironment& env, int timeo
   try {
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "cannot ",
-                env.rank == 0 ? "open the rendezvous store on " : "reach the rendezvous store at ",
-                env.master_addr, ":", env.master_port,
-                env.rank == 0 ? " (is the port already in use? choose another MASTER_PORT)"
-                              : c10::str(" within ", timeout_s, " s (did rank 0 start?)"),
-                ": ", first_line(e.what()));
+    // The port was free: rank 0 waited for the others (2.x waits here, 1.13 in the group).
+    TORCH_CHECK(env.rank != 0, not_all_joined(env, timeout_s, e.what()));
+    TORCH_CHECK(false, "cannot reach the rendezvous store at ", env.master_addr, ":",
+                env.master_port, " within ", timeout_s, " s (did rank 0 start?): ",
+                first_line(e.what()));
   }
 }
 
@@ -408,14 +430,18 @@ std::unique_ptr<Collectives> join_process_group(const RankEnvironment& environme
   // "lost rank" error, not kill this rank with SIGPIPE (Python ignores SIGPIPE; C++ does not).
   std::signal(SIGPIPE, SIG_IGN);
   auto store = open_store(environment, timeout_s);
+  try {
 #ifdef ATTNKIT_WITH_NCCL
-  if (backend == "nccl") {
-    return std::make_unique<C10dCollectives<c10d::ProcessGroupNCCL>>(
-        environment, store, nccl_group(store, environment, timeout_s), backend, device);
-  }
+    if (backend == "nccl") {
+      return std::make_unique<C10dCollectives<c10d::ProcessGroupNCCL>>(
+          environment, store, nccl_group(store, environment, timeout_s), backend, device);
+    }
 #endif
-  return std::make_unique<C10dCollectives<c10d::ProcessGroupGloo>>(
-      environment, store, gloo_group(store, environment, timeout_s), backend, torch::kCPU);
+    return std::make_unique<C10dCollectives<c10d::ProcessGroupGloo>>(
+        environment, store, gloo_group(store, environment, timeout_s), backend, torch::kCPU);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, not_all_joined(environment, timeout_s, e.what()));
+  }
 }
 
 void check_backend_serves(const std::string& backend, const torch::Device& device) {
