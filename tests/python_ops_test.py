@@ -513,6 +513,23 @@ class NaNAsFlexAttention(unittest.TestCase):
         self.check(attnkit.attention(q, k, v, causal=True, key_lengths=lengths),
                    flex_forward(q, k, v, None,
                                 lambda b, h, qi, kv: (kv <= qi) & (kv < lengths[b]), False)[0])
+        # Documents without a gradient run by document on PyTorch's SDPA, which drops a NaN
+        # query's row in a document of 12 tokens: such a call stays with attnkit's kernels.
+        ids = torch.arange(96) // 12
+        q12, v12 = torch.randn(1, 2, 96, 16), torch.randn(1, 2, 96, 16)
+        q_nan = q12.clone()
+        q_nan[:, :, 11] = float("nan")
+        with torch.no_grad():
+            self.check(attnkit.attention(q_nan, q12, v12, document_ids=ids),
+                       flex_forward(q_nan, q12, v12, None,
+                                    lambda b, h, qi, kv: ids[qi] == ids[kv], False)[0])
+        # A score_mod that gives NaN for one query: its row and its lse are NaN.
+        def nan_row(score, b, h, qi, kv):
+            return torch.where(qi == 7, score * float("nan"), score)
+        out, lse = attnkit.flex_attention(q, q, v, score_mod=nan_row, return_lse=True)
+        expected, expected_lse = flex_forward(q, q, v, nan_row, None, False)
+        self.check(out, expected)
+        self.assertTrue(torch.equal(lse.isnan(), expected_lse.isnan()))
         slopes = torch.tensor([float("nan"), 0.5])
         q, k = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
         v = torch.randn(1, 2, 64, 16)

@@ -315,6 +315,10 @@ def _attention_by_document(query, key, value, document_ids, causal, scale):
             query.shape[1] != key.shape[1] or query.numel() == 0 or key.numel() == 0 or \
             (scale is not None and _release(torch.__version__) < (2, 1)):
         return None
+    # PyTorch's CPU SDPA drops a NaN query's row on short sequences (12 tokens; docs/masks.md):
+    # attnkit's kernels keep it. A sum is NaN where an entry is, at one pass over each.
+    if bool(torch.isnan(query.sum())) or bool(torch.isnan(key.sum())):
+        return None
     _check_problem(query, key, value, True)
     ids = document_ids.to("cpu")
     mask_rows = ids.shape[0] if ids.dim() == 2 else 1  # the block mask's B
