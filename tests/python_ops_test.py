@@ -975,6 +975,10 @@ class OwnMasks(unittest.TestCase):
             with self.subTest(block_size=size), self.assertRaises(TypeError) as caught:
                 attnkit.attention(q, q, q, causal=True, block_size=size)
             self.assertIn(f"block_size must be an int, got {size!r}", str(caught.exception))
+        # A window past int64 is no window (2**63 wrapped into another mask).
+        for size in (2 ** 63, 2 ** 64 + 3):
+            self.assertLess(max_error(attnkit.attention(q, q, q, causal=True, window=size),
+                                      attnkit.attention(q, q, q, causal=True)), 1e-6)
         # The largest offset that fits: every key seen.
         self.assertLess(max_error(attnkit.attention(q, q, q, causal=True,
                                                     query_offset=2 ** 63 - 1 - 16),

@@ -216,6 +216,10 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
         # every query saw no key).
         raise ValueError(f"attnkit.attention: query_offset must be at most 2**63 - 1 - {max(L, 1)} "
                          f"(the last query's key position must fit in int64), got {query_offset}")
+    if window is not None and window >= query_offset + L:
+        # As long as the last query's position or longer: every earlier key, no window (2**63
+        # wrapped in int64 and gave another mask; 2**64 failed converting).
+        window = None
     if causal:
         def causal_mod(b, h, q, kv):
             seen = kv <= q + query_offset
