@@ -647,6 +647,24 @@ TEST(Attention, ANaNReachesTheGradientsOfTheRowsThatSeeIt) {
                                 clean_out.index({"...", others, torch::indexing::Slice()}), 1e-5));
       EXPECT_TRUE(tensors_close("their dq", dq_q.index({"...", others, torch::indexing::Slice()}),
                                 clean_dq.index({"...", others, torch::indexing::Slice()}), 1e-5));
+      // A NaN score: head 0's ALiBi slope. That head's rows and gradients are NaN, head 1's
+      // as without it.
+      const auto with_slopes = [&](double first) {
+        const auto qg = q.clone().requires_grad_();
+        const auto out = F::attention(
+            qg, k, v,
+            F::AttentionOptions(options).score_mod(
+                attnkit::score_mods::alibi(torch::tensor({first, 0.5}))));
+        const auto dq = torch::autograd::grad({out}, {qg}, {torch::ones_like(out)})[0];
+        return std::make_pair(out.detach(), dq);
+      };
+      const auto [out_s, dq_s] = with_slopes(nan);
+      const auto [clean_s, clean_dq_s] = with_slopes(0.25);
+      EXPECT_TRUE(out_s.select(1, 0).isnan().all().item<bool>());
+      EXPECT_TRUE(dq_s.select(1, 0).isnan().all().item<bool>());
+      EXPECT_TRUE(tensors_close("head 1", out_s.select(1, 1), clean_s.select(1, 1), 1e-5));
+      EXPECT_TRUE(
+          tensors_close("head 1's dq", dq_s.select(1, 1), clean_dq_s.select(1, 1), 1e-5));
     }
   }
 }

@@ -206,6 +206,17 @@ TEST(Mask, ACausalOffsetPastInt64IsRefusedByName) {
     const auto fits = F::attention(
         q, q, q, F::AttentionOptions().mask(Mask::causal(most - 32)).backend(backend));
     EXPECT_TRUE(tensors_close("every key seen", fits, F::attention(q, q, q), 1e-5));
+    // A window of INT64_MAX is no window (its first key, position - window + 1, overflowed).
+    const auto widest = F::attention(
+        q, q, q,
+        F::AttentionOptions()
+            .mask(Mask::causal().sliding_window(most))
+            .backend(backend)
+            .query_block_size(8)
+            .key_block_size(8));
+    EXPECT_TRUE(tensors_close("causal", widest,
+                              F::attention(q, q, q, F::AttentionOptions().mask(Mask::causal())),
+                              1e-5));
   }
 }
 

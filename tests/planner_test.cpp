@@ -310,7 +310,8 @@ TEST(Planner, EveryPlannedKernelSpreadsANaNAsTheMathCore) {
   for (const auto& c : planner_cases()) {
     if (c.call.packed_qkv.defined())
       continue;  // the query and key are views of the packed projection the kernel reads
-    for (const char* where : {"query", "key", "score"}) {
+    torch::Tensor key_nan_rows;  // the rows that see the NaN key (from the NaN key's call)
+    for (const char* where : {"query", "key", "score", "value"}) {
       auto call = c.call;
       if (std::string(where) == "query") {
         call.query = call.query.clone();
@@ -320,6 +321,14 @@ TEST(Planner, EveryPlannedKernelSpreadsANaNAsTheMathCore) {
           continue;  // a NaN value reaches the rows whose weights multiply it, even by 0
         call.key = call.key.clone();
         call.key.select(2, std::min<int64_t>(2, call.key.size(2) - 1)).fill_(nan);
+      } else if (std::string(where) == "value") {
+        // A NaN value reaches every row that sees its key, and may reach rows whose tiles
+        // multiply it by a weight of 0 (the math core's every row): checked below against the
+        // NaN key's rows and the clean answer.
+        if (!key_nan_rows.defined())
+          continue;
+        call.value = call.value.clone();
+        call.value.select(2, std::min<int64_t>(2, call.value.size(2) - 1)).fill_(nan);
       } else {
         // ALiBi with one head's slope NaN: that head's scores are NaN on every route.
         if (call.options.score_mod() || call.options.sinks().defined())
@@ -328,11 +337,29 @@ TEST(Planner, EveryPlannedKernelSpreadsANaNAsTheMathCore) {
         slopes[1] = nan;
         call.options.score_mod(attnkit::score_mods::alibi(slopes));
       }
+      if (std::string(where) == "value") {
+        for (const auto backend : kBackends) {
+          SCOPED_TRACE(c.name + ", NaN in the value, backend " + attnkit::backend_name(backend));
+          call.options.backend(backend);
+          call.backend_is_preference = true;
+          const torch::NoGradGuard no_grad;
+          const auto out = attnkit::detail::run_attention(call).context;
+          const auto rows = c.counted_rows.expand_as(out);
+          const auto nan_rows = out.isnan().any(-1, /*keepdim=*/true).expand_as(out);
+          EXPECT_TRUE(nan_rows.masked_select(key_nan_rows.logical_and(rows)).all().item<bool>());
+          const auto finite = nan_rows.logical_not().logical_and(rows);
+          EXPECT_TRUE(torch::allclose(out.masked_select(finite), c.expected.masked_select(finite),
+                                      1e-4, 1e-5));
+        }
+        continue;
+      }
       auto math = call;
       math.options.backend(AttentionBackend::kMath).kernel("math");
       const torch::NoGradGuard no_grad;
       const auto expected = attnkit::detail::run_attention(math).context;
       const auto rows = c.counted_rows.expand_as(expected);
+      if (std::string(where) == "key")
+        key_nan_rows = expected.isnan().any(-1, /*keepdim=*/true).expand_as(expected);
       const auto expected_nan = expected.isnan().masked_select(rows);
       partly_nan += expected_nan.any().item<bool>() && !expected_nan.all().item<bool>();
       for (const auto backend : kBackends) {

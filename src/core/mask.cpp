@@ -53,7 +53,10 @@ struct CausalNode final : MaskNode {
       // Row i allows the keys in [position - window + 1, position]: [lo, hi) of the tile.
       const int64_t position = offset_of(t.batch) + t.query_begin + i - t.key_begin;
       const int64_t hi = std::clamp<int64_t>(position + 1, 0, t.keys);
-      const int64_t lo = window > 0 ? std::clamp<int64_t>(position - window + 1, 0, hi) : 0;
+      // (position < window: from key 0; position - window + 1 would overflow for a window
+      // near INT64_MAX)
+      const int64_t lo =
+          window > 0 && position >= window ? std::min<int64_t>(position - window + 1, hi) : 0;
       bool* row = out + i * t.keys;
       std::fill(row, row + lo, false);
       std::fill(row + lo, row + hi, true);
