@@ -651,12 +651,12 @@ TEST(Attention, ANaNReachesTheGradientsOfTheRowsThatSeeIt) {
       // as without it.
       const auto with_slopes = [&](double first) {
         const auto qg = q.clone().requires_grad_();
-        const auto out = F::attention(
+        const auto scored = F::attention(
             qg, k, v,
             F::AttentionOptions(options).score_mod(
                 attnkit::score_mods::alibi(torch::tensor({first, 0.5}))));
-        const auto dq = torch::autograd::grad({out}, {qg}, {torch::ones_like(out)})[0];
-        return std::make_pair(out.detach(), dq);
+        const auto grad = torch::autograd::grad({scored}, {qg}, {torch::ones_like(scored)})[0];
+        return std::make_pair(scored.detach(), grad);
       };
       const auto [out_s, dq_s] = with_slopes(nan);
       const auto [clean_s, clean_dq_s] = with_slopes(0.25);
