@@ -59,7 +59,8 @@ bool KernelInput::cpu_query_or_key_has_nan() const {
 }
 
 std::string libtorch_cpu_nan_declines(const KernelInput& input) {
-  if (input.cpu_query_or_key_has_nan())
+  // A call that demands kFused, or names the kernel, runs LibTorch's SDPA as asked.
+  if (!cpu_route_allowed(input.call) && input.cpu_query_or_key_has_nan())
     return "the query or key holds a NaN, which LibTorch's CPU SDPA drops from a row (its flash "
            "kernel) or spreads into masked rows (a dense mask); attnkit's kernels keep NaN "
            "where it is seen (docs/masks.md)";

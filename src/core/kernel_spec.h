@@ -196,7 +196,8 @@ std::string fused_kernels_decline(const KernelInput& input);
 std::string sdpa_routes_decline(const KernelInput& input);
 
 /// Why LibTorch's CPU SDPA and flash kernels decline a call whose query or key holds a NaN:
-/// they break attnkit's NaN rule (docs/masks.md). "" otherwise.
+/// they break attnkit's NaN rule (docs/masks.md). "" otherwise, and where the call demands
+/// them (cpu_route_allowed: a demanded kFused, a named kernel).
 std::string libtorch_cpu_nan_declines(const KernelInput& input);
 
 /// Whether a route that the CPU runs slower than the chunked kernel may take the call: a
