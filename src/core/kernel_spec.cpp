@@ -48,6 +48,8 @@ const std::optional<CausalSpan>& KernelInput::causal_span() const {
 }
 
 bool KernelInput::cpu_query_or_key_has_nan() const {
+  if (real_ != nullptr)
+    return real_->cpu_query_or_key_has_nan();
   if (!cpu_nan_) {
     // A sum is NaN where an entry is (or where +inf meets -inf: the call then runs on
     // attnkit's kernels, which is right too): one pass over the query and the key, without

@@ -108,13 +108,18 @@ class KernelInput {
   const Mask& mask() const;
   /// mask() as a causal span; nullopt when it is none of: no mask, causal, sliding window.
   const std::optional<CausalSpan>& causal_span() const;
-  /// Whether a CPU call's query or key holds a NaN (looked at once per call).
+  /// Whether a CPU call's query or key holds a NaN (looked at once per call; for a stand-in,
+  /// in the call it stands in for: see stands_in_for).
   bool cpu_query_or_key_has_nan() const;
+  /// Makes this input a stand-in of `real`'s (uninitialised tensors of a copy's shapes): the
+  /// questions about values are answered from `real`.
+  void stands_in_for(const KernelInput& real) { real_ = &real; }
 
  private:
   mutable std::optional<Mask> mask_;
   mutable std::optional<std::optional<CausalSpan>> causal_span_;
   mutable std::optional<bool> cpu_nan_;
+  const KernelInput* real_ = nullptr;
 };
 
 /// What a split call's backward reads besides the call: forward's output (b, h, n, hd_v) and

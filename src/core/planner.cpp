@@ -185,7 +185,8 @@ Result in_its_precision(const AttentionCall& call, const KernelTable& table,
     };
     const KernelInput input(call);
     const auto stand_in_call = in_dtype(call, torch::kFloat, /*values=*/false);
-    const KernelInput stand_in(stand_in_call);  // holds a reference to the call
+    KernelInput stand_in(stand_in_call);  // holds a reference to the call
+    stand_in.stands_in_for(input);        // its values are uninitialised
     const auto input_for = [&](const KernelSpec& spec) -> const KernelInput& {
       return in_its_dtype(spec) ? input : stand_in;
     };
