@@ -643,7 +643,8 @@ TEST(Attention, ANaNReachesTheGradientsOfTheRowsThatSeeIt) {
       const auto others = torch::arange(n).ne(nan_query);
       EXPECT_TRUE(out_q.select(2, nan_query).isnan().all().item<bool>());
       EXPECT_TRUE(dq_q.select(2, nan_query).isnan().all().item<bool>());
-      EXPECT_TRUE(tensors_close("other rows", out_q.index({"...", others, torch::indexing::Slice()}),
+      EXPECT_TRUE(tensors_close("other rows",
+                                out_q.index({"...", others, torch::indexing::Slice()}),
                                 clean_out.index({"...", others, torch::indexing::Slice()}), 1e-5));
       EXPECT_TRUE(tensors_close("their dq", dq_q.index({"...", others, torch::indexing::Slice()}),
                                 clean_dq.index({"...", others, torch::indexing::Slice()}), 1e-5));
@@ -651,10 +652,10 @@ TEST(Attention, ANaNReachesTheGradientsOfTheRowsThatSeeIt) {
       // as without it.
       const auto with_slopes = [&](double first) {
         const auto qg = q.clone().requires_grad_();
-        const auto scored = F::attention(
-            qg, k, v,
-            F::AttentionOptions(options).score_mod(
-                attnkit::score_mods::alibi(torch::tensor({first, 0.5}))));
+        const auto scored =
+            F::attention(qg, k, v,
+                         F::AttentionOptions(options).score_mod(
+                             attnkit::score_mods::alibi(torch::tensor({first, 0.5}))));
         const auto grad = torch::autograd::grad({scored}, {qg}, {torch::ones_like(scored)})[0];
         return std::make_pair(scored.detach(), grad);
       };
@@ -663,8 +664,7 @@ TEST(Attention, ANaNReachesTheGradientsOfTheRowsThatSeeIt) {
       EXPECT_TRUE(out_s.select(1, 0).isnan().all().item<bool>());
       EXPECT_TRUE(dq_s.select(1, 0).isnan().all().item<bool>());
       EXPECT_TRUE(tensors_close("head 1", out_s.select(1, 1), clean_s.select(1, 1), 1e-5));
-      EXPECT_TRUE(
-          tensors_close("head 1's dq", dq_s.select(1, 1), clean_dq_s.select(1, 1), 1e-5));
+      EXPECT_TRUE(tensors_close("head 1's dq", dq_s.select(1, 1), clean_dq_s.select(1, 1), 1e-5));
     }
   }
 }

@@ -190,8 +190,8 @@ TEST(Mask, DenseFormAndTileVerdictsAgreeWithTheDefinition) {
 TEST(Mask, ACausalOffsetPastInt64IsRefusedByName) {
   const auto q = torch::randn({2, 2, 32, 8});
   const int64_t most = std::numeric_limits<int64_t>::max();
-  for (const auto backend : {AttentionBackend::kAuto, AttentionBackend::kChunked,
-                             AttentionBackend::kMath}) {
+  for (const auto backend :
+       {AttentionBackend::kAuto, AttentionBackend::kChunked, AttentionBackend::kMath}) {
     SCOPED_TRACE(attnkit::backend_name(backend));
     for (const auto& mask : {Mask::causal(most), Mask::causal(most - 31).sliding_window(4),
                              Mask::causal(torch::tensor({int64_t{0}, most}))}) {
@@ -203,20 +203,18 @@ TEST(Mask, ACausalOffsetPastInt64IsRefusedByName) {
                               " must be at most INT64_MAX - 32 = 9223372036854775775 (the last "
                               "query's key position must fit in int64), got 9223372036854775");
     }
-    const auto fits = F::attention(
-        q, q, q, F::AttentionOptions().mask(Mask::causal(most - 32)).backend(backend));
+    const auto fits =
+        F::attention(q, q, q, F::AttentionOptions().mask(Mask::causal(most - 32)).backend(backend));
     EXPECT_TRUE(tensors_close("every key seen", fits, F::attention(q, q, q), 1e-5));
     // A window of INT64_MAX is no window (its first key, position - window + 1, overflowed).
-    const auto widest = F::attention(
-        q, q, q,
-        F::AttentionOptions()
-            .mask(Mask::causal().sliding_window(most))
-            .backend(backend)
-            .query_block_size(8)
-            .key_block_size(8));
-    EXPECT_TRUE(tensors_close("causal", widest,
-                              F::attention(q, q, q, F::AttentionOptions().mask(Mask::causal())),
-                              1e-5));
+    const auto widest = F::attention(q, q, q,
+                                     F::AttentionOptions()
+                                         .mask(Mask::causal().sliding_window(most))
+                                         .backend(backend)
+                                         .query_block_size(8)
+                                         .key_block_size(8));
+    EXPECT_TRUE(tensors_close(
+        "causal", widest, F::attention(q, q, q, F::AttentionOptions().mask(Mask::causal())), 1e-5));
   }
 }
 

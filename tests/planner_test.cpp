@@ -374,8 +374,8 @@ TEST(Planner, EveryPlannedKernelSpreadsANaNAsTheMathCore) {
             << got_nan.sum().item<int64_t>() << " NaN against the math core's "
             << expected_nan.sum().item<int64_t>();
         const auto finite = expected.isnan().logical_not().logical_and(rows);
-        EXPECT_TRUE(torch::allclose(out.masked_select(finite), expected.masked_select(finite), 1e-4,
-                                    1e-5));
+        EXPECT_TRUE(
+            torch::allclose(out.masked_select(finite), expected.masked_select(finite), 1e-4, 1e-5));
       }
     }
   }

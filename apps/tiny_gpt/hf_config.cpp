@@ -255,8 +255,7 @@ std::vector<int64_t> windows_of(const HfConfig& json, const std::string& archite
     return {};
   const bool has_window = root.contains("sliding_window") && !root["sliding_window"].is_null();
   // A window as long as the context is none: clamped to it (a window of 10^12 is allowed).
-  const int64_t window =
-      has_window ? std::min(json.positive("sliding_window"), context_length) : 0;
+  const int64_t window = has_window ? std::min(json.positive("sliding_window"), context_length) : 0;
   std::vector<std::string> types;
   if (root.contains("layer_types") && !root["layer_types"].is_null()) {
     const auto& listed = root["layer_types"];

@@ -86,9 +86,8 @@ struct CausalNode final : MaskNode {
                                 ? *std::max_element(offsets_cpu.begin(), offsets_cpu.end())
                                 : offset;
     const int64_t bound = std::numeric_limits<int64_t>::max() - std::max<int64_t>(num_queries, 1);
-    TORCH_CHECK(largest <= bound, fn, " mask: causal query_offset",
-                per_row() ? "s" : "", " must be at most INT64_MAX - ",
-                std::max<int64_t>(num_queries, 1), " = ", bound,
+    TORCH_CHECK(largest <= bound, fn, " mask: causal query_offset", per_row() ? "s" : "",
+                " must be at most INT64_MAX - ", std::max<int64_t>(num_queries, 1), " = ", bound,
                 " (the last query's key position must fit in int64), got ", largest);
   }
   std::string to_string() const override {

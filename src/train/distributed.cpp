@@ -129,8 +129,8 @@ c10::intrusive_ptr<c10d::Store> open_store(const RankEnvironment& env, int timeo
   const int resolved = ::getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &found);
   if (found != nullptr)
     ::freeaddrinfo(found);
-  TORCH_CHECK(resolved == 0, "environment MASTER_ADDR: cannot resolve '", env.master_addr,
-              "' (", ::gai_strerror(resolved), "): give rank 0's host name or IP address");
+  TORCH_CHECK(resolved == 0, "environment MASTER_ADDR: cannot resolve '", env.master_addr, "' (",
+              ::gai_strerror(resolved), "): give rank 0's host name or IP address");
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(env.master_port);
   options.isServer = env.rank == 0;
@@ -147,8 +147,8 @@ c10::intrusive_ptr<c10d::Store> open_store(const RankEnvironment& env, int timeo
     // The port was free: rank 0 waited for the others (2.x waits here, 1.13 in the group).
     TORCH_CHECK(env.rank != 0, not_all_joined(env, timeout_s, e.what()));
     TORCH_CHECK(false, "cannot reach the rendezvous store at ", env.master_addr, ":",
-                env.master_port, " within ", timeout_s, " s (did rank 0 start?): ",
-                first_line(e.what()));
+                env.master_port, " within ", timeout_s,
+                " s (did rank 0 start?): ", first_line(e.what()));
   }
 }
 

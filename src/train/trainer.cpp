@@ -404,11 +404,10 @@ void TrainingRun::print_setup() {
   if (world_size_ > 1) {
     const auto buckets = gradient_sync_->bucket_sizes();
     Line(out_) << "data-parallel: " << data_ranks_
-               << (!context_group_ ? " ranks ("
+               << (!context_group_    ? " ranks ("
                    : data_ranks_ == 1 ? " group of ranks ("
                                       : " groups of ranks (")
-               << group_.backend() << "), "
-               << config_.batch_size << " sequences per step in all, "
+               << group_.backend() << "), " << config_.batch_size << " sequences per step in all, "
                << optimizer_->flat_gradients().numel() << " gradients summed in " << buckets.size()
                << (buckets.size() == 1 ? " allreduce after backward\n"
                                        : " buckets started during backward\n");
