@@ -242,6 +242,15 @@ class FlexCases(unittest.TestCase):
                 with self.subTest(mask_mod=mask_mod.__name__, dtype=dtype):
                     self.check_case(rel_bias, mask_mod, dtype)
 
+    def test_a_score_mod_that_takes_its_indices_as_star_args(self):
+        # flex_attention calls score_mod(score, b, h, q_idx, kv_idx); `lambda s, *rest:` was
+        # refused ("got 2 argument(s)").
+        def distance(score, *indices):
+            b, h, q_idx, kv_idx = indices
+            return score + (q_idx - kv_idx) * 0.125
+        self.check_case(distance, causal, torch.float32)
+        self.check_case(lambda s, *rest: s * 1.0, documents, torch.float32)
+
     def test_gqa_and_broadcast(self):
         with self.subTest("gqa"):
             self.check_case(head_offset, causal, torch.float32, kv_heads=2)
@@ -450,6 +459,9 @@ class BadInput(unittest.TestCase):
         def control_flow(score, b, h, q, kv):
             return score if (q > 3).any() else -score
         self.refused(attnkit.ScoreModError, ["score_mod", "traced"], score_mod=control_flow)
+
+        self.refused(attnkit.ScoreModError, ["score_mod", "five positional", "argument"],
+                     score_mod=lambda score, b: score)
 
         def unknown_operation(score, b, h, q, kv):
             return score.cumsum(-1)

@@ -4,6 +4,7 @@ One line per operation; operands %0..%4 are (score, b, h, q_idx, kv_idx), %5 on 
 results, $i the i-th captured tensor, f:/i:/b: constants and _ a whole dimension.
 """
 
+import inspect
 import operator
 
 import torch
@@ -103,9 +104,22 @@ def _name_of(node):
 
 def trace(score_mod):
     """(graph text, captured tensors) of score_mod; ScoreModError names what failed."""
+    try:
+        inspect.signature(score_mod).bind(*range(5))
+    except TypeError as error:
+        raise ScoreModError("score_mod must take (score, b, h, q_idx, kv_idx) as five positional "
+                            f"arguments, as flex_attention calls it: {error}") from error
+    except ValueError:
+        pass  # no signature to read (a builtin): the trace below tells
+
+    # fx makes one placeholder per named parameter (and one for *args), so trace a function of
+    # exactly five that calls score_mod as flex_attention does: `lambda s, *rest: ...` works.
+    def score_mod_of_five(score, b, h, q_idx, kv_idx):
+        return score_mod(score, b, h, q_idx, kv_idx)
+
     tracer = _Tracer()
     try:
-        graph = tracer.trace(score_mod)
+        graph = tracer.trace(score_mod_of_five)
     except Exception as error:  # fx raises TraceError, TypeError, ... for untraceable code
         raise ScoreModError(
             f"score_mod cannot be traced with torch.fx ({type(error).__name__}: {error}); a "
@@ -114,9 +128,6 @@ def trace(score_mod):
             "tensor values") from error
     graph.eliminate_dead_code()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != 5:
-        raise ScoreModError("score_mod must take (score, b, h, q_idx, kv_idx), got "
-                            f"{len(placeholders)} argument(s)")
     numbers = {n.name: i for i, n in enumerate(placeholders)}
     captured_index = {}
     lines = []
