@@ -19,6 +19,7 @@ import sysconfig
 import tempfile
 import types
 import unittest
+import warnings
 
 import torch
 
@@ -212,8 +213,9 @@ class FlexCases(unittest.TestCase):
         q, k, v, *extra = low([q64, k64, v64, *extra64])
         mine_mod, _ = with_buffer(extra[0] if extra else None)
         bm = make_block_mask(mask_mod, self.L, self.L)
-        out, lse = attnkit.flex_attention(q, k, v, score_mod=mine_mod, block_mask=bm,
-                                          enable_gqa=gqa, return_lse=True)
+        out, aux = attnkit.flex_attention(q, k, v, score_mod=mine_mod, block_mask=bm,
+                                          enable_gqa=gqa, return_aux=attnkit.AuxRequest(lse=True))
+        lse = aux.lse
         grads = torch.autograd.grad(out, [q, k, v, *extra], grad.to(dtype))
         fudge = 10.0 if dtype == torch.float32 else 1.1
         names = ["out", "dq", "dk", "dv", "d_buffer"]
@@ -564,6 +566,126 @@ class NaNAsFlexAttention(unittest.TestCase):
         self.assertTrue(bool(q.grad.isnan().all(-1)[nan_rows].all()))
         # Rows 0-31 (the first document's) share no tile of 16 with the NaN key: finite.
         self.assertTrue(bool(q.grad[:, :, :32].isfinite().all()))
+
+
+class DropIn(unittest.TestCase):
+    """What a script written for torch 2.15's flex_attention passes: return_aux, kernel_options,
+    a key/value batch of 1, and an lse that takes gradients."""
+
+    def test_the_lse_takes_gradients_with_or_without_the_outputs(self):
+        # The lse's gradient was dropped without a word (it was marked non-differentiable).
+        torch.manual_seed(97)
+        q = torch.randn(2, 4, 70, 16, dtype=torch.float64)
+        k = torch.randn(2, 2, 70, 16, dtype=torch.float64)
+        bias = torch.randn(4, dtype=torch.float64)
+        grad_out = torch.randn(2, 4, 70, 16, dtype=torch.float64)
+        grad_lse = torch.randn(2, 4, 70, dtype=torch.float64)
+        bm = attnkit.create_block_mask(documents, None, None, 70, 70, BLOCK_SIZE=16)
+        for value_dim in (16, 15):  # the extra value column pads to an even width
+            v = torch.randn(2, 2, 70, value_dim, dtype=torch.float64)
+            g_out = grad_out[..., :value_dim]
+            for with_out in (True, False):
+                with self.subTest(value_dim=value_dim, with_out=with_out):
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+
+                    def score_mod(s, b, h, qi, kv, table=leaves[3]):
+                        return s + table[h] * (qi - kv) * 0.125
+                    out, lse = dense_reference(*leaves[:3], score_mod, documents)
+                    loss = (lse * grad_lse).sum() + ((out * g_out).sum() if with_out else 0)
+                    expected = torch.autograd.grad(loss, leaves, allow_unused=True)
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+
+                    def mine_mod(s, b, h, qi, kv, table=leaves[3]):
+                        return s + table[h] * (qi - kv) * 0.125
+                    out, aux = attnkit.flex_attention(*leaves[:3], score_mod=mine_mod,
+                                                      block_mask=bm, enable_gqa=True,
+                                                      return_aux=attnkit.AuxRequest(lse=True))
+                    loss = (aux.lse * grad_lse).sum() + ((out * g_out).sum() if with_out else 0)
+                    got = torch.autograd.grad(loss, leaves, allow_unused=True)
+                    for name, mine, ref in zip(["dq", "dk", "dv", "d_bias"], got, expected):
+                        if ref is None:  # dv without the output's gradient
+                            self.assertTrue(mine is None or max_error(mine, 0 * mine) == 0.0)
+                            continue
+                        self.assertLess(max_error(mine, ref), 1e-12, name)
+
+    def test_a_key_value_batch_of_one_serves_every_query_batch(self):
+        torch.manual_seed(101)
+        q = torch.randn(3, 2, 40, 16, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(1, 2, 40, 16, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(1, 2, 40, 16, dtype=torch.float64, requires_grad=True)
+        grad = torch.randn(3, 2, 40, 16, dtype=torch.float64)
+        for block_mask in (None, attnkit.create_block_mask(causal, 3, None, 40, 40,
+                                                           BLOCK_SIZE=16)):
+            with self.subTest(block_mask=block_mask is not None):
+                out = attnkit.flex_attention(q, k, v, score_mod=times_two, block_mask=block_mask)
+                got = torch.autograd.grad(out, [q, k, v], grad)
+                ref_out, _ = dense_reference(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1),
+                                             times_two, causal if block_mask else None)
+                expected = torch.autograd.grad(ref_out, [q, k, v], grad)
+                self.assertLess(max_error(out, ref_out), 1e-12)
+                for mine, ref in zip(got, expected):
+                    self.assertEqual(mine.shape, ref.shape)
+                    self.assertLess(max_error(mine, ref), 1e-12)
+        with self.assertRaises(ValueError) as caught:
+            attnkit.flex_attention(q, torch.randn(2, 2, 40, 16, dtype=torch.float64),
+                                   torch.randn(2, 2, 40, 16, dtype=torch.float64))
+        for word in ("key and value must have the query's batch size or 1", "query 3", "key 2"):
+            self.assertIn(word, str(caught.exception))
+
+    def test_return_aux_and_kernel_options(self):
+        torch.manual_seed(103)
+        q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+        plain, lse = dense_reference(q, k, v, times_two, causal)
+        bm = attnkit.create_block_mask(causal, None, None, 64, 64, BLOCK_SIZE=16)
+        out, aux = attnkit.flex_attention(q, k, v, times_two, bm,
+                                          return_aux=attnkit.AuxRequest(lse=True))
+        self.assertIsInstance(aux, attnkit.AuxOutput)
+        self.assertIsNone(aux.max_scores)
+        self.assertLess(max_error(aux.lse, lse), 1e-5)
+        out, aux = attnkit.flex_attention(q, k, v, times_two, bm, return_aux=attnkit.AuxRequest())
+        self.assertIsNone(aux.lse)
+        self.assertLess(max_error(out, plain), 1e-5)
+        # The keys that change the computation, and GPU-only keys, which change nothing.
+        for options in ({"BLOCK_M": 16, "BLOCK_N": 32}, {"fwd_BLOCK_M": 32}, {"PRESCALE_QK": True},
+                        {"num_warps": 4, "num_stages": 2, "BACKEND": "TRITON", "WRITE_DQ": False}):
+            with self.subTest(options=options):
+                out = attnkit.flex_attention(q, k, v, times_two, None, kernel_options=options)
+                self.assertLess(max_error(out, dense_reference(q, k, v, times_two)[0]), 1e-5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            attnkit.flex_attention(q, k, v, kernel_options={"BLOK_M": 64})
+        self.assertTrue(any("BLOK_M" in str(w.message) for w in caught))
+        if attnkit._TORCH_HAS_AUX:  # PyTorch deprecates return_lse where it has AuxRequest
+            with self.assertWarns(FutureWarning):
+                attnkit.flex_attention(q, k, v, return_lse=True)
+            self.assertIs(attnkit.AuxRequest, torch_aux_request())
+
+    def test_bad_aux_requests_and_kernel_options_name_the_argument(self):
+        q = torch.randn(1, 2, 32, 8)
+        cases = [
+            (TypeError, ["return_aux", "AuxRequest", "tuple"], {"return_aux": (True, False)}),
+            (ValueError, ["return_lse", "return_aux"],
+             {"return_lse": True, "return_aux": attnkit.AuxRequest(lse=True)}),
+            (NotImplementedError, ["max_scores"],
+             {"return_aux": attnkit.AuxRequest(max_scores=True)}),
+            (TypeError, ["kernel_options", "dict", "list"], {"kernel_options": [("BLOCK_M", 64)]}),
+            (ValueError, ["kernel_options", "OUTPUT_LOGSUMEXP"],
+             {"kernel_options": {"OUTPUT_LOGSUMEXP": True}}),
+            (ValueError, ["kernel_options BACKEND", "'NOPE'"], {"kernel_options": {"BACKEND": "NOPE"}}),
+            (ValueError, ["kernel_options BLOCK_M", "power of 2", "48"],
+             {"kernel_options": {"BLOCK_M": 48}}),
+        ]
+        for error, words, kwargs in cases:
+            with self.subTest(kwargs=kwargs):
+                with self.assertRaises(error) as caught:
+                    attnkit.flex_attention(q, q, q, **kwargs)
+                for word in words:
+                    self.assertIn(word, str(caught.exception))
+
+
+def torch_aux_request():
+    from torch.nn.attention.flex_attention import AuxRequest
+    return AuxRequest
 
 
 class PaddedBlockLists(unittest.TestCase):
@@ -953,9 +1075,10 @@ class OwnMasks(unittest.TestCase):
                 attnkit.attention(q, q, q, **{name: given})
             self.assertIn(f"{name} must be an integer tensor, got {given.dtype}",
                           str(caught.exception))
+        # A key/value batch of 1 broadcasts (DropIn); any other than the query's is refused.
         with self.assertRaises(ValueError) as caught:
-            attnkit.flex_attention(q, q[:1], q[:1])
-        self.assertIn("one batch size", str(caught.exception))
+            attnkit.flex_attention(q, q.repeat(3, 1, 1, 1), q.repeat(3, 1, 1, 1))
+        self.assertIn("the query's batch size or 1", str(caught.exception))
         with self.assertRaises(ValueError) as caught:
             attnkit.flex_attention(q, q[..., :4], q)
         self.assertIn("one head dimension", str(caught.exception))

@@ -11,7 +11,9 @@ compiled flex_attention has no backward) and on CUDA.
 import math
 import os
 import re
+import warnings
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -20,7 +22,23 @@ from ._block_mask import BlockMask, create_block_mask, own_block_mask, partial_t
 from ._score_graph import ScoreModError
 
 __all__ = ["flex_attention", "attention", "create_block_mask", "BlockMask", "ScoreModError",
-           "library_path", "cpu_16bit_matmul"]
+           "AuxRequest", "AuxOutput", "library_path", "cpu_16bit_matmul"]
+
+try:  # PyTorch's own (2.9 on), so that a script's AuxRequest and ours are one class
+    from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
+    _TORCH_HAS_AUX = True
+except ImportError:
+    _TORCH_HAS_AUX = False
+
+    class AuxRequest(NamedTuple):
+        """Which auxiliary outputs flex_attention returns (FlexAttention's, for older torch)."""
+        lse: bool = False
+        max_scores: bool = False
+
+    class AuxOutput(NamedTuple):
+        """flex_attention's auxiliary outputs: a tensor where requested, else None."""
+        lse: Optional[torch.Tensor] = None
+        max_scores: Optional[torch.Tensor] = None
 
 
 def library_path():
@@ -117,9 +135,10 @@ def _check_problem(query, key, value, enable_gqa):
         raise TypeError(f"attnkit.flex_attention: query is float16 on the CPU, which this "
                         f"PyTorch {torch.__version__} cannot multiply (no CPU float16 "
                         "products): use bfloat16 or float32, or a GPU")
-    if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
-        raise ValueError("attnkit.flex_attention: query, key and value must have one batch size, "
-                         f"got {query.shape[0]}, {key.shape[0]} and {value.shape[0]}")
+    if key.shape[0] != value.shape[0] or key.shape[0] not in (query.shape[0], 1):
+        raise ValueError("attnkit.flex_attention: key and value must have the query's batch size "
+                         "or 1 (one key/value batch entry serves every query's), got query "
+                         f"{query.shape[0]}, key {key.shape[0]} and value {value.shape[0]}")
     if key.shape[1:3] != value.shape[1:3]:
         raise ValueError("attnkit.flex_attention: key and value must have the same heads and "
                          f"length, got {tuple(key.shape)} and {tuple(value.shape)}")
@@ -135,13 +154,19 @@ def _check_problem(query, key, value, enable_gqa):
                          f"query heads ({hq})")
 
 
-def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p=0.0):
+def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p=0.0,
+          block_sizes=(128, 128)):
     _check_problem(query, key, value, enable_gqa)
+    if key.shape[0] != query.shape[0]:
+        # Batch broadcast: a view with batch stride 0, which the kernels read in place; its
+        # gradient is summed over the query's batch by autograd.
+        key = key.expand(query.shape[0], -1, -1, -1)
+        value = value.expand(query.shape[0], -1, -1, -1)
     graph, captured = ("", []) if score_mod is None else _score_graph.traced(score_mod)
     if block_mask is None or query.numel() == 0:
         # No batch entry or no query: no row to mask, and an empty batch has no block to list.
         lists = (None, None, None, None, None)
-        q_block, kv_block = 128, 128
+        q_block, kv_block = block_sizes
     else:
         q_block, kv_block, lists = partial_tiles(block_mask, query, key)
     if scale is None:
@@ -171,17 +196,95 @@ def cpu_16bit_matmul(dtype):
     return torch.ops.attnkit.cpu_16bit_matmul(dtype)
 
 
+# kernel_options keys of PyTorch's FlexKernelOptions that mean nothing on attnkit's kernels
+# (GPU launch and scheduling hints, guarantees the CPU kernels do not use), taken and ignored.
+_IGNORED_KERNEL_OPTIONS = frozenset([
+    "num_warps", "num_stages", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
+    "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ", "FORCE_USE_FLEX_ATTENTION",
+    "USE_TMA", "kpack", "matrix_instr_nonkdim", "waves_per_eu", "BACKEND"])
+# Keys that change what attnkit computes: the tile sizes without a block mask, and PRESCALE_QK.
+_HONOURED_KERNEL_OPTIONS = frozenset(["BLOCK_M", "BLOCK_N", "PRESCALE_QK"])
+_BACKENDS = ("AUTO", "TRITON", "FLASH", "TRITON_DECODE")
+_warned_kernel_options = set()
+
+
+def _kernel_options(kernel_options):
+    """kernel_options as a dict of the keys attnkit honours, after FlexAttention's checks."""
+    if kernel_options is None:
+        return {}
+    if not isinstance(kernel_options, dict):
+        raise TypeError("attnkit.flex_attention: kernel_options must be a dict (FlexKernelOptions)"
+                        f", got {type(kernel_options).__name__}")
+    for internal in ("OUTPUT_LOGSUMEXP", "OUTPUT_MAX"):
+        if internal in kernel_options:
+            raise ValueError(f"attnkit.flex_attention: kernel_options must not hold {internal} "
+                             "(it is set from return_aux), as in PyTorch")
+    if "BACKEND" in kernel_options:
+        if kernel_options["BACKEND"] not in _BACKENDS:
+            raise ValueError("attnkit.flex_attention: kernel_options BACKEND must be one of "
+                             f"{_BACKENDS}, got {kernel_options['BACKEND']!r}")
+        if kernel_options.get("FORCE_USE_FLEX_ATTENTION", False):
+            raise ValueError("attnkit.flex_attention: kernel_options BACKEND cannot be combined "
+                             "with FORCE_USE_FLEX_ATTENTION, as in PyTorch")
+    honoured = {}
+    for name, value in kernel_options.items():
+        stem = name[4:] if isinstance(name, str) and name[:4] in ("fwd_", "bwd_") else name
+        if stem in _HONOURED_KERNEL_OPTIONS and name[:4] != "bwd_":
+            honoured[stem] = value
+        elif stem not in _IGNORED_KERNEL_OPTIONS and stem not in _HONOURED_KERNEL_OPTIONS and \
+                name not in _warned_kernel_options:
+            # PyTorch takes an unknown key without a word; attnkit takes it too, and says so once.
+            _warned_kernel_options.add(name)
+            warnings.warn(f"attnkit.flex_attention: kernel_options {name!r} is no key of "
+                          "FlexKernelOptions; it is ignored (docs/python.md lists the keys)",
+                          UserWarning, stacklevel=3)
+    for name in ("BLOCK_M", "BLOCK_N"):
+        size = honoured.get(name)
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or
+                                 size < 1 or size & (size - 1)):
+            raise ValueError(f"attnkit.flex_attention: kernel_options {name} must be a power of "
+                             f"2, got {size!r}")
+    return honoured
+
+
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
-                   enable_gqa=False, return_lse=False):
+                   enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None):
     """FlexAttention's ``flex_attention`` on attnkit's kernels, forward and backward.
 
-    query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev) -> (B, Hq, L, Ev), and with
-    return_lse the log-sum-exp (B, Hq, L) in float32 (-inf for a query that sees no key).
+    query (B, Hq, L, E), key (B or 1, Hkv, S, E), value (B or 1, Hkv, S, Ev) ->
+    (B, Hq, L, Ev). return_aux=AuxRequest(lse=True) returns (out, AuxOutput) with the
+    log-sum-exp (B, Hq, L) in float32 (-inf for a query that sees no key), differentiable;
+    return_lse=True (deprecated where PyTorch deprecates it) returns (out, lse).
     score_mod(score, b, h, q_idx, kv_idx) is traced at each call (torch.fx) and runs in
     the kernels; block_mask is PyTorch's BlockMask (create_block_mask) or attnkit's, whose
-    mask_mod is evaluated on its partial tiles only.
+    mask_mod is evaluated on its partial tiles only. kernel_options: docs/python.md.
     """
-    out, lse = _call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if return_aux is not None:
+        if not (hasattr(return_aux, "lse") and hasattr(return_aux, "max_scores")):
+            raise TypeError("attnkit.flex_attention: return_aux must be an AuxRequest(lse=..., "
+                            f"max_scores=...), got {type(return_aux).__name__}")
+        if return_lse:
+            raise ValueError("attnkit.flex_attention: give return_lse or return_aux, not both "
+                             "(return_lse is deprecated: use return_aux=AuxRequest(lse=True))")
+        if return_aux.max_scores:
+            raise NotImplementedError("attnkit.flex_attention: return_aux max_scores is not "
+                                      "computed by attnkit's kernels yet (PyTorch's CPU "
+                                      "flex_attention refuses it too); ask for lse only")
+    elif return_lse and _TORCH_HAS_AUX:
+        warnings.warn("attnkit.flex_attention: return_lse is deprecated, as in PyTorch; use "
+                      "return_aux=AuxRequest(lse=True)", FutureWarning, stacklevel=2)
+    options = _kernel_options(kernel_options)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1]) if isinstance(query, torch.Tensor) else None
+    if options.get("PRESCALE_QK", False) and isinstance(query, torch.Tensor):
+        # FlexAttention's numerics for it: the query is scaled (rounded in its dtype) first.
+        query, scale = query * scale, 1.0
+    out, lse = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                     block_sizes=(options.get("BLOCK_M", 128), options.get("BLOCK_N", 128)))
+    if return_aux is not None:
+        wanted = return_aux.lse
+        return out, AuxOutput(lse=lse.masked_fill(lse == math.inf, -math.inf) if wanted else None,
+                              max_scores=None)
     if return_lse:
         return out, lse.masked_fill(lse == math.inf, -math.inf)
     return out

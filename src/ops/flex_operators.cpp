@@ -376,6 +376,29 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The lse's gradient g through the backward kernels as they are. d lse_i / d s_ij = P_ij, so
+// dS_ij = P_ij (dP_ij - D_i + g_i), where dP = dO V^T and D = rowsum(dO * O). A value column
+// of ones with g as its output gradient adds g_i to every dP_ij; that column's output is given
+// as 0, so D stays rowsum(dO * O). The column's dV is dropped. One more column for an even
+// value width (the 16-bit products pack pairs of rows).
+// grad_out (b, hq, n, dv), value (b, hkv, m, dv), out (b, hq, n, dv), grad_lse (b, hq, n)
+//   -> the three with dv + extra columns.
+std::tuple<Tensor, Tensor, Tensor> with_lse_gradient(const Tensor& grad_out, const Tensor& value,
+                                                     const Tensor& out, const Tensor& grad_lse) {
+  const int64_t extra = value.size(-1) % 2 == 0 ? 2 : 1;
+  const auto column = [extra](const Tensor& t, const Tensor& first) {
+    auto sizes = t.sizes().vec();
+    sizes.back() = extra;
+    auto added = torch::zeros(sizes, t.options());
+    added.select(-1, 0).copy_(first);
+    return torch::cat({t, added}, -1);
+  };
+  // A row that sees no key has lse +inf (or -inf from Python) and no weights: g moves nothing.
+  const auto g = grad_lse.to(grad_out.scalar_type());
+  return {column(grad_out, g), column(value, torch::ones({}, value.options())),
+          column(out, torch::zeros({}, out.options()))};
+}
+
 // The autograd kernel: forward below autograd, backward through flex_attention_backward.
 struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFunction> {
   // `blocks`: kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_tiles
@@ -408,7 +431,9 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["dropout_seed"] = dropout_seed;
-    ctx->mark_non_differentiable({lse});
+    // Unused outputs' gradients stay undefined: a call whose lse takes no gradient pays
+    // nothing for it (with_lse_gradient).
+    ctx->set_materialize_grads(false);
     return {out, lse};
   }
 
@@ -426,14 +451,26 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
     const auto saved = ctx->get_saved_variables();
     const std::vector<Tensor> score_tensors(saved.begin() + 5, saved.end());
     const auto blocks = ctx->saved_data["blocks"].to<std::vector<c10::optional<Tensor>>>();
+    const auto dropout_p = ctx->saved_data["dropout_p"].toDouble();
     // Contiguous, so that a compiled graph's backward sees the strides it was traced with.
     auto grad_out = grads[0].defined() ? grads[0].contiguous() : torch::zeros_like(saved[3]);
+    auto value = saved[2];
+    auto out = saved[3];
+    if (grads[1].defined()) {
+      TORCH_CHECK(dropout_p == 0.0,
+                  "[attnkit::flex_attention] the lse's gradient with dropout_p > 0 is not "
+                  "supported (lse is the softmax's, before dropout); got dropout_p ",
+                  dropout_p);
+      std::tie(grad_out, value, out) = with_lse_gradient(grad_out, value, out, grads[1]);
+    }
     auto [dq, dk, dv, tensor_grads] = op.call(
-        grad_out, saved[0], saved[1], saved[2], saved[3], saved[4], blocks[0], blocks[1], blocks[2],
+        grad_out, saved[0], saved[1], value, out, saved[4], blocks[0], blocks[1], blocks[2],
         blocks[3], blocks[4], ctx->saved_data["q_block_size"].toInt(),
         ctx->saved_data["kv_block_size"].toInt(), ctx->saved_data["score_graph"].toStringRef(),
-        score_tensors, ctx->saved_data["scale"].toDouble(), ctx->saved_data["dropout_p"].toDouble(),
+        score_tensors, ctx->saved_data["scale"].toDouble(), dropout_p,
         ctx->saved_data["dropout_seed"].toInt());
+    if (grads[1].defined())
+      dv = dv.narrow(-1, 0, saved[2].size(-1)).contiguous();
     // One gradient per forward argument: q, k, v, the blocks, the two block sizes, the
     // graph, each score tensor, then scale, dropout_p and the seed.
     variable_list result{dq, dk, dv};
