@@ -660,6 +660,67 @@ class DropIn(unittest.TestCase):
                 attnkit.flex_attention(q, k, v, return_lse=True)
             self.assertIs(attnkit.AuxRequest, torch_aux_request())
 
+    def test_sinks_as_gpt_oss_computes_them(self):
+        """Forward and backward (q, k, v, sinks) against transformers' GPT-OSS eager attention
+        where transformers is installed, and against a dense float64 sink column always."""
+        try:
+            from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+        except ImportError:
+            eager_attention_forward = None
+
+        def dense(q, k, v, sinks, module_like):
+            if eager_attention_forward is not None:
+                mask = torch.zeros(q.shape[2], k.shape[2], dtype=q.dtype).masked_fill(
+                    ~causal(0, 0, torch.arange(q.shape[2])[:, None],
+                            torch.arange(k.shape[2])[None, :]), -math.inf)
+                module_like.sinks = sinks
+                out, _ = eager_attention_forward(module_like, q, k, v, mask,
+                                                 scaling=q.shape[-1] ** -0.5)
+                return out.transpose(1, 2)  # (B, L, H, Ev) -> (B, H, L, Ev)
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+            scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(
+                ~causal(0, 0, torch.arange(q.shape[2])[:, None],
+                        torch.arange(k.shape[2])[None, :]), -math.inf)
+            column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            weights = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
+            return weights @ v
+
+        torch.manual_seed(107)
+        module_like = types.SimpleNamespace(num_key_value_groups=2, training=False)
+        bm = attnkit.create_block_mask(causal, None, None, 48, 48, BLOCK_SIZE=16)
+        for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+            q = torch.randn(2, 4, 48, 16, dtype=dtype)
+            k, v = torch.randn(2, 2, 48, 16, dtype=dtype), torch.randn(2, 2, 48, 16, dtype=dtype)
+            sinks = torch.tensor([0.5, -1.0, 2.0, 8.0], dtype=dtype)
+            grad = torch.randn(2, 4, 48, 16, dtype=dtype)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+            expected_out = dense(*leaves, module_like)
+            expected = torch.autograd.grad(expected_out, leaves, grad)
+            for entry in ("flex_attention", "attention"):
+                with self.subTest(dtype=dtype, entry=entry,
+                                  reference="transformers" if eager_attention_forward else "dense"):
+                    mine = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+                    if entry == "flex_attention":
+                        out = attnkit.flex_attention(*mine[:3], block_mask=bm, enable_gqa=True,
+                                                     sinks=mine[3])
+                    else:
+                        out = attnkit.attention(*mine[:3], causal=True, sinks=mine[3])
+                    self.assertLess(max_error(out, expected_out), tolerance)
+                    got = torch.autograd.grad(out, mine, grad)
+                    for name, g, ref in zip(["dq", "dk", "dv", "d_sinks"], got, expected):
+                        self.assertLess(max_error(g, ref), tolerance * 10, name)
+        for sinks, error, words in ((torch.zeros(3), ValueError, ["sinks", "(4,)", "(3,)"]),
+                                    ([0.0] * 4, TypeError, ["sinks", "list"])):
+            with self.assertRaises(error) as caught:
+                attnkit.flex_attention(q.float(), q.float(), q.float(), sinks=sinks)
+            for word in words:
+                self.assertIn(word, str(caught.exception))
+        with self.assertRaises(ValueError) as caught:
+            attnkit.attention(q.float(), q.float(), q.float(), sinks=torch.zeros(4),
+                              dropout_p=0.1)
+        self.assertIn("sinks with dropout_p", str(caught.exception))
+
     def test_bad_aux_requests_and_kernel_options_name_the_argument(self):
         q = torch.randn(1, 2, 32, 8)
         cases = [

@@ -247,8 +247,30 @@ def _kernel_options(kernel_options):
     return honoured
 
 
+def _check_sinks(sinks, query):
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"attnkit: sinks must be a torch.Tensor, got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (query.shape[1],) or not sinks.is_floating_point():
+        raise ValueError(f"attnkit: sinks must be a floating tensor ({query.shape[1]},), one "
+                         f"logit per query head, got {sinks.dtype} {tuple(sinks.shape)}")
+    if sinks.device != query.device:
+        raise ValueError(f"attnkit: sinks is on {sinks.device}, the query on {query.device}")
+
+
+def _with_sinks(out, lse, sinks):
+    """(out, lse) of attention with a sink per head: a key whose score is sinks[h] and whose
+    value is zero (GPT-OSS). The sink takes exp(sink - lse_s) of each row's weight, so
+    out_s = out * exp(lse - lse_s) with lse_s = logaddexp(lse, sink); gradients reach the
+    kernels through out and the lse."""
+    lse = lse.masked_fill(lse == math.inf, -math.inf)  # (B, H, L): -inf for no key
+    lse_with_sink = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse))
+    kept = torch.exp(lse - lse_with_sink).unsqueeze(-1)  # (B, H, L, 1)
+    return (out.to(kept.dtype) * kept).to(out.dtype), lse_with_sink
+
+
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
-                   enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None):
+                   enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None,
+                   sinks=None):
     """FlexAttention's ``flex_attention`` on attnkit's kernels, forward and backward.
 
     query (B, Hq, L, E), key (B or 1, Hkv, S, E), value (B or 1, Hkv, S, Ev) ->
@@ -258,6 +280,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     score_mod(score, b, h, q_idx, kv_idx) is traced at each call (torch.fx) and runs in
     the kernels; block_mask is PyTorch's BlockMask (create_block_mask) or attnkit's, whose
     mask_mod is evaluated on its partial tiles only. kernel_options: docs/python.md.
+    sinks (Hq,) (attnkit's, keyword only): a learnable logit per query head that takes a
+    share of each row's weight and gives nothing (GPT-OSS); the lse then includes it.
     """
     if return_aux is not None:
         if not (hasattr(return_aux, "lse") and hasattr(return_aux, "max_scores")):
@@ -279,8 +303,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if options.get("PRESCALE_QK", False) and isinstance(query, torch.Tensor):
         # FlexAttention's numerics for it: the query is scaled (rounded in its dtype) first.
         query, scale = query * scale, 1.0
+    if sinks is not None and isinstance(query, torch.Tensor):
+        _check_sinks(sinks, query)
     out, lse = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
                      block_sizes=(options.get("BLOCK_M", 128), options.get("BLOCK_N", 128)))
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks)
     if return_aux is not None:
         wanted = return_aux.lse
         return out, AuxOutput(lse=lse.masked_fill(lse == math.inf, -math.inf) if wanted else None,
@@ -292,7 +320,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
 def attention(query, key, value, *, causal=False, query_offset=0, window=None, key_lengths=None,
               document_ids=None, softcap=None, alibi_slopes=None, bias=None, scale=None,
-              dropout_p=0.0, training=True, enable_gqa=True, block_size=128):
+              dropout_p=0.0, training=True, enable_gqa=True, block_size=128, sinks=None):
     """attnkit's own masks and score functions, without making a block mask yourself.
 
     Masks (combined with &): causal (query i sees keys j <= query_offset + i), window (with
@@ -300,7 +328,8 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
     keys < its length), document_ids (L) or (B, L) integers (a query sees its own document
     only; self-attention). Scores: softcap (cap * tanh(s / cap)), alibi_slopes (H) (adds slope[h] *
     (kv_idx - q_idx)), bias (H, 2 D + 1) a learnable relative-position bias (adds
-    bias[h, clamp(kv_idx - q_idx, -D, D) + D]). dropout_p applies when training.
+    bias[h, clamp(kv_idx - q_idx, -D, D) + D]), sinks (H) a learnable logit per head that
+    takes a share of each row's weight and gives nothing. dropout_p applies when training.
     Without a gradient to keep, document_ids runs one PyTorch SDPA call per document where
     that was measured faster than a block mask (docs/backends.md, "Documents from Python").
     """
@@ -349,9 +378,14 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
         ids = document_ids if document_ids.dim() == 2 else document_ids.unsqueeze(0)
         parts.append(lambda b, h, q, kv: ids[b if ids.shape[0] > 1 else 0, q] ==
                      ids[b if ids.shape[0] > 1 else 0, kv])
+    if sinks is not None:
+        _check_sinks(sinks, query)
+        if training and dropout_p > 0.0:
+            raise ValueError("attnkit.attention: sinks with dropout_p > 0 are not supported (the "
+                             "sink's share is taken from the lse, which dropout does not see)")
     if document_ids is not None and key_lengths is None and window is None and \
             query_offset == 0 and softcap is None and alibi_slopes is None and bias is None and \
-            not (training and dropout_p > 0.0):
+            sinks is None and not (training and dropout_p > 0.0):
         out = _attention_by_document(query, key, value, document_ids, causal, scale)
         if out is not None:
             return out
@@ -379,9 +413,9 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
         raise ValueError(f"attnkit.attention: alibi_slopes must be ({query.shape[1]},), one slope "
                          f"per query head, got {tuple(alibi_slopes.shape)}")
     score_mod = _combined_score_mod(softcap, alibi_slopes, bias)
-    out, _ = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                   dropout_p if training else 0.0)
-    return out
+    out, lse = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                     dropout_p if training else 0.0)
+    return out if sinks is None else _with_sinks(out, lse, sinks)[0]
 
 
 def _check_integers(name, tensor):
