@@ -432,6 +432,30 @@ class Compile(unittest.TestCase):
         self.assertNotEqual(losses["eager"][0], losses["eager"][-1])
 
 
+    @unittest.skipUnless(TORCH >= (2, 5), "torch.compile with block masks (2.5 on)")
+    def test_a_block_mask_made_inside_the_compiled_function(self):
+        """A new mask per length, made inside the compiled function (attnkit's or PyTorch's
+        create_block_mask), is right on the first call of each length; the backward too."""
+        def causal_flex(q, maker):
+            n = q.shape[2]
+            bm = maker(causal, None, None, n, n, device="cpu", BLOCK_SIZE=16)
+            return attnkit.flex_attention(q, q, q, block_mask=bm)
+        makers = [attnkit.create_block_mask] + ([torch_create_block_mask] if HAS_FLEX else [])
+        for maker in makers:
+            torch._dynamo.reset()
+            compiled = torch.compile(causal_flex, backend="aot_eager")
+            for n in (40, 64, 72):
+                with self.subTest(maker=maker.__module__, n=n):
+                    q = torch.randn(1, 2, n, 16, requires_grad=True)
+                    out = compiled(q, maker)
+                    (grad,) = torch.autograd.grad(out.sum(), q)
+                    q_ref = q.detach().clone().requires_grad_()
+                    ref = dense_reference(q_ref, q_ref, q_ref, None, causal)[0]
+                    (ref_grad,) = torch.autograd.grad(ref.sum(), q_ref)
+                    self.assertLess(max_error(out, ref), 1e-5)
+                    self.assertLess(max_error(grad, ref_grad), 1e-4)
+
+
 class BadInput(unittest.TestCase):
     def setUp(self):
         self.q = torch.randn(1, 2, 32, 8)
@@ -720,6 +744,25 @@ class DropIn(unittest.TestCase):
             attnkit.attention(q.float(), q.float(), q.float(), sinks=torch.zeros(4),
                               dropout_p=0.1)
         self.assertIn("sinks with dropout_p", str(caught.exception))
+
+    @unittest.skipUnless(HAS_FLEX, "PyTorch's flex_attention (2.5 on)")
+    def test_one_block_mask_class_both_ways(self):
+        # attnkit's mask made torch's flex_attention fail (AttributeError: as_tuple), and had
+        # no to_dense() or .to().
+        torch.manual_seed(109)
+        q, k, v = (torch.randn(2, 2, 80, 16) for _ in range(3))
+        mine = attnkit.create_block_mask(documents, None, None, 80, 80, BLOCK_SIZE=16)
+        theirs = torch_create_block_mask(documents, None, None, 80, 80, device="cpu",
+                                         BLOCK_SIZE=16)
+        self.assertIsInstance(mine, type(theirs))
+        self.assertIs(attnkit.BlockMask, type(theirs))
+        self.assertTrue(torch.equal(mine.to_dense(), theirs.to_dense()))
+        self.assertTrue(torch.equal(mine.to("cpu").kv_num_blocks, theirs.kv_num_blocks))
+        expected = dense_reference(q, k, v, None, documents)[0]
+        for block_mask in (mine, theirs):
+            for flex in (attnkit.flex_attention, torch_flex_attention):
+                out = flex(q, k, v, block_mask=block_mask)
+                self.assertLess(max_error(out, expected), 1e-5)
 
     def test_bad_aux_requests_and_kernel_options_name_the_argument(self):
         q = torch.randn(1, 2, 32, 8)

@@ -1,12 +1,19 @@
-"""Block masks for the operators: PyTorch's BlockMask as it is, or attnkit's own (PyTorch 1.13
-has no flex_attention), and the partial tiles' bits that the operators read."""
+"""Block masks for the operators: PyTorch's BlockMask class (attnkit's create_block_mask makes
+one where PyTorch has it), or attnkit's own for PyTorch 1.13, which has no flex_attention; and
+the partial tiles' bits that the operators read."""
 
 import torch
 
+try:  # PyTorch's own (2.5 on): one BlockMask class, so that masks pass both ways
+    from torch.nn.attention.flex_attention import BlockMask as _TorchBlockMask
+except ImportError:
+    _TorchBlockMask = None
 
-class BlockMask:
+
+class _OwnBlockMask:
     """FlexAttention's block lists for one shape (B, H, Q_LEN, KV_LEN), with the mask_mod to
-    evaluate on partial tiles. The same attributes as PyTorch's BlockMask."""
+    evaluate on partial tiles: the attributes of PyTorch's BlockMask, for a PyTorch without
+    one (1.13)."""
 
     def __init__(self, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                  BLOCK_SIZE, mask_mod, seq_lengths):
@@ -32,6 +39,9 @@ class BlockMask:
     def __repr__(self):
         return (f"attnkit.BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, "
                 f"sparsity={self.sparsity():.2f}%)")
+
+
+BlockMask = _TorchBlockMask if _TorchBlockMask is not None else _OwnBlockMask
 
 
 def _ordered(kinds, kind):
@@ -85,7 +95,13 @@ def block_mask_of_kinds(kinds, BLOCK_SIZE, mask_mod, seq_lengths):
     """A BlockMask from (B, H, nq, nk) int8 tile kinds: 0 empty, 1 partial, 2 full."""
     kv_num, kv_idx = _ordered(kinds, 1)
     full_num, full_idx = _ordered(kinds, 2)
-    return BlockMask(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE, mask_mod, seq_lengths)
+    if _TorchBlockMask is None:
+        return _OwnBlockMask(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE, mask_mod,
+                             seq_lengths)
+    # PyTorch's class (its q-block lists, to_dense, to, slicing, and its flex_attention).
+    return _TorchBlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
+                                          BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod,
+                                          seq_lengths=tuple(seq_lengths))
 
 
 def own_mask_kinds(B, Q_LEN, KV_LEN, block, device, causal=False, query_offset=0, window=None,
