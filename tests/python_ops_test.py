@@ -879,6 +879,42 @@ class Transformers(unittest.TestCase):
         self.assertIn("attention_mask must be a BlockMask", str(caught.exception))
 
 
+@unittest.skipUnless(TORCH >= (2, 10) and shutil.which("cmake") is not None,
+                     "torch.export + AOTInductor + a C++ compiler for Inductor (pip's leg)")
+class Export(unittest.TestCase):
+    """examples/aoti: a model calling attnkit.flex_attention (a document mask, ALiBi) exported
+    with torch.export, packaged by AOTInductor, and run from a C++ program linked with the
+    operators' library: the same output as eager Python within 1e-5."""
+
+    def test_a_cpp_program_runs_the_exported_model(self):
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        example = os.path.join(root, "examples", "aoti")
+        with tempfile.TemporaryDirectory() as work:
+            export = ("import sys; sys.path.insert(0, sys.argv[1]); "
+                      "from inductor_link import link_inductor_against_this_torch; "
+                      "link_inductor_against_this_torch(); import runpy; "
+                      "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+            exported = subprocess.run(
+                [sys.executable, "-c", export, os.path.join(root, "scripts"),
+                 os.path.join(example, "export_model.py"), work],
+                capture_output=True, text=True, timeout=600)
+            self.assertEqual(exported.returncode, 0, exported.stderr[-3000:])
+            prefix = torch.utils.cmake_prefix_path
+            build = os.path.join(work, "build")
+            for command in (["cmake", "-S", example, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
+                             f"-DCMAKE_PREFIX_PATH={prefix};{prefix}/../..",
+                             f"-DATTNKIT_OPS_LIBRARY={attnkit.library_path()}"],
+                            ["cmake", "--build", build]):
+                built = subprocess.run(command, capture_output=True, text=True, timeout=600)
+                self.assertEqual(built.returncode, 0, built.stdout[-3000:] + built.stderr[-3000:])
+            ran = subprocess.run([os.path.join(build, "run_exported"),
+                                  os.path.join(work, "model.pt2"), work, "1", "4", "256", "32",
+                                  "1e-5"], capture_output=True, text=True, timeout=300)
+            self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+            self.assertIn("max |C++ - Python|", ran.stdout)
+            print(f"\n  {exported.stdout.strip()}\n  C++: {ran.stdout.strip()}")
+
+
 def torch_aux_request():
     from torch.nn.attention.flex_attention import AuxRequest
     return AuxRequest

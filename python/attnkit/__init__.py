@@ -19,7 +19,7 @@ import torch
 
 from . import _score_graph
 from ._block_mask import BlockMask, create_block_mask, own_block_mask, partial_tiles
-from ._score_graph import ScoreModError
+from ._score_graph import ScoreModError, compiling
 
 __all__ = ["flex_attention", "attention", "create_block_mask", "BlockMask", "ScoreModError",
            "AuxRequest", "AuxOutput", "library_path", "cpu_16bit_matmul"]
@@ -432,14 +432,6 @@ _PAIRS_PER_DOCUMENT_CALL = 1024
 _LONGEST_CAUSAL_DOCUMENT = 256
 
 
-def _compiling():
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and hasattr(compiler, "is_compiling"):
-        return compiler.is_compiling()
-    dynamo = getattr(torch, "_dynamo", None)
-    return dynamo is not None and hasattr(dynamo, "is_compiling") and dynamo.is_compiling()
-
-
 def _attention_by_document(query, key, value, document_ids, causal, scale):
     """Documents on PyTorch's SDPA, one call per document (what the C++ sdpa_varlen kernel
     does): exact, nothing across documents computed, and no block mask to make, whose mask_mod
@@ -451,7 +443,7 @@ def _attention_by_document(query, key, value, document_ids, causal, scale):
     F = torch.nn.functional
     wants_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value))
-    if not hasattr(F, "scaled_dot_product_attention") or wants_grad or _compiling() or \
+    if not hasattr(F, "scaled_dot_product_attention") or wants_grad or compiling() or \
             query.device.type != "cpu" or query.dtype not in (torch.float32, torch.float64) or \
             query.shape[1] != key.shape[1] or query.numel() == 0 or key.numel() == 0 or \
             (scale is not None and _release(torch.__version__) < (2, 1)):

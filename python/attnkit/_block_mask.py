@@ -4,6 +4,8 @@ the partial tiles' bits that the operators read."""
 
 import torch
 
+from ._score_graph import compiling
+
 try:  # PyTorch's own (2.5 on): one BlockMask class, so that masks pass both ways
     from torch.nn.attention.flex_attention import BlockMask as _TorchBlockMask
 except ImportError:
@@ -88,7 +90,14 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
         tiles = padded.view(B, H, rows, nk, kv_block)
         full = tiles.all(-1).all(2) & (rows == q_block)
         kinds[:, :, i] = tiles.any(-1).any(2).to(torch.int8) + full.to(torch.int8)
-    return block_mask_of_kinds(kinds, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
+    block_mask = block_mask_of_kinds(kinds, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
+    if not compiling():
+        # The partial tiles' bits now, as the operators read them: a mask made outside a
+        # traced function (torch.export, torch.compile) then needs no data-dependent
+        # `nonzero` inside it.
+        block_mask._attnkit_partial_tiles = ((Q_LEN, KV_LEN),
+                                             _partial_bits(block_mask, Q_LEN, KV_LEN))
+    return block_mask
 
 
 def block_mask_of_kinds(kinds, BLOCK_SIZE, mask_mod, seq_lengths):

@@ -163,13 +163,13 @@ def trace(score_mod):
     return "\n".join(lines), tracer.captured
 
 
-def _compiling():
+def compiling():
     """Whether torch.compile (Dynamo) is tracing this call."""
     compiler = getattr(torch, "compiler", None)
     if compiler is not None and hasattr(compiler, "is_compiling"):
         return compiler.is_compiling()
-    dynamo = getattr(torch, "_dynamo", None)  # 2.0 to 2.2
-    return dynamo is not None and dynamo.is_compiling()
+    dynamo = getattr(torch, "_dynamo", None)  # 2.0 to 2.2; none on 1.13
+    return dynamo is not None and hasattr(dynamo, "is_compiling") and dynamo.is_compiling()
 
 
 def traced(score_mod):
@@ -180,7 +180,7 @@ def traced(score_mod):
     The latest trace is kept on the function object (an attribute, which Dynamo reads where it
     would not inline a WeakKeyDictionary): inside torch.compile, where attnkit does not trace,
     the compiled region reads the trace of the last eager call (docs/python.md)."""
-    if _compiling():
+    if compiling():
         result = getattr(score_mod, "_attnkit_score_graph", None)
         if result is not None:
             return result
