@@ -91,10 +91,10 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
         full = tiles.all(-1).all(2) & (rows == q_block)
         kinds[:, :, i] = tiles.any(-1).any(2).to(torch.int8) + full.to(torch.int8)
     block_mask = block_mask_of_kinds(kinds, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
-    if not compiling():
+    if not compiling() and device.type != "meta":
         # The partial tiles' bits now, as the operators read them: a mask made outside a
         # traced function (torch.export, torch.compile) then needs no data-dependent
-        # `nonzero` inside it.
+        # `nonzero` inside it. (A meta mask has no bits to find.)
         block_mask._attnkit_partial_tiles = ((Q_LEN, KV_LEN),
                                              _partial_bits(block_mask, Q_LEN, KV_LEN))
     return block_mask
