@@ -434,25 +434,47 @@ class Compile(unittest.TestCase):
     @unittest.skipUnless(TORCH >= (2, 5), "torch.compile with block masks (2.5 on)")
     def test_a_block_mask_made_inside_the_compiled_function(self):
         """A new mask per length, made inside the compiled function (attnkit's or PyTorch's
-        create_block_mask), is right on the first call of each length; the backward too."""
-        def causal_flex(q, maker):
-            n = q.shape[2]
-            bm = maker(causal, None, None, n, n, device="cpu", BLOCK_SIZE=16)
-            return attnkit.flex_attention(q, q, q, block_mask=bm)
-        makers = [attnkit.create_block_mask] + ([torch_create_block_mask] if HAS_FLEX else [])
-        for maker in makers:
+        create_block_mask), with fullgraph=True: right on the first call of each length, the
+        backward too, and no more graphs than PyTorch's flex_attention compiles for the same
+        function (Dynamo's frame count; scripts/count_recompiles.py does it with Inductor)."""
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        def window(b, h, q, kv):  # partial tiles whose bits the kernels read
+            return (q >= kv) & (q - kv < 24)
+
+        def graphs_of(flex, maker, dynamic, backward):
+            def windowed_flex(q):
+                n = q.shape[2]
+                bm = maker(window, None, None, n, n, device="cpu", BLOCK_SIZE=16)
+                return flex(q, q, q, block_mask=bm)
             torch._dynamo.reset()
-            compiled = torch.compile(causal_flex, backend="aot_eager")
-            for n in (40, 64, 72):
-                with self.subTest(maker=maker.__module__, n=n):
-                    q = torch.randn(1, 2, n, 16, requires_grad=True)
-                    out = compiled(q, maker)
-                    (grad,) = torch.autograd.grad(out.sum(), q)
-                    q_ref = q.detach().clone().requires_grad_()
-                    ref = dense_reference(q_ref, q_ref, q_ref, None, causal)[0]
-                    (ref_grad,) = torch.autograd.grad(ref.sum(), q_ref)
+            counter = CompileCounterWithBackend("aot_eager")
+            compiled = torch.compile(windowed_flex, backend=counter, dynamic=dynamic,
+                                     fullgraph=True)
+            for n in (40, 64, 72, 100, 128):
+                with self.subTest(flex=flex.__module__, maker=maker.__module__,
+                                  dynamic=dynamic, n=n):
+                    q = torch.randn(1, 2, n, 16, requires_grad=backward)
+                    out = compiled(q)
+                    q_ref = q.detach().clone().requires_grad_(backward)
+                    ref = dense_reference(q_ref, q_ref, q_ref, None, window)[0]
                     self.assertLess(max_error(out, ref), 1e-5)
-                    self.assertLess(max_error(grad, ref_grad), 1e-4)
+                    if backward:
+                        (grad,) = torch.autograd.grad(out.sum(), q)
+                        (ref_grad,) = torch.autograd.grad(ref.sum(), q_ref)
+                        self.assertLess(max_error(grad, ref_grad), 1e-4)
+            return counter.frame_count
+
+        makers = [attnkit.create_block_mask] + ([torch_create_block_mask] if HAS_FLEX else [])
+        for dynamic in (None, True):
+            # PyTorch's own count where it has flex_attention (forward: no CPU backward)
+            theirs = graphs_of(torch_flex_attention, torch_create_block_mask, dynamic,
+                               False) if HAS_FLEX else None
+            for maker in makers:
+                ours = graphs_of(attnkit.flex_attention, maker, dynamic, True)
+                if theirs is not None:
+                    self.assertLessEqual(ours, theirs,
+                                         msg=f"dynamic={dynamic}, {maker.__module__}")
 
 
 class BadInput(unittest.TestCase):

@@ -154,7 +154,7 @@ def _check_problem(query, key, value, enable_gqa):
                          f"query heads ({hq})")
 
 
-def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p=0.0,
+def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p,
           block_sizes=(128, 128)):
     _check_problem(query, key, value, enable_gqa)
     if key.shape[0] != query.shape[0]:
@@ -305,7 +305,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         query, scale = query * scale, 1.0
     if sinks is not None and isinstance(query, torch.Tensor):
         _check_sinks(sinks, query)
-    out, lse = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
+    # dropout_p a literal: a float default would be a symbolic input under torch.compile's
+    # dynamic shapes, then fixed by the operator, and Dynamo would trace the frame twice.
+    out, lse = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, 0.0,
                      block_sizes=(options.get("BLOCK_M", 128), options.get("BLOCK_N", 128)))
     if sinks is not None:
         out, lse = _with_sinks(out, lse, sinks)

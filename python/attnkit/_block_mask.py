@@ -56,6 +56,28 @@ def _ordered(kinds, kind):
     return counts, order.to(torch.int32)
 
 
+def _kinds_at_once(mask_mod, B, H, seq_lengths, block_sizes, device):
+    """The tiles' kinds (B, H, nq, nk) (0 empty, 1 partial, 2 full) from mask_mod on every
+    query and key at once: inside torch.compile, where a loop over the query blocks would fix
+    their number (the length) in the compiled graph. Dense, B * H * Q_LEN * KV_LEN bools, as
+    PyTorch's create_block_mask."""
+    (q_len, kv_len), (q_block, kv_block) = seq_lengths, block_sizes
+    nq, nk = -(-q_len // q_block), -(-kv_len // kv_block)
+    index = dict(dtype=torch.int64, device=device)
+    q = torch.arange(nq * q_block, **index).view(1, 1, -1, 1)
+    kv = torch.arange(nk * kv_block, **index).view(1, 1, 1, -1)
+    b = torch.arange(B, **index).view(-1, 1, 1, 1)
+    h = torch.arange(H, **index).view(1, -1, 1, 1)
+    allowed = mask_mod(b, h, q.clamp(max=q_len - 1), kv.clamp(max=kv_len - 1))
+    if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
+        raise TypeError("attnkit.create_block_mask: mask_mod must return a bool tensor, got "
+                        f"{getattr(allowed, 'dtype', type(allowed).__name__)}")
+    # keys and queries past the lengths are outside: their tiles are never full
+    allowed = (allowed & (q < q_len) & (kv < kv_len)).expand(B, H, nq * q_block, nk * kv_block)
+    tiles = allowed.reshape(B, H, nq, q_block, nk, kv_block)
+    return (tiles.any(-1).any(3).to(torch.int8) + tiles.all(-1).all(3).to(torch.int8))
+
+
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128):
     """attnkit's BlockMask from mask_mod(b, h, q_idx, kv_idx) -> bool, evaluated on broadcast
     index tensors one query block at a time. B or H of 1 (or None) serve any."""
@@ -74,6 +96,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
     b = torch.arange(B, **index).view(-1, 1, 1, 1)
     h = torch.arange(H, **index).view(1, -1, 1, 1)
     kv = torch.arange(KV_LEN, **index).view(1, 1, 1, -1)
+    if compiling():
+        kinds = _kinds_at_once(mask_mod, B, H, (Q_LEN, KV_LEN), (q_block, kv_block), device)
+        return block_mask_of_kinds(kinds, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
     kinds = torch.empty(B, H, nq, nk, dtype=torch.int8, device=device)
     for i in range(nq):
         # mask_mod on the block's real queries and keys only: a BLOCK_SIZE far above the
@@ -182,6 +207,25 @@ def _partial_bits(block_mask, q_len, kv_len):
                       (q_len, kv_len))
 
 
+def _slot_bits(block_mask, q_len, kv_len):
+    """The bits of a tile per slot of kv_indices, bool (B, H, nq, nk, q_block, kv_block), the
+    unused slots too: a shape that does not depend on the data, for torch.compile (no
+    nonzero, no graph break). That is the dense mask, B * H * Q_LEN * KV_LEN bools rounded up
+    to the blocks; the operators drop the unused slots."""
+    q_block, kv_block = _block_sizes(block_mask)
+    num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    nk = -(-kv_len // kv_block)
+    columns = idx[..., :nk].long().clamp(0, nk - 1)  # (B, H, nq, nk)
+    device = num.device
+    b = torch.arange(num.shape[0], device=device).view(-1, 1, 1, 1).expand_as(columns)
+    h = torch.arange(num.shape[1], device=device).view(1, -1, 1, 1).expand_as(columns)
+    q = torch.arange(num.shape[2], device=device).view(1, 1, -1, 1).expand_as(columns)
+    bits = _tile_bits(block_mask.mask_mod, (b.reshape(-1), h.reshape(-1), q.reshape(-1),
+                                            columns.reshape(-1)), (q_block, kv_block),
+                      (q_len, kv_len))
+    return bits.view(*columns.shape, q_block, kv_block)
+
+
 def _tile_bits(mask_mod, tiles, block_sizes, seq_lengths):
     """mask_mod on the tiles (b, h, q block, kv block) (index tensors of P tiles): bool (P,
     q_block, kv_block), False outside the problem."""
@@ -247,6 +291,8 @@ def partial_tiles(block_mask, query, key):
     cached = getattr(block_mask, "_attnkit_partial_tiles", None)
     if cached is not None and cached[0] == (q_len, kv_len):
         bits = cached[1]
+    elif compiling():
+        bits = _slot_bits(block_mask, q_len, kv_len)
     else:
         bits = _partial_bits(block_mask, q_len, kv_len)
         try:

@@ -66,6 +66,23 @@ std::pair<Tensor, int64_t> tile_slots(const BlockMask& blocks) {
   return {slots, next};
 }
 
+// partial_tiles packed as tile_slots numbers them, (P, qb, kb): as given, or from the layout
+// with a tile per slot of kv_indices, (B, H, nq, nk, qb, kb), whose unused slots are dropped.
+// Python gives the latter inside torch.compile, where picking the partial tiles out would be
+// a shape that depends on the data (docs/python.md).
+Tensor packed_partial_tiles(const BlockMask& lists, const Tensor& bits) {
+  const auto& counts = lists.kv_num_blocks();
+  const std::vector<int64_t> per_slot{counts.size(0), counts.size(1), lists.num_q_blocks(),
+                                      lists.num_kv_blocks(), lists.q_block_size(),
+                                      lists.kv_block_size()};
+  if (bits.sizes() != per_slot)
+    return bits;  // packed already, checked by the caller
+  const auto used = torch::arange(per_slot[3], counts.options().dtype(torch::kInt64))
+                        .lt(counts.to(torch::kInt64).unsqueeze(-1));  // (B, H, nq, nk)
+  // (B, H, nq, nk, qb, kb) -> (B * H * nq * nk, qb, kb), the used slots row by row
+  return bits.reshape({-1, per_slot[4], per_slot[5]}).index({used.flatten().to(bits.device())});
+}
+
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
   for (const auto* item : {&q, &k, &v}) {
     const char* name = item == &q ? "query" : item == &k ? "key" : "value";
@@ -78,17 +95,19 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
                 " on ", q.device(), " and ", name, " ", item->scalar_type(), " on ",
                 item->device());
   }
-  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), kOp,
+  // Sizes as SymInts: under torch.compile the fake kernels run this on symbolic shapes, and
+  // reading a plain size would fix the length the graph was traced with.
+  TORCH_CHECK(k.sym_size(0) == q.sym_size(0) && v.sym_size(0) == q.sym_size(0), kOp,
               " query, key and value must have one batch size, got ", shape_string(q), ", ",
               shape_string(k), ", ", shape_string(v));
-  TORCH_CHECK(k.size(1) == v.size(1) && k.size(2) == v.size(2), kOp,
+  TORCH_CHECK(k.sym_size(1) == v.sym_size(1) && k.sym_size(2) == v.sym_size(2), kOp,
               " key and value must have the same heads and length, got ", shape_string(k), " and ",
               shape_string(v));
-  TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, kOp,
+  TORCH_CHECK(k.sym_size(1) >= 1 && q.sym_size(1) % k.sym_size(1) == 0, kOp,
               " the key/value heads must divide the query heads (grouped-query attention), "
               "got ",
               q.size(1), " query heads and ", k.size(1), " key/value heads");
-  TORCH_CHECK(k.size(3) == q.size(3), kOp, " query and key must have one head_dim, got ", q.size(3),
+  TORCH_CHECK(k.sym_size(3) == q.sym_size(3), kOp, " query and key must have one head_dim, got ", q.size(3),
               " and ", k.size(3));
 }
 
@@ -146,12 +165,15 @@ Mask mask_of(const Tensor& q, const Tensor& k, const FlexArguments& args) {
                                          args.kv_block_size, Mask());
   lists.check(kOp, q.size(0), q.size(1), q.size(2), k.size(2), q.device());
   const auto [slots, partial_count] = tile_slots(lists);
-  const auto& bits = *args.partial_tiles;
+  const auto bits = packed_partial_tiles(lists, *args.partial_tiles);
   const std::vector<int64_t> expected{partial_count, args.q_block_size, args.kv_block_size};
   TORCH_CHECK(bits.scalar_type() == torch::kBool && bits.sizes() == expected, kOp,
               " partial_tiles must be bool (", partial_count, ", ", args.q_block_size, ", ",
-              args.kv_block_size, ") (one tile per partial block the lists name), got ",
-              bits.scalar_type(), " ", shape_string(bits));
+              args.kv_block_size, ") (one tile per partial block the lists name), or (",
+              lists.kv_num_blocks().size(0), ", ", lists.kv_num_blocks().size(1), ", ",
+              lists.num_q_blocks(), ", ", lists.num_kv_blocks(), ", ", args.q_block_size, ", ",
+              args.kv_block_size, ") (one per slot of kv_indices), got ",
+              args.partial_tiles->scalar_type(), " ", shape_string(*args.partial_tiles));
   TORCH_CHECK(bits.device() == q.device(), kOp, " partial_tiles is on ", bits.device(),
               ", the query on ", q.device());
   if (says_causal(lists, slots, bits, q.size(2), k.size(2)))
@@ -332,11 +354,11 @@ std::tuple<Tensor, Tensor> flex_attention_meta(
     double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/) {
   check_inputs(query, key, value);
   check_score_tensors(query, score_tensors);
-  auto shape = query.sizes().vec();
-  shape.back() = value.size(-1);
-  return {torch::empty(shape, query.options()),
-          torch::empty({query.size(0), query.size(1), query.size(2)},
-                       query.options().dtype(compute_dtype(query)))};
+  auto shape = query.sym_sizes().vec();
+  shape.back() = value.sym_size(-1);
+  return {at::empty_symint(shape, query.options()),
+          at::empty_symint({query.sym_size(0), query.sym_size(1), query.sym_size(2)},
+                           query.options().dtype(compute_dtype(query)))};
 }
 
 std::tuple<Tensor, Tensor, Tensor> flex_attention_for_backward_meta(
@@ -350,7 +372,7 @@ std::tuple<Tensor, Tensor, Tensor> flex_attention_for_backward_meta(
       flex_attention_meta(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
                           full_kv_indices, partial_tiles, q_block_size, kv_block_size, score_graph,
                           score_tensors, scale, dropout_p, dropout_seed);
-  auto for_backward = detail::is_16bit(query) ? torch::empty(out.sizes(), lse.options())
+  auto for_backward = detail::is_16bit(query) ? at::empty_symint(out.sym_sizes(), lse.options())
                                               : torch::empty({0}, query.options());
   return {out, lse, for_backward};
 }
@@ -366,7 +388,7 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_
     double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/) {
   check_score_tensors(query, score_tensors);
   // Contiguous, as the kernel's (whatever the inputs' strides).
-  const auto like = [](const Tensor& t) { return torch::empty(t.sizes(), t.options()); };
+  const auto like = [](const Tensor& t) { return at::empty_symint(t.sym_sizes(), t.options()); };
   std::vector<Tensor> tensor_grads;
   for (const auto& t : score_tensors)
     tensor_grads.push_back(like(t));
