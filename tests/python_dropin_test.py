@@ -220,6 +220,120 @@ class DropIn(unittest.TestCase):
                     self.assertIn(word, str(caught.exception))
 
 
+# PyTorch's FlexAttention suite (test/inductor/test_flex_attention.py), its parametrizations
+# re-derived here: its score_mod list, GQA pairs (test_Hq_Hkv), key/value batch broadcast
+# (test_Bq_Bkv), block sizes (test_block_size), value head sizes apart from the query's
+# (test_non_equal_head_dims), a query length apart from the key's. Its sizes are scaled down
+# (B 4, H 8, S 2048, D 64 there) to run on two cores; lengths are kept off the block grid.
+def inverse_causal(score, b, h, q, kv):
+    return torch.where(q <= kv, score, -float("inf"))
+
+
+def alibi_of_8_heads(score, b, h, q, kv):
+    return score + (kv - q) * torch.exp2(-((h + 1) * 8.0 / 8))
+
+
+def squared(score, b, h, q, kv):
+    return score * score
+
+
+def rel_bias(score, b, h, q, kv):
+    return score + (q - kv)
+
+
+def rel_causal(score, b, h, q, kv):
+    return torch.where(q >= kv, score + (q - kv), -float("inf"))
+
+
+def causal_score(score, b, h, q, kv):
+    return torch.where(q >= kv, score, -float("inf"))
+
+
+def no_mask(b, h, q, kv):
+    return q >= 0  # every key (the suite's noop_mask), as a bool tensor of the indices' shape
+
+
+SUITE_SCORE_MODS = [None, times_two, squared, causal_score, inverse_causal, rel_bias, rel_causal,
+                    alibi_of_8_heads]
+SUITE_HQ_HKV = [(4, 2), (4, 1)]
+SUITE_BQ_BKV = [(3, 1), (4, 1), (5, 1)]
+SUITE_BLOCK_SIZES = [128, 256, (128, 256), (256, 128)]
+
+
+class PyTorchSuite(unittest.TestCase):
+    """Each case as the suite's run_test checks it, forward and backward: the mean |error| from
+    float64 of attnkit's output and gradients at most a fudge factor (10 in float32, 1.1 in
+    bfloat16) times that of the reference in the same dtype (PyTorch's eager flex_attention
+    for the output, the dense math for the gradients: no CPU backward in PyTorch)."""
+
+    def run_case(self, score_mod, dtype, Bq, Hq, Sq, D, Bkv=None, Hkv=None, Skv=None, Dv=None,
+                 block_size=128):
+        Bkv, Hkv, Skv, Dv = Bkv or Bq, Hkv or Hq, Skv or Sq, Dv or D
+        g = torch.Generator().manual_seed(Bq * 1000 + Hkv * 100 + Sq + Dv)
+        gold = [torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+                for shape in ((Bq, Hq, Sq, D), (Bkv, Hkv, Skv, D), (Bkv, Hkv, Skv, Dv))]
+        grad = torch.randn(Bq, Hq, Sq, Dv, generator=g, dtype=torch.float64)
+        maker = torch_create_block_mask if HAS_FLEX else attnkit.create_block_mask
+        block_mask = maker(no_mask, Bq, 1, Sq, Skv, device="cpu", BLOCK_SIZE=block_size)
+
+        def low():
+            return [t.detach().to(dtype).requires_grad_() for t in gold]
+
+        golden_out = dense_reference(*gold, score_mod)[0]
+        golden = [golden_out, *torch.autograd.grad(golden_out, gold, grad)]
+        low_ref = low()
+        ref_out = dense_reference(*low_ref, score_mod)[0]
+        ref = [ref_out, *torch.autograd.grad(ref_out, low_ref, grad.to(dtype))]
+        if HAS_FLEX:
+            with torch.no_grad():
+                ref[0] = torch_flex_attention(*[t.detach() for t in low_ref], score_mod=score_mod,
+                                              block_mask=block_mask, enable_gqa=Hq != Hkv)
+        mine_in = low()
+        mine_out = attnkit.flex_attention(*mine_in, score_mod=score_mod, block_mask=block_mask,
+                                          enable_gqa=Hq != Hkv)
+        mine = [mine_out, *torch.autograd.grad(mine_out, mine_in, grad.to(dtype))]
+        fudge = 10.0 if dtype == torch.float32 else 1.1
+        for name, gold_t, ref_t, mine_t in zip(("out", "dq", "dk", "dv"), golden, ref, mine):
+            ref_error = (gold_t - ref_t.double()).abs().mean().item()
+            mine_error = (gold_t - mine_t.double()).abs().mean().item()
+            self.assertFalse(math.isnan(mine_error), f"{name}: NaN")
+            self.assertLessEqual(mine_error, fudge * ref_error,
+                                 f"{name}: attnkit's mean error {mine_error:.3g}, the "
+                                 f"reference's {ref_error:.3g} (fudge {fudge})")
+
+    def each_score_mod(self, dtypes, **case):
+        for dtype in dtypes:
+            for score_mod in SUITE_SCORE_MODS:
+                with self.subTest(score_mod=getattr(score_mod, "__name__", "identity"),
+                                  dtype=dtype, **{k: v for k, v in case.items()}):
+                    self.run_case(score_mod, dtype, **case)
+
+    def test_builtin_score_mods(self):
+        self.each_score_mod((torch.float32, torch.bfloat16), Bq=2, Hq=8, Sq=200, D=32)
+
+    def test_gqa(self):
+        for Hq, Hkv in SUITE_HQ_HKV:
+            self.each_score_mod((torch.float32,), Bq=2, Hq=Hq, Sq=200, D=32, Hkv=Hkv)
+
+    def test_kv_batch_broadcast(self):
+        for Bq, Bkv in SUITE_BQ_BKV:
+            for Hq, Hkv in SUITE_HQ_HKV:
+                self.each_score_mod((torch.float32,), Bq=Bq, Hq=Hq, Sq=136, D=16, Bkv=Bkv,
+                                    Hkv=Hkv)
+
+    def test_block_sizes(self):
+        for block_size in SUITE_BLOCK_SIZES:
+            self.each_score_mod((torch.float32, torch.bfloat16), Bq=1, Hq=2, Sq=600, D=16,
+                                block_size=block_size)
+
+    def test_non_equal_head_dims(self):
+        for D, Dv in ((32, 16), (16, 32)):
+            self.each_score_mod((torch.float32, torch.bfloat16), Bq=2, Hq=4, Sq=200, D=D, Dv=Dv)
+
+    def test_query_length_apart_from_the_keys(self):
+        self.each_score_mod((torch.float32, torch.bfloat16), Bq=2, Hq=4, Sq=100, D=32, Skv=200)
+
+
 def transformers_or_none():
     try:
         import transformers
