@@ -96,7 +96,7 @@ class DropIn(unittest.TestCase):
         out, aux = attnkit.flex_attention(q, k, v, times_two, bm,
                                           return_aux=attnkit.AuxRequest(lse=True))
         self.assertIsInstance(aux, attnkit.AuxOutput)
-        self.assertIsNone(aux.max_scores)
+        self.assertIsNone(aux.max_scores)  # not asked for
         self.assertLess(max_error(aux.lse, lse), 1e-5)
         out, aux = attnkit.flex_attention(q, k, v, times_two, bm, return_aux=attnkit.AuxRequest())
         self.assertIsNone(aux.lse)
@@ -196,14 +196,65 @@ class DropIn(unittest.TestCase):
                 out = flex(q, k, v, block_mask=block_mask)
                 self.assertLess(max_error(out, expected), 1e-5)
 
+    def test_max_scores(self):
+        """AuxRequest(max_scores=True): each row's largest score after scale, score_mod and
+        mask, -inf for a row that sees no key (FlexAttention's math_attention): float64 against
+        the dense scores, with GQA, a key/value batch of 1, a captured tensor, a row that sees
+        nothing, and chunks of rows smaller than the problem."""
+        from attnkit._block_mask import max_scores_of
+        torch.manual_seed(107)
+        B, Hq, Hkv, L, S = 3, 4, 2, 70, 90
+        q = torch.randn(B, Hq, L, 16, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(1, Hkv, S, 16, dtype=torch.float64)
+        v = torch.randn(1, Hkv, S, 16, dtype=torch.float64)
+        slopes = torch.randn(Hq, dtype=torch.float64)
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+
+        def late_keys(b, h, q_idx, kv_idx):  # queries 0-15 (a block) see no key; others a band
+            return ((kv_idx > q_idx - 20) & (kv_idx <= q_idx) | (kv_idx > 80)) & (q_idx >= 16)
+
+        for maker in ([attnkit.create_block_mask] +
+                      ([torch_create_block_mask] if HAS_FLEX else [])):
+            bm = maker(late_keys, None, None, L, S, device="cpu", BLOCK_SIZE=16)
+            scores = q.detach() @ k.repeat_interleave(2, 1).transpose(-1, -2) / 4.0
+            b, h = torch.arange(B).view(-1, 1, 1, 1), torch.arange(Hq).view(1, -1, 1, 1)
+            qi, ki = torch.arange(L).view(1, 1, -1, 1), torch.arange(S).view(1, 1, 1, -1)
+            expected = alibi(scores, b, h, qi, ki).masked_fill(
+                ~late_keys(b, h, qi, ki), -math.inf).amax(-1)
+            out, aux = attnkit.flex_attention(
+                q, k, v, alibi, bm, enable_gqa=True,
+                return_aux=attnkit.AuxRequest(lse=True, max_scores=True))
+            with self.subTest(maker=maker.__module__):
+                self.assertEqual(aux.max_scores.shape, (B, Hq, L))
+                self.assertFalse(aux.max_scores.requires_grad)
+                self.assertTrue(torch.equal(torch.isinf(aux.max_scores), torch.isinf(expected)))
+                self.assertEqual(aux.max_scores[0, 0, 0].item(), -math.inf)
+                finite = torch.isfinite(expected)
+                self.assertLess(max_error(aux.max_scores[finite], expected[finite]), 1e-12)
+                # the same in chunks of 16 rows
+                chunked = max_scores_of(q, k, alibi, bm, 0.25, chunk_scores=16 * B * Hq * S)
+                self.assertTrue(torch.equal(torch.isinf(chunked), torch.isinf(expected)))
+                self.assertLess(max_error(chunked[finite], expected[finite]), 1e-12)
+                # max_scores >= lse - log(keys seen): a looser check that needs no reference
+                self.assertTrue(bool((aux.lse[finite] <= aux.max_scores[finite] +
+                                      math.log(S) + 1e-9).all()))
+        # No block mask, float32: the scores in float32, as FlexAttention's
+        q32, k32 = q.detach().float(), k.float()
+        _, aux = attnkit.flex_attention(q32, k32, v.float(), enable_gqa=True,
+                                        return_aux=attnkit.AuxRequest(max_scores=True))
+        self.assertIsNone(aux.lse)
+        self.assertEqual(aux.max_scores.dtype, torch.float32)
+        expected = (q32 @ k32.repeat_interleave(2, 1).transpose(-1, -2) / 4.0).amax(-1)
+        self.assertLess(max_error(aux.max_scores, expected), 1e-5)
+
     def test_bad_aux_requests_and_kernel_options_name_the_argument(self):
         q = torch.randn(1, 2, 32, 8)
         cases = [
             (TypeError, ["return_aux", "AuxRequest", "tuple"], {"return_aux": (True, False)}),
             (ValueError, ["return_lse", "return_aux"],
              {"return_lse": True, "return_aux": attnkit.AuxRequest(lse=True)}),
-            (NotImplementedError, ["max_scores"],
-             {"return_aux": attnkit.AuxRequest(max_scores=True)}),
             (TypeError, ["kernel_options", "dict", "list"], {"kernel_options": [("BLOCK_M", 64)]}),
             (ValueError, ["kernel_options", "OUTPUT_LOGSUMEXP"],
              {"kernel_options": {"OUTPUT_LOGSUMEXP": True}}),

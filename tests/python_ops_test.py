@@ -1061,6 +1061,16 @@ class OwnMasks(unittest.TestCase):
             torch.ops.attnkit.flex_attention(q, q, q, *lists, torch.ones(5, 8, 8, dtype=torch.bool),
                                              8, 8, "", [], 0.3, 0.0, -1)
         self.assertIn("partial_tiles must be bool (2, 8, 8)", str(caught.exception))
+        self.assertIn("or (1, 1, 2, 2, 8, 8) (one per slot of kv_indices)", str(caught.exception))
+        # The layout with a tile per slot (what torch.compile sends): the same answer.
+        from attnkit._block_mask import _partial_bits, _slot_bits
+        packed, per_slot = _partial_bits(bm, 16, 16), _slot_bits(bm, 16, 16)
+        self.assertEqual(tuple(per_slot.shape), (1, 1, 2, 2, 8, 8))
+        self.assertTrue(torch.equal(
+            torch.ops.attnkit.flex_attention(q, q, q, *lists, per_slot, 8, 8, "", [], 0.3, 0.0,
+                                             -1)[0],
+            torch.ops.attnkit.flex_attention(q, q, q, *lists, packed, 8, 8, "", [], 0.3, 0.0,
+                                             -1)[0]))
         with self.assertRaises(RuntimeError) as caught:
             torch.ops.attnkit.flex_attention(q, q, q, None, None, None, None, None, 8, 8, "", [],
                                              0.3, 0.5, -1)

@@ -18,7 +18,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _score_graph
-from ._block_mask import BlockMask, create_block_mask, own_block_mask, partial_tiles
+from ._block_mask import (BlockMask, create_block_mask, max_scores_of, own_block_mask,
+                          partial_tiles)
 from ._score_graph import ScoreModError, compiling
 
 __all__ = ["flex_attention", "attention", "create_block_mask", "BlockMask", "ScoreModError",
@@ -290,10 +291,6 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         if return_lse:
             raise ValueError("attnkit.flex_attention: give return_lse or return_aux, not both "
                              "(return_lse is deprecated: use return_aux=AuxRequest(lse=True))")
-        if return_aux.max_scores:
-            raise NotImplementedError("attnkit.flex_attention: return_aux max_scores is not "
-                                      "computed by attnkit's kernels yet (PyTorch's CPU "
-                                      "flex_attention refuses it too); ask for lse only")
     elif return_lse and _TORCH_HAS_AUX:
         warnings.warn("attnkit.flex_attention: return_lse is deprecated, as in PyTorch; use "
                       "return_aux=AuxRequest(lse=True)", FutureWarning, stacklevel=2)
@@ -313,8 +310,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         out, lse = _with_sinks(out, lse, sinks)
     if return_aux is not None:
         wanted = return_aux.lse
-        return out, AuxOutput(lse=lse.masked_fill(lse == math.inf, -math.inf) if wanted else None,
-                              max_scores=None)
+        return out, AuxOutput(
+            lse=lse.masked_fill(lse == math.inf, -math.inf) if wanted else None,
+            max_scores=max_scores_of(query, key, score_mod, block_mask, scale)
+            if return_aux.max_scores else None)
     if return_lse:
         return out, lse.masked_fill(lse == math.inf, -math.inf)
     return out
