@@ -2,7 +2,7 @@
 compiled against the torch of the environment that pip installs into (docs/python.md#install).
 
 The library is src/core (attnkit's kernels, which include only LibTorch's headers) and
-src/ops/flex_operators.cpp (the operators), built by torch.utils.cpp_extension. A CUDA torch
+src/ops (the operators), built by torch.utils.cpp_extension. A CUDA torch
 needs no CUDA toolkit here: attnkit has no CUDA sources of its own, and its operators' CUDA
 registrations call LibTorch's CUDA operators, so this one build serves CPU and CUDA tensors.
 """
@@ -115,7 +115,7 @@ def record_torch(package):
 
 generate_version_header()
 sources = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "src" / "core").glob("*.cpp"))
-sources.append("src/ops/flex_operators.cpp")
+sources += sorted(str(path.relative_to(ROOT)) for path in (ROOT / "src" / "ops").glob("*.cpp"))
 
 setup(
     name="attnkit",
