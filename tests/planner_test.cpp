@@ -425,6 +425,29 @@ TEST(Planner, ASplitCallRunsForwardAndBackwardApartAsTheMathCore) {
       EXPECT_EQ(forward.lse.scalar_type(), torch::kFloat);
       EXPECT_EQ(forward.lse.sizes(), c.expected.sizes().slice(0, 3));
       EXPECT_TRUE(tensors_close("out", forward.out.to(torch::kFloat), c.expected, tolerance, rtol));
+      // FlexAttention's max_scores: the fused tile kernel keeps each row's maximum, whatever
+      // kernel took the call without it; max <= lse <= max + log(keys) where a row sees keys.
+      auto with_max = call;
+      with_max.wants_row_max = true;
+      if (expected_kernel == "chunked") {
+        expect_error_containing([&] { attnkit::detail::run_split_forward(with_max); },
+                                "largest score (max_scores) was asked for, which only the fused "
+                                "tile kernel keeps (on the CPU): no kernel runs it as a split "
+                                "call (fused_tiles: ");
+      } else {
+        const auto kept = attnkit::detail::run_split_forward(with_max);
+        EXPECT_EQ(std::string(kept.kernel), "fused_tiles");
+        ASSERT_EQ(kept.row_max.sizes(), kept.lse.sizes());
+        const auto sees_keys = kept.lse.isfinite();
+        const auto max = kept.row_max.masked_select(sees_keys),
+                   lse = kept.lse.masked_select(sees_keys);
+        EXPECT_TRUE(max.le(lse + 1e-5).all().item<bool>());
+        EXPECT_TRUE(lse.le(max + std::log(static_cast<double>(call.key.size(-2))) + 1e-5)
+                        .all()
+                        .item<bool>());
+        EXPECT_TRUE(
+            kept.row_max.masked_select(sees_keys.logical_not()).eq(-INFINITY).all().item<bool>());
+      }
       if (expected_kernel == "sdpa") {
         auto chunked = call;
         chunked.options.kernel("chunked");

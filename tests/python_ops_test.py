@@ -363,6 +363,8 @@ class Opcheck(unittest.TestCase):
         for args in [
             (q, k, v, None, None, None, None, None, 128, 128, "", [], 0.35, 0.0, -1),
             (q, k, v, *lists, q_block, kv_block, graph, [buffer], 0.35, 0.0, -1),
+            # with each row's largest score (max_scores), which takes no gradient
+            (q, k, v, *lists, q_block, kv_block, graph, [buffer], 0.35, 0.0, -1, True),
         ]:
             torch.library.opcheck(torch.ops.attnkit.flex_attention.default, args)
 

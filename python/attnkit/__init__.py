@@ -18,8 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _score_graph
-from ._block_mask import (BlockMask, create_block_mask, max_scores_of, own_block_mask,
-                          partial_tiles)
+from ._block_mask import BlockMask, create_block_mask, own_block_mask, partial_tiles
 from ._score_graph import ScoreModError, compiling
 
 __all__ = ["flex_attention", "attention", "create_block_mask", "BlockMask", "ScoreModError",
@@ -156,7 +155,9 @@ def _check_problem(query, key, value, enable_gqa):
 
 
 def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p,
-          block_sizes=(128, 128)):
+          block_sizes=(128, 128), max_scores=False):
+    """(out, lse, max_scores) of the operator: max_scores (B, Hq, L) where asked, else a (0)
+    tensor."""
     _check_problem(query, key, value, enable_gqa)
     if key.shape[0] != query.shape[0]:
         # Batch broadcast: a view with batch stride 0, which the kernels read in place; its
@@ -183,7 +184,7 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p
     try:
         return torch.ops.attnkit.flex_attention(query, key, value, *lists, q_block, kv_block,
                                                 graph, list(captured), float(scale),
-                                                float(dropout_p), seed)
+                                                float(dropout_p), seed, max_scores)
     except RuntimeError as error:
         if "[ScoreGraph::parse]" in str(error):
             raise ScoreModError(f"score_mod uses what attnkit cannot run: {error}") from None
@@ -304,16 +305,18 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         _check_sinks(sinks, query)
     # dropout_p a literal: a float default would be a symbolic input under torch.compile's
     # dynamic shapes, then fixed by the operator, and Dynamo would trace the frame twice.
-    out, lse = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, 0.0,
-                     block_sizes=(options.get("BLOCK_M", 128), options.get("BLOCK_N", 128)))
+    wants_max = return_aux is not None and bool(return_aux.max_scores)
+    out, lse, max_scores = _call(query, key, value, score_mod, block_mask, scale, enable_gqa, 0.0,
+                                 block_sizes=(options.get("BLOCK_M", 128),
+                                              options.get("BLOCK_N", 128)),
+                                 max_scores=wants_max)
     if sinks is not None:
         out, lse = _with_sinks(out, lse, sinks)
     if return_aux is not None:
         wanted = return_aux.lse
         return out, AuxOutput(
             lse=lse.masked_fill(lse == math.inf, -math.inf) if wanted else None,
-            max_scores=max_scores_of(query, key, score_mod, block_mask, scale)
-            if return_aux.max_scores else None)
+            max_scores=max_scores if wants_max else None)
     if return_lse:
         return out, lse.masked_fill(lse == math.inf, -math.inf)
     return out
@@ -414,7 +417,7 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
         raise ValueError(f"attnkit.attention: alibi_slopes must be ({query.shape[1]},), one slope "
                          f"per query head, got {tuple(alibi_slopes.shape)}")
     score_mod = _combined_score_mod(softcap, alibi_slopes, bias)
-    out, lse = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
+    out, lse, _ = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
                      dropout_p if training else 0.0)
     return out if sinks is None else _with_sinks(out, lse, sinks)[0]
 

@@ -2,8 +2,6 @@
 one where PyTorch has it), or attnkit's own for PyTorch 1.13, which has no flex_attention; and
 the partial tiles' bits that the operators read."""
 
-import math
-
 import torch
 
 from ._score_graph import compiling
@@ -213,57 +211,6 @@ def _listed(num, idx, width):
     columns = torch.where(listed, idx.long().clamp(0, width - 1), torch.full_like(idx.long(), width))
     grid.scatter_(-1, columns, listed)
     return grid[..., :width]
-
-
-def max_scores_of(query, key, score_mod, block_mask, scale, chunk_scores=2 ** 24):
-    """FlexAttention's max_scores: each query's largest score after scale, score_mod and the
-    block mask (the tiles its lists name, mask_mod on the partial ones), -inf where it sees no
-    key; (B, Hq, L) float32 (float64 for float64), without a gradient. A pass of its own in
-    PyTorch operations over groups of query blocks (about chunk_scores scores, at least one
-    block's rows), each against the span of key tiles the group's lists name."""
-    work = torch.float64 if query.dtype == torch.float64 else torch.float32
-    B, Hq, L, _ = query.shape
-    S = key.shape[2]
-    keys = key.detach().to(work).repeat_interleave(Hq // key.shape[1], 1)  # (B or 1, Hq, S, E)
-    index = dict(dtype=torch.int64, device=query.device)
-    b, h = torch.arange(B, **index).view(-1, 1, 1, 1), torch.arange(Hq, **index).view(1, -1, 1, 1)
-    q_block, kv_block = _block_sizes(block_mask) if block_mask is not None else (128, 128)
-    nk = -(-S // kv_block)
-    if block_mask is not None:
-        partial = _listed(block_mask.kv_num_blocks, block_mask.kv_indices[..., :nk], nk)
-        full_num = getattr(block_mask, "full_kv_num_blocks", None)
-        full = torch.zeros_like(partial) if full_num is None else \
-            _listed(full_num, block_mask.full_kv_indices[..., :nk], nk)
-        named = (partial | full).flatten(0, 1).any(0)  # (nq, nk): tiles any row names
-    rows = max(q_block, (chunk_scores // max(1, B * Hq * S)) // q_block * q_block)
-    result = torch.full((B, Hq, L), -math.inf, dtype=work, device=query.device)
-    with torch.no_grad():
-        for start in range(0, L, rows):
-            stop = min(L, start + rows)
-            first, last = 0, nk  # the key tiles [first, last) to score
-            if block_mask is not None and not compiling():
-                columns = named[start // q_block:-(-stop // q_block)].any(0).nonzero()
-                if columns.numel() == 0:
-                    continue  # no key: -inf
-                first, last = int(columns[0]), int(columns[-1]) + 1
-            k0, k1 = first * kv_block, min(S, last * kv_block)
-            q = torch.arange(start, stop, **index).view(1, 1, -1, 1)
-            kv = torch.arange(k0, k1, **index).view(1, 1, 1, -1)
-            # (B, Hq, rows, keys)
-            scores = query[:, :, start:stop].to(work) @ keys[:, :, k0:k1].transpose(-1, -2)
-            scores *= scale
-            if score_mod is not None:
-                scores = score_mod(scores, b, h, q, kv).to(work)
-            if block_mask is not None:
-                # (B or 1, H or 1, rows, keys): each score's tile, mask_mod where partial
-                tile_q, tile_kv = (q // q_block).view(-1), (kv // kv_block).view(-1)
-                in_partial = partial[:, :, tile_q][..., tile_kv]
-                in_full = full[:, :, tile_q][..., tile_kv]
-                allowed = in_full | (in_partial & block_mask.mask_mod(b, h, q, kv))
-                scores = scores.masked_fill_(~allowed, -math.inf)
-            if k1 > k0:
-                result[:, :, start:stop] = scores.amax(-1)
-    return result
 
 
 def _slot_bits(block_mask, q_len, kv_len):

@@ -40,7 +40,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         if dropout_p > 0.0:
             raise ValueError("attnkit.transformers: sinks (s_aux) with attention dropout > 0 are "
                              "not supported; set the config's attention_dropout to 0")
-    out, lse = _call(query, key, value, score_mod, attention_mask, scaling, True, dropout_p)
+    out, lse, _ = _call(query, key, value, score_mod, attention_mask, scaling, True, dropout_p)
     if s_aux is not None:
         out, _ = _with_sinks(out, lse, s_aux)
     return out.transpose(1, 2).contiguous(), None  # (B, H, L, D) -> (B, L, H, D)

@@ -474,7 +474,7 @@ SplitKernel chunked_split() {
             const auto& call = in.call;
             torch::Tensor lse;  // (b, h, n, 1)
             auto out = chunked_forward(*problem_for(in), call.query, call.key, call.value, &lse);
-            return std::pair{out, lse.squeeze(-1)};
+            return SplitOutputs{out, lse.squeeze(-1), {}};
           },
           [problem_for](const KernelInput& in, const SplitSaved& saved) {
             const auto& call = in.call;

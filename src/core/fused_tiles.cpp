@@ -234,7 +234,7 @@ KernelSpec fused_tiles_spec() {
                   // 16-bit: the output before its rounding, which the planner rounds
                   // (SplitForward::unrounded).
                   const auto& out = result.out_float.defined() ? result.out_float : result.out;
-                  return std::pair{shaped_like(out, call.query), result.lse};
+                  return SplitOutputs{shaped_like(out, call.query), result.lse, result.row_max};
                 },
                 [problem_for](const KernelInput& in, const SplitSaved& saved) {
                   const auto problem = problem_for(in);
@@ -247,7 +247,8 @@ KernelSpec fused_tiles_spec() {
                   grads[1] = shaped_like(grads[1], call.key);
                   grads[2] = shaped_like(grads[2], call.value);
                   return grads;
-                }};
+                },
+                /*keeps_row_max=*/true};
             return KernelDecision{
                 std::move(declined),
                 [problem_for](const KernelInput& in) {

@@ -217,12 +217,14 @@ void online_softmax_row(T* row, int64_t keys, T& running_max, T& running_sum, T*
 }
 
 /// What forward returns: the output (outer, heads, n, dv) in the inputs' dtype, the rows'
-/// log-sum-exp (outer, heads, n) in the compute dtype (+inf for a row that sees no key), and
+/// log-sum-exp (outer, heads, n) in the compute dtype (+inf for a row that sees no key), their
+/// largest scores (outer, heads, n) in the compute dtype (-inf for none, NaN where the sum
+/// is NaN: a NaN score), and
 /// for 16-bit inputs the output before its rounding (float32), from which backward computes
 /// D = rowsum(dO * O) (the rounded output's D misses by the rounding, which a per-head bias's
 /// gradient, 0 in exact arithmetic, shows).
 struct TileForward {
-  torch::Tensor out, lse, out_float;
+  torch::Tensor out, lse, out_float, row_max;
 };
 
 /// The gradients of q4, k4, v4 ((outer, heads or key/value heads, n, f), in their dtype) and

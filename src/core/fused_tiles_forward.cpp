@@ -34,8 +34,10 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4, cons
   auto out4 = torch::empty({plan.outer, plan.heads, plan.num_queries, dv}, q4.options());
   const auto compute = q4.options().dtype(c10::CppTypeToScalarType<T>::value);
   auto lse = torch::empty({plan.outer, plan.heads, plan.num_queries}, compute);
+  auto row_max = torch::empty({plan.outer, plan.heads, plan.num_queries}, compute);
   const Slices<In> q(q4), k(k4), v(v4), out(out4);
   T* lse_data = lse.template data_ptr<T>();
+  T* row_max_data = row_max.template data_ptr<T>();
   // 16-bit: the output before rounding; K^T and V as the matrix units take them, or V in
   // float32 where P stays unrounded (TileProblem::unrounded_weights).
   torch::Tensor out_float4, keys_t, values, values_float;
@@ -147,9 +149,12 @@ TileForward forward_of(const TileProblem& problem, const torch::Tensor& q4, cons
       }
       lse_data[(o * plan.heads + h) * plan.num_queries + q0 + i] =
           seen ? running_max[i] + std::log(running_sum[i]) : std::numeric_limits<T>::infinity();
+      // The maximum passes over a NaN score; the sum keeps it (online_softmax_row).
+      row_max_data[(o * plan.heads + h) * plan.num_queries + q0 + i] =
+          std::isnan(running_sum[i]) ? running_sum[i] : running_max[i];
     }
   });
-  return {out4, lse, out_float4};
+  return {out4, lse, out_float4, row_max};
 }
 
 }  // namespace

@@ -72,6 +72,9 @@ struct AttentionCall {
   /// A split forward whose backward follows (the operators' autograd): its output is made as
   /// backward reads it (SplitForward::unrounded).
   bool backward_follows = false;
+  /// A split forward that also gives each row's largest score (FlexAttention's max_scores):
+  /// only kernels whose SplitKernel keeps_row_max take it.
+  bool wants_row_max = false;
 };
 
 /// A mask as the fused kernels take it: none (causal false), or query i seeing keys up to
@@ -130,13 +133,21 @@ struct SplitSaved {
   std::vector<torch::Tensor> parameters;
 };
 
-/// A kernel's forward and backward as two calls, outside autograd. forward -> the output and
-/// each row's log-sum-exp of its scaled, modified scores (+inf for a row that sees no key);
-/// backward -> the gradients of query, key, value, then of each SplitSaved::parameters
-/// tensor. Both run on the call in its compute dtype.
+/// What a split forward gives: the output, each row's log-sum-exp of its scaled, modified
+/// scores (+inf for a row that sees no key), and where the call wants it
+/// (AttentionCall::wants_row_max) each row's largest such score (-inf for none, NaN where a
+/// score is NaN), (b, h, n) in the compute dtype; else undefined.
+struct SplitOutputs {
+  torch::Tensor out, lse, row_max;
+};
+
+/// A kernel's forward and backward as two calls, outside autograd. backward -> the gradients
+/// of query, key, value, then of each SplitSaved::parameters tensor. Both run on the call in
+/// its compute dtype. keeps_row_max: whether forward gives SplitOutputs::row_max.
 struct SplitKernel {
-  std::function<std::pair<torch::Tensor, torch::Tensor>(const KernelInput&)> forward;
+  std::function<SplitOutputs(const KernelInput&)> forward;
   std::function<std::vector<torch::Tensor>(const KernelInput&, const SplitSaved&)> backward;
+  bool keeps_row_max = false;
 };
 
 /// A kernel's answer to one call.

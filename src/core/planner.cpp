@@ -31,6 +31,8 @@ KernelDecision decide(const KernelSpec& spec, const KernelInput& input) {
   auto decision = spec.decide(input);
   if (decision.declined.empty() && input.call.split && !decision.split.forward)
     decision.declined = "it has no separate forward and backward (a split call)";
+  if (decision.declined.empty() && input.call.wants_row_max && !decision.split.keeps_row_max)
+    decision.declined = "it keeps no row maximum (max_scores: the fused tile kernel, on the CPU)";
   if (decision.declined.empty() && input.call.options.sinks().defined() && !spec.takes_sinks) {
     decision.declined = c10::str("the ", spec.name,
                                  " kernel has no attention sinks (the math core and the decode "
@@ -111,6 +113,13 @@ Choice choose(const KernelInput& input, const KernelTable& table) {
               " cannot run this: ", lacks(requested, input, table),
               "; use AttentionBackend::kAuto, kChunked or kMath");
   choice = first_taking(input, AttentionBackend::kAuto, table);
+  // The math core, the table's last, takes every call but a split one.
+  TORCH_CHECK(choice.spec != nullptr || !input.call.split, "[attention] ",
+              input.call.wants_row_max
+                  ? "each row's largest score (max_scores) was asked for, which only the fused "
+                    "tile kernel keeps (on the CPU): "
+                  : "",
+              split_call_lacks(input.call, table));
   TORCH_INTERNAL_ASSERT(choice.spec != nullptr, "the table's last kernel takes every call");
   return choice;
 }
@@ -316,9 +325,9 @@ SplitForward run_split_forward(const AttentionCall& given, const KernelTable& ta
       call, table,
       [dtype](const KernelInput& input, const Choice& choice, const std::string& sixteen_bit) {
         KernelRecordAccess::append(input.call, *choice.spec, sixteen_bit);
-        auto [out, lse] = choice.decision.split.forward(input);
+        auto [out, lse, row_max] = choice.decision.split.forward(input);
         return SplitForward{out.to(dtype), lse, choice.spec->name,
-                            out.scalar_type() != dtype ? out : torch::Tensor()};
+                            out.scalar_type() != dtype ? out : torch::Tensor(), row_max};
       });
 }
 

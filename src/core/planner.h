@@ -40,10 +40,12 @@ functional::AttentionOutput run_attention(const AttentionCall& call,
 /// a row that sees no key; `kernel` is the kernel that ran it. The dtype, autocast and kernel
 /// record policy is run_attention's. `unrounded`: for 16-bit inputs the output before its
 /// rounding (float32), which the backward's D = rowsum(dO * O) wants; else undefined.
+/// `row_max`: for a call that wants it (AttentionCall::wants_row_max), SplitOutputs::row_max.
 struct SplitForward {
   torch::Tensor out, lse;
   const char* kernel;
   torch::Tensor unrounded;
+  torch::Tensor row_max;
 };
 SplitForward run_split_forward(const AttentionCall& call,
                                const KernelTable& table = kernel_table());

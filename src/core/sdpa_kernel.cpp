@@ -496,7 +496,7 @@ SplitKernel cpu_flash_split(bool causal) {
             auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
                 call.query, repeated(call.key, group_size), repeated(call.value, group_size),
                 /*dropout_p=*/0.0, causal, /*attn_mask=*/c10::nullopt, in.scale());
-            return std::pair{out, lse};
+            return SplitOutputs{out, lse, {}};
           },
           [causal, repeated](const KernelInput& in, const SplitSaved& saved) {
             const auto& call = in.call;

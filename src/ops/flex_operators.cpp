@@ -42,6 +42,7 @@ struct FlexArguments {
   double scale = 1.0;
   double dropout_p = 0.0;
   int64_t dropout_seed = -1;
+  bool max_scores = false;  // the forward gives each row's largest score too
 };
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
@@ -123,6 +124,7 @@ detail::AttentionCall call_of(const Tensor& query, const Tensor& key, const Tens
   call.backend_is_preference = true;
   call.split = true;
   call.dropout_seed = args.dropout_p > 0.0 ? args.dropout_seed : -1;
+  call.wants_row_max = args.max_scores;
   return call;
 }
 
@@ -131,11 +133,12 @@ torch::ScalarType compute_dtype(const Tensor& t) {
   return detail::is_16bit(t) ? torch::kFloat : t.scalar_type();
 }
 
-// The output, its lse, and what backward reads as the output: for 16-bit inputs the output
+// The output, its lse, what backward reads as the output: for 16-bit inputs the output
 // before its rounding (float32; backward's D = rowsum(dO * O) from the rounded output missed a
 // per-head bias's gradient, 0 in exact arithmetic, by 1e-4), else a (0) tensor (the output
-// itself serves).
-std::tuple<Tensor, Tensor, Tensor> flex_forward(const Tensor& query, const Tensor& key,
+// itself serves); and the rows' largest scores (FlexAttention's max_scores, as the lse) where
+// args.max_scores asks, else a (0) tensor.
+std::tuple<Tensor, Tensor, Tensor, Tensor> flex_forward(const Tensor& query, const Tensor& key,
                                                 const Tensor& value, const FlexArguments& args,
                                                 bool backward_follows) {
   check_inputs(query, key, value);
@@ -145,7 +148,9 @@ std::tuple<Tensor, Tensor, Tensor> flex_forward(const Tensor& query, const Tenso
   auto result = detail::run_split_forward(call);
   auto for_backward = result.unrounded.defined() ? result.unrounded.contiguous()
                                                  : torch::empty({0}, query.options());
-  return {result.out.contiguous(), result.lse.contiguous(), for_backward};
+  auto row_max = args.max_scores ? result.row_max.contiguous()
+                                 : torch::empty({0}, result.lse.options());
+  return {result.out.contiguous(), result.lse.contiguous(), for_backward, row_max};
 }
 
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
@@ -178,7 +183,8 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
 #define ATTNKIT_FLEX_TAIL                                                                 \
   "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "               \
   "Tensor? full_kv_indices, Tensor? partial_tiles, int q_block_size, int kv_block_size, " \
-  "str score_graph, Tensor[] score_tensors, float scale, float dropout_p, int dropout_seed"
+  "str score_graph, Tensor[] score_tensors, float scale, float dropout_p, int dropout_seed, " \
+  "bool max_scores=False"
 
 FlexArguments arguments_of(const c10::optional<Tensor>& kv_num_blocks,
                            const c10::optional<Tensor>& kv_indices,
@@ -187,41 +193,42 @@ FlexArguments arguments_of(const c10::optional<Tensor>& kv_num_blocks,
                            const c10::optional<Tensor>& partial_tiles, int64_t q_block_size,
                            int64_t kv_block_size, c10::string_view score_graph,
                            at::TensorList score_tensors, double scale, double dropout_p,
-                           int64_t dropout_seed) {
+                           int64_t dropout_seed, bool max_scores) {
   return {kv_num_blocks,       kv_indices,   full_kv_num_blocks, full_kv_indices,
           partial_tiles,       q_block_size, kv_block_size,      std::string(score_graph),
-          score_tensors.vec(), scale,        dropout_p,          dropout_seed};
+          score_tensors.vec(), scale,        dropout_p,          dropout_seed,
+          max_scores};
 }
 
-std::tuple<Tensor, Tensor> flex_attention_kernel(
+std::tuple<Tensor, Tensor, Tensor> flex_attention_kernel(
     const Tensor& query, const Tensor& key, const Tensor& value,
     const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
     const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
     const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
     c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
-    int64_t dropout_seed) {
-  auto [out, lse, for_backward] =
+    int64_t dropout_seed, bool max_scores) {
+  auto [out, lse, for_backward, row_max] =
       flex_forward(query, key, value,
                    arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                                 partial_tiles, q_block_size, kv_block_size, score_graph,
-                                score_tensors, scale, dropout_p, dropout_seed),
+                                score_tensors, scale, dropout_p, dropout_seed, max_scores),
                    /*backward_follows=*/false);
-  return {out, lse};
+  return {out, lse, row_max};
 }
 
 // flex_attention with what its backward reads as the output (flex_forward): the autograd
 // kernel's forward.
-std::tuple<Tensor, Tensor, Tensor> flex_attention_for_backward_kernel(
+std::tuple<Tensor, Tensor, Tensor, Tensor> flex_attention_for_backward_kernel(
     const Tensor& query, const Tensor& key, const Tensor& value,
     const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
     const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
     const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
     c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
-    int64_t dropout_seed) {
+    int64_t dropout_seed, bool max_scores) {
   return flex_forward(query, key, value,
                       arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                                    partial_tiles, q_block_size, kv_block_size, score_graph,
-                                   score_tensors, scale, dropout_p, dropout_seed),
+                                   score_tensors, scale, dropout_p, dropout_seed, max_scores),
                       /*backward_follows=*/true);
 }
 
@@ -231,45 +238,46 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_
     const c10::optional<Tensor>& kv_indices, const c10::optional<Tensor>& full_kv_num_blocks,
     const c10::optional<Tensor>& full_kv_indices, const c10::optional<Tensor>& partial_tiles,
     int64_t q_block_size, int64_t kv_block_size, c10::string_view score_graph,
-    at::TensorList score_tensors, double scale, double dropout_p, int64_t dropout_seed) {
+    at::TensorList score_tensors, double scale, double dropout_p, int64_t dropout_seed, bool max_scores) {
   return flex_backward(grad_out, query, key, value, out, lse,
                        arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                                     partial_tiles, q_block_size, kv_block_size, score_graph,
-                                    score_tensors, scale, dropout_p, dropout_seed));
+                                    score_tensors, scale, dropout_p, dropout_seed, max_scores));
 }
 
 // Fake kernels: the outputs' shapes and dtypes only.
-std::tuple<Tensor, Tensor> flex_attention_meta(
+std::tuple<Tensor, Tensor, Tensor> flex_attention_meta(
     const Tensor& query, const Tensor& key, const Tensor& value,
     const c10::optional<Tensor>& /*kv_num_blocks*/, const c10::optional<Tensor>& /*kv_indices*/,
     const c10::optional<Tensor>& /*full_kv_num_blocks*/,
     const c10::optional<Tensor>& /*full_kv_indices*/,
     const c10::optional<Tensor>& /*partial_tiles*/, int64_t /*q_block_size*/,
     int64_t /*kv_block_size*/, c10::string_view /*score_graph*/, at::TensorList score_tensors,
-    double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/) {
+    double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/, bool max_scores) {
   check_inputs(query, key, value);
   check_score_tensors(query, score_tensors);
   auto shape = query.sym_sizes().vec();
   shape.back() = value.sym_size(-1);
-  return {at::empty_symint(shape, query.options()),
-          at::empty_symint({query.sym_size(0), query.sym_size(1), query.sym_size(2)},
-                           query.options().dtype(compute_dtype(query)))};
+  const auto rows = query.options().dtype(compute_dtype(query));
+  const std::vector<c10::SymInt> per_row{query.sym_size(0), query.sym_size(1), query.sym_size(2)};
+  return {at::empty_symint(shape, query.options()), at::empty_symint(per_row, rows),
+          max_scores ? at::empty_symint(per_row, rows) : torch::empty({0}, rows)};
 }
 
-std::tuple<Tensor, Tensor, Tensor> flex_attention_for_backward_meta(
+std::tuple<Tensor, Tensor, Tensor, Tensor> flex_attention_for_backward_meta(
     const Tensor& query, const Tensor& key, const Tensor& value,
     const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
     const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
     const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
     c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
-    int64_t dropout_seed) {
-  auto [out, lse] =
+    int64_t dropout_seed, bool max_scores) {
+  auto [out, lse, row_max] =
       flex_attention_meta(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
                           full_kv_indices, partial_tiles, q_block_size, kv_block_size, score_graph,
-                          score_tensors, scale, dropout_p, dropout_seed);
+                          score_tensors, scale, dropout_p, dropout_seed, max_scores);
   auto for_backward = detail::is_16bit(query) ? at::empty_symint(out.sym_sizes(), lse.options())
                                               : torch::empty({0}, query.options());
-  return {out, lse, for_backward};
+  return {out, lse, for_backward, row_max};
 }
 
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_meta(
@@ -280,7 +288,7 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_
     const c10::optional<Tensor>& /*full_kv_indices*/,
     const c10::optional<Tensor>& /*partial_tiles*/, int64_t /*q_block_size*/,
     int64_t /*kv_block_size*/, c10::string_view /*score_graph*/, at::TensorList score_tensors,
-    double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/) {
+    double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/, bool /*max_scores*/) {
   check_score_tensors(query, score_tensors);
   // Contiguous, as the kernel's (whatever the inputs' strides).
   const auto like = [](const Tensor& t) { return at::empty_symint(t.sym_sizes(), t.options()); };
@@ -325,16 +333,16 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
                                const std::vector<c10::optional<Tensor>>& blocks,
                                int64_t q_block_size, int64_t kv_block_size,
                                const std::string& score_graph, at::TensorList score_tensors,
-                               double scale, double dropout_p, int64_t dropout_seed) {
+                               double scale, double dropout_p, int64_t dropout_seed, bool max_scores) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("attnkit::flex_attention_for_backward", "")
                          .typed<decltype(flex_attention_for_backward_kernel)>();
-    Tensor out, lse, for_backward;
+    Tensor out, lse, for_backward, row_max;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(out, lse, for_backward) = op.call(
+      std::tie(out, lse, for_backward, row_max) = op.call(
           query, key, value, blocks[0], blocks[1], blocks[2], blocks[3], blocks[4], q_block_size,
-          kv_block_size, score_graph, score_tensors, scale, dropout_p, dropout_seed);
+          kv_block_size, score_graph, score_tensors, scale, dropout_p, dropout_seed, max_scores);
     }
     // Backward's output: the unrounded one of a 16-bit call.
     variable_list saved{query, key, value, for_backward.dim() == out.dim() ? for_backward : out,
@@ -351,7 +359,8 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
     // Unused outputs' gradients stay undefined: a call whose lse takes no gradient pays
     // nothing for it (with_lse_gradient).
     ctx->set_materialize_grads(false);
-    return {out, lse};
+    ctx->mark_non_differentiable({row_max});  // FlexAttention's max_scores has no gradient
+    return {out, lse, row_max};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -385,27 +394,27 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
         blocks[3], blocks[4], ctx->saved_data["q_block_size"].toInt(),
         ctx->saved_data["kv_block_size"].toInt(), ctx->saved_data["score_graph"].toStringRef(),
         score_tensors, ctx->saved_data["scale"].toDouble(), dropout_p,
-        ctx->saved_data["dropout_seed"].toInt());
+        ctx->saved_data["dropout_seed"].toInt(), /*max_scores=*/false);
     if (grads[1].defined())
       dv = dv.narrow(-1, 0, saved[2].size(-1)).contiguous();
     // One gradient per forward argument: q, k, v, the blocks, the two block sizes, the
-    // graph, each score tensor, then scale, dropout_p and the seed.
+    // graph, each score tensor, then scale, dropout_p, the seed and max_scores.
     variable_list result{dq, dk, dv};
     result.resize(result.size() + 4);
     for (size_t i = 0; i < score_tensors.size(); ++i)
       result.push_back(score_tensors[i].is_floating_point() ? tensor_grads[i] : Tensor());
-    result.resize(result.size() + 3);
+    result.resize(result.size() + 4);
     return result;
   }
 };
 
-std::tuple<Tensor, Tensor> flex_attention_autograd(
+std::tuple<Tensor, Tensor, Tensor> flex_attention_autograd(
     const Tensor& query, const Tensor& key, const Tensor& value,
     const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
     const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
     const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
     c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
-    int64_t dropout_seed) {
+    int64_t dropout_seed, bool max_scores) {
   // Without a gradient to keep (no_grad, inference) the plain operator: a 16-bit call then
   // rounds P for the matrix units' P V (flex_forward).
   bool wants_gradient = query.requires_grad() || key.requires_grad() || value.requires_grad();
@@ -418,26 +427,26 @@ std::tuple<Tensor, Tensor> flex_attention_autograd(
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return op.call(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
                    full_kv_indices, partial_tiles, q_block_size, kv_block_size, score_graph,
-                   score_tensors, scale, dropout_p, dropout_seed);
+                   score_tensors, scale, dropout_p, dropout_seed, max_scores);
   }
   auto outputs = FlexAttentionFunction::apply(
       query, key, value,
       std::vector<c10::optional<Tensor>>{kv_num_blocks, kv_indices, full_kv_num_blocks,
                                          full_kv_indices, partial_tiles},
       q_block_size, kv_block_size, std::string(score_graph), score_tensors, scale, dropout_p,
-      dropout_seed);
-  return {outputs[0], outputs[1]};
+      dropout_seed, max_scores);
+  return {outputs[0], outputs[1], outputs[2]};
 }
 
 // Under autocast, as the C++ API: the inputs in the autocast dtype (float64 keeps its own),
 // then the operator with autocast off; 16-bit is computed in float32 and rounded once.
-std::tuple<Tensor, Tensor> flex_attention_autocast(
+std::tuple<Tensor, Tensor, Tensor> flex_attention_autocast(
     const Tensor& query, const Tensor& key, const Tensor& value,
     const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
     const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
     const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
     c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
-    int64_t dropout_seed) {
+    int64_t dropout_seed, bool max_scores) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("attnkit::flex_attention", "")
                        .typed<decltype(flex_attention_kernel)>();
@@ -447,7 +456,7 @@ std::tuple<Tensor, Tensor> flex_attention_autocast(
   const detail::NoAutocast no_autocast;
   return op.call(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                  partial_tiles, q_block_size, kv_block_size, score_graph, score_tensors, scale,
-                 dropout_p, dropout_seed);
+                 dropout_p, dropout_seed, max_scores);
 }
 
 // How 16-bit CPU calls of `dtype` multiply: the matrix units' name, or "float32: " and why.
@@ -463,12 +472,12 @@ std::string cpu_16bit_matmul(c10::ScalarType dtype) {
 
 TORCH_LIBRARY(attnkit, m) {
   m.def("flex_attention(Tensor query, Tensor key, Tensor value, " ATTNKIT_FLEX_TAIL
-        ") -> (Tensor, Tensor)");
+        ") -> (Tensor, Tensor, Tensor)");
   m.def(
       "flex_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
       "Tensor out, Tensor lse, " ATTNKIT_FLEX_TAIL ") -> (Tensor, Tensor, Tensor, Tensor[])");
   m.def("flex_attention_for_backward(Tensor query, Tensor key, Tensor value, " ATTNKIT_FLEX_TAIL
-        ") -> (Tensor, Tensor, Tensor)");
+        ") -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("cpu_16bit_matmul(ScalarType dtype) -> str", &cpu_16bit_matmul);
 }
 
