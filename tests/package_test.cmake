@@ -1,6 +1,7 @@
 # CTest script: installs attnkit into a temporary prefix, builds apps/tiny_gpt (both of its
 # designs, and its check against the Python reference), apps/encoder_decoder and
-# apps/sentence_encoder (separate projects) and the README's example (examples/, target quickstart) against it with
+# apps/sentence_encoder (separate projects), the README's example (examples/, target
+# quickstart) and, on a leg whose Python has torch 2.10 on, examples/aoti against it with
 # find_package(attnkit), and runs them. Proves the package works as the README says.
 # Inputs (-D): ATTNKIT_BINARY_DIR, ATTNKIT_SOURCE_DIR, WORK_DIR, TORCH_DIR, GENERATOR.
 foreach(input ATTNKIT_BINARY_DIR ATTNKIT_SOURCE_DIR WORK_DIR TORCH_DIR GENERATOR)
@@ -15,6 +16,8 @@ endforeach()
 get_filename_component(torch_root "${TORCH_DIR}/../../.." ABSOLUTE)
 set(configure ${CMAKE_COMMAND} -E env CMAKE_PREFIX_PATH=${torch_root} ${CMAKE_COMMAND})
 
+# A `;` in an argument would split it (run_step's ARGN is a list): Python code given with -c
+# separates its statements with newlines.
 function(run_step what)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE result)
   if(NOT result EQUAL 0)
@@ -43,7 +46,28 @@ if(python_package)
   endif()
   run_step("import the installed Python package" ${CMAKE_COMMAND} -E env
     PYTHONPATH=${python_dir} ATTNKIT_OPS_LIBRARY= ${leg_python} -c
-    "import torch, attnkit; assert str(attnkit.library_path()).startswith('${WORK_DIR}/prefix'), attnkit.library_path(); q = torch.randn(1, 2, 70, 8, requires_grad=True); attnkit.flex_attention(q, q, q).sum().backward(); assert q.grad.abs().sum() > 0")
+    "import torch, attnkit\nassert str(attnkit.library_path()).startswith('${WORK_DIR}/prefix'), attnkit.library_path()\nq = torch.randn(1, 2, 70, 8, requires_grad=True)\nattnkit.flex_attention(q, q, q).sum().backward()\nassert q.grad.abs().sum() > 0")
+  # examples/aoti against the installed package: a model calling attnkit.flex_attention,
+  # exported by this leg's Python (torch.export, AOTInductor: a torch of 2.10 on, which brings
+  # what Inductor compiles with) and run from C++ linked with attnkit::ops; run_exported
+  # checks its output against Python's within 1e-5.
+  execute_process(COMMAND ${leg_python} -c "import sys, torch\nsys.exit(tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]) < (2, 10))"
+    RESULT_VARIABLE old_torch)
+  if(old_torch EQUAL 0)
+    run_step("export examples/aoti's model" ${CMAKE_COMMAND} -E env
+      PYTHONPATH=${python_dir}:${ATTNKIT_SOURCE_DIR}/scripts ATTNKIT_OPS_LIBRARY= ${leg_python} -c
+      "from inductor_link import link_inductor_against_this_torch\nlink_inductor_against_this_torch()\nimport runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')"
+      ${ATTNKIT_SOURCE_DIR}/examples/aoti/export_model.py ${WORK_DIR}/aoti)
+    execute_process(COMMAND ${leg_python} -c "import torch\nprint(torch.utils.cmake_prefix_path)"
+      OUTPUT_VARIABLE torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE)
+    run_step("configure examples/aoti" ${CMAKE_COMMAND} -E env
+      CMAKE_PREFIX_PATH=${WORK_DIR}/prefix:${torch_prefix}:${torch_prefix}/../.. ${CMAKE_COMMAND}
+      -S ${ATTNKIT_SOURCE_DIR}/examples/aoti -B ${WORK_DIR}/aoti-build -G ${GENERATOR}
+      -DCMAKE_BUILD_TYPE=Release -DTorch_DIR=${TORCH_DIR})
+    run_step("build examples/aoti" ${CMAKE_COMMAND} --build ${WORK_DIR}/aoti-build)
+    run_program("run examples/aoti" ${WORK_DIR}/aoti-build/run_exported
+      ${WORK_DIR}/aoti/model.pt2 ${WORK_DIR}/aoti 1 4 256 32 1e-5)
+  endif()
 endif()
 run_step("configure tiny_gpt" ${configure} -S ${ATTNKIT_SOURCE_DIR}/apps/tiny_gpt
   -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release
