@@ -385,7 +385,9 @@ class PyTorchSuite(unittest.TestCase):
     """Each case as the suite's run_test checks it, forward and backward: the mean |error| from
     float64 of attnkit's output and gradients at most a fudge factor (10 in float32, 1.1 in
     bfloat16) times that of the reference in the same dtype (PyTorch's eager flex_attention
-    for the output, the dense math for the gradients: no CPU backward in PyTorch)."""
+    for the output, the dense math for the gradients: no CPU backward in PyTorch). Every
+    parametrization in float32 and bfloat16 (on the CPU the suite runs GQA and broadcast in
+    float32 only)."""
 
     def run_case(self, score_mod, dtype, Bq, Hq, Sq, D, Bkv=None, Hkv=None, Skv=None, Dv=None,
                  block_size=128):
@@ -434,13 +436,14 @@ class PyTorchSuite(unittest.TestCase):
 
     def test_gqa(self):
         for Hq, Hkv in SUITE_HQ_HKV:
-            self.each_score_mod((torch.float32,), Bq=2, Hq=Hq, Sq=200, D=32, Hkv=Hkv)
+            self.each_score_mod((torch.float32, torch.bfloat16), Bq=2, Hq=Hq, Sq=200, D=32,
+                                Hkv=Hkv)
 
     def test_kv_batch_broadcast(self):
         for Bq, Bkv in SUITE_BQ_BKV:
             for Hq, Hkv in SUITE_HQ_HKV:
-                self.each_score_mod((torch.float32,), Bq=Bq, Hq=Hq, Sq=136, D=16, Bkv=Bkv,
-                                    Hkv=Hkv)
+                self.each_score_mod((torch.float32, torch.bfloat16), Bq=Bq, Hq=Hq, Sq=136,
+                                    D=16, Bkv=Bkv, Hkv=Hkv)
 
     def test_block_sizes(self):
         for block_size in SUITE_BLOCK_SIZES:
