@@ -277,7 +277,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
     query (B, Hq, L, E), key (B or 1, Hkv, S, E), value (B or 1, Hkv, S, Ev) ->
     (B, Hq, L, Ev). return_aux=AuxRequest(lse=True) returns (out, AuxOutput) with the
-    log-sum-exp (B, Hq, L) in float32 (-inf for a query that sees no key), differentiable;
+    log-sum-exp (B, Hq, L) in float32 (-inf for a query that sees no key), differentiable,
+    and with max_scores=True each query's largest score (the fused tile kernel keeps it);
     return_lse=True (deprecated where PyTorch deprecates it) returns (out, lse).
     score_mod(score, b, h, q_idx, kv_idx) is traced at each call (torch.fx) and runs in
     the kernels; block_mask is PyTorch's BlockMask (create_block_mask) or attnkit's, whose
