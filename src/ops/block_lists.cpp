@@ -45,9 +45,9 @@ std::pair<Tensor, int64_t> tile_slots(const BlockMask& blocks) {
 // a shape that depends on the data (docs/python.md).
 Tensor packed_partial_tiles(const BlockMask& lists, const Tensor& bits) {
   const auto& counts = lists.kv_num_blocks();
-  const std::vector<int64_t> per_slot{counts.size(0), counts.size(1), lists.num_q_blocks(),
-                                      lists.num_kv_blocks(), lists.q_block_size(),
-                                      lists.kv_block_size()};
+  const std::vector<int64_t> per_slot{counts.size(0),       counts.size(1),
+                                      lists.num_q_blocks(), lists.num_kv_blocks(),
+                                      lists.q_block_size(), lists.kv_block_size()};
   if (bits.sizes() != per_slot)
     return bits;  // packed already, checked by the caller
   const auto used = torch::arange(per_slot[3], counts.options().dtype(torch::kInt64))
@@ -112,9 +112,8 @@ Mask block_lists_mask(const Tensor& q, const Tensor& k, const c10::optional<Tens
   const auto full_num = full_kv_num_blocks.value_or(Tensor());
   const auto full_idx = full_kv_indices.value_or(Tensor());
   // First the lists alone (checked), then the partial tiles' mask over them.
-  auto lists = BlockMask::from_kv_blocks(*kv_num_blocks, *kv_indices, full_num, full_idx,
-                                         q.size(2), k.size(2), q_block_size,
-                                         kv_block_size, Mask());
+  auto lists = BlockMask::from_kv_blocks(*kv_num_blocks, *kv_indices, full_num, full_idx, q.size(2),
+                                         k.size(2), q_block_size, kv_block_size, Mask());
   lists.check(kOp, q.size(0), q.size(1), q.size(2), k.size(2), q.device());
   const auto [slots, partial_count] = tile_slots(lists);
   const auto bits = packed_partial_tiles(lists, *partial_tiles);
@@ -124,16 +123,16 @@ Mask block_lists_mask(const Tensor& q, const Tensor& k, const c10::optional<Tens
               kv_block_size, ") (one tile per partial block the lists name), or (",
               lists.kv_num_blocks().size(0), ", ", lists.kv_num_blocks().size(1), ", ",
               lists.num_q_blocks(), ", ", lists.num_kv_blocks(), ", ", q_block_size, ", ",
-              kv_block_size, ") (one per slot of kv_indices), got ",
-              partial_tiles->scalar_type(), " ", shape_string(*partial_tiles));
+              kv_block_size, ") (one per slot of kv_indices), got ", partial_tiles->scalar_type(),
+              " ", shape_string(*partial_tiles));
   TORCH_CHECK(bits.device() == q.device(), kOp, " partial_tiles is on ", bits.device(),
               ", the query on ", q.device());
   if (says_causal(lists, slots, bits, q.size(2), k.size(2)))
     return Mask::causal();
   const auto mask = detail::packed_tiles_mask(slots, bits, q_block_size, kv_block_size);
-  return Mask::from_block_mask(
-      BlockMask::from_kv_blocks(*kv_num_blocks, *kv_indices, full_num, full_idx,
-                                q.size(2), k.size(2), q_block_size, kv_block_size, mask));
+  return Mask::from_block_mask(BlockMask::from_kv_blocks(*kv_num_blocks, *kv_indices, full_num,
+                                                         full_idx, q.size(2), k.size(2),
+                                                         q_block_size, kv_block_size, mask));
 }
 
 }  // namespace attnkit::ops

@@ -31,7 +31,6 @@ namespace {
 using detail::shape_string;
 using torch::Tensor;
 
-
 // The arguments every flex operator shares, after q, k, v (and backward's extra tensors).
 struct FlexArguments {
   c10::optional<Tensor> kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices;
@@ -69,8 +68,8 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
               " the key/value heads must divide the query heads (grouped-query attention), "
               "got ",
               q.size(1), " query heads and ", k.size(1), " key/value heads");
-  TORCH_CHECK(k.sym_size(3) == q.sym_size(3), kOp, " query and key must have one head_dim, got ", q.size(3),
-              " and ", k.size(3));
+  TORCH_CHECK(k.sym_size(3) == q.sym_size(3), kOp, " query and key must have one head_dim, got ",
+              q.size(3), " and ", k.size(3));
 }
 
 // The mask of the arguments' block lists and partial tiles (block_lists.h).
@@ -139,8 +138,9 @@ torch::ScalarType compute_dtype(const Tensor& t) {
 // itself serves); and the rows' largest scores (FlexAttention's max_scores, as the lse) where
 // args.max_scores asks, else a (0) tensor.
 std::tuple<Tensor, Tensor, Tensor, Tensor> flex_forward(const Tensor& query, const Tensor& key,
-                                                const Tensor& value, const FlexArguments& args,
-                                                bool backward_follows) {
+                                                        const Tensor& value,
+                                                        const FlexArguments& args,
+                                                        bool backward_follows) {
   check_inputs(query, key, value);
   const torch::NoGradGuard no_grad;
   auto call = call_of(query, key, value, args, args.score_tensors);
@@ -148,8 +148,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> flex_forward(const Tensor& query, con
   auto result = detail::run_split_forward(call);
   auto for_backward = result.unrounded.defined() ? result.unrounded.contiguous()
                                                  : torch::empty({0}, query.options());
-  auto row_max = args.max_scores ? result.row_max.contiguous()
-                                 : torch::empty({0}, result.lse.options());
+  auto row_max =
+      args.max_scores ? result.row_max.contiguous() : torch::empty({0}, result.lse.options());
   return {result.out.contiguous(), result.lse.contiguous(), for_backward, row_max};
 }
 
@@ -180,9 +180,9 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
 }
 
 // The schemas' shared tail, in the order FlexArguments reads it.
-#define ATTNKIT_FLEX_TAIL                                                                 \
-  "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "               \
-  "Tensor? full_kv_indices, Tensor? partial_tiles, int q_block_size, int kv_block_size, " \
+#define ATTNKIT_FLEX_TAIL                                                                     \
+  "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "                   \
+  "Tensor? full_kv_indices, Tensor? partial_tiles, int q_block_size, int kv_block_size, "     \
   "str score_graph, Tensor[] score_tensors, float scale, float dropout_p, int dropout_seed, " \
   "bool max_scores=False"
 
@@ -238,7 +238,8 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_
     const c10::optional<Tensor>& kv_indices, const c10::optional<Tensor>& full_kv_num_blocks,
     const c10::optional<Tensor>& full_kv_indices, const c10::optional<Tensor>& partial_tiles,
     int64_t q_block_size, int64_t kv_block_size, c10::string_view score_graph,
-    at::TensorList score_tensors, double scale, double dropout_p, int64_t dropout_seed, bool max_scores) {
+    at::TensorList score_tensors, double scale, double dropout_p, int64_t dropout_seed,
+    bool max_scores) {
   return flex_backward(grad_out, query, key, value, out, lse,
                        arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                                     partial_tiles, q_block_size, kv_block_size, score_graph,
@@ -333,7 +334,8 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
                                const std::vector<c10::optional<Tensor>>& blocks,
                                int64_t q_block_size, int64_t kv_block_size,
                                const std::string& score_graph, at::TensorList score_tensors,
-                               double scale, double dropout_p, int64_t dropout_seed, bool max_scores) {
+                               double scale, double dropout_p, int64_t dropout_seed,
+                               bool max_scores) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("attnkit::flex_attention_for_backward", "")
                          .typed<decltype(flex_attention_for_backward_kernel)>();
