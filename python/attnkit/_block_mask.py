@@ -195,22 +195,17 @@ def _partial_bits(block_mask, q_len, kv_len):
     # The partial tiles as a (B, H, nq, nk) grid, read in row-major order: each row's blocks
     # ascending, the order of the operators' slots whatever order the lists give them in.
     nk = -(-kv_len // kv_block)
-    grid = _listed(num, idx, max(nk, idx.shape[-1]))
-    return _tile_bits(block_mask.mask_mod, grid.nonzero(as_tuple=True), (q_block, kv_block),
-                      (q_len, kv_len))
-
-
-def _listed(num, idx, width):
-    """The tiles that block lists (num (B, H, nq), idx (B, H, nq, W)) name, as a bool grid
-    (B, H, nq, width)."""
-    listed = torch.arange(idx.shape[-1], device=num.device) < num.unsqueeze(-1)
+    listed = torch.arange(idx.shape[-1], device=device) < num.unsqueeze(-1)
     # Only a row's first kv_num_blocks entries count: the rest is padding (zeros, for
     # PyTorch's BlockMask.from_kv_blocks), sent to a spare last column so that it cannot
     # overwrite a listed block.
-    grid = torch.zeros(*num.shape, width + 1, dtype=torch.bool, device=num.device)
+    width = max(nk, idx.shape[-1])
+    grid = torch.zeros(*num.shape, width + 1, dtype=torch.bool, device=device)
     columns = torch.where(listed, idx.long().clamp(0, width - 1), torch.full_like(idx.long(), width))
     grid.scatter_(-1, columns, listed)
-    return grid[..., :width]
+    grid = grid[..., :width]
+    return _tile_bits(block_mask.mask_mod, grid.nonzero(as_tuple=True), (q_block, kv_block),
+                      (q_len, kv_len))
 
 
 def _slot_bits(block_mask, q_len, kv_len):
