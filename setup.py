@@ -114,7 +114,7 @@ def record_torch(package):
 
 
 generate_version_header()
-sources = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "src" / "core").glob("*.cpp"))
+sources = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "src" / "core").rglob("*.cpp"))
 sources += sorted(str(path.relative_to(ROOT)) for path in (ROOT / "src" / "ops").glob("*.cpp"))
 
 setup(
@@ -130,7 +130,7 @@ setup(
     ext_modules=[CppExtension(
         "attnkit.lib.libattnkit_ops", sources,
         include_dirs=[str(ROOT / "include"), str(GENERATED), str(ROOT / "src")],
-        # attnkit's kernels run at::parallel_for's OpenMP loops (src/core/parallel.h); C++17 at
+        # attnkit's kernels run at::parallel_for's OpenMP loops (src/core/base/parallel.h); C++17 at
         # least, where torch before 2.0 would ask for C++14.
         extra_compile_args=["-O3", "-g0", "-fopenmp"] + (["-std=c++17"] if TORCH_RELEASE < (2,)
                                                           else []),

@@ -20,116 +20,25 @@
 #include <torch/version.h>
 
 #include "attnkit/attnkit.h"
+#include "bench_problem.h"
 #include "command_line.h"
 #include "train/line.h"
 #include "train/mixed_precision.h"
 
+using attnkit::bench::BenchConfig;
+using attnkit::bench::executed_flops;
+using attnkit::bench::Flops;
+using attnkit::bench::is_core_only;
+using attnkit::bench::make_mask;
+using attnkit::bench::make_score;
+using attnkit::bench::model_flops;
+using attnkit::bench::parse_mask;
+using attnkit::bench::report_precision;
 using attnkit::train::Line;
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-struct BenchConfig {
-  int64_t batch = 8;
-  int64_t tokens = 1024;
-  int64_t d_model = 768;
-  int64_t heads = 12;
-  bool causal = true;
-  int64_t window = 0;  // sliding window (0: none)
-  std::string device = "cpu";
-  std::string dtype = "float32";
-  int64_t threads = 0;
-  int64_t repeats = 5;
-  int64_t warmup = 1;
-  // Block sizes of the chunked backend (MultiHeadAttentionOptions' defaults).
-  int64_t chunk_size = attnkit::MultiHeadAttentionOptions(1, 1, 1, 0.0, 1).query_block_size();
-  int64_t key_chunk_size = attnkit::MultiHeadAttentionOptions(1, 1, 1, 0.0, 1).key_block_size();
-  std::vector<std::string> only;
-  std::string json;
-  // --mask / --score: an attnkit::Mask and score function for the core implementations.
-  std::string mask = "module";
-  std::string score = "none";
-  double masked_keys_per_query = -1.0;  // from the mask's dense form; < 0: --causal/--window
-  // --layers / --block-mask: a stack of core attention calls per step, and who judges the mask.
-  int64_t layers = 1;
-  std::string block_mask = "per-call";
-  // --precision: errors against float64 instead of times.
-  bool precision = false;
-};
-
-// --mask KIND: "module" (--causal and --window), "documents:K" (each row K documents of
-// n / K tokens; causal with --causal), "padded" (key padding, lengths uniform in
-// [min(128, n), n], seed 0; causal with --causal), "causal-mod" (causal as a mask_mod);
-// "-dense" after any of them gives the same mask as a dense bool tensor (Mask::from_tensor).
-struct MaskKind {
-  std::string kind;  // without "-dense"
-  bool dense = false;
-  int64_t documents = 0;  // K of documents:K
-};
-
-// Parses and checks --mask without building anything (main calls it before any work).
-MaskKind parse_mask(const BenchConfig& c) {
-  MaskKind parsed{c.mask};
-  const std::string suffix = "-dense";
-  if (parsed.kind.size() > suffix.size() &&
-      parsed.kind.compare(parsed.kind.size() - suffix.size(), suffix.size(), suffix) == 0) {
-    parsed.dense = true;
-    parsed.kind.resize(parsed.kind.size() - suffix.size());
-  }
-  const std::string documents = "documents:";
-  if (parsed.kind.rfind(documents, 0) == 0) {
-    const auto count = parsed.kind.substr(documents.size());
-    char* end = nullptr;
-    parsed.documents = std::strtoll(count.c_str(), &end, 10);
-    TORCH_CHECK(
-        !count.empty() && *end == '\0' && parsed.documents >= 1 && c.tokens % parsed.documents == 0,
-        "--mask ", c.mask, ": K must be a number of documents that divides --tokens ", c.tokens,
-        ", got '", count, "'");
-    parsed.kind = "documents";
-    return parsed;
-  }
-  TORCH_CHECK(parsed.kind == "module" || parsed.kind == "padded" || parsed.kind == "causal-mod",
-              "--mask: expected module, documents:K, padded or causal-mod, optionally with "
-              "-dense, got '",
-              c.mask, "'");
-  return parsed;
-}
-
-attnkit::Mask make_mask(const BenchConfig& c, const torch::Device& device) {
-  using attnkit::Mask;
-  const auto [kind, dense, documents] = parse_mask(c);
-  Mask mask;
-  if (kind == "documents") {
-    // (n): token j belongs to document j / (n / K)
-    const auto ids = torch::arange(c.tokens, torch::kInt64).div(c.tokens / documents, "floor");
-    mask = Mask::documents(ids.to(device), c.causal);
-  } else if (kind == "padded") {
-    const int64_t low = std::min<int64_t>(128, c.tokens);
-    const auto generator = at::detail::createCPUGenerator(0);
-    const auto lengths = torch::randint(low, c.tokens + 1, {c.batch}, generator, torch::kInt64);
-    mask = Mask::key_padding(lengths.to(device));
-    if (c.causal)
-      mask = Mask::causal() & mask;
-  } else if (kind == "causal-mod") {
-    mask =
-        Mask::from_function([](const torch::Tensor&, const torch::Tensor&, const torch::Tensor& q,
-                               const torch::Tensor& kv) { return kv <= q; });
-  } else if (c.causal) {  // module
-    mask = c.window > 0 ? Mask::causal().sliding_window(c.window) : Mask::causal();
-  }
-  return dense ? Mask::from_tensor(mask.dense(c.batch, 1, c.tokens, c.tokens, device)) : mask;
-}
-
-// --score: none, alibi (the paper's slopes) or softcap (30, Gemma 2's attention cap).
-attnkit::ScoreMod make_score(const BenchConfig& c) {
-  if (c.score == "alibi")
-    return attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(c.heads));
-  if (c.score == "softcap")
-    return attnkit::score_mods::softcap(30.0);
-  TORCH_CHECK(c.score == "none", "--score: expected none, alibi or softcap, got '", c.score, "'");
-  return nullptr;
-}
 
 const std::vector<std::string> kImplementations{
     "wrapper",   "mha",          "combined",  "einsum",
@@ -142,20 +51,6 @@ const std::vector<std::string> kWindowed{"mha",       "combined",     "fused",  
 
 c10::optional<int64_t> window_of(const BenchConfig& c) {
   return c.window > 0 ? c10::optional<int64_t>(c.window) : c10::nullopt;
-}
-
-// The attention core alone (no projections): softmax(q k^T / sqrt(hd)) v on (b, h, n, hd).
-bool is_core_only(const std::string& name) {
-  return name == "math-core" || name == "chunked-core" || name == "fused-core";
-}
-
-// Whether `name` runs one of attnkit's CPU kernels, which skip the keys above the causal
-// diagonal: fused-core on the CPU, the fused backend on LibTorch 1.x on CPU (its loop-nest kernel
-// or, past that kernel's tile, the chunked one).
-bool runs_attnkit_fused_kernel(const std::string& name, const torch::TensorOptions& options) {
-  if (name == "fused-core")
-    return options.device().is_cpu();
-  return name == "fused" && TORCH_VERSION_MAJOR < 2 && options.device().is_cpu();
 }
 
 // ---- memory: the process's peak RSS, reset before each measurement (Linux) ---------------
@@ -172,47 +67,6 @@ double peak_rss_mb() {
     }
   }
   return -1.0;
-}
-
-// ---- FLOP counts (see --help and docs/benchmarks.md) -------------------------------------------
-
-struct Flops {
-  double forward;
-  double forward_backward;
-};
-
-// Keys each query sees on average: n (none masked), about n / 2 (causal), or, with a sliding
-// window W, (W (W + 1) / 2 + (n - W) W) / n.
-double keys_per_query(const BenchConfig& c) {
-  if (c.masked_keys_per_query >= 0)
-    return c.masked_keys_per_query;
-  const double n = c.tokens;
-  if (!c.causal)
-    return n;
-  if (c.window == 0 || c.window >= c.tokens)
-    return 0.5 * n;
-  const double w = c.window;
-  return (w * (w + 1) / 2 + (n - w) * w) / n;
-}
-
-Flops model_flops(const BenchConfig& c, const std::string& name) {
-  const double b = c.batch, n = c.tokens, d = c.d_model;
-  // QKV + out projection
-  const double gemms = is_core_only(name) ? 0.0 : 6 * b * n * d * d + 2 * b * n * d * d;
-  const double core = 4 * b * n * keys_per_query(c) * d * c.layers;
-  return {gemms + core, 3 * gemms + 3.5 * core};  // backward: 2x GEMMs, 2.5x the core
-}
-
-// What is executed: the math-style paths compute the full score matrix even when causal.
-Flops executed_flops(const BenchConfig& c, const std::string& name,
-                     const torch::TensorOptions& options) {
-  const double b = c.batch, n = c.tokens, d = c.d_model;
-  const double gemms = is_core_only(name) ? 0.0 : 8 * b * n * d * d;
-  const bool skips_masked_keys =
-      name == "chunked" || name == "chunked-core" || runs_attnkit_fused_kernel(name, options);
-  // Those skip the masked keys (to block granularity: counted as exact), the others do not.
-  const double core = 4 * b * n * d * (skips_masked_keys ? keys_per_query(c) : n) * c.layers;
-  return {gemms + core, 3 * gemms + 3.5 * core};
 }
 
 double sgemm_gflops(const torch::TensorOptions& options) {
@@ -501,84 +355,6 @@ void write_json(const std::string& path, const BenchConfig& c, double sgemm,
     }
     out << "]}\n";
   });
-}
-
-// ---- --precision: each backend's error against float64, over the float32 floor -----------
-
-// The largest error of `got` against `exact`, relative to exact's largest value.
-double relative_error(const torch::Tensor& got, const torch::Tensor& exact) {
-  const auto wide = exact.to(torch::kDouble);
-  return ((got.to(torch::kDouble) - wide).abs().max() / wide.abs().max()).item<double>();
-}
-
-// Output and the gradients of q, k and v of sum(attention(q, k, v) * probe).
-std::vector<torch::Tensor> output_and_gradients(
-    const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
-    const torch::Tensor& probe, const attnkit::functional::AttentionOptions& options) {
-  auto q = q_in.detach().requires_grad_(true);
-  auto k = k_in.detach().requires_grad_(true);
-  auto v = v_in.detach().requires_grad_(true);
-  const auto out = attnkit::functional::attention(q, k, v, options);
-  (out * probe.to(out.scalar_type())).sum().backward();
-  return {out.detach(), q.grad(), k.grad(), v.grad()};
-}
-
-// For --mask and --score at --dtype: each backend's largest error of the output and of the
-// q, k, v gradients against float64 on the same (rounded) inputs, and as a multiple of the
-// float32 floor (float32 arithmetic on those inputs, each result rounded once to --dtype).
-void report_precision(const BenchConfig& c, const torch::TensorOptions& options) {
-  namespace F = attnkit::functional;
-  const int64_t hd = c.d_model / c.heads;
-  const auto device = options.device();
-  const auto dtype = options.dtype().toScalarType();
-  const auto q = torch::randn({c.batch, c.heads, c.tokens, hd}, options);
-  const auto k = torch::randn({c.batch, c.heads, c.tokens, hd}, options);
-  const auto v = torch::randn({c.batch, c.heads, c.tokens, hd}, options);
-  const auto probe = torch::randn({c.batch, c.heads, c.tokens, hd}, options);
-  const auto base = F::AttentionOptions()
-                        .mask(make_mask(c, device))
-                        .score_mod(make_score(c))
-                        .query_block_size(c.chunk_size)
-                        .key_block_size(c.key_chunk_size);
-  const auto with_backend = [&](attnkit::AttentionBackend backend) {
-    auto o = base;
-    return o.backend(backend);
-  };
-  const auto exact =
-      output_and_gradients(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble), probe,
-                           with_backend(attnkit::AttentionBackend::kMath));
-  const auto floor_run =
-      output_and_gradients(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), probe,
-                           with_backend(attnkit::AttentionBackend::kMath));
-  std::vector<double> floor(4);
-  for (size_t i = 0; i < 4; ++i)
-    floor[i] = relative_error(floor_run[i].to(dtype), exact[i]);
-  Line table(std::cout);
-  table << std::fixed << std::setprecision(4) << "float32 floor: output " << floor[0]
-        << ", gradients " << *std::min_element(floor.begin() + 1, floor.end()) << "-"
-        << *std::max_element(floor.begin() + 1, floor.end()) << "\n"
-        << "| backend | output | gradients (dq, dk, dv) | output / floor | gradients / floor |\n"
-        << "|---|---|---|---|---|\n";
-  for (const auto backend : {attnkit::AttentionBackend::kMath, attnkit::AttentionBackend::kChunked,
-                             attnkit::AttentionBackend::kFused}) {
-    const auto why_not = F::unsupported_reason(backend, q, k, v, with_backend(backend));
-    if (!why_not.empty()) {
-      table << "| " << attnkit::backend_name(backend) << " | not run: " << why_not << " | | | |\n";
-      continue;
-    }
-    const auto got = output_and_gradients(q, k, v, probe, with_backend(backend));
-    double grad_error = 0.0, grad_ratio = 0.0;
-    for (size_t i = 1; i < 4; ++i) {
-      const double error = relative_error(got[i], exact[i]);
-      grad_error = std::max(grad_error, error);
-      grad_ratio = std::max(grad_ratio, error / floor[i]);
-    }
-    const double out_error = relative_error(got[0], exact[0]);
-    table << "| " << attnkit::backend_name(backend) << " | " << out_error << " | " << grad_error
-          << " | " << std::setprecision(2) << out_error / floor[0] << "x | " << grad_ratio
-          << "x |\n"
-          << std::setprecision(4);
-  }
 }
 
 int fail(const std::string& message) {

@@ -11,6 +11,8 @@
      also as scripts/run.sh or build/apps/attnkit-train; attnkit-bench; attnkit-decode-bench;
      attnkit-walkthrough, also as scripts/walkthrough.sh) must be in that program's --help, and every scripts/... or build/apps/... path named must exist.
   4. Links. Every relative link resolves to a file, and every #anchor to a heading of it.
+  5. Source paths. Every file of src/ a page names (src/core/plan/planner.cpp, or as
+     core/plan/planner.h) exists, and docs/architecture.md names each folder of src/core/.
 
 Usage:
   scripts/check_docs.py [--program NAME=PATH ...]   check; without a program, 2 and 3 skip it
@@ -193,10 +195,31 @@ def check_commands(root, where, body, program_help, problems):
                     problems.append(f"{where}: {name} has no flag --{flag.group(1)}")
 
 
+SOURCE_PATH = re.compile(r"(?<![\w/.])(?:src/)?((?:core|modules|inference|io|ops|train)/[\w/]+\.(?:h|cpp|cu))\b")
+
+
+def check_source_paths(root, page, problems):
+    """Check 5: the files of src/ that a page names exist; architecture.md names each folder of
+    src/core/."""
+    rel = os.path.relpath(page, root)
+    text = open(page, encoding="utf-8").read()
+    for number, line in enumerate(text.splitlines(), 1):
+        for path in SOURCE_PATH.findall(line):
+            if not os.path.exists(os.path.join(root, "src", path)):
+                problems.append(f"{rel}:{number}: names src/{path}, which does not exist")
+    if rel == os.path.join("docs", "architecture.md"):
+        core = os.path.join(root, "src", "core")
+        for folder in sorted(os.listdir(core)) if os.path.isdir(core) else []:
+            if os.path.isdir(os.path.join(core, folder)) and f"core/{folder}/" not in text:
+                problems.append(f"{rel}: does not name src/core/{folder}/ (its picture shows "
+                                "each folder of the core)")
+
+
 def run(root, programs, write):
     problems = []
     for page in pages(root):
         check_page(root, page, programs, write, problems)
+        check_source_paths(root, page, problems)
     return problems
 
 
@@ -221,12 +244,19 @@ def self_test(programs):
                     "<!-- help: attnkit-train -->\n```text\n  --steps arg  old text\n```\n\n"
                     "```sh\nscripts/run.sh --steps 5 --bogus 1\nscripts/nothing.sh\n```\n")
         with open(os.path.join(root, "docs", "page.md"), "w") as f:
-            f.write("## A heading\n")
+            f.write("## A heading\n\nThe planner: core/plan/gone.cpp.\n")
+        os.makedirs(os.path.join(root, "src", "core", "plan"))
+        os.makedirs(os.path.join(root, "src", "core", "unnamed"))
+        open(os.path.join(root, "src", "core", "plan", "planner.cpp"), "w").close()
+        with open(os.path.join(root, "docs", "architecture.md"), "w") as f:
+            f.write("# Architecture\n\ncore/plan/: src/core/plan/planner.cpp\n")
         problems = run(root, {"attnkit-train": fake}, write=False)
         expected = ["docs/missing.md: no such file", "#nowhere: no heading",
                     "differs from example examples/a.cpp#r", "not <!-- example",
                     "differs from help attnkit-train", "has no flag --bogus",
-                    "`scripts/nothing.sh` does not exist"]
+                    "`scripts/nothing.sh` does not exist",
+                    "names src/core/plan/gone.cpp, which does not exist",
+                    "does not name src/core/unnamed/"]
         missed = [e for e in expected if not any(e in p for p in problems)]
         extra = [p for p in problems if not any(e in p for e in expected)]
         if missed or extra or len(problems) != len(expected):

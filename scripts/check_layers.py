@@ -16,25 +16,31 @@ import sys
 import tempfile
 from pathlib import Path
 
+# The folders of src/core, lowest first; equal ranks are side by side.
+CORE_RANK = {"base": 0, "masks": 1, "scores": 1, "plan": 2, "kernels": 3, "api": 4}
+
 RANK = {"core": 0, "modules": 1, "inference": 2, "io": 2, "ops": 2, "train": 3}
 
 # Each public header's layer: the folder of src/ that holds its code.
 PUBLIC_LAYERS = {
     "attention.h": "core",
+    "attention_types.h": "core",
     "autocast.h": "core",
     "block_mask.h": "core",
     "context_parallel.h": "core",
     "book_steps.h": "core",
     "functional.h": "core",
+    "kernel_record.h": "core",
     "mask.h": "core",
     "memory_budget.h": "core",
-    # Every option struct (data only) and AttentionBackend, whose names core/attention.cpp
+    # Every option struct (data only) and AttentionBackend, whose names core/api/attention.cpp
     # defines.
     "options.h": "core",
     "rope.h": "core",
     "score_graph.h": "core",
     # ScoreMod alone, so that options.h can hold one without attention.h.
     "score_mod.h": "core",
+    "score_mods.h": "core",
     "threads.h": "core",
     "version.h": "core",
     "cached_attention.h": "modules",
@@ -54,9 +60,18 @@ PUBLIC_LAYERS = {
     "attnkit.h": "train",
 }
 
+# The public headers of core that are entry points, by the folder that defines them; core's
+# other public headers are types and values that every folder may include.
+PUBLIC_CORE_FOLDERS = {
+    "attention.h": "api",
+    "book_steps.h": "api",
+    "context_parallel.h": "api",
+    "functional.h": "api",
+}
+
 # Public headers for users only: deprecated shims that no file of the library includes but the
 # umbrella header and the one file that defines them.
-USERS_ONLY = {"functional.h": ("include/attnkit/attnkit.h", "src/core/functional.cpp")}
+USERS_ONLY = {"functional.h": ("include/attnkit/attnkit.h", "src/core/api/functional.cpp")}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
@@ -76,6 +91,25 @@ def may_include(own, other):
     return other == own or RANK[other] < RANK[own]
 
 
+def core_folder_of_include(name):
+    """The core folder of a quoted include ("core/plan/planner.h": plan); None: not ranked."""
+    parts = name.split("/")
+    if parts[0] == "core" and len(parts) == 3 and parts[1] in CORE_RANK:
+        return parts[1]
+    if name.startswith("attnkit/"):
+        return PUBLIC_CORE_FOLDERS.get(name[len("attnkit/"):])
+    return None
+
+
+def core_folder_of_file(path, root):
+    """The core folder of a file of src/core/ ("" for one outside every folder); None: not
+    in src/core."""
+    relative = path.relative_to(root).parts
+    if relative[:2] != ("src", "core"):
+        return None
+    return relative[2] if len(relative) == 4 else ""
+
+
 def check(root):
     """The rules' breaches under `root`, one line each."""
     problems = []
@@ -93,6 +127,11 @@ def check(root):
             continue
         files.append((path, layer))
     for path, layer in files:
+        folder = core_folder_of_file(path, root)
+        if folder is not None and folder not in CORE_RANK:
+            problems.append(f"{path.relative_to(root)}: outside core's folders "
+                            f"({', '.join(CORE_RANK)})")
+            continue
         for name in INCLUDE.findall(path.read_text(encoding="utf-8")):
             if name.endswith(".h.in") or name == "attnkit/version.h":
                 continue
@@ -107,6 +146,13 @@ def check(root):
             elif not may_include(layer, other):
                 problems.append(f'{path.relative_to(root)} ({layer}) includes "{name}" '
                                 f"({other}): a layer may include only its own and those below")
+            elif folder is not None:
+                other_folder = core_folder_of_include(name)
+                if other_folder is not None and other_folder != folder and (
+                        CORE_RANK[other_folder] >= CORE_RANK[folder]):
+                    problems.append(f'{path.relative_to(root)} (core/{folder}) includes "{name}" '
+                                    f"(core/{other_folder}): a folder of core may include only "
+                                    "its own and those below")
     return problems
 
 
@@ -118,12 +164,21 @@ def self_test():
             (root / "src" / layer).mkdir(parents=True)
         (root / "include" / "attnkit").mkdir(parents=True)
         (root / "include" / "attnkit" / "mask.h").write_text('#include "attnkit/attention.h"\n')
-        (root / "src" / "core" / "a.cpp").write_text('#include "core/kernels.h"\n')
+        for folder in CORE_RANK:
+            (root / "src" / "core" / folder).mkdir()
+        (root / "src" / "core" / "kernels" / "a.cpp").write_text(
+            '#include "core/plan/planner.h"\n#include "core/kernels/chunked.h"\n'
+            '#include "attnkit/mask.h"\n')
         (root / "src" / "modules" / "b.cpp").write_text(
-            '#include "attnkit/mask.h"\n#include "core/planner.h"\n')
+            '#include "attnkit/mask.h"\n#include "core/plan/planner.h"\n')
         (root / "src" / "train" / "c.cpp").write_text('#include "model.h"\n')
         assert check(root) == [], check(root)
-        (root / "src" / "core" / "d.cpp").write_text('#include "modules/module_attention.h"\n')
+        (root / "src" / "core" / "base" / "d.cpp").write_text(
+            '#include "modules/module_attention.h"\n')
+        (root / "src" / "core" / "plan" / "h.cpp").write_text('#include "core/kernels/chunked.h"\n')
+        (root / "src" / "core" / "masks" / "i.h").write_text('#include "core/scores/row_score.h"\n')
+        (root / "src" / "core" / "scores" / "j.cpp").write_text('#include "attnkit/attention.h"\n')
+        (root / "src" / "core" / "k.cpp").write_text("")
         (root / "src" / "inference" / "e.cpp").write_text('#include "attnkit/serialize.h"\n')
         (root / "include" / "attnkit" / "attention.h").write_text(
             '#include "attnkit/kv_cache.h"\n')
@@ -132,7 +187,11 @@ def self_test():
         (root / "src" / "modules" / "g.cpp").write_text('#include "attnkit/functional.h"\n')
         problems = check(root)
         expected = [
-            'src/core/d.cpp (core) includes "modules/module_attention.h" (modules)',
+            'src/core/base/d.cpp (core) includes "modules/module_attention.h" (modules)',
+            'src/core/plan/h.cpp (core/plan) includes "core/kernels/chunked.h" (core/kernels)',
+            'src/core/masks/i.h (core/masks) includes "core/scores/row_score.h" (core/scores)',
+            'src/core/scores/j.cpp (core/scores) includes "attnkit/attention.h" (core/api)',
+            "src/core/k.cpp: outside core's folders",
             'src/inference/e.cpp (inference) includes "attnkit/serialize.h" (io)',
             'include/attnkit/attention.h (core) includes "attnkit/kv_cache.h" (modules)',
             "include/attnkit/new_thing.h: a public header no layer claims",

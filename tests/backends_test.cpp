@@ -9,10 +9,11 @@
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/score_graph.h"
 #include "attnkit/threads.h"
-#include "core/kernels.h"
-#include "core/key_ranges.h"
-#include "core/planner.h"
-#include "core/score_program.h"
+#include "core/kernels/key_ranges.h"
+#include "core/kernels/loop_nest_attention.h"
+#include "core/kernels/sdpa_kernel.h"
+#include "core/plan/planner.h"
+#include "core/scores/score_program.h"
 #include "test_support.h"
 
 #include <dlfcn.h>
@@ -1149,7 +1150,7 @@ TEST(FusedTiles, DropoutIsSeededDifferentiableAndDropsAtItsRate) {
   EXPECT_NEAR(rate, 0.25, 0.03);  // 5 standard deviations of 4,000 draws
 }
 
-// Backward's key ranges (core/key_ranges.h): where they start, which range owns each query
+// Backward's key ranges (core/kernels/key_ranges.h): where they start, which range owns each query
 // block's dQ, and the slots the others write; then the kernel with them (4 workers, one
 // key/value head: 4 tasks per worker need ranges) against the same call on one worker, which
 // splits nothing.

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "attnkit/attnkit.h"
-#include "core/decode_attention.h"
-#include "core/few_rows_linear.h"
+#include "core/kernels/decode_attention.h"
 #include "module_factory.h"
+#include "modules/few_rows_linear.h"
 #include "source_paths.h"
 #include "test_support.h"
 #include "train/model.h"

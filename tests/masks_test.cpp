@@ -25,8 +25,9 @@
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/score_graph.h"
 #include "attnkit/serialize.h"
-#include "core/decode_attention.h"
-#include "core/kernels.h"
+#include "core/kernels/decode_attention.h"
+#include "core/kernels/sdpa_kernel.h"
+#include "core/scores/score_variants.h"
 #include "source_paths.h"
 #include "test_support.h"
 

@@ -1,15 +1,19 @@
-// The planner (src/core/planner.cpp) and its routes: every kernel it picks answers as the
+// The planner (src/core/plan/planner.cpp) and its routes: every kernel it picks answers as the
 // math core, a kernel that claims too much is caught, demands and preferences, the kernel
 // record; 16-bit inputs, LibTorch's flash route, autocast and the variable-length segments.
 
-#include "core/planner.h"
+#include "core/plan/planner.h"
 #include "attnkit/autocast.h"
 #include "attnkit/functional.h"
 #include "attnkit/grouped_query_attention.h"
 #include "attnkit/latent_attention.h"
 #include "attnkit/multi_head_attention.h"
-#include "core/kernels.h"
-#include "core/matrix_units.h"
+#include "attnkit/score_graph.h"
+#include "core/base/matrix_units.h"
+#include "core/kernels/loop_nest_attention.h"
+#include "core/kernels/math_kernel.h"
+#include "core/kernels/sdpa_kernel.h"
+#include "core/kernels/varlen_kernel.h"
 #include "test_support.h"
 
 #include <cstdlib>

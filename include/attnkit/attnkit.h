@@ -4,6 +4,7 @@
 /// Example: `#include <attnkit/attnkit.h>` then `attnkit::MultiHeadAttention mha(...);`
 
 #include "attnkit/attention.h"
+#include "attnkit/attention_types.h"
 #include "attnkit/autocast.h"
 #include "attnkit/block_mask.h"
 #include "attnkit/book_steps.h"
@@ -14,6 +15,7 @@
 #include "attnkit/functional.h"
 #include "attnkit/generate.h"
 #include "attnkit/grouped_query_attention.h"
+#include "attnkit/kernel_record.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/latent_attention.h"
 #include "attnkit/mask.h"
@@ -26,6 +28,7 @@
 #include "attnkit/safetensors.h"
 #include "attnkit/score_graph.h"
 #include "attnkit/score_mod.h"
+#include "attnkit/score_mods.h"
 #include "attnkit/self_attention.h"
 #include "attnkit/serialize.h"
 #include "attnkit/threads.h"

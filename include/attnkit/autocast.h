@@ -24,6 +24,11 @@
 
 namespace attnkit {
 
+/// Whether this LibTorch multiplies float16 matrices on the CPU (2.x does; 1.13 does not, so
+/// its float16 modules need a GPU). attnkit's attention core computes 16-bit inputs in
+/// float32 either way. Probed once.
+bool cpu_multiplies_float16();
+
 class Autocast {
  public:
   /// Turns autocast on for `device_type` (kCPU or kCUDA) in `dtype` (kBFloat16 or kHalf) on

@@ -151,7 +151,7 @@ torch::Tensor fused_packed_attention(const torch::Tensor& qkv, int64_t num_heads
 
 /// Largest n * m for which the fused backend of the modules uses `fused_attention` on
 /// LibTorch 1.x: the loop-nest kernel's limit, which the planner keeps beside that kernel
-/// (src/core/kernels.h, where its measurement is told).
+/// (src/core/kernels/kernels.h, where its measurement is told).
 constexpr int64_t kFusedAttentionMaxTile = 64 * 64;
 
 /// Whether the modules' fused backend takes `fused_attention` for n queries and m keys of

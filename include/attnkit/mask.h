@@ -60,7 +60,7 @@ class BlockMask;
 
 namespace detail {
 struct MaskNode;
-struct MaskAccess;  // the kernels' view of a mask's structure (src/core/mask.cpp)
+struct MaskAccess;  // the kernels' view of a mask's structure (src/core/masks/mask.cpp)
 }  // namespace detail
 
 /// Which keys each query may attend to. A default-constructed Mask masks nothing.
@@ -171,5 +171,22 @@ class Mask {
   explicit Mask(std::shared_ptr<const detail::MaskNode> node) : node_(std::move(node)) {}
   std::shared_ptr<const detail::MaskNode> node_;
 };
+
+namespace functional {
+
+/// Causal mask as a bool tensor of shape (num_queries, num_keys): `true` where a query would
+/// see a later key. Query i sits at key position `query_offset + i` and sees keys
+/// j <= query_offset + i: offset 0 aligns the mask top-left, as
+/// `torch.triu(torch.ones(n, m), diagonal=1).bool()`; offset m - n aligns it bottom-right,
+/// as queries at the end of a longer key sequence (a decode step against a KV cache) need.
+/// With `window_size` W (sliding-window attention) query i also does not see keys more than
+/// W - 1 positions before it: it sees keys j with 0 <= query_offset + i - j < W.
+/// Example: `causal_mask(6, 6)`; `causal_mask(1, 10, torch::kCPU, 9)` masks nothing;
+/// `causal_mask(6, 6, torch::kCPU, 0, 2)` lets each query see itself and its predecessor.
+torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys,
+                          const torch::Device& device = torch::kCPU, int64_t query_offset = 0,
+                          c10::optional<int64_t> window_size = c10::nullopt);
+
+}  // namespace functional
 
 }  // namespace attnkit

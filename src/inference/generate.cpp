@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "core/checks.h"
+#include "core/base/checks.h"
 
 namespace attnkit {
 

@@ -16,7 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/checks.h"
+#include "core/base/checks.h"
 #include "io/file_io.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__

@@ -14,7 +14,7 @@
 #include <torch/csrc/jit/serialization/pickler.h>
 
 #include "attnkit/python_state.h"
-#include "core/checks.h"
+#include "core/base/checks.h"
 #include "io/file_io.h"
 #include "io/state_dict_reader.h"
 

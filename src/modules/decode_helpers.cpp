@@ -1,6 +1,6 @@
 #include "attnkit/decode.h"
 
-#include "core/few_rows_linear.h"
+#include "modules/few_rows_linear.h"
 
 namespace attnkit {
 

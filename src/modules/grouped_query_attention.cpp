@@ -1,6 +1,6 @@
 #include "attnkit/grouped_query_attention.h"
 
-#include "core/checks.h"
+#include "core/base/checks.h"
 #include "modules/module_attention.h"
 #include "modules/module_helpers.h"
 

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "core/checks.h"
-#include "core/kernel_spec.h"
+#include "core/base/checks.h"
+#include "core/plan/kernel_spec.h"
 #include "modules/module_attention.h"
 #include "modules/module_helpers.h"
 

@@ -1,8 +1,8 @@
 #include "modules/module_attention.h"
 
-#include "core/checks.h"
-#include "core/planner.h"
-#include "core/score_variants.h"
+#include "core/base/checks.h"
+#include "core/plan/planner.h"
+#include "core/scores/score_variants.h"
 #include "modules/module_helpers.h"
 
 namespace attnkit::detail {

@@ -15,7 +15,7 @@
 #include "attnkit/options.h"
 #include "attnkit/rms_norm.h"
 #include "attnkit/rope.h"
-#include "core/checks.h"
+#include "core/base/checks.h"
 
 namespace attnkit::detail {
 

@@ -10,7 +10,7 @@
 #include <torch/torch.h>
 
 #include "attnkit/decode.h"
-#include "core/checks.h"
+#include "core/base/checks.h"
 
 namespace attnkit::detail {
 

@@ -3,8 +3,7 @@
 #include <tuple>
 #include <vector>
 
-#include "core/checks.h"
-#include "core/kernels.h"
+#include "core/base/checks.h"
 #include "modules/module_attention.h"
 #include "modules/module_helpers.h"
 

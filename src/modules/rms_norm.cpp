@@ -5,7 +5,7 @@
 
 #include <ATen/Parallel.h>
 
-#include "core/checks.h"
+#include "core/base/checks.h"
 #include "modules/module_helpers.h"
 
 namespace attnkit {

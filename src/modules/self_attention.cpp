@@ -1,7 +1,7 @@
 #include "attnkit/self_attention.h"
 
 #include "attnkit/attention.h"
-#include "core/checks.h"
+#include "core/base/checks.h"
 #include "modules/module_helpers.h"
 
 namespace attnkit {

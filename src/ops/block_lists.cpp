@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "attnkit/block_mask.h"
-#include "core/checks.h"
-#include "core/mask_parts.h"
+#include "core/base/checks.h"
+#include "core/masks/mask_parts.h"
 
 namespace attnkit::ops {
 

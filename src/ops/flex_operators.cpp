@@ -18,10 +18,10 @@
 
 #include "attnkit/block_mask.h"
 #include "attnkit/score_graph.h"
-#include "core/checks.h"
-#include "core/kernels.h"
-#include "core/matrix_units.h"
-#include "core/planner.h"
+#include "core/base/autocast.h"
+#include "core/base/checks.h"
+#include "core/base/matrix_units.h"
+#include "core/plan/planner.h"
 #include "ops/block_lists.h"
 
 namespace attnkit::ops {
@@ -125,11 +125,6 @@ detail::AttentionCall call_of(const Tensor& query, const Tensor& key, const Tens
   call.dropout_seed = args.dropout_p > 0.0 ? args.dropout_seed : -1;
   call.wants_row_max = args.max_scores;
   return call;
-}
-
-// The dtype lse comes in: the one the kernel computes in, float32 for 16-bit inputs.
-torch::ScalarType compute_dtype(const Tensor& t) {
-  return detail::is_16bit(t) ? torch::kFloat : t.scalar_type();
 }
 
 // The output, its lse, what backward reads as the output: for 16-bit inputs the output
@@ -259,7 +254,7 @@ std::tuple<Tensor, Tensor, Tensor> flex_attention_meta(
   check_score_tensors(query, score_tensors);
   auto shape = query.sym_sizes().vec();
   shape.back() = value.sym_size(-1);
-  const auto rows = query.options().dtype(compute_dtype(query));
+  const auto rows = query.options().dtype(detail::compute_dtype(query));
   const std::vector<c10::SymInt> per_row{query.sym_size(0), query.sym_size(1), query.sym_size(2)};
   return {at::empty_symint(shape, query.options()), at::empty_symint(per_row, rows),
           max_scores ? at::empty_symint(per_row, rows) : torch::empty({0}, rows)};

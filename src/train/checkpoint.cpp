@@ -8,7 +8,7 @@
 #include <cstring>
 #include <fstream>
 
-#include "core/checks.h"
+#include "core/base/checks.h"
 #include "interrupts.h"
 
 namespace attnkit::train {

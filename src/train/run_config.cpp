@@ -14,7 +14,7 @@
 #include "attnkit/memory_budget.h"
 #include "attnkit/threads.h"
 #include "checkpoint.h"
-#include "core/checks.h"
+#include "core/base/checks.h"
 #include "io/file_io.h"
 #include "line.h"
 #include "mixed_precision.h"

@@ -7,7 +7,7 @@
 #include <iomanip>
 #include <sstream>
 
-#include "core/checks.h"
+#include "core/base/checks.h"
 #include "heatmap.h"
 #include "line.h"
 

@@ -1,5 +1,5 @@
 #include "tasks.h"
-#include "core/checks.h"
+#include "core/base/checks.h"
 
 #include <cmath>
 #include <fstream>

@@ -1,0 +1,36 @@
+#pragma once
+
+// The fused decode step's attention (decode_attention.cpp): one query token per row against
+// cached keys and values, read in place, every head in one loop.
+
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "core/plan/kernel_spec.h"
+
+namespace attnkit::detail {
+
+KernelSpec decode_spec();  // the planner's table
+
+/// Whether decode_attention takes these: one query per row, (b, h, 1, hd) on the CPU, float32,
+/// float64, bfloat16 or float16 like the keys and values (16-bit ones read in place, the
+/// arithmetic in float32, the result rounded once), last dimensions contiguous, h a multiple of the
+/// key heads, and no autograd to record (the decode step runs under NoGradGuard).
+bool decode_attention_fits(const torch::Tensor& query, const torch::Tensor& keys,
+                           const torch::Tensor& values);
+
+/// softmax(scale * q k^T) v (with `softcap` > 0: softmax(softcap * tanh(scale * q k^T /
+/// softcap)) v, Gemma 2's capped scores; with `sinks` (h), each head's sink in the softmax's
+/// denominator with no value, GPT-OSS's attention sinks) for query (b, h, 1, hd) against keys (b,
+/// kv_heads, m, hd) and values (b, kv_heads, m, hd_v), any strides but the last; query head i reads
+/// key/value head i / (h / kv_heads). Row r sees keys [key_begin[r], key_end[r]) (every key when
+/// both are empty); a row that sees none gets zeros. Returns (b, h, 1, hd_v), laid out as (b, 1, h,
+/// hd_v) so that merging the heads is a view.
+torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& keys,
+                               const torch::Tensor& values, double scale,
+                               const std::vector<int64_t>& key_begin = {},
+                               const std::vector<int64_t>& key_end = {}, double softcap = 0.0,
+                               const torch::Tensor& sinks = {});
+
+}  // namespace attnkit::detail

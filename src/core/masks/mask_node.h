@@ -1,0 +1,57 @@
+#pragma once
+
+// A Mask's nodes (mask.cpp holds its kinds, packed_tiles_mask.cpp the Python operators' packed
+// tiles): what every kind answers, and the kernels' access to a mask's root node.
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include <torch/torch.h>
+
+#include "attnkit/mask.h"
+
+namespace attnkit::detail {
+
+// Index tensors of one problem or tile: b (B,1,1,1), h (1,H,1,1), q (1,1,n,1), kv (1,1,1,m).
+struct Indices {
+  torch::Tensor b, h, q, kv;
+};
+
+inline Indices tile_indices(const Tile& tile, const torch::Device& device) {
+  const auto index = torch::dtype(torch::kInt64).device(device);
+  return {
+      torch::full({1, 1, 1, 1}, tile.batch, index),
+      torch::arange(tile.head_begin, tile.head_begin + tile.heads, index).view({1, -1, 1, 1}),
+      torch::arange(tile.query_begin, tile.query_begin + tile.queries, index).view({1, 1, -1, 1}),
+      torch::arange(tile.key_begin, tile.key_begin + tile.keys, index).view({1, 1, 1, -1})};
+}
+
+struct MaskNode {
+  virtual ~MaskNode() = default;
+  virtual torch::Tensor allowed(const Indices& at) const = 0;
+  // The verdict on a tile when the structure gives it; nullopt: evaluate the tile.
+  virtual c10::optional<TileKind> kind(const Tile&) const { return c10::nullopt; }
+  virtual void check(const char*, int64_t, int64_t, int64_t, int64_t, const torch::Device&) const {}
+  virtual std::string to_string() const = 0;
+  // A tile's entries, broadcastable to (1, heads, queries, keys); a kind that holds them
+  // as tiles already returns a view.
+  virtual torch::Tensor tile_allowed(const Tile& tile, const torch::Device& device) const {
+    return allowed(tile_indices(tile, device));
+  }
+  // A one-head tile's entries as bools, row-major (queries, keys), into `out`, from host
+  // copies and without LibTorch operations (the fused tile kernel asks for every partial tile
+  // of every head: tens of microseconds each as tensor operations). false: this kind does
+  // not (a tensor, a mask_mod); the caller evaluates the tile.
+  virtual bool fill_tile(const Tile&, bool*) const { return false; }
+};
+
+/// `mask`'s fill_tile (a mask of no kind allows everything).
+bool fill_tile(const Mask& mask, const Tile& tile, bool* out);
+
+struct MaskAccess {
+  static const MaskNode* node(const Mask& mask) { return mask.node_.get(); }
+  static Mask make(std::shared_ptr<const MaskNode> node) { return Mask(std::move(node)); }
+};
+
+}  // namespace attnkit::detail

@@ -1,0 +1,188 @@
+// The score functions: the ready-made ones (score_mods), what they are as values to a kernel
+// (score_variants.h), and the helpers every kernel calls them through.
+
+#include "core/scores/score_mods.h"
+
+#include <cmath>
+#include <unordered_set>
+
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include "attnkit/attention_types.h"
+#include "attnkit/score_mods.h"
+#include "core/base/checks.h"
+#include "core/scores/score_program.h"
+#include "core/scores/score_variants.h"
+
+namespace attnkit {
+
+using detail::shape_string;
+
+namespace score_mods {
+
+ScoreMod alibi(const torch::Tensor& slopes) {
+  TORCH_CHECK(slopes.defined() && slopes.dim() == 1 && slopes.is_floating_point(),
+              "[score_mods::alibi] slopes must be a 1-D floating tensor (heads), got ",
+              slopes.defined() ? shape_string(slopes) : std::string("an undefined tensor"));
+  const detail::AlibiBias bias{slopes};
+  return detail::AdditiveScore{bias, bias};
+}
+
+torch::Tensor alibi_slopes(int64_t heads) {
+  TORCH_CHECK(heads >= 1, "[score_mods::alibi_slopes] heads must be >= 1, got ", heads);
+  return torch::pow(2.0, torch::arange(1, heads + 1, torch::kFloat) * (-8.0 / heads));
+}
+
+ScoreMod softcap(double cap) {
+  TORCH_CHECK(cap > 0.0 && std::isfinite(cap), "[score_mods::softcap] cap must be > 0, got ", cap);
+  return detail::SoftcapScore{cap};
+}
+
+ScoreMod relative_position_bias(const torch::Tensor& bias) {
+  TORCH_CHECK(
+      bias.defined() && bias.dim() == 2 && bias.size(1) % 2 == 1 && bias.is_floating_point(),
+      "[score_mods::relative_position_bias] bias must be a floating (heads, 2 D + 1) ",
+      "tensor, got ", bias.defined() ? shape_string(bias) : std::string("an undefined tensor"));
+  const detail::RelativeBias relative{bias, bias.size(1) / 2};
+  return detail::AdditiveScore{relative, relative};
+}
+
+}  // namespace score_mods
+
+namespace detail {
+
+torch::Tensor AlibiBias::operator()(const torch::Tensor& score, const torch::Tensor&,
+                                    const torch::Tensor& h, const torch::Tensor& q_idx,
+                                    const torch::Tensor& kv_idx) const {
+  // .to: slopes made on the CPU (alibi_slopes) serve scores on any device.
+  return slopes.to(h.device()).index({h}).to(score.scalar_type()) * (kv_idx - q_idx);
+}
+
+torch::Tensor RelativeBias::operator()(const torch::Tensor& score, const torch::Tensor&,
+                                       const torch::Tensor& h, const torch::Tensor& q_idx,
+                                       const torch::Tensor& kv_idx) const {
+  const auto head = table.size(0) == 1 ? torch::zeros_like(h) : h;
+  const auto distance = (kv_idx - q_idx).clamp(-max_distance, max_distance) + max_distance;
+  return table.to(h.device()).index({head, distance}).to(score.scalar_type());
+}
+
+std::vector<torch::Tensor> ScoreVariant::tensors() const {
+  if (program)
+    return program->tensors();
+  return table.defined() ? std::vector<torch::Tensor>{table} : std::vector<torch::Tensor>{};
+}
+
+std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::string* why) {
+  ScoreVariant variant;
+  if (!score_mod)
+    return variant;
+  const auto graph_variant = [&](const GraphScore& graph, bool adds_score) {
+    variant.kind = ScoreVariant::Kind::kGraph;
+    variant.program = ScoreProgram::compile(*graph.graph, graph.tensors, adds_score, why);
+    return variant.program ? std::optional<ScoreVariant>(variant) : std::nullopt;
+  };
+  if (const auto* graph = score_mod.target<GraphScore>())
+    return graph_variant(*graph, /*adds_score=*/false);
+  if (const auto* positioned = score_mod.target<PositionedScore>()) {
+    if (positioned->offsets.dim() != 0) {
+      if (why != nullptr)
+        *why = "q_idx counted from a start per row (a ragged cached step)";
+      return std::nullopt;
+    }
+    auto inner = score_variant_of(positioned->score_mod, why);
+    if (inner) {
+      inner->query_offset += positioned->offsets.item<int64_t>();
+      inner->key_offset += positioned->key_offset;
+    }
+    return inner;
+  }
+  if (const auto* softcap = score_mod.target<SoftcapScore>()) {
+    variant.kind = ScoreVariant::Kind::kSoftcap;
+    variant.cap = softcap->cap;
+    return variant;
+  }
+  if (const auto* additive = score_mod.target<AdditiveScore>()) {
+    if (const auto* alibi = std::get_if<AlibiBias>(&additive->form)) {
+      variant.kind = ScoreVariant::Kind::kAlibi;
+      variant.table = alibi->slopes;
+      return variant;
+    }
+    if (const auto* relative = std::get_if<RelativeBias>(&additive->form)) {
+      variant.kind = ScoreVariant::Kind::kRelativeBias;
+      variant.table = relative->table;
+      variant.max_distance = relative->max_distance;
+      return variant;
+    }
+    if (const auto* graph = std::get_if<GraphScore>(&additive->form))
+      return graph_variant(*graph, /*adds_score=*/true);
+  }
+  if (why != nullptr)
+    *why = "a C++ function, which only LibTorch's ops evaluate";
+  return std::nullopt;
+}
+
+bool score_reads_positions(const ScoreMod& score_mod) {
+  return score_mod && score_mod.target<SoftcapScore>() == nullptr;
+}
+
+ScoreMod score_mod_at_positions(const ScoreMod& score_mod, const torch::Tensor& offsets) {
+  if (!score_reads_positions(score_mod))
+    return score_mod;
+  return PositionedScore{score_mod, offsets};
+}
+
+ScoreMod score_mod_at_positions(const ScoreMod& score_mod, int64_t query_offset,
+                                int64_t key_offset) {
+  if (!score_reads_positions(score_mod) || (query_offset == 0 && key_offset == 0))
+    return score_mod;
+  return PositionedScore{score_mod, torch::tensor(query_offset, torch::kInt64), key_offset};
+}
+
+torch::Tensor PositionedScore::operator()(const torch::Tensor& score, const torch::Tensor& b,
+                                          const torch::Tensor& h, const torch::Tensor& q_idx,
+                                          const torch::Tensor& kv_idx) const {
+  const auto shift = offsets.dim() == 0 ? offsets : offsets.index({b});
+  return score_mod(score, b, h, q_idx + shift, key_offset == 0 ? kv_idx : kv_idx + key_offset);
+}
+
+torch::Tensor apply_score_mod(const ScoreMod& score_mod, const torch::Tensor& scores,
+                              const std::vector<torch::Tensor>& index) {
+  auto result = score_mod(scores, index[0], index[1], index[2], index[3]);
+  TORCH_CHECK(result.defined() && result.sizes() == scores.sizes() &&
+                  result.scalar_type() == scores.scalar_type(),
+              "[attention] score_mod must return a tensor of the score's shape ",
+              shape_string(scores), " and dtype ", scores.scalar_type(), ", got ",
+              result.defined() ? c10::str(shape_string(result), " ", result.scalar_type())
+                               : std::string("an undefined tensor"));
+  return result;
+}
+
+std::vector<torch::Tensor> score_mod_parameters(const ScoreMod& score_mod,
+                                                const torch::TensorOptions& options) {
+  // A probe: one score, index 0 everywhere, with grad mode on; the leaves of the graph it
+  // builds are the tensors the function reads that want gradients.
+  const torch::AutoGradMode grad_mode(true);
+  const auto zero = torch::zeros({1, 1, 1, 1}, options.dtype(torch::kInt64));
+  const auto probe = score_mod(torch::zeros({1, 1, 1, 1}, options), zero, zero, zero, zero);
+  std::vector<torch::Tensor> parameters;
+  if (!probe.defined() || !probe.requires_grad())
+    return parameters;
+  std::vector<torch::autograd::Node*> stack{probe.grad_fn().get()};
+  std::unordered_set<torch::autograd::Node*> seen;
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (node == nullptr || !seen.insert(node).second)
+      continue;
+    if (auto* leaf = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      parameters.push_back(leaf->variable);
+      continue;
+    }
+    for (const auto& edge : node->next_edges())
+      stack.push_back(edge.function.get());
+  }
+  return parameters;
+}
+
+}  // namespace detail
+}  // namespace attnkit

@@ -1,0 +1,132 @@
+#pragma once
+
+// Score functions as values. The ready-made ones (score_mods::softcap, alibi,
+// relative_position_bias, and the ScoreGraphs that match them) are these structs inside a
+// ScoreMod, so a kernel can read which function it holds (ScoreMod::target<T>()) and evaluate
+// it in its own loops (the fused tile kernel, fused_tiles.cpp), while every other kernel calls
+// it as a function of tensors.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "attnkit/attention_types.h"
+#include "attnkit/score_graph.h"
+#include "attnkit/score_mods.h"
+
+namespace attnkit::detail {
+
+/// ALiBi's bias, slopes[h] * (kv_idx - q_idx), slopes of shape (heads); as a function of
+/// tensors, the bias in score's dtype.
+struct AlibiBias {
+  torch::Tensor slopes;
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
+                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const;
+};
+
+/// A relative-position bias, table[h, clamp(kv_idx - q_idx, -D, D) + D], table of shape
+/// (heads or 1, 2 D + 1); as a function of tensors, the bias in score's dtype.
+struct RelativeBias {
+  torch::Tensor table;
+  int64_t max_distance;
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
+                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const;
+};
+
+/// A ScoreGraph with its captured tensors (ScoreGraph::bind): a function of tensors for the
+/// kernels that call one, a graph for the fused tile kernel to compile
+/// (core/scores/score_program.h).
+struct GraphScore {
+  std::shared_ptr<const ScoreGraph> graph;
+  std::vector<torch::Tensor> tensors;
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
+                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const {
+    return graph->evaluate(score, b, h, q_idx, kv_idx, tensors);
+  }
+};
+
+/// A score function that adds a bias to the score, `score + bias(score, b, h, q_idx,
+/// kv_idx)`, the bias in score's dtype (score is read for its dtype and device only): so that
+/// the planner can hand the bias to LibTorch's SDPA as a float mask. `form` names the bias
+/// where it is one a kernel evaluates itself (a GraphScore: any other graph; monostate: a
+/// C++ function).
+using BiasForm = std::variant<std::monostate, AlibiBias, RelativeBias, GraphScore>;
+struct AdditiveScore {
+  ScoreMod bias;
+  BiasForm form = {};
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
+                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const {
+    return score + bias(score, b, h, q_idx, kv_idx);
+  }
+};
+
+/// Soft-capping, cap * tanh(score / cap).
+struct SoftcapScore {
+  double cap;
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor&, const torch::Tensor&,
+                           const torch::Tensor&, const torch::Tensor&) const {
+    return torch::tanh(score / cap) * cap;
+  }
+};
+
+/// A score function that reads positions in a longer sequence than the call's: q_idx counted
+/// from `offsets` (a scalar, or (b): row b's start) instead of the call's first query, and
+/// kv_idx from `key_offset` (score_mod_at_positions). A module's cached step shifts its
+/// queries; a context-parallel pair of pieces both. The fused tile kernel evaluates it with a
+/// scalar offset (its variant's offsets); the chunked kernel and the math core call it.
+struct PositionedScore {
+  ScoreMod score_mod;
+  torch::Tensor offsets;
+  int64_t key_offset = 0;
+  torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
+                           const torch::Tensor& h, const torch::Tensor& q_idx,
+                           const torch::Tensor& kv_idx) const;
+};
+
+class ScoreProgram;
+
+/// A score function as the fused tile kernel evaluates it.
+struct ScoreVariant {
+  enum class Kind { kNone, kSoftcap, kAlibi, kRelativeBias, kGraph };
+  Kind kind = Kind::kNone;
+  double cap = 0.0;                             // kSoftcap
+  torch::Tensor table;                          // kAlibi: the slopes; kRelativeBias: the table
+  int64_t max_distance = 0;                     // kRelativeBias
+  std::shared_ptr<const ScoreProgram> program;  // kGraph
+  /// The positions it reads: q_idx is query_offset plus the query's index in the call, kv_idx
+  /// key_offset plus the key's (a PositionedScore's offsets).
+  int64_t query_offset = 0;
+  int64_t key_offset = 0;
+
+  /// The tensors it reads, whose gradients backward computes: the table, or the graph's.
+  std::vector<torch::Tensor> tensors() const;
+};
+
+/// The variant a score function is (kNone for none); nullopt for a C++ function, or a graph
+/// that rows cannot evaluate, with the reason in `why` (when given).
+std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::string* why = nullptr);
+
+/// Whether the score function may read q_idx or kv_idx: false for none and for a softcap,
+/// true for anything else (a C++ function may read them, so it is taken to).
+bool score_reads_positions(const ScoreMod& score_mod);
+
+/// `score_mod` with q_idx counted from `offsets` instead of 0: a scalar, one offset for every
+/// row, or a (b) int64 tensor, row b's queries starting at offsets[b]. Position-free score
+/// functions are returned as they are, so that kernels still read their variant.
+ScoreMod score_mod_at_positions(const ScoreMod& score_mod, const torch::Tensor& offsets);
+
+/// `score_mod` with q_idx counted from `query_offset` and kv_idx from `key_offset`: a call
+/// over a piece of a longer sequence's queries and keys (context parallelism).
+ScoreMod score_mod_at_positions(const ScoreMod& score_mod, int64_t query_offset,
+                                int64_t key_offset);
+
+}  // namespace attnkit::detail
