@@ -27,7 +27,7 @@
 #include "attnkit/serialize.h"
 #include "core/kernels/decode_attention.h"
 #include "core/kernels/sdpa_kernel.h"
-#include "core/scores/score_variants.h"
+#include "core/scores/row_variants.h"
 #include "source_paths.h"
 #include "test_support.h"
 
@@ -1381,7 +1381,6 @@ TEST(ScoreGraph, EvaluatesAsTheFunctionItStandsForAndRefusesBadText) {
 // fused tile kernel evaluates itself, and give its answer; near misses bind as general graphs,
 // which the fused tile kernel compiles for its rows.
 TEST(ScoreGraph, TheNamedFunctionsBindAsTheirVariants) {
-  using attnkit::detail::ScoreVariant;
   // float64 throughout, so that the kernels agree to rounding: in float32 the near miss with
   // q - kv (scores up to +150) differs from the math core by float32's own noise, which moves
   // with the BLAS's summation order between runs (up to 1.4e-5 seen).
@@ -1389,23 +1388,21 @@ TEST(ScoreGraph, TheNamedFunctionsBindAsTheirVariants) {
   const auto slopes = torch::rand({4}, f64), table = torch::rand({4, 21}, f64);
   const auto kind_of = [](const attnkit::ScoreMod& mod) {
     const auto variant = attnkit::detail::score_variant_of(mod);
-    return variant ? static_cast<int>(variant->kind) : -1;
+    return std::string(variant ? variant->name() : "no variant");
   };
   const auto graph = [](const std::string& text) { return attnkit::ScoreGraph::parse(text); };
-  const std::vector<std::tuple<std::string, std::vector<torch::Tensor>, int>> cases{
-      {"div %0 f:30.0\ntanh %5\nmul f:30.0 %6", {}, int(ScoreVariant::Kind::kSoftcap)},
-      {"div %0 f:30.0\ntanh %5\nmul %6 f:30.0", {}, int(ScoreVariant::Kind::kSoftcap)},
-      {"index $0 %2\nsub %4 %3\nmul %5 %6\nadd %0 %7", {slopes}, int(ScoreVariant::Kind::kAlibi)},
-      {"sub %4 %3\nindex $0 %2\nmul %6 %5\nadd %0 %7", {slopes}, int(ScoreVariant::Kind::kAlibi)},
+  const std::vector<std::tuple<std::string, std::vector<torch::Tensor>, std::string>> cases{
+      {"div %0 f:30.0\ntanh %5\nmul f:30.0 %6", {}, "softcap"},
+      {"div %0 f:30.0\ntanh %5\nmul %6 f:30.0", {}, "softcap"},
+      {"index $0 %2\nsub %4 %3\nmul %5 %6\nadd %0 %7", {slopes}, "alibi"},
+      {"sub %4 %3\nindex $0 %2\nmul %6 %5\nadd %0 %7", {slopes}, "alibi"},
       {"sub %4 %3\nclamp %5 i:-10 i:10\nadd %6 i:10\nindex $0 %2 %7\nadd %0 %8",
        {table},
-       int(ScoreVariant::Kind::kRelativeBias)},
+       "relative_bias"},
       // Near misses: another cap inside, q - kv, a clamp that is not the table's width.
-      {"div %0 f:30.0\ntanh %5\nmul %6 f:20.0", {}, int(ScoreVariant::Kind::kGraph)},
-      {"index $0 %2\nsub %3 %4\nmul %5 %6\nadd %0 %7", {slopes}, int(ScoreVariant::Kind::kGraph)},
-      {"sub %4 %3\nclamp %5 i:-9 i:9\nadd %6 i:9\nindex $0 %2 %7\nadd %0 %8",
-       {table},
-       int(ScoreVariant::Kind::kGraph)}};
+      {"div %0 f:30.0\ntanh %5\nmul %6 f:20.0", {}, "graph"},
+      {"index $0 %2\nsub %3 %4\nmul %5 %6\nadd %0 %7", {slopes}, "graph"},
+      {"sub %4 %3\nclamp %5 i:-9 i:9\nadd %6 i:9\nindex $0 %2 %7\nadd %0 %8", {table}, "graph"}};
   torch::manual_seed(3);
   const auto q = torch::randn({1, 4, 150, 8}, f64), k = torch::randn({1, 4, 150, 8}, f64),
              v = torch::randn({1, 4, 150, 8}, f64);

@@ -21,6 +21,7 @@
 #include "core/base/checks.h"
 #include "core/base/lse_merge.h"
 #include "core/plan/kernel_spec.h"
+#include "core/scores/row_variants.h"
 #include "core/scores/score_variants.h"
 
 namespace attnkit {

@@ -1,8 +1,8 @@
 // The fused CPU tile kernel: the chunked kernel's walk over a block mask's tiles (tile_walk.h)
 // with everything between its matrix products done in the tile's rows. Per query block and
 // key tile: S = (scale Q) K^T by one GEMM, then, row by row while the row is in L1, the score
-// function (a ScoreVariant: softcap, ALiBi, a relative-position table), the mask bits (a
-// partial tile only), the online softmax (running maximum and sum, the output rows
+// function (a ScoreVariant, row_variants.h: softcap, ALiBi, a relative-position table), the mask
+// bits (a partial tile only), the online softmax (running maximum and sum, the output rows
 // corrected), and then P V by one GEMM into the output block (P times the tile's dropout
 // factors, with dropout). Backward recomputes P from the log-sum-exp in the same rows, and its
 // five products per tile are GEMMs on the tile.
@@ -148,16 +148,9 @@ std::string tiles_decline(const KernelInput& input, const std::optional<ScoreVar
         "the fused tile kernel evaluates named score functions and ScoreGraphs "
         "only, not ",
         why_not_variant, " (the chunked kernel evaluates any score function)");
-  const auto& table = variant->table;
-  if (variant->kind == ScoreVariant::Kind::kAlibi &&
-      (table.dim() != 1 || table.size(0) != call.query.size(1)))
-    return c10::str("the fused tile kernel takes ALiBi slopes of one per head (",
-                    call.query.size(1), "), not ", shape_string(table));
-  if (variant->kind == ScoreVariant::Kind::kRelativeBias && table.size(0) != 1 &&
-      table.size(0) != call.query.size(1))
-    return c10::str("the fused tile kernel takes a relative-position table of 1 or ",
-                    call.query.size(1), " rows, not ", shape_string(table));
-  if (variant->kind == ScoreVariant::Kind::kGraph) {
+  if (const auto lacks = variant->lacks(call.query.size(1)); !lacks.empty())
+    return lacks;
+  if (variant->program() != nullptr) {
     // A graph LibTorch refuses on one score (a result of another dtype than the score's, an
     // index out of range) stays with the chunked kernel, which raises LibTorch's error. The
     // score as the kernel holds it: float32 for 16-bit inputs (a float32 bias then adds).

@@ -100,8 +100,8 @@ TileGrads backward_of(const FusedTileProblem& problem, const torch::Tensor& q4,
   // (h, q_idx, kv_idx) by a batch of several, it is written in place when each task runs every
   // batch slice of its key/value head and key range, adding the slices' terms in order.
   const auto own_entries = [&](size_t t, bool batch_in_task) {
-    return wanted[t] && problem.variant.program &&
-           problem.variant.program->reads_an_entry_per_score(t, plan.outer == 1 || batch_in_task);
+    return wanted[t] && problem.variant.program() != nullptr &&
+           problem.variant.program()->reads_an_entry_per_score(t, plan.outer == 1 || batch_in_task);
   };
   bool batch_in_task = false;
   for (size_t t = 0; t < tensors.size() && plan.outer > 1; ++t)

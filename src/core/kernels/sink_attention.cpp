@@ -14,6 +14,7 @@
 
 #include "core/base/lse_merge.h"
 #include "core/plan/planner.h"
+#include "core/scores/row_variants.h"
 #include "core/scores/score_variants.h"
 
 namespace attnkit::detail {

@@ -3,6 +3,7 @@
 
 #include "core/plan/kernel_spec.h"
 
+#include "core/scores/row_variants.h"
 #include "core/scores/score_variants.h"
 
 namespace attnkit::detail {

@@ -11,6 +11,7 @@
 #include "attnkit/attention_types.h"
 #include "attnkit/score_mods.h"
 #include "core/base/checks.h"
+#include "core/scores/row_variants.h"
 #include "core/scores/score_program.h"
 #include "core/scores/score_variants.h"
 
@@ -66,24 +67,50 @@ torch::Tensor RelativeBias::operator()(const torch::Tensor& score, const torch::
   return table.to(h.device()).index({head, distance}).to(score.scalar_type());
 }
 
+namespace {
+
+// The first of the variants that `score_mod` is; `why` gains a graph's reason when its
+// program cannot be compiled.
+template <typename... Variants>
+std::optional<ScoreVariants::Value> first_variant(VariantList<Variants...>,
+                                                  const ScoreMod& score_mod, std::string* why) {
+  std::optional<ScoreVariants::Value> found;
+  // In list order, stopping at the first that takes it.
+  (void)((found = [&]() -> std::optional<ScoreVariants::Value> {
+           if (auto variant = Variants::from(score_mod, why))
+             return ScoreVariants::Value(std::move(*variant));
+           return std::nullopt;
+         }())
+             .has_value() ||
+         ...);
+  return found;
+}
+
+}  // namespace
+
+const char* ScoreVariant::name() const {
+  return std::visit([](const auto& v) { return std::decay_t<decltype(v)>::kName; }, form);
+}
+
 std::vector<torch::Tensor> ScoreVariant::tensors() const {
-  if (program)
-    return program->tensors();
-  return table.defined() ? std::vector<torch::Tensor>{table} : std::vector<torch::Tensor>{};
+  return std::visit([](const auto& v) { return v.tensors(); }, form);
+}
+
+std::string ScoreVariant::lacks(int64_t heads) const {
+  return std::visit([heads](const auto& v) { return v.lacks(heads); }, form);
+}
+
+Kept ScoreVariant::keeps() const {
+  return std::visit([](const auto& v) { return std::decay_t<decltype(v)>::kKeeps; }, form);
+}
+
+const ScoreProgram* ScoreVariant::program() const {
+  const auto* graph = std::get_if<GraphRows>(&form);
+  return graph ? graph->program.get() : nullptr;
 }
 
 std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::string* why) {
-  ScoreVariant variant;
-  if (!score_mod)
-    return variant;
-  const auto graph_variant = [&](const GraphScore& graph, bool adds_score) {
-    variant.kind = ScoreVariant::Kind::kGraph;
-    variant.program = ScoreProgram::compile(*graph.graph, graph.tensors, adds_score, why);
-    return variant.program ? std::optional<ScoreVariant>(variant) : std::nullopt;
-  };
-  if (const auto* graph = score_mod.target<GraphScore>())
-    return graph_variant(*graph, /*adds_score=*/false);
-  if (const auto* positioned = score_mod.target<PositionedScore>()) {
+  if (const auto* positioned = score_mod ? score_mod.target<PositionedScore>() : nullptr) {
     if (positioned->offsets.dim() != 0) {
       if (why != nullptr)
         *why = "q_idx counted from a start per row (a ragged cached step)";
@@ -96,28 +123,11 @@ std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::str
     }
     return inner;
   }
-  if (const auto* softcap = score_mod.target<SoftcapScore>()) {
-    variant.kind = ScoreVariant::Kind::kSoftcap;
-    variant.cap = softcap->cap;
-    return variant;
-  }
-  if (const auto* additive = score_mod.target<AdditiveScore>()) {
-    if (const auto* alibi = std::get_if<AlibiBias>(&additive->form)) {
-      variant.kind = ScoreVariant::Kind::kAlibi;
-      variant.table = alibi->slopes;
-      return variant;
-    }
-    if (const auto* relative = std::get_if<RelativeBias>(&additive->form)) {
-      variant.kind = ScoreVariant::Kind::kRelativeBias;
-      variant.table = relative->table;
-      variant.max_distance = relative->max_distance;
-      return variant;
-    }
-    if (const auto* graph = std::get_if<GraphScore>(&additive->form))
-      return graph_variant(*graph, /*adds_score=*/true);
-  }
+  std::string reason;
+  if (auto form = first_variant(ScoreVariants{}, score_mod, &reason))
+    return ScoreVariant{std::move(*form)};
   if (why != nullptr)
-    *why = "a C++ function, which only LibTorch's ops evaluate";
+    *why = reason.empty() ? "a C++ function, which only LibTorch's ops evaluate" : reason;
   return std::nullopt;
 }
 

@@ -3,7 +3,7 @@
 // Score functions as values. The ready-made ones (score_mods::softcap, alibi,
 // relative_position_bias, and the ScoreGraphs that match them) are these structs inside a
 // ScoreMod, so a kernel can read which function it holds (ScoreMod::target<T>()) and evaluate
-// it in its own loops (the fused tile kernel, fused_tiles.cpp), while every other kernel calls
+// it in its own loops (the fused tile kernel: row_variants.h), while every other kernel calls
 // it as a function of tensors.
 
 #include <cstdint>
@@ -91,29 +91,6 @@ struct PositionedScore {
                            const torch::Tensor& h, const torch::Tensor& q_idx,
                            const torch::Tensor& kv_idx) const;
 };
-
-class ScoreProgram;
-
-/// A score function as the fused tile kernel evaluates it.
-struct ScoreVariant {
-  enum class Kind { kNone, kSoftcap, kAlibi, kRelativeBias, kGraph };
-  Kind kind = Kind::kNone;
-  double cap = 0.0;                             // kSoftcap
-  torch::Tensor table;                          // kAlibi: the slopes; kRelativeBias: the table
-  int64_t max_distance = 0;                     // kRelativeBias
-  std::shared_ptr<const ScoreProgram> program;  // kGraph
-  /// The positions it reads: q_idx is query_offset plus the query's index in the call, kv_idx
-  /// key_offset plus the key's (a PositionedScore's offsets).
-  int64_t query_offset = 0;
-  int64_t key_offset = 0;
-
-  /// The tensors it reads, whose gradients backward computes: the table, or the graph's.
-  std::vector<torch::Tensor> tensors() const;
-};
-
-/// The variant a score function is (kNone for none); nullopt for a C++ function, or a graph
-/// that rows cannot evaluate, with the reason in `why` (when given).
-std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::string* why = nullptr);
 
 /// Whether the score function may read q_idx or kv_idx: false for none and for a softcap,
 /// true for anything else (a C++ function may read them, so it is taken to).
