@@ -3,9 +3,18 @@
 public header includes only headers of its own layer and of the layers below it.
 
 Layers, lowest first: core; modules; inference and io (side by side: neither includes the
-other); train. The deprecated shims of USERS_ONLY are included by no file of the library. A header of src/<layer>/ belongs to that layer, a public header to the layer
-that PUBLIC_LAYERS names (where its code lives). Exits 1 and names each include that breaks a
-rule, or a public header that no layer claims.
+other); train. The deprecated shims of USERS_ONLY are included by no file of the library. A
+header of src/<layer>/ belongs to that layer, a public header to the layer that PUBLIC_LAYERS
+names (where its code lives).
+
+Inside core, its folders are layers too, lowest first: base; masks and scores (side by side);
+plan; kernels; api (docs/architecture.md, "Inside core"). Core's public headers are its
+interface types, below every folder, except the entry points' headers (PUBLIC_CORE_FOLDERS),
+which are api's. No header of src/ takes part in an include cycle (inside a folder, where no
+rank orders the files, an include that runs back up closes one).
+
+Exits 1 and names each include that breaks a rule, each cycle, or a public header that no
+layer claims.
 
 Usage: scripts/check_layers.py [--root DIR] | --self-test
 """
@@ -110,6 +119,43 @@ def core_folder_of_file(path, root):
     return relative[2] if len(relative) == 4 else ""
 
 
+def include_cycles(root, files):
+    """Cycles among the headers of src/ (an include that runs back up inside a folder closes
+    one): each as its files in order, once."""
+    graph = {}
+    for path, _ in files:
+        relative = path.relative_to(root)
+        if relative.parts[0] != "src" or path.suffix != ".h":
+            continue
+        targets = []
+        for name in INCLUDE.findall(path.read_text(encoding="utf-8")):
+            target = root / "src" / name
+            if not target.exists():
+                target = path.parent / name
+            if target.exists() and target.suffix == ".h":
+                targets.append(target.relative_to(root))
+        graph[relative] = targets
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for child in graph.get(node, []):
+            if state.get(child) == "open":
+                cycle = stack[stack.index(child):]
+                if sorted(cycle) not in [sorted(c) for c in cycles]:
+                    cycles.append(list(cycle))
+            elif child not in state:
+                visit(child, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
 def check(root):
     """The rules' breaches under `root`, one line each."""
     problems = []
@@ -153,6 +199,9 @@ def check(root):
                     problems.append(f'{path.relative_to(root)} (core/{folder}) includes "{name}" '
                                     f"(core/{other_folder}): a folder of core may include only "
                                     "its own and those below")
+    for cycle in include_cycles(root, files):
+        problems.append("an include cycle (an include that runs back up): " +
+                        " -> ".join(str(p) for p in cycle + cycle[:1]))
     return problems
 
 
@@ -179,6 +228,8 @@ def self_test():
         (root / "src" / "core" / "masks" / "i.h").write_text('#include "core/scores/row_score.h"\n')
         (root / "src" / "core" / "scores" / "j.cpp").write_text('#include "attnkit/attention.h"\n')
         (root / "src" / "core" / "k.cpp").write_text("")
+        (root / "src" / "core" / "base" / "x.h").write_text('#include "core/base/y.h"\n')
+        (root / "src" / "core" / "base" / "y.h").write_text('#include "core/base/x.h"\n')
         (root / "src" / "inference" / "e.cpp").write_text('#include "attnkit/serialize.h"\n')
         (root / "include" / "attnkit" / "attention.h").write_text(
             '#include "attnkit/kv_cache.h"\n')
@@ -192,6 +243,8 @@ def self_test():
             'src/core/masks/i.h (core/masks) includes "core/scores/row_score.h" (core/scores)',
             'src/core/scores/j.cpp (core/scores) includes "attnkit/attention.h" (core/api)',
             "src/core/k.cpp: outside core's folders",
+            "an include cycle (an include that runs back up): src/core/base/x.h -> "
+            "src/core/base/y.h -> src/core/base/x.h",
             'src/inference/e.cpp (inference) includes "attnkit/serialize.h" (io)',
             'include/attnkit/attention.h (core) includes "attnkit/kv_cache.h" (modules)',
             "include/attnkit/new_thing.h: a public header no layer claims",

@@ -21,7 +21,7 @@
 
 #include <torch/torch.h>
 
-#include "attnkit/attention.h"
+#include "attnkit/score_mod.h"
 
 namespace attnkit {
 
