@@ -139,7 +139,7 @@ def overhead():
         "attnkit.flex_attention": lambda: timed(
             lambda: attnkit.flex_attention(q, k, v, block_mask=bm)),
         "torch.ops.attnkit.flex_attention": lambda: timed(
-            lambda: torch.ops.attnkit.flex_attention(q, k, v, *lists, q_block, kv_block, "", [],
+            lambda: torch.ops.attnkit.flex_attention(q, k, v, *lists, "", [], q_block, kv_block, "", [],
                                                      1 / 8, 0.0, -1)),
         "C++ (the dispatcher)": lambda: timer.seconds_per_call(
             q, k, v, list(lists), q_block, kv_block, 1 / 8, 1),

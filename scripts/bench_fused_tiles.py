@@ -367,9 +367,9 @@ def document_route(args):
 
 
 def own_masks(args):
-    """attnkit.attention with its own masks (b 1, causal) against what it did before it found
-    their block masks from their structure: create_block_mask of the same mask_mod, then
-    flex_attention; forward (no gradient) and forward+backward, in alternation."""
+    """attnkit.attention with its own masks (b 1, causal; passed to the operator as they are)
+    against create_block_mask of the same mask_mod, then flex_attention; forward (no
+    gradient) and forward+backward, in alternation."""
     import torch
     import attnkit
     torch.set_num_threads(args.threads[0])

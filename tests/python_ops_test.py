@@ -361,10 +361,13 @@ class Opcheck(unittest.TestCase):
         q_block, kv_block, lists = attnkit._block_mask.partial_tiles(bm, q, k)
         graph, _ = attnkit._score_graph.trace(head_offset)
         for args in [
-            (q, k, v, None, None, None, None, None, 128, 128, "", [], 0.35, 0.0, -1),
-            (q, k, v, *lists, q_block, kv_block, graph, [buffer], 0.35, 0.0, -1),
+            (q, k, v, None, None, None, None, None, "", [], 128, 128, "", [], 0.35, 0.0, -1),
+            (q, k, v, *lists, "", [], q_block, kv_block, graph, [buffer], 0.35, 0.0, -1),
+            # a mask in its value form, with its tensors (attnkit.attention's)
+            (q, k, v, None, None, None, None, None, "causal(3, window=9) & key_padding(#0)",
+             [torch.tensor([40, 17])], 16, 16, graph, [buffer], 0.35, 0.0, -1),
             # with each row's largest score (max_scores), which takes no gradient
-            (q, k, v, *lists, q_block, kv_block, graph, [buffer], 0.35, 0.0, -1, True),
+            (q, k, v, *lists, "", [], q_block, kv_block, graph, [buffer], 0.35, 0.0, -1, True),
         ]:
             torch.library.opcheck(torch.ops.attnkit.flex_attention.default, args)
 
@@ -853,14 +856,17 @@ class OwnMasks(unittest.TestCase):
         for mine, theirs in zip(grads, ref_grads):
             self.assertLess(max_error(mine, theirs), 1e-10)
 
-    def test_own_masks_make_the_block_mask_that_create_block_mask_makes(self):
-        # attnkit.attention finds its masks' tile kinds from their structure; each must equal
-        # create_block_mask's, which evaluates mask_mod on every (query, key) pair.
+    def test_own_masks_pass_as_they_are_and_equal_the_dense_math(self):
+        # attnkit.attention passes its masks to the operator in Mask's value form; the kernels
+        # judge the tiles from their structure. Every combination, in shapes that cut the
+        # blocks anywhere, against the dense math of the same mask_mod.
         g = torch.Generator().manual_seed(6)
         for L, S, block in [(100, 100, 16), (128, 128, 32), (300, 300, 128), (40, 300, 32),
                             (300, 40, 16)]:
             lengths = torch.randint(0, S + 1, (3,), generator=g)
             ids = torch.sort(torch.randint(0, 7, (3, S), generator=g), dim=-1).values
+            q = torch.randn(3, 2, L, 8, generator=g, dtype=torch.float64)
+            k, v = [torch.randn(3, 2, S, 8, generator=g, dtype=torch.float64) for _ in range(2)]
             offsets = [0, 5] + ([S - L] if S > L else [])
             for causal, offset, window, with_lengths, with_ids in [
                     (True, o, w, kl, False) for o in offsets for w in (None, 1, 20)
@@ -870,34 +876,74 @@ class OwnMasks(unittest.TestCase):
                     for kl in (False, True)]:
                 if with_ids and L != S:
                     continue
-                B = 3 if (with_lengths or with_ids) else 1
 
-                def mask_mod(b, h, q, kv):
-                    allowed = torch.ones_like(q + kv, dtype=torch.bool)
+                def mask_mod(b, h, qi, kv):
+                    allowed = torch.ones_like(qi + kv, dtype=torch.bool)
                     if causal:
-                        allowed = allowed & (kv <= q + offset)
+                        allowed = allowed & (kv <= qi + offset)
                         if window is not None:
-                            allowed = allowed & (kv > q + offset - window)
+                            allowed = allowed & (kv > qi + offset - window)
                     if with_lengths:
                         allowed = allowed & (kv < lengths[b])
                     if with_ids:
-                        allowed = allowed & (ids[b, q] == ids[b, kv])
+                        allowed = allowed & (ids[b, qi] == ids[b, kv])
                     return allowed
                 with self.subTest(L=L, S=S, block=block, causal=causal, offset=offset,
                                   window=window, lengths=with_lengths, ids=with_ids):
-                    want = attnkit.create_block_mask(mask_mod, B, 1, L, S, BLOCK_SIZE=block)
-                    got = attnkit._block_mask.own_block_mask(
-                        mask_mod, B, L, S, block, "cpu", causal=causal, query_offset=offset,
-                        window=window, key_lengths=lengths if with_lengths else None,
-                        document_ids=ids if with_ids else None)
-                    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
-                                 "full_kv_indices"):
-                        self.assertTrue(torch.equal(getattr(got, name), getattr(want, name)),
-                                        name)
-                    # The bits it keeps are those the operators would evaluate.
-                    bits = got._attnkit_partial_tiles[1]
-                    self.assertTrue(torch.equal(
-                        bits, attnkit._block_mask._partial_bits(want, L, S)))
+                    out = attnkit.attention(q, k, v, causal=causal, query_offset=offset,
+                                            window=window,
+                                            key_lengths=lengths if with_lengths else None,
+                                            document_ids=ids if with_ids else None,
+                                            block_size=block, softcap=30.0)
+                    ref, _ = dense_reference(q, k, v, lambda s, *_: 30.0 * torch.tanh(s / 30.0),
+                                             mask_mod)
+                    self.assertLess(max_error(out, ref), 1e-12)
+
+    def test_a_pickled_block_mask_loads_and_runs(self):
+        # The mask's value form changed the operator's schema, not BlockMask: a block mask
+        # pickled before (its lists, BLOCK_SIZE, mask_mod, and the partial tiles' bits that
+        # attnkit keeps on it) loads and gives the same answer, with the bits or without.
+        import pickle
+        g = torch.Generator().manual_seed(8)
+        q, k, v = [torch.randn(1, 2, 70, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+        bm = attnkit.create_block_mask(causal, None, None, 70, 70, BLOCK_SIZE=32)
+        want = attnkit.flex_attention(q, k, v, block_mask=bm)
+        loaded = pickle.loads(pickle.dumps(bm))
+        self.assertTrue(torch.equal(attnkit.flex_attention(q, k, v, block_mask=loaded), want))
+        if hasattr(loaded, "_attnkit_partial_tiles"):
+            del loaded._attnkit_partial_tiles
+        self.assertTrue(torch.equal(attnkit.flex_attention(q, k, v, block_mask=loaded), want))
+
+    def test_the_operator_refuses_a_mask_form_it_cannot_read(self):
+        q = torch.randn(2, 1, 8, 4)
+        lengths = torch.tensor([8, 5])
+        none = (None,) * 5
+
+        def run(form, tensors):
+            return torch.ops.attnkit.flex_attention(q, q, q, *none, form, tensors, 8, 8, "", [],
+                                                    0.5, 0.0, -1)
+        for form, tensors, message in [
+                ("causal(0) & sliding(3)", [], "cannot read 'sliding(3)'"),
+                ("causal(-1)", [], "the query offset must be an integer >= 0, got '-1'"),
+                ("causal(0, win=3)", [], "expected window=W with an integer W >= 1, got 'win=3'"),
+                ("causal(0, window=0)", [], "window_size must be >= 1"),
+                ("key_padding(0)", [lengths], "expected a tensor as #I, got '0'"),
+                ("key_padding(#1)", [lengths], "reads mask_tensors[1], but mask_tensors holds 1"),
+                ("causal(0)", [lengths], "mask_tensors[0] is not read by the mask 'causal(0)'"),
+                ("documents(#0)", [torch.tensor([0, 0, 1])],
+                 "[attnkit::flex_attention] mask: document_ids must have shape (8) or (2, 8), "
+                 "got [3]"),
+                ("causal(99999999999999999999)", [], "got '99999999999999999999'")]:
+            with self.subTest(form=form):
+                with self.assertRaises(RuntimeError) as caught:
+                    run(form, tensors)
+                self.assertIn(message, str(caught.exception))
+        # The form it reads: the same as the block lists of the same mask.
+        bm = attnkit.create_block_mask(lambda b, h, qi, kv: (kv <= qi) & (kv < lengths[b]), 2,
+                                       None, 8, 8, BLOCK_SIZE=4)
+        self.assertLess(max_error(run("causal(0) & key_padding(#0)", [lengths])[0],
+                                  attnkit.flex_attention(q, q, q, block_mask=bm, scale=0.5)),
+                        1e-6)
 
     def test_documents_without_a_gradient_run_by_document_on_sdpa(self):
         # attnkit.attention's route for document_ids: one SDPA call per document, no block
@@ -1061,7 +1107,7 @@ class OwnMasks(unittest.TestCase):
         lists = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
         with self.assertRaises(RuntimeError) as caught:
             torch.ops.attnkit.flex_attention(q, q, q, *lists, torch.ones(5, 8, 8, dtype=torch.bool),
-                                             8, 8, "", [], 0.3, 0.0, -1)
+                                             "", [], 8, 8, "", [], 0.3, 0.0, -1)
         self.assertIn("partial_tiles must be bool (2, 8, 8)", str(caught.exception))
         self.assertIn("or (1, 1, 2, 2, 8, 8) (one per slot of kv_indices)", str(caught.exception))
         # The layout with a tile per slot (what torch.compile sends): the same answer.
@@ -1069,13 +1115,13 @@ class OwnMasks(unittest.TestCase):
         packed, per_slot = _partial_bits(bm, 16, 16), _slot_bits(bm, 16, 16)
         self.assertEqual(tuple(per_slot.shape), (1, 1, 2, 2, 8, 8))
         self.assertTrue(torch.equal(
-            torch.ops.attnkit.flex_attention(q, q, q, *lists, per_slot, 8, 8, "", [], 0.3, 0.0,
+            torch.ops.attnkit.flex_attention(q, q, q, *lists, per_slot, "", [], 8, 8, "", [], 0.3, 0.0,
                                              -1)[0],
-            torch.ops.attnkit.flex_attention(q, q, q, *lists, packed, 8, 8, "", [], 0.3, 0.0,
+            torch.ops.attnkit.flex_attention(q, q, q, *lists, packed, "", [], 8, 8, "", [], 0.3, 0.0,
                                              -1)[0]))
         with self.assertRaises(RuntimeError) as caught:
-            torch.ops.attnkit.flex_attention(q, q, q, None, None, None, None, None, 8, 8, "", [],
-                                             0.3, 0.5, -1)
+            torch.ops.attnkit.flex_attention(q, q, q, None, None, None, None, None, "", [], 8, 8,
+                                             "", [], 0.3, 0.5, -1)
         self.assertIn("dropout_p > 0 needs a dropout_seed", str(caught.exception))
 
 

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _score_graph
-from ._block_mask import BlockMask, create_block_mask, own_block_mask, partial_tiles
+from ._block_mask import BlockMask, create_block_mask, partial_tiles
 from ._score_graph import ScoreModError, compiling
 
 __all__ = ["flex_attention", "attention", "create_block_mask", "BlockMask", "ScoreModError",
@@ -155,9 +155,10 @@ def _check_problem(query, key, value, enable_gqa):
 
 
 def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p,
-          block_sizes=(128, 128), max_scores=False):
+          block_sizes=(128, 128), max_scores=False, mask=("", [])):
     """(out, lse, max_scores) of the operator: max_scores (B, Hq, L) where asked, else a (0)
-    tensor."""
+    tensor. mask: a Mask's value form and its tensors (attnkit.attention's own masks), with
+    block_mask's lists where both are given."""
     _check_problem(query, key, value, enable_gqa)
     if key.shape[0] != query.shape[0]:
         # Batch broadcast: a view with batch stride 0, which the kernels read in place; its
@@ -182,8 +183,8 @@ def _call(query, key, value, score_mod, block_mask, scale, enable_gqa, dropout_p
     if dropout_p > 0.0:
         seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64).item())
     try:
-        return torch.ops.attnkit.flex_attention(query, key, value, *lists, q_block, kv_block,
-                                                graph, list(captured), float(scale),
+        return torch.ops.attnkit.flex_attention(query, key, value, *lists, *mask, q_block,
+                                                kv_block, graph, list(captured), float(scale),
                                                 float(dropout_p), seed, max_scores)
     except RuntimeError as error:
         if "[ScoreGraph::parse]" in str(error):
@@ -339,7 +340,6 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
     that was measured faster than a block mask (docs/backends.md, "Documents from Python").
     """
     L, S = query.shape[2], key.shape[2]
-    parts = []
     if window is not None and not causal:
         raise ValueError("attnkit.attention: window needs causal=True")
     if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
@@ -357,11 +357,12 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
         # As long as the last query's position or longer: every earlier key, no window (2**63
         # wrapped in int64 and gave another mask; 2**64 failed converting).
         window = None
+    # The masks as they are, in Mask's value form (src/core/masks/mask_form.h): the kernels
+    # read their structure, and nothing is evaluated per (query, key) pair here.
+    parts, mask_tensors = [], []
     if causal:
-        def causal_mod(b, h, q, kv):
-            seen = kv <= q + query_offset
-            return seen & (kv > q + query_offset - window) if window is not None else seen
-        parts.append(causal_mod)
+        parts.append(f"causal({int(query_offset)}" +
+                     (f", window={int(window)})" if window is not None else ")"))
     if key_lengths is not None:
         if key_lengths.shape != (query.shape[0],):
             raise ValueError(f"attnkit.attention: key_lengths must be ({query.shape[0]},), got "
@@ -370,7 +371,8 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
         if key_lengths.numel() > 0 and not bool(((key_lengths >= 0) & (key_lengths <= S)).all()):
             raise ValueError(f"attnkit.attention: key_lengths must be in [0, {S}] (the number "
                              f"of keys), got {key_lengths.tolist()}")
-        parts.append(lambda b, h, q, kv: kv < key_lengths[b])
+        parts.append(f"key_padding(#{len(mask_tensors)})")
+        mask_tensors.append(key_lengths.to(device=query.device, dtype=torch.int64))
     if document_ids is not None:
         if L != S or document_ids.shape[-1] != L:
             raise ValueError("attnkit.attention: document_ids needs self-attention and one id per "
@@ -380,9 +382,8 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
             raise ValueError(f"attnkit.attention: document_ids must be ({L},) or "
                              f"({query.shape[0]}, {L}), got {tuple(document_ids.shape)}")
         _check_integers("document_ids", document_ids)
-        ids = document_ids if document_ids.dim() == 2 else document_ids.unsqueeze(0)
-        parts.append(lambda b, h, q, kv: ids[b if ids.shape[0] > 1 else 0, q] ==
-                     ids[b if ids.shape[0] > 1 else 0, kv])
+        parts.append(f"documents(#{len(mask_tensors)})")
+        mask_tensors.append(document_ids.to(device=query.device, dtype=torch.int64))
     if sinks is not None:
         _check_sinks(sinks, query)
         if training and dropout_p > 0.0:
@@ -394,32 +395,22 @@ def attention(query, key, value, *, causal=False, query_offset=0, window=None, k
         out = _attention_by_document(query, key, value, document_ids, causal, scale)
         if out is not None:
             return out
-    block_mask = None
-    if parts and query.numel() > 0:  # an empty batch or query has no row to mask
-        def mask_mod(b, h, q, kv):
-            allowed = parts[0](b, h, q, kv)
-            for part in parts[1:]:
-                allowed = allowed & part(b, h, q, kv)
-            return allowed
-        B = query.shape[0] if (key_lengths is not None or
-                               (document_ids is not None and document_ids.dim() == 2)) else 1
-        if not isinstance(block_size, int) or isinstance(block_size, bool):
-            raise TypeError(f"attnkit.attention: block_size must be an int, got {block_size!r}")
-        if block_size < 1:
-            raise ValueError(f"attnkit.attention: block_size must be >= 1, got {block_size}")
-        # A block longer than the sequence holds no more tokens, and the mask is judged per
-        # block: at most the longer length, rounded up to even (block_size=2**30 on 32 tokens
-        # grew to 24 GB).
-        block_size = min(block_size, max(2, (max(L, S) + 1) // 2 * 2))
-        block_mask = own_block_mask(mask_mod, B, L, S, block_size, query.device,
-                                    causal=causal, query_offset=query_offset, window=window,
-                                    key_lengths=key_lengths, document_ids=document_ids)
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        raise TypeError(f"attnkit.attention: block_size must be an int, got {block_size!r}")
+    if block_size < 1:
+        raise ValueError(f"attnkit.attention: block_size must be >= 1, got {block_size}")
+    # A block longer than the sequence holds no more tokens: at most the longer length,
+    # rounded up to even (block_size=2**30 on 32 tokens grew to 24 GB).
+    block_size = min(block_size, max(2, (max(L, S) + 1) // 2 * 2))
+    # An empty batch or query has no row to mask.
+    mask = (" & ".join(parts), mask_tensors) if query.numel() > 0 else ("", [])
     if alibi_slopes is not None and tuple(alibi_slopes.shape) != (query.shape[1],):
         raise ValueError(f"attnkit.attention: alibi_slopes must be ({query.shape[1]},), one slope "
                          f"per query head, got {tuple(alibi_slopes.shape)}")
     score_mod = _combined_score_mod(softcap, alibi_slopes, bias)
-    out, lse, _ = _call(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                     dropout_p if training else 0.0)
+    out, lse, _ = _call(query, key, value, score_mod, None, scale, enable_gqa,
+                        dropout_p if training else 0.0, block_sizes=(block_size, block_size),
+                        mask=mask)
     return out if sinks is None else _with_sinks(out, lse, sinks)[0]
 
 

@@ -139,49 +139,6 @@ def block_mask_of_kinds(kinds, BLOCK_SIZE, mask_mod, seq_lengths):
                                           seq_lengths=tuple(seq_lengths))
 
 
-def own_mask_kinds(B, Q_LEN, KV_LEN, block, device, causal=False, query_offset=0, window=None,
-                   key_lengths=None, document_ids=None):
-    """attnkit.attention's masks' tile kinds, (B, 1, nq, nk) int8 as create_block_mask
-    makes them, found from the masks' structure instead of from mask_mod on every (query,
-    key) pair (which costs as much as the attention at n 4,096). Empty and full are exact;
-    partial may allow nothing (two parts each partial on a tile, or document ids whose ranges
-    meet without a shared id), which own_block_mask settles from the tile's bits."""
-    nq, nk = -(-Q_LEN // block), -(-KV_LEN // block)
-    index = dict(dtype=torch.int64, device=device)
-    q_first = (torch.arange(nq, **index) * block).view(-1, 1)  # (nq, 1)
-    q_last = (q_first + block).clamp(max=Q_LEN) - 1
-    k_first = (torch.arange(nk, **index) * block).view(1, -1)  # (1, nk)
-    k_last = (k_first + block).clamp(max=KV_LEN) - 1
-    # A tile past the last query or key has entries outside the problem: never full.
-    whole = (q_first + block <= Q_LEN) & (k_first + block <= KV_LEN)  # (nq, nk)
-    empty = torch.zeros(B, 1, nq, nk, dtype=torch.bool, device=device)
-    full = whole.expand(B, 1, nq, nk).clone()
-    if causal:
-        first, last = q_first + query_offset, q_last + query_offset  # the rows' positions
-        empty |= k_first > last
-        full &= k_last <= first
-        if window is not None:
-            empty |= first - k_last >= window
-            full &= last - k_first < window
-    if key_lengths is not None:
-        lengths = key_lengths.to(device=device, dtype=torch.int64).view(-1, 1, 1, 1)  # (B,1,1,1)
-        empty |= k_first >= lengths
-        full &= k_last < lengths
-    if document_ids is not None:
-        ids = document_ids.to(device=device, dtype=torch.int64)
-        ids = ids if ids.dim() == 2 else ids.unsqueeze(0)  # (B or 1, L)
-        # Each block's smallest and largest id; the last id repeated to a whole block.
-        padded = torch.cat([ids, ids[:, -1:].expand(-1, nq * block - ids.shape[1])], 1)
-        low = padded.view(ids.shape[0], nq, block).amin(-1).unsqueeze(1)  # (B or 1, 1, nq)
-        high = padded.view(ids.shape[0], nq, block).amax(-1).unsqueeze(1)
-        q_low, q_high = low.unsqueeze(-1), high.unsqueeze(-1)  # (B or 1, 1, nq, 1)
-        k_low, k_high = low.unsqueeze(-2), high.unsqueeze(-2)  # (B or 1, 1, 1, nk)
-        empty |= (q_high < k_low) | (k_high < q_low)
-        full &= (q_low == q_high) & (k_low == k_high) & (q_low == k_low)
-    kinds = full.to(torch.int8) + 1  # 2 full, 1 partial
-    return kinds.masked_fill_(empty, 0)
-
-
 def _block_sizes(block_mask):
     size = block_mask.BLOCK_SIZE
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
@@ -243,22 +200,6 @@ def _tile_bits(mask_mod, tiles, block_sizes, seq_lengths):
         raise TypeError("attnkit.flex_attention: block_mask.mask_mod must return a bool tensor, "
                         f"got {getattr(allowed, 'dtype', type(allowed).__name__)}")
     return (allowed & inside).expand(b.numel(), q_block, kv_block).contiguous()
-
-
-def own_block_mask(mask_mod, B, Q_LEN, KV_LEN, block, device, **structure):
-    """attnkit.attention's block mask for its own masks (own_mask_kinds' `structure`): the
-    lists create_block_mask(mask_mod, B, 1, ...) makes, with mask_mod evaluated on the tiles
-    the structure leaves partial only, and their bits kept for the operators."""
-    kinds = own_mask_kinds(B, Q_LEN, KV_LEN, block, device, **structure)
-    partial = (kinds == 1).nonzero(as_tuple=True)
-    bits = _tile_bits(mask_mod, partial, (block, block), (Q_LEN, KV_LEN))
-    # A tile whose parts are each partial can allow nothing (a window's edge past a row's
-    # key length): empty, as create_block_mask finds it.
-    some = bits.flatten(1).any(1)
-    kinds[tuple(index[~some] for index in partial)] = 0
-    block_mask = block_mask_of_kinds(kinds, (block, block), mask_mod, (Q_LEN, KV_LEN))
-    block_mask._attnkit_partial_tiles = ((Q_LEN, KV_LEN), bits[some])
-    return block_mask
 
 
 def partial_tiles(block_mask, query, key):

@@ -21,6 +21,7 @@
 #include "core/base/autocast.h"
 #include "core/base/checks.h"
 #include "core/base/matrix_units.h"
+#include "core/masks/mask_form.h"
 #include "core/plan/planner.h"
 #include "ops/block_lists.h"
 
@@ -35,6 +36,10 @@ using torch::Tensor;
 struct FlexArguments {
   c10::optional<Tensor> kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices;
   c10::optional<Tensor> partial_tiles;
+  // A Mask's value form and its tensors (core/masks/mask_form.h): attnkit.attention's own
+  // masks, passed as they are; `&` the block lists' mask where both are given.
+  std::string mask;
+  std::vector<Tensor> mask_tensors;
   int64_t q_block_size = 128, kv_block_size = 128;
   std::string score_graph;
   std::vector<Tensor> score_tensors;
@@ -72,11 +77,15 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
               q.size(3), " and ", k.size(3));
 }
 
-// The mask of the arguments' block lists and partial tiles (block_lists.h).
+// The mask of the arguments: their block lists and partial tiles (block_lists.h) and their
+// mask's value form (mask_form.h), both where both are given.
 Mask mask_of(const Tensor& q, const Tensor& k, const FlexArguments& args) {
-  return block_lists_mask(q, k, args.kv_num_blocks, args.kv_indices, args.full_kv_num_blocks,
-                          args.full_kv_indices, args.partial_tiles, args.q_block_size,
-                          args.kv_block_size);
+  const auto lists = block_lists_mask(q, k, args.kv_num_blocks, args.kv_indices,
+                                      args.full_kv_num_blocks, args.full_kv_indices,
+                                      args.partial_tiles, args.q_block_size, args.kv_block_size);
+  const auto given = detail::mask_of_form(kOp, args.mask, args.mask_tensors);
+  given.check(kOp, q.size(0), q.size(1), q.size(2), k.size(2), q.device());
+  return lists.is_none() ? given : given.is_none() ? lists : lists & given;
 }
 
 // Every captured tensor on the query's device and real: one on another device would be read as
@@ -177,36 +186,41 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
 // The schemas' shared tail, in the order FlexArguments reads it.
 #define ATTNKIT_FLEX_TAIL                                                                     \
   "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "                   \
-  "Tensor? full_kv_indices, Tensor? partial_tiles, int q_block_size, int kv_block_size, "     \
+  "Tensor? full_kv_indices, Tensor? partial_tiles, str mask, Tensor[] mask_tensors, "         \
+  "int q_block_size, int kv_block_size, "                                                     \
   "str score_graph, Tensor[] score_tensors, float scale, float dropout_p, int dropout_seed, " \
   "bool max_scores=False"
 
-FlexArguments arguments_of(const c10::optional<Tensor>& kv_num_blocks,
-                           const c10::optional<Tensor>& kv_indices,
-                           const c10::optional<Tensor>& full_kv_num_blocks,
-                           const c10::optional<Tensor>& full_kv_indices,
-                           const c10::optional<Tensor>& partial_tiles, int64_t q_block_size,
-                           int64_t kv_block_size, c10::string_view score_graph,
-                           at::TensorList score_tensors, double scale, double dropout_p,
-                           int64_t dropout_seed, bool max_scores) {
-  return {kv_num_blocks,       kv_indices,   full_kv_num_blocks, full_kv_indices,
-          partial_tiles,       q_block_size, kv_block_size,      std::string(score_graph),
-          score_tensors.vec(), scale,        dropout_p,          dropout_seed,
+// The tail as every kernel's C++ parameters, and their names to pass it on: one list, so that
+// an argument added to the schema is added once here (and to FlexArguments).
+#define ATTNKIT_FLEX_PARAMETERS                                                                    \
+  const c10::optional<Tensor>&kv_num_blocks, const c10::optional<Tensor>&kv_indices,               \
+      const c10::optional<Tensor>&full_kv_num_blocks, const c10::optional<Tensor>&full_kv_indices, \
+      const c10::optional<Tensor>&partial_tiles, c10::string_view mask,                            \
+      at::TensorList mask_tensors, int64_t q_block_size, int64_t kv_block_size,                    \
+      c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,  \
+      int64_t dropout_seed, bool max_scores
+#define ATTNKIT_FLEX_ARGUMENTS                                                                 \
+  kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_tiles, mask,         \
+      mask_tensors, q_block_size, kv_block_size, score_graph, score_tensors, scale, dropout_p, \
+      dropout_seed, max_scores
+
+FlexArguments arguments_of(ATTNKIT_FLEX_PARAMETERS) {
+  return {kv_num_blocks,       kv_indices,
+          full_kv_num_blocks,  full_kv_indices,
+          partial_tiles,       std::string(mask),
+          mask_tensors.vec(),  q_block_size,
+          kv_block_size,       std::string(score_graph),
+          score_tensors.vec(), scale,
+          dropout_p,           dropout_seed,
           max_scores};
 }
 
-std::tuple<Tensor, Tensor, Tensor> flex_attention_kernel(
-    const Tensor& query, const Tensor& key, const Tensor& value,
-    const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
-    const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
-    const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
-    c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
-    int64_t dropout_seed, bool max_scores) {
+std::tuple<Tensor, Tensor, Tensor> flex_attention_kernel(const Tensor& query, const Tensor& key,
+                                                         const Tensor& value,
+                                                         ATTNKIT_FLEX_PARAMETERS) {
   auto [out, lse, for_backward, row_max] =
-      flex_forward(query, key, value,
-                   arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                                partial_tiles, q_block_size, kv_block_size, score_graph,
-                                score_tensors, scale, dropout_p, dropout_seed, max_scores),
+      flex_forward(query, key, value, arguments_of(ATTNKIT_FLEX_ARGUMENTS),
                    /*backward_follows=*/false);
   return {out, lse, row_max};
 }
@@ -214,63 +228,35 @@ std::tuple<Tensor, Tensor, Tensor> flex_attention_kernel(
 // flex_attention with what its backward reads as the output (flex_forward): the autograd
 // kernel's forward.
 std::tuple<Tensor, Tensor, Tensor, Tensor> flex_attention_for_backward_kernel(
-    const Tensor& query, const Tensor& key, const Tensor& value,
-    const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
-    const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
-    const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
-    c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
-    int64_t dropout_seed, bool max_scores) {
-  return flex_forward(query, key, value,
-                      arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                                   partial_tiles, q_block_size, kv_block_size, score_graph,
-                                   score_tensors, scale, dropout_p, dropout_seed, max_scores),
+    const Tensor& query, const Tensor& key, const Tensor& value, ATTNKIT_FLEX_PARAMETERS) {
+  return flex_forward(query, key, value, arguments_of(ATTNKIT_FLEX_ARGUMENTS),
                       /*backward_follows=*/true);
 }
 
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_kernel(
     const Tensor& grad_out, const Tensor& query, const Tensor& key, const Tensor& value,
-    const Tensor& out, const Tensor& lse, const c10::optional<Tensor>& kv_num_blocks,
-    const c10::optional<Tensor>& kv_indices, const c10::optional<Tensor>& full_kv_num_blocks,
-    const c10::optional<Tensor>& full_kv_indices, const c10::optional<Tensor>& partial_tiles,
-    int64_t q_block_size, int64_t kv_block_size, c10::string_view score_graph,
-    at::TensorList score_tensors, double scale, double dropout_p, int64_t dropout_seed,
-    bool max_scores) {
-  return flex_backward(grad_out, query, key, value, out, lse,
-                       arguments_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                                    partial_tiles, q_block_size, kv_block_size, score_graph,
-                                    score_tensors, scale, dropout_p, dropout_seed, max_scores));
+    const Tensor& out, const Tensor& lse, ATTNKIT_FLEX_PARAMETERS) {
+  return flex_backward(grad_out, query, key, value, out, lse, arguments_of(ATTNKIT_FLEX_ARGUMENTS));
 }
 
 // Fake kernels: the outputs' shapes and dtypes only.
-std::tuple<Tensor, Tensor, Tensor> flex_attention_meta(
-    const Tensor& query, const Tensor& key, const Tensor& value,
-    const c10::optional<Tensor>& /*kv_num_blocks*/, const c10::optional<Tensor>& /*kv_indices*/,
-    const c10::optional<Tensor>& /*full_kv_num_blocks*/,
-    const c10::optional<Tensor>& /*full_kv_indices*/,
-    const c10::optional<Tensor>& /*partial_tiles*/, int64_t /*q_block_size*/,
-    int64_t /*kv_block_size*/, c10::string_view /*score_graph*/, at::TensorList score_tensors,
-    double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/, bool max_scores) {
+std::tuple<Tensor, Tensor, Tensor> flex_attention_meta(const Tensor& query, const Tensor& key,
+                                                       const Tensor& value,
+                                                       ATTNKIT_FLEX_PARAMETERS) {
+  const auto args = arguments_of(ATTNKIT_FLEX_ARGUMENTS);
   check_inputs(query, key, value);
-  check_score_tensors(query, score_tensors);
+  check_score_tensors(query, args.score_tensors);
   auto shape = query.sym_sizes().vec();
   shape.back() = value.sym_size(-1);
   const auto rows = query.options().dtype(detail::compute_dtype(query));
   const std::vector<c10::SymInt> per_row{query.sym_size(0), query.sym_size(1), query.sym_size(2)};
   return {at::empty_symint(shape, query.options()), at::empty_symint(per_row, rows),
-          max_scores ? at::empty_symint(per_row, rows) : torch::empty({0}, rows)};
+          args.max_scores ? at::empty_symint(per_row, rows) : torch::empty({0}, rows)};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> flex_attention_for_backward_meta(
-    const Tensor& query, const Tensor& key, const Tensor& value,
-    const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
-    const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
-    const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
-    c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
-    int64_t dropout_seed, bool max_scores) {
-  auto [out, lse, row_max] =
-      flex_attention_meta(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
-                          full_kv_indices, partial_tiles, q_block_size, kv_block_size, score_graph,
-                          score_tensors, scale, dropout_p, dropout_seed, max_scores);
+    const Tensor& query, const Tensor& key, const Tensor& value, ATTNKIT_FLEX_PARAMETERS) {
+  auto [out, lse, row_max] = flex_attention_meta(query, key, value, ATTNKIT_FLEX_ARGUMENTS);
   auto for_backward = detail::is_16bit(query) ? at::empty_symint(out.sym_sizes(), lse.options())
                                               : torch::empty({0}, query.options());
   return {out, lse, for_backward, row_max};
@@ -278,18 +264,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> flex_attention_for_backward_meta(
 
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_attention_backward_meta(
     const Tensor& /*grad_out*/, const Tensor& query, const Tensor& key, const Tensor& value,
-    const Tensor& /*out*/, const Tensor& /*lse*/, const c10::optional<Tensor>& /*kv_num_blocks*/,
-    const c10::optional<Tensor>& /*kv_indices*/,
-    const c10::optional<Tensor>& /*full_kv_num_blocks*/,
-    const c10::optional<Tensor>& /*full_kv_indices*/,
-    const c10::optional<Tensor>& /*partial_tiles*/, int64_t /*q_block_size*/,
-    int64_t /*kv_block_size*/, c10::string_view /*score_graph*/, at::TensorList score_tensors,
-    double /*scale*/, double /*dropout_p*/, int64_t /*dropout_seed*/, bool /*max_scores*/) {
-  check_score_tensors(query, score_tensors);
+    const Tensor& /*out*/, const Tensor& /*lse*/, ATTNKIT_FLEX_PARAMETERS) {
+  const auto args = arguments_of(ATTNKIT_FLEX_ARGUMENTS);
+  check_score_tensors(query, args.score_tensors);
   // Contiguous, as the kernel's (whatever the inputs' strides).
   const auto like = [](const Tensor& t) { return at::empty_symint(t.sym_sizes(), t.options()); };
   std::vector<Tensor> tensor_grads;
-  for (const auto& t : score_tensors)
+  for (const auto& t : args.score_tensors)
     tensor_grads.push_back(like(t));
   return {like(query), like(key), like(value), tensor_grads};
 }
@@ -320,14 +301,22 @@ std::tuple<Tensor, Tensor, Tensor> with_lse_gradient(const Tensor& grad_out, con
           column(out, torch::zeros({}, out.options()))};
 }
 
+// The mask's tensors among the autograd kernel's `blocks` (after the five lists).
+std::vector<Tensor> mask_tensors_in(const std::vector<c10::optional<Tensor>>& blocks) {
+  std::vector<Tensor> tensors;
+  for (size_t i = 5; i < blocks.size(); ++i)
+    tensors.push_back(*blocks[i]);
+  return tensors;
+}
+
 // The autograd kernel: forward below autograd, backward through flex_attention_backward.
 struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFunction> {
-  // `blocks`: kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_tiles
-  // (not differentiable, so passed as one non-tensor argument).
+  // `blocks`: kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_tiles,
+  // then the mask's tensors (none differentiable, so passed as one non-tensor argument).
   static variable_list forward(AutogradContext* ctx, const Tensor& query, const Tensor& key,
                                const Tensor& value,
                                const std::vector<c10::optional<Tensor>>& blocks,
-                               int64_t q_block_size, int64_t kv_block_size,
+                               const std::string& mask, int64_t q_block_size, int64_t kv_block_size,
                                const std::string& score_graph, at::TensorList score_tensors,
                                double scale, double dropout_p, int64_t dropout_seed,
                                bool max_scores) {
@@ -337,9 +326,10 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
     Tensor out, lse, for_backward, row_max;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(out, lse, for_backward, row_max) = op.call(
-          query, key, value, blocks[0], blocks[1], blocks[2], blocks[3], blocks[4], q_block_size,
-          kv_block_size, score_graph, score_tensors, scale, dropout_p, dropout_seed, max_scores);
+      std::tie(out, lse, for_backward, row_max) =
+          op.call(query, key, value, blocks[0], blocks[1], blocks[2], blocks[3], blocks[4], mask,
+                  mask_tensors_in(blocks), q_block_size, kv_block_size, score_graph, score_tensors,
+                  scale, dropout_p, dropout_seed, max_scores);
     }
     // Backward's output: the unrounded one of a 16-bit call.
     variable_list saved{query, key, value, for_backward.dim() == out.dim() ? for_backward : out,
@@ -347,6 +337,7 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
     saved.insert(saved.end(), score_tensors.begin(), score_tensors.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["blocks"] = blocks;
+    ctx->saved_data["mask"] = mask;
     ctx->saved_data["q_block_size"] = q_block_size;
     ctx->saved_data["kv_block_size"] = kv_block_size;
     ctx->saved_data["score_graph"] = score_graph;
@@ -388,16 +379,17 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
     }
     auto [dq, dk, dv, tensor_grads] = op.call(
         grad_out, saved[0], saved[1], value, out, saved[4], blocks[0], blocks[1], blocks[2],
-        blocks[3], blocks[4], ctx->saved_data["q_block_size"].toInt(),
-        ctx->saved_data["kv_block_size"].toInt(), ctx->saved_data["score_graph"].toStringRef(),
-        score_tensors, ctx->saved_data["scale"].toDouble(), dropout_p,
-        ctx->saved_data["dropout_seed"].toInt(), /*max_scores=*/false);
+        blocks[3], blocks[4], ctx->saved_data["mask"].toStringRef(), mask_tensors_in(blocks),
+        ctx->saved_data["q_block_size"].toInt(), ctx->saved_data["kv_block_size"].toInt(),
+        ctx->saved_data["score_graph"].toStringRef(), score_tensors,
+        ctx->saved_data["scale"].toDouble(), dropout_p, ctx->saved_data["dropout_seed"].toInt(),
+        /*max_scores=*/false);
     if (grads[1].defined())
       dv = dv.narrow(-1, 0, saved[2].size(-1)).contiguous();
-    // One gradient per forward argument: q, k, v, the blocks, the two block sizes, the
-    // graph, each score tensor, then scale, dropout_p, the seed and max_scores.
+    // One gradient per forward argument: q, k, v, the blocks, the mask, the two block sizes,
+    // the graph, each score tensor, then scale, dropout_p, the seed and max_scores.
     variable_list result{dq, dk, dv};
-    result.resize(result.size() + 4);
+    result.resize(result.size() + 5);
     for (size_t i = 0; i < score_tensors.size(); ++i)
       result.push_back(score_tensors[i].is_floating_point() ? tensor_grads[i] : Tensor());
     result.resize(result.size() + 4);
@@ -405,13 +397,9 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> flex_attention_autograd(
-    const Tensor& query, const Tensor& key, const Tensor& value,
-    const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
-    const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
-    const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
-    c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
-    int64_t dropout_seed, bool max_scores) {
+std::tuple<Tensor, Tensor, Tensor> flex_attention_autograd(const Tensor& query, const Tensor& key,
+                                                           const Tensor& value,
+                                                           ATTNKIT_FLEX_PARAMETERS) {
   // Without a gradient to keep (no_grad, inference) the plain operator: a 16-bit call then
   // rounds P for the matrix units' P V (flex_forward).
   bool wants_gradient = query.requires_grad() || key.requires_grad() || value.requires_grad();
@@ -422,28 +410,22 @@ std::tuple<Tensor, Tensor, Tensor> flex_attention_autograd(
                          .findSchemaOrThrow("attnkit::flex_attention", "")
                          .typed<decltype(flex_attention_kernel)>();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return op.call(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
-                   full_kv_indices, partial_tiles, q_block_size, kv_block_size, score_graph,
-                   score_tensors, scale, dropout_p, dropout_seed, max_scores);
+    return op.call(query, key, value, ATTNKIT_FLEX_ARGUMENTS);
   }
+  std::vector<c10::optional<Tensor>> blocks{kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                            full_kv_indices, partial_tiles};
+  blocks.insert(blocks.end(), mask_tensors.begin(), mask_tensors.end());
   auto outputs = FlexAttentionFunction::apply(
-      query, key, value,
-      std::vector<c10::optional<Tensor>>{kv_num_blocks, kv_indices, full_kv_num_blocks,
-                                         full_kv_indices, partial_tiles},
-      q_block_size, kv_block_size, std::string(score_graph), score_tensors, scale, dropout_p,
-      dropout_seed, max_scores);
+      query, key, value, blocks, std::string(mask), q_block_size, kv_block_size,
+      std::string(score_graph), score_tensors, scale, dropout_p, dropout_seed, max_scores);
   return {outputs[0], outputs[1], outputs[2]};
 }
 
 // Under autocast, as the C++ API: the inputs in the autocast dtype (float64 keeps its own),
 // then the operator with autocast off; 16-bit is computed in float32 and rounded once.
-std::tuple<Tensor, Tensor, Tensor> flex_attention_autocast(
-    const Tensor& query, const Tensor& key, const Tensor& value,
-    const c10::optional<Tensor>& kv_num_blocks, const c10::optional<Tensor>& kv_indices,
-    const c10::optional<Tensor>& full_kv_num_blocks, const c10::optional<Tensor>& full_kv_indices,
-    const c10::optional<Tensor>& partial_tiles, int64_t q_block_size, int64_t kv_block_size,
-    c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,
-    int64_t dropout_seed, bool max_scores) {
+std::tuple<Tensor, Tensor, Tensor> flex_attention_autocast(const Tensor& query, const Tensor& key,
+                                                           const Tensor& value,
+                                                           ATTNKIT_FLEX_PARAMETERS) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("attnkit::flex_attention", "")
                        .typed<decltype(flex_attention_kernel)>();
@@ -451,9 +433,7 @@ std::tuple<Tensor, Tensor, Tensor> flex_attention_autocast(
   const auto k = key.to(detail::attention_dtype(key));
   const auto v = value.to(detail::attention_dtype(value));
   const detail::NoAutocast no_autocast;
-  return op.call(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                 partial_tiles, q_block_size, kv_block_size, score_graph, score_tensors, scale,
-                 dropout_p, dropout_seed, max_scores);
+  return op.call(q, k, v, ATTNKIT_FLEX_ARGUMENTS);
 }
 
 // How 16-bit CPU calls of `dtype` multiply: the matrix units' name, or "float32: " and why.
