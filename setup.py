@@ -2,17 +2,21 @@
 compiled against the torch of the environment that pip installs into (docs/python.md#install).
 
 The library is src/core (attnkit's kernels, which include only LibTorch's headers) and
-src/ops (the operators), built by torch.utils.cpp_extension. A CUDA torch
+src/ops (the operators), built by torch.utils.cpp_extension; or, with ATTNKIT_PREBUILT_OPS set to
+a CMake build's python/attnkit/lib/libattnkit_ops.so made against this same torch, that library
+as it is (scripts/test.sh --pip). A CUDA torch
 needs no CUDA toolkit here: attnkit has no CUDA sources of its own, and its operators' CUDA
 registrations call LibTorch's CUDA operators, so this one build serves CPU and CUDA tensors.
 """
 import os
 import re
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 # setuptools' default, build/, is the CMake default preset's build tree.
@@ -113,6 +117,48 @@ def record_torch(package):
                      f'TORCH_VERSION = "{torch.__version__}"\n')
 
 
+PREBUILT = os.environ.get("ATTNKIT_PREBUILT_OPS")
+
+
+def check_prebuilt(library):
+    """ATTNKIT_PREBUILT_OPS: a libattnkit_ops.so that a CMake build compiled against this same
+    torch (its package folder's _built_for.py, which CMake writes, says which)."""
+    path = Path(library)
+    record = path.parent.parent / "_built_for.py"
+    if not path.is_file() or not record.is_file():
+        missing = path if not path.is_file() else record
+        sys.exit(f"attnkit: ATTNKIT_PREBUILT_OPS={library}: expected a CMake build's "
+                 "python/attnkit/lib/libattnkit_ops.so with python/attnkit/_built_for.py (build "
+                 f"the target attnkit_ops), but {missing} does not exist")
+    recorded = re.search(r'TORCH_VERSION = "(\d+(?:\.\d+)*)[^"]*"', record.read_text())
+    if not recorded or recorded.group(1) != ".".join(str(part) for part in TORCH_RELEASE):
+        sys.exit(f"attnkit: ATTNKIT_PREBUILT_OPS={library} was built against PyTorch "
+                 f"{recorded.group(1) if recorded else '(unrecorded)'}, this environment has "
+                 f"{torch.__version__}: build it against this one, or unset "
+                 "ATTNKIT_PREBUILT_OPS")
+    return path
+
+
+class PackagePrebuilt(build_py):
+    """The operators' library of ATTNKIT_PREBUILT_OPS, packaged as it is instead of compiled
+    again: CI's pip leg, whose CMake build compiled the same sources with the same compiler
+    against the same torch a minute before (docs/building.md#ci)."""
+
+    def run(self):
+        super().run()
+        package = Path(self.build_lib) / "attnkit"
+        (package / "lib").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(check_prebuilt(PREBUILT), package / "lib" / "libattnkit_ops.so")
+        record_torch(package)
+
+
+class PlatformDistribution(Distribution):
+    """A wheel for this platform and this torch, whether it compiled the library or not."""
+
+    def has_ext_modules(self):
+        return True
+
+
 generate_version_header()
 sources = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "src" / "core").rglob("*.cpp"))
 sources += sorted(str(path.relative_to(ROOT)) for path in (ROOT / "src" / "ops").glob("*.cpp"))
@@ -127,7 +173,8 @@ setup(
     install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
     package_dir={"": "python"},
     packages=["attnkit"],
-    ext_modules=[CppExtension(
+    distclass=PlatformDistribution,
+    ext_modules=[] if PREBUILT else [CppExtension(
         "attnkit.lib.libattnkit_ops", sources,
         include_dirs=[str(ROOT / "include"), str(GENERATED), str(ROOT / "src")],
         # attnkit's kernels run at::parallel_for's OpenMP loops (src/core/base/parallel.h); C++17 at
@@ -135,7 +182,7 @@ setup(
         extra_compile_args=["-O3", "-g0", "-fopenmp"] + (["-std=c++17"] if TORCH_RELEASE < (2,)
                                                           else []),
         extra_link_args=["-fopenmp"])],
-    cmdclass={"build_ext": BuildOperators},
+    cmdclass={"build_ext": BuildOperators, **({"build_py": PackagePrebuilt} if PREBUILT else {})},
     options={"build": {"build_base": BUILD_BASE}, "egg_info": {"egg_base": BUILD_BASE}},
     zip_safe=False,
 )

@@ -11,8 +11,9 @@
 #   --pip        the whole suite against pip's LibTorch and PyTorch (scripts/pip_torch.sh pins the
 #                version and makes its virtual environment on first use, about a minute and 3 GB
 #                of downloads), in build-pip/; the Python tests use the package as pip install .
-#                puts it into a copy of that environment (VENV-attnkit). The index's torch is
-#                the CUDA build: CMake needs NVIDIA's CUDA toolkit to configure against it (pip
+#                puts it into a copy of that environment (VENV-attnkit), with the operators'
+#                library that build-pip/ compiled (setup.py's ATTNKIT_PREBUILT_OPS). The
+#                index's torch is the CUDA build: CMake needs NVIDIA's CUDA toolkit to configure against it (pip
 #                install . does not), links NCCL, and the CUDA tests skip without a GPU.
 #   --preset P   any preset of CMakePresets.json, with this machine's LibTorch.
 set -euo pipefail
@@ -54,7 +55,10 @@ if [ "$preset" = pip ]; then
   rm -rf "$pip_venv-attnkit"
   cp -al "$pip_venv" "$pip_venv-attnkit" 2>/dev/null || cp -a "$pip_venv" "$pip_venv-attnkit"
   ATTNKIT_PYTHON=$pip_venv-attnkit/bin/python
-  "$ATTNKIT_PYTHON" -m pip install --quiet --disable-pip-version-check --no-build-isolation \
+  # The library this build's attnkit_ops target compiled (same sources, compiler and torch as
+  # setup.py's: compiling them again took 9 min), packaged as pip install . packages its own.
+  ATTNKIT_PREBUILT_OPS=$PWD/build-pip/python/attnkit/lib/libattnkit_ops.so \
+    "$ATTNKIT_PYTHON" -m pip install --quiet --disable-pip-version-check --no-build-isolation \
     --no-index .
   ATTNKIT_PYTHON_INSTALLED=1
   export ATTNKIT_PYTHON ATTNKIT_PYTHON_INSTALLED
