@@ -8,7 +8,7 @@ namespace attnkit {
 
 namespace {
 
-constexpr const char* kName = "GroupedQueryAttention";
+constexpr const char* kGqaName = "GroupedQueryAttention";
 
 // The core's settings from the options, with the module's sinks (undefined without).
 detail::ModuleAttention settings_of(const GroupedQueryAttentionOptions& opt,
@@ -31,18 +31,18 @@ GroupedQueryAttentionImpl::GroupedQueryAttentionImpl(const GroupedQueryAttention
 }
 
 void GroupedQueryAttentionImpl::reset() {
-  detail::check_multi_head_options(kName, options);
-  detail::check_positive_option(kName, "num_kv_groups", options.num_kv_groups());
-  TORCH_CHECK(options.num_heads() % options.num_kv_groups() == 0, "[", kName,
+  detail::check_multi_head_options(kGqaName, options);
+  detail::check_positive_option(kGqaName, "num_kv_groups", options.num_kv_groups());
+  TORCH_CHECK(options.num_heads() % options.num_kv_groups() == 0, "[", kGqaName,
               "] option num_heads must be divisible by num_kv_groups, got num_heads = ",
               options.num_heads(), ", num_kv_groups = ", options.num_kv_groups());
-  detail::check_window_option(kName, options.sliding_window_size(), /*causal=*/true);
-  TORCH_CHECK(options.qk_norm_eps() > 0.0, "[", kName, "] option qk_norm_eps must be > 0, got ",
+  detail::check_window_option(kGqaName, options.sliding_window_size(), /*causal=*/true);
+  TORCH_CHECK(options.qk_norm_eps() > 0.0, "[", kGqaName, "] option qk_norm_eps must be > 0, got ",
               options.qk_norm_eps());
   const auto d_in = options.d_in();
   const auto d_out = options.d_out();
   const auto output_dim = options.output_dim().value_or(d_out);
-  detail::check_positive_option(kName, "output_dim", output_dim);
+  detail::check_positive_option(kGqaName, "output_dim", output_dim);
   const auto kv_width = options.num_kv_groups() * (d_out / options.num_heads());
   const auto bias = options.qkv_bias();
   // Creation order fixes the random draws: key, value, query, out_proj, as in Python.
@@ -57,7 +57,8 @@ void GroupedQueryAttentionImpl::reset() {
   if (options.sinks())
     sinks = register_parameter("sinks", torch::zeros({options.num_heads()}));
   rope_tables = detail::reset_query_key_transform(
-      kName, *this, options.rope(), options.qk_norm(), d_out / options.num_heads(), q_norm, k_norm,
+      kGqaName, *this, options.rope(), options.qk_norm(), d_out / options.num_heads(), q_norm,
+      k_norm,
       RMSNormOptions(1).eps(options.qk_norm_eps()).unit_offset(options.qk_norm_unit_offset()));
 }
 
@@ -92,8 +93,8 @@ functional::AttentionOutput GroupedQueryAttentionImpl::attend_inputs(const torch
                                                                      bool with_weights) {
   const auto& opt = options;
   const auto [key_input, value_input] =
-      detail::key_value_inputs(kName, query, key, value, {opt.d_in()}, W_query->weight);
-  detail::check_rope_forward(kName, rope_tables, query, key);
+      detail::key_value_inputs(kGqaName, query, key, value, {opt.d_in()}, W_query->weight);
+  detail::check_rope_forward(kGqaName, rope_tables, query, key);
   const auto g = opt.num_kv_groups();
   const auto [queries, keys] = detail::QueryKeyTransform{q_norm, k_norm, rope_tables}(
       detail::split_heads(W_query(query), opt.num_heads()),
@@ -113,7 +114,7 @@ void GroupedQueryAttentionImpl::reset_parameters() {
 }
 
 KVCache GroupedQueryAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
-  return detail::make_module_cache(kName, cache_layout_of(options), /*context_length=*/0,
+  return detail::make_module_cache(kGqaName, cache_layout_of(options), /*context_length=*/0,
                                    W_query->weight, batch, capacity);
 }
 
@@ -121,9 +122,9 @@ torch::Tensor GroupedQueryAttentionImpl::attend_new_tokens(const torch::Tensor& 
                                                            const torch::Tensor& lengths,
                                                            const Mask& mask) {
   const auto new_lengths = detail::check_cached_call(
-      kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
+      kGqaName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
       cache_layout_of(options), W_query->weight, mask, lengths, options.score_mod());
-  detail::check_rope_cached_positions(kName, rope_tables, cache, new_lengths, x.size(1));
+  detail::check_rope_cached_positions(kGqaName, rope_tables, cache, new_lengths, x.size(1));
   torch::NoGradGuard no_grad;
   const auto g = options.num_kv_groups();
   const detail::ValidTokens tokens(x, new_lengths);

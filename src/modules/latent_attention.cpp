@@ -11,7 +11,7 @@ namespace attnkit {
 
 namespace {
 
-constexpr const char* kName = "MultiHeadLatentAttention";
+constexpr const char* kMlaName = "MultiHeadLatentAttention";
 
 detail::ModuleAttention settings_of(const MultiHeadLatentAttentionOptions& opt) {
   return detail::module_attention_of(opt, /*causal=*/true, /*window_size=*/c10::nullopt);
@@ -58,9 +58,9 @@ int64_t MultiHeadLatentAttentionImpl::latent_dim() const {
 }
 
 void MultiHeadLatentAttentionImpl::reset() {
-  detail::check_multi_head_options(kName, options);
+  detail::check_multi_head_options(kMlaName, options);
   if (options.latent_dim().has_value())
-    detail::check_positive_option(kName, "latent_dim", *options.latent_dim());
+    detail::check_positive_option(kMlaName, "latent_dim", *options.latent_dim());
   const auto d_in = options.d_in();
   const auto d_out = options.d_out();
   const auto latent = latent_dim();
@@ -96,7 +96,7 @@ functional::AttentionOutput MultiHeadLatentAttentionImpl::attend_inputs(const to
                                                                         bool with_weights) {
   const auto& opt = options;
   const auto [key_input, value_input] =
-      detail::key_value_inputs(kName, query, key, value, {opt.d_in()}, W_query->weight);
+      detail::key_value_inputs(kMlaName, query, key, value, {opt.d_in()}, W_query->weight);
   const auto h = opt.num_heads();
   const auto key_latents = W_DKV(key_input);
   const auto value_latents = value_input.is_same(key_input) ? key_latents : W_DKV(value_input);
@@ -108,7 +108,7 @@ functional::AttentionOutput MultiHeadLatentAttentionImpl::attend_inputs(const to
 }
 
 KVCache MultiHeadLatentAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
-  return detail::make_module_cache(kName, {1, latent_dim(), 0, /*latent=*/true},
+  return detail::make_module_cache(kMlaName, {1, latent_dim(), 0, /*latent=*/true},
                                    /*context_length=*/0, W_query->weight, batch, capacity);
 }
 
@@ -117,7 +117,7 @@ torch::Tensor MultiHeadLatentAttentionImpl::attend_new_tokens(const torch::Tenso
                                                               const torch::Tensor& lengths,
                                                               const Mask& mask) {
   const auto new_lengths = detail::check_cached_call(
-      kName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
+      kMlaName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
       {1, latent_dim(), 0, /*latent=*/true}, W_query->weight, mask, lengths);
   torch::NoGradGuard no_grad;
   const auto h = options.num_heads();
