@@ -20,7 +20,8 @@
 #                           outright can leave the host's /dev and the repository mounted
 #                           inside it; the next run undoes such mounts first)
 #   ATTNKIT_DEBIAN_MIRROR   the archive debootstrap uses (default: debootstrap's own)
-#   CI, ATTNKIT_WERROR, ATTNKIT_CCACHE   passed on to COMMAND (the build's settings: .ci/run,
+#   CI, ATTNKIT_WERROR, ATTNKIT_CCACHE, ATTNKIT_UNITY_BUILD
+#                           passed on to COMMAND (the build's settings: .ci/run,
 #                           scripts/compiler_cache.sh); the rest of the environment is not
 # Needs root (or sudo) for debootstrap, mount and chroot; COMMAND runs as the calling user.
 set -euo pipefail
@@ -28,7 +29,7 @@ set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: scripts/debian13.sh COMMAND [ARGS...]" >&2; exit 2; }
 if [ "$(id -u)" -ne 0 ]; then
   command -v sudo >/dev/null || { echo "debian13: needs root or sudo (debootstrap, mount, chroot)" >&2; exit 1; }
-  exec sudo --preserve-env=ATTNKIT_DEBIAN13_ROOT,ATTNKIT_DEBIAN_MIRROR,XDG_CACHE_HOME,CI,ATTNKIT_WERROR,ATTNKIT_CCACHE \
+  exec sudo --preserve-env=ATTNKIT_DEBIAN13_ROOT,ATTNKIT_DEBIAN_MIRROR,XDG_CACHE_HOME,CI,ATTNKIT_WERROR,ATTNKIT_CCACHE,ATTNKIT_UNITY_BUILD \
     HOME="$HOME" "$0" "$@"
 fi
 
@@ -60,7 +61,7 @@ run_inside() {  # run_inside [--as-caller] COMMAND...: in the repository folder,
   fi
   chroot "${userspec[@]}" "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 \
     PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin TERM="${TERM:-dumb}" \
-    CI="${CI:-}" ATTNKIT_WERROR="${ATTNKIT_WERROR:-}" ATTNKIT_CCACHE="${ATTNKIT_CCACHE:-}" bash -c 'cd "$0" && exec "$@"' "$repo" "$@"
+    CI="${CI:-}" ATTNKIT_WERROR="${ATTNKIT_WERROR:-}" ATTNKIT_CCACHE="${ATTNKIT_CCACHE:-}" ATTNKIT_UNITY_BUILD="${ATTNKIT_UNITY_BUILD:-}" bash -c 'cd "$0" && exec "$@"' "$repo" "$@"
 }
 
 if [ ! -e "$root/etc/attnkit-debian13-complete" ]; then
