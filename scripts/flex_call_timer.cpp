@@ -16,8 +16,8 @@ using OptionalTensor = c10::optional<Tensor>;
 using FlexAttention = std::tuple<Tensor, Tensor, Tensor>(
     const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&, const OptionalTensor&,
     const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, c10::string_view,
-    at::TensorList, int64_t, int64_t, c10::string_view, at::TensorList, double, double, int64_t,
-    bool);
+    c10::optional<at::TensorList>, int64_t, int64_t, c10::string_view, at::TensorList, double,
+    double, int64_t, bool);
 
 // Seconds per call of `calls` back-to-back calls, under no_grad as the Python side's.
 double seconds_per_call(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -31,7 +31,7 @@ double seconds_per_call(const Tensor& q, const Tensor& k, const Tensor& v,
   const std::vector<Tensor> no_tensors;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < calls; ++i) {
-    op.call(q, k, v, lists[0], lists[1], lists[2], lists[3], lists[4], "", no_tensors, q_block,
+    op.call(q, k, v, lists[0], lists[1], lists[2], lists[3], lists[4], "", c10::nullopt, q_block,
             kv_block, "", no_tensors, scale, 0.0, -1, /*max_scores=*/false);
   }
   const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;

@@ -186,7 +186,7 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
 // The schemas' shared tail, in the order FlexArguments reads it.
 #define ATTNKIT_FLEX_TAIL                                                                     \
   "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "                   \
-  "Tensor? full_kv_indices, Tensor? partial_tiles, str mask, Tensor[] mask_tensors, "         \
+  "Tensor? full_kv_indices, Tensor? partial_tiles, str mask, Tensor[]? mask_tensors, "        \
   "int q_block_size, int kv_block_size, "                                                     \
   "str score_graph, Tensor[] score_tensors, float scale, float dropout_p, int dropout_seed, " \
   "bool max_scores=False"
@@ -197,7 +197,7 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
   const c10::optional<Tensor>&kv_num_blocks, const c10::optional<Tensor>&kv_indices,               \
       const c10::optional<Tensor>&full_kv_num_blocks, const c10::optional<Tensor>&full_kv_indices, \
       const c10::optional<Tensor>&partial_tiles, c10::string_view mask,                            \
-      at::TensorList mask_tensors, int64_t q_block_size, int64_t kv_block_size,                    \
+      c10::optional<at::TensorList> mask_tensors, int64_t q_block_size, int64_t kv_block_size,     \
       c10::string_view score_graph, at::TensorList score_tensors, double scale, double dropout_p,  \
       int64_t dropout_seed, bool max_scores
 #define ATTNKIT_FLEX_ARGUMENTS                                                                 \
@@ -206,13 +206,20 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>> flex_backward(
       dropout_seed, max_scores
 
 FlexArguments arguments_of(ATTNKIT_FLEX_PARAMETERS) {
-  return {kv_num_blocks,       kv_indices,
-          full_kv_num_blocks,  full_kv_indices,
-          partial_tiles,       std::string(mask),
-          mask_tensors.vec(),  q_block_size,
-          kv_block_size,       std::string(score_graph),
-          score_tensors.vec(), scale,
-          dropout_p,           dropout_seed,
+  return {kv_num_blocks,
+          kv_indices,
+          full_kv_num_blocks,
+          full_kv_indices,
+          partial_tiles,
+          std::string(mask),
+          mask_tensors.has_value() ? mask_tensors->vec() : std::vector<Tensor>(),
+          q_block_size,
+          kv_block_size,
+          std::string(score_graph),
+          score_tensors.vec(),
+          scale,
+          dropout_p,
+          dropout_seed,
           max_scores};
 }
 
@@ -323,13 +330,14 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("attnkit::flex_attention_for_backward", "")
                          .typed<decltype(flex_attention_for_backward_kernel)>();
+    const auto mask_tensors = mask_tensors_in(blocks);
     Tensor out, lse, for_backward, row_max;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(out, lse, for_backward, row_max) =
           op.call(query, key, value, blocks[0], blocks[1], blocks[2], blocks[3], blocks[4], mask,
-                  mask_tensors_in(blocks), q_block_size, kv_block_size, score_graph, score_tensors,
-                  scale, dropout_p, dropout_seed, max_scores);
+                  at::TensorList(mask_tensors), q_block_size, kv_block_size, score_graph,
+                  score_tensors, scale, dropout_p, dropout_seed, max_scores);
     }
     // Backward's output: the unrounded one of a 16-bit call.
     variable_list saved{query, key, value, for_backward.dim() == out.dim() ? for_backward : out,
@@ -377,9 +385,10 @@ struct FlexAttentionFunction : public torch::autograd::Function<FlexAttentionFun
                   dropout_p);
       std::tie(grad_out, value, out) = with_lse_gradient(grad_out, value, out, grads[1]);
     }
+    const auto mask_tensors = mask_tensors_in(blocks);
     auto [dq, dk, dv, tensor_grads] = op.call(
         grad_out, saved[0], saved[1], value, out, saved[4], blocks[0], blocks[1], blocks[2],
-        blocks[3], blocks[4], ctx->saved_data["mask"].toStringRef(), mask_tensors_in(blocks),
+        blocks[3], blocks[4], ctx->saved_data["mask"].toStringRef(), at::TensorList(mask_tensors),
         ctx->saved_data["q_block_size"].toInt(), ctx->saved_data["kv_block_size"].toInt(),
         ctx->saved_data["score_graph"].toStringRef(), score_tensors,
         ctx->saved_data["scale"].toDouble(), dropout_p, ctx->saved_data["dropout_seed"].toInt(),
@@ -414,7 +423,8 @@ std::tuple<Tensor, Tensor, Tensor> flex_attention_autograd(const Tensor& query, 
   }
   std::vector<c10::optional<Tensor>> blocks{kv_num_blocks, kv_indices, full_kv_num_blocks,
                                             full_kv_indices, partial_tiles};
-  blocks.insert(blocks.end(), mask_tensors.begin(), mask_tensors.end());
+  if (mask_tensors.has_value())
+    blocks.insert(blocks.end(), mask_tensors->begin(), mask_tensors->end());
   auto outputs = FlexAttentionFunction::apply(
       query, key, value, blocks, std::string(mask), q_block_size, kv_block_size,
       std::string(score_graph), score_tensors, scale, dropout_p, dropout_seed, max_scores);
