@@ -29,7 +29,8 @@ CachedAttention make_module(const std::string& name, const MultiHeadAttentionOpt
   return MultiHeadAttentionCombinedQKV(options).ptr();
 }
 
-const std::vector<std::string> kModules{"MultiHeadAttention", "MultiHeadAttentionCombinedQKV"};
+const std::vector<std::string> kCachedModules{"MultiHeadAttention",
+                                              "MultiHeadAttentionCombinedQKV"};
 
 }  // namespace
 
@@ -38,7 +39,7 @@ TEST(KVCache, PrefillChunkedPrefillAndDecodeEqualTheUncachedForward) {
   // of 3 x 4, so pieces cross block edges.
   const std::vector<std::vector<int64_t>> splits{
       {11}, {4, 1, 1, 5}, {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, {3, 8}, {10, 1}};
-  for (const auto& name : kModules) {
+  for (const auto& name : kCachedModules) {
     for (const auto backend : kBackends) {
       for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
         torch::manual_seed(31);
