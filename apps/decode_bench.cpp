@@ -6,18 +6,24 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
+#include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include "attnkit/paged_kv_cache.h"
 #include "attnkit/serialize.h"
 #include "attnkit/threads.h"
 #include "command_line.h"
+#include "core/kernels/decode_attention.h"
 #include "train/line.h"
 #include "train/mixed_precision.h"
 #include "train/model.h"
@@ -153,6 +159,60 @@ int run_batch(attnkit::train::AttentionModel& model, const attnkit::train::Model
   return identical ? 0 : 1;
 }
 
+// --attention-step: the attention of one decode step alone, `batch` rows of `length` cached
+// positions each, on a contiguous cache (the decode kernel on (batch, kv_heads, length,
+// head_dim) storage, as KVCache holds it) or a paged one (paged_decode_attention over a
+// PagedKVCache whose rows' pages interleave, as requests' pages do in a shared pool). Prints
+// one row per length: "step MODE LENGTH DTYPE MEDIAN us".
+int run_attention_step(const std::string& mode, const std::vector<int64_t>& lengths, int64_t batch,
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size,
+                       torch::ScalarType dtype, int64_t repeats) {
+  TORCH_CHECK(mode == "contiguous" || mode == "paged",
+              "--attention-step: expected contiguous or paged, got '", mode, "'");
+  torch::NoGradGuard no_grad;
+  const auto options = torch::TensorOptions(dtype);
+  const auto query = torch::randn({batch, heads, 1, head_dim}).to(dtype);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  for (const int64_t length : lengths) {
+    TORCH_CHECK(length >= 1, "--cached: expected lengths >= 1, got ", length);
+    std::function<torch::Tensor()> step;
+    // Both sides' storage lives to the end of the length's timing.
+    torch::Tensor keys, values;
+    std::unique_ptr<attnkit::PagedKVCache> pool;
+    attnkit::PagedKV view;
+    if (mode == "contiguous") {
+      keys = torch::randn({batch, kv_heads, length, head_dim}).to(dtype);
+      values = torch::randn({batch, kv_heads, length, head_dim}).to(dtype);
+      step = [&] { return attnkit::detail::decode_attention(query, keys, values, scale); };
+    } else {
+      const int64_t pages = (length + page_size - 1) / page_size;
+      pool = std::make_unique<attnkit::PagedKVCache>(batch * pages, page_size, kv_heads, head_dim,
+                                                     options);
+      std::vector<int64_t> rows;
+      for (int64_t r = 0; r < batch; ++r)
+        rows.push_back(pool->add_sequence());
+      for (int64_t done = 0; done < length; done += page_size) {  // a page of each row in turn
+        const int64_t n = std::min(page_size, length - done);
+        for (const int64_t row : rows)
+          pool->append(row, torch::randn({kv_heads, n, head_dim}).to(dtype),
+                       torch::randn({kv_heads, n, head_dim}).to(dtype));
+      }
+      view = pool->view(rows);
+      step = [&] { return attnkit::paged_attention(query, view); };
+    }
+    step();  // warm-up
+    std::vector<double> times;
+    for (int64_t r = 0; r < repeats; ++r) {
+      const auto start = Clock::now();
+      step();
+      times.push_back(seconds_since(start) * 1e6);
+    }
+    Line(std::cout) << std::fixed << std::setprecision(1) << "step " << mode << " " << length << " "
+                    << c10::toString(dtype) << " " << median(times) << " us\n";
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -189,7 +249,16 @@ int main(int argc, char** argv) {
              "together in one batch and one after another (both cached); reports both rates "
              "and checks that each row's tokens are the same",
              "0")
-      .value("Run", "prompt-min", "with --batch-prompts: the shortest prompt", "4");
+      .value("Run", "prompt-min", "with --batch-prompts: the shortest prompt", "4")
+      .value("Run", "attention-step",
+             "contiguous | paged: instead, time one decode step's attention alone, over "
+             "--step-rows rows of each --cached length, on a contiguous cache or a paged one "
+             "(heads from --heads, head width d-model / heads, key heads --kv-groups or, "
+             "at 0, --heads; --dtype, --repeats, --threads)")
+      .value("Run", "cached", "with --attention-step: cached lengths, comma-separated",
+             "1024,4096,16384,32768")
+      .value("Run", "step-rows", "with --attention-step: rows (sequences) per step", "2")
+      .value("Run", "page-size", "with --attention-step paged: positions per page", "16");
   cli.flag("Output", "trace-cache",
            "feed the generated sequence again one token at a time through fresh caches and "
            "report the most positions a cache held and whether its storage moved")
@@ -200,13 +269,19 @@ int main(int argc, char** argv) {
       .example("attnkit-decode-bench --module gqa --kv-groups 4 --window 256 --no-uncached",
                "a grouped-query model with a rolling 256-token cache, cached mode only")
       .example("attnkit-decode-bench --batch-prompts 8 --prompt 64 --prompt-min 4",
-               "8 prompts of 4..64 tokens: one batch against one after another");
+               "8 prompts of 4..64 tokens: one batch against one after another")
+      .example(
+          "attnkit-decode-bench --attention-step paged --heads 32 --kv-groups 8 "
+          "--d-model 4096 --repeats 20",
+          "a Llama-shaped decode step's attention on a paged cache at 1k-32k positions");
   attnkit::train::ModelConfig config;
   int64_t prompt_length = 0, new_tokens = 0, repeats = 0, threads = 0, batch_prompts = 0,
           prompt_min = 0;
   uint64_t seed = 0;
   bool uncached = true, trace = false;
-  std::string json, device_name, dtype_name;
+  std::string json, device_name, dtype_name, step_mode;
+  std::vector<int64_t> step_lengths;
+  int64_t step_rows = 0, page_size = 0;
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
@@ -236,9 +311,19 @@ int main(int argc, char** argv) {
     batch_prompts = cli.integer("batch-prompts");
     prompt_min = cli.integer("prompt-min");
     trace = cli.given("trace-cache");
+    step_mode = cli.text("attention-step");
+    std::istringstream cached(cli.text("cached"));
+    for (std::string item; std::getline(cached, item, ',');)
+      step_lengths.push_back(std::stoll(item));
+    step_rows = cli.integer("step-rows");
+    page_size = cli.integer("page-size");
     json = cli.text("json");
   } catch (const attnkit::cli::UsageError& e) {
     Line(std::cerr) << "attnkit-decode-bench: " << e.what() << "\n";
+    return 2;
+  } catch (const std::logic_error&) {  // std::stoll's
+    Line(std::cerr) << "attnkit-decode-bench: --cached: expected comma-separated integers, got '"
+                    << cli.text("cached") << "'\n";
     return 2;
   }
   try {
@@ -269,6 +354,17 @@ int main(int argc, char** argv) {
     attnkit::train::check_dtype_runs_on(dtype, device);
 
     torch::manual_seed(seed);
+    if (!step_mode.empty()) {
+      TORCH_CHECK(config.heads >= 1 && config.d_model % config.heads == 0, "--d-model ",
+                  config.d_model, " must be a multiple of --heads ", config.heads);
+      TORCH_CHECK(step_rows >= 1 && page_size >= 1,
+                  "--step-rows and --page-size: expected >= 1 each, got ", step_rows, " and ",
+                  page_size);
+      const int64_t kv_heads = config.kv_groups > 0 ? config.kv_groups : config.heads;
+      TORCH_CHECK(device.is_cpu(), "--attention-step runs on the CPU, got --device ", device);
+      return run_attention_step(step_mode, step_lengths, step_rows, config.heads, kv_heads,
+                                config.d_model / config.heads, page_size, dtype, repeats);
+    }
     attnkit::train::AttentionModel model(config);  // validates the sizes
     model->to(device, dtype);
     model->eval();

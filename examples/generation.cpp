@@ -141,6 +141,29 @@ void gemma2_attention() {
   TORCH_CHECK(out.sizes() == prompt.sizes() && cache.window_size() == 4096);
 }
 
+void paged_cache() {
+  torch::NoGradGuard no_grad;
+  const auto prefix_keys = torch::rand({4, 40, 64}), prefix_values = torch::rand({4, 40, 64});
+  const auto token = torch::rand({4, 1, 64});
+  const auto query = torch::rand({2, 8, 1, 64});
+  // [doc:paged]
+  // A pool of 64 pages of 16 positions, 4 key/value heads of 64, allocated once.
+  attnkit::PagedKVCache cache(/*num_pages=*/64, /*page_size=*/16, /*num_heads=*/4,
+                              /*head_dim=*/64);
+  const auto system_prompt = cache.add_sequence();
+  cache.append(system_prompt, prefix_keys, prefix_values);  // (4, 40, 64): 3 pages
+  const auto a = cache.fork(system_prompt);  // two requests share the prompt's 3 pages
+  const auto b = cache.fork(system_prompt);
+  cache.release(system_prompt);   // the pages stay while a request holds them
+  cache.append(a, token, token);  // a copies the shared, partly filled last page
+  cache.append(b, token, token);  // b's alone now: written in place; 4 pages held
+  // One decode step of both requests, 8 query heads on the 4 key heads, read in place.
+  auto context = attnkit::paged_attention(query, cache.view({a, b}));  // (2, 8, 1, 64)
+  cache.release(a);  // a finished: its own page returns to the pool
+  // [doc:end]
+  TORCH_CHECK(context.sizes() == query.sizes() && cache.free_pages() == 64 - 3);
+}
+
 }  // namespace
 
 int main() {
@@ -148,5 +171,6 @@ int main() {
   generation();
   family();
   gemma2_attention();
+  paged_cache();
   std::cout << "generation examples ran\n";
 }

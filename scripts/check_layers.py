@@ -45,6 +45,7 @@ PUBLIC_LAYERS = {
     # Every option struct (data only) and AttentionBackend, whose names core/api/attention.cpp
     # defines.
     "options.h": "core",
+    "paged_attention.h": "core",
     "rope.h": "core",
     "score_graph.h": "core",
     # ScoreMod alone, so that options.h can hold one without attention.h.
@@ -59,6 +60,7 @@ PUBLIC_LAYERS = {
     "kv_cache.h": "modules",
     "latent_attention.h": "modules",
     "multi_head_attention.h": "modules",
+    "paged_kv_cache.h": "modules",
     "python_state.h": "modules",
     "rms_norm.h": "modules",
     "self_attention.h": "modules",
@@ -76,6 +78,7 @@ PUBLIC_CORE_FOLDERS = {
     "book_steps.h": "api",
     "context_parallel.h": "api",
     "functional.h": "api",
+    "paged_attention.h": "api",
 }
 
 # Public headers for users only: deprecated shims that no file of the library includes but the

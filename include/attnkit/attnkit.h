@@ -22,6 +22,8 @@
 #include "attnkit/memory_budget.h"
 #include "attnkit/multi_head_attention.h"
 #include "attnkit/options.h"
+#include "attnkit/paged_attention.h"
+#include "attnkit/paged_kv_cache.h"
 #include "attnkit/python_state.h"
 #include "attnkit/rms_norm.h"
 #include "attnkit/rope.h"

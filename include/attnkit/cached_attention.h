@@ -6,6 +6,7 @@
 /// `CachedAttentionModule`, the base that each of them (and a layer of your own) derives from.
 
 #include <memory>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -13,6 +14,7 @@
 #include "attnkit/kv_cache.h"
 #include "attnkit/mask.h"
 #include "attnkit/options.h"
+#include "attnkit/paged_kv_cache.h"
 
 namespace attnkit {
 
@@ -83,6 +85,27 @@ class CachedAttentionLayer {
     return attend_new_tokens(x, cache, lengths, mask);
   }
 
+  /// A paged pool for forward_with_cache(x, cache, sequences): num_pages pages of page_size
+  /// positions of the layer's key/value heads, in the parameters' dtype and on their device.
+  /// One pool per layer; a sequence's id is the same in every layer's pool when each pool's
+  /// add_sequence, fork and release are called in the same order. Latent attention (and a
+  /// layer of your own that does not override it) refuses.
+  virtual PagedKVCache make_paged_kv_cache(int64_t num_pages, int64_t page_size) const;
+
+  /// Inference on a paged cache: x (b, n, d_in), row r the next n tokens of the sequence
+  /// `sequences[r]` of `cache` (distinct ids, one per row), at its positions [cache.length(
+  /// sequences[r]), ... + n). Their keys and values are appended to the sequence's pages and
+  /// their queries attend to its positions in place (attnkit::paged_attention), with the
+  /// layer's causal mask, window, scale, softcap and sinks. Returns (b, n, d_out): the rows
+  /// that forward_with_cache on a KVCache gives. A windowed layer frees the pages its window
+  /// has left. Runs without autograd. Fails (c10::Error), writing nothing, in training mode,
+  /// with a score_mod other than a softcap, when the pool has no room for every row, and on a
+  /// pool of another layout, dtype or device.
+  torch::Tensor forward_with_cache(const torch::Tensor& x, PagedKVCache& cache,
+                                   const std::vector<int64_t>& sequences) {
+    return attend_paged_tokens(x, cache, sequences);
+  }
+
   /// The backend the layer's options name.
   virtual AttentionBackend backend() const = 0;
   /// Sets the backend in the layer's options.
@@ -103,6 +126,9 @@ class CachedAttentionLayer {
   /// n tokens.
   virtual torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                           const torch::Tensor& lengths, const Mask& mask) = 0;
+  /// The paged forward_with_cache; the default refuses.
+  virtual torch::Tensor attend_paged_tokens(const torch::Tensor& x, PagedKVCache& cache,
+                                            const std::vector<int64_t>& sequences);
 };
 
 /// The base of a cached attention module `Impl`: a cloneable torch::nn::Module and a

@@ -44,6 +44,9 @@ class GroupedQueryAttentionImpl : public CachedAttentionModule<GroupedQueryAtten
   /// to `capacity` (>= 1) positions; with a sliding window a rolling cache of
   /// sliding_window_size positions instead, whatever `capacity` says.
   KVCache make_kv_cache(int64_t batch, int64_t capacity) const override;
+  /// A paged pool of num_kv_groups heads for forward_with_cache(x, cache, sequences); a
+  /// sliding window frees the pages it leaves.
+  PagedKVCache make_paged_kv_cache(int64_t num_pages, int64_t page_size) const override;
 
   /// The options this module was built with (reset() re-reads them).
   GroupedQueryAttentionOptions options;
@@ -72,6 +75,8 @@ class GroupedQueryAttentionImpl : public CachedAttentionModule<GroupedQueryAtten
                                             bool with_weights) override;
   torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                   const torch::Tensor& lengths, const Mask& mask) override;
+  torch::Tensor attend_paged_tokens(const torch::Tensor& x, PagedKVCache& cache,
+                                    const std::vector<int64_t>& sequences) override;
 
  public:
   /// Re-initialises the projections and QK-norm's weights as the constructor drew them, and

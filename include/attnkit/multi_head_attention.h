@@ -100,6 +100,9 @@ class MultiHeadAttentionImpl : public CachedAttentionModule<MultiHeadAttentionIm
   /// d_out / num_heads, in the parameters' dtype and on their device; with a sliding window a
   /// rolling cache of sliding_window_size positions.
   KVCache make_kv_cache(int64_t batch, int64_t capacity = 0) const override;
+  /// A paged pool for forward_with_cache(x, cache, sequences), num_heads heads of
+  /// d_out / num_heads; a sliding window frees the pages it leaves.
+  PagedKVCache make_paged_kv_cache(int64_t num_pages, int64_t page_size) const override;
 
   /// The options this module was built with (reset() re-reads them).
   MultiHeadAttentionOptions options;
@@ -129,6 +132,8 @@ class MultiHeadAttentionImpl : public CachedAttentionModule<MultiHeadAttentionIm
   // enter the cache. Refused with causal(false), and past context_length or rope's.
   torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                   const torch::Tensor& lengths, const Mask& mask) override;
+  torch::Tensor attend_paged_tokens(const torch::Tensor& x, PagedKVCache& cache,
+                                    const std::vector<int64_t>& sequences) override;
 };
 
 /// Module holder for `MultiHeadAttentionImpl` (shared-pointer semantics).
@@ -170,6 +175,8 @@ class MultiHeadAttentionCombinedQKVImpl
 
   /// A KV cache for `forward_with_cache`, as MultiHeadAttention's.
   KVCache make_kv_cache(int64_t batch, int64_t capacity = 0) const override;
+  /// A paged pool, as MultiHeadAttention's.
+  PagedKVCache make_paged_kv_cache(int64_t num_pages, int64_t page_size) const override;
 
   /// Copies a MultiHeadAttention's weights into `qkv` (in the layout above) and `out_proj`;
   /// both modules then compute the same function. Fails when the options differ.
@@ -194,6 +201,8 @@ class MultiHeadAttentionCombinedQKVImpl
                                             bool with_weights) override;
   torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                   const torch::Tensor& lengths, const Mask& mask) override;
+  torch::Tensor attend_paged_tokens(const torch::Tensor& x, PagedKVCache& cache,
+                                    const std::vector<int64_t>& sequences) override;
 };
 
 /// Module holder for `MultiHeadAttentionCombinedQKVImpl` (shared-pointer semantics).

@@ -23,6 +23,21 @@ detail::CacheLayout cache_layout_of(const GroupedQueryAttentionOptions& opt) {
           /*latent=*/false};
 }
 
+// A cached step: x (b, n, d_in) projected to query, key and value heads (on the valid tokens
+// alone where `new_lengths` makes that pay), `attend_heads`, then the heads merged and
+// projected -> (b, n, output_dim).
+torch::Tensor projected_step(GroupedQueryAttentionImpl& module, const torch::Tensor& x,
+                             const std::vector<int64_t>& new_lengths,
+                             const detail::AttendHeads& attend_heads) {
+  const auto g = module.options.num_kv_groups();
+  const detail::ValidTokens tokens(x, new_lengths);
+  const auto context = attend_heads(
+      detail::split_heads(detail::project(module.W_query, x, tokens), module.options.num_heads()),
+      detail::split_heads(detail::project(module.W_key, x, tokens), g),
+      detail::split_heads(detail::project(module.W_value, x, tokens), g));
+  return detail::project(module.out_proj, detail::merge_heads(context), tokens);
+}
+
 }  // namespace
 
 GroupedQueryAttentionImpl::GroupedQueryAttentionImpl(const GroupedQueryAttentionOptions& options)
@@ -126,15 +141,28 @@ torch::Tensor GroupedQueryAttentionImpl::attend_new_tokens(const torch::Tensor& 
       cache_layout_of(options), W_query->weight, mask, lengths, options.score_mod());
   detail::check_rope_cached_positions(kGqaName, rope_tables, cache, new_lengths, x.size(1));
   torch::NoGradGuard no_grad;
-  const auto g = options.num_kv_groups();
-  const detail::ValidTokens tokens(x, new_lengths);
-  const auto context = detail::attend_cached(
-      {q_norm, k_norm, rope_tables},
-      detail::split_heads(detail::project(W_query, x, tokens), options.num_heads()),
-      detail::split_heads(detail::project(W_key, x, tokens), g),
-      detail::split_heads(detail::project(W_value, x, tokens), g), cache,
-      settings_of(options, sinks), mask, new_lengths);
-  return detail::project(out_proj, detail::merge_heads(context), tokens);
+  return projected_step(*this, x, new_lengths, [&](const auto& q, const auto& k, const auto& v) {
+    return detail::attend_cached({q_norm, k_norm, rope_tables}, q, k, v, cache,
+                                 settings_of(options, sinks), mask, new_lengths);
+  });
+}
+
+PagedKVCache GroupedQueryAttentionImpl::make_paged_kv_cache(int64_t num_pages,
+                                                            int64_t page_size) const {
+  return detail::make_module_paged_cache(kGqaName, cache_layout_of(options), W_query->weight,
+                                         num_pages, page_size);
+}
+
+torch::Tensor GroupedQueryAttentionImpl::attend_paged_tokens(
+    const torch::Tensor& x, PagedKVCache& cache, const std::vector<int64_t>& sequences) {
+  detail::check_paged_call(kGqaName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
+                           cache_layout_of(options), W_query->weight, sequences,
+                           options.score_mod(), rope_tables);
+  torch::NoGradGuard no_grad;
+  return projected_step(*this, x, {}, [&](const auto& q, const auto& k, const auto& v) {
+    return detail::attend_paged({q_norm, k_norm, rope_tables}, q, k, v, cache, sequences,
+                                settings_of(options, sinks));
+  });
 }
 
 }  // namespace attnkit

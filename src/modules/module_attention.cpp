@@ -1,5 +1,6 @@
 #include "modules/module_attention.h"
 
+#include "attnkit/cached_attention.h"
 #include "core/base/checks.h"
 #include "core/plan/planner.h"
 #include "core/scores/score_variants.h"
@@ -294,6 +295,117 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
   return attend_step(rotated_queries, span.keys, span.values, settings, /*query_offset=*/0, mask,
                      &span);
 }
+
+void check_paged_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
+                      int64_t context_length, const PagedKVCache& cache, const CacheLayout& layout,
+                      const torch::Tensor& parameter, const std::vector<int64_t>& sequences,
+                      const ScoreMod& score_mod, const RopeTables& rope) {
+  const std::string fn = c10::str("[", module, "::forward_with_cache]");
+  TORCH_CHECK(ContextParallelScope::current() == nullptr, fn,
+              " a KV cache holds one process's whole sequence: call it outside the "
+              "ContextParallelScope");
+  TORCH_CHECK(!training, fn,
+              " the KV cache is for inference, but the module is in training mode: call eval() "
+              "first (training runs forward over whole sequences)");
+  detail::check_forward_input(module, x, {d_in}, parameter);
+  TORCH_CHECK(!layout.latent, fn,
+              " a paged cache holds keys and values; latent attention's "
+              "latents are not paged yet");
+  TORCH_CHECK(cache.num_heads() == layout.heads && cache.head_dim() == layout.head_dim, fn,
+              " cache: expected pages of (num_heads, head_dim) = (", layout.heads, ", ",
+              layout.head_dim, "), got (", cache.num_heads(), ", ", cache.head_dim(),
+              "); make it with make_paged_kv_cache");
+  TORCH_CHECK(cache.key_pages().dtype() == parameter.dtype() &&
+                  cache.key_pages().device() == parameter.device(),
+              fn, " cache: expected dtype ", parameter.scalar_type(), " on ", parameter.device(),
+              " (the module's parameters), got ", cache.key_pages().scalar_type(), " on ",
+              cache.key_pages().device());
+  TORCH_CHECK(!score_mod || score_mod.target<SoftcapScore>(), fn,
+              " option score_mod: a paged step takes a softcap (score_mods::softcap) or none, got "
+              "another score function");
+  TORCH_CHECK(static_cast<int64_t>(sequences.size()) == x.size(0), fn,
+              " sequences: expected one per row of x (", x.size(0), "), got ", sequences.size());
+  const int64_t n = x.size(1);
+  int64_t pages = 0;
+  for (size_t r = 0; r < sequences.size(); ++r) {
+    for (size_t before = 0; before < r; ++before) {
+      TORCH_CHECK(sequences[before] != sequences[r], fn, " sequences must be distinct, got ",
+                  sequences[r], " at rows ", before, " and ", r);
+    }
+    const int64_t start = cache.length(sequences[r]);  // refuses a released or unknown id
+    TORCH_CHECK(context_length == 0 || start + n <= context_length, fn, " row ", r, ": ", n,
+                " tokens after the ", start, " that sequence ", sequences[r],
+                " holds would pass context_length ", context_length);
+    check_rope_positions(module, "forward_with_cache] x", rope, start, n);
+    pages += cache.pages_needed(sequences[r], n);
+  }
+  TORCH_CHECK(pages <= cache.free_pages(), fn, " the pool is full: this step needs ", pages,
+              " free pages, and ", cache.free_pages(), " of ", cache.num_pages(),
+              " are free; release finished sequences, or wait");
+}
+
+PagedKVCache make_module_paged_cache(const char* module, const CacheLayout& layout,
+                                     const torch::Tensor& parameter, int64_t num_pages,
+                                     int64_t page_size) {
+  TORCH_CHECK(!layout.latent, "[", module,
+              "::make_paged_kv_cache] latent attention's latents are not paged yet");
+  return PagedKVCache(num_pages, page_size, layout.heads, layout.head_dim,
+                      torch::TensorOptions().dtype(parameter.dtype()).device(parameter.device()));
+}
+
+torch::Tensor attend_paged(const QueryKeyTransform& transform, const torch::Tensor& queries,
+                           const torch::Tensor& keys, const torch::Tensor& values,
+                           PagedKVCache& cache, const std::vector<int64_t>& sequences,
+                           const ModuleAttention& settings) {
+  const auto b = static_cast<int64_t>(sequences.size());
+  const int64_t n = queries.size(2);
+  std::vector<int64_t> starts;
+  for (const int64_t sequence : sequences)
+    starts.push_back(cache.length(sequence));
+  const auto [rotated_queries, rotated_keys] =
+      transform(queries, keys, torch::tensor(starts, torch::kInt64).to(queries.device()));
+  for (int64_t r = 0; r < b; ++r)
+    cache.append(sequences[static_cast<size_t>(r)], rotated_keys[r], values[r]);
+  const auto& options = settings.options;
+  const int64_t window = settings.window_size.value_or(0);
+  const auto* softcap = options.score_mod().target<SoftcapScore>();
+  const auto context = paged_attention(rotated_queries, cache.view(sequences),
+                                       PagedAttentionOptions()
+                                           .scale(options.scale())
+                                           .softcap(softcap ? softcap->cap : 0.0)
+                                           .window(window)
+                                           .sinks(options.sinks()));
+  if (window > 0) {
+    // The next query, at position start + n, reads from start + n - window + 1 on.
+    for (int64_t r = 0; r < b; ++r) {
+      const auto row = static_cast<size_t>(r);
+      cache.drop_before(sequences[row], std::max<int64_t>(0, starts[row] + n - window + 1));
+    }
+  }
+  return context;
+}
+
+}  // namespace attnkit::detail
+
+namespace attnkit {
+
+PagedKVCache CachedAttentionLayer::make_paged_kv_cache(int64_t, int64_t) const {
+  TORCH_CHECK(false,
+              "[make_paged_kv_cache] this layer has no paged cache (latent attention's "
+              "latents are not paged yet; a layer of your own overrides make_paged_kv_cache and "
+              "attend_paged_tokens)");
+}
+
+torch::Tensor CachedAttentionLayer::attend_paged_tokens(const torch::Tensor&, PagedKVCache&,
+                                                        const std::vector<int64_t>&) {
+  TORCH_CHECK(false,
+              "[forward_with_cache] this layer takes no paged cache (latent attention's "
+              "latents are not paged yet; a layer of your own overrides attend_paged_tokens)");
+}
+
+}  // namespace attnkit
+
+namespace attnkit::detail {
 
 void reset_child_parameters(torch::nn::Module& module) {
   for (const auto& child : module.children()) {

@@ -5,6 +5,7 @@
 // over split heads by the chosen backend, and the KV-cache bookkeeping of forward_with_cache.
 
 #include <cmath>
+#include <functional>
 #include <vector>
 
 #include <torch/torch.h>
@@ -13,6 +14,7 @@
 #include "attnkit/context_parallel.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/options.h"
+#include "attnkit/paged_kv_cache.h"
 #include "attnkit/rms_norm.h"
 #include "attnkit/rope.h"
 #include "core/base/checks.h"
@@ -155,6 +157,11 @@ struct QueryKeyTransform {
   }
 };
 
+/// What a cached step does with the projected heads: query heads (b, h, n, hd), key and value
+/// heads (b, g, n, hd) -> context (b, h, n, hd); attend_cached or attend_paged, bound to a cache.
+using AttendHeads =
+    std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
+
 /// forward_with_cache's step after the projections, for the modules with a key/value cache:
 /// the new tokens' query heads (b, h, n, hd) and key and value heads (b, g, n, hd) normed and
 /// rotated at their positions, appended, and attended under the module's settings and `mask`
@@ -164,6 +171,32 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
                             const torch::Tensor& keys, const torch::Tensor& values, KVCache& cache,
                             const ModuleAttention& settings, const Mask& mask,
                             const std::vector<int64_t>& new_lengths);
+
+/// The checks of forward_with_cache(x, PagedKVCache&, sequences), before anything is written:
+/// eval mode, x (b, n, d_in), one distinct live sequence per row, the pool's heads, head width,
+/// dtype and device (`layout`, `parameter`), positions within context_length (0: no limit)
+/// and the RoPE tables, room in the pool for every row's n positions, and a score_mod that the
+/// paged kernel takes (none, or a softcap).
+void check_paged_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
+                      int64_t context_length, const PagedKVCache& cache, const CacheLayout& layout,
+                      const torch::Tensor& parameter, const std::vector<int64_t>& sequences,
+                      const ScoreMod& score_mod, const RopeTables& rope);
+
+/// A module's make_paged_kv_cache: num_pages pages of page_size positions of `layout`'s heads
+/// (key/value layouts only), in `parameter`'s dtype and device.
+PagedKVCache make_module_paged_cache(const char* module, const CacheLayout& layout,
+                                     const torch::Tensor& parameter, int64_t num_pages,
+                                     int64_t page_size);
+
+/// attend_cached's paged step: the new tokens' query heads (b, h, n, hd) and key and value
+/// heads (b, g, n, hd), row r the next n tokens of sequences[r], normed and rotated at their
+/// positions, appended to the pool, and attended by paged_attention under the module's
+/// causal mask, window, scale, softcap and sinks -> context (b, h, n, hd). With a window, the
+/// pages that no later query reads go back to the pool (PagedKVCache::drop_before).
+torch::Tensor attend_paged(const QueryKeyTransform& transform, const torch::Tensor& queries,
+                           const torch::Tensor& keys, const torch::Tensor& values,
+                           PagedKVCache& cache, const std::vector<int64_t>& sequences,
+                           const ModuleAttention& settings);
 
 /// A module's reset() for its rope and qk_norm options: refuses an odd head width with RoPE
 /// and a rope context_length < 1; returns the tables (undefined without rope) and registers

@@ -93,15 +93,33 @@ std::vector<int64_t> check_cached_mha_call(const char* name, const MultiHeadAtte
   return new_lengths;
 }
 
-torch::Tensor attend_with_cache(const torch::Tensor& queries, const torch::Tensor& keys,
-                                const torch::Tensor& values, const MultiHeadAttentionOptions& opt,
-                                KVCache& cache, torch::nn::Linear& out_proj, const Mask& mask,
-                                const detail::QueryKeyTransform& transform,
-                                const std::vector<int64_t>& new_lengths,
-                                const detail::ValidTokens& tokens) {
-  const auto context = detail::attend_cached(transform, queries, keys, values, cache,
-                                             settings_of(opt), mask, new_lengths);
-  return detail::project(out_proj, detail::merge_heads(context), tokens);
+// The paged call's checks, as check_cached_mha_call's.
+void check_paged_mha_call(const char* name, const MultiHeadAttentionOptions& opt, bool training,
+                          const torch::Tensor& x, const PagedKVCache& cache,
+                          const torch::Tensor& parameter, const std::vector<int64_t>& sequences,
+                          const detail::RopeTables& rope) {
+  TORCH_CHECK(opt.causal(), "[", name,
+              "::forward_with_cache] needs causal attention: with causal = false every token "
+              "also attends to later ones, which a cache of earlier tokens cannot give");
+  detail::check_paged_call(name, training, x, opt.d_in(), opt.context_length(), cache,
+                           cache_layout_of(opt), parameter, sequences, opt.score_mod(), rope);
+}
+
+// The attention of a step on `cache` (contiguous), or on `sequences` of a paged one.
+detail::AttendHeads on_cache(const MultiHeadAttentionOptions& opt,
+                             const detail::QueryKeyTransform& transform, KVCache& cache,
+                             const Mask& mask, const std::vector<int64_t>& new_lengths) {
+  return [&opt, transform, &cache, &mask, &new_lengths](const auto& q, const auto& k,
+                                                        const auto& v) {
+    return detail::attend_cached(transform, q, k, v, cache, settings_of(opt), mask, new_lengths);
+  };
+}
+detail::AttendHeads on_paged_cache(const MultiHeadAttentionOptions& opt,
+                                   const detail::QueryKeyTransform& transform, PagedKVCache& cache,
+                                   const std::vector<int64_t>& sequences) {
+  return [&opt, transform, &cache, &sequences](const auto& q, const auto& k, const auto& v) {
+    return detail::attend_paged(transform, q, k, v, cache, sequences, settings_of(opt));
+  };
 }
 
 }  // namespace
@@ -229,21 +247,60 @@ KVCache MultiHeadAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) c
                                    W_query->weight, batch, capacity);
 }
 
+namespace {
+
+// A cached step: x (b, n, d_in) projected to query, key and value heads (on the valid tokens
+// alone where `new_lengths` makes that pay), `attend_heads`, then the heads merged and
+// projected -> (b, n, d_out).
+torch::Tensor cached_step(MultiHeadAttentionImpl& m, const torch::Tensor& x,
+                          const std::vector<int64_t>& new_lengths,
+                          const detail::AttendHeads& attend_heads) {
+  // Three projections, not forward()'s one GEMM over concatenated weights: per decoded
+  // token that concatenation would copy all three weight matrices.
+  const auto h = m.options.num_heads();
+  const detail::ValidTokens tokens(x, new_lengths);
+  const auto context = attend_heads(detail::split_heads(detail::project(m.W_query, x, tokens), h),
+                                    detail::split_heads(detail::project(m.W_key, x, tokens), h),
+                                    detail::split_heads(detail::project(m.W_value, x, tokens), h));
+  return detail::project(m.out_proj, detail::merge_heads(context), tokens);
+}
+
+// cached_step for the combined projection.
+torch::Tensor cached_step(MultiHeadAttentionCombinedQKVImpl& m, const torch::Tensor& x,
+                          const std::vector<int64_t>& new_lengths,
+                          const detail::AttendHeads& attend_heads) {
+  const detail::ValidTokens tokens(x, new_lengths);
+  const auto q_k_v = split_combined_qkv(detail::project(m.qkv, x, tokens), m.options.num_heads());
+  const auto context = attend_heads(q_k_v[0], q_k_v[1], q_k_v[2]);
+  return detail::project(m.out_proj, detail::merge_heads(context), tokens);
+}
+
+}  // namespace
+
 torch::Tensor MultiHeadAttentionImpl::attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                                         const torch::Tensor& lengths,
                                                         const Mask& mask) {
   const auto new_lengths = check_cached_mha_call(kName, options, is_training(), x, cache,
                                                  W_query->weight, mask, lengths, rope_tables);
   torch::NoGradGuard no_grad;
-  // Three projections, not forward()'s one GEMM over concatenated weights: per decoded
-  // token that concatenation would copy all three weight matrices.
-  const auto h = options.num_heads();
-  const detail::ValidTokens tokens(x, new_lengths);
-  return attend_with_cache(detail::split_heads(detail::project(W_query, x, tokens), h),
-                           detail::split_heads(detail::project(W_key, x, tokens), h),
-                           detail::split_heads(detail::project(W_value, x, tokens), h), options,
-                           cache, out_proj, mask, {q_norm, k_norm, rope_tables}, new_lengths,
-                           tokens);
+  return cached_step(*this, x, new_lengths,
+                     on_cache(options, {q_norm, k_norm, rope_tables}, cache, mask, new_lengths));
+}
+
+PagedKVCache MultiHeadAttentionImpl::make_paged_kv_cache(int64_t num_pages,
+                                                         int64_t page_size) const {
+  return detail::make_module_paged_cache(kName, cache_layout_of(options), W_query->weight,
+                                         num_pages, page_size);
+}
+
+torch::Tensor MultiHeadAttentionImpl::attend_paged_tokens(const torch::Tensor& x,
+                                                          PagedKVCache& cache,
+                                                          const std::vector<int64_t>& sequences) {
+  check_paged_mha_call(kName, options, is_training(), x, cache, W_query->weight, sequences,
+                       rope_tables);
+  torch::NoGradGuard no_grad;
+  return cached_step(*this, x, {},
+                     on_paged_cache(options, {q_norm, k_norm, rope_tables}, cache, sequences));
 }
 
 // ---- MultiHeadAttentionCombinedQKV ------------------------------------------------------
@@ -327,10 +384,23 @@ torch::Tensor MultiHeadAttentionCombinedQKVImpl::attend_new_tokens(const torch::
   const auto new_lengths = check_cached_mha_call(kCombinedName, options, is_training(), x, cache,
                                                  qkv->weight, mask, lengths, rope_tables);
   torch::NoGradGuard no_grad;
-  const detail::ValidTokens tokens(x, new_lengths);
-  const auto q_k_v = split_combined_qkv(detail::project(qkv, x, tokens), options.num_heads());
-  return attend_with_cache(q_k_v[0], q_k_v[1], q_k_v[2], options, cache, out_proj, mask,
-                           {q_norm, k_norm, rope_tables}, new_lengths, tokens);
+  return cached_step(*this, x, new_lengths,
+                     on_cache(options, {q_norm, k_norm, rope_tables}, cache, mask, new_lengths));
+}
+
+PagedKVCache MultiHeadAttentionCombinedQKVImpl::make_paged_kv_cache(int64_t num_pages,
+                                                                    int64_t page_size) const {
+  return detail::make_module_paged_cache(kCombinedName, cache_layout_of(options), qkv->weight,
+                                         num_pages, page_size);
+}
+
+torch::Tensor MultiHeadAttentionCombinedQKVImpl::attend_paged_tokens(
+    const torch::Tensor& x, PagedKVCache& cache, const std::vector<int64_t>& sequences) {
+  check_paged_mha_call(kCombinedName, options, is_training(), x, cache, qkv->weight, sequences,
+                       rope_tables);
+  torch::NoGradGuard no_grad;
+  return cached_step(*this, x, {},
+                     on_paged_cache(options, {q_norm, k_norm, rope_tables}, cache, sequences));
 }
 
 void MultiHeadAttentionCombinedQKVImpl::copy_weights_from(const MultiHeadAttentionImpl& mha) {

@@ -152,39 +152,43 @@ void add_weighted_row(Acc weight, const In* row, int64_t count, Acc* acc) {
     acc[d] += weight * static_cast<Acc>(row[d]);
 }
 
-template <typename In>
-void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
-                 double scale, const std::vector<int64_t>& key_begin,
-                 const std::vector<int64_t>& key_end, double softcap,
-                 const std::vector<double>& sinks, torch::Tensor& out) {
+// One query per row and head against that row's keys [begin[r], end[r]), read where they lie:
+// `runs(row, kv_head, begin, end, visit)` calls visit(keys, values, first, count) for each run
+// of keys [first, first + count) that lie one key_stride (value_stride) apart from `keys`
+// (`values`) on: the contiguous cache's whole range, or a paged cache's pages. `m` bounds every
+// row's end. Writes out (b, 1, h, hd_v), rounded once to In.
+template <typename In, typename Runs>
+void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_t hd_v,
+                 int64_t key_stride, int64_t value_stride, double scale,
+                 const std::vector<int64_t>& key_begin, const std::vector<int64_t>& key_end,
+                 double softcap, const std::vector<double>& sinks, const Runs& runs,
+                 torch::Tensor& out) {
   using Acc = Arithmetic<In>;
   const int64_t b = query.size(0), h = query.size(1), hd = query.size(3);
-  const int64_t kv_heads = keys.size(1), m = keys.size(2), hd_v = values.size(3);
   const int64_t group_size = h / kv_heads;
   const auto* q = query.data_ptr<In>();
-  const auto* k = keys.data_ptr<In>();
-  const auto* v = values.data_ptr<In>();
   auto* o = out.data_ptr<In>();  // (b, 1, h, hd_v) contiguous
-  const auto qs = query.strides(), ks = keys.strides(), vs = values.strides();
+  const auto qs = query.strides();
   // Enough keys per task that a thread's share is worth waking it for.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, m * (hd + hd_v)));
-  at::parallel_for(0, b * h, grain, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, b * h, grain, [&](int64_t first_task, int64_t last_task) {
     std::vector<Acc> weights(static_cast<size_t>(m)), q_row(static_cast<size_t>(hd)),
         context(static_cast<size_t>(hd_v));
-    for (int64_t task = first; task < last; ++task) {
+    for (int64_t task = first_task; task < last_task; ++task) {
       const int64_t row = task / h, head = task % h, kv_head = head / group_size;
       const int64_t begin = key_begin.empty() ? 0 : key_begin[row];
       const int64_t end = key_end.empty() ? m : key_end[row];
       const In* q_in = q + row * qs[0] + head * qs[1];
-      const In* k_head = k + row * ks[0] + kv_head * ks[1];
-      const In* v_head = v + row * vs[0] + kv_head * vs[1];
       for (int64_t d = 0; d < hd; ++d)
         q_row[static_cast<size_t>(d)] = static_cast<Acc>(q_in[d]);
       // A row that sees no key gets zero weights, as in the math core: a zero context.
       std::fill(context.begin(), context.end(), Acc(0));
       if (end > begin) {
         Acc* p = weights.data() + begin;
-        key_dots(q_row.data(), k_head, ks[2], hd, begin, end, weights.data());
+        runs(row, kv_head, begin, end,
+             [&](const In* keys, const In*, int64_t first, int64_t count) {
+               key_dots(q_row.data(), keys, key_stride, hd, 0, count, weights.data() + first);
+             });
         if (!sinks.empty()) {  // the scores (capped), and the head's sink in the denominator
           const auto sink = static_cast<Acc>(sinks[head]);
           Acc top = sink;
@@ -210,14 +214,29 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& keys, const to
         } else {
           softmax_row(p, end - begin, static_cast<Acc>(scale), p);
         }
-        for (int64_t j = begin; j < end; ++j)
-          add_weighted_row(weights[j], v_head + j * vs[2], hd_v, context.data());
+        runs(row, kv_head, begin, end,
+             [&](const In*, const In* values, int64_t first, int64_t count) {
+               for (int64_t j = 0; j < count; ++j)
+                 add_weighted_row(weights[first + j], values + j * value_stride, hd_v,
+                                  context.data());
+             });
       }
       In* context_out = o + (row * h + head) * hd_v;  // rounded once to the cache's dtype
       for (int64_t d = 0; d < hd_v; ++d)
         context_out[d] = static_cast<In>(context[static_cast<size_t>(d)]);
     }
   });
+}
+
+// Each head's sink (h) as doubles on the host, or none.
+std::vector<double> sink_values(const torch::Tensor& sinks, int64_t h, const char* fn) {
+  TORCH_CHECK(!sinks.defined() || (sinks.dim() == 1 && sinks.size(0) == h), fn, " sinks must be (",
+              h, "), one per query head, got ",
+              sinks.defined() ? shape_string(sinks) : std::string());
+  if (!sinks.defined())
+    return {};
+  const auto host = sinks.detach().to(torch::kCPU, torch::kDouble).contiguous();
+  return {host.data_ptr<double>(), host.data_ptr<double>() + h};
 }
 
 }  // namespace
@@ -263,21 +282,58 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
     TORCH_CHECK(0 <= key_begin[r] && key_end[r] <= m, "[decode_attention] row ", r, ": keys [",
                 key_begin[r], ", ", key_end[r], ") must lie in [0, ", m, "]");
   }
-  TORCH_CHECK(!sinks.defined() || (sinks.dim() == 1 && sinks.size(0) == h),
-              "[decode_attention] sinks must be (", h, "), one per query head, got ",
-              sinks.defined() ? shape_string(sinks) : std::string());
-  std::vector<double> sink_values;
-  if (sinks.defined()) {
-    const auto host = sinks.detach().to(torch::kCPU, torch::kDouble).contiguous();
-    sink_values.assign(host.data_ptr<double>(), host.data_ptr<double>() + h);
-  }
+  const auto sinks_of_heads = sink_values(sinks, h, "[decode_attention]");
   // (b, 1, h, hd_v) memory, returned as (b, h, 1, hd_v): merging the heads is then a view.
   auto out = torch::empty({b, 1, h, values.size(3)}, query.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attention",
-                                  [&] {
-                                    decode_rows<scalar_t>(query, keys, values, scale, key_begin,
-                                                          key_end, softcap, sink_values, out);
-                                  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attention", [&] {
+        const auto* k = keys.data_ptr<scalar_t>();
+        const auto* v = values.data_ptr<scalar_t>();
+        const auto ks = keys.strides(), vs = values.strides();
+        // One run: the row's keys in the cache's storage.
+        const auto runs = [&](int64_t row, int64_t kv_head, int64_t begin, int64_t end,
+                              const auto& visit) {
+          visit(k + row * ks[0] + kv_head * ks[1] + begin * ks[2],
+                v + row * vs[0] + kv_head * vs[1] + begin * vs[2], begin, end - begin);
+        };
+        decode_rows<scalar_t>(query, keys.size(1), m, values.size(3), ks[2], vs[2], scale,
+                              key_begin, key_end, softcap, sinks_of_heads, runs, out);
+      });
+  return out.transpose(1, 2);
+}
+
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_pages,
+                                     const torch::Tensor& value_pages,
+                                     const torch::Tensor& page_table,
+                                     const std::vector<int64_t>& key_begin,
+                                     const std::vector<int64_t>& key_end, double scale,
+                                     double softcap, const torch::Tensor& sinks) {
+  const int64_t b = query.size(0), h = query.size(1), page_size = key_pages.size(2);
+  const int64_t pages_per_row = page_table.size(1);
+  const int64_t m = std::max<int64_t>(1, *std::max_element(key_end.begin(), key_end.end()));
+  const auto sinks_of_heads = sink_values(sinks, h, "[paged_decode_attention]");
+  auto out = torch::empty({b, 1, h, value_pages.size(3)}, query.options());
+  const int64_t* table = page_table.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+        const auto* k = key_pages.data_ptr<scalar_t>();
+        const auto* v = value_pages.data_ptr<scalar_t>();
+        const auto ks = key_pages.strides(), vs = value_pages.strides();
+        // One run per page: key j in page table[row][j / page_size], slot j % page_size.
+        const auto runs = [&](int64_t row, int64_t kv_head, int64_t begin, int64_t end,
+                              const auto& visit) {
+          for (int64_t first = begin; first < end;) {
+            const int64_t page = table[row * pages_per_row + first / page_size];
+            const int64_t slot = first % page_size;
+            const int64_t count = std::min(end - first, page_size - slot);
+            visit(k + page * ks[0] + kv_head * ks[1] + slot * ks[2],
+                  v + page * vs[0] + kv_head * vs[1] + slot * vs[2], first, count);
+            first += count;
+          }
+        };
+        decode_rows<scalar_t>(query, key_pages.size(1), m, value_pages.size(3), ks[2], vs[2], scale,
+                              key_begin, key_end, softcap, sinks_of_heads, runs, out);
+      });
   return out.transpose(1, 2);
 }
 

@@ -33,4 +33,17 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
                                const std::vector<int64_t>& key_end = {}, double softcap = 0.0,
                                const torch::Tensor& sinks = {});
 
+/// decode_attention over a paged cache: key_pages (num_pages, kv_heads, page_size, hd) and
+/// value_pages (num_pages, kv_heads, page_size, hd_v), read in place; row r's key j lies in page
+/// page_table[r][j / page_size] (page_table (b, pages) int64, contiguous, on the CPU) at slot
+/// j % page_size, and its query sees keys [key_begin[r], key_end[r]) (b entries each). The
+/// caller has checked that every page read lies in the pool (paged_decode_attention in
+/// core/api/paged_attention.cpp). Returns (b, h, 1, hd_v), laid out as (b, 1, h, hd_v).
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_pages,
+                                     const torch::Tensor& value_pages,
+                                     const torch::Tensor& page_table,
+                                     const std::vector<int64_t>& key_begin,
+                                     const std::vector<int64_t>& key_end, double scale,
+                                     double softcap = 0.0, const torch::Tensor& sinks = {});
+
 }  // namespace attnkit::detail

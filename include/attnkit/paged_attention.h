@@ -1,0 +1,65 @@
+#pragma once
+
+/// Attention over a paged KV cache: what a kernel sees of one (`PagedKV`), apart from the
+/// storage that owns the pages (`attnkit::PagedKVCache`, paged_kv_cache.h, or a pool of your
+/// own). As in FlashInfer's paged caches and vLLM's block tables, a sequence's positions lie
+/// in fixed-size pages of one pool, in any order: row r's key j is in page page_table[r][j /
+/// page_size], at slot j % page_size. The kernels read the pages where they lie; nothing is
+/// gathered into a contiguous copy.
+
+#include <cstdint>
+
+#include <torch/torch.h>
+
+namespace attnkit {
+
+/// The pages a batch of sequences reads: a view, which owns nothing.
+struct PagedKV {
+  /// (num_pages, kv_heads, page_size, head_dim): the pool's keys.
+  torch::Tensor key_pages;
+  /// (num_pages, kv_heads, page_size, head_dim_v): the pool's values.
+  torch::Tensor value_pages;
+  /// (batch, pages) int64 on the CPU: row r's pages in order. Entries past a row's length, and
+  /// those of pages a window no longer reads, are not read (-1 by convention).
+  torch::Tensor page_table;
+  /// (batch) int64 on the CPU: the positions each row holds, its own query's included.
+  torch::Tensor lengths;
+};
+
+/// Options of `paged_attention`.
+/// Example: `PagedAttentionOptions().window(4096).softcap(50.0)`.
+struct PagedAttentionOptions {
+  /// Multiplies q k^T; unset: 1 / sqrt(head_dim).
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+  /// > 0: the scores are capped, softcap * tanh(score / softcap) (Gemma 2); 0: none.
+  TORCH_ARG(double, softcap) = 0.0;
+  /// > 0: each query sees its own position and the window - 1 before it (sliding-window
+  /// attention); pages wholly before that are not read, so a rolling cache may free them.
+  TORCH_ARG(int64_t, window) = 0;
+  /// (heads): each head's attention sink in the softmax's denominator (GPT-OSS); undefined:
+  /// none.
+  TORCH_ARG(torch::Tensor, sinks);
+};
+
+/// Attention of the newest n positions of each row over paged storage: query (batch, heads, n,
+/// head_dim), row r's query i at position lengths[r] - n + i of its sequence (its keys and
+/// values already appended), attending causally to the positions [0, lengths[r] - n + i]
+/// (within the window, if one is set). n = 1 is a decode step; n > 1 a prefill chunk, each
+/// query read against the pages like a decode step's. Heads may be a multiple of the pages'
+/// key heads (grouped-query attention: query head i reads key head i / (heads / kv_heads)).
+/// Returns (batch, heads, n, head_dim_v), equal to the same queries on a contiguous cache.
+///
+/// On the CPU, in float32, float64, bfloat16 or float16 (16-bit pages read in place, the
+/// arithmetic in float32), without autograd (inference: run it under torch::NoGradGuard).
+/// Fails (c10::Error, naming the argument) on shapes, dtypes or devices that do not agree, a
+/// row shorter than its n queries or longer than its pages, and a page table entry outside
+/// the pool.
+/// Example:
+/// ```
+/// auto kv = cache.view({request_a, request_b});
+/// auto context = attnkit::paged_attention(query, kv);  // (2, heads, 1, head_dim)
+/// ```
+torch::Tensor paged_attention(const torch::Tensor& query, const PagedKV& kv,
+                              const PagedAttentionOptions& options = {});
+
+}  // namespace attnkit
