@@ -209,11 +209,11 @@ TEST(PagedKVCacheTest, SixteenRequestsHoldTheirSharedPrefixOnce) {
       cache.append(ids.back(), torch::ones({heads, 1, hd}), torch::ones({heads, 1, hd}));
   }
   cache.release(prompt);
-  const int64_t page_bytes = 2 * page_size * heads * hd * 4;
+  const int64_t page_bytes = 2 * (page_size * heads * hd * 4 + 64);  // a cache line of padding
   EXPECT_EQ(cache.held_bytes(), (prefix / page_size + requests * own / page_size) * page_bytes);
-  // A contiguous cache per request holds the prefix 16 times: 8.5x the bytes.
+  // A contiguous cache per request holds the prefix 16 times: 8x the bytes.
   const int64_t contiguous_bytes = requests * (prefix + own) * 2 * heads * hd * 4;
-  EXPECT_EQ(contiguous_bytes, cache.held_bytes() * 17 / 2);
+  EXPECT_EQ(contiguous_bytes, cache.held_bytes() * 8);
 }
 
 TEST(PagedKVCacheTest, AFullPoolRefusesAndWritesNothing) {
@@ -325,18 +325,18 @@ TEST(PagedKVCacheTest, RefusesBadTablesSequencesAndShapesByName) {
   expect_error_containing([&] { PagedKVCache(0, 2, 1, 2); },
                           "[PagedKVCache] option num_pages must be > 0, got 0");
   expect_error_containing([&] { PagedKVCache::pages_within(100, 16, 2, 8, torch::kFloat); },
-                          "bytes must hold at least one page (2048 bytes), got 100");
-  EXPECT_EQ(PagedKVCache::pages_within(10 * 2048 + 5, 16, 2, 8, torch::kFloat), 10);
+                          "bytes must hold at least one page (2176 bytes), got 100");
+  EXPECT_EQ(PagedKVCache::pages_within(10 * 2176 + 5, 16, 2, 8, torch::kFloat), 10);
 }
 
 TEST(PagedKVCacheTest, APoolOverTheMemoryBudgetIsRefused) {
   attnkit::set_memory_budget(int64_t{1} << 20);
   expect_error_containing([&] { PagedKVCache(1024, 16, 8, 64); },
-                          "[PagedKVCache]: a pool of 1024 pages needs 67.1 MB, over attnkit's "
+                          "[PagedKVCache]: a pool of 1024 pages needs 67.2 MB, over attnkit's "
                           "memory budget of 1.05 MB");
   attnkit::set_memory_budget(0);
   PagedKVCache fits(8, 16, 8, 64);
-  EXPECT_EQ(fits.nbytes(), 8 * 2 * 16 * 8 * 64 * 4);
+  EXPECT_EQ(fits.nbytes(), 8 * 2 * (16 * 8 * 64 * 4 + 64));
 }
 
 // A prefill of 7 tokens, then 5 decode steps, of two sequences: through a KVCache and through a

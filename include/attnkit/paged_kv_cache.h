@@ -37,7 +37,8 @@ namespace attnkit {
 class PagedKVCache {
  public:
   /// The pool, allocated now (zeros): 2 * num_pages * num_heads * page_size * head_dim
-  /// elements. Fails when it would take more than attnkit::memory_budget().
+  /// elements, each page followed by a cache line (64 bytes) that keeps pages from sharing
+  /// cache sets. Fails when it would take more than attnkit::memory_budget().
   PagedKVCache(int64_t num_pages, int64_t page_size, int64_t num_heads, int64_t head_dim,
                const torch::TensorOptions& options = {});
 
@@ -94,7 +95,7 @@ class PagedKVCache {
   int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
   /// Sequences that hold `page` (0: free).
   int64_t references(int64_t page) const;
-  /// Bytes of the whole pool.
+  /// Bytes of the whole pool, the pages' cache lines of padding included.
   int64_t nbytes() const;
   /// Bytes of the pages held now: (num_pages() - free_pages()) pages.
   int64_t held_bytes() const;

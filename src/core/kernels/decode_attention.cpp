@@ -152,11 +152,22 @@ void add_weighted_row(Acc weight, const In* row, int64_t count, Acc* acc) {
     acc[d] += weight * static_cast<Acc>(row[d]);
 }
 
+// Which tensor a pass over a row's positions reads.
+enum class Read { kKeys, kValues };
+
 // One query per row and head against that row's keys [begin[r], end[r]), read where they lie:
-// `runs(row, kv_head, begin, end, visit)` calls visit(keys, values, first, count) for each run
-// of keys [first, first + count) that lie one key_stride (value_stride) apart from `keys`
-// (`values`) on: the contiguous cache's whole range, or a paged cache's pages. `m` bounds every
-// row's end. Writes out (b, 1, h, hd_v), rounded once to In.
+// `runs(row, kv_head, begin, end, read, visit)` calls visit(data, first, count) for each run of
+// positions [first, first + count) whose keys (values) lie one key_stride (value_stride) apart
+// from `data` on: the contiguous cache's whole range, or a paged cache's pages. `m` bounds
+// every row's end. Writes out (b, 1, h, hd_v), rounded once to In.
+//
+// A task is a row's key head with its group of query heads (grouped-query attention): each
+// block of kKeyBlock keys is read from memory once for the whole group, then served from L1.
+// One task per query head read every key once per head, and the group's later heads found
+// the keys in cache only while they fitted there (not at 32k positions, nor for a paged
+// cache's runs, which could evict each other).
+constexpr int64_t kKeyBlock = 32;
+
 template <typename In, typename Runs>
 void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_t hd_v,
                  int64_t key_stride, int64_t value_stride, double scale,
@@ -170,60 +181,84 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
   auto* o = out.data_ptr<In>();  // (b, 1, h, hd_v) contiguous
   const auto qs = query.strides();
   // Enough keys per task that a thread's share is worth waking it for.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, m * (hd + hd_v)));
-  at::parallel_for(0, b * h, grain, [&](int64_t first_task, int64_t last_task) {
-    std::vector<Acc> weights(static_cast<size_t>(m)), q_row(static_cast<size_t>(hd)),
-        context(static_cast<size_t>(hd_v));
+  const int64_t grain =
+      std::max<int64_t>(1, 16384 / std::max<int64_t>(1, m * group_size * (hd + hd_v)));
+  at::parallel_for(0, b * kv_heads, grain, [&](int64_t first_task, int64_t last_task) {
+    // Per query head g of the group: its weights (m), its query (hd) and context (hd_v).
+    std::vector<Acc> weights(static_cast<size_t>(group_size * m)),
+        q_rows(static_cast<size_t>(group_size * hd)),
+        context(static_cast<size_t>(group_size * hd_v));
     for (int64_t task = first_task; task < last_task; ++task) {
-      const int64_t row = task / h, head = task % h, kv_head = head / group_size;
+      const int64_t row = task / kv_heads, kv_head = task % kv_heads;
+      const int64_t first_head = kv_head * group_size;
       const int64_t begin = key_begin.empty() ? 0 : key_begin[row];
       const int64_t end = key_end.empty() ? m : key_end[row];
-      const In* q_in = q + row * qs[0] + head * qs[1];
-      for (int64_t d = 0; d < hd; ++d)
-        q_row[static_cast<size_t>(d)] = static_cast<Acc>(q_in[d]);
+      for (int64_t g = 0; g < group_size; ++g) {
+        const In* q_in = q + row * qs[0] + (first_head + g) * qs[1];
+        for (int64_t d = 0; d < hd; ++d)
+          q_rows[static_cast<size_t>(g * hd + d)] = static_cast<Acc>(q_in[d]);
+      }
       // A row that sees no key gets zero weights, as in the math core: a zero context.
       std::fill(context.begin(), context.end(), Acc(0));
       if (end > begin) {
-        Acc* p = weights.data() + begin;
-        runs(row, kv_head, begin, end,
-             [&](const In* keys, const In*, int64_t first, int64_t count) {
-               key_dots(q_row.data(), keys, key_stride, hd, 0, count, weights.data() + first);
+        runs(row, kv_head, begin, end, Read::kKeys,
+             [&](const In* keys, int64_t first, int64_t count) {
+               for (int64_t block = 0; block < count; block += kKeyBlock) {
+                 const int64_t size = std::min(kKeyBlock, count - block);
+                 for (int64_t g = 0; g < group_size; ++g) {
+                   key_dots(q_rows.data() + g * hd, keys + block * key_stride, key_stride, hd, 0,
+                            size, weights.data() + g * m + first + block);
+                 }
+               }
              });
-        if (!sinks.empty()) {  // the scores (capped), and the head's sink in the denominator
-          const auto sink = static_cast<Acc>(sinks[head]);
-          Acc top = sink;
-          for (int64_t j = 0; j < end - begin; ++j) {
-            p[j] *= static_cast<Acc>(scale);
-            if (softcap > 0.0)
-              p[j] = static_cast<Acc>(softcap) * std::tanh(p[j] / static_cast<Acc>(softcap));
-            top = std::max(top, p[j]);
+        for (int64_t g = 0; g < group_size; ++g) {
+          Acc* p = weights.data() + g * m + begin;
+          const int64_t n = end - begin;
+          if (!sinks.empty()) {  // the scores (capped), and the head's sink in the denominator
+            const auto sink = static_cast<Acc>(sinks[first_head + g]);
+            Acc top = sink;
+            for (int64_t j = 0; j < n; ++j) {
+              p[j] *= static_cast<Acc>(scale);
+              if (softcap > 0.0)
+                p[j] = static_cast<Acc>(softcap) * std::tanh(p[j] / static_cast<Acc>(softcap));
+              top = std::max(top, p[j]);
+            }
+            Acc total = std::exp(sink - top);
+            for (int64_t j = 0; j < n; ++j) {
+              p[j] = std::exp(p[j] - top);
+              total += p[j];
+            }
+            for (int64_t j = 0; j < n; ++j)
+              p[j] /= total;
+          } else if (softcap > 0.0) {  // the scores capped, then a softmax of scale 1
+            const auto cap = static_cast<Acc>(softcap);
+            const auto scale_over_cap = static_cast<Acc>(scale / softcap);
+            for (int64_t j = 0; j < n; ++j)
+              p[j] = cap * std::tanh(p[j] * scale_over_cap);
+            softmax_row(p, n, Acc(1), p);
+          } else {
+            softmax_row(p, n, static_cast<Acc>(scale), p);
           }
-          Acc total = std::exp(sink - top);
-          for (int64_t j = 0; j < end - begin; ++j) {
-            p[j] = std::exp(p[j] - top);
-            total += p[j];
-          }
-          for (int64_t j = 0; j < end - begin; ++j)
-            p[j] /= total;
-        } else if (softcap > 0.0) {  // the scores capped, then a softmax of scale 1
-          const auto cap = static_cast<Acc>(softcap);
-          const auto scale_over_cap = static_cast<Acc>(scale / softcap);
-          for (int64_t j = 0; j < end - begin; ++j)
-            p[j] = cap * std::tanh(p[j] * scale_over_cap);
-          softmax_row(p, end - begin, Acc(1), p);
-        } else {
-          softmax_row(p, end - begin, static_cast<Acc>(scale), p);
         }
-        runs(row, kv_head, begin, end,
-             [&](const In*, const In* values, int64_t first, int64_t count) {
-               for (int64_t j = 0; j < count; ++j)
-                 add_weighted_row(weights[first + j], values + j * value_stride, hd_v,
-                                  context.data());
+        runs(row, kv_head, begin, end, Read::kValues,
+             [&](const In* values, int64_t first, int64_t count) {
+               for (int64_t block = 0; block < count; block += kKeyBlock) {
+                 const int64_t size = std::min(kKeyBlock, count - block);
+                 for (int64_t g = 0; g < group_size; ++g) {
+                   const Acc* weight = weights.data() + g * m + first + block;
+                   for (int64_t j = 0; j < size; ++j) {
+                     add_weighted_row(weight[j], values + (block + j) * value_stride, hd_v,
+                                      context.data() + g * hd_v);
+                   }
+                 }
+               }
              });
       }
-      In* context_out = o + (row * h + head) * hd_v;  // rounded once to the cache's dtype
-      for (int64_t d = 0; d < hd_v; ++d)
-        context_out[d] = static_cast<In>(context[static_cast<size_t>(d)]);
+      for (int64_t g = 0; g < group_size; ++g) {  // rounded once to the cache's dtype
+        In* context_out = o + (row * h + first_head + g) * hd_v;
+        for (int64_t d = 0; d < hd_v; ++d)
+          context_out[d] = static_cast<In>(context[static_cast<size_t>(g * hd_v + d)]);
+      }
     }
   });
 }
@@ -290,11 +325,12 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
         const auto* k = keys.data_ptr<scalar_t>();
         const auto* v = values.data_ptr<scalar_t>();
         const auto ks = keys.strides(), vs = values.strides();
-        // One run: the row's keys in the cache's storage.
-        const auto runs = [&](int64_t row, int64_t kv_head, int64_t begin, int64_t end,
+        // One run: the row's keys (values) in the cache's storage.
+        const auto runs = [&](int64_t row, int64_t kv_head, int64_t begin, int64_t end, Read read,
                               const auto& visit) {
-          visit(k + row * ks[0] + kv_head * ks[1] + begin * ks[2],
-                v + row * vs[0] + kv_head * vs[1] + begin * vs[2], begin, end - begin);
+          visit(read == Read::kKeys ? k + row * ks[0] + kv_head * ks[1] + begin * ks[2]
+                                    : v + row * vs[0] + kv_head * vs[1] + begin * vs[2],
+                begin, end - begin);
         };
         decode_rows<scalar_t>(query, keys.size(1), m, values.size(3), ks[2], vs[2], scale,
                               key_begin, key_end, softcap, sinks_of_heads, runs, out);
@@ -320,15 +356,29 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
         const auto* v = value_pages.data_ptr<scalar_t>();
         const auto ks = key_pages.strides(), vs = value_pages.strides();
         // One run per page: key j in page table[row][j / page_size], slot j % page_size.
-        const auto runs = [&](int64_t row, int64_t kv_head, int64_t begin, int64_t end,
+        // Pages lie anywhere in the pool, so the hardware prefetcher, which follows a stream,
+        // starts cold at each run: the next run is prefetched before this one is read.
+        const auto runs = [&](int64_t row, int64_t kv_head, int64_t begin, int64_t end, Read read,
                               const auto& visit) {
+          const auto* data = read == Read::kKeys ? k : v;
+          const auto& strides = read == Read::kKeys ? ks : vs;
+          const auto* row_pages = table + row * pages_per_row;
+          const auto run_start = [&](int64_t position) {
+            return data + row_pages[position / page_size] * strides[0] + kv_head * strides[1] +
+                   (position % page_size) * strides[2];
+          };
           for (int64_t first = begin; first < end;) {
-            const int64_t page = table[row * pages_per_row + first / page_size];
-            const int64_t slot = first % page_size;
-            const int64_t count = std::min(end - first, page_size - slot);
-            visit(k + page * ks[0] + kv_head * ks[1] + slot * ks[2],
-                  v + page * vs[0] + kv_head * vs[1] + slot * vs[2], first, count);
-            first += count;
+            const int64_t count = std::min(end - first, page_size - first % page_size);
+            const int64_t next = first + count;
+            if (next < end) {
+              const auto* next_run = reinterpret_cast<const char*>(run_start(next));
+              const int64_t bytes = std::min(end - next, page_size) * strides[2] *
+                                    static_cast<int64_t>(sizeof(scalar_t));
+              for (int64_t offset = 0; offset < bytes; offset += 64)
+                __builtin_prefetch(next_run + offset);
+            }
+            visit(run_start(first), first, count);
+            first = next;
           }
         };
         decode_rows<scalar_t>(query, key_pages.size(1), m, value_pages.size(3), ks[2], vs[2], scale,
