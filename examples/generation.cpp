@@ -61,6 +61,22 @@ struct TinyModelImpl : torch::nn::Module, attnkit::CausalLanguageModel {
     caches.push_back(attention->make_kv_cache(batch, capacity));
     return caches;
   }
+  // Optional: serving (attnkit::Scheduler). Row r's tokens at its sequence's next positions.
+  std::vector<attnkit::PagedKVCache> make_paged_kv_caches(int64_t num_pages,
+                                                          int64_t page_size) override {
+    std::vector<attnkit::PagedKVCache> pools;  // one per attention layer
+    pools.push_back(attention->make_paged_kv_cache(num_pages, page_size));
+    return pools;
+  }
+  torch::Tensor paged_logits(const torch::Tensor& tokens, std::vector<attnkit::PagedKVCache>& pools,
+                             const std::vector<int64_t>& sequences) override {
+    std::vector<int64_t> starts;
+    for (const auto sequence : sequences)
+      starts.push_back(pools.front().length(sequence));
+    const auto positions = torch::tensor(starts).unsqueeze(1) + torch::arange(tokens.size(1));
+    const auto x = embedding(tokens) + position(positions);  // (b, n, d)
+    return head(attention->forward_with_cache(x, pools.front(), sequences));
+  }
   int64_t context_length() const override { return kContext; }
 
   torch::nn::Embedding embedding, position;
@@ -164,6 +180,36 @@ void paged_cache() {
   TORCH_CHECK(context.sizes() == query.sizes() && cache.free_pages() == 64 - 3);
 }
 
+void serving() {
+  torch::manual_seed(2);
+  TinyModel model;
+  model->eval();
+  const auto ids = [](std::vector<int64_t> tokens) { return torch::tensor(tokens, torch::kInt64); };
+  // [doc:serving]
+  // Pools of 64 pages of 8 positions; at most 4 requests at once, 16 tokens per step.
+  attnkit::Scheduler scheduler(
+      *model, attnkit::SchedulerOptions(64).page_size(8).max_running(4).max_tokens_per_step(16));
+  const auto greedy = scheduler.submit(ids({72, 105}), attnkit::GenerateOptions(20));
+  scheduler.submit(ids({84, 104, 101, 32}),
+                   attnkit::GenerateOptions(30).temperature(0.8).top_k(40).seed(7));
+  std::vector<attnkit::ServedRequest> served;
+  for (int step = 0; !scheduler.idle(); ++step) {
+    if (step == 3)  // a request joins the running batch
+      scheduler.submit(ids({65}), attnkit::GenerateOptions(20).stop_tokens({'\n'}));
+    for (auto& done : scheduler.step())  // the requests that ended in this step
+      served.push_back(std::move(done));
+  }
+  // served[i].tokens: the prompt, then its new tokens; .seconds_to_first_token, .seconds
+  // [doc:end]
+  const auto alone =
+      attnkit::generate(*model, ids({72, 105}).unsqueeze(0), attnkit::GenerateOptions(20))[0];
+  TORCH_CHECK(served.size() == 3);
+  for (const auto& done : served)
+    TORCH_CHECK(done.id != greedy || done.tokens.equal(alone));
+  for (const auto& pool : scheduler.pools())
+    TORCH_CHECK(pool.free_pages() == 64);
+}
+
 }  // namespace
 
 int main() {
@@ -172,5 +218,6 @@ int main() {
   family();
   gemma2_attention();
   paged_cache();
+  serving();
   std::cout << "generation examples ran\n";
 }

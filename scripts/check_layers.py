@@ -65,6 +65,7 @@ PUBLIC_LAYERS = {
     "rms_norm.h": "modules",
     "self_attention.h": "modules",
     "generate.h": "inference",
+    "serving.h": "inference",
     "safetensors.h": "io",
     "serialize.h": "io",
     # Everything, for programs and models outside the library.

@@ -550,7 +550,8 @@ TEST(Generate, PastTheContextTheCacheIsRefilled) {
 
 namespace {
 
-// Forwards to a model and records the batch of every cached call, to see finished rows leave.
+// Forwards to a model and records the batch of every cached call, to see finished rows leave,
+// and the shape of every paged call.
 class RecordingModel : public CausalLanguageModel {
  public:
   explicit RecordingModel(train::AttentionModel model) : model_(std::move(model)) {}
@@ -568,9 +569,18 @@ class RecordingModel : public CausalLanguageModel {
   std::vector<KVCache> make_kv_caches(int64_t batch, int64_t capacity) override {
     return model_->make_kv_caches(batch, capacity);
   }
+  std::vector<PagedKVCache> make_paged_kv_caches(int64_t num_pages, int64_t page_size) override {
+    return model_->make_paged_kv_caches(num_pages, page_size);
+  }
+  torch::Tensor paged_logits(const torch::Tensor& tokens, std::vector<PagedKVCache>& pools,
+                             const std::vector<int64_t>& sequences) override {
+    paged_calls.emplace_back(tokens.size(0), tokens.size(1));
+    return model_->paged_logits(tokens, pools, sequences);
+  }
   int64_t context_length() const override { return model_->context_length(); }
 
   std::vector<int64_t> batches;
+  std::vector<std::pair<int64_t, int64_t>> paged_calls;  // (rows, tokens per row) of each call
 
  private:
   train::AttentionModel model_;
@@ -1101,4 +1111,152 @@ TEST(DecodeAttention, RefusesWhatItCannotTake) {
   EXPECT_TRUE(attnkit::detail::decode_attention_fits(query, keys, keys));
   EXPECT_TRUE(attnkit::detail::decode_attention_fits(query.to(torch::kHalf), keys.to(torch::kHalf),
                                                      keys.to(torch::kHalf)));
+}
+
+// ---- Scheduler: continuous batching on paged caches ---------------------------------------
+
+// Requests of different lengths join a running batch at different steps, on pages of 3
+// positions, at most 3 running and 4 tokens a step (prompts of 7 and 11 are prefilled in
+// chunks beside the others' decode steps), in a pool too small for all at once (requests wait
+// for pages). Each gets the greedy tokens of its prompt generated alone, cut at its own stop
+// token, and logits equal to the training forward's over its whole sequence (float64, 1e-10);
+// a sampled request its draws alone; one past the context of 24 its refills alone.
+TEST(Scheduler, EachRequestGetsItsTokensAloneJoiningAtDifferentSteps) {
+  for (const auto& [module, window] : std::vector<std::pair<std::string, int64_t>>{
+           {"mha", 0}, {"mha-combined", 5}, {"gqa", 0}, {"gqa", 4}}) {
+    SCOPED_TRACE(c10::str(module, " window ", window));
+    torch::manual_seed(51);
+    auto config = text_model_config(module, "fused");
+    config.window = window;
+    config.rope = module == "gqa";
+    train::AttentionModel model(config);
+    model->to(torch::kFloat64);
+    model->eval();
+    const std::vector<std::pair<int64_t, int64_t>> shapes{{4, 12}, {1, 12}, {7, 5},
+                                                          {3, 12}, {11, 9}, {2, 20}};
+    std::vector<torch::Tensor> prompts;
+    for (const auto& shape : shapes)
+      prompts.push_back(torch::randint(0, 40, {shape.first}, torch::kInt64));
+    const int64_t stop = generated_alone(model, prompts[3], 12)[3 + 4].item<int64_t>();
+    RecordingModel recording(model);
+    Scheduler scheduler(recording, SchedulerOptions(/*num_pages=*/14)
+                                       .page_size(3)
+                                       .max_running(3)
+                                       .max_tokens_per_step(4)
+                                       .keep_logits(true));
+    const auto options_of = [&](size_t r) {
+      auto options = GenerateOptions(shapes[r].second);
+      return r == 3 ? options.stop_tokens({stop}) : options;
+    };
+    // Two at first, then one more after each step; a sampled one and one past the context
+    // last.
+    const auto sampled_prompt = torch::randint(0, 40, {6}, torch::kInt64);
+    const auto sampled = GenerateOptions(10).temperature(0.8).top_k(5).seed(3);
+    const auto long_prompt = torch::randint(0, 40, {5}, torch::kInt64);
+    std::vector<ServedRequest> served;
+    bool waited_for_pages = false, chunk_beside_decode = false;
+    size_t submitted = 0;
+    for (; submitted < 2; ++submitted)
+      EXPECT_EQ(scheduler.submit(prompts[submitted], options_of(submitted)), submitted);
+    while (!scheduler.idle() || submitted < prompts.size() + 2) {
+      const size_t calls_before = recording.paged_calls.size();
+      for (auto& done : scheduler.step())
+        served.push_back(std::move(done));
+      int64_t step_tokens = 0;
+      bool decoded = false, chunked = false;
+      for (size_t c = calls_before; c < recording.paged_calls.size(); ++c) {
+        const auto [rows, count] = recording.paged_calls[c];
+        step_tokens += rows * count;
+        (count == 1 ? decoded : chunked) = true;
+      }
+      EXPECT_LE(step_tokens, 4);
+      chunk_beside_decode = chunk_beside_decode || (decoded && chunked);
+      waited_for_pages = waited_for_pages || (scheduler.waiting() > 0 && scheduler.running() < 3);
+      if (submitted < prompts.size()) {
+        scheduler.submit(prompts[submitted], options_of(submitted));
+        ++submitted;
+      } else if (submitted == prompts.size()) {
+        scheduler.submit(sampled_prompt, sampled);
+        scheduler.submit(long_prompt, GenerateOptions(30));
+        submitted += 2;
+      }
+    }
+    EXPECT_TRUE(waited_for_pages) << "the pool never made a request wait";
+    EXPECT_TRUE(chunk_beside_decode) << "no step prefilled a chunk beside decode steps";
+    ASSERT_EQ(served.size(), prompts.size() + 2);
+    std::sort(served.begin(), served.end(),
+              [](const ServedRequest& a, const ServedRequest& b) { return a.id < b.id; });
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      const auto alone = generated_alone(model, prompts[r], shapes[r].second, r == 3 ? stop : -1);
+      EXPECT_TRUE(served[r].tokens.equal(alone))
+          << "request " << r << "\nserved " << served[r].tokens << "\nalone " << alone;
+      const int64_t n = shapes[r].first, generated = served[r].tokens.size(0) - n;
+      ASSERT_EQ(served[r].logits.size(0), generated);
+      const auto full = model->logits(served[r].tokens.view({1, -1}))[0];  // (n + new, vocab)
+      EXPECT_TRUE(tensors_close(c10::str("request ", r, " logits"), served[r].logits,
+                                full.narrow(0, n - 1, generated), 1e-10));
+      EXPECT_EQ(served[r].prompt_length, n);
+      EXPECT_GE(served[r].seconds, served[r].seconds_to_first_token);
+    }
+    EXPECT_TRUE(served[prompts.size()].tokens.equal(
+        generate(*model, sampled_prompt.view({1, -1}), sampled)[0]));
+    EXPECT_TRUE(served[prompts.size() + 1].tokens.equal(
+        generate(*model, long_prompt.view({1, -1}), GenerateOptions(30))[0]));
+    for (const auto& pool : scheduler.pools())
+      EXPECT_EQ(pool.free_pages(), 14) << "an ended request kept pages";
+  }
+}
+
+TEST(Scheduler, BadArgumentsAreNamedAndQueueNothing) {
+  train::AttentionModel model(text_model_config("gqa", "fused"));
+  model->eval();
+  Scheduler scheduler(*model, SchedulerOptions(8).page_size(2).max_running(2));
+  const auto prompt = torch::zeros({3}, torch::kInt64);
+  expect_error_containing(
+      [&] {
+        scheduler.submit(prompt.view({1, 3}), GenerateOptions(2));
+      },
+      "[Scheduler] prompt: expected (n) int64 token ids with n >= 1, got "
+      "[1, 3] Long");
+  expect_error_containing([&] { scheduler.submit(prompt.to(torch::kFloat), GenerateOptions(2)); },
+                          "[Scheduler] prompt: expected (n) int64 token ids");
+  expect_error_containing([&] { scheduler.submit(prompt, GenerateOptions(2).temperature(-1.0)); },
+                          "[Scheduler] temperature must be >= 0 (0: greedy), got -1");
+  expect_error_containing([&] { scheduler.submit(prompt, GenerateOptions(-1)); },
+                          "[Scheduler] max_new_tokens must be >= 0, got -1");
+  expect_error_containing([&] { scheduler.submit(prompt, GenerateOptions(2).use_kv_cache(false)); },
+                          "[Scheduler] serves from paged KV caches: use_kv_cache must be true");
+  // 3 + 20 positions, at most the context of 24: 12 pages of 2, in a pool of 8.
+  expect_error_containing(
+      [&] { scheduler.submit(prompt, GenerateOptions(20)); },
+      "[Scheduler] request 0 can hold 23 positions (prompt 3 + max_new_tokens 20, at most the "
+      "context of 24): 12 pages of 2, but the pool has 8");
+  EXPECT_TRUE(scheduler.idle()) << "a refused request was queued";
+  EXPECT_EQ(scheduler.submit(prompt, GenerateOptions(0)), 0) << "ids count accepted requests";
+  const auto ended = scheduler.run();
+  ASSERT_EQ(ended.size(), 1u);
+  EXPECT_TRUE(ended[0].tokens.equal(prompt)) << "max_new_tokens 0 gives the prompt";
+  EXPECT_FALSE(ended[0].logits.defined());
+  expect_error_containing(
+      [&] { Scheduler(*model, SchedulerOptions(8).max_running(4).max_tokens_per_step(3)); },
+      "[Scheduler] max_tokens_per_step must be >= max_running (every running request's decode "
+      "token fits in one step), got max_tokens_per_step = 3, max_running = 4");
+  expect_error_containing([&] { Scheduler(*model, SchedulerOptions(0)); },
+                          "[Scheduler] num_pages and page_size must be >= 1, got num_pages = 0");
+  train::AttentionModel latent(text_model_config("mla", "fused"));
+  latent->eval();
+  expect_error_containing([&] { Scheduler(*latent, SchedulerOptions(8)); },
+                          "latents are not paged yet");
+  // A model that implements none of the paged methods says which it lacks.
+  struct Unpaged : CausalLanguageModel {
+    torch::Tensor logits(const torch::Tensor& t) override { return t; }
+    torch::Tensor logits_with_cache(const torch::Tensor& t, std::vector<KVCache>&) override {
+      return t;
+    }
+    std::vector<KVCache> make_kv_caches(int64_t, int64_t) override { return {}; }
+    int64_t context_length() const override { return 8; }
+  } unpaged;
+  expect_error_containing([&] { Scheduler(unpaged, SchedulerOptions(8)); },
+                          "[Scheduler] serving needs the model's make_paged_kv_caches(num_pages, "
+                          "page_size) and paged_logits(tokens, pools, sequences)");
 }

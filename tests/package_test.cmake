@@ -88,6 +88,19 @@ foreach(model gpt2 llama3 qwen3 mistral qwen2 phi3 gemma2 gemma3)
   run_program("run tiny_gpt --hf ${model}" ${WORK_DIR}/build/tiny_gpt
     --hf ${ATTNKIT_SOURCE_DIR}/data/golden/hf/${model})
 endforeach()
+# Serving a file of prompts by continuous batching, then one at a time (apps/tiny_gpt/serve.h).
+run_program("run tiny_gpt --serve" ${WORK_DIR}/build/tiny_gpt
+  --hf ${ATTNKIT_SOURCE_DIR}/data/golden/hf/llama3 --serve ${ATTNKIT_SOURCE_DIR}/data/serve_prompts.txt)
+run_program("run tiny_gpt --serve --one-at-a-time" ${WORK_DIR}/build/tiny_gpt
+  --hf ${ATTNKIT_SOURCE_DIR}/data/golden/hf/llama3 --serve ${ATTNKIT_SOURCE_DIR}/data/serve_prompts.txt
+  --one-at-a-time --max-new-tokens 8)
+# A prompts file with a word that is not a token id of the model is named with its line.
+file(WRITE ${WORK_DIR}/bad_prompts.txt "1 2 3\n4 97 5\n")
+execute_process(COMMAND ${WORK_DIR}/build/tiny_gpt --hf ${ATTNKIT_SOURCE_DIR}/data/golden/hf/gpt2
+  --serve ${WORK_DIR}/bad_prompts.txt RESULT_VARIABLE result ERROR_VARIABLE error)
+if(NOT result EQUAL 1 OR NOT error MATCHES "bad_prompts.txt:2: '97' is not a token id in \\[0, 97\\)")
+  message(FATAL_ERROR "package test: tiny_gpt --serve with a bad prompts file gave ${result}: ${error}")
+endif()
 # A folder without a checkpoint, and a dtype it does not know: each named.
 execute_process(COMMAND ${WORK_DIR}/build/tiny_gpt --hf ${ATTNKIT_SOURCE_DIR}/data/golden/llama
   RESULT_VARIABLE result ERROR_VARIABLE error)

@@ -8,6 +8,7 @@
 //   tiny_gpt --data the-verdict.txt [--llama] [--steps 300] [--sample 200] [--seed 1]
 //   tiny_gpt --golden data/golden/llama/reference.pt
 //   tiny_gpt --hf data/golden/hf/llama3 [--device cuda] [--dtype bfloat16]
+//   tiny_gpt --hf data/golden/hf/llama3 --serve data/serve_prompts.txt [--one-at-a-time]
 //
 // Prints the training loss as it falls, the held-out loss, and a sample. Exits 1 if the
 // loss did not fall, so a test can tell that the model learns. --golden instead checks the
@@ -15,7 +16,9 @@
 // prompts decoded together as one ragged batch) and exits 1 on a mismatch. --hf loads a
 // Hugging Face checkpoint (GPT-2, Llama 3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3) into
 // the same model through a name map and
-// checks it against transformers' logits and greedy tokens (reference_checks.h).
+// checks it against transformers' logits and greedy tokens (reference_checks.h); with --serve
+// it serves a file of prompts by continuous batching and reports latency and throughput
+// (serve.h).
 
 #include <attnkit/attnkit.h>
 #include <torch/torch.h>
@@ -32,6 +35,7 @@
 
 #include "model.h"
 #include "reference_checks.h"
+#include "serve.h"
 
 namespace {
 
@@ -81,7 +85,15 @@ constexpr const char* kUsage =
     "  (scripts/hf_decoder_reference.py); checks float64 and float32 unless --dtype names one\n"
     "  --decode-speed N (with --hf): instead of the checks, tokens/s of greedy decoding of N\n"
     "  tokens after the reference's longest prompt, with and without the KV caches, in\n"
-    "  alternation, medians of 5 rounds (--dtype: float32 unless named)";
+    "  alternation, medians of 5 rounds (--dtype: float32 unless named)\n"
+    "       tiny_gpt --hf DIR --serve PROMPTS [--max-new-tokens N] [--one-at-a-time]\n"
+    "                [--page-size N] [--max-running N] [--device D] [--dtype T]\n"
+    "  --serve PROMPTS (with --hf): serves the prompts of the file (one per line, token ids\n"
+    "  separated by spaces), all submitted at once, N greedy tokens each (default 32), by\n"
+    "  continuous batching on paged caches (attnkit::Scheduler: pages of --page-size\n"
+    "  positions, default 16, up to --max-running requests at once, default 32), or with\n"
+    "  --one-at-a-time by attnkit::generate one prompt after another; prints each request's\n"
+    "  time to first token and latency, and the tokens/s (--dtype: float32 unless named)";
 
 int usage(const std::string& message) {
   std::cerr << "tiny_gpt: " << message << "\n" << kUsage << "\n";
@@ -99,6 +111,7 @@ int main(int argc, char** argv) try {
   int64_t sample_length = 200;
   int64_t seed = 1;
   int64_t decode_speed_tokens = 0;
+  tiny_gpt::ServeSettings serve;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -111,6 +124,10 @@ int main(int argc, char** argv) try {
       config.llama = true;
       continue;
     }
+    if (arg == "--one-at-a-time") {
+      serve.one_at_a_time = true;
+      continue;
+    }
     if (i + 1 >= argc)
       return usage("missing value for " + arg);
     const std::string value = argv[++i];
@@ -120,6 +137,8 @@ int main(int argc, char** argv) try {
       golden_path = value;
     } else if (arg == "--hf") {
       hf_dir = value;
+    } else if (arg == "--serve") {
+      serve.prompts_path = value;
     } else if (arg == "--device") {
       if (value != "cpu" && value != "cuda" && value.rfind("cuda:", 0) != 0)
         return usage("--device must be cpu, cuda or cuda:N, got '" + value + "'");
@@ -136,19 +155,33 @@ int main(int argc, char** argv) try {
       else
         return usage("--dtype must be float64, float32 or bfloat16, got '" + value + "'");
     } else if (arg == "--steps" || arg == "--sample" || arg == "--seed" ||
-               arg == "--decode-speed") {
+               arg == "--decode-speed" || arg == "--max-new-tokens") {
       char* end = nullptr;
       const long long number = std::strtoll(value.c_str(), &end, 10);
-      if (*end != '\0' || number < 0)
-        return usage(arg + " needs a number >= 0");
-      (arg == "--steps"    ? steps
-       : arg == "--sample" ? sample_length
-       : arg == "--seed"   ? seed
-                           : decode_speed_tokens) = number;
+      if (value.empty() || *end != '\0' || number < 0)
+        return usage(arg + " needs a number >= 0, got '" + value + "'");
+      (arg == "--steps"            ? steps
+       : arg == "--sample"         ? sample_length
+       : arg == "--seed"           ? seed
+       : arg == "--max-new-tokens" ? serve.new_tokens
+                                   : decode_speed_tokens) = number;
+    } else if (arg == "--page-size" || arg == "--max-running") {
+      char* end = nullptr;
+      const long long number = std::strtoll(value.c_str(), &end, 10);
+      if (value.empty() || *end != '\0' || number < 1)
+        return usage(arg + " needs a number >= 1, got '" + value + "'");
+      (arg == "--page-size" ? serve.page_size : serve.max_running) = number;
     } else {
       return usage("unknown argument " + arg);
     }
   }
+  const bool serving = !serve.prompts_path.empty();
+  if (!serving && serve.one_at_a_time)
+    return usage("--one-at-a-time goes with --serve");
+  if (serving && (hf_dir.empty() || decode_speed_tokens > 0))
+    return usage("--serve goes with --hf, and not with --decode-speed");
+  if (serving)
+    return tiny_gpt::serve(hf_dir, device, dtype.value_or(torch::kFloat32), serve);
   if (!hf_dir.empty() && decode_speed_tokens > 0) {
     return tiny_gpt::decode_speed(hf_dir, device, dtype.value_or(torch::kFloat32),
                                   decode_speed_tokens);

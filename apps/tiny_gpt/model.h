@@ -73,8 +73,17 @@ struct DecoderBlock : torch::nn::Module {
     x = x + after_attention(attention->forward_with_cache(attention_norm(x), cache, lengths));
     return x + after_feed_forward(feed_forward(feed_forward_norm(x)));
   }
+  // The same on a paged pool: row r brings the next n tokens of sequences[r].
+  torch::Tensor forward_with_cache(torch::Tensor x, attnkit::PagedKVCache& pool,
+                                   const std::vector<int64_t>& sequences) {
+    x = x + after_attention(attention->forward_with_cache(attention_norm(x), pool, sequences));
+    return x + after_feed_forward(feed_forward(feed_forward_norm(x)));
+  }
   attnkit::KVCache make_kv_cache(int64_t batch, int64_t capacity) {
     return attention->make_kv_cache(batch, capacity);
+  }
+  attnkit::PagedKVCache make_paged_kv_cache(int64_t num_pages, int64_t page_size) {
+    return attention->make_paged_kv_cache(num_pages, page_size);
   }
 
   virtual torch::Tensor attention_norm(const torch::Tensor& x) = 0;
@@ -261,6 +270,26 @@ struct TinyGptImpl : torch::nn::Module, attnkit::CausalLanguageModel {
       caches.push_back(block->as<DecoderBlock>()->make_kv_cache(batch, capacity));
     }
     return caches;
+  }
+  std::vector<attnkit::PagedKVCache> make_paged_kv_caches(int64_t num_pages,
+                                                          int64_t page_size) override {
+    std::vector<attnkit::PagedKVCache> pools;
+    for (auto& block : *blocks)
+      pools.push_back(block->as<DecoderBlock>()->make_paged_kv_cache(num_pages, page_size));
+    return pools;
+  }
+  // Row r's tokens at positions [pools' length of sequences[r], ... + n).
+  torch::Tensor paged_logits(const torch::Tensor& tokens, std::vector<attnkit::PagedKVCache>& pools,
+                             const std::vector<int64_t>& sequences) override {
+    std::vector<int64_t> starts;
+    for (const int64_t sequence : sequences)
+      starts.push_back(pools.front().length(sequence));
+    const auto positions = torch::tensor(starts).to(tokens.device()).unsqueeze(1) +
+                           torch::arange(tokens.size(1), tokens.options());  // (b, n)
+    auto x = embed(tokens, positions);
+    for (size_t i = 0; i < pools.size(); ++i)
+      x = blocks[i]->as<DecoderBlock>()->forward_with_cache(x, pools[i], sequences);
+    return project_to_vocab(final_norm.forward(x));
   }
   int64_t context_length() const override { return config.context_length; }
 

@@ -176,6 +176,60 @@ double hf_tolerance(torch::ScalarType dtype) {
   return dtype == torch::kFloat64 ? 1e-10 : dtype == torch::kFloat32 ? 1e-4 : 5e-2;
 }
 
+// Continuous batching (attnkit::Scheduler) of the prompts and variants of them: 5 requests
+// of different lengths and limits joining at different steps, on pages of 4 positions, at most
+// 3 running and 8 tokens a step (the longer prompts prefilled in chunks beside the others'
+// decode steps), in a pool that makes the last ones wait. Each request's greedy tokens are
+// compared with its prompt generated alone with the contiguous caches, and the logits it chose
+// them from with the model's own logits without a cache over its whole sequence.
+struct ServedCheck {
+  Difference logits;
+  int64_t requests = 0;
+  int64_t tokens_equal = 0;  // requests whose tokens equal generating them alone
+};
+
+ServedCheck check_served(TinyGpt& model, const std::vector<torch::Tensor>& prompts, int64_t steps) {
+  std::vector<std::pair<torch::Tensor, int64_t>> requests;  // (prompt, max_new_tokens)
+  for (const auto& prompt : prompts)
+    requests.emplace_back(prompt, steps);
+  requests.emplace_back(prompts.front().narrow(0, 0, (prompts.front().size(0) + 1) / 2),
+                        steps / 2 + 1);
+  requests.emplace_back(torch::cat({prompts.back(), prompts.front()}), steps / 3 + 1);
+  const int64_t page_size = 4;
+  int64_t most_pages = 0;  // the largest request's, so the pool takes about 2 at once
+  for (const auto& [prompt, new_tokens] : requests) {
+    const int64_t positions = std::min(prompt.size(0) + new_tokens, model->context_length());
+    most_pages = std::max(most_pages, (positions + page_size - 1) / page_size);
+  }
+  attnkit::Scheduler scheduler(*model, attnkit::SchedulerOptions(2 * most_pages + 1)
+                                           .page_size(page_size)
+                                           .max_running(3)
+                                           .max_tokens_per_step(8)
+                                           .keep_logits(true));
+  std::vector<attnkit::ServedRequest> served;
+  for (size_t submitted = 0; submitted < requests.size() || !scheduler.idle();) {
+    if (submitted < requests.size()) {  // one joins every other step
+      scheduler.submit(requests[submitted].first,
+                       attnkit::GenerateOptions(requests[submitted].second));
+      ++submitted;
+    }
+    for (int each = 0; each < 2; ++each)
+      for (auto& done : scheduler.step())
+        served.push_back(std::move(done));
+  }
+  ServedCheck check;
+  for (const auto& done : served) {
+    const auto& [prompt, new_tokens] = requests[done.id];
+    const auto alone =
+        attnkit::generate(*model, prompt.unsqueeze(0), attnkit::GenerateOptions(new_tokens))[0];
+    check.tokens_equal += torch::equal(done.tokens, alone.to(torch::kCPU)) ? 1 : 0;
+    const auto whole = model->forward(done.tokens.to(prompt.device()).unsqueeze(0))[0];
+    check.logits.add(done.logits, whole.narrow(0, prompt.size(0) - 1, new_tokens));
+    ++check.requests;
+  }
+  return check;
+}
+
 bool check_hf_dtype(const std::string& dir, const attnkit::StateDict& reference,
                     torch::Device device, torch::ScalarType dtype) {
   torch::NoGradGuard no_grad;
@@ -236,12 +290,15 @@ bool check_hf_dtype(const std::string& dir, const attnkit::StateDict& reference,
     equal_tokens += same.sum().item<int64_t>();
     tokens_equal = tokens_equal && same.all().item<bool>();
   }
+  const auto continuous = check_served(model, prompts, steps);
   const double tolerance = hf_tolerance(dtype);
   // Token for token in float64 and float32; bfloat16's rounding may flip a near tie (the
   // reference prints the smallest top-2 gap), so there it is reported, not required.
   const bool ok = uncached.worst_relative <= tolerance && ragged.worst_relative <= tolerance &&
                   decoded.worst_relative <= tolerance &&
-                  (tokens_equal || dtype == torch::kBFloat16);
+                  continuous.logits.worst_relative <= tolerance &&
+                  ((tokens_equal && continuous.tokens_equal == continuous.requests) ||
+                   dtype == torch::kBFloat16);
   std::string bytes_text;
   for (const auto& [window, bytes] : cache_bytes) {
     bytes_text += c10::str(bytes_text.empty() ? "" : ", ",
@@ -256,7 +313,11 @@ bool check_hf_dtype(const std::string& dir, const attnkit::StateDict& reference,
             << decoded.worst_relative << "); each layer's cache: " << bytes_text
             << "; tolerance relative " << tolerance << "; greedy tokens of the ragged batch of "
             << batch << ": " << equal_tokens << " of " << batch * steps
-            << " equal before the first difference" << (ok ? " -> OK" : " -> MISMATCH") << "\n";
+            << " equal before the first difference; continuous batching of " << continuous.requests
+            << " requests on paged caches: " << continuous.tokens_equal
+            << " with the tokens of generating them alone, logits against the uncached "
+            << continuous.logits.worst << " (relative " << continuous.logits.worst_relative << ")"
+            << (ok ? " -> OK" : " -> MISMATCH") << "\n";
   return ok;
 }
 

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "attnkit/kv_cache.h"
+#include "attnkit/paged_kv_cache.h"
 
 namespace attnkit {
 
@@ -34,6 +35,15 @@ class CausalLanguageModel {
                                                  std::vector<KVCache>& caches);
   /// One empty cache per attention layer for `batch` sequences of up to `capacity` positions.
   virtual std::vector<KVCache> make_kv_caches(int64_t batch, int64_t capacity) = 0;
+  /// One paged pool per attention layer (each layer's make_paged_kv_cache), for
+  /// attnkit::Scheduler (serving.h). The default refuses.
+  virtual std::vector<PagedKVCache> make_paged_kv_caches(int64_t num_pages, int64_t page_size);
+  /// Logits (b, n, vocab) of the next n tokens (b, n) of `sequences` (one id per row, the
+  /// same in every pool): row r's tokens at positions [pools.front().length(sequences[r]),
+  /// ... + n), each attention layer calling forward_with_cache(x, pools[layer], sequences).
+  /// The default refuses.
+  virtual torch::Tensor paged_logits(const torch::Tensor& tokens, std::vector<PagedKVCache>& pools,
+                                     const std::vector<int64_t>& sequences);
   /// Longest sequence the model takes (the size of its position embedding).
   virtual int64_t context_length() const = 0;
 };

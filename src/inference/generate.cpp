@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/base/checks.h"
+#include "inference/sampling.h"
 
 namespace attnkit {
 
@@ -24,12 +25,7 @@ void check_generate_arguments(const CausalLanguageModel& model, const torch::Ten
   TORCH_CHECK(prompt.size(0) >= 1 && prompt.size(1) >= 1, fn,
               " prompt: expected at least one sequence of at least one token, got shape ",
               detail::shape_string(prompt));
-  TORCH_CHECK(options.max_new_tokens() >= 0, fn, " max_new_tokens must be >= 0, got ",
-              options.max_new_tokens());
-  TORCH_CHECK(std::isfinite(options.temperature()) && options.temperature() >= 0.0, fn,
-              " temperature must be >= 0 (0: greedy), got ", options.temperature());
-  TORCH_CHECK(options.top_k() >= 0, fn, " top_k must be >= 0 (0: all tokens), got ",
-              options.top_k());
+  detail::check_sampling_options(fn, options);
   TORCH_CHECK(model.context_length() >= 1, fn, " the model's context_length must be >= 1, got ",
               model.context_length());
 }
@@ -58,8 +54,19 @@ void check_requests(const std::vector<GenerationRequest>& requests,
   }
 }
 
-// The next token of each row from the last position's logits (b, vocab) -> (b, 1): the
-// argmax, or a draw from softmax(logits / temperature) over the top_k most likely tokens.
+}  // namespace
+
+namespace detail {
+
+void check_sampling_options(const char* fn, const GenerateOptions& options) {
+  TORCH_CHECK(options.max_new_tokens() >= 0, fn, " max_new_tokens must be >= 0, got ",
+              options.max_new_tokens());
+  TORCH_CHECK(std::isfinite(options.temperature()) && options.temperature() >= 0.0, fn,
+              " temperature must be >= 0 (0: greedy), got ", options.temperature());
+  TORCH_CHECK(options.top_k() >= 0, fn, " top_k must be >= 0 (0: all tokens), got ",
+              options.top_k());
+}
+
 torch::Tensor next_tokens(const torch::Tensor& logits, const GenerateOptions& options,
                           at::Generator& generator) {
   if (options.temperature() == 0.0) {
@@ -77,7 +84,7 @@ torch::Tensor next_tokens(const torch::Tensor& logits, const GenerateOptions& op
       .to(logits.device());
 }
 
-}  // namespace
+}  // namespace detail
 
 torch::Tensor CausalLanguageModel::ragged_logits_with_cache(const torch::Tensor&,
                                                             const torch::Tensor&,
@@ -86,6 +93,20 @@ torch::Tensor CausalLanguageModel::ragged_logits_with_cache(const torch::Tensor&
               "[generate] prompts of different lengths need the model's "
               "ragged_logits_with_cache(tokens, lengths, caches); this model does not implement "
               "it (give prompts of one length, or implement it: see attnkit/generate.h)");
+}
+
+std::vector<PagedKVCache> CausalLanguageModel::make_paged_kv_caches(int64_t, int64_t) {
+  TORCH_CHECK(false,
+              "[Scheduler] serving needs the model's make_paged_kv_caches(num_pages, page_size) "
+              "and paged_logits(tokens, pools, sequences); this model does not implement them "
+              "(see attnkit/generate.h)");
+}
+
+torch::Tensor CausalLanguageModel::paged_logits(const torch::Tensor&, std::vector<PagedKVCache>&,
+                                                const std::vector<int64_t>&) {
+  TORCH_CHECK(false,
+              "[Scheduler] serving needs the model's paged_logits(tokens, pools, sequences); "
+              "this model does not implement it (see attnkit/generate.h)");
 }
 
 torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
@@ -110,7 +131,7 @@ torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
   if (!options.use_kv_cache()) {
     for (int64_t t = prompt_length; t < total; ++t) {
       const auto logits = model.logits(window(t, std::min(t, context))).select(1, -1);
-      tokens.narrow(1, t, 1).copy_(next_tokens(logits, options, generator));
+      tokens.narrow(1, t, 1).copy_(detail::next_tokens(logits, options, generator));
     }
     return tokens;
   }
@@ -127,7 +148,7 @@ torch::Tensor generate(CausalLanguageModel& model, const torch::Tensor& prompt,
       model.logits_with_cache(window(prompt_length, std::min(prompt_length, capacity)), caches)
           .select(1, -1);
   for (int64_t t = prompt_length; t < total; ++t) {
-    tokens.narrow(1, t, 1).copy_(next_tokens(logits, options, generator));
+    tokens.narrow(1, t, 1).copy_(detail::next_tokens(logits, options, generator));
     if (t + 1 == total) {
       break;
     }
@@ -242,7 +263,7 @@ std::vector<torch::Tensor> generate(CausalLanguageModel& model,
     const int64_t keep = std::max<int64_t>(1, context / 2);
     while (true) {
       const auto next =
-          next_tokens(logits, options, generator).to(torch::kCPU).contiguous();  // (k, 1)
+          detail::next_tokens(logits, options, generator).to(torch::kCPU).contiguous();  // (k, 1)
       const auto* next_ids = next.data_ptr<int64_t>();
       std::vector<int64_t> still;  // indices into active of the rows that go on
       for (size_t i = 0; i < active.size(); ++i) {

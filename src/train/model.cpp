@@ -271,24 +271,41 @@ torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, KVCache& cache,
                                             const torch::Tensor& lengths) {
   TORCH_CHECK(attention_.cached, "--module ", module_name_, " has no KV cache");
   x = x + attention_.cached->forward_with_cache(attention_norm_(x), cache, lengths);
-  if (feed_forward_) {
-    // Norm, Linear, GELU, Dropout (a no-op: caches are for inference), Linear, each per
-    // token: a one-row step's products through attnkit::project, a mostly padded ragged
-    // step's whole feed-forward on its valid tokens.
-    const auto feed_forward = [&](const torch::Tensor& h) {
-      return attnkit::project(feed_forward_down_, torch::gelu(attnkit::project(
-                                                      feed_forward_up_, feed_forward_norm_(h))));
-    };
-    const attnkit::ValidTokens valid(x, host_lengths(lengths));
-    x = valid.packs() ? valid.add_to(x, feed_forward(valid.pack(x))) : x + feed_forward(x);
-  }
-  return x;
+  return cached_feed_forward(x, host_lengths(lengths));
+}
+
+torch::Tensor BlockImpl::forward_with_cache(torch::Tensor x, PagedKVCache& pool,
+                                            const std::vector<int64_t>& sequences) {
+  TORCH_CHECK(attention_.cached, "--module ", module_name_, " has no KV cache");
+  x = x + attention_.cached->forward_with_cache(attention_norm_(x), pool, sequences);
+  return cached_feed_forward(x, {});
+}
+
+torch::Tensor BlockImpl::cached_feed_forward(const torch::Tensor& x,
+                                             const std::vector<int64_t>& lengths) {
+  if (!feed_forward_)
+    return x;
+  // Norm, Linear, GELU, Dropout (a no-op: caches are for inference), Linear, each per
+  // token: a one-row step's products through attnkit::project, a mostly padded ragged
+  // step's whole feed-forward on its valid tokens.
+  const auto feed_forward = [&](const torch::Tensor& h) {
+    return attnkit::project(feed_forward_down_,
+                            torch::gelu(attnkit::project(feed_forward_up_, feed_forward_norm_(h))));
+  };
+  const attnkit::ValidTokens valid(x, lengths);
+  return valid.packs() ? valid.add_to(x, feed_forward(valid.pack(x))) : x + feed_forward(x);
 }
 
 KVCache BlockImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
   TORCH_CHECK(attention_.cached, "--module ", module_name_, " has no KV cache (",
               masked_module_names("and"), " have one); generate with --no-kv-cache");
   return attention_.cached->make_kv_cache(batch, capacity);
+}
+
+PagedKVCache BlockImpl::make_paged_kv_cache(int64_t num_pages, int64_t page_size) const {
+  TORCH_CHECK(attention_.cached, "--module ", module_name_, " has no KV cache (",
+              masked_module_names("and"), " have one) to page");
+  return attention_.cached->make_paged_kv_cache(num_pages, page_size);
 }
 
 AttentionModelImpl::AttentionModelImpl(const ModelConfig& config) : config_(config) {
@@ -419,6 +436,39 @@ std::vector<KVCache> AttentionModelImpl::make_kv_caches(int64_t batch, int64_t c
     caches.push_back(block->as<BlockImpl>()->make_kv_cache(batch, capacity));
   }
   return caches;
+}
+
+std::vector<PagedKVCache> AttentionModelImpl::make_paged_kv_caches(int64_t num_pages,
+                                                                   int64_t page_size) {
+  std::vector<PagedKVCache> pools;
+  for (auto& block : *blocks_)
+    pools.push_back(block->as<BlockImpl>()->make_paged_kv_cache(num_pages, page_size));
+  return pools;
+}
+
+torch::Tensor AttentionModelImpl::paged_logits(const torch::Tensor& tokens,
+                                               std::vector<PagedKVCache>& pools,
+                                               const std::vector<int64_t>& sequences) {
+  const char* fn = "[AttentionModel::paged_logits]";
+  TORCH_CHECK(static_cast<int64_t>(pools.size()) == config_.layers, fn,
+              " expected one pool per layer (", config_.layers, "), got ", pools.size());
+  TORCH_CHECK(tokens.dim() == 2 && static_cast<size_t>(tokens.size(0)) == sequences.size(), fn,
+              " tokens: expected (", sequences.size(), ", n), one row per sequence, got ",
+              tokens.sizes());
+  // Row r's tokens at its own positions [length, length + n): (b, n).
+  std::vector<int64_t> starts;
+  for (const int64_t sequence : sequences) {
+    starts.push_back(pools.front().length(sequence));
+    TORCH_CHECK(starts.back() + tokens.size(1) <= config_.context_length, fn, " sequence ",
+                sequence, ": ", tokens.size(1), " tokens after its ", starts.back(),
+                " would pass context_length ", config_.context_length);
+  }
+  const auto positions = torch::tensor(starts, torch::kInt64).to(tokens.device()).unsqueeze(1) +
+                         torch::arange(tokens.size(1), tokens.options()).unsqueeze(0);
+  auto x = embed(tokens, positions);
+  for (size_t i = 0; i < pools.size(); ++i)
+    x = blocks_[i]->as<BlockImpl>()->forward_with_cache(x, pools[i], sequences);
+  return attnkit::project(head_, final_norm_(x));
 }
 
 std::vector<torch::Tensor> AttentionModelImpl::attention_maps(const torch::Tensor& tokens,

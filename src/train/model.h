@@ -110,10 +110,19 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor forward_with_cache(torch::Tensor x, KVCache& cache);
   /// The same for a right-padded batch: row r brings lengths[r] new tokens.
   torch::Tensor forward_with_cache(torch::Tensor x, KVCache& cache, const torch::Tensor& lengths);
+  /// forward for the next n tokens of `sequences` (one per row) in this block's paged pool.
+  torch::Tensor forward_with_cache(torch::Tensor x, PagedKVCache& pool,
+                                   const std::vector<int64_t>& sequences);
   /// A cache for this block's attention; fails for modules without one.
   KVCache make_kv_cache(int64_t batch, int64_t capacity) const;
+  /// A paged pool for this block's attention; fails for modules without one.
+  PagedKVCache make_paged_kv_cache(int64_t num_pages, int64_t page_size) const;
 
  private:
+  // x plus the feed-forward of each token (lengths: a ragged step's valid tokens per row;
+  // empty: all).
+  torch::Tensor cached_feed_forward(const torch::Tensor& x, const std::vector<int64_t>& lengths);
+
   torch::nn::LayerNorm attention_norm_{nullptr};
   BoundAttention attention_;  // its module is registered as "attention"
   std::string module_name_;
@@ -138,6 +147,9 @@ class AttentionModelImpl : public torch::nn::Module, public CausalLanguageModel 
   torch::Tensor ragged_logits_with_cache(const torch::Tensor& tokens, const torch::Tensor& lengths,
                                          std::vector<KVCache>& caches) override;
   std::vector<KVCache> make_kv_caches(int64_t batch, int64_t capacity) override;
+  std::vector<PagedKVCache> make_paged_kv_caches(int64_t num_pages, int64_t page_size) override;
+  torch::Tensor paged_logits(const torch::Tensor& tokens, std::vector<PagedKVCache>& pools,
+                             const std::vector<int64_t>& sequences) override;
   int64_t context_length() const override { return config_.context_length; }
   /// Attention weights of every layer on `tokens`: layers x (b, h, n, n).
   std::vector<torch::Tensor> attention_maps(const torch::Tensor& tokens,
