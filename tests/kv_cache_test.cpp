@@ -7,6 +7,7 @@
 #include <iterator>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attnkit/attnkit.h"
@@ -971,12 +972,15 @@ TEST(DecodeAttention, EqualsTheMathDefinitionForEveryHeadLayoutAndRowRange) {
 // A 16-bit cache is read in place, its arithmetic in float32 and the result rounded once:
 // against the float64 math on the same 16-bit values, no further off than the float32 math
 // rounded once (the floor), for every head layout, partial blocks of 8 keys and of 8 features,
-// softcaps and sinks; the result keeps the cache's dtype.
+// softcaps and sinks; the result keeps the cache's dtype. Widths of 64 and 128 take the
+// AVX-512 BF16 group paths (decode_bf16.h) for bfloat16 where the CPU has them, with groups of
+// 1, 3 and 6 query heads.
 TEST(DecodeAttention, ReadsA16BitCacheInPlaceAtTheFloat32Floor) {
   torch::manual_seed(9);
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
-    for (const auto& [kv_heads, hd] : {std::pair<int64_t, int64_t>{6, 16}, {2, 13}, {1, 64}}) {
-      const int64_t b = 3, h = 6, m = 37, hd_v = 21;
+    for (const auto& [kv_heads, hd, hd_v] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+             {6, 16, 21}, {2, 13, 21}, {1, 64, 21}, {2, 64, 64}, {1, 128, 128}, {6, 32, 64}}) {
+      const int64_t b = 3, h = 6, m = 37;
       const auto as = torch::TensorOptions().dtype(dtype);
       const auto query = (2 * torch::randn({b, h, 1, hd})).to(as);
       const auto keys = (2 * torch::randn({b, kv_heads, 40, hd})).to(as).narrow(2, 0, m);
@@ -986,8 +990,8 @@ TEST(DecodeAttention, ReadsA16BitCacheInPlaceAtTheFloat32Floor) {
       const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
       for (const double softcap : {0.0, 3.0}) {
         for (const bool with_sinks : {false, true}) {
-          SCOPED_TRACE(c10::str(dtype, ", ", kv_heads, " key heads, width ", hd, ", softcap ",
-                                softcap, with_sinks ? ", sinks" : ""));
+          SCOPED_TRACE(c10::str(dtype, ", ", kv_heads, " key heads, widths ", hd, " and ", hd_v,
+                                ", softcap ", softcap, with_sinks ? ", sinks" : ""));
           const auto decode = [&](torch::ScalarType as_dtype) {
             return attnkit::detail::decode_attention(query.to(as_dtype), keys.to(as_dtype),
                                                      values.to(as_dtype), scale, begin, end,

@@ -17,6 +17,7 @@
 #include "core/base/checks.h"
 #include "core/base/parallel.h"
 #include "core/base/row_softmax.h"
+#include "core/kernels/decode_bf16.h"
 #include "core/scores/score_variants.h"
 
 namespace attnkit::detail {
@@ -165,7 +166,8 @@ enum class Read { kKeys, kValues };
 // block of kKeyBlock keys is read from memory once for the whole group, then served from L1.
 // One task per query head read every key once per head, and the group's later heads found
 // the keys in cache only while they fitted there (not at 32k positions, nor for a paged
-// cache's runs, which could evict each other).
+// cache's runs, which could evict each other). A bfloat16 block goes to decode_bf16.h's
+// group paths where they fit.
 constexpr int64_t kKeyBlock = 32;
 
 template <typename In, typename Runs>
@@ -183,6 +185,9 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
   // Enough keys per task that a thread's share is worth waking it for.
   const int64_t grain =
       std::max<int64_t>(1, 16384 / std::max<int64_t>(1, m * group_size * (hd + hd_v)));
+  bool bf16_group = false;
+  if constexpr (std::is_same_v<In, c10::BFloat16>)
+    bf16_group = decode_bf16_fits(hd, hd_v);
   at::parallel_for(0, b * kv_heads, grain, [&](int64_t first_task, int64_t last_task) {
     // Per query head g of the group: its weights (m), its query (hd) and context (hd_v).
     std::vector<Acc> weights(static_cast<size_t>(group_size * m)),
@@ -205,6 +210,14 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
              [&](const In* keys, int64_t first, int64_t count) {
                for (int64_t block = 0; block < count; block += kKeyBlock) {
                  const int64_t size = std::min(kKeyBlock, count - block);
+                 if constexpr (std::is_same_v<In, c10::BFloat16>) {
+                   if (bf16_group) {
+                     group_key_dots_bf16(q + row * qs[0] + first_head * qs[1], qs[1], group_size,
+                                         hd, keys + block * key_stride, key_stride, size,
+                                         weights.data() + first + block, m);
+                     continue;
+                   }
+                 }
                  for (int64_t g = 0; g < group_size; ++g) {
                    key_dots(q_rows.data() + g * hd, keys + block * key_stride, key_stride, hd, 0,
                             size, weights.data() + g * m + first + block);
@@ -244,6 +257,14 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
              [&](const In* values, int64_t first, int64_t count) {
                for (int64_t block = 0; block < count; block += kKeyBlock) {
                  const int64_t size = std::min(kKeyBlock, count - block);
+                 if constexpr (std::is_same_v<In, c10::BFloat16>) {
+                   if (bf16_group) {
+                     group_weighted_values_bf16(weights.data() + first + block, m, group_size,
+                                                values + block * value_stride, value_stride, size,
+                                                hd_v, context.data());
+                     continue;
+                   }
+                 }
                  for (int64_t g = 0; g < group_size; ++g) {
                    const Acc* weight = weights.data() + g * m + first + block;
                    for (int64_t j = 0; j < size; ++j) {
@@ -374,8 +395,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
               const auto* next_run = reinterpret_cast<const char*>(run_start(next));
               const int64_t bytes = std::min(end - next, page_size) * strides[2] *
                                     static_cast<int64_t>(sizeof(scalar_t));
+              // Into the outer caches only (locality 1): the whole run into L1 evicted the
+              // block being read.
               for (int64_t offset = 0; offset < bytes; offset += 64)
-                __builtin_prefetch(next_run + offset);
+                __builtin_prefetch(next_run + offset, 0, 1);
             }
             visit(run_start(first), first, count);
             first = next;
