@@ -193,17 +193,23 @@ void serving() {
   scheduler.submit(ids({84, 104, 101, 32}),
                    attnkit::GenerateOptions(30).temperature(0.8).top_k(40).seed(7));
   std::vector<attnkit::ServedRequest> served;
+  // A system prompt prefilled once; requests on it share its pages and prefill only their own.
+  const auto system = scheduler.add_prefix(ids({89, 111, 117, 32, 97, 114, 101, 58, 32}));
   for (int step = 0; !scheduler.idle(); ++step) {
-    if (step == 3)  // a request joins the running batch
-      scheduler.submit(ids({65}), attnkit::GenerateOptions(20).stop_tokens({'\n'}));
+    if (step == 3)  // requests join the running batch
+      scheduler.submit(ids({65}), attnkit::GenerateOptions(20).stop_tokens({'\n'}), system);
+    if (step == 4)
+      scheduler.submit(ids({66, 67}), attnkit::GenerateOptions(10), system);
     for (auto& done : scheduler.step())  // the requests that ended in this step
       served.push_back(std::move(done));
   }
-  // served[i].tokens: the prompt, then its new tokens; .seconds_to_first_token, .seconds
+  scheduler.release_prefix(system);  // its pages return to the pool
+  // served[i].tokens: the prompt (a prefix's tokens first), then its new tokens;
+  // .seconds_to_first_token, .seconds
   // [doc:end]
   const auto alone =
       attnkit::generate(*model, ids({72, 105}).unsqueeze(0), attnkit::GenerateOptions(20))[0];
-  TORCH_CHECK(served.size() == 3);
+  TORCH_CHECK(served.size() == 4);
   for (const auto& done : served)
     TORCH_CHECK(done.id != greedy || done.tokens.equal(alone));
   for (const auto& pool : scheduler.pools())

@@ -1264,3 +1264,87 @@ TEST(Scheduler, BadArgumentsAreNamedAndQueueNothing) {
                           "[Scheduler] serving needs the model's make_paged_kv_caches(num_pages, "
                           "page_size) and paged_logits(tokens, pools, sequences)");
 }
+
+// A 9-token prefix (a system prompt) prefilled once; four requests on it, joining at
+// different steps, and one without it. Each gets the tokens and logits of its whole prompt
+// (prefix + its own) generated alone; the pool holds the prefix's two full pages once; its
+// pages return when it is released and the last request on it ends.
+TEST(Scheduler, RequestsOnAPrefixShareItsPages) {
+  for (const std::string module : {"mha", "gqa"}) {
+    SCOPED_TRACE(module);
+    torch::manual_seed(53);
+    auto config = text_model_config(module, "fused");
+    config.rope = module == "gqa";
+    config.window = module == "gqa" ? 6 : 0;
+    train::AttentionModel model(config);
+    model->to(torch::kFloat64);
+    model->eval();
+    const auto system = torch::randint(0, 40, {9}, torch::kInt64);
+    const std::vector<std::pair<int64_t, int64_t>> shapes{{1, 8}, {3, 10}, {5, 6}, {2, 12}};
+    std::vector<torch::Tensor> prompts;
+    for (const auto& shape : shapes)
+      prompts.push_back(torch::randint(0, 40, {shape.first}, torch::kInt64));
+    const int64_t page_size = 4, num_pages = 40;
+    Scheduler scheduler(*model, SchedulerOptions(num_pages)
+                                    .page_size(page_size)
+                                    .max_running(5)
+                                    .max_tokens_per_step(8)
+                                    .keep_logits(true));
+    const int64_t prefix = scheduler.add_prefix(system);
+    // ceil(9 / 4) pages; a window of 6 has already freed the one of positions 0-3.
+    EXPECT_EQ(num_pages - scheduler.pools().front().free_pages(), config.window == 0 ? 3 : 2);
+    // The pages held if each request held its whole sequence: the most the pool may hold
+    // with the prefix's 2 full pages shared is 2 fewer per request on it.
+    int64_t unshared = 3;
+    for (const auto& [n, max_new] : shapes)
+      unshared += (9 + n + max_new + page_size - 1) / page_size;
+    const auto alone_prompt = torch::randint(0, 40, {4}, torch::kInt64);
+    std::vector<ServedRequest> served;
+    int64_t most_held = 0;
+    for (size_t step = 0; step < 40 && (step < 2 * shapes.size() || !scheduler.idle()); ++step) {
+      if (step % 2 == 0 && step / 2 < shapes.size())
+        scheduler.submit(prompts[step / 2], GenerateOptions(shapes[step / 2].second), prefix);
+      if (step == 1)
+        scheduler.submit(alone_prompt, GenerateOptions(5));
+      if (step == 2 * shapes.size() - 1)
+        scheduler.release_prefix(prefix);  // the requests on it keep running
+      for (auto& done : scheduler.step())
+        served.push_back(std::move(done));
+      most_held = std::max(most_held, num_pages - scheduler.pools().front().free_pages());
+    }
+    ASSERT_EQ(served.size(), shapes.size() + 1);
+    std::sort(served.begin(), served.end(),
+              [](const ServedRequest& a, const ServedRequest& b) { return a.id < b.id; });
+    for (size_t r = 0; r < served.size(); ++r) {
+      const bool on_prefix = r != 1;  // id 1 is the request without it
+      const size_t shape = r == 0 ? 0 : r - 1;
+      const auto prompt = on_prefix ? torch::cat({system, prompts[shape]}) : alone_prompt;
+      const int64_t max_new = on_prefix ? shapes[shape].second : 5;
+      const auto alone = generated_alone(model, prompt, max_new);
+      EXPECT_TRUE(served[r].tokens.equal(alone))
+          << "request " << r << "\nserved " << served[r].tokens << "\nalone " << alone;
+      EXPECT_EQ(served[r].prompt_length, prompt.size(0));
+      const auto full = model->logits(served[r].tokens.view({1, -1}))[0];
+      EXPECT_TRUE(tensors_close(c10::str("request ", r, " logits"), served[r].logits,
+                                full.narrow(0, prompt.size(0) - 1, max_new), 1e-10));
+    }
+    EXPECT_LE(most_held, unshared + 2 - 2 * static_cast<int64_t>(shapes.size()))
+        << "the prefix's full pages were not shared";
+    for (const auto& pool : scheduler.pools())
+      EXPECT_EQ(pool.free_pages(), num_pages) << "the prefix's pages were not given back";
+    expect_error_containing([&] { scheduler.submit(prompts[0], GenerateOptions(2), prefix); },
+                            "[Scheduler] prefix 0 is not a prefix held (1 were added; a "
+                            "released one takes no new request)");
+    expect_error_containing([&] { scheduler.release_prefix(prefix); },
+                            "[Scheduler] release_prefix: 0 is not a prefix held");
+    const int64_t second = scheduler.add_prefix(torch::randint(0, 40, {20}, torch::kInt64));
+    expect_error_containing(
+        [&] { scheduler.submit(torch::zeros({5}, torch::kInt64), GenerateOptions(1), second); },
+        "[Scheduler] a request on a prefix keeps its whole prompt: prefix 20 + prompt 5 tokens "
+        "must fit in the context of 24");
+    expect_error_containing([&] { scheduler.add_prefix(torch::zeros({24}, torch::kInt64)); },
+                            "[Scheduler] add_prefix: expected (n) int64 token ids with 1 <= n "
+                            "< context_length = 24, got [24] Long");
+    EXPECT_TRUE(scheduler.idle());
+  }
+}

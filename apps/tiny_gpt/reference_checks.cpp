@@ -176,12 +176,13 @@ double hf_tolerance(torch::ScalarType dtype) {
   return dtype == torch::kFloat64 ? 1e-10 : dtype == torch::kFloat32 ? 1e-4 : 5e-2;
 }
 
-// Continuous batching (attnkit::Scheduler) of the prompts and variants of them: 5 requests
-// of different lengths and limits joining at different steps, on pages of 4 positions, at most
-// 3 running and 8 tokens a step (the longer prompts prefilled in chunks beside the others'
-// decode steps), in a pool that makes the last ones wait. Each request's greedy tokens are
-// compared with its prompt generated alone with the contiguous caches, and the logits it chose
-// them from with the model's own logits without a cache over its whole sequence.
+// Continuous batching (attnkit::Scheduler) of the prompts and variants of them: 7 requests
+// of different lengths and limits joining at different steps, two of them on the first
+// prompt as a shared prefix, on pages of 4 positions, at most 3 running and 8 tokens a step
+// (the longer prompts prefilled in chunks beside the others' decode steps), in a pool that
+// makes the last ones wait. Each request's greedy tokens are compared with its whole prompt
+// generated alone with the contiguous caches, and the logits it chose them from with the
+// model's own logits without a cache over its whole sequence.
 struct ServedCheck {
   Difference logits;
   int64_t requests = 0;
@@ -189,29 +190,44 @@ struct ServedCheck {
 };
 
 ServedCheck check_served(TinyGpt& model, const std::vector<torch::Tensor>& prompts, int64_t steps) {
-  std::vector<std::pair<torch::Tensor, int64_t>> requests;  // (prompt, max_new_tokens)
+  struct Request {
+    torch::Tensor prompt;  // its own tokens, after the prefix's if on_prefix
+    int64_t new_tokens;
+    bool on_prefix;
+  };
+  const auto& prefix_tokens = prompts.front();
+  std::vector<Request> requests;
   for (const auto& prompt : prompts)
-    requests.emplace_back(prompt, steps);
-  requests.emplace_back(prompts.front().narrow(0, 0, (prompts.front().size(0) + 1) / 2),
-                        steps / 2 + 1);
-  requests.emplace_back(torch::cat({prompts.back(), prompts.front()}), steps / 3 + 1);
+    requests.push_back({prompt, steps, false});
+  requests.push_back(
+      {prefix_tokens.narrow(0, 0, (prefix_tokens.size(0) + 1) / 2), steps / 2 + 1, false});
+  requests.push_back({torch::cat({prompts.back(), prefix_tokens}), steps / 3 + 1, false});
+  requests.push_back({prompts.back(), steps / 2, true});
+  requests.push_back({prompts[1], steps / 4 + 1, true});
+  const auto whole_prompt = [&](const Request& request) {
+    return request.on_prefix ? torch::cat({prefix_tokens, request.prompt}) : request.prompt;
+  };
   const int64_t page_size = 4;
   int64_t most_pages = 0;  // the largest request's, so the pool takes about 2 at once
-  for (const auto& [prompt, new_tokens] : requests) {
-    const int64_t positions = std::min(prompt.size(0) + new_tokens, model->context_length());
+  for (const auto& request : requests) {
+    const int64_t positions =
+        std::min(whole_prompt(request).size(0) + request.new_tokens, model->context_length());
     most_pages = std::max(most_pages, (positions + page_size - 1) / page_size);
   }
-  attnkit::Scheduler scheduler(*model, attnkit::SchedulerOptions(2 * most_pages + 1)
+  attnkit::Scheduler scheduler(*model, attnkit::SchedulerOptions(2 * most_pages + 4)
                                            .page_size(page_size)
                                            .max_running(3)
                                            .max_tokens_per_step(8)
                                            .keep_logits(true));
+  const int64_t prefix = scheduler.add_prefix(prefix_tokens);
   std::vector<attnkit::ServedRequest> served;
   for (size_t submitted = 0; submitted < requests.size() || !scheduler.idle();) {
     if (submitted < requests.size()) {  // one joins every other step
-      scheduler.submit(requests[submitted].first,
-                       attnkit::GenerateOptions(requests[submitted].second));
-      ++submitted;
+      const auto& request = requests[submitted];
+      scheduler.submit(request.prompt, attnkit::GenerateOptions(request.new_tokens),
+                       request.on_prefix ? c10::optional<int64_t>(prefix) : c10::nullopt);
+      if (++submitted == requests.size())
+        scheduler.release_prefix(prefix);
     }
     for (int each = 0; each < 2; ++each)
       for (auto& done : scheduler.step())
@@ -219,14 +235,18 @@ ServedCheck check_served(TinyGpt& model, const std::vector<torch::Tensor>& promp
   }
   ServedCheck check;
   for (const auto& done : served) {
-    const auto& [prompt, new_tokens] = requests[done.id];
-    const auto alone =
-        attnkit::generate(*model, prompt.unsqueeze(0), attnkit::GenerateOptions(new_tokens))[0];
+    const auto& request = requests[done.id];
+    const auto prompt = whole_prompt(request);
+    const auto alone = attnkit::generate(*model, prompt.unsqueeze(0),
+                                         attnkit::GenerateOptions(request.new_tokens))[0];
     check.tokens_equal += torch::equal(done.tokens, alone.to(torch::kCPU)) ? 1 : 0;
     const auto whole = model->forward(done.tokens.to(prompt.device()).unsqueeze(0))[0];
-    check.logits.add(done.logits, whole.narrow(0, prompt.size(0) - 1, new_tokens));
+    check.logits.add(done.logits, whole.narrow(0, prompt.size(0) - 1, request.new_tokens));
     ++check.requests;
   }
+  const bool pages_back =
+      scheduler.pools().front().free_pages() == scheduler.pools().front().num_pages();
+  TORCH_CHECK(pages_back, "continuous batching: the pool did not get every page back");
   return check;
 }
 
@@ -314,7 +334,7 @@ bool check_hf_dtype(const std::string& dir, const attnkit::StateDict& reference,
             << "; tolerance relative " << tolerance << "; greedy tokens of the ragged batch of "
             << batch << ": " << equal_tokens << " of " << batch * steps
             << " equal before the first difference; continuous batching of " << continuous.requests
-            << " requests on paged caches: " << continuous.tokens_equal
+            << " requests on paged caches (2 on a shared prefix): " << continuous.tokens_equal
             << " with the tokens of generating them alone, logits against the uncached "
             << continuous.logits.worst << " (relative " << continuous.logits.worst_relative << ")"
             << (ok ? " -> OK" : " -> MISMATCH") << "\n";

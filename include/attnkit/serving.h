@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include <c10/util/Optional.h>
 #include <torch/torch.h>
 
 #include "attnkit/generate.h"
@@ -86,9 +87,23 @@ class Scheduler {
 
   /// Queues `prompt`, (n) int64 token ids with n >= 1, with its own max_new_tokens,
   /// stop_tokens, temperature, top_k and seed (use_kv_cache must be true); returns its id
-  /// (0, 1, ... in order of submission). Refused, queueing nothing: bad arguments, and a
-  /// request whose pages could never fit in the pool.
-  int64_t submit(const torch::Tensor& prompt, const GenerateOptions& options);
+  /// (0, 1, ... in order of submission). With `prefix` (add_prefix's id) the request's prompt
+  /// is the prefix's tokens followed by `prompt`: it shares the prefix's pages and prefills
+  /// only its own tokens, and the whole prompt must fit in the context. Refused, queueing
+  /// nothing: bad arguments, an unknown or released prefix, and a request whose pages could
+  /// never fit in the pool.
+  int64_t submit(const torch::Tensor& prompt, const GenerateOptions& options,
+                 c10::optional<int64_t> prefix = c10::nullopt);
+  /// Prefills `tokens` ((n) int64 token ids, 1 <= n < context_length) now, in chunks of
+  /// max_tokens_per_step, and keeps its pages in every pool for requests submitted with it
+  /// (a system prompt, a few-shot preamble): they hold its full pages once, by reference,
+  /// and copy only a partly filled last page. Returns the prefix's id (0, 1, ...). Its pages
+  /// count against the pool until release_prefix and the end of the last request on it;
+  /// refused when they do not fit beside the running requests' now.
+  int64_t add_prefix(const torch::Tensor& tokens);
+  /// No new request may name `prefix`; its pages return to the pool once no request on it
+  /// runs or waits.
+  void release_prefix(int64_t prefix);
   /// One step: admits waiting requests in order while they fit, feeds the model one batch
   /// of the decoding requests' tokens and the prefill chunks, and samples. Returns the
   /// requests that ended since the last step.
@@ -106,22 +121,36 @@ class Scheduler {
  private:
   struct Request;
   using Clock = std::chrono::steady_clock;
+  // A prefilled prefix: its sequence in every pool (-1 once its pages are given back).
+  struct Prefix {
+    std::vector<int64_t> tokens;
+    int64_t sequence = -1;
+    int64_t pages = 0;  // reserved for it
+    int64_t users = 0;  // requests on it, waiting or running
+    bool released = false;
+  };
 
   // Pages a request can come to hold in each pool.
   int64_t pages_for(const Request& request) const;
   void admit();
+  // A sequence in every pool, new or (parent >= 0) a fork of parent; its id, the same in each.
+  int64_t new_sequence(int64_t parent);
   // Starts (or, at the context, starts over) request's sequence in every pool from its last
-  // `positions` tokens, which become its pending input.
+  // `positions` tokens, which become its pending input; a request on a prefix starts as a
+  // fork of it, its own tokens pending.
   void start_sequence(Request& request, int64_t positions);
   void end(Request& request);
+  // Gives a released prefix's pages back once no request uses it.
+  void drop_prefix_if_unused(Prefix& prefix);
 
   CausalLanguageModel& model_;
   SchedulerOptions options_;
   std::vector<PagedKVCache> pools_;
   torch::Device device_;
   int64_t context_ = 0;
-  int64_t reserved_pages_ = 0;  // pages_for of the running requests
+  int64_t reserved_pages_ = 0;  // pages_for of the running requests, and the prefixes' pages
   int64_t next_id_ = 0;
+  std::vector<Prefix> prefixes_;                   // by id
   std::vector<std::unique_ptr<Request>> waiting_;  // in order of submission
   std::vector<std::unique_ptr<Request>> running_;  // in order of admission
   std::vector<ServedRequest> ended_;               // since the last step

@@ -29,6 +29,7 @@ struct Scheduler::Request {
   at::Generator generator;      // its own, so its draws do not depend on the others
   std::vector<int64_t> tokens;  // the prompt, then the new tokens
   int64_t prompt_length = 0;
+  int64_t prefix = -1;                // the prefix it shares, or -1
   int64_t sequence = -1;              // its id in every pool, once admitted
   int64_t next = 0;                   // tokens[next, end) are still to be fed to the model
   std::vector<torch::Tensor> logits;  // with keep_logits, (vocab) per new token
@@ -74,12 +75,83 @@ Scheduler::Scheduler(CausalLanguageModel& model, const SchedulerOptions& options
 Scheduler::~Scheduler() = default;
 
 int64_t Scheduler::pages_for(const Request& request) const {
-  const int64_t positions =
-      std::min(request.prompt_length + request.options.max_new_tokens(), context_);
-  return (positions + options_.page_size() - 1) / options_.page_size();
+  const int64_t total = request.prompt_length + request.options.max_new_tokens();
+  const int64_t pages =
+      (std::min(total, context_) + options_.page_size() - 1) / options_.page_size();
+  // The prefix's full pages are shared for good unless the cache starts over at the context.
+  if (request.prefix >= 0 && total <= context_) {
+    const auto shared = static_cast<int64_t>(prefixes_[request.prefix].tokens.size());
+    return pages - shared / options_.page_size();
+  }
+  return pages;
 }
 
-int64_t Scheduler::submit(const torch::Tensor& prompt, const GenerateOptions& options) {
+int64_t Scheduler::new_sequence(int64_t parent) {
+  int64_t sequence = -1;
+  for (size_t layer = 0; layer < pools_.size(); ++layer) {
+    const int64_t id = parent >= 0 ? pools_[layer].fork(parent) : pools_[layer].add_sequence();
+    TORCH_CHECK(layer == 0 || id == sequence, kFn, " pool ", layer, " gave sequence id ", id,
+                " where pool 0 gave ", sequence,
+                ": every layer's pool must see the same add_sequence, fork and release calls");
+    sequence = id;
+  }
+  return sequence;
+}
+
+int64_t Scheduler::add_prefix(const torch::Tensor& tokens) {
+  torch::NoGradGuard no_grad;
+  TORCH_CHECK(tokens.defined() && tokens.dim() == 1 && tokens.scalar_type() == torch::kInt64 &&
+                  tokens.size(0) >= 1 && tokens.size(0) < context_,
+              kFn,
+              " add_prefix: expected (n) int64 token ids with 1 <= n < context_length = ", context_,
+              ", got ",
+              tokens.defined() ? c10::str(detail::shape_string(tokens), " ", tokens.scalar_type())
+                               : std::string("an undefined tensor"));
+  Prefix prefix;
+  const auto ids = tokens.to(torch::kCPU).contiguous();
+  prefix.tokens.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.size(0));
+  const auto n = static_cast<int64_t>(prefix.tokens.size());
+  prefix.pages = (n + options_.page_size() - 1) / options_.page_size();
+  TORCH_CHECK(reserved_pages_ + prefix.pages <= options_.num_pages(), kFn, " add_prefix: its ", n,
+              " tokens take ", prefix.pages, " pages of ", options_.page_size(), ", but ",
+              reserved_pages_, " of the pool's ", options_.num_pages(),
+              " are reserved by running requests and prefixes; add it when fewer run");
+  prefix.sequence = new_sequence(-1);
+  reserved_pages_ += prefix.pages;
+  for (int64_t done = 0; done < n;) {  // in chunks, as a request's prefill
+    const int64_t chunk = std::min(n - done, options_.max_tokens_per_step());
+    const auto input = torch::tensor(std::vector<int64_t>(prefix.tokens.begin() + done,
+                                                          prefix.tokens.begin() + done + chunk),
+                                     torch::kInt64)
+                           .view({1, chunk})
+                           .to(device_);
+    model_.paged_logits(input, pools_, {prefix.sequence});
+    done += chunk;
+  }
+  prefixes_.push_back(std::move(prefix));
+  return static_cast<int64_t>(prefixes_.size()) - 1;
+}
+
+void Scheduler::release_prefix(int64_t prefix) {
+  TORCH_CHECK(
+      prefix >= 0 && prefix < static_cast<int64_t>(prefixes_.size()) && !prefixes_[prefix].released,
+      kFn, " release_prefix: ", prefix, " is not a prefix held (", prefixes_.size(),
+      " were added)");
+  prefixes_[prefix].released = true;
+  drop_prefix_if_unused(prefixes_[prefix]);
+}
+
+void Scheduler::drop_prefix_if_unused(Prefix& prefix) {
+  if (!prefix.released || prefix.users > 0 || prefix.sequence < 0)
+    return;
+  for (auto& pool : pools_)
+    pool.release(prefix.sequence);
+  reserved_pages_ -= prefix.pages;
+  prefix.sequence = -1;
+}
+
+int64_t Scheduler::submit(const torch::Tensor& prompt, const GenerateOptions& options,
+                          c10::optional<int64_t> prefix) {
   TORCH_CHECK(prompt.defined() && prompt.dim() == 1 && prompt.scalar_type() == torch::kInt64 &&
                   prompt.size(0) >= 1,
               kFn, " prompt: expected (n) int64 token ids with n >= 1, got ",
@@ -90,9 +162,22 @@ int64_t Scheduler::submit(const torch::Tensor& prompt, const GenerateOptions& op
               " serves from paged KV caches: use_kv_cache must be true");
   auto request =
       std::make_unique<Request>(next_id_, options, at::detail::createCPUGenerator(options.seed()));
+  if (prefix) {
+    TORCH_CHECK(*prefix >= 0 && *prefix < static_cast<int64_t>(prefixes_.size()) &&
+                    !prefixes_[*prefix].released,
+                kFn, " prefix ", *prefix, " is not a prefix held (", prefixes_.size(),
+                " were added; a released one takes no new request)");
+    const auto& shared = prefixes_[*prefix].tokens;
+    TORCH_CHECK(static_cast<int64_t>(shared.size()) + prompt.size(0) <= context_, kFn,
+                " a request on a prefix keeps its whole prompt: prefix ", shared.size(),
+                " + prompt ", prompt.size(0), " tokens must fit in the context of ", context_);
+    request->tokens = shared;
+    request->prefix = *prefix;
+  }
   const auto ids = prompt.to(torch::kCPU).contiguous();
-  request->tokens.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.size(0));
-  request->prompt_length = ids.size(0);
+  request->tokens.insert(request->tokens.end(), ids.data_ptr<int64_t>(),
+                         ids.data_ptr<int64_t>() + ids.size(0));
+  request->prompt_length = static_cast<int64_t>(request->tokens.size());
   request->submitted = Clock::now();
   const int64_t pages = pages_for(*request);
   TORCH_CHECK(pages <= options_.num_pages(), kFn, " request ", next_id_, " can hold ",
@@ -102,6 +187,8 @@ int64_t Scheduler::submit(const torch::Tensor& prompt, const GenerateOptions& op
               " pages of ", options_.page_size(), ", but the pool has ", options_.num_pages(),
               "; raise SchedulerOptions::num_pages or lower max_new_tokens");
   ++next_id_;
+  if (request->prefix >= 0)
+    ++prefixes_[request->prefix].users;
   if (request->finished()) {  // max_new_tokens = 0: the prompt, as generate returns it
     end(*request);
   } else {
@@ -111,17 +198,17 @@ int64_t Scheduler::submit(const torch::Tensor& prompt, const GenerateOptions& op
 }
 
 void Scheduler::start_sequence(Request& request, int64_t positions) {
+  if (request.sequence < 0 && request.prefix >= 0) {  // admitted on a prefix: shares its pages
+    const auto& prefix = prefixes_[request.prefix];
+    request.sequence = new_sequence(prefix.sequence);
+    request.next = static_cast<int64_t>(prefix.tokens.size());
+    return;
+  }
   if (request.sequence >= 0) {
     for (auto& pool : pools_)
       pool.release(request.sequence);
   }
-  request.sequence = pools_.front().add_sequence();
-  for (size_t layer = 1; layer < pools_.size(); ++layer) {
-    const int64_t id = pools_[layer].add_sequence();
-    TORCH_CHECK(id == request.sequence, kFn, " pool ", layer, " gave sequence id ", id,
-                " where pool 0 gave ", request.sequence,
-                ": every layer's pool must see the same add_sequence and release calls");
-  }
+  request.sequence = new_sequence(-1);
   request.next = static_cast<int64_t>(request.tokens.size()) - positions;
 }
 
@@ -144,6 +231,10 @@ void Scheduler::end(Request& request) {
     for (auto& pool : pools_)
       pool.release(request.sequence);
     reserved_pages_ -= pages_for(request);
+  }
+  if (request.prefix >= 0) {
+    --prefixes_[request.prefix].users;
+    drop_prefix_if_unused(prefixes_[request.prefix]);
   }
   ServedRequest served;
   served.id = request.id;
