@@ -382,6 +382,44 @@ TEST(PagedModules, StepsOnPagesEqualTheContiguousCache) {
   torch::NoGradGuard no_grad;
   gqa->sinks.normal_();
   expect_paged_steps_equal_the_contiguous_cache(*gqa.ptr(), 16, "gqa, window, softcap, sinks");
+  // ALiBi, row by row at each sequence's positions.
+  attnkit::MultiHeadAttention alibi(
+      attnkit::MultiHeadAttentionOptions(16, 16, 64, 0.0, 4)
+          .score_mod(attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(4))));
+  expect_paged_steps_equal_the_contiguous_cache(*alibi.ptr(), 16, "mha, alibi");
+}
+
+// Score functions that read positions in a window, which a rolling KVCache refuses: ALiBi
+// (its q_idx shifts a row's scores alike) and a random relative-position bias (it does not):
+// a paged prefill and decode steps against the training forward over the whole sequence
+// (float64).
+TEST(PagedModules, PositionalScoresInAWindowEqualTheTrainingForward) {
+  torch::manual_seed(13);
+  torch::NoGradGuard no_grad;
+  const std::vector<std::pair<std::string, attnkit::ScoreMod>> scores{
+      {"alibi", attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(4))},
+      {"relative bias",
+       attnkit::score_mods::relative_position_bias(torch::randn({4, 7}, torch::kDouble))}};
+  for (const auto& [label, score_mod] : scores) {
+    attnkit::GroupedQueryAttention gqa(attnkit::GroupedQueryAttentionOptions(16, 16, 0.0, 4, 2)
+                                           .sliding_window_size(4)
+                                           .rope(attnkit::RopeOptions(64))
+                                           .score_mod(score_mod));
+    gqa->to(torch::kDouble);
+    gqa->eval();
+    const auto sequence = torch::randn({2, 12, 16}, torch::kDouble);
+    const auto whole = gqa->forward(sequence);  // (2, 12, 16)
+    auto pool = gqa->make_paged_kv_cache(16, 3);
+    const std::vector<int64_t> rows{pool.add_sequence(), pool.add_sequence()};
+    EXPECT_TENSOR_NEAR(gqa->forward_with_cache(sequence.narrow(1, 0, 7), pool, rows),
+                       whole.narrow(1, 0, 7), 1e-10)
+        << label;
+    for (int64_t t = 7; t < 12; ++t) {
+      EXPECT_TENSOR_NEAR(gqa->forward_with_cache(sequence.narrow(1, t, 1), pool, rows),
+                         whole.narrow(1, t, 1), 1e-10)
+          << label << ", position " << t;
+    }
+  }
 }
 
 TEST(PagedModules, ForkedRequestsDecodeLikeTheirOwnCaches) {
@@ -446,14 +484,17 @@ TEST(PagedModules, RefuseWhatAPagedStepCannotDo) {
   PagedKVCache wide(2, 4, 4, 2);
   expect_error_containing([&] { mha->forward_with_cache(x, wide, {wide.add_sequence()}); },
                           "cache: expected pages of (num_heads, head_dim) = (2, 4), got (4, 2)");
-  attnkit::MultiHeadAttention alibi(
+  // A C++ function: the kernel cannot evaluate it row by row.
+  attnkit::MultiHeadAttention function(
       attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2)
-          .score_mod(attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(2))));
-  alibi->eval();
-  auto alibi_pool = alibi->make_paged_kv_cache(4, 4);
+          .score_mod([](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor&,
+                        const torch::Tensor&, const torch::Tensor&) { return score * 2; }));
+  function->eval();
+  auto function_pool = function->make_paged_kv_cache(4, 4);
   expect_error_containing(
-      [&] { alibi->forward_with_cache(x, alibi_pool, {alibi_pool.add_sequence()}); },
-      "option score_mod: a paged step takes a softcap (score_mods::softcap) or none");
+      [&] { function->forward_with_cache(x, function_pool, {function_pool.add_sequence()}); },
+      "option score_mod: a paged step evaluates it row by row, and ");
+  EXPECT_EQ(function_pool.free_pages(), 4) << "a refused step wrote";
   attnkit::MultiHeadLatentAttention mla(attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2));
   expect_error_containing([&] { mla->make_paged_kv_cache(4, 4); },
                           "[make_paged_kv_cache] this layer has no paged cache (latent "

@@ -11,6 +11,8 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/score_mod.h"
+
 namespace attnkit {
 
 /// The pages a batch of sequences reads: a view, which owns nothing.
@@ -39,6 +41,12 @@ struct PagedAttentionOptions {
   /// (heads): each head's attention sink in the softmax's denominator (GPT-OSS); undefined:
   /// none.
   TORCH_ARG(torch::Tensor, sinks);
+  /// A score function on the scaled scores, score_mod(score, b, h, q_idx, kv_idx) with b the
+  /// row, h the query head and q_idx, kv_idx the query's and the key's positions in the row's
+  /// sequence (as in training): ALiBi, a relative bias, a score graph
+  /// (docs/score_functions.md). Not with softcap (a softcap is one: give it there or here). A
+  /// C++ function the kernels cannot evaluate row by row is refused, with the reason.
+  TORCH_ARG(ScoreMod, score_mod);
 };
 
 /// Attention of the newest n positions of each row over paged storage: query (batch, heads, n,

@@ -3,6 +3,7 @@
 #include "attnkit/cached_attention.h"
 #include "core/base/checks.h"
 #include "core/plan/planner.h"
+#include "core/scores/row_variants.h"
 #include "core/scores/score_variants.h"
 #include "modules/module_helpers.h"
 
@@ -320,9 +321,11 @@ void check_paged_call(const char* module, bool training, const torch::Tensor& x,
               fn, " cache: expected dtype ", parameter.scalar_type(), " on ", parameter.device(),
               " (the module's parameters), got ", cache.key_pages().scalar_type(), " on ",
               cache.key_pages().device());
-  TORCH_CHECK(!score_mod || score_mod.target<SoftcapScore>(), fn,
-              " option score_mod: a paged step takes a softcap (score_mods::softcap) or none, got "
-              "another score function");
+  if (score_mod && !score_mod.target<SoftcapScore>()) {
+    std::string why;
+    TORCH_CHECK(score_variant_of(score_mod, &why), fn,
+                " option score_mod: a paged step evaluates it row by row, and ", why);
+  }
   TORCH_CHECK(static_cast<int64_t>(sequences.size()) == x.size(0), fn,
               " sequences: expected one per row of x (", x.size(0), "), got ", sequences.size());
   const int64_t n = x.size(1);
@@ -368,11 +371,14 @@ torch::Tensor attend_paged(const QueryKeyTransform& transform, const torch::Tens
     cache.append(sequences[static_cast<size_t>(r)], rotated_keys[r], values[r]);
   const auto& options = settings.options;
   const int64_t window = settings.window_size.value_or(0);
+  // A softcap goes to the kernel's own; another score function row by row, at the positions
+  // of each sequence.
   const auto* softcap = options.score_mod().target<SoftcapScore>();
   const auto context = paged_attention(rotated_queries, cache.view(sequences),
                                        PagedAttentionOptions()
                                            .scale(options.scale())
                                            .softcap(softcap ? softcap->cap : 0.0)
+                                           .score_mod(softcap ? ScoreMod() : options.score_mod())
                                            .window(window)
                                            .sinks(options.sinks()));
   if (window > 0) {

@@ -176,7 +176,7 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
 /// eval mode, x (b, n, d_in), one distinct live sequence per row, the pool's heads, head width,
 /// dtype and device (`layout`, `parameter`), positions within context_length (0: no limit)
 /// and the RoPE tables, room in the pool for every row's n positions, and a score_mod that the
-/// paged kernel takes (none, or a softcap).
+/// paged kernel evaluates (a softcap, or one that rows can evaluate: score_variant_of).
 void check_paged_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
                       int64_t context_length, const PagedKVCache& cache, const CacheLayout& layout,
                       const torch::Tensor& parameter, const std::vector<int64_t>& sequences,

@@ -4,10 +4,13 @@
 #include "attnkit/paged_attention.h"
 
 #include <cmath>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "core/base/checks.h"
 #include "core/kernels/decode_attention.h"
+#include "core/scores/row_variants.h"
 
 namespace attnkit {
 
@@ -80,6 +83,22 @@ torch::Tensor paged_attention(const torch::Tensor& query, const PagedKV& kv,
   const double scale =
       options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(3))));
   TORCH_CHECK(std::isfinite(scale), fn, " scale must be finite, got ", scale);
+  std::optional<detail::ScoreVariant> score;
+  if (options.score_mod()) {
+    TORCH_CHECK(softcap == 0.0, fn,
+                " score_mod and softcap: give one (a softcap is a score function, "
+                "score_mods::softcap)");
+    std::string why;
+    score = detail::score_variant_of(options.score_mod(), &why);
+    TORCH_CHECK(score, fn, " score_mod: the paged kernel evaluates it row by row, and ", why);
+    const auto lacks = score->lacks(heads);
+    TORCH_CHECK(lacks.empty(), fn, " score_mod: ", lacks);
+    for (const auto& t : score->tensors()) {
+      TORCH_CHECK(t.device().is_cpu(), fn, " score_mod reads a tensor on ", t.device(),
+                  "; the paged kernel runs on the CPU");
+    }
+  }
+  const detail::ScoreVariant* variant = score ? &*score : nullptr;
 
   // Query i of row r is task r * n + i, whose keys are [begin, end): its causal end and the
   // window's begin. Every page a row's queries read is checked against the pool.
@@ -109,14 +128,14 @@ torch::Tensor paged_attention(const torch::Tensor& query, const PagedKV& kv,
   }
   if (n == 1) {
     return detail::paged_decode_attention(query.contiguous(), keys, values, table, begin, end,
-                                          scale, softcap, options.sinks());
+                                          scale, softcap, options.sinks(), variant);
   }
   // (b, h, n, hd) -> (b, n, h, hd) -> (b * n, h, 1, hd): a task per query, each with its row's
   // page table (the indices repeated, not the pages).
   const auto tasks = query.transpose(1, 2).contiguous().view({b * n, heads, 1, query.size(3)});
   const auto out =
       detail::paged_decode_attention(tasks, keys, values, table.repeat_interleave(n, 0), begin, end,
-                                     scale, softcap, options.sinks());
+                                     scale, softcap, options.sinks(), variant, n);
   // (b * n, h, 1, hd_v), laid out as (b * n, 1, h, hd_v) -> (b, n, h, hd_v) -> (b, h, n, hd_v)
   return out.transpose(1, 2).view({b, n, heads, values.size(3)}).transpose(1, 2);
 }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "core/base/parallel.h"
 #include "core/base/row_softmax.h"
 #include "core/kernels/decode_bf16.h"
+#include "core/scores/row_score.h"
 #include "core/scores/score_variants.h"
 
 namespace attnkit::detail {
@@ -175,7 +177,8 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
                  int64_t key_stride, int64_t value_stride, double scale,
                  const std::vector<int64_t>& key_begin, const std::vector<int64_t>& key_end,
                  double softcap, const std::vector<double>& sinks, const Runs& runs,
-                 torch::Tensor& out) {
+                 torch::Tensor& out, const ScoreVariant* score_variant = nullptr,
+                 int64_t queries_per_row = 1) {
   using Acc = Arithmetic<In>;
   const int64_t b = query.size(0), h = query.size(1), hd = query.size(3);
   const int64_t group_size = h / kv_heads;
@@ -185,11 +188,15 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
   // Enough keys per task that a thread's share is worth waking it for.
   const int64_t grain =
       std::max<int64_t>(1, 16384 / std::max<int64_t>(1, m * group_size * (hd + hd_v)));
+  std::optional<RowScore<Acc>> score;
+  if (score_variant != nullptr)
+    score.emplace(*score_variant);
   bool bf16_group = false;
   if constexpr (std::is_same_v<In, c10::BFloat16>)
     bf16_group = decode_bf16_fits(hd, hd_v);
   at::parallel_for(0, b * kv_heads, grain, [&](int64_t first_task, int64_t last_task) {
     // Per query head g of the group: its weights (m), its query (hd) and context (hd_v).
+    auto work = score ? score->workspace(m) : ScoreProgram::Workspace{};
     std::vector<Acc> weights(static_cast<size_t>(group_size * m)),
         q_rows(static_cast<size_t>(group_size * hd)),
         context(static_cast<size_t>(group_size * hd_v));
@@ -227,11 +234,18 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
         for (int64_t g = 0; g < group_size; ++g) {
           Acc* p = weights.data() + g * m + begin;
           const int64_t n = end - begin;
+          double row_scale = scale;
+          if (score) {  // the score function on the scaled scores, then a softmax of scale 1
+            for (int64_t j = 0; j < n; ++j)
+              p[j] *= static_cast<Acc>(scale);
+            score->apply(p, n, row / queries_per_row, first_head + g, end - 1, begin, work);
+            row_scale = 1.0;
+          }
           if (!sinks.empty()) {  // the scores (capped), and the head's sink in the denominator
             const auto sink = static_cast<Acc>(sinks[first_head + g]);
             Acc top = sink;
             for (int64_t j = 0; j < n; ++j) {
-              p[j] *= static_cast<Acc>(scale);
+              p[j] *= static_cast<Acc>(row_scale);
               if (softcap > 0.0)
                 p[j] = static_cast<Acc>(softcap) * std::tanh(p[j] / static_cast<Acc>(softcap));
               top = std::max(top, p[j]);
@@ -245,12 +259,12 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
               p[j] /= total;
           } else if (softcap > 0.0) {  // the scores capped, then a softmax of scale 1
             const auto cap = static_cast<Acc>(softcap);
-            const auto scale_over_cap = static_cast<Acc>(scale / softcap);
+            const auto scale_over_cap = static_cast<Acc>(row_scale / softcap);
             for (int64_t j = 0; j < n; ++j)
               p[j] = cap * std::tanh(p[j] * scale_over_cap);
             softmax_row(p, n, Acc(1), p);
           } else {
-            softmax_row(p, n, static_cast<Acc>(scale), p);
+            softmax_row(p, n, static_cast<Acc>(row_scale), p);
           }
         }
         runs(row, kv_head, begin, end, Read::kValues,
@@ -364,7 +378,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
                                      const torch::Tensor& page_table,
                                      const std::vector<int64_t>& key_begin,
                                      const std::vector<int64_t>& key_end, double scale,
-                                     double softcap, const torch::Tensor& sinks) {
+                                     double softcap, const torch::Tensor& sinks,
+                                     const ScoreVariant* score, int64_t queries_per_row) {
   const int64_t b = query.size(0), h = query.size(1), page_size = key_pages.size(2);
   const int64_t pages_per_row = page_table.size(1);
   const int64_t m = std::max<int64_t>(1, *std::max_element(key_end.begin(), key_end.end()));
@@ -405,7 +420,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
           }
         };
         decode_rows<scalar_t>(query, key_pages.size(1), m, value_pages.size(3), ks[2], vs[2], scale,
-                              key_begin, key_end, softcap, sinks_of_heads, runs, out);
+                              key_begin, key_end, softcap, sinks_of_heads, runs, out, score,
+                              queries_per_row);
       });
   return out.transpose(1, 2);
 }
