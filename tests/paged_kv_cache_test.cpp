@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -420,6 +421,65 @@ TEST(PagedModules, PositionalScoresInAWindowEqualTheTrainingForward) {
           << label << ", position " << t;
     }
   }
+}
+
+// Masks in paged steps at each sequence's positions, as in training: packed documents (read
+// from their host form) and a mask_mod (evaluated as tensors), with and without a window; a
+// paged prefill and decode steps against the training forward with the same mask (float64).
+// The mask_mod leaves position 3's query no key but itself, and in a window of 2 a later query
+// none at all: zeros, as the training forward gives.
+TEST(PagedModules, MasksAtTheSequencesPositionsEqualTheTrainingForward) {
+  torch::manual_seed(14);
+  torch::NoGradGuard no_grad;
+  const auto one_row = torch::tensor({0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2}, torch::kInt64);
+  const auto ids = torch::stack({one_row, one_row.roll(2)});  // (2, 12)
+  const auto mask_mod =
+      attnkit::Mask::from_function([](const torch::Tensor&, const torch::Tensor& h,
+                                      const torch::Tensor& q, const torch::Tensor& kv) {
+        return (kv.remainder(3) != 1) & ((h == 0) | (kv != q - 1) | (q == 3));
+      });
+  // Each kind over positions [0, end): a documents mask's ids cover exactly the positions a
+  // call reads, as on a KVCache.
+  const std::vector<std::pair<std::string, std::function<attnkit::Mask(int64_t)>>> masks{
+      {"documents",
+       [&](int64_t end) { return attnkit::Mask::documents(ids.narrow(1, 0, end), true); }},
+      {"mask_mod", [&](int64_t) { return mask_mod; }}};
+  for (const int64_t window : {0, 2}) {
+    for (const auto& [label, mask_at] : masks) {
+      SCOPED_TRACE(c10::str(label, ", window ", window));
+      auto options =
+          attnkit::GroupedQueryAttentionOptions(16, 16, 0.0, 4, 2).rope(attnkit::RopeOptions(64));
+      if (window > 0)
+        options.sliding_window_size(window);
+      attnkit::GroupedQueryAttention gqa(options);
+      gqa->to(torch::kDouble);
+      gqa->eval();
+      const auto sequence = torch::randn({2, 12, 16}, torch::kDouble);
+      const auto whole = gqa->forward(sequence, {}, {}, mask_at(12));  // (2, 12, 16)
+      auto pool = gqa->make_paged_kv_cache(16, 3);
+      const std::vector<int64_t> rows{pool.add_sequence(), pool.add_sequence()};
+      EXPECT_TENSOR_NEAR(gqa->forward_with_cache(sequence.narrow(1, 0, 7), pool, rows, mask_at(7)),
+                         whole.narrow(1, 0, 7), 1e-10);
+      for (int64_t t = 7; t < 12; ++t) {
+        EXPECT_TENSOR_NEAR(
+            gqa->forward_with_cache(sequence.narrow(1, t, 1), pool, rows, mask_at(t + 1)),
+            whole.narrow(1, t, 1), 1e-10)
+            << "position " << t;
+      }
+    }
+  }
+  // A mask that does not cover the positions read is refused before anything is written.
+  attnkit::GroupedQueryAttention gqa(attnkit::GroupedQueryAttentionOptions(16, 16, 0.0, 4, 2));
+  gqa->eval();
+  auto pool = gqa->make_paged_kv_cache(16, 3);
+  const auto row = pool.add_sequence();
+  expect_error_containing(
+      [&] {
+        gqa->forward_with_cache(torch::randn({1, 5, 16}), pool, {row},
+                                attnkit::Mask::documents(torch::zeros({1, 4}, torch::kInt64)));
+      },
+      "[GroupedQueryAttention::forward_with_cache]");
+  EXPECT_EQ(pool.length(row), 0) << "a refused step wrote";
 }
 
 TEST(PagedModules, ForkedRequestsDecodeLikeTheirOwnCaches) {

@@ -32,7 +32,7 @@
 #include "attnkit/score_mod.h"
 #include "attnkit/score_mods.h"
 #include "attnkit/self_attention.h"
-#include "attnkit/serving.h"
 #include "attnkit/serialize.h"
+#include "attnkit/serving.h"
 #include "attnkit/threads.h"
 #include "attnkit/version.h"

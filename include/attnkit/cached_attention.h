@@ -102,10 +102,12 @@ class CachedAttentionLayer {
   /// frees the pages its window has left. Runs without autograd. Fails (c10::Error), writing
   /// nothing, in training mode, with a score_mod the kernel cannot evaluate row by row (a
   /// C++ function), when the pool has no room for every row, and on a pool of another
-  /// layout, dtype or device.
+  /// layout, dtype or device. `mask` combines with the causal one and the window, at b the
+  /// row of x, q_idx and kv_idx positions in the row's sequence (documents, a prefix-LM), as
+  /// PagedAttentionOptions::mask.
   torch::Tensor forward_with_cache(const torch::Tensor& x, PagedKVCache& cache,
-                                   const std::vector<int64_t>& sequences) {
-    return attend_paged_tokens(x, cache, sequences);
+                                   const std::vector<int64_t>& sequences, const Mask& mask = {}) {
+    return attend_paged_tokens(x, cache, sequences, mask);
   }
 
   /// The backend the layer's options name.
@@ -130,7 +132,8 @@ class CachedAttentionLayer {
                                           const torch::Tensor& lengths, const Mask& mask) = 0;
   /// The paged forward_with_cache; the default refuses.
   virtual torch::Tensor attend_paged_tokens(const torch::Tensor& x, PagedKVCache& cache,
-                                            const std::vector<int64_t>& sequences);
+                                            const std::vector<int64_t>& sequences,
+                                            const Mask& mask);
 };
 
 /// The base of a cached attention module `Impl`: a cloneable torch::nn::Module and a

@@ -76,7 +76,8 @@ class GroupedQueryAttentionImpl : public CachedAttentionModule<GroupedQueryAtten
   torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                   const torch::Tensor& lengths, const Mask& mask) override;
   torch::Tensor attend_paged_tokens(const torch::Tensor& x, PagedKVCache& cache,
-                                    const std::vector<int64_t>& sequences) override;
+                                    const std::vector<int64_t>& sequences,
+                                    const Mask& mask) override;
 
  public:
   /// Re-initialises the projections and QK-norm's weights as the constructor drew them, and

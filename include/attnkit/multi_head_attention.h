@@ -133,7 +133,8 @@ class MultiHeadAttentionImpl : public CachedAttentionModule<MultiHeadAttentionIm
   torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                   const torch::Tensor& lengths, const Mask& mask) override;
   torch::Tensor attend_paged_tokens(const torch::Tensor& x, PagedKVCache& cache,
-                                    const std::vector<int64_t>& sequences) override;
+                                    const std::vector<int64_t>& sequences,
+                                    const Mask& mask) override;
 };
 
 /// Module holder for `MultiHeadAttentionImpl` (shared-pointer semantics).
@@ -202,7 +203,8 @@ class MultiHeadAttentionCombinedQKVImpl
   torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                   const torch::Tensor& lengths, const Mask& mask) override;
   torch::Tensor attend_paged_tokens(const torch::Tensor& x, PagedKVCache& cache,
-                                    const std::vector<int64_t>& sequences) override;
+                                    const std::vector<int64_t>& sequences,
+                                    const Mask& mask) override;
 };
 
 /// Module holder for `MultiHeadAttentionCombinedQKVImpl` (shared-pointer semantics).

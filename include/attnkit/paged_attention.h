@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 
+#include "attnkit/mask.h"
 #include "attnkit/score_mod.h"
 
 namespace attnkit {
@@ -47,6 +48,13 @@ struct PagedAttentionOptions {
   /// (docs/score_functions.md). Not with softcap (a softcap is one: give it there or here). A
   /// C++ function the kernels cannot evaluate row by row is refused, with the reason.
   TORCH_ARG(ScoreMod, score_mod);
+  /// A mask besides the causal one and the window, at the same indices as score_mod (b the
+  /// row, q_idx and kv_idx positions in the row's sequence): documents, key padding, a
+  /// mask_mod (docs/masks.md). It is checked against a problem of the longest row's positions
+  /// (Mask::check): ids or tensors it holds cover exactly positions [0, max lengths). Named
+  /// kinds are read from their host form, others evaluated as tensors per query and head. A
+  /// query it allows no key gets zeros.
+  TORCH_ARG(Mask, mask);
 };
 
 /// Attention of the newest n positions of each row over paged storage: query (batch, heads, n,

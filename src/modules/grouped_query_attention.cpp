@@ -153,15 +153,17 @@ PagedKVCache GroupedQueryAttentionImpl::make_paged_kv_cache(int64_t num_pages,
                                          num_pages, page_size);
 }
 
-torch::Tensor GroupedQueryAttentionImpl::attend_paged_tokens(
-    const torch::Tensor& x, PagedKVCache& cache, const std::vector<int64_t>& sequences) {
+torch::Tensor GroupedQueryAttentionImpl::attend_paged_tokens(const torch::Tensor& x,
+                                                             PagedKVCache& cache,
+                                                             const std::vector<int64_t>& sequences,
+                                                             const Mask& mask) {
   detail::check_paged_call(kGqaName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
                            cache_layout_of(options), W_query->weight, sequences,
-                           options.score_mod(), rope_tables);
+                           options.score_mod(), rope_tables, options.num_heads(), mask);
   torch::NoGradGuard no_grad;
   return projected_step(*this, x, {}, [&](const auto& q, const auto& k, const auto& v) {
     return detail::attend_paged({q_norm, k_norm, rope_tables}, q, k, v, cache, sequences,
-                                settings_of(options, sinks));
+                                settings_of(options, sinks), mask);
   });
 }
 

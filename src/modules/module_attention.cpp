@@ -300,7 +300,8 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
 void check_paged_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
                       int64_t context_length, const PagedKVCache& cache, const CacheLayout& layout,
                       const torch::Tensor& parameter, const std::vector<int64_t>& sequences,
-                      const ScoreMod& score_mod, const RopeTables& rope) {
+                      const ScoreMod& score_mod, const RopeTables& rope, int64_t query_heads,
+                      const Mask& mask) {
   const std::string fn = c10::str("[", module, "::forward_with_cache]");
   TORCH_CHECK(ContextParallelScope::current() == nullptr, fn,
               " a KV cache holds one process's whole sequence: call it outside the "
@@ -329,7 +330,7 @@ void check_paged_call(const char* module, bool training, const torch::Tensor& x,
   TORCH_CHECK(static_cast<int64_t>(sequences.size()) == x.size(0), fn,
               " sequences: expected one per row of x (", x.size(0), "), got ", sequences.size());
   const int64_t n = x.size(1);
-  int64_t pages = 0;
+  int64_t pages = 0, longest = 0;
   for (size_t r = 0; r < sequences.size(); ++r) {
     for (size_t before = 0; before < r; ++before) {
       TORCH_CHECK(sequences[before] != sequences[r], fn, " sequences must be distinct, got ",
@@ -341,7 +342,10 @@ void check_paged_call(const char* module, bool training, const torch::Tensor& x,
                 " holds would pass context_length ", context_length);
     check_rope_positions(module, "forward_with_cache] x", rope, start, n);
     pages += cache.pages_needed(sequences[r], n);
+    longest = std::max(longest, start + n);
   }
+  if (!mask.is_none())  // at the positions the step reads
+    mask.check(fn.c_str(), x.size(0), query_heads, longest, longest, x.device());
   TORCH_CHECK(pages <= cache.free_pages(), fn, " the pool is full: this step needs ", pages,
               " free pages, and ", cache.free_pages(), " of ", cache.num_pages(),
               " are free; release finished sequences, or wait");
@@ -359,7 +363,7 @@ PagedKVCache make_module_paged_cache(const char* module, const CacheLayout& layo
 torch::Tensor attend_paged(const QueryKeyTransform& transform, const torch::Tensor& queries,
                            const torch::Tensor& keys, const torch::Tensor& values,
                            PagedKVCache& cache, const std::vector<int64_t>& sequences,
-                           const ModuleAttention& settings) {
+                           const ModuleAttention& settings, const Mask& mask) {
   const auto b = static_cast<int64_t>(sequences.size());
   const int64_t n = queries.size(2);
   std::vector<int64_t> starts;
@@ -380,7 +384,8 @@ torch::Tensor attend_paged(const QueryKeyTransform& transform, const torch::Tens
                                            .softcap(softcap ? softcap->cap : 0.0)
                                            .score_mod(softcap ? ScoreMod() : options.score_mod())
                                            .window(window)
-                                           .sinks(options.sinks()));
+                                           .sinks(options.sinks())
+                                           .mask(mask));
   if (window > 0) {
     // The next query, at position start + n, reads from start + n - window + 1 on.
     for (int64_t r = 0; r < b; ++r) {
@@ -403,7 +408,7 @@ PagedKVCache CachedAttentionLayer::make_paged_kv_cache(int64_t, int64_t) const {
 }
 
 torch::Tensor CachedAttentionLayer::attend_paged_tokens(const torch::Tensor&, PagedKVCache&,
-                                                        const std::vector<int64_t>&) {
+                                                        const std::vector<int64_t>&, const Mask&) {
   TORCH_CHECK(false,
               "[forward_with_cache] this layer takes no paged cache (latent attention's "
               "latents are not paged yet; a layer of your own overrides attend_paged_tokens)");

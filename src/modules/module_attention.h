@@ -176,11 +176,13 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
 /// eval mode, x (b, n, d_in), one distinct live sequence per row, the pool's heads, head width,
 /// dtype and device (`layout`, `parameter`), positions within context_length (0: no limit)
 /// and the RoPE tables, room in the pool for every row's n positions, and a score_mod that the
-/// paged kernel evaluates (a softcap, or one that rows can evaluate: score_variant_of).
+/// paged kernel evaluates (a softcap, or one that rows can evaluate: score_variant_of), and
+/// `mask` against query_heads heads and the positions the step reads.
 void check_paged_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
                       int64_t context_length, const PagedKVCache& cache, const CacheLayout& layout,
                       const torch::Tensor& parameter, const std::vector<int64_t>& sequences,
-                      const ScoreMod& score_mod, const RopeTables& rope);
+                      const ScoreMod& score_mod, const RopeTables& rope, int64_t query_heads,
+                      const Mask& mask);
 
 /// A module's make_paged_kv_cache: num_pages pages of page_size positions of `layout`'s heads
 /// (key/value layouts only), in `parameter`'s dtype and device.
@@ -196,7 +198,7 @@ PagedKVCache make_module_paged_cache(const char* module, const CacheLayout& layo
 torch::Tensor attend_paged(const QueryKeyTransform& transform, const torch::Tensor& queries,
                            const torch::Tensor& keys, const torch::Tensor& values,
                            PagedKVCache& cache, const std::vector<int64_t>& sequences,
-                           const ModuleAttention& settings);
+                           const ModuleAttention& settings, const Mask& mask = {});
 
 /// A module's reset() for its rope and qk_norm options: refuses an odd head width with RoPE
 /// and a rope context_length < 1; returns the tables (undefined without rope) and registers

@@ -97,12 +97,13 @@ std::vector<int64_t> check_cached_mha_call(const char* name, const MultiHeadAtte
 void check_paged_mha_call(const char* name, const MultiHeadAttentionOptions& opt, bool training,
                           const torch::Tensor& x, const PagedKVCache& cache,
                           const torch::Tensor& parameter, const std::vector<int64_t>& sequences,
-                          const detail::RopeTables& rope) {
+                          const detail::RopeTables& rope, const Mask& mask) {
   TORCH_CHECK(opt.causal(), "[", name,
               "::forward_with_cache] needs causal attention: with causal = false every token "
               "also attends to later ones, which a cache of earlier tokens cannot give");
   detail::check_paged_call(name, training, x, opt.d_in(), opt.context_length(), cache,
-                           cache_layout_of(opt), parameter, sequences, opt.score_mod(), rope);
+                           cache_layout_of(opt), parameter, sequences, opt.score_mod(), rope,
+                           opt.num_heads(), mask);
 }
 
 // The attention of a step on `cache` (contiguous), or on `sequences` of a paged one.
@@ -116,9 +117,9 @@ detail::AttendHeads on_cache(const MultiHeadAttentionOptions& opt,
 }
 detail::AttendHeads on_paged_cache(const MultiHeadAttentionOptions& opt,
                                    const detail::QueryKeyTransform& transform, PagedKVCache& cache,
-                                   const std::vector<int64_t>& sequences) {
-  return [&opt, transform, &cache, &sequences](const auto& q, const auto& k, const auto& v) {
-    return detail::attend_paged(transform, q, k, v, cache, sequences, settings_of(opt));
+                                   const std::vector<int64_t>& sequences, const Mask& mask) {
+  return [&opt, transform, &cache, &sequences, &mask](const auto& q, const auto& k, const auto& v) {
+    return detail::attend_paged(transform, q, k, v, cache, sequences, settings_of(opt), mask);
   };
 }
 
@@ -295,12 +296,13 @@ PagedKVCache MultiHeadAttentionImpl::make_paged_kv_cache(int64_t num_pages,
 
 torch::Tensor MultiHeadAttentionImpl::attend_paged_tokens(const torch::Tensor& x,
                                                           PagedKVCache& cache,
-                                                          const std::vector<int64_t>& sequences) {
+                                                          const std::vector<int64_t>& sequences,
+                                                          const Mask& mask) {
   check_paged_mha_call(kName, options, is_training(), x, cache, W_query->weight, sequences,
-                       rope_tables);
+                       rope_tables, mask);
   torch::NoGradGuard no_grad;
-  return cached_step(*this, x, {},
-                     on_paged_cache(options, {q_norm, k_norm, rope_tables}, cache, sequences));
+  return cached_step(
+      *this, x, {}, on_paged_cache(options, {q_norm, k_norm, rope_tables}, cache, sequences, mask));
 }
 
 // ---- MultiHeadAttentionCombinedQKV ------------------------------------------------------
@@ -395,12 +397,13 @@ PagedKVCache MultiHeadAttentionCombinedQKVImpl::make_paged_kv_cache(int64_t num_
 }
 
 torch::Tensor MultiHeadAttentionCombinedQKVImpl::attend_paged_tokens(
-    const torch::Tensor& x, PagedKVCache& cache, const std::vector<int64_t>& sequences) {
+    const torch::Tensor& x, PagedKVCache& cache, const std::vector<int64_t>& sequences,
+    const Mask& mask) {
   check_paged_mha_call(kCombinedName, options, is_training(), x, cache, qkv->weight, sequences,
-                       rope_tables);
+                       rope_tables, mask);
   torch::NoGradGuard no_grad;
-  return cached_step(*this, x, {},
-                     on_paged_cache(options, {q_norm, k_norm, rope_tables}, cache, sequences));
+  return cached_step(
+      *this, x, {}, on_paged_cache(options, {q_norm, k_norm, rope_tables}, cache, sequences, mask));
 }
 
 void MultiHeadAttentionCombinedQKVImpl::copy_weights_from(const MultiHeadAttentionImpl& mha) {

@@ -3,6 +3,7 @@
 
 #include "attnkit/paged_attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -99,6 +100,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const PagedKV& kv,
     }
   }
   const detail::ScoreVariant* variant = score ? &*score : nullptr;
+  const Mask* mask = options.mask().is_none() ? nullptr : &options.mask();
 
   // Query i of row r is task r * n + i, whose keys are [begin, end): its causal end and the
   // window's begin. Every page a row's queries read is checked against the pool.
@@ -126,16 +128,20 @@ torch::Tensor paged_attention(const torch::Tensor& query, const PagedKV& kv,
                   " points outside the pool of ", num_pages, " pages");
     }
   }
+  if (mask != nullptr) {
+    const int64_t longest = *std::max_element(length, length + b);
+    mask->check(fn, b, heads, longest, longest, torch::kCPU);
+  }
   if (n == 1) {
     return detail::paged_decode_attention(query.contiguous(), keys, values, table, begin, end,
-                                          scale, softcap, options.sinks(), variant);
+                                          scale, softcap, options.sinks(), variant, mask);
   }
   // (b, h, n, hd) -> (b, n, h, hd) -> (b * n, h, 1, hd): a task per query, each with its row's
   // page table (the indices repeated, not the pages).
   const auto tasks = query.transpose(1, 2).contiguous().view({b * n, heads, 1, query.size(3)});
   const auto out =
       detail::paged_decode_attention(tasks, keys, values, table.repeat_interleave(n, 0), begin, end,
-                                     scale, softcap, options.sinks(), variant, n);
+                                     scale, softcap, options.sinks(), variant, mask, n);
   // (b * n, h, 1, hd_v), laid out as (b * n, 1, h, hd_v) -> (b, n, h, hd_v) -> (b, h, n, hd_v)
   return out.transpose(1, 2).view({b, n, heads, values.size(3)}).transpose(1, 2);
 }

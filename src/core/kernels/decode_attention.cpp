@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "core/base/parallel.h"
 #include "core/base/row_softmax.h"
 #include "core/kernels/decode_bf16.h"
+#include "core/masks/mask_node.h"
 #include "core/scores/row_score.h"
 #include "core/scores/score_variants.h"
 
@@ -155,6 +158,27 @@ void add_weighted_row(Acc weight, const In* row, int64_t count, Acc* acc) {
     acc[d] += weight * static_cast<Acc>(row[d]);
 }
 
+// Sets scores p[j] of the keys `tile` covers that `mask` forbids to -inf, from the mask's
+// host form where it has one, else from its tensors. Returns whether any key is allowed.
+template <typename Acc>
+bool apply_mask(const Mask& mask, const Tile& tile, bool* allowed, Acc* p) {
+  if (!fill_tile(mask, tile, allowed)) {
+    const auto bits = mask.tile_allowed(tile, torch::kCPU)
+                          .to(torch::kBool)
+                          .expand({1, 1, tile.keys})
+                          .contiguous();
+    std::copy(bits.data_ptr<bool>(), bits.data_ptr<bool>() + tile.keys, allowed);
+  }
+  bool any = false;
+  for (int64_t j = 0; j < tile.keys; ++j) {
+    if (allowed[j])
+      any = true;
+    else
+      p[j] = -std::numeric_limits<Acc>::infinity();
+  }
+  return any;
+}
+
 // Which tensor a pass over a row's positions reads.
 enum class Read { kKeys, kValues };
 
@@ -178,7 +202,7 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
                  const std::vector<int64_t>& key_begin, const std::vector<int64_t>& key_end,
                  double softcap, const std::vector<double>& sinks, const Runs& runs,
                  torch::Tensor& out, const ScoreVariant* score_variant = nullptr,
-                 int64_t queries_per_row = 1) {
+                 const Mask* mask = nullptr, int64_t queries_per_row = 1) {
   using Acc = Arithmetic<In>;
   const int64_t b = query.size(0), h = query.size(1), hd = query.size(3);
   const int64_t group_size = h / kv_heads;
@@ -197,6 +221,7 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
   at::parallel_for(0, b * kv_heads, grain, [&](int64_t first_task, int64_t last_task) {
     // Per query head g of the group: its weights (m), its query (hd) and context (hd_v).
     auto work = score ? score->workspace(m) : ScoreProgram::Workspace{};
+    std::unique_ptr<bool[]> allowed(mask != nullptr ? new bool[static_cast<size_t>(m)] : nullptr);
     std::vector<Acc> weights(static_cast<size_t>(group_size * m)),
         q_rows(static_cast<size_t>(group_size * hd)),
         context(static_cast<size_t>(group_size * hd_v));
@@ -234,20 +259,37 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
         for (int64_t g = 0; g < group_size; ++g) {
           Acc* p = weights.data() + g * m + begin;
           const int64_t n = end - begin;
-          double row_scale = scale;
-          if (score) {  // the score function on the scaled scores, then a softmax of scale 1
+          double row_scale = scale, row_softcap = softcap;
+          if (score || mask != nullptr) {
+            // The scores in place, scaled and capped or modified, then masked (-inf); then a
+            // softmax of scale 1.
             for (int64_t j = 0; j < n; ++j)
               p[j] *= static_cast<Acc>(scale);
-            score->apply(p, n, row / queries_per_row, first_head + g, end - 1, begin, work);
+            if (softcap > 0.0) {
+              for (int64_t j = 0; j < n; ++j)
+                p[j] = static_cast<Acc>(softcap) * std::tanh(p[j] / static_cast<Acc>(softcap));
+            }
+            if (score)
+              score->apply(p, n, row / queries_per_row, first_head + g, end - 1, begin, work);
             row_scale = 1.0;
+            row_softcap = 0.0;
+            if (mask != nullptr &&
+                !apply_mask(*mask,
+                            Tile{row / queries_per_row, first_head + g, 1, end - 1, 1, begin, n},
+                            allowed.get(), p) &&
+                sinks.empty()) {
+              std::fill(p, p + n, Acc(0));  // it sees no key: zero weights, as the math core
+              continue;
+            }
           }
           if (!sinks.empty()) {  // the scores (capped), and the head's sink in the denominator
             const auto sink = static_cast<Acc>(sinks[first_head + g]);
             Acc top = sink;
             for (int64_t j = 0; j < n; ++j) {
               p[j] *= static_cast<Acc>(row_scale);
-              if (softcap > 0.0)
-                p[j] = static_cast<Acc>(softcap) * std::tanh(p[j] / static_cast<Acc>(softcap));
+              if (row_softcap > 0.0)
+                p[j] =
+                    static_cast<Acc>(row_softcap) * std::tanh(p[j] / static_cast<Acc>(row_softcap));
               top = std::max(top, p[j]);
             }
             Acc total = std::exp(sink - top);
@@ -257,9 +299,9 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
             }
             for (int64_t j = 0; j < n; ++j)
               p[j] /= total;
-          } else if (softcap > 0.0) {  // the scores capped, then a softmax of scale 1
-            const auto cap = static_cast<Acc>(softcap);
-            const auto scale_over_cap = static_cast<Acc>(row_scale / softcap);
+          } else if (row_softcap > 0.0) {  // the scores capped, then a softmax of scale 1
+            const auto cap = static_cast<Acc>(row_softcap);
+            const auto scale_over_cap = static_cast<Acc>(row_scale / row_softcap);
             for (int64_t j = 0; j < n; ++j)
               p[j] = cap * std::tanh(p[j] * scale_over_cap);
             softmax_row(p, n, Acc(1), p);
@@ -373,13 +415,11 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   return out.transpose(1, 2);
 }
 
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_pages,
-                                     const torch::Tensor& value_pages,
-                                     const torch::Tensor& page_table,
-                                     const std::vector<int64_t>& key_begin,
-                                     const std::vector<int64_t>& key_end, double scale,
-                                     double softcap, const torch::Tensor& sinks,
-                                     const ScoreVariant* score, int64_t queries_per_row) {
+torch::Tensor paged_decode_attention(
+    const torch::Tensor& query, const torch::Tensor& key_pages, const torch::Tensor& value_pages,
+    const torch::Tensor& page_table, const std::vector<int64_t>& key_begin,
+    const std::vector<int64_t>& key_end, double scale, double softcap, const torch::Tensor& sinks,
+    const ScoreVariant* score, const Mask* mask, int64_t queries_per_row) {
   const int64_t b = query.size(0), h = query.size(1), page_size = key_pages.size(2);
   const int64_t pages_per_row = page_table.size(1);
   const int64_t m = std::max<int64_t>(1, *std::max_element(key_end.begin(), key_end.end()));
@@ -420,7 +460,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
           }
         };
         decode_rows<scalar_t>(query, key_pages.size(1), m, value_pages.size(3), ks[2], vs[2], scale,
-                              key_begin, key_end, softcap, sinks_of_heads, runs, out, score,
+                              key_begin, key_end, softcap, sinks_of_heads, runs, out, score, mask,
                               queries_per_row);
       });
   return out.transpose(1, 2);

@@ -40,8 +40,9 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
 /// j % page_size, and its query sees keys [key_begin[r], key_end[r]) (b entries each). The
 /// caller has checked that every page read lies in the pool (paged_decode_attention in
 /// core/api/paged_attention.cpp). With `score`, a score function on the scaled scores
-/// (instead of a softcap): b the row / queries_per_row, h the query head, q_idx the query's
-/// position key_end[r] - 1, kv_idx the key's position. Returns (b, h, 1, hd_v), laid out as
+/// (instead of a softcap), and with `mask` a mask besides [key_begin, key_end): b the row /
+/// queries_per_row, h the query head, q_idx the query's position key_end[r] - 1, kv_idx the
+/// key's position. A row whose mask allows no key gets zeros. Returns (b, h, 1, hd_v), laid out as
 /// (b, 1, h, hd_v).
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_pages,
                                      const torch::Tensor& value_pages,
@@ -50,6 +51,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
                                      const std::vector<int64_t>& key_end, double scale,
                                      double softcap = 0.0, const torch::Tensor& sinks = {},
                                      const ScoreVariant* score = nullptr,
-                                     int64_t queries_per_row = 1);
+                                     const Mask* mask = nullptr, int64_t queries_per_row = 1);
 
 }  // namespace attnkit::detail
