@@ -924,8 +924,11 @@ TEST(DecodeAttention, EqualsTheMathDefinitionForEveryHeadLayoutAndRowRange) {
   torch::manual_seed(7);
   for (const auto dtype : {torch::kFloat, torch::kDouble}) {
     const double tolerance = dtype == torch::kFloat ? 1e-5 : 1e-10;
-    for (const auto& [kv_heads, hd] : {std::pair<int64_t, int64_t>{6, 8}, {2, 13}, {1, 16}}) {
-      const int64_t b = 3, h = 6, m = 19, hd_v = 5;
+    // Widths of 16 and more with values of 64 or 128 take the AVX-512 group paths
+    // (decode_avx512.h) in float32 where the CPU has them, with groups of 1, 3 and 6 heads.
+    for (const auto& [kv_heads, hd, hd_v] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+             {6, 8, 5}, {2, 13, 5}, {1, 16, 5}, {2, 64, 64}, {6, 16, 128}, {1, 128, 64}}) {
+      const int64_t b = 3, h = 6, m = 19;
       const auto options = torch::TensorOptions().dtype(dtype);
       const auto query = torch::randn({b, h, 1, hd}, options);
       // Views of a larger storage, as a cache's keys are: (b, kv_heads, m, .) of capacity 24.
@@ -945,7 +948,8 @@ TEST(DecodeAttention, EqualsTheMathDefinitionForEveryHeadLayoutAndRowRange) {
           want = torch::softmax(torch::matmul(query[r], k.transpose(1, 2)) * scale, -1).matmul(v);
         }
         EXPECT_LT((got[r] - want).abs().max().item<double>(), tolerance)
-            << dtype << ", " << kv_heads << " key heads, width " << hd << ", row " << r;
+            << dtype << ", " << kv_heads << " key heads, widths " << hd << " and " << hd_v
+            << ", row " << r;
       }
       // Gemma 2's capped scores.
       const auto capped = attnkit::detail::decode_attention(query, keys, values, scale, begin, end,
@@ -973,7 +977,7 @@ TEST(DecodeAttention, EqualsTheMathDefinitionForEveryHeadLayoutAndRowRange) {
 // against the float64 math on the same 16-bit values, no further off than the float32 math
 // rounded once (the floor), for every head layout, partial blocks of 8 keys and of 8 features,
 // softcaps and sinks; the result keeps the cache's dtype. Widths of 64 and 128 take the
-// AVX-512 BF16 group paths (decode_bf16.h) for bfloat16 where the CPU has them, with groups of
+// AVX-512 BF16 group paths (decode_avx512.h) for bfloat16 where the CPU has them, with groups of
 // 1, 3 and 6 query heads.
 TEST(DecodeAttention, ReadsA16BitCacheInPlaceAtTheFloat32Floor) {
   torch::manual_seed(9);

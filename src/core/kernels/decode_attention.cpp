@@ -20,7 +20,7 @@
 #include "core/base/checks.h"
 #include "core/base/parallel.h"
 #include "core/base/row_softmax.h"
-#include "core/kernels/decode_bf16.h"
+#include "core/kernels/decode_avx512.h"
 #include "core/masks/mask_node.h"
 #include "core/scores/row_score.h"
 #include "core/scores/score_variants.h"
@@ -192,8 +192,8 @@ enum class Read { kKeys, kValues };
 // block of kKeyBlock keys is read from memory once for the whole group, then served from L1.
 // One task per query head read every key once per head, and the group's later heads found
 // the keys in cache only while they fitted there (not at 32k positions, nor for a paged
-// cache's runs, which could evict each other). A bfloat16 block goes to decode_bf16.h's
-// group paths where they fit.
+// cache's runs, which could evict each other). A float32 or bfloat16 block goes to
+// decode_avx512.h's group paths where they fit.
 constexpr int64_t kKeyBlock = 32;
 
 template <typename In, typename Runs>
@@ -215,9 +215,8 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
   std::optional<RowScore<Acc>> score;
   if (score_variant != nullptr)
     score.emplace(*score_variant);
-  bool bf16_group = false;
-  if constexpr (std::is_same_v<In, c10::BFloat16>)
-    bf16_group = decode_bf16_fits(hd, hd_v);
+  constexpr bool kAvx512Dtype = std::is_same_v<In, float> || std::is_same_v<In, c10::BFloat16>;
+  const bool avx512_group = kAvx512Dtype && decode_avx512_fits(query.scalar_type(), hd, hd_v);
   at::parallel_for(0, b * kv_heads, grain, [&](int64_t first_task, int64_t last_task) {
     // Per query head g of the group: its weights (m), its query (hd) and context (hd_v).
     auto work = score ? score->workspace(m) : ScoreProgram::Workspace{};
@@ -242,11 +241,11 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
              [&](const In* keys, int64_t first, int64_t count) {
                for (int64_t block = 0; block < count; block += kKeyBlock) {
                  const int64_t size = std::min(kKeyBlock, count - block);
-                 if constexpr (std::is_same_v<In, c10::BFloat16>) {
-                   if (bf16_group) {
-                     group_key_dots_bf16(q + row * qs[0] + first_head * qs[1], qs[1], group_size,
-                                         hd, keys + block * key_stride, key_stride, size,
-                                         weights.data() + first + block, m);
+                 if constexpr (kAvx512Dtype) {
+                   if (avx512_group) {
+                     group_key_dots_avx512(q + row * qs[0] + first_head * qs[1], qs[1], group_size,
+                                           hd, keys + block * key_stride, key_stride, size,
+                                           weights.data() + first + block, m);
                      continue;
                    }
                  }
@@ -313,11 +312,11 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
              [&](const In* values, int64_t first, int64_t count) {
                for (int64_t block = 0; block < count; block += kKeyBlock) {
                  const int64_t size = std::min(kKeyBlock, count - block);
-                 if constexpr (std::is_same_v<In, c10::BFloat16>) {
-                   if (bf16_group) {
-                     group_weighted_values_bf16(weights.data() + first + block, m, group_size,
-                                                values + block * value_stride, value_stride, size,
-                                                hd_v, context.data());
+                 if constexpr (kAvx512Dtype) {
+                   if (avx512_group) {
+                     group_weighted_values_avx512(weights.data() + first + block, m, group_size,
+                                                  values + block * value_stride, value_stride, size,
+                                                  hd_v, context.data());
                      continue;
                    }
                  }
