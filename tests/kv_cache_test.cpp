@@ -1131,7 +1131,7 @@ TEST(DecodeAttention, RefusesWhatItCannotTake) {
 // a sampled request its draws alone; one past the context of 24 its refills alone.
 TEST(Scheduler, EachRequestGetsItsTokensAloneJoiningAtDifferentSteps) {
   for (const auto& [module, window] : std::vector<std::pair<std::string, int64_t>>{
-           {"mha", 0}, {"mha-combined", 5}, {"gqa", 0}, {"gqa", 4}}) {
+           {"mha", 0}, {"mha-combined", 5}, {"gqa", 0}, {"gqa", 4}, {"mla", 0}}) {
     SCOPED_TRACE(c10::str(module, " window ", window));
     torch::manual_seed(51);
     auto config = text_model_config(module, "fused");
@@ -1251,10 +1251,6 @@ TEST(Scheduler, BadArgumentsAreNamedAndQueueNothing) {
       "token fits in one step), got max_tokens_per_step = 3, max_running = 4");
   expect_error_containing([&] { Scheduler(*model, SchedulerOptions(0)); },
                           "[Scheduler] num_pages and page_size must be >= 1, got num_pages = 0");
-  train::AttentionModel latent(text_model_config("mla", "fused"));
-  latent->eval();
-  expect_error_containing([&] { Scheduler(*latent, SchedulerOptions(8)); },
-                          "latents are not paged yet");
   // A model that implements none of the paged methods says which it lacks.
   struct Unpaged : CausalLanguageModel {
     torch::Tensor logits(const torch::Tensor& t) override { return t; }
@@ -1274,7 +1270,7 @@ TEST(Scheduler, BadArgumentsAreNamedAndQueueNothing) {
 // (prefix + its own) generated alone; the pool holds the prefix's two full pages once; its
 // pages return when it is released and the last request on it ends.
 TEST(Scheduler, RequestsOnAPrefixShareItsPages) {
-  for (const std::string module : {"mha", "gqa"}) {
+  for (const std::string module : {"mha", "gqa", "mla"}) {
     SCOPED_TRACE(module);
     torch::manual_seed(53);
     auto config = text_model_config(module, "fused");

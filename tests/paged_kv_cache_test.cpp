@@ -219,6 +219,48 @@ TEST(PagedKVCacheTest, SixteenRequestsHoldTheirSharedPrefixOnce) {
   EXPECT_EQ(contiguous_bytes, cache.held_bytes() * 8);
 }
 
+// A pool of latents: one tensor read as keys and values, half the bytes, appended once; a fork
+// copies a shared, partly filled page of latents on write as a key/value pool does.
+TEST(PagedKVCacheTest, APoolOfLatentsHoldsEachLatentOnce) {
+  torch::NoGradGuard no_grad;
+  auto latents = PagedKVCache::latents(8, 4, 6, torch::TensorOptions(torch::kDouble));
+  PagedKVCache pairs(8, 4, 1, 6, torch::TensorOptions(torch::kDouble));
+  EXPECT_TRUE(latents.holds_latents());
+  EXPECT_FALSE(pairs.holds_latents());
+  EXPECT_TRUE(latents.value_pages().is_same(latents.key_pages()));
+  EXPECT_EQ(2 * latents.nbytes(), pairs.nbytes());
+  EXPECT_EQ(PagedKVCache::pages_within(latents.nbytes(), 4, 1, 6, torch::kDouble, true), 8);
+  const auto first = torch::randn({1, 6, 6}, torch::kDouble);
+  const auto prompt = latents.add_sequence();
+  latents.append(prompt, first);
+  const auto child = latents.fork(prompt);
+  const auto more = torch::randn({1, 3, 6}, torch::kDouble);
+  latents.append(child, more);  // copies page 1 (positions 4-5), then fills it
+  const auto gathered = [&](int64_t sequence) {
+    const auto view = latents.view({sequence});
+    return gathered_row(view, 0).first;  // (1, length, 6)
+  };
+  EXPECT_TRUE(torch::equal(gathered(prompt), first));
+  EXPECT_TRUE(torch::equal(gathered(child), torch::cat({first, more}, 1)));
+  EXPECT_EQ(latents.num_pages() - latents.free_pages(), 2 + 2);
+  expect_error_containing([&] { latents.append(prompt, first, first); },
+                          "[PagedKVCache::append] this pool holds latents, each its position's "
+                          "key and value: append(sequence, latents)");
+  expect_error_containing([&] { pairs.append(pairs.add_sequence(), first); },
+                          "[PagedKVCache::append] this pool holds keys and values: "
+                          "append(sequence, keys, values)");
+  expect_error_containing(
+      [&] {
+        latents.append(prompt, torch::randn({2, 1, 6}, torch::kDouble));
+      },
+      "[PagedKVCache::append] latents: expected (1, n, 6), got [2, 1, 6]");
+  expect_error_containing([&] { PagedKVCache::latents(4, 4, 0); },
+                          "[PagedKVCache::latents] option latent_dim must be > 0, got 0");
+  expect_error_containing(
+      [&] { PagedKVCache::pages_within(1 << 20, 4, 2, 6, torch::kDouble, true); },
+      "[PagedKVCache::pages_within] a pool of latents has num_heads 1, got 2");
+}
+
 TEST(PagedKVCacheTest, AFullPoolRefusesAndWritesNothing) {
   PagedKVCache cache(4, 4, 1, 2, torch::TensorOptions(torch::kDouble));
   const auto a = cache.add_sequence();
@@ -388,6 +430,22 @@ TEST(PagedModules, StepsOnPagesEqualTheContiguousCache) {
       attnkit::MultiHeadAttentionOptions(16, 16, 64, 0.0, 4)
           .score_mod(attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(4))));
   expect_paged_steps_equal_the_contiguous_cache(*alibi.ptr(), 16, "mha, alibi");
+  // Latent attention: the latents paged, read in place with the up-projections absorbed, in
+  // prefill chunks too (the contiguous cache's prefill up-projects every latent); with
+  // qkv_bias the pages carry a column of ones for the biases, which a softcap would not leave
+  // out of the softmax.
+  const auto mla_options = attnkit::MultiHeadLatentAttentionOptions(16, 16, 0.0, 4).latent_dim(8);
+  attnkit::MultiHeadLatentAttention mla(mla_options);
+  expect_paged_steps_equal_the_contiguous_cache(*mla.ptr(), 16, "mla");
+  auto biased_options = mla_options;
+  attnkit::MultiHeadLatentAttention mla_softcap(
+      biased_options.qkv_bias(true).score_mod(attnkit::score_mods::softcap(2.0)));
+  EXPECT_EQ(mla_softcap->make_paged_kv_cache(4, 3).head_dim(), 9);
+  expect_paged_steps_equal_the_contiguous_cache(*mla_softcap.ptr(), 16, "mla, qkv_bias, softcap");
+  biased_options = mla_options;
+  attnkit::MultiHeadLatentAttention mla_alibi(biased_options.qkv_bias(true).score_mod(
+      attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(4))));
+  expect_paged_steps_equal_the_contiguous_cache(*mla_alibi.ptr(), 16, "mla, qkv_bias, alibi");
 }
 
 // Score functions that read positions in a window, which a rolling KVCache refuses: ALiBi
@@ -425,9 +483,9 @@ TEST(PagedModules, PositionalScoresInAWindowEqualTheTrainingForward) {
 
 // Masks in paged steps at each sequence's positions, as in training: packed documents (read
 // from their host form) and a mask_mod (evaluated as tensors), with and without a window; a
-// paged prefill and decode steps against the training forward with the same mask (float64).
-// The mask_mod leaves position 3's query no key but itself, and in a window of 2 a later query
-// none at all: zeros, as the training forward gives.
+// paged prefill and decode steps against the training forward with the same mask (float64),
+// on key/value pages and on latent attention's pages. The mask_mod leaves position 3's query no key
+// but itself, and in a window of 2 a later query none at all: zeros, as the training forward gives.
 TEST(PagedModules, MasksAtTheSequencesPositionsEqualTheTrainingForward) {
   torch::manual_seed(14);
   torch::NoGradGuard no_grad;
@@ -444,25 +502,43 @@ TEST(PagedModules, MasksAtTheSequencesPositionsEqualTheTrainingForward) {
       {"documents",
        [&](int64_t end) { return attnkit::Mask::documents(ids.narrow(1, 0, end), true); }},
       {"mask_mod", [&](int64_t) { return mask_mod; }}};
-  for (const int64_t window : {0, 2}) {
+  // Grouped-query attention with RoPE, in and out of a window; latent attention, and with
+  // qkv_bias and a softcap (its pages carry the biases' column; a query left no key gets
+  // zeros, not W_UV's bias).
+  const auto gqa_options =
+      attnkit::GroupedQueryAttentionOptions(16, 16, 0.0, 4, 2).rope(attnkit::RopeOptions(64));
+  const auto mla_options = attnkit::MultiHeadLatentAttentionOptions(16, 16, 0.0, 4).latent_dim(8);
+  const std::vector<
+      std::pair<std::string, std::function<std::shared_ptr<attnkit::CachedAttentionLayer>()>>>
+      layers{{"gqa", [&] { return attnkit::GroupedQueryAttention(gqa_options).ptr(); }},
+             {"gqa, window 2",
+              [&] {
+                auto options = gqa_options;
+                return attnkit::GroupedQueryAttention(options.sliding_window_size(2)).ptr();
+              }},
+             {"mla", [&] { return attnkit::MultiHeadLatentAttention(mla_options).ptr(); }},
+             {"mla, qkv_bias, softcap", [&] {
+                auto options = mla_options;
+                return attnkit::MultiHeadLatentAttention(
+                           options.qkv_bias(true).score_mod(attnkit::score_mods::softcap(2.0)))
+                    .ptr();
+              }}};
+  for (const auto& [layer_label, make_layer] : layers) {
     for (const auto& [label, mask_at] : masks) {
-      SCOPED_TRACE(c10::str(label, ", window ", window));
-      auto options =
-          attnkit::GroupedQueryAttentionOptions(16, 16, 0.0, 4, 2).rope(attnkit::RopeOptions(64));
-      if (window > 0)
-        options.sliding_window_size(window);
-      attnkit::GroupedQueryAttention gqa(options);
-      gqa->to(torch::kDouble);
-      gqa->eval();
+      SCOPED_TRACE(c10::str(label, ", ", layer_label));
+      const auto layer = make_layer();
+      layer->as_module()->to(torch::kDouble);
+      layer->as_module()->eval();
       const auto sequence = torch::randn({2, 12, 16}, torch::kDouble);
-      const auto whole = gqa->forward(sequence, {}, {}, mask_at(12));  // (2, 12, 16)
-      auto pool = gqa->make_paged_kv_cache(16, 3);
+      const auto whole = layer->forward(sequence, {}, {}, mask_at(12));  // (2, 12, 16)
+      auto pool = layer->make_paged_kv_cache(16, 3);
       const std::vector<int64_t> rows{pool.add_sequence(), pool.add_sequence()};
-      EXPECT_TENSOR_NEAR(gqa->forward_with_cache(sequence.narrow(1, 0, 7), pool, rows, mask_at(7)),
-                         whole.narrow(1, 0, 7), 1e-10);
+      EXPECT_TENSOR_NEAR(
+          layer->forward_with_cache(sequence.narrow(1, 0, 7), pool, rows, mask_at(7)),
+          whole.narrow(1, 0, 7), 1e-10);
       for (int64_t t = 7; t < 12; ++t) {
         EXPECT_TENSOR_NEAR(
-            gqa->forward_with_cache(sequence.narrow(1, t, 1), pool, rows, mask_at(t + 1)),
+            layer->forward_with_cache(sequence.narrow(1, t, 1), pool, rows, mask_at(t + 1)),
             whole.narrow(1, t, 1), 1e-10)
             << "position " << t;
       }
@@ -555,12 +631,18 @@ TEST(PagedModules, RefuseWhatAPagedStepCannotDo) {
       [&] { function->forward_with_cache(x, function_pool, {function_pool.add_sequence()}); },
       "option score_mod: a paged step evaluates it row by row, and ");
   EXPECT_EQ(function_pool.free_pages(), 4) << "a refused step wrote";
+  // Latent attention reads a pool of latents, and key/value modules a pool of keys and values.
   attnkit::MultiHeadLatentAttention mla(attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2));
-  expect_error_containing([&] { mla->make_paged_kv_cache(4, 4); },
-                          "[make_paged_kv_cache] this layer has no paged cache (latent "
-                          "attention's latents are not paged yet");
+  mla->eval();
   expect_error_containing([&] { mla->forward_with_cache(x, pool, {a}); },
-                          "[forward_with_cache] this layer takes no paged cache");
+                          "[MultiHeadLatentAttention::forward_with_cache] cache: expected a pool "
+                          "of latents, got one of keys and values; make it with "
+                          "make_paged_kv_cache");
+  auto latents = mla->make_paged_kv_cache(4, 4);
+  expect_error_containing([&] { mha->forward_with_cache(x, latents, {latents.add_sequence()}); },
+                          "[MultiHeadAttention::forward_with_cache] cache: expected a pool of keys "
+                          "and values, got one of latents");
+  EXPECT_EQ(pool.length(a), 0);
 }
 
 }  // namespace

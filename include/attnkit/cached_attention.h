@@ -86,10 +86,11 @@ class CachedAttentionLayer {
   }
 
   /// A paged pool for forward_with_cache(x, cache, sequences): num_pages pages of page_size
-  /// positions of the layer's key/value heads, in the parameters' dtype and on their device.
-  /// One pool per layer; a sequence's id is the same in every layer's pool when each pool's
-  /// add_sequence, fork and release are called in the same order. Latent attention (and a
-  /// layer of your own that does not override it) refuses.
+  /// positions of the layer's key/value heads (latent attention: of its latents,
+  /// PagedKVCache::latents), in the parameters' dtype and on their device. One pool per
+  /// layer; a sequence's id is the same in every layer's pool when each pool's add_sequence,
+  /// fork and release are called in the same order. A layer of your own that does not
+  /// override it refuses.
   virtual PagedKVCache make_paged_kv_cache(int64_t num_pages, int64_t page_size) const;
 
   /// Inference on a paged cache: x (b, n, d_in), row r the next n tokens of the sequence

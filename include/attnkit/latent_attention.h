@@ -44,6 +44,10 @@ class MultiHeadLatentAttentionImpl : public CachedAttentionModule<MultiHeadLaten
   /// A latent cache (`KVCache::latent`) for `forward_with_cache`: `batch` sequences of up to
   /// `capacity` (>= 1) positions, latent_dim() values per position.
   KVCache make_kv_cache(int64_t batch, int64_t capacity) const override;
+  /// A pool of latents (PagedKVCache::latents) for the paged forward_with_cache: num_pages
+  /// pages of page_size positions, latent_dim() wide, or latent_dim() + 1 with qkv_bias (a
+  /// column of ones that carries W_UK's bias term into the scores and W_UV's into the output).
+  PagedKVCache make_paged_kv_cache(int64_t num_pages, int64_t page_size) const override;
 
   /// The options this module was built with (reset() re-reads them).
   MultiHeadLatentAttentionOptions options;
@@ -70,6 +74,11 @@ class MultiHeadLatentAttentionImpl : public CachedAttentionModule<MultiHeadLaten
   // cached.
   torch::Tensor attend_new_tokens(const torch::Tensor& x, KVCache& cache,
                                   const torch::Tensor& lengths, const Mask& mask) override;
+  // The new tokens' latents are appended to the pages; every query reads the latents in place
+  // with the up-projections absorbed, the decode steps and prefill chunks alike.
+  torch::Tensor attend_paged_tokens(const torch::Tensor& x, PagedKVCache& cache,
+                                    const std::vector<int64_t>& sequences,
+                                    const Mask& mask) override;
 };
 
 /// Module holder for `MultiHeadLatentAttentionImpl` (shared-pointer semantics).

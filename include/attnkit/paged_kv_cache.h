@@ -5,7 +5,8 @@
 /// caches). A sequence holds only the pages its positions fill, not a capacity reserved for
 /// the longest; sequences that share a prefix share its pages (`fork`), copied on the first
 /// write that would change a shared page; a finished sequence's pages return to the pool
-/// (`release`), and a sliding window's old ones too (`drop_before`).
+/// (`release`), and a sliding window's old ones too (`drop_before`). A pool of latents
+/// (`PagedKVCache::latents`) holds multi-head latent attention's cache the same way.
 ///
 /// The storage is apart from what the kernels read: `view(sequences)` is a `PagedKV`
 /// (paged_attention.h), a page table over the pool, which `paged_attention` reads in
@@ -42,11 +43,18 @@ class PagedKVCache {
   PagedKVCache(int64_t num_pages, int64_t page_size, int64_t num_heads, int64_t head_dim,
                const torch::TensorOptions& options = {});
 
+  /// A pool of latents (multi-head latent attention's cache, DeepSeek V2/V3): num_pages pages
+  /// of page_size positions of one latent_dim-wide latent each, which the kernels read as both
+  /// key and value: value_pages() is key_pages(), and the pool takes half the bytes of a
+  /// key/value pool of one head of latent_dim. Append with append(sequence, latents).
+  static PagedKVCache latents(int64_t num_pages, int64_t page_size, int64_t latent_dim,
+                              const torch::TensorOptions& options = {});
+
   /// Pages of page_size positions of num_heads keys and values of head_dim, in `dtype`, that
   /// fit in `bytes` (at least 1 page's worth, else it fails): the num_pages of a pool bounded
-  /// by a budget.
+  /// by a budget. With `latents`, pages of a pool of latents (num_heads 1, head_dim its width).
   static int64_t pages_within(int64_t bytes, int64_t page_size, int64_t num_heads, int64_t head_dim,
-                              torch::Dtype dtype);
+                              torch::Dtype dtype, bool latents = false);
 
   // Move-only: a copy would share the pool but not the bookkeeping.
   PagedKVCache(PagedKVCache&&) = default;
@@ -77,6 +85,9 @@ class PagedKVCache {
   /// length + n). Fails, writing nothing, when the free pages do not hold them (no page is
   /// ever overwritten), or on shapes, dtype or device other than the pool's.
   void append(int64_t sequence, const torch::Tensor& keys, const torch::Tensor& values);
+  /// A pool of latents' append: latents (1, n, head_dim) at `sequence`'s positions, with the
+  /// same checks.
+  void append(int64_t sequence, const torch::Tensor& latents);
 
   /// Positions `sequence` holds.
   int64_t length(int64_t sequence) const;
@@ -91,6 +102,8 @@ class PagedKVCache {
   int64_t page_size() const { return page_size_; }
   int64_t num_heads() const { return keys_.size(1); }
   int64_t head_dim() const { return keys_.size(3); }
+  /// Whether this is a pool of latents (PagedKVCache::latents).
+  bool holds_latents() const { return values_.is_same(keys_); }
   /// Pages no sequence holds.
   int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
   /// Sequences that hold `page` (0: free).
@@ -99,7 +112,7 @@ class PagedKVCache {
   int64_t nbytes() const;
   /// Bytes of the pages held now: (num_pages() - free_pages()) pages.
   int64_t held_bytes() const;
-  /// The pool, (num_pages, num_heads, page_size, head_dim).
+  /// The pool, (num_pages, num_heads, page_size, head_dim); in a pool of latents, one tensor.
   const torch::Tensor& key_pages() const { return keys_; }
   const torch::Tensor& value_pages() const { return values_; }
 
@@ -114,8 +127,17 @@ class PagedKVCache {
   int64_t pages_needed(const Sequence& s, int64_t n) const;
   int64_t take_page();
   void drop_reference(int64_t page);
+  void write(const char* fn, int64_t sequence, const torch::Tensor& keys,
+             const torch::Tensor& values);
 
-  torch::Tensor keys_, values_;  // (num_pages, num_heads, page_size, head_dim)
+  struct LatentsTag {};
+  PagedKVCache(LatentsTag, int64_t num_pages, int64_t page_size, int64_t latent_dim,
+               const torch::TensorOptions& options);
+  void allocate(const char* fn, int64_t num_pages, int64_t num_heads, int64_t head_dim,
+                const torch::TensorOptions& options, bool latents);
+
+  // (num_pages, num_heads, page_size, head_dim); one tensor in a pool of latents
+  torch::Tensor keys_, values_;
   int64_t page_size_ = 0;
   std::vector<int64_t> references_;  // per page
   std::vector<int64_t> free_;        // free pages, the next one taken last

@@ -149,8 +149,8 @@ torch::Tensor GroupedQueryAttentionImpl::attend_new_tokens(const torch::Tensor& 
 
 PagedKVCache GroupedQueryAttentionImpl::make_paged_kv_cache(int64_t num_pages,
                                                             int64_t page_size) const {
-  return detail::make_module_paged_cache(kGqaName, cache_layout_of(options), W_query->weight,
-                                         num_pages, page_size);
+  return detail::make_module_paged_cache(cache_layout_of(options), W_query->weight, num_pages,
+                                         page_size);
 }
 
 torch::Tensor GroupedQueryAttentionImpl::attend_paged_tokens(const torch::Tensor& x,

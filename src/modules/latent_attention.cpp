@@ -17,32 +17,69 @@ detail::ModuleAttention settings_of(const MultiHeadLatentAttentionOptions& opt) 
   return detail::module_attention_of(opt, /*causal=*/true, /*window_size=*/c10::nullopt);
 }
 
+// The up-projections absorbed into the query and the output (DeepSeek-V2's decode form):
+// head i's score of latent c is q_i . (W_UK_i c + b_UK_i), whose bias term is the same for
+// every key and so leaves the softmax unchanged (unless a score function transforms the
+// scores: see bias_column); its output is W_UV_i (sum_j p_j c_j) + b_UV_i, as the weights sum
+// to 1. A query then reads the latents in place instead of recomputing every cached key and
+// value each step.
+
+// Queries (b, h, n, hd) -> their images in latent space (b, h, n, latent): q_i W_UK_i.
+torch::Tensor absorbed_queries(const MultiHeadLatentAttentionImpl& module,
+                               const torch::Tensor& queries) {
+  const auto h = module.options.num_heads();
+  const auto hd = module.options.d_out() / h;
+  return torch::matmul(queries, module.W_UK->weight.view({h, hd, module.latent_dim()}));
+}
+
+// Weighted sums of latents (b, h, n, latent) -> the heads' contexts (b, h, n, hd). W_UV's
+// bias is weighted by the sum of the weights, `weight_sums` (b, h, n, 1): 0 for a query a
+// mask leaves no key, whose context is zeros; undefined: 1.
+torch::Tensor up_projected_context(const MultiHeadLatentAttentionImpl& module,
+                                   const torch::Tensor& context_latents,
+                                   const torch::Tensor& weight_sums = {}) {
+  const auto h = module.options.num_heads();
+  const auto hd = module.options.d_out() / h;
+  auto context = torch::matmul(
+      context_latents,
+      module.W_UV->weight.view({h, hd, module.latent_dim()}).transpose(1, 2));  // (b, h, n, hd)
+  if (module.W_UV->bias.defined()) {
+    const auto bias = module.W_UV->bias.view({h, 1, hd});
+    context = context + (weight_sums.defined() ? weight_sums * bias : bias);
+  }
+  return context;
+}
+
+// The settings of attention in latent space: the scale of the heads' width, not the latents'.
+detail::ModuleAttention latent_settings_of(const MultiHeadLatentAttentionImpl& module) {
+  auto settings = settings_of(module.options);
+  settings.options.scale(module.options.scale().value_or(
+      detail::default_scale(module.options.d_out() / module.options.num_heads())));
+  return settings;
+}
+
+// Whether paged latents carry a column of ones (with qkv_bias), and absorbed queries their
+// bias term q_i . b_UK_i there: the exact scores, for a score function (a softcap) would not
+// leave the bias term out of the softmax; and the column's weighted sum is the weights' sum,
+// by which W_UV's bias counts (0 for a query a mask leaves no key).
+bool bias_column(const MultiHeadLatentAttentionImpl& module) {
+  return module.W_UK->bias.defined();
+}
+
+detail::CacheLayout paged_layout_of(const MultiHeadLatentAttentionImpl& module) {
+  return {1, module.latent_dim() + (bias_column(module) ? 1 : 0), 0, /*latent=*/true};
+}
+
 // A decode step's heads (b, h, 1, hd) from queries (b, h, 1, hd) and latents (b, m, latent):
 // with `rows` (a ragged append's span) row r sees latents [0, rows->ends[r]) up to its own
 // position, else every latent.
 torch::Tensor attend_latents(MultiHeadLatentAttentionImpl& module, const torch::Tensor& queries,
                              const torch::Tensor& latents, const KVCache::RaggedSpan* rows) {
-  // The up-projections absorbed into the query and the output (DeepSeek-V2's decode form):
-  // head i's score of latent c is q_i . (W_UK_i c + b_UK_i), whose bias term is the same for
-  // every key and so leaves the softmax unchanged; its output is W_UV_i (sum_j p_j c_j) +
-  // b_UV_i, as the weights sum to 1. One query then reads the latents in place instead of
-  // recomputing every cached key and value each step.
-  const auto h = module.options.num_heads();
-  const auto hd = module.options.d_out() / h, latent = module.latent_dim();
   const auto keys = latents.unsqueeze(1);  // (b, 1, m, latent): one key/value head
-  const auto up_keys = module.W_UK->weight.view({h, hd, latent});
-  const auto query_latents = torch::matmul(queries, up_keys);  // (b, h, 1, latent)
-  // The scale of the heads' width, not the latents'.
-  auto settings = settings_of(module.options);
-  settings.options.scale(module.options.scale().value_or(detail::default_scale(hd)));
-  const auto context_latents = detail::attend_step(query_latents, keys, keys, settings,
-                                                   /*query_offset=*/latents.size(1) - 1,
-                                                   /*mask=*/{}, rows);
-  auto context = torch::matmul(
-      context_latents, module.W_UV->weight.view({h, hd, latent}).transpose(1, 2));  // (b, h, 1, hd)
-  if (module.W_UV->bias.defined())
-    context = context + module.W_UV->bias.view({h, 1, hd});
-  return context;
+  const auto context_latents =
+      detail::attend_step(absorbed_queries(module, queries), keys, keys, latent_settings_of(module),
+                          /*query_offset=*/latents.size(1) - 1, /*mask=*/{}, rows);
+  return up_projected_context(module, context_latents);
 }
 
 }  // namespace
@@ -110,6 +147,42 @@ functional::AttentionOutput MultiHeadLatentAttentionImpl::attend_inputs(const to
 KVCache MultiHeadLatentAttentionImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
   return detail::make_module_cache(kMlaName, {1, latent_dim(), 0, /*latent=*/true},
                                    /*context_length=*/0, W_query->weight, batch, capacity);
+}
+
+PagedKVCache MultiHeadLatentAttentionImpl::make_paged_kv_cache(int64_t num_pages,
+                                                               int64_t page_size) const {
+  return detail::make_module_paged_cache(paged_layout_of(*this), W_query->weight, num_pages,
+                                         page_size);
+}
+
+torch::Tensor MultiHeadLatentAttentionImpl::attend_paged_tokens(
+    const torch::Tensor& x, PagedKVCache& cache, const std::vector<int64_t>& sequences,
+    const Mask& mask) {
+  const auto h = options.num_heads();
+  detail::check_paged_call(kMlaName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
+                           paged_layout_of(*this), W_query->weight, sequences, options.score_mod(),
+                           /*rope=*/{}, h, mask);
+  torch::NoGradGuard no_grad;
+  const auto queries = detail::split_heads(W_query(x), h);  // (b, h, n, hd)
+  auto latents = W_DKV(x);                                  // (b, n, latent)
+  auto query_latents = absorbed_queries(*this, queries);    // (b, h, n, latent)
+  if (bias_column(*this)) {
+    // [c, 1] . [q_i W_UK_i, q_i . b_UK_i] = q_i . (W_UK_i c + b_UK_i): head i's exact score.
+    latents = torch::cat({latents, torch::ones_like(latents.narrow(2, 0, 1))}, 2);
+    const auto hd = options.d_out() / h;
+    const auto bias_terms = (queries * W_UK->bias.view({h, 1, hd})).sum(-1, true);  // (b,h,n,1)
+    query_latents = torch::cat({query_latents, bias_terms}, 3);
+  }
+  for (size_t r = 0; r < sequences.size(); ++r)
+    cache.append(sequences[r], latents[static_cast<int64_t>(r)].unsqueeze(0));  // (1, n, width)
+  const auto context_latents =
+      paged_attention(query_latents, cache.view(sequences),
+                      detail::paged_options_of(latent_settings_of(*this), mask));
+  const auto latent = latent_dim();
+  const auto context = up_projected_context(
+      *this, context_latents.narrow(3, 0, latent),
+      bias_column(*this) ? context_latents.narrow(3, latent, 1) : torch::Tensor());
+  return out_proj(detail::merge_heads(context));
 }
 
 torch::Tensor MultiHeadLatentAttentionImpl::attend_new_tokens(const torch::Tensor& x,

@@ -310,9 +310,10 @@ void check_paged_call(const char* module, bool training, const torch::Tensor& x,
               " the KV cache is for inference, but the module is in training mode: call eval() "
               "first (training runs forward over whole sequences)");
   detail::check_forward_input(module, x, {d_in}, parameter);
-  TORCH_CHECK(!layout.latent, fn,
-              " a paged cache holds keys and values; latent attention's "
-              "latents are not paged yet");
+  TORCH_CHECK(cache.holds_latents() == layout.latent, fn, " cache: expected a pool of ",
+              layout.latent ? "latents" : "keys and values", ", got one of ",
+              cache.holds_latents() ? "latents" : "keys and values",
+              "; make it with make_paged_kv_cache");
   TORCH_CHECK(cache.num_heads() == layout.heads && cache.head_dim() == layout.head_dim, fn,
               " cache: expected pages of (num_heads, head_dim) = (", layout.heads, ", ",
               layout.head_dim, "), got (", cache.num_heads(), ", ", cache.head_dim(),
@@ -351,13 +352,26 @@ void check_paged_call(const char* module, bool training, const torch::Tensor& x,
               " are free; release finished sequences, or wait");
 }
 
-PagedKVCache make_module_paged_cache(const char* module, const CacheLayout& layout,
-                                     const torch::Tensor& parameter, int64_t num_pages,
-                                     int64_t page_size) {
-  TORCH_CHECK(!layout.latent, "[", module,
-              "::make_paged_kv_cache] latent attention's latents are not paged yet");
-  return PagedKVCache(num_pages, page_size, layout.heads, layout.head_dim,
-                      torch::TensorOptions().dtype(parameter.dtype()).device(parameter.device()));
+PagedKVCache make_module_paged_cache(const CacheLayout& layout, const torch::Tensor& parameter,
+                                     int64_t num_pages, int64_t page_size) {
+  const auto options = torch::TensorOptions().dtype(parameter.dtype()).device(parameter.device());
+  if (layout.latent)
+    return PagedKVCache::latents(num_pages, page_size, layout.head_dim, options);
+  return PagedKVCache(num_pages, page_size, layout.heads, layout.head_dim, options);
+}
+
+PagedAttentionOptions paged_options_of(const ModuleAttention& settings, const Mask& mask) {
+  const auto& options = settings.options;
+  // A softcap goes to the kernel's own; another score function row by row, at the positions
+  // of each sequence.
+  const auto* softcap = options.score_mod().target<SoftcapScore>();
+  return PagedAttentionOptions()
+      .scale(options.scale())
+      .softcap(softcap ? softcap->cap : 0.0)
+      .score_mod(softcap ? ScoreMod() : options.score_mod())
+      .window(settings.window_size.value_or(0))
+      .sinks(options.sinks())
+      .mask(mask);
 }
 
 torch::Tensor attend_paged(const QueryKeyTransform& transform, const torch::Tensor& queries,
@@ -373,19 +387,9 @@ torch::Tensor attend_paged(const QueryKeyTransform& transform, const torch::Tens
       transform(queries, keys, torch::tensor(starts, torch::kInt64).to(queries.device()));
   for (int64_t r = 0; r < b; ++r)
     cache.append(sequences[static_cast<size_t>(r)], rotated_keys[r], values[r]);
-  const auto& options = settings.options;
   const int64_t window = settings.window_size.value_or(0);
-  // A softcap goes to the kernel's own; another score function row by row, at the positions
-  // of each sequence.
-  const auto* softcap = options.score_mod().target<SoftcapScore>();
-  const auto context = paged_attention(rotated_queries, cache.view(sequences),
-                                       PagedAttentionOptions()
-                                           .scale(options.scale())
-                                           .softcap(softcap ? softcap->cap : 0.0)
-                                           .score_mod(softcap ? ScoreMod() : options.score_mod())
-                                           .window(window)
-                                           .sinks(options.sinks())
-                                           .mask(mask));
+  const auto context =
+      paged_attention(rotated_queries, cache.view(sequences), paged_options_of(settings, mask));
   if (window > 0) {
     // The next query, at position start + n, reads from start + n - window + 1 on.
     for (int64_t r = 0; r < b; ++r) {
@@ -402,16 +406,15 @@ namespace attnkit {
 
 PagedKVCache CachedAttentionLayer::make_paged_kv_cache(int64_t, int64_t) const {
   TORCH_CHECK(false,
-              "[make_paged_kv_cache] this layer has no paged cache (latent attention's "
-              "latents are not paged yet; a layer of your own overrides make_paged_kv_cache and "
-              "attend_paged_tokens)");
+              "[make_paged_kv_cache] this layer has no paged cache (a layer of your own "
+              "overrides make_paged_kv_cache and attend_paged_tokens)");
 }
 
 torch::Tensor CachedAttentionLayer::attend_paged_tokens(const torch::Tensor&, PagedKVCache&,
                                                         const std::vector<int64_t>&, const Mask&) {
   TORCH_CHECK(false,
-              "[forward_with_cache] this layer takes no paged cache (latent attention's "
-              "latents are not paged yet; a layer of your own overrides attend_paged_tokens)");
+              "[forward_with_cache] this layer takes no paged cache (a layer of your own "
+              "overrides attend_paged_tokens)");
 }
 
 }  // namespace attnkit

@@ -185,10 +185,13 @@ void check_paged_call(const char* module, bool training, const torch::Tensor& x,
                       const Mask& mask);
 
 /// A module's make_paged_kv_cache: num_pages pages of page_size positions of `layout`'s heads
-/// (key/value layouts only), in `parameter`'s dtype and device.
-PagedKVCache make_module_paged_cache(const char* module, const CacheLayout& layout,
-                                     const torch::Tensor& parameter, int64_t num_pages,
-                                     int64_t page_size);
+/// (a latent layout: a pool of latents), in `parameter`'s dtype and device.
+PagedKVCache make_module_paged_cache(const CacheLayout& layout, const torch::Tensor& parameter,
+                                     int64_t num_pages, int64_t page_size);
+
+/// paged_attention's options for a module's step: its scale, score_mod (a softcap as the
+/// kernel's own), window and sinks, and `mask`.
+PagedAttentionOptions paged_options_of(const ModuleAttention& settings, const Mask& mask);
 
 /// attend_cached's paged step: the new tokens' query heads (b, h, n, hd) and key and value
 /// heads (b, g, n, hd), row r the next n tokens of sequences[r], normed and rotated at their

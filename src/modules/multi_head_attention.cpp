@@ -290,8 +290,8 @@ torch::Tensor MultiHeadAttentionImpl::attend_new_tokens(const torch::Tensor& x, 
 
 PagedKVCache MultiHeadAttentionImpl::make_paged_kv_cache(int64_t num_pages,
                                                          int64_t page_size) const {
-  return detail::make_module_paged_cache(kName, cache_layout_of(options), W_query->weight,
-                                         num_pages, page_size);
+  return detail::make_module_paged_cache(cache_layout_of(options), W_query->weight, num_pages,
+                                         page_size);
 }
 
 torch::Tensor MultiHeadAttentionImpl::attend_paged_tokens(const torch::Tensor& x,
@@ -392,8 +392,8 @@ torch::Tensor MultiHeadAttentionCombinedQKVImpl::attend_new_tokens(const torch::
 
 PagedKVCache MultiHeadAttentionCombinedQKVImpl::make_paged_kv_cache(int64_t num_pages,
                                                                     int64_t page_size) const {
-  return detail::make_module_paged_cache(kCombinedName, cache_layout_of(options), qkv->weight,
-                                         num_pages, page_size);
+  return detail::make_module_paged_cache(cache_layout_of(options), qkv->weight, num_pages,
+                                         page_size);
 }
 
 torch::Tensor MultiHeadAttentionCombinedQKVImpl::attend_paged_tokens(

@@ -19,9 +19,10 @@ int64_t page_stride_bytes(int64_t page_size, int64_t num_heads, int64_t head_dim
   return page_size * num_heads * head_dim * element + 64;
 }
 
-// A page's keys and values.
-int64_t page_bytes(int64_t page_size, int64_t num_heads, int64_t head_dim, int64_t element) {
-  return 2 * page_stride_bytes(page_size, num_heads, head_dim, element);
+// A page's keys and values, or its latents (one tensor).
+int64_t page_bytes(int64_t page_size, int64_t num_heads, int64_t head_dim, int64_t element,
+                   bool latents) {
+  return (latents ? 1 : 2) * page_stride_bytes(page_size, num_heads, head_dim, element);
 }
 
 // Zeros (num_pages, num_heads, page_size, head_dim) with pages one cache line further apart
@@ -61,22 +62,43 @@ torch::Tensor pool_storage(int64_t num_pages, int64_t num_heads, int64_t page_si
 PagedKVCache::PagedKVCache(int64_t num_pages, int64_t page_size, int64_t num_heads,
                            int64_t head_dim, const torch::TensorOptions& options)
     : page_size_(page_size) {
-  const char* fn = "[PagedKVCache]";
   for (const auto& [name, value] : {std::pair<const char*, int64_t>{"num_pages", num_pages},
                                     {"page_size", page_size},
                                     {"num_heads", num_heads},
                                     {"head_dim", head_dim}})
     detail::check_positive_option("PagedKVCache", name, value);
+  allocate("[PagedKVCache]", num_pages, num_heads, head_dim, options, /*latents=*/false);
+}
+
+PagedKVCache::PagedKVCache(LatentsTag, int64_t num_pages, int64_t page_size, int64_t latent_dim,
+                           const torch::TensorOptions& options)
+    : page_size_(page_size) {
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"num_pages", num_pages},
+                                    {"page_size", page_size},
+                                    {"latent_dim", latent_dim}})
+    detail::check_positive_option("PagedKVCache::latents", name, value);
+  allocate("[PagedKVCache::latents]", num_pages, 1, latent_dim, options, /*latents=*/true);
+}
+
+PagedKVCache PagedKVCache::latents(int64_t num_pages, int64_t page_size, int64_t latent_dim,
+                                   const torch::TensorOptions& options) {
+  return PagedKVCache(LatentsTag{}, num_pages, page_size, latent_dim, options);
+}
+
+void PagedKVCache::allocate(const char* fn, int64_t num_pages, int64_t num_heads, int64_t head_dim,
+                            const torch::TensorOptions& options, bool latents) {
   const auto dtype = c10::typeMetaToScalarType(options.dtype());
   TORCH_CHECK(c10::isFloatingType(dtype), fn, " keys and values need a floating dtype, got ",
               dtype);
-  const double bytes = static_cast<double>(num_pages) *
-                       page_bytes(page_size, num_heads, head_dim, c10::elementSize(dtype));
+  const double bytes =
+      static_cast<double>(num_pages) *
+      page_bytes(page_size_, num_heads, head_dim, c10::elementSize(dtype), latents);
   detail::check_memory_budget(fn, c10::str("a pool of ", num_pages, " pages"), bytes,
                               "take fewer pages (PagedKVCache::pages_within(bytes, ...))");
   const auto storage = options.requires_grad(false);
-  keys_ = pool_storage(num_pages, num_heads, page_size, head_dim, storage);
-  values_ = pool_storage(num_pages, num_heads, page_size, head_dim, storage);
+  keys_ = pool_storage(num_pages, num_heads, page_size_, head_dim, storage);
+  // A latent is its position's key and value alike: one tensor.
+  values_ = latents ? keys_ : pool_storage(num_pages, num_heads, page_size_, head_dim, storage);
   references_.assign(static_cast<size_t>(num_pages), 0);
   // Taken from the back: page 0 first.
   for (int64_t page = num_pages - 1; page >= 0; --page)
@@ -84,13 +106,16 @@ PagedKVCache::PagedKVCache(int64_t num_pages, int64_t page_size, int64_t num_hea
 }
 
 int64_t PagedKVCache::pages_within(int64_t bytes, int64_t page_size, int64_t num_heads,
-                                   int64_t head_dim, torch::Dtype dtype) {
+                                   int64_t head_dim, torch::Dtype dtype, bool latents) {
   const char* fn = "[PagedKVCache::pages_within]";
   for (const auto& [name, value] : {std::pair<const char*, int64_t>{"page_size", page_size},
                                     {"num_heads", num_heads},
                                     {"head_dim", head_dim}})
     detail::check_positive_option("PagedKVCache::pages_within", name, value);
-  const int64_t one_page = page_bytes(page_size, num_heads, head_dim, c10::elementSize(dtype));
+  TORCH_CHECK(!latents || num_heads == 1, fn, " a pool of latents has num_heads 1, got ",
+              num_heads);
+  const int64_t one_page =
+      page_bytes(page_size, num_heads, head_dim, c10::elementSize(dtype), latents);
   TORCH_CHECK(bytes >= one_page, fn, " bytes must hold at least one page (", one_page,
               " bytes), got ", bytes);
   return bytes / one_page;
@@ -117,7 +142,7 @@ int64_t PagedKVCache::references(int64_t page) const {
 
 int64_t PagedKVCache::nbytes() const {
   return num_pages() * page_bytes(page_size_, num_heads(), head_dim(),
-                                  static_cast<int64_t>(keys_.element_size()));
+                                  static_cast<int64_t>(keys_.element_size()), holds_latents());
 }
 
 int64_t PagedKVCache::held_bytes() const {
@@ -199,9 +224,26 @@ int64_t PagedKVCache::take_page() {
 void PagedKVCache::append(int64_t sequence, const torch::Tensor& keys,
                           const torch::Tensor& values) {
   const char* fn = "[PagedKVCache::append]";
+  TORCH_CHECK(!holds_latents(), fn,
+              " this pool holds latents, each its position's key and value: "
+              "append(sequence, latents)");
+  write(fn, sequence, keys, values);
+}
+
+void PagedKVCache::append(int64_t sequence, const torch::Tensor& latents) {
+  const char* fn = "[PagedKVCache::append]";
+  TORCH_CHECK(holds_latents(), fn,
+              " this pool holds keys and values: append(sequence, keys, values)");
+  write(fn, sequence, latents, latents);
+}
+
+void PagedKVCache::write(const char* fn, int64_t sequence, const torch::Tensor& keys,
+                         const torch::Tensor& values) {
   auto& s = sequence_at(fn, sequence);
-  for (const auto& [name, t] : {std::pair<const char*, const torch::Tensor&>{"keys", keys},
-                                std::pair<const char*, const torch::Tensor&>{"values", values}}) {
+  const bool latents = holds_latents();
+  for (const auto& [name, t] :
+       {std::pair<const char*, const torch::Tensor&>{latents ? "latents" : "keys", keys},
+        std::pair<const char*, const torch::Tensor&>{latents ? "latents" : "values", values}}) {
     TORCH_CHECK(t.defined() && t.dim() == 3 && t.size(0) == num_heads() && t.size(2) == head_dim(),
                 fn, " ", name, ": expected (", num_heads(), ", n, ", head_dim(), "), got ",
                 t.defined() ? detail::shape_string(t) : "undefined");
@@ -224,7 +266,8 @@ void PagedKVCache::append(int64_t sequence, const torch::Tensor& keys,
       const int64_t copy = take_page();
       const int64_t filled = s.length % page_size_;
       keys_[copy].narrow(1, 0, filled).copy_(keys_[last].narrow(1, 0, filled));
-      values_[copy].narrow(1, 0, filled).copy_(values_[last].narrow(1, 0, filled));
+      if (!latents)
+        values_[copy].narrow(1, 0, filled).copy_(values_[last].narrow(1, 0, filled));
       drop_reference(last);
       last = copy;
     }
@@ -235,7 +278,8 @@ void PagedKVCache::append(int64_t sequence, const torch::Tensor& keys,
       s.pages.push_back(take_page());
     const int64_t page = s.pages.back(), count = std::min(n - written, page_size_ - slot);
     keys_[page].narrow(1, slot, count).copy_(keys.narrow(1, written, count));
-    values_[page].narrow(1, slot, count).copy_(values.narrow(1, written, count));
+    if (!latents)
+      values_[page].narrow(1, slot, count).copy_(values.narrow(1, written, count));
     written += count;
   }
   s.length += n;
