@@ -374,22 +374,6 @@ TEST(AttentionFamily, RefusalsNameWhatIsWrong) {
   expect_error_containing(
       [] { MultiHeadAttention(MultiHeadAttentionOptions(8, 12, 4, 0.0, 2).scale(std::nan(""))); },
       "[MultiHeadAttention] option scale must be finite and > 0");
-  {
-    // A rolling cache keeps keys in storage order: a score function that may read positions
-    // is refused before anything is written; a softcap reads none and is taken.
-    GroupedQueryAttention rolling(GroupedQueryAttentionOptions(4, 8, 0.0, 2, 1)
-                                      .sliding_window_size(3)
-                                      .score_mod(score_mods::alibi(score_mods::alibi_slopes(2))));
-    rolling->eval();
-    auto cache = rolling->make_kv_cache(1, 0);
-    const auto x = torch::randn({1, 2, 4});
-    expect_error_containing([&] { rolling->forward_with_cache(x, cache); },
-                            "[GroupedQueryAttention::forward_with_cache] option score_mod: a "
-                            "rolling cache of window_size 3 keeps its keys in storage order");
-    EXPECT_EQ(cache.size(), 0);
-    rolling->options.score_mod(score_mods::softcap(5.0));
-    EXPECT_EQ(rolling->forward_with_cache(x, cache).sizes(), (std::vector<int64_t>{1, 2, 8}));
-  }
   expect_error_containing([] { GroupedQueryAttention(8, 12, 0.0, 6, 4); },
                           "[GroupedQueryAttention] option num_heads must be divisible by "
                           "num_kv_groups, got num_heads = 6, num_kv_groups = 4");

@@ -3,6 +3,7 @@
 // every refusal) and attnkit::generate over attnkit-train's model.
 
 #include <algorithm>
+#include <array>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -428,17 +429,17 @@ TEST(RaggedKVCache, BadLengthsAreNamedAndNothingIsWritten) {
           "row 1: 10 tokens would reach position 11, past context_length = 10");
   expect_error_containing([&] { mha->forward_with_cache(x, cache); },
                           "[KVCache::append] the rows hold different numbers of positions");
-  // A rolling cache holds each row's keys in its own order, so a mask cannot name them.
+  // A mask that does not fit the positions the step reads ([0, 4)) is refused before
+  // anything is written, on a rolling cache too.
   MultiHeadAttention windowed(MultiHeadAttentionOptions(6, 8, 10, 0.0, 2).sliding_window_size(3));
   windowed->eval();
   auto rolling = windowed->make_kv_cache(2);
   expect_error_containing(
       [&] {
         windowed->forward_with_cache(x, rolling, torch::tensor({4, 1}, torch::kInt64),
-                                     Mask::key_padding(torch::tensor({4, 4}, torch::kInt64)));
+                                     Mask::documents(torch::zeros({2, 3}, torch::kInt64)));
       },
-      "[MultiHeadAttention::forward_with_cache] mask: a rolling cache of window_size 3 keeps its "
-      "keys in storage order");
+      "[MultiHeadAttention::forward_with_cache]");
   EXPECT_EQ(rolling.size(), 0);
   MultiHeadLatentAttention latent(MultiHeadLatentAttentionOptions(6, 8, 0.0, 2));
   latent->eval();
@@ -884,6 +885,98 @@ TEST(RaggedKVCache, RollingCacheGivesEachRowItsLastWindowInOrder) {
       span.keys[1].narrow(1, 0, 2).equal(torch::cat({first[1], next[1].narrow(1, 0, 1)}, 1)));
   EXPECT_TRUE(span.keys[1].narrow(1, 2, 1).equal(step[1]));
   EXPECT_EQ(rolling.nbytes(), 2 * 2 * 1 * 3 * 2 * 8) << "the storage stays the window";
+}
+
+// Masks and score functions in cached steps read positions in the sequence, as in training,
+// on every cache kind: a key/value cache, a rolling one (whose keys lie in storage order) and
+// a latent one, in uniform steps (a prefill of 5 past the window of 3, a chunk, one-token
+// steps) and ragged ones (the rows chunked differently). Packed documents and a mask_mod that
+// leaves some queries no key (zeros, as in training); ALiBi and a random relative bias inside
+// the window. Each row's outputs against the training forward over its whole sequence with the
+// same mask (float64, 1e-10).
+TEST(CachedMasks, MasksAndScoresReadTheSequencesPositionsOnEveryCacheKind) {
+  torch::manual_seed(61);
+  torch::NoGradGuard no_grad;
+  // Each over the positions [0, end) a step reads.
+  auto masks = masks_over_two_sequences();
+  masks.insert(masks.begin(), {"no mask", [](int64_t) { return Mask(); }});
+  const auto rope = RopeOptions(16);
+  const auto alibi = score_mods::alibi(score_mods::alibi_slopes(4));
+  const auto relative = score_mods::relative_position_bias(torch::randn({4, 5}, torch::kDouble));
+  const std::vector<std::pair<std::string, std::function<std::shared_ptr<CachedAttentionLayer>()>>>
+      layers{
+          {"mha",
+           [&] {
+             return MultiHeadAttention(
+                        MultiHeadAttentionOptions(16, 16, 16, 0.0, 4).rope(rope).score_mod(alibi))
+                 .ptr();
+           }},
+          {"mha, window 3",
+           [&] {
+             return MultiHeadAttention(MultiHeadAttentionOptions(16, 16, 16, 0.0, 4)
+                                           .rope(rope)
+                                           .sliding_window_size(3))
+                 .ptr();
+           }},
+          {"gqa, window 3, alibi",
+           [&] {
+             return GroupedQueryAttention(GroupedQueryAttentionOptions(16, 16, 0.0, 4, 2)
+                                              .sliding_window_size(3)
+                                              .score_mod(alibi))
+                 .ptr();
+           }},
+          {"gqa, window 3, relative bias",
+           [&] {
+             return GroupedQueryAttention(GroupedQueryAttentionOptions(16, 16, 0.0, 4, 2)
+                                              .rope(rope)
+                                              .sliding_window_size(3)
+                                              .score_mod(relative))
+                 .ptr();
+           }},
+          {"mla", [&] {
+             return MultiHeadLatentAttention(
+                        MultiHeadLatentAttentionOptions(16, 16, 0.0, 4).latent_dim(8))
+                 .ptr();
+           }}};
+  for (const auto& [layer_label, make_layer] : layers) {
+    for (const auto& [mask_label, mask_at] : masks) {
+      SCOPED_TRACE(c10::str(layer_label, ", ", mask_label));
+      const auto layer = make_layer();
+      layer->as_module()->to(torch::kDouble);
+      layer->as_module()->eval();
+      const auto sequence = torch::randn({2, 12, 16}, torch::kDouble);
+      const auto whole = layer->forward(sequence, {}, {}, mask_at(12));  // (2, 12, 16)
+      auto cache = layer->make_kv_cache(2, 16);
+      int64_t position = 0;
+      for (const int64_t n : {5, 2, 1, 1, 1, 1, 1}) {
+        EXPECT_TENSOR_NEAR(layer->forward_with_cache(sequence.narrow(1, position, n), cache,
+                                                     mask_at(position + n)),
+                           whole.narrow(1, position, n), 1e-10)
+            << "uniform step at " << position;
+        position += n;
+      }
+      // Ragged: row 0 in chunks of 7, 1, 1, 1, 1, 1; row 1 of 4, 3, 1, 1, 1, 1, 1.
+      auto ragged = layer->make_kv_cache(2, 16);
+      const std::vector<std::array<int64_t, 2>> chunks{{7, 4}, {1, 3}, {1, 1}, {1, 1},
+                                                       {1, 1}, {1, 1}, {0, 1}};
+      std::array<int64_t, 2> at{0, 0};
+      for (const auto& chunk : chunks) {
+        const int64_t n = std::max(chunk[0], chunk[1]);
+        auto x = torch::zeros({2, n, 16}, torch::kDouble);
+        for (int64_t r = 0; r < 2; ++r)
+          x[r].narrow(0, 0, chunk[r]).copy_(sequence[r].narrow(0, at[r], chunk[r]));
+        const int64_t end = std::max(at[0] + chunk[0], at[1] + chunk[1]);
+        const auto out = layer->forward_with_cache(
+            x, ragged, torch::tensor({chunk[0], chunk[1]}, torch::kInt64), mask_at(end));
+        for (int64_t r = 0; r < 2; ++r) {
+          EXPECT_TENSOR_NEAR(out[r].narrow(0, 0, chunk[r]), whole[r].narrow(0, at[r], chunk[r]),
+                             1e-10)
+              << "ragged row " << r << " at " << at[r];
+          at[r] += chunk[r];
+        }
+      }
+    }
+  }
 }
 
 TEST(Generate, BadArgumentsNameWhatIsWrong) {

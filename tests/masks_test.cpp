@@ -974,15 +974,16 @@ TEST(ModuleMasks, CrossAttentionWhereItMakesSenseAndClearRefusalsElsewhere) {
       },
       "[MultiHeadLatentAttention::forward] key and value must have the same "
       "number of tokens");
-  // A rolling cache holds keys in storage order: a mask over positions is refused.
+  // A cached step reads a mask at the positions of its sequences, [0, 5) here: a mask that
+  // does not fit them is refused before anything is written, on a rolling cache too.
   attnkit::GroupedQueryAttention windowed(
       attnkit::GroupedQueryAttentionOptions(8, 8, 0.0, 4, 2).sliding_window_size(3));
   windowed->eval();
   auto rolling = windowed->make_kv_cache(2, 16);
   expect_error_containing(
       [&] { windowed->forward_with_cache(query, rolling, padding); },
-      "[GroupedQueryAttention::forward_with_cache] mask: a rolling cache of window_size 3 keeps "
-      "its keys in storage order");
+      "[GroupedQueryAttention::forward_with_cache] mask: key_padding lengths must be in [0, 5] "
+      "(the number of keys), got a length of 7");
   EXPECT_EQ(rolling.size(), 0);  // nothing appended by the refused call
 }
 

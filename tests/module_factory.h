@@ -181,4 +181,23 @@ inline void expect_cached_pieces_match_forward(CachedAttention& m, const torch::
   }
 }
 
+/// A mask of a cached step over the positions [0, end) it reads.
+using MaskAtPositions = std::function<Mask(int64_t end)>;
+
+/// Masks over the positions of two sequences of 12, for cached steps that read them as in
+/// training: packed documents (causal; the second row's ids rolled by 2), read from their
+/// host form, and a mask_mod, evaluated as tensors, that leaves position 3's query no key but
+/// itself and, in a window of 2, a later query none at all (zeros, as in training).
+inline std::vector<std::pair<std::string, MaskAtPositions>> masks_over_two_sequences() {
+  const auto one_row = torch::tensor({0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2}, torch::kInt64);
+  const auto ids = torch::stack({one_row, one_row.roll(2)});  // (2, 12)
+  const auto mask_mod = Mask::from_function([](const torch::Tensor&, const torch::Tensor& h,
+                                               const torch::Tensor& q, const torch::Tensor& kv) {
+    return (kv.remainder(3) != 1) & ((h == 0) | (kv != q - 1) | (q == 3));
+  });
+  return {
+      {"documents", [ids](int64_t end) { return Mask::documents(ids.narrow(1, 0, end), true); }},
+      {"mask_mod", [mask_mod](int64_t) { return mask_mod; }}};
+}
+
 }  // namespace attnkit::testing

@@ -16,6 +16,7 @@
 #include "attnkit/paged_attention.h"
 #include "attnkit/paged_kv_cache.h"
 #include "attnkit/score_mods.h"
+#include "module_factory.h"
 #include "test_support.h"
 
 namespace {
@@ -489,19 +490,9 @@ TEST(PagedModules, PositionalScoresInAWindowEqualTheTrainingForward) {
 TEST(PagedModules, MasksAtTheSequencesPositionsEqualTheTrainingForward) {
   torch::manual_seed(14);
   torch::NoGradGuard no_grad;
-  const auto one_row = torch::tensor({0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2}, torch::kInt64);
-  const auto ids = torch::stack({one_row, one_row.roll(2)});  // (2, 12)
-  const auto mask_mod =
-      attnkit::Mask::from_function([](const torch::Tensor&, const torch::Tensor& h,
-                                      const torch::Tensor& q, const torch::Tensor& kv) {
-        return (kv.remainder(3) != 1) & ((h == 0) | (kv != q - 1) | (q == 3));
-      });
-  // Each kind over positions [0, end): a documents mask's ids cover exactly the positions a
-  // call reads, as on a KVCache.
-  const std::vector<std::pair<std::string, std::function<attnkit::Mask(int64_t)>>> masks{
-      {"documents",
-       [&](int64_t end) { return attnkit::Mask::documents(ids.narrow(1, 0, end), true); }},
-      {"mask_mod", [&](int64_t) { return mask_mod; }}};
+  // Each over positions [0, end): a documents mask's ids cover exactly the positions a call
+  // reads, as on a KVCache.
+  const auto masks = attnkit::testing::masks_over_two_sequences();
   // Grouped-query attention with RoPE, in and out of a window; latent attention, and with
   // qkv_bias and a softcap (its pages carry the biases' column; a query left no key gets
   // zeros, not W_UV's bias).

@@ -66,10 +66,12 @@ class CachedAttentionLayer {
   /// appended to the cache and their queries attend to every position held, with the causal
   /// mask aligned bottom-right. Returns (b, n, d_out): the rows of forward() over the whole
   /// sequence, for a prompt at once (prefill), in pieces, or a token at a time. `mask`
-  /// combines with the causal one; its query index is the row of x and its key index the
-  /// position in the cache, e.g. `Mask::key_padding` over those positions. Runs without
-  /// autograd. Fails (c10::Error) in training mode, with a mask on a rolling cache, and when
-  /// the positions would pass the layer's or the cache's limits.
+  /// combines with the causal one (and the window) at positions in the sequence, as in
+  /// training: q_idx and kv_idx of a problem of the positions [0, cache.size() + n), on a
+  /// rolling cache too, e.g. `Mask::key_padding` or `Mask::documents` over those positions.
+  /// Runs without autograd. Fails (c10::Error), writing nothing, in training mode, with a mask
+  /// that does not fit those positions, and when the positions would pass the layer's or the
+  /// cache's limits.
   torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache, const Mask& mask = {}) {
     return attend_new_tokens(x, cache, torch::Tensor(), mask);
   }
@@ -79,7 +81,8 @@ class CachedAttentionLayer {
   /// sit at positions [cache.lengths()[r], cache.lengths()[r] + lengths[r]) of its own
   /// sequence, so a batch of prompts of different lengths is prefilled and decoded together.
   /// Each row's outputs at its valid tokens equal that row run alone; those at padding are
-  /// finite and meaningless. The padding's keys and values are not cached.
+  /// finite and meaningless. The padding's keys and values are not cached. `mask` reads each
+  /// row's positions, of a problem of [0, the longest row's end).
   torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache,
                                    const torch::Tensor& lengths, const Mask& mask = {}) {
     return attend_new_tokens(x, cache, lengths, mask);

@@ -116,12 +116,14 @@ class KVCache {
   /// Writes `keys` and `values` (batch, num_heads, n, head_dim) at positions
   /// [size(), size() + n) and returns what their queries attend to: every position held, in
   /// order, with query_offset = size() before the call. A rolling cache returns the positions
-  /// it held plus the new ones in order (one-token steps: the positions held in storage
-  /// order, which a query that sees all of them does not mind, with query_offset = held() - 1),
-  /// then keeps the last window_size. Outside autograd: nothing appended records history.
-  /// Fails (c10::Error) when the shapes, dtype or device differ from the cache's, on a
-  /// latent cache, or when size() + n > max_positions(); nothing is written then.
-  Span append(const torch::Tensor& keys, const torch::Tensor& values);
+  /// it held plus the new ones in order, then keeps the last window_size; its one-token steps
+  /// return the positions held in storage order (read in place, which a query that sees all
+  /// of them does not mind), or with `position_order` in order (a copy, for a mask or score
+  /// function that reads positions), with query_offset = held() - 1. Outside autograd:
+  /// nothing appended records history. Fails (c10::Error) when the shapes, dtype or device
+  /// differ from the cache's, on a latent cache, or when size() + n > max_positions();
+  /// nothing is written then.
+  Span append(const torch::Tensor& keys, const torch::Tensor& values, bool position_order = false);
 
   /// What the queries of a ragged append attend to: keys and values (batch, num_heads, m,
   /// head_dim), and per row (batch, int64, on the storage's device) the key index of its first

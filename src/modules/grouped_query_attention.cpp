@@ -138,7 +138,7 @@ torch::Tensor GroupedQueryAttentionImpl::attend_new_tokens(const torch::Tensor& 
                                                            const Mask& mask) {
   const auto new_lengths = detail::check_cached_call(
       kGqaName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
-      cache_layout_of(options), W_query->weight, mask, lengths, options.score_mod());
+      cache_layout_of(options), W_query->weight, mask, lengths, options.num_heads());
   detail::check_rope_cached_positions(kGqaName, rope_tables, cache, new_lengths, x.size(1));
   torch::NoGradGuard no_grad;
   return projected_step(*this, x, new_lengths, [&](const auto& q, const auto& k, const auto& v) {

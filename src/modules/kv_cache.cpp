@@ -327,7 +327,8 @@ KVCache::RaggedSpan KVCache::write_ragged(const char* fn, const torch::Tensor& k
           on_device(ends)};
 }
 
-KVCache::Span KVCache::append(const torch::Tensor& keys, const torch::Tensor& values) {
+KVCache::Span KVCache::append(const torch::Tensor& keys, const torch::Tensor& values,
+                              bool position_order) {
   const char* fn = "[KVCache::append]";
   TORCH_CHECK(!is_latent(), fn, " this is a latent cache; use append_latent");
   TORCH_CHECK(!is_ragged(), fn,
@@ -353,9 +354,13 @@ KVCache::Span KVCache::append(const torch::Tensor& keys, const torch::Tensor& va
   }
   if (n == 1) {
     // Position p lives in slot p % window. The one query sees every position held, so
-    // the storage order will do.
+    // the storage order will do, unless the caller reads positions: then from the oldest
+    // held, in slot size() % window once the buffer has wrapped.
     write();
-    return {this->keys(), this->values(), held() - 1};
+    const int64_t oldest = size_ > window ? size_ % window : 0;
+    if (!position_order || oldest == 0)
+      return {this->keys(), this->values(), held() - 1};
+    return {this->keys().roll(-oldest, 2), this->values().roll(-oldest, 2), held() - 1};
   }
   // Several queries need their keys in order: the positions held, oldest first (slot
   // start % window once the buffer has wrapped), then the new ones; read before the new

@@ -191,7 +191,7 @@ torch::Tensor MultiHeadLatentAttentionImpl::attend_new_tokens(const torch::Tenso
                                                               const Mask& mask) {
   const auto new_lengths = detail::check_cached_call(
       kMlaName, is_training(), x, options.d_in(), /*context_length=*/0, cache,
-      {1, latent_dim(), 0, /*latent=*/true}, W_query->weight, mask, lengths);
+      {1, latent_dim(), 0, /*latent=*/true}, W_query->weight, mask, lengths, options.num_heads());
   torch::NoGradGuard no_grad;
   const auto h = options.num_heads();
   const detail::ValidTokens tokens(x, new_lengths);

@@ -2,6 +2,7 @@
 
 #include "attnkit/cached_attention.h"
 #include "core/base/checks.h"
+#include "core/masks/mask_node.h"
 #include "core/plan/planner.h"
 #include "core/scores/row_variants.h"
 #include "core/scores/score_variants.h"
@@ -93,24 +94,44 @@ F::AttentionOutput attend(const torch::Tensor& queries, const torch::Tensor& key
 
 torch::Tensor attend_step(const torch::Tensor& queries, const torch::Tensor& keys,
                           const torch::Tensor& values, const ModuleAttention& settings,
-                          int64_t query_offset, const Mask& mask, const KVCache::RaggedSpan* rows) {
-  // The kernels count q_idx from the call's first query; the module's score function reads
-  // positions in the sequence.
+                          int64_t query_offset, const Mask& mask, const KVCache::RaggedSpan* rows,
+                          const std::vector<int64_t>& key_positions) {
+  // The kernels count q_idx from the call's first query and kv_idx from its first key; the
+  // module's mask and score function read positions in the sequence.
   const auto& score_mod = settings.options.score_mod();
   if (rows == nullptr) {
+    const int64_t key_position = key_positions.empty() ? 0 : key_positions.front();
+    const int64_t query_position = query_offset + key_position;
+    const int64_t end = key_position + keys.size(2);
     auto call = module_call(queries, keys, values, settings, /*training=*/false,
-                            module_mask(settings, query_offset) & mask);
+                            module_mask(settings, query_offset) &
+                                mask_at_positions(mask, {query_position}, {key_position}, end));
     call.step = StepKind::kCached;
-    if (query_offset != 0) {
-      call.options.score_mod(
-          score_mod_at_positions(score_mod, torch::tensor(query_offset).to(queries.device())));
-    }
+    call.options.score_mod(score_mod_at_positions(score_mod, query_position, key_position));
     return run_checked_attention(call).context;
   }
   // Each row's own causal (and window) mask over its valid keys replaces the module's one
   // query offset; the planner adds it.
-  auto call = module_call(queries, keys, values, settings, /*training=*/false, mask);
-  call.options.score_mod(score_mod_at_positions(score_mod, rows->starts));
+  const bool shifted_keys = !key_positions.empty();
+  torch::Tensor key_offsets;
+  if (shifted_keys)
+    key_offsets = torch::tensor(key_positions, torch::kInt64).to(rows->starts.device());
+  const auto query_offsets = shifted_keys ? rows->starts + key_offsets : rows->starts;
+  Mask positioned_mask;
+  if (!mask.is_none()) {
+    const auto starts = query_offsets.cpu(), ends = rows->ends.cpu();
+    std::vector<int64_t> query_positions, key_starts;
+    int64_t end = 0;
+    for (int64_t r = 0; r < starts.size(0); ++r) {
+      const int64_t key_position = shifted_keys ? key_positions[static_cast<size_t>(r)] : 0;
+      query_positions.push_back(starts[r].item<int64_t>());
+      key_starts.push_back(key_position);
+      end = std::max(end, key_position + ends[r].item<int64_t>());
+    }
+    positioned_mask = mask_at_positions(mask, query_positions, key_starts, end, /*ragged=*/true);
+  }
+  auto call = module_call(queries, keys, values, settings, /*training=*/false, positioned_mask);
+  call.options.score_mod(score_mod_at_positions(score_mod, query_offsets, key_offsets));
   call.step = StepKind::kRagged;
   call.ragged.query_offsets = rows->starts;
   call.ragged.key_ends = rows->ends;
@@ -204,7 +225,7 @@ std::vector<int64_t> check_cached_call(const char* module, bool training, const 
                                        int64_t d_in, int64_t context_length, const KVCache& cache,
                                        const CacheLayout& layout, const torch::Tensor& parameter,
                                        const Mask& mask, const torch::Tensor& lengths,
-                                       const ScoreMod& score_mod) {
+                                       int64_t query_heads) {
   TORCH_CHECK(ContextParallelScope::current() == nullptr, "[", module,
               "::forward_with_cache] a KV cache holds one process's whole sequence: call it "
               "outside the ContextParallelScope");
@@ -234,18 +255,23 @@ std::vector<int64_t> check_cached_call(const char* module, bool training, const 
               "[", module, "::forward_with_cache] cache: expected dtype ", parameter.scalar_type(),
               " on ", parameter.device(), " (the module's parameters), got ",
               cache.options().dtype(), " on ", cache.options().device());
-  TORCH_CHECK(mask.is_none() || layout.window_size == 0, "[", module,
-              "::forward_with_cache] mask: a rolling cache of window_size ", layout.window_size,
-              " keeps its keys in storage order, so a mask cannot name their positions; got ",
-              mask.to_string(), "; masks work with the caches of modules without a window");
-  TORCH_CHECK(!score_reads_positions(score_mod) || layout.window_size == 0, "[", module,
-              "::forward_with_cache] option score_mod: a rolling cache of window_size ",
-              layout.window_size,
-              " keeps its keys in storage order, so a score function cannot read their "
-              "positions; a softcap (score_mods::softcap) reads none and works");
   const int64_t n = x.size(1);
-  if (lengths.defined())
-    return check_ragged_lengths(module, x, lengths, context_length, cache);
+  // The mask, at the positions of the sequences: of a problem of [0, longest row's end).
+  const auto check_mask = [&](int64_t end) {
+    if (!mask.is_none()) {
+      mask.check(c10::str("[", module, "::forward_with_cache]").c_str(), x.size(0), query_heads,
+                 end, end, x.device());
+    }
+  };
+  if (lengths.defined()) {
+    auto new_lengths = check_ragged_lengths(module, x, lengths, context_length, cache);
+    const auto before = cache.lengths();
+    int64_t longest = 0;
+    for (int64_t r = 0; r < x.size(0); ++r)
+      longest = std::max(longest, before[r].item<int64_t>() + new_lengths[static_cast<size_t>(r)]);
+    check_mask(longest);
+    return new_lengths;
+  }
   const int64_t end = cache.size() + n;
   TORCH_CHECK(context_length == 0 || end <= context_length, "[", module,
               "::forward_with_cache] x: ", n, " tokens after the ", cache.size(),
@@ -255,6 +281,7 @@ std::vector<int64_t> check_cached_call(const char* module, bool training, const 
               "::forward_with_cache] x: ", n, " tokens after the ", cache.size(),
               " the cache holds would pass its capacity ", cache.capacity(),
               "; make a larger one with make_kv_cache(batch, capacity)");
+  check_mask(end);
   return {};
 }
 
@@ -262,10 +289,16 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
                             const torch::Tensor& keys, const torch::Tensor& values, KVCache& cache,
                             const ModuleAttention& settings, const Mask& mask,
                             const std::vector<int64_t>& new_lengths) {
+  // A mask or a score function reads positions: a rolling cache's one-token step then
+  // returns its keys in position order too.
+  const bool reads_positions =
+      !mask.is_none() || score_reads_positions(settings.options.score_mod());
   if (new_lengths.empty()) {
-    const auto [rotated_queries, rotated_keys] = transform(queries, keys, cache.size());
-    const auto span = cache.append(rotated_keys, values);
-    return attend_step(rotated_queries, span.keys, span.values, settings, span.query_offset, mask);
+    const int64_t start = cache.size();
+    const auto [rotated_queries, rotated_keys] = transform(queries, keys, start);
+    const auto span = cache.append(rotated_keys, values, /*position_order=*/reads_positions);
+    return attend_step(rotated_queries, span.keys, span.values, settings, span.query_offset, mask,
+                       /*rows=*/nullptr, {start - span.query_offset});
   }
   // Row r's token i at position starts[r] + i. A row whose padding would run past the RoPE
   // tables is rotated on its valid tokens alone (the padding is neither cached nor used).
@@ -293,8 +326,15 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
     }
   }
   const auto span = cache.append_ragged(rotated_keys, values, new_lengths);
+  // Row r's key index j is position j, or in a rolling cache its first held position + j.
+  std::vector<int64_t> key_positions;
+  if (reads_positions && cache.window_size() > 0) {
+    const auto span_starts = span.starts.cpu();
+    for (int64_t r = 0; r < span_starts.size(0); ++r)
+      key_positions.push_back(host_starts[r].item<int64_t>() - span_starts[r].item<int64_t>());
+  }
   return attend_step(rotated_queries, span.keys, span.values, settings, /*query_offset=*/0, mask,
-                     &span);
+                     &span, key_positions);
 }
 
 void check_paged_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,

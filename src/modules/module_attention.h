@@ -61,10 +61,14 @@ functional::AttentionOutput attend(const torch::Tensor& queries, const torch::Te
 /// and values (b, g, m, hd). Without `rows`, query i sits at key position query_offset + i
 /// under the module's mask and `mask`; with `rows` (a ragged append's span), row r's queries
 /// sit at rows->starts[r] and see its keys before rows->ends[r], and `mask`.
+/// `mask` and the score function read positions in the sequence: key index j of row r is
+/// position key_positions[r] + j (one entry: every row; empty: j), a rolling cache's keys
+/// in position order.
 torch::Tensor attend_step(const torch::Tensor& queries, const torch::Tensor& keys,
                           const torch::Tensor& values, const ModuleAttention& settings,
                           int64_t query_offset, const Mask& mask,
-                          const KVCache::RaggedSpan* rows = nullptr);
+                          const KVCache::RaggedSpan* rows = nullptr,
+                          const std::vector<int64_t>& key_positions = {});
 
 /// reset()'s checks of the options every multi-head module has: d_in, d_out and num_heads
 /// >= 1 with num_heads dividing d_out, dropout in [0, 1), the block sizes >= 1, and a scale,
@@ -107,17 +111,16 @@ KVCache make_module_cache(const char* module, const CacheLayout& layout, int64_t
 
 /// Everything that can be wrong with a forward_with_cache call, checked before anything is
 /// computed or written: training mode, the input x (b, n, d_in), the cache's layout, dtype
-/// and device, positions past context_length (0: no limit) or the cache's capacity, and a
-/// mask on a rolling cache (which holds its keys in storage order, not by position), and a
-/// `score_mod` that may read positions on a rolling cache.
+/// and device, positions past context_length (0: no limit) or the cache's capacity, and
+/// `mask` against query_heads heads and the positions [0, longest row's end) of the step.
 /// With `lengths` defined (forward_with_cache(x, cache, lengths)): a (b) int64 tensor, each in
 /// [0, n], and each row's end within context_length and the capacity (any cache kind).
 /// Returns the lengths as numbers (empty without `lengths`).
 std::vector<int64_t> check_cached_call(const char* module, bool training, const torch::Tensor& x,
                                        int64_t d_in, int64_t context_length, const KVCache& cache,
                                        const CacheLayout& layout, const torch::Tensor& parameter,
-                                       const Mask& mask = {}, const torch::Tensor& lengths = {},
-                                       const ScoreMod& score_mod = {});
+                                       const Mask& mask, const torch::Tensor& lengths,
+                                       int64_t query_heads);
 
 /// Heads (b, h, s, hd) of this rank's shard in `scope`, each chunk rotated at its start in
 /// the whole sequence.

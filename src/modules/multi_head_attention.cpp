@@ -88,7 +88,7 @@ std::vector<int64_t> check_cached_mha_call(const char* name, const MultiHeadAtte
               "also attends to later ones, which a cache of earlier tokens cannot give");
   auto new_lengths =
       detail::check_cached_call(name, training, x, opt.d_in(), opt.context_length(), cache,
-                                cache_layout_of(opt), parameter, mask, lengths, opt.score_mod());
+                                cache_layout_of(opt), parameter, mask, lengths, opt.num_heads());
   detail::check_rope_cached_positions(name, rope, cache, new_lengths, x.size(1));
   return new_lengths;
 }

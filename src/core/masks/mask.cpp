@@ -145,9 +145,23 @@ Mask Mask::region(int64_t query_start, int64_t key_start, int64_t num_queries,
     return Mask(std::make_shared<detail::CausalNode>(causal->offset + query_start - key_start,
                                                      causal->window));
   }
-  return Mask(
-      std::make_shared<detail::RegionNode>(node_, query_start, key_start, num_queries, num_keys));
+  return Mask(std::make_shared<detail::RegionNode>(node_, std::vector<int64_t>{query_start},
+                                                   std::vector<int64_t>{key_start}, num_queries,
+                                                   num_keys));
 }
+
+namespace detail {
+
+Mask mask_at_positions(const Mask& mask, std::vector<int64_t> query_starts,
+                       std::vector<int64_t> key_starts, int64_t num_positions, bool ragged) {
+  if (mask.is_none())
+    return mask;
+  return MaskAccess::make(
+      std::make_shared<RegionNode>(MaskAccess::node_pointer(mask), std::move(query_starts),
+                                   std::move(key_starts), num_positions, num_positions, ragged));
+}
+
+}  // namespace detail
 
 Mask Mask::key_padding(const torch::Tensor& padding_or_lengths) {
   const auto& t = padding_or_lengths;

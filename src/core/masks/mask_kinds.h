@@ -301,47 +301,91 @@ struct BlockMaskNode final : MaskNode {
   }
 };
 
-// The inner mask over a region of a larger problem: entry (i, j) is the inner mask's
-// (query_start + i, key_start + j).
+// The inner mask over a region of a larger problem: entry (i, j) of batch entry r is the
+// inner mask's (query_starts[r] + i, key_starts[r] + j); one start serves every entry.
+// `clamped` (a ragged cached step, whose rows end before the call's last query and key):
+// entries past the problem read its last query's or key's, since the call masks them anyway.
 struct RegionNode final : MaskNode {
   std::shared_ptr<const MaskNode> inner;
-  int64_t query_start, key_start, num_queries, num_keys;
+  std::vector<int64_t> query_starts, key_starts;  // one entry, or one per batch entry
+  int64_t num_queries, num_keys;
+  bool clamped;
 
-  RegionNode(std::shared_ptr<const MaskNode> inner, int64_t query_start, int64_t key_start,
-             int64_t num_queries, int64_t num_keys)
+  RegionNode(std::shared_ptr<const MaskNode> inner, std::vector<int64_t> query_starts,
+             std::vector<int64_t> key_starts, int64_t num_queries, int64_t num_keys,
+             bool clamped = false)
       : inner(std::move(inner)),
-        query_start(query_start),
-        key_start(key_start),
+        query_starts(std::move(query_starts)),
+        key_starts(std::move(key_starts)),
         num_queries(num_queries),
-        num_keys(num_keys) {}
+        num_keys(num_keys),
+        clamped(clamped) {}
 
+  static int64_t start_of(const std::vector<int64_t>& starts, int64_t batch) {
+    return starts.size() == 1 ? starts.front() : starts[static_cast<size_t>(batch)];
+  }
+  // The starts read at batch indices `b` (broadcastable int64).
+  static torch::Tensor starts_at(const std::vector<int64_t>& starts, const torch::Tensor& b) {
+    if (starts.size() == 1)
+      return torch::tensor(starts.front(), b.options());
+    return torch::tensor(starts, torch::kInt64).to(b.device()).index({b});
+  }
   Tile shifted(Tile tile) const {
-    tile.query_begin += query_start;
-    tile.key_begin += key_start;
+    tile.query_begin += start_of(query_starts, tile.batch);
+    tile.key_begin += start_of(key_starts, tile.batch);
     return tile;
   }
+  // Whether the tile, shifted, lies inside the problem (always, unless clamped).
+  bool inside(const Tile& tile) const {
+    const auto t = shifted(tile);
+    return !clamped ||
+           (t.query_begin + t.queries <= num_queries && t.key_begin + t.keys <= num_keys);
+  }
   torch::Tensor allowed(const Indices& at) const override {
-    return inner->allowed({at.b, at.h, at.q + query_start, at.kv + key_start});
+    auto q = at.q + starts_at(query_starts, at.b), kv = at.kv + starts_at(key_starts, at.b);
+    if (clamped) {
+      q = q.clamp_max(num_queries - 1);
+      kv = kv.clamp_max(num_keys - 1);
+    }
+    return inner->allowed({at.b, at.h, q, kv});
   }
   torch::Tensor tile_allowed(const Tile& tile, const torch::Device& device) const override {
-    return inner->tile_allowed(shifted(tile), device);
+    return inside(tile) ? inner->tile_allowed(shifted(tile), device)
+                        : allowed(tile_indices(tile, device));
   }
   bool fill_tile(const Tile& tile, bool* out) const override {
-    return inner->fill_tile(shifted(tile), out);
+    return inside(tile) && inner->fill_tile(shifted(tile), out);
   }
-  c10::optional<TileKind> kind(const Tile& t) const override { return inner->kind(shifted(t)); }
+  c10::optional<TileKind> kind(const Tile& t) const override {
+    return inside(t) ? inner->kind(shifted(t)) : c10::nullopt;
+  }
   void check(const char* fn, int64_t batch, int64_t heads, int64_t n, int64_t m,
              const torch::Device& device) const override {
-    TORCH_CHECK(query_start + n <= num_queries && key_start + m <= num_keys, fn,
-                " mask: a region from query ", query_start, " and key ", key_start, " of a ",
-                num_queries, " x ", num_keys, " problem holds at most ", num_queries - query_start,
-                " queries and ", num_keys - key_start, " keys, got ", n, " queries and ", m,
-                " keys");
+    TORCH_CHECK(query_starts.size() == 1 || static_cast<int64_t>(query_starts.size()) == batch, fn,
+                " mask: a region with a start per batch entry (", query_starts.size(),
+                ") over a batch of ", batch);
+    for (int64_t r = 0; r < static_cast<int64_t>(query_starts.size()); ++r) {
+      const int64_t query_start = query_starts[static_cast<size_t>(r)];
+      const int64_t key_start = start_of(key_starts, r);
+      // Clamped: the starts inside the problem, or at its end (a row with no new token).
+      const int64_t queries = clamped ? 0 : n, keys = clamped ? 0 : m;
+      TORCH_CHECK(query_start + queries <= num_queries && key_start + keys <= num_keys, fn,
+                  " mask: a region from query ", query_start, " and key ", key_start, " of a ",
+                  num_queries, " x ", num_keys, " problem holds at most ",
+                  num_queries - query_start, " queries and ", num_keys - key_start, " keys, got ",
+                  n, " queries and ", m, " keys");
+    }
     inner->check(fn, batch, heads, num_queries, num_keys, device);
   }
   std::string to_string() const override {
-    return c10::str(inner->to_string(), ".region(", query_start, ", ", key_start, ", ", num_queries,
-                    ", ", num_keys, ")");
+    if (query_starts.size() == 1) {
+      return c10::str(inner->to_string(), ".region(", query_starts.front(), ", ",
+                      key_starts.front(), ", ", num_queries, ", ", num_keys, ")");
+    }
+    return c10::str(inner->to_string(),
+                    ".region(query_starts=", c10::ArrayRef<int64_t>(query_starts),
+                    ", key_starts=", c10::ArrayRef<int64_t>(key_starts), ", ", num_queries, ", ",
+                    num_keys, ")");
   }
 };
 

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -46,11 +47,20 @@ struct MaskNode {
   virtual bool fill_tile(const Tile&, bool*) const { return false; }
 };
 
+/// `mask` read at positions of a longer sequence: entry (i, j) of batch entry r is `mask`'s
+/// (query_starts[r] + i, key_starts[r] + j) of a problem of num_positions queries and keys
+/// (one start: every entry), as a cached step reads a mask over its sequences' positions. A
+/// mask of no kind stays one. `ragged`: rows end before the call's last query and key (their
+/// padding), and entries past the problem read its last query's or key's.
+Mask mask_at_positions(const Mask& mask, std::vector<int64_t> query_starts,
+                       std::vector<int64_t> key_starts, int64_t num_positions, bool ragged = false);
+
 /// `mask`'s fill_tile (a mask of no kind allows everything).
 bool fill_tile(const Mask& mask, const Tile& tile, bool* out);
 
 struct MaskAccess {
   static const MaskNode* node(const Mask& mask) { return mask.node_.get(); }
+  static std::shared_ptr<const MaskNode> node_pointer(const Mask& mask) { return mask.node_; }
   static Mask make(std::shared_ptr<const MaskNode> node) { return Mask(std::move(node)); }
 };
 

@@ -111,7 +111,8 @@ const ScoreProgram* ScoreVariant::program() const {
 
 std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::string* why) {
   if (const auto* positioned = score_mod ? score_mod.target<PositionedScore>() : nullptr) {
-    if (positioned->offsets.dim() != 0) {
+    const auto& key_offsets = positioned->key_offsets;
+    if (positioned->offsets.dim() != 0 || (key_offsets.defined() && key_offsets.dim() != 0)) {
       if (why != nullptr)
         *why = "q_idx counted from a start per row (a ragged cached step)";
       return std::nullopt;
@@ -119,7 +120,8 @@ std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::str
     auto inner = score_variant_of(positioned->score_mod, why);
     if (inner) {
       inner->query_offset += positioned->offsets.item<int64_t>();
-      inner->key_offset += positioned->key_offset;
+      if (key_offsets.defined())
+        inner->key_offset += key_offsets.item<int64_t>();
     }
     return inner;
   }
@@ -135,24 +137,27 @@ bool score_reads_positions(const ScoreMod& score_mod) {
   return score_mod && score_mod.target<SoftcapScore>() == nullptr;
 }
 
-ScoreMod score_mod_at_positions(const ScoreMod& score_mod, const torch::Tensor& offsets) {
+ScoreMod score_mod_at_positions(const ScoreMod& score_mod, const torch::Tensor& offsets,
+                                const torch::Tensor& key_offsets) {
   if (!score_reads_positions(score_mod))
     return score_mod;
-  return PositionedScore{score_mod, offsets};
+  return PositionedScore{score_mod, offsets, key_offsets};
 }
 
 ScoreMod score_mod_at_positions(const ScoreMod& score_mod, int64_t query_offset,
                                 int64_t key_offset) {
   if (!score_reads_positions(score_mod) || (query_offset == 0 && key_offset == 0))
     return score_mod;
-  return PositionedScore{score_mod, torch::tensor(query_offset, torch::kInt64), key_offset};
+  return PositionedScore{score_mod, torch::tensor(query_offset, torch::kInt64),
+                         torch::tensor(key_offset, torch::kInt64)};
 }
 
 torch::Tensor PositionedScore::operator()(const torch::Tensor& score, const torch::Tensor& b,
                                           const torch::Tensor& h, const torch::Tensor& q_idx,
                                           const torch::Tensor& kv_idx) const {
-  const auto shift = offsets.dim() == 0 ? offsets : offsets.index({b});
-  return score_mod(score, b, h, q_idx + shift, key_offset == 0 ? kv_idx : kv_idx + key_offset);
+  const auto shift = [&b](const torch::Tensor& t) { return t.dim() == 0 ? t : t.index({b}); };
+  return score_mod(score, b, h, q_idx + shift(offsets),
+                   key_offsets.defined() ? kv_idx + shift(key_offsets) : kv_idx);
 }
 
 torch::Tensor apply_score_mod(const ScoreMod& score_mod, const torch::Tensor& scores,

@@ -80,13 +80,14 @@ struct SoftcapScore {
 
 /// A score function that reads positions in a longer sequence than the call's: q_idx counted
 /// from `offsets` (a scalar, or (b): row b's start) instead of the call's first query, and
-/// kv_idx from `key_offset` (score_mod_at_positions). A module's cached step shifts its
-/// queries; a context-parallel pair of pieces both. The fused tile kernel evaluates it with a
-/// scalar offset (its variant's offsets); the chunked kernel and the math core call it.
+/// kv_idx from `key_offsets` (likewise; undefined: 0) (score_mod_at_positions). A module's
+/// cached step shifts its queries, and a rolling cache's keys too; a context-parallel pair of
+/// pieces both. The fused tile kernel evaluates it with scalar offsets (its variant's
+/// offsets); the chunked kernel and the math core call it.
 struct PositionedScore {
   ScoreMod score_mod;
   torch::Tensor offsets;
-  int64_t key_offset = 0;
+  torch::Tensor key_offsets;
   torch::Tensor operator()(const torch::Tensor& score, const torch::Tensor& b,
                            const torch::Tensor& h, const torch::Tensor& q_idx,
                            const torch::Tensor& kv_idx) const;
@@ -96,10 +97,12 @@ struct PositionedScore {
 /// true for anything else (a C++ function may read them, so it is taken to).
 bool score_reads_positions(const ScoreMod& score_mod);
 
-/// `score_mod` with q_idx counted from `offsets` instead of 0: a scalar, one offset for every
-/// row, or a (b) int64 tensor, row b's queries starting at offsets[b]. Position-free score
-/// functions are returned as they are, so that kernels still read their variant.
-ScoreMod score_mod_at_positions(const ScoreMod& score_mod, const torch::Tensor& offsets);
+/// `score_mod` with q_idx counted from `offsets` instead of 0, and kv_idx from `key_offsets`
+/// (undefined: 0): each a scalar, one offset for every row, or a (b) int64 tensor, row b's
+/// starting at offsets[b]. Position-free score functions are returned as they are, so that
+/// kernels still read their variant.
+ScoreMod score_mod_at_positions(const ScoreMod& score_mod, const torch::Tensor& offsets,
+                                const torch::Tensor& key_offsets = {});
 
 /// `score_mod` with q_idx counted from `query_offset` and kv_idx from `key_offset`: a call
 /// over a piece of a longer sequence's queries and keys (context parallelism).
