@@ -553,7 +553,8 @@ TEST(Generate, PastTheContextTheCacheIsRefilled) {
 namespace {
 
 // Forwards to a model and records the batch of every cached call, to see finished rows leave,
-// and the shape of every paged call.
+// and the shape of every paged call; a paged call on `failing_sequence` throws once the model
+// has written its pages.
 class RecordingModel : public CausalLanguageModel {
  public:
   explicit RecordingModel(train::AttentionModel model) : model_(std::move(model)) {}
@@ -577,12 +578,16 @@ class RecordingModel : public CausalLanguageModel {
   torch::Tensor paged_logits(const torch::Tensor& tokens, std::vector<PagedKVCache>& pools,
                              const std::vector<int64_t>& sequences) override {
     paged_calls.emplace_back(tokens.size(0), tokens.size(1));
-    return model_->paged_logits(tokens, pools, sequences);
+    auto logits = model_->paged_logits(tokens, pools, sequences);
+    if (std::find(sequences.begin(), sequences.end(), failing_sequence) != sequences.end())
+      TORCH_CHECK(false, "the test's failing sequence");
+    return logits;
   }
   int64_t context_length() const override { return model_->context_length(); }
 
   std::vector<int64_t> batches;
   std::vector<std::pair<int64_t, int64_t>> paged_calls;  // (rows, tokens per row) of each call
+  int64_t failing_sequence = -1;
 
  private:
   train::AttentionModel model_;
@@ -1306,6 +1311,43 @@ TEST(Scheduler, EachRequestGetsItsTokensAloneJoiningAtDifferentSteps) {
     for (const auto& pool : scheduler.pools())
       EXPECT_EQ(pool.free_pages(), 14) << "an ended request kept pages";
   }
+}
+
+// A model call that throws, after writing its pages: it fed request 1's prefill chunk alone
+// (the three prompts' lengths differ), which ends with the error and gives its pages back;
+// the other two get their tokens alone and run() ends. A prefix whose prefill throws is not
+// kept, and its pages return.
+TEST(Scheduler, AModelCallThatThrowsEndsItsRequestsAndTheOthersGoOn) {
+  torch::manual_seed(57);
+  train::AttentionModel model(text_model_config("gqa", "fused"));
+  model->to(torch::kFloat64);
+  model->eval();
+  RecordingModel recording(model);
+  recording.failing_sequence = 1;  // request 1's, in the order of admission
+  Scheduler scheduler(recording, SchedulerOptions(16).page_size(4).max_running(3));
+  const std::vector<torch::Tensor> prompts{torch::randint(0, 40, {3}, torch::kInt64),
+                                           torch::randint(0, 40, {6}, torch::kInt64),
+                                           torch::randint(0, 40, {4}, torch::kInt64)};
+  for (const auto& prompt : prompts)
+    scheduler.submit(prompt, GenerateOptions(5));
+  const auto served = scheduler.run();
+  ASSERT_EQ(served.size(), 3u);
+  EXPECT_TRUE(served[1].error.find("the model's call on 1 rows of 6 tokens failed: the test's "
+                                   "failing sequence") != std::string::npos)
+      << served[1].error;
+  EXPECT_TRUE(served[1].tokens.equal(prompts[1]));
+  for (const size_t r : {size_t{0}, size_t{2}}) {
+    EXPECT_TRUE(served[r].error.empty()) << served[r].error;
+    EXPECT_TRUE(served[r].tokens.equal(generated_alone(model, prompts[r], 5))) << "request " << r;
+  }
+  EXPECT_EQ(scheduler.pools().front().free_pages(), 16) << "a failed request kept pages";
+  // The next sequence id is 3: a prefix on it fails, and leaves nothing behind.
+  recording.failing_sequence = 3;
+  expect_error_containing([&] { scheduler.add_prefix(torch::randint(0, 40, {9}, torch::kInt64)); },
+                          "the test's failing sequence");
+  EXPECT_EQ(scheduler.pools().front().free_pages(), 16);
+  expect_error_containing([&] { scheduler.submit(prompts[0], GenerateOptions(2), 0); },
+                          "[Scheduler] prefix 0 is not a prefix held (0 were added");
 }
 
 TEST(Scheduler, BadArgumentsAreNamedAndQueueNothing) {

@@ -75,7 +75,7 @@ int serve(const std::string& dir, torch::Device device, torch::ScalarType dtype,
     return 1;
   const auto options = attnkit::GenerateOptions(settings.new_tokens);
   std::vector<double> first_token, latency;  // per request, seconds from the start
-  int64_t new_tokens = 0;
+  int64_t new_tokens = 0, failed = 0;        // failed: requests the Scheduler ended with an error
   std::string how;
   const auto start = Clock::now();
   if (settings.one_at_a_time) {
@@ -107,6 +107,11 @@ int serve(const std::string& dir, torch::Device device, torch::ScalarType dtype,
     for (const auto& prompt : prompts)
       scheduler.submit(prompt.to(device), options);
     for (const auto& done : scheduler.run()) {
+      if (!done.error.empty()) {
+        std::cerr << "tiny_gpt: request " << done.id << " failed: " << done.error << "\n";
+        ++failed;
+        continue;
+      }
       first_token.push_back(done.seconds_to_first_token);
       latency.push_back(done.seconds);
       const int64_t generated = done.tokens.size(0) - done.prompt_length;
@@ -127,7 +132,7 @@ int serve(const std::string& dir, torch::Device device, torch::ScalarType dtype,
             << " median " << milliseconds(first_median) << " ms, max " << milliseconds(first_max)
             << " ms; latency median " << milliseconds(latency_median) << " ms, max "
             << milliseconds(latency_max) << " ms\n";
-  return 0;
+  return failed == 0 ? 0 : 1;
 }
 
 }  // namespace tiny_gpt

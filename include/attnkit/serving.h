@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <c10/util/Optional.h>
@@ -51,6 +52,9 @@ struct ServedRequest {
   /// Seconds from submit to the first new token (the time to first token), and to the end.
   double seconds_to_first_token = 0.0;
   double seconds = 0.0;
+  /// Empty when served; else why it ended early: the model's call that fed it threw (the
+  /// message names the call), and `tokens` holds what it had by then.
+  std::string error;
 };
 
 /// Serves requests over `model`'s paged caches (one PagedKVCache per attention layer).
@@ -65,6 +69,11 @@ struct ServedRequest {
 /// context_length) positions, fit beside those the running requests may come to hold, so a
 /// running request never meets a full pool: a request that does not fit waits, and one that
 /// could never fit is refused by submit. A request's pages return to the pool when it ends.
+///
+/// A model call that throws (paged_logits: a bad token id, an allocation that fails) ends the
+/// requests it fed, with the message in ServedRequest::error, and their pages return to the
+/// pool; the step goes on with the others, so no request is left half-fed. Nothing is
+/// durable: the pools and the queue live in memory, and a process that ends loses them.
 ///
 /// Example:
 /// ```
@@ -99,7 +108,8 @@ class Scheduler {
   /// (a system prompt, a few-shot preamble): they hold its full pages once, by reference,
   /// and copy only a partly filled last page. Returns the prefix's id (0, 1, ...). Its pages
   /// count against the pool until release_prefix and the end of the last request on it;
-  /// refused when they do not fit beside the running requests' now.
+  /// refused when they do not fit beside the running requests' now. A model call that
+  /// throws leaves no prefix: its pages return, and the exception propagates.
   int64_t add_prefix(const torch::Tensor& tokens);
   /// No new request may name `prefix`; its pages return to the pool once no request on it
   /// runs or waits.

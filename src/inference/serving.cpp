@@ -1,7 +1,9 @@
 #include "attnkit/serving.h"
 
 #include <algorithm>
+#include <exception>
 #include <map>
+#include <string>
 #include <utility>
 
 #include "core/base/checks.h"
@@ -12,6 +14,12 @@ namespace attnkit {
 namespace {
 
 constexpr const char* kFn = "[Scheduler]";
+
+// An exception's message, without a c10::Error's backtrace.
+std::string message_of(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error != nullptr ? error->what_without_backtrace() : e.what();
+}
 
 double seconds_between(std::chrono::steady_clock::time_point from,
                        std::chrono::steady_clock::time_point to) {
@@ -35,11 +43,12 @@ struct Scheduler::Request {
   std::vector<torch::Tensor> logits;  // with keep_logits, (vocab) per new token
   Clock::time_point submitted;
   double seconds_to_first_token = 0.0;
+  std::string error;  // why its model call failed; it ends then
 
   int64_t generated() const { return static_cast<int64_t>(tokens.size()) - prompt_length; }
   int64_t pending() const { return static_cast<int64_t>(tokens.size()) - next; }
   bool finished() const {
-    if (generated() >= options.max_new_tokens())
+    if (!error.empty() || generated() >= options.max_new_tokens())
       return true;
     if (generated() == 0)
       return false;
@@ -118,15 +127,22 @@ int64_t Scheduler::add_prefix(const torch::Tensor& tokens) {
               " are reserved by running requests and prefixes; add it when fewer run");
   prefix.sequence = new_sequence(-1);
   reserved_pages_ += prefix.pages;
-  for (int64_t done = 0; done < n;) {  // in chunks, as a request's prefill
-    const int64_t chunk = std::min(n - done, options_.max_tokens_per_step());
-    const auto input = torch::tensor(std::vector<int64_t>(prefix.tokens.begin() + done,
-                                                          prefix.tokens.begin() + done + chunk),
-                                     torch::kInt64)
-                           .view({1, chunk})
-                           .to(device_);
-    model_.paged_logits(input, pools_, {prefix.sequence});
-    done += chunk;
+  try {
+    for (int64_t done = 0; done < n;) {  // in chunks, as a request's prefill
+      const int64_t chunk = std::min(n - done, options_.max_tokens_per_step());
+      const auto input = torch::tensor(std::vector<int64_t>(prefix.tokens.begin() + done,
+                                                            prefix.tokens.begin() + done + chunk),
+                                       torch::kInt64)
+                             .view({1, chunk})
+                             .to(device_);
+      model_.paged_logits(input, pools_, {prefix.sequence});
+      done += chunk;
+    }
+  } catch (...) {  // no prefix: its pages go back, and the caller hears why
+    for (auto& pool : pools_)
+      pool.release(prefix.sequence);
+    reserved_pages_ -= prefix.pages;
+    throw;
   }
   prefixes_.push_back(std::move(prefix));
   return static_cast<int64_t>(prefixes_.size()) - 1;
@@ -244,6 +260,7 @@ void Scheduler::end(Request& request) {
     served.logits = torch::stack(request.logits);
   served.seconds_to_first_token = request.seconds_to_first_token;
   served.seconds = seconds_between(request.submitted, Clock::now());
+  served.error = request.error;
   ended_.push_back(std::move(served));
 }
 
@@ -280,11 +297,22 @@ std::vector<ServedRequest> Scheduler::step() {
       sequences.push_back(request->sequence);
     }
     const auto tokens = torch::tensor(ids, torch::kInt64).view({rows, count}).to(device_);
-    const auto logits = model_.paged_logits(tokens, pools_, sequences);  // (rows, count, vocab)
-    TORCH_CHECK(logits.dim() == 3 && logits.size(0) == rows && logits.size(1) == count, kFn,
-                " paged_logits of tokens ", detail::shape_string(tokens),
-                " returned logits of shape ", detail::shape_string(logits),
-                "; expected (rows, tokens, vocab)");
+    torch::Tensor logits;  // (rows, count, vocab)
+    try {
+      logits = model_.paged_logits(tokens, pools_, sequences);
+      TORCH_CHECK(logits.dim() == 3 && logits.size(0) == rows && logits.size(1) == count, kFn,
+                  " paged_logits of tokens ", detail::shape_string(tokens),
+                  " returned logits of shape ", detail::shape_string(logits),
+                  "; expected (rows, tokens, vocab)");
+    } catch (const std::exception& e) {
+      // The call's requests end with the error (their pages, whatever it wrote, return to the
+      // pool); the others go on.
+      for (auto* request : requests) {
+        request->error = c10::str("the model's call on ", rows, " rows of ", count,
+                                  " tokens failed: ", message_of(e));
+      }
+      continue;
+    }
     for (int64_t row = 0; row < rows; ++row) {
       auto* request = requests[row];
       request->next += count;
