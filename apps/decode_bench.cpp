@@ -19,6 +19,7 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include "attnkit/functional.h"
 #include "attnkit/paged_kv_cache.h"
 #include "attnkit/serialize.h"
 #include "attnkit/threads.h"
@@ -161,20 +162,24 @@ int run_batch(attnkit::train::AttentionModel& model, const attnkit::train::Model
 
 // --attention-step: the attention of one decode step alone, `batch` rows of `length` cached
 // positions each, on a contiguous cache (the decode kernel on (batch, kv_heads, length,
-// head_dim) storage, as KVCache holds it) or a paged one (paged_decode_attention over a
-// PagedKVCache whose rows' pages interleave, as requests' pages do in a shared pool). Prints
-// one row per length: "step MODE LENGTH DTYPE MEDIAN us".
+// head_dim) storage, as KVCache holds it) or a paged one (paged_attention over a PagedKVCache
+// whose rows' pages interleave, as requests' pages do in a shared pool). With `queries` > 1,
+// a prefill chunk of that many queries per row at the end of the length instead: on a
+// contiguous cache through attnkit::functional::attention (causal, bottom-right: the fused
+// tile kernel), on a paged one through paged_attention. Prints one row per length:
+// "step MODE LENGTH DTYPE MEDIAN us".
 int run_attention_step(const std::string& mode, const std::vector<int64_t>& lengths, int64_t batch,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size,
-                       torch::ScalarType dtype, int64_t repeats) {
+                       torch::ScalarType dtype, int64_t repeats, int64_t queries) {
   TORCH_CHECK(mode == "contiguous" || mode == "paged",
               "--attention-step: expected contiguous or paged, got '", mode, "'");
   torch::NoGradGuard no_grad;
   const auto options = torch::TensorOptions(dtype);
-  const auto query = torch::randn({batch, heads, 1, head_dim}).to(dtype);
+  const auto query = torch::randn({batch, heads, queries, head_dim}).to(dtype);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   for (const int64_t length : lengths) {
-    TORCH_CHECK(length >= 1, "--cached: expected lengths >= 1, got ", length);
+    TORCH_CHECK(length >= queries, "--cached: expected lengths >= --step-queries (", queries,
+                "), got ", length);
     std::function<torch::Tensor()> step;
     // Both sides' storage lives to the end of the length's timing.
     torch::Tensor keys, values;
@@ -183,7 +188,16 @@ int run_attention_step(const std::string& mode, const std::vector<int64_t>& leng
     if (mode == "contiguous") {
       keys = torch::randn({batch, kv_heads, length, head_dim}).to(dtype);
       values = torch::randn({batch, kv_heads, length, head_dim}).to(dtype);
-      step = [&] { return attnkit::detail::decode_attention(query, keys, values, scale); };
+      if (queries == 1) {
+        step = [&] { return attnkit::detail::decode_attention(query, keys, values, scale); };
+      } else {
+        // Grouped-query heads as they are: each key head serves its group of query heads.
+        step = [&] {
+          return attnkit::functional::attention(query, keys, values,
+                                                attnkit::functional::AttentionOptions().mask(
+                                                    attnkit::Mask::causal(length - queries)));
+        };
+      }
     } else {
       const int64_t pages = (length + page_size - 1) / page_size;
       pool = std::make_unique<attnkit::PagedKVCache>(batch * pages, page_size, kv_heads, head_dim,
@@ -258,7 +272,11 @@ int main(int argc, char** argv) {
       .value("Run", "cached", "with --attention-step: cached lengths, comma-separated",
              "1024,4096,16384,32768")
       .value("Run", "step-rows", "with --attention-step: rows (sequences) per step", "2")
-      .value("Run", "page-size", "with --attention-step paged: positions per page", "16");
+      .value("Run", "page-size", "with --attention-step paged: positions per page", "16")
+      .value("Run", "step-queries",
+             "with --attention-step: queries per row, the last of each cached length (1: a "
+             "decode step; more: a prefill chunk)",
+             "1");
   cli.flag("Output", "trace-cache",
            "feed the generated sequence again one token at a time through fresh caches and "
            "report the most positions a cache held and whether its storage moved")
@@ -281,7 +299,7 @@ int main(int argc, char** argv) {
   bool uncached = true, trace = false;
   std::string json, device_name, dtype_name, step_mode;
   std::vector<int64_t> step_lengths;
-  int64_t step_rows = 0, page_size = 0;
+  int64_t step_rows = 0, page_size = 0, step_queries = 0;
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
@@ -317,6 +335,7 @@ int main(int argc, char** argv) {
       step_lengths.push_back(std::stoll(item));
     step_rows = cli.integer("step-rows");
     page_size = cli.integer("page-size");
+    step_queries = cli.integer("step-queries");
     json = cli.text("json");
   } catch (const attnkit::cli::UsageError& e) {
     Line(std::cerr) << "attnkit-decode-bench: " << e.what() << "\n";
@@ -357,13 +376,14 @@ int main(int argc, char** argv) {
     if (!step_mode.empty()) {
       TORCH_CHECK(config.heads >= 1 && config.d_model % config.heads == 0, "--d-model ",
                   config.d_model, " must be a multiple of --heads ", config.heads);
-      TORCH_CHECK(step_rows >= 1 && page_size >= 1,
-                  "--step-rows and --page-size: expected >= 1 each, got ", step_rows, " and ",
-                  page_size);
+      TORCH_CHECK(step_rows >= 1 && page_size >= 1 && step_queries >= 1,
+                  "--step-rows, --page-size and --step-queries: expected >= 1 each, got ",
+                  step_rows, ", ", page_size, " and ", step_queries);
       const int64_t kv_heads = config.kv_groups > 0 ? config.kv_groups : config.heads;
       TORCH_CHECK(device.is_cpu(), "--attention-step runs on the CPU, got --device ", device);
       return run_attention_step(step_mode, step_lengths, step_rows, config.heads, kv_heads,
-                                config.d_model / config.heads, page_size, dtype, repeats);
+                                config.d_model / config.heads, page_size, dtype, repeats,
+                                step_queries);
     }
     attnkit::train::AttentionModel model(config);  // validates the sizes
     model->to(device, dtype);
