@@ -134,6 +134,46 @@ TEST(PagedDecode, APrefillChunksQueriesSeeTheirCausalPrefix) {
   }
 }
 
+// Prefill chunks of 8 and 70 queries per row (two blocks of a tile task), which run in tiles
+// (paged_prefill.h): each query against the dense math of its causal prefix, with grouped
+// heads, pages of 3 and 16 positions, a window, a softcap and sinks, in float64 and float32.
+TEST(PagedDecode, PrefillChunksInTilesEqualTheDenseMath) {
+  torch::manual_seed(9);
+  torch::NoGradGuard no_grad;
+  for (const auto dtype : {torch::kDouble, torch::kFloat}) {
+    for (const int64_t page_size : {3, 16}) {
+      for (const int64_t n : {8, 70}) {
+        for (const int64_t window : {0, 5}) {
+          const double softcap = window > 0 ? 2.0 : 0.0;
+          const auto sinks = window > 0 ? torch::randn({4}, torch::kDouble) : torch::Tensor();
+          SCOPED_TRACE(
+              c10::str(dtype, ", pages of ", page_size, ", ", n, " queries, window ", window));
+          PagedKVCache cache(64, page_size, /*num_heads=*/2, /*head_dim=*/8,
+                             torch::TensorOptions(dtype));
+          const auto ids = filled(cache, {n, n + 21}, dtype);
+          const auto view = cache.view(ids);
+          const auto query = random_tokens(8, n, 8, dtype).view({2, 4, n, 8});
+          const auto out = attnkit::paged_attention(
+              query, view, PagedAttentionOptions().window(window).softcap(softcap).sinks(sinks));
+          for (int64_t r = 0; r < 2; ++r) {
+            const auto [keys, values] = gathered_row(view, r);
+            for (const int64_t i : {int64_t{0}, n / 2, n - 1}) {
+              const int64_t seen = keys.size(1) - n + i + 1;  // causal: positions [0, seen)
+              EXPECT_TENSOR_NEAR(
+                  out[r].select(1, i).to(torch::kDouble),
+                  dense_step(query[r].select(1, i).to(torch::kDouble),
+                             keys.narrow(1, 0, seen).to(torch::kDouble),
+                             values.narrow(1, 0, seen).to(torch::kDouble), window, softcap, sinks),
+                  dtype == torch::kDouble ? kFloat64 : 1e-5)
+                  << "row " << r << " query " << i;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(PagedDecode, SixteenBitPagesAgreeWithFloat32) {
   torch::manual_seed(3);
   torch::NoGradGuard no_grad;
@@ -385,8 +425,8 @@ TEST(PagedKVCacheTest, APoolOverTheMemoryBudgetIsRefused) {
   EXPECT_EQ(fits.nbytes(), 8 * 2 * (16 * 8 * 64 * 4 + 64));
 }
 
-// A prefill of 7 tokens, then 5 decode steps, of two sequences: through a KVCache and through a
-// paged pool of 3-position pages, the same rows.
+// A prefill of 11 tokens (in tiles: paged_prefill.h), then 5 decode steps, of two sequences:
+// through a KVCache and through a paged pool of 3-position pages, the same rows.
 void expect_paged_steps_equal_the_contiguous_cache(attnkit::CachedAttentionLayer& layer,
                                                    int64_t d_in, const std::string& label) {
   torch::NoGradGuard no_grad;
@@ -395,7 +435,7 @@ void expect_paged_steps_equal_the_contiguous_cache(attnkit::CachedAttentionLayer
   auto cache = layer.make_kv_cache(2, 32);
   auto pool = layer.make_paged_kv_cache(32, 3);
   const std::vector<int64_t> sequences{pool.add_sequence(), pool.add_sequence()};
-  const auto prompt = torch::randn({2, 7, d_in}, torch::kDouble);
+  const auto prompt = torch::randn({2, 11, d_in}, torch::kDouble);
   EXPECT_TENSOR_NEAR(layer.forward_with_cache(prompt, pool, sequences),
                      layer.forward_with_cache(prompt, cache), 1e-10)
       << label << " prefill";
@@ -405,7 +445,7 @@ void expect_paged_steps_equal_the_contiguous_cache(attnkit::CachedAttentionLayer
                        layer.forward_with_cache(token, cache), 1e-10)
         << label << " step " << step;
   }
-  EXPECT_EQ(pool.length(sequences[1]), 12);
+  EXPECT_EQ(pool.length(sequences[1]), 16);
 }
 
 TEST(PagedModules, StepsOnPagesEqualTheContiguousCache) {
@@ -471,10 +511,10 @@ TEST(PagedModules, PositionalScoresInAWindowEqualTheTrainingForward) {
     const auto whole = gqa->forward(sequence);  // (2, 12, 16)
     auto pool = gqa->make_paged_kv_cache(16, 3);
     const std::vector<int64_t> rows{pool.add_sequence(), pool.add_sequence()};
-    EXPECT_TENSOR_NEAR(gqa->forward_with_cache(sequence.narrow(1, 0, 7), pool, rows),
-                       whole.narrow(1, 0, 7), 1e-10)
+    EXPECT_TENSOR_NEAR(gqa->forward_with_cache(sequence.narrow(1, 0, 9), pool, rows),
+                       whole.narrow(1, 0, 9), 1e-10)
         << label;
-    for (int64_t t = 7; t < 12; ++t) {
+    for (int64_t t = 9; t < 12; ++t) {
       EXPECT_TENSOR_NEAR(gqa->forward_with_cache(sequence.narrow(1, t, 1), pool, rows),
                          whole.narrow(1, t, 1), 1e-10)
           << label << ", position " << t;
@@ -525,9 +565,9 @@ TEST(PagedModules, MasksAtTheSequencesPositionsEqualTheTrainingForward) {
       auto pool = layer->make_paged_kv_cache(16, 3);
       const std::vector<int64_t> rows{pool.add_sequence(), pool.add_sequence()};
       EXPECT_TENSOR_NEAR(
-          layer->forward_with_cache(sequence.narrow(1, 0, 7), pool, rows, mask_at(7)),
-          whole.narrow(1, 0, 7), 1e-10);
-      for (int64_t t = 7; t < 12; ++t) {
+          layer->forward_with_cache(sequence.narrow(1, 0, 9), pool, rows, mask_at(9)),
+          whole.narrow(1, 0, 9), 1e-10);
+      for (int64_t t = 9; t < 12; ++t) {
         EXPECT_TENSOR_NEAR(
             layer->forward_with_cache(sequence.narrow(1, t, 1), pool, rows, mask_at(t + 1)),
             whole.narrow(1, t, 1), 1e-10)

@@ -28,7 +28,7 @@ namespace attnkit {
 
 namespace {
 
-const char* const kFn = "[context_parallel_attention]";
+const char* const kContextParallelFn = "[context_parallel_attention]";
 
 const char* layout_name(ShardLayout layout) {
   return layout == ShardLayout::kZigzag ? "zigzag" : "contiguous";
@@ -173,47 +173,47 @@ c10::intrusive_ptr<Plan> make_plan(const torch::Tensor& query, const torch::Tens
                                    const AttentionOptions& given,
                                    const ContextParallelOptions& parallel) {
   const auto layout = parallel.layout();
-  TORCH_CHECK(parallel.piece_bytes() >= 1, kFn, " piece_bytes must be >= 1, got ",
+  TORCH_CHECK(parallel.piece_bytes() >= 1, kContextParallelFn, " piece_bytes must be >= 1, got ",
               parallel.piece_bytes());
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, kFn,
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, kContextParallelFn,
               " query, key and value must be 4-D (b, h, s, hd) shards, got ",
               detail::shape_string(query), ", ", detail::shape_string(key), " and ",
               detail::shape_string(value));
-  TORCH_CHECK(key.size(2) == query.size(2), kFn,
+  TORCH_CHECK(key.size(2) == query.size(2), kContextParallelFn,
               " query and key must hold the same shard of the sequence, got ", query.size(2),
               " queries and ", key.size(2), " keys");
   const int ranks = exchange.world_size(), rank = exchange.rank();
-  TORCH_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, kFn, " exchange: rank ", rank,
+  TORCH_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, kContextParallelFn, " exchange: rank ", rank,
               " of a world of ", ranks);
   const int64_t shard = query.size(2), n = shard * ranks;
   const int64_t chunks = layout == ShardLayout::kZigzag ? 2 : 1;
-  TORCH_CHECK(shard % chunks == 0 && shard >= chunks, kFn, " a ", layout_name(layout),
-              " shard holds ", chunks, " equal chunks, got a shard of ", shard,
+  TORCH_CHECK(shard % chunks == 0 && shard >= chunks, kContextParallelFn, " a ",
+              layout_name(layout), " shard holds ", chunks, " equal chunks, got a shard of ", shard,
               " tokens: pad the sequence to a multiple of ", chunks * ranks);
   const SequenceShards shards(n, ranks, layout);
 
   auto options = given;
   Mask mask = options.mask();
   if (options.block_mask().defined()) {
-    TORCH_CHECK(mask.is_none(), kFn,
+    TORCH_CHECK(mask.is_none(), kContextParallelFn,
                 " pass the mask either as mask(...) or inside block_mask(...), not both");
     mask = Mask::from_block_mask(options.block_mask());
   }
   options.mask({}).block_mask({});
-  TORCH_CHECK(!options.training() || options.dropout_p() == 0.0, kFn,
+  TORCH_CHECK(!options.training() || options.dropout_p() == 0.0, kContextParallelFn,
               " dropout is not offered (a split call's backward cannot redraw it); got "
               "dropout_p ",
               options.dropout_p(), " in training");
-  TORCH_CHECK(!options.sinks().defined(), kFn, " attention sinks are not offered");
+  TORCH_CHECK(!options.sinks().defined(), kContextParallelFn, " attention sinks are not offered");
   std::string why;
   const auto variant = detail::score_variant_of(options.score_mod(), &why);
-  TORCH_CHECK(variant, kFn, " score_mod: ", why,
+  TORCH_CHECK(variant, kContextParallelFn, " score_mod: ", why,
               "; a context-parallel call takes the named score functions and ScoreGraphs");
   // The whole sequence's mask must fit the whole problem: refused here, before any transfer.
-  mask.check(kFn, query.size(0), query.size(1), n, n, query.device());
+  mask.check(kContextParallelFn, query.size(0), query.size(1), n, n, query.device());
   // Each pair's call checks the rest (devices, dtypes, heads) before the first transfer too.
-  check_attention_arguments(query, key, value, options, kFn);
-  TORCH_CHECK(query.device().is_cpu(), kFn,
+  check_attention_arguments(query, key, value, options, kContextParallelFn);
+  TORCH_CHECK(query.device().is_cpu(), kContextParallelFn,
               " the split kernels that compute each pair run on the CPU, got ", query.device());
 
   auto plan = c10::make_intrusive<Plan>();
@@ -289,7 +289,7 @@ void check_same_shapes(const Plan& plan, const torch::Tensor& query, const torch
     return out.str() + "]";
   };
   for (int r = 1; r < plan.ranks; ++r) {
-    TORCH_CHECK(every[static_cast<size_t>(r)].equal(every[0]), kFn,
+    TORCH_CHECK(every[static_cast<size_t>(r)].equal(every[0]), kContextParallelFn,
                 " every rank's query, key and value must be shaped and typed alike; rank 0 has ",
                 text(every[0]), ", rank ", r, " has ", text(every[static_cast<size_t>(r)]),
                 " (the sizes of query, key and value, then the dtype's number)");

@@ -1,5 +1,6 @@
-// paged_attention: the checks of a paged view against its queries, then the decode kernel
-// reading the pages in place (core/kernels/decode_attention.cpp), one query per task.
+// paged_attention: the checks of a paged view against its queries, then the kernels reading
+// the pages in place: the decode kernel (core/kernels/decode_attention.cpp), one query per
+// task, or for a float32 or float64 prefill chunk the tiles of core/kernels/paged_prefill.cpp.
 
 #include "attnkit/paged_attention.h"
 
@@ -11,6 +12,7 @@
 
 #include "core/base/checks.h"
 #include "core/kernels/decode_attention.h"
+#include "core/kernels/paged_prefill.h"
 #include "core/scores/row_variants.h"
 
 namespace attnkit {
@@ -18,6 +20,10 @@ namespace attnkit {
 namespace {
 
 using detail::shape_string;
+
+// Queries per row from which a float32 or float64 chunk runs in tiles (paged_prefill.h):
+// below it, each query read against the pages like a decode step costs less.
+constexpr int64_t kTiledQueries = 8;
 
 std::string shape_or_undefined(const torch::Tensor& t) {
   return t.defined() ? shape_string(t) : std::string("undefined");
@@ -135,6 +141,11 @@ torch::Tensor paged_attention(const torch::Tensor& query, const PagedKV& kv,
   if (n == 1) {
     return detail::paged_decode_attention(query.contiguous(), keys, values, table, begin, end,
                                           scale, softcap, options.sinks(), variant, mask);
+  }
+  if (n >= kTiledQueries && detail::paged_prefill_fits(dtype)) {
+    return detail::paged_prefill_attention(
+        query.contiguous(), keys, values, table, begin, end, scale, softcap,
+        detail::sink_values(options.sinks(), heads, fn), variant, mask);
   }
   // (b, h, n, hd) -> (b, n, h, hd) -> (b * n, h, 1, hd): a task per query, each with its row's
   // page table (the indices repeated, not the pages).

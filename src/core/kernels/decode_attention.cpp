@@ -340,6 +340,9 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
 }
 
 // Each head's sink (h) as doubles on the host, or none.
+
+}  // namespace
+
 std::vector<double> sink_values(const torch::Tensor& sinks, int64_t h, const char* fn) {
   TORCH_CHECK(!sinks.defined() || (sinks.dim() == 1 && sinks.size(0) == h), fn, " sinks must be (",
               h, "), one per query head, got ",
@@ -349,8 +352,6 @@ std::vector<double> sink_values(const torch::Tensor& sinks, int64_t h, const cha
   const auto host = sinks.detach().to(torch::kCPU, torch::kDouble).contiguous();
   return {host.data_ptr<double>(), host.data_ptr<double>() + h};
 }
-
-}  // namespace
 
 bool decode_attention_fits(const torch::Tensor& query, const torch::Tensor& keys,
                            const torch::Tensor& values) {

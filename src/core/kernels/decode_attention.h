@@ -34,6 +34,10 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
                                const std::vector<int64_t>& key_end = {}, double softcap = 0.0,
                                const torch::Tensor& sinks = {});
 
+/// `sinks` ((h) or undefined) as doubles, one per query head (empty: none); fails, naming
+/// `fn`, on another shape.
+std::vector<double> sink_values(const torch::Tensor& sinks, int64_t h, const char* fn);
+
 /// decode_attention over a paged cache: key_pages (num_pages, kv_heads, page_size, hd) and
 /// value_pages (num_pages, kv_heads, page_size, hd_v), read in place; row r's key j lies in page
 /// page_table[r][j / page_size] (page_table (b, pages) int64, contiguous, on the CPU) at slot
