@@ -60,9 +60,11 @@ struct PagedAttentionOptions {
 /// Attention of the newest n positions of each row over paged storage: query (batch, heads, n,
 /// head_dim), row r's query i at position lengths[r] - n + i of its sequence (its keys and
 /// values already appended), attending causally to the positions [0, lengths[r] - n + i]
-/// (within the window, if one is set). n = 1 is a decode step; n > 1 a prefill chunk, each
-/// query read against the pages like a decode step's. Heads may be a multiple of the pages'
-/// key heads (grouped-query attention: query head i reads key head i / (heads / kv_heads)).
+/// (within the window, if one is set). n = 1 is a decode step; n > 1 a prefill chunk, in
+/// float32 and float64 from 8 queries on in tiles (a block of queries against a page at a time,
+/// by matrix products), else each query read against the pages like a decode step's. Heads
+/// may be a multiple of the pages' key heads (grouped-query attention: query head i reads
+/// key head i / (heads / kv_heads)).
 /// Returns (batch, heads, n, head_dim_v), equal to the same queries on a contiguous cache.
 ///
 /// On the CPU, in float32, float64, bfloat16 or float16 (16-bit pages read in place, the
