@@ -186,8 +186,10 @@ using MaskAtPositions = std::function<Mask(int64_t end)>;
 
 /// Masks over the positions of two sequences of 12, for cached steps that read them as in
 /// training: packed documents (causal; the second row's ids rolled by 2), read from their
-/// host form, and a mask_mod, evaluated as tensors, that leaves position 3's query no key but
-/// itself and, in a window of 2, a later query none at all (zeros, as in training).
+/// host form, over the positions a step reads and over the whole sequences, and as a block
+/// mask of the whole sequences (blocks of 4); and a mask_mod, evaluated as tensors, that
+/// leaves position 3's query no key but itself and, in a window of 2, a later query none at
+/// all (zeros, as in training).
 inline std::vector<std::pair<std::string, MaskAtPositions>> masks_over_two_sequences() {
   const auto one_row = torch::tensor({0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2}, torch::kInt64);
   const auto ids = torch::stack({one_row, one_row.roll(2)});  // (2, 12)
@@ -195,8 +197,13 @@ inline std::vector<std::pair<std::string, MaskAtPositions>> masks_over_two_seque
                                                const torch::Tensor& q, const torch::Tensor& kv) {
     return (kv.remainder(3) != 1) & ((h == 0) | (kv != q - 1) | (q == 3));
   });
+  const auto whole = Mask::documents(ids, true);
+  const auto blocks = Mask::from_block_mask(
+      create_block_mask(whole, 2, 1, 12, 12, BlockMaskOptions().block_size(4)));
   return {
       {"documents", [ids](int64_t end) { return Mask::documents(ids.narrow(1, 0, end), true); }},
+      {"documents of the whole sequences", [whole](int64_t) { return whole; }},
+      {"block mask of the whole sequences", [blocks](int64_t) { return blocks; }},
       {"mask_mod", [mask_mod](int64_t) { return mask_mod; }}};
 }
 

@@ -67,8 +67,10 @@ class CachedAttentionLayer {
   /// mask aligned bottom-right. Returns (b, n, d_out): the rows of forward() over the whole
   /// sequence, for a prompt at once (prefill), in pieces, or a token at a time. `mask`
   /// combines with the causal one (and the window) at positions in the sequence, as in
-  /// training: q_idx and kv_idx of a problem of the positions [0, cache.size() + n), on a
-  /// rolling cache too, e.g. `Mask::key_padding` or `Mask::documents` over those positions.
+  /// training: q_idx and kv_idx of a problem of the positions [0, cache.size() + n), or of
+  /// the whole sequence a mask was made for (a documents mask of every position's ids, a
+  /// block mask of the sequence's length: the same mask at every step), on a rolling cache
+  /// too, e.g. `Mask::key_padding`, `Mask::documents` or `Mask::from_block_mask`.
   /// Runs without autograd. Fails (c10::Error), writing nothing, in training mode, with a mask
   /// that does not fit those positions, and when the positions would pass the layer's or the
   /// cache's limits.

@@ -50,10 +50,11 @@ struct PagedAttentionOptions {
   TORCH_ARG(ScoreMod, score_mod);
   /// A mask besides the causal one and the window, at the same indices as score_mod (b the
   /// row, q_idx and kv_idx positions in the row's sequence): documents, key padding, a
-  /// mask_mod (docs/masks.md). It is checked against a problem of the longest row's positions
-  /// (Mask::check): ids or tensors it holds cover exactly positions [0, max lengths). Named
-  /// kinds are read from their host form, others evaluated as tensors per query and head. A
-  /// query it allows no key gets zeros.
+  /// mask_mod, a block mask (docs/masks.md). It is checked against a problem of the longest
+  /// row's positions [0, max lengths), or of the whole sequence it was made for (documents'
+  /// ids, a block mask's length, a tensor's size: at least those positions). Named kinds are
+  /// read from their host form, others evaluated as tensors per query and head (a block
+  /// mask: its inner mask, the block lists unused). A query it allows no key gets zeros.
   TORCH_ARG(Mask, mask);
 };
 

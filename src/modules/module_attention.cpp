@@ -256,11 +256,13 @@ std::vector<int64_t> check_cached_call(const char* module, bool training, const 
               " on ", parameter.device(), " (the module's parameters), got ",
               cache.options().dtype(), " on ", cache.options().device());
   const int64_t n = x.size(1);
-  // The mask, at the positions of the sequences: of a problem of [0, longest row's end).
+  // The mask, at the positions of the sequences: of a problem of [0, longest row's end), or
+  // of the whole sequence it was made for.
   const auto check_mask = [&](int64_t end) {
     if (!mask.is_none()) {
+      const auto [queries, keys] = positions_problem(mask, end);
       mask.check(c10::str("[", module, "::forward_with_cache]").c_str(), x.size(0), query_heads,
-                 end, end, x.device());
+                 queries, keys, x.device());
     }
   };
   if (lengths.defined()) {
@@ -385,8 +387,10 @@ void check_paged_call(const char* module, bool training, const torch::Tensor& x,
     pages += cache.pages_needed(sequences[r], n);
     longest = std::max(longest, start + n);
   }
-  if (!mask.is_none())  // at the positions the step reads
-    mask.check(fn.c_str(), x.size(0), query_heads, longest, longest, x.device());
+  if (!mask.is_none()) {  // at the positions the step reads, or the sequence's it was made for
+    const auto [queries, keys] = positions_problem(mask, longest);
+    mask.check(fn.c_str(), x.size(0), query_heads, queries, keys, x.device());
+  }
   TORCH_CHECK(pages <= cache.free_pages(), fn, " the pool is full: this step needs ", pages,
               " free pages, and ", cache.free_pages(), " of ", cache.num_pages(),
               " are free; release finished sequences, or wait");

@@ -13,6 +13,7 @@
 #include "core/base/checks.h"
 #include "core/kernels/decode_attention.h"
 #include "core/kernels/paged_prefill.h"
+#include "core/masks/mask_node.h"
 #include "core/scores/row_variants.h"
 
 namespace attnkit {
@@ -136,7 +137,8 @@ torch::Tensor paged_attention(const torch::Tensor& query, const PagedKV& kv,
   }
   if (mask != nullptr) {
     const int64_t longest = *std::max_element(length, length + b);
-    mask->check(fn, b, heads, longest, longest, torch::kCPU);
+    const auto [mask_queries, mask_keys] = detail::positions_problem(*mask, longest);
+    mask->check(fn, b, heads, mask_queries, mask_keys, torch::kCPU);
   }
   if (n == 1) {
     return detail::paged_decode_attention(query.contiguous(), keys, values, table, begin, end,

@@ -152,13 +152,20 @@ Mask Mask::region(int64_t query_start, int64_t key_start, int64_t num_queries,
 
 namespace detail {
 
+std::pair<int64_t, int64_t> positions_problem(const Mask& mask, int64_t positions) {
+  const auto* node = MaskAccess::node(mask);
+  const auto extent = node != nullptr ? node->extent() : MaskExtent{};
+  return {std::max(positions, extent.queries), std::max(positions, extent.keys)};
+}
+
 Mask mask_at_positions(const Mask& mask, std::vector<int64_t> query_starts,
                        std::vector<int64_t> key_starts, int64_t num_positions, bool ragged) {
   if (mask.is_none())
     return mask;
+  const auto [queries, keys] = positions_problem(mask, num_positions);
   return MaskAccess::make(
       std::make_shared<RegionNode>(MaskAccess::node_pointer(mask), std::move(query_starts),
-                                   std::move(key_starts), num_positions, num_positions, ragged));
+                                   std::move(key_starts), queries, keys, ragged));
 }
 
 }  // namespace detail

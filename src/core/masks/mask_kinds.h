@@ -150,6 +150,7 @@ struct KeyPaddingNode final : MaskNode {
       check_device(fn, "key_padding", padding, device);
     }
   }
+  MaskExtent extent() const override { return {-1, padding.defined() ? padding.size(1) : -1}; }
   std::string to_string() const override { return c10::str("key_padding(", form, ")"); }
 
   std::vector<int64_t> lengths_cpu;  // lengths form
@@ -200,6 +201,7 @@ struct DocumentsNode final : MaskNode {
                 shape_string(ids));
     check_device(fn, "document_ids", ids, device);
   }
+  MaskExtent extent() const override { return {ids.size(-1), ids.size(-1)}; }
   std::string to_string() const override { return "documents"; }
 };
 
@@ -224,6 +226,10 @@ struct TensorNode final : MaskNode {
                 "num_queries, num_keys) = (", batch, ", ", heads, ", ", n, ", ", m, "), got ",
                 shape_string(allowed4), " (as 4-D)");
     check_device(fn, "the allowed tensor", allowed4, device);
+  }
+  MaskExtent extent() const override {
+    return {allowed4.size(2) == 1 ? -1 : allowed4.size(2),
+            allowed4.size(3) == 1 ? -1 : allowed4.size(3)};
   }
   std::string to_string() const override { return "from_tensor"; }
 };
@@ -296,6 +302,7 @@ struct BlockMaskNode final : MaskNode {
              const torch::Device& device) const override {
     blocks.check(fn, batch, heads, n, m, device);
   }
+  MaskExtent extent() const override { return {blocks.q_len(), blocks.kv_len()}; }
   std::string to_string() const override {
     return c10::str("block_mask(", blocks.mask().to_string(), ")");
   }
@@ -426,6 +433,11 @@ struct CombinedNode final : MaskNode {
              const torch::Device& device) const override {
     left->check(fn, batch, heads, n, m, device);
     right->check(fn, batch, heads, n, m, device);
+  }
+  // Both sides are checked against one problem: a fixed count of either is its count.
+  MaskExtent extent() const override {
+    const auto a = left->extent(), b = right->extent();
+    return {a.queries >= 0 ? a.queries : b.queries, a.keys >= 0 ? a.keys : b.keys};
   }
   std::string to_string() const override {
     return c10::str("(", left->to_string(), is_and ? " & " : " | ", right->to_string(), ")");

@@ -28,8 +28,15 @@ inline Indices tile_indices(const Tile& tile, const torch::Device& device) {
       torch::arange(tile.key_begin, tile.key_begin + tile.keys, index).view({1, 1, 1, -1})};
 }
 
+// The queries and keys of the one problem a mask is made for (-1: it fits any count): a
+// documents mask's ids, a block mask's lengths, a padding's or a tensor's size.
+struct MaskExtent {
+  int64_t queries = -1, keys = -1;
+};
+
 struct MaskNode {
   virtual ~MaskNode() = default;
+  virtual MaskExtent extent() const { return {}; }
   virtual torch::Tensor allowed(const Indices& at) const = 0;
   // The verdict on a tile when the structure gives it; nullopt: evaluate the tile.
   virtual c10::optional<TileKind> kind(const Tile&) const { return c10::nullopt; }
@@ -47,11 +54,17 @@ struct MaskNode {
   virtual bool fill_tile(const Tile&, bool*) const { return false; }
 };
 
+/// The problem, queries x keys, that `mask` over a cached step's positions [0, positions) is
+/// checked against and read in: those positions, or the mask's own extent where it is made
+/// for more (a documents mask of the whole sequence's ids, a block mask of its length), as
+/// training read it. An extent shorter than the positions fails the mask's check.
+std::pair<int64_t, int64_t> positions_problem(const Mask& mask, int64_t positions);
+
 /// `mask` read at positions of a longer sequence: entry (i, j) of batch entry r is `mask`'s
-/// (query_starts[r] + i, key_starts[r] + j) of a problem of num_positions queries and keys
-/// (one start: every entry), as a cached step reads a mask over its sequences' positions. A
-/// mask of no kind stays one. `ragged`: rows end before the call's last query and key (their
-/// padding), and entries past the problem read its last query's or key's.
+/// (query_starts[r] + i, key_starts[r] + j) of the problem positions_problem(mask,
+/// num_positions) (one start: every entry), as a cached step reads a mask over its sequences'
+/// positions. A mask of no kind stays one. `ragged`: rows end before the call's last query and key
+/// (their padding), and entries past the problem read its last query's or key's.
 Mask mask_at_positions(const Mask& mask, std::vector<int64_t> query_starts,
                        std::vector<int64_t> key_starts, int64_t num_positions, bool ragged = false);
 
