@@ -1390,5 +1390,5 @@ TEST(FusedTiles, ThePlannerTakesItWhereItCanAndSaysWhyNot) {
                          .score_mod(attnkit::score_mods::alibi(torch::ones({3})))
                          .kernel("fused_tiles"));
       },
-      "the fused tile kernel takes ALiBi slopes of one per head (2), not [3]");
+      "ALiBi's slopes must be one per head (2), not [3]");
 }

@@ -489,17 +489,25 @@ TEST(PagedModules, StepsOnPagesEqualTheContiguousCache) {
   expect_paged_steps_equal_the_contiguous_cache(*mla_alibi.ptr(), 16, "mla, qkv_bias, alibi");
 }
 
-// Score functions that read positions in a window, which a rolling KVCache refuses: ALiBi
-// (its q_idx shifts a row's scores alike) and a random relative-position bias (it does not):
-// a paged prefill and decode steps against the training forward over the whole sequence
+// Score functions that read positions in a window: ALiBi (its q_idx shifts a row's scores
+// alike), a random relative-position bias (it does not), and a C++ function of every index,
+// which the kernels call on each row's tensors: a paged prefill of 9 (in tiles), a chunk of 2
+// (a query at a time) and a decode step against the training forward over the whole sequence
 // (float64).
 TEST(PagedModules, PositionalScoresInAWindowEqualTheTrainingForward) {
   torch::manual_seed(13);
   torch::NoGradGuard no_grad;
+  const auto head_bias = torch::randn({4}, torch::kDouble);
   const std::vector<std::pair<std::string, attnkit::ScoreMod>> scores{
       {"alibi", attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(4))},
       {"relative bias",
-       attnkit::score_mods::relative_position_bias(torch::randn({4, 7}, torch::kDouble))}};
+       attnkit::score_mods::relative_position_bias(torch::randn({4, 7}, torch::kDouble))},
+      {"C++ function",
+       [head_bias](const torch::Tensor& score, const torch::Tensor& b, const torch::Tensor& h,
+                   const torch::Tensor& q_idx, const torch::Tensor& kv_idx) {
+         return torch::tanh(score) * (1 + b) + head_bias.index({h}) * (q_idx - kv_idx) / 3 +
+                (q_idx * kv_idx).to(torch::kDouble) / 40;
+       }}};
   for (const auto& [label, score_mod] : scores) {
     attnkit::GroupedQueryAttention gqa(attnkit::GroupedQueryAttentionOptions(16, 16, 0.0, 4, 2)
                                            .sliding_window_size(4)
@@ -511,13 +519,10 @@ TEST(PagedModules, PositionalScoresInAWindowEqualTheTrainingForward) {
     const auto whole = gqa->forward(sequence);  // (2, 12, 16)
     auto pool = gqa->make_paged_kv_cache(16, 3);
     const std::vector<int64_t> rows{pool.add_sequence(), pool.add_sequence()};
-    EXPECT_TENSOR_NEAR(gqa->forward_with_cache(sequence.narrow(1, 0, 9), pool, rows),
-                       whole.narrow(1, 0, 9), 1e-10)
-        << label;
-    for (int64_t t = 9; t < 12; ++t) {
-      EXPECT_TENSOR_NEAR(gqa->forward_with_cache(sequence.narrow(1, t, 1), pool, rows),
-                         whole.narrow(1, t, 1), 1e-10)
-          << label << ", position " << t;
+    for (const auto& [start, n] : {std::pair<int64_t, int64_t>{0, 9}, {9, 2}, {11, 1}}) {
+      EXPECT_TENSOR_NEAR(gqa->forward_with_cache(sequence.narrow(1, start, n), pool, rows),
+                         whole.narrow(1, start, n), 1e-10)
+          << label << ", positions from " << start;
     }
   }
 }
@@ -651,17 +656,17 @@ TEST(PagedModules, RefuseWhatAPagedStepCannotDo) {
   PagedKVCache wide(2, 4, 4, 2);
   expect_error_containing([&] { mha->forward_with_cache(x, wide, {wide.add_sequence()}); },
                           "cache: expected pages of (num_heads, head_dim) = (2, 4), got (4, 2)");
-  // A C++ function: the kernel cannot evaluate it row by row.
-  attnkit::MultiHeadAttention function(
+  // A score function that does not fit the heads is refused before the step writes.
+  attnkit::MultiHeadAttention alibi(
       attnkit::MultiHeadAttentionOptions(8, 8, 16, 0.0, 2)
-          .score_mod([](const torch::Tensor& score, const torch::Tensor&, const torch::Tensor&,
-                        const torch::Tensor&, const torch::Tensor&) { return score * 2; }));
-  function->eval();
-  auto function_pool = function->make_paged_kv_cache(4, 4);
+          .score_mod(attnkit::score_mods::alibi(attnkit::score_mods::alibi_slopes(3))));
+  alibi->eval();
+  auto alibi_pool = alibi->make_paged_kv_cache(4, 4);
   expect_error_containing(
-      [&] { function->forward_with_cache(x, function_pool, {function_pool.add_sequence()}); },
-      "option score_mod: a paged step evaluates it row by row, and ");
-  EXPECT_EQ(function_pool.free_pages(), 4) << "a refused step wrote";
+      [&] { alibi->forward_with_cache(x, alibi_pool, {alibi_pool.add_sequence()}); },
+      "[MultiHeadAttention::forward_with_cache] score_mod: ALiBi's slopes must be one per head "
+      "(2), not [3]");
+  EXPECT_EQ(alibi_pool.free_pages(), 4) << "a refused step wrote";
   // Latent attention reads a pool of latents, and key/value modules a pool of keys and values.
   attnkit::MultiHeadLatentAttention mla(attnkit::MultiHeadLatentAttentionOptions(8, 8, 0.0, 2));
   mla->eval();

@@ -103,14 +103,14 @@ class CachedAttentionLayer {
   /// sequences[r]), ... + n). Their keys and values are appended to the sequence's pages and
   /// their queries attend to its positions in place (attnkit::paged_attention), with the
   /// layer's causal mask, window, scale, score_mod (a softcap, ALiBi, a relative bias, a
-  /// score graph: at each sequence's own positions, a window's included) and sinks. Returns
-  /// (b, n, d_out): the rows that forward_with_cache on a KVCache gives. A windowed layer
-  /// frees the pages its window has left. Runs without autograd. Fails (c10::Error), writing
-  /// nothing, in training mode, with a score_mod the kernel cannot evaluate row by row (a
-  /// C++ function), when the pool has no room for every row, and on a pool of another
-  /// layout, dtype or device. `mask` combines with the causal one and the window, at b the
-  /// row of x, q_idx and kv_idx positions in the row's sequence (documents, a prefix-LM), as
-  /// PagedAttentionOptions::mask.
+  /// score graph, a C++ function: at each sequence's own positions, a window's included) and
+  /// sinks. Returns (b, n, d_out): the rows that forward_with_cache on a KVCache gives. A
+  /// windowed layer frees the pages its window has left. Runs without autograd. Fails
+  /// (c10::Error), writing nothing, in training mode, with a score_mod that does not fit the
+  /// heads (ALiBi's slopes, a bias table), when the pool has no room for every row, and on a
+  /// pool of another layout, dtype or device. `mask` combines with the causal one and the window,
+  /// at b the row of x, q_idx and kv_idx positions in the row's sequence (documents, a prefix-LM),
+  /// as PagedAttentionOptions::mask.
   torch::Tensor forward_with_cache(const torch::Tensor& x, PagedKVCache& cache,
                                    const std::vector<int64_t>& sequences, const Mask& mask = {}) {
     return attend_paged_tokens(x, cache, sequences, mask);

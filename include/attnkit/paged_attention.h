@@ -45,8 +45,9 @@ struct PagedAttentionOptions {
   /// A score function on the scaled scores, score_mod(score, b, h, q_idx, kv_idx) with b the
   /// row, h the query head and q_idx, kv_idx the query's and the key's positions in the row's
   /// sequence (as in training): ALiBi, a relative bias, a score graph
-  /// (docs/score_functions.md). Not with softcap (a softcap is one: give it there or here). A
-  /// C++ function the kernels cannot evaluate row by row is refused, with the reason.
+  /// (docs/masks.md, "Score functions"). Not with softcap (a softcap is one: give it there or
+  /// here). A C++ function is called on each query's row of scores per head (a few LibTorch ops
+  /// each: slower than those the kernels evaluate in their own loops).
   TORCH_ARG(ScoreMod, score_mod);
   /// A mask besides the causal one and the window, at the same indices as score_mod (b the
   /// row, q_idx and kv_idx positions in the row's sequence): documents, key padding, a

@@ -365,11 +365,8 @@ void check_paged_call(const char* module, bool training, const torch::Tensor& x,
               fn, " cache: expected dtype ", parameter.scalar_type(), " on ", parameter.device(),
               " (the module's parameters), got ", cache.key_pages().scalar_type(), " on ",
               cache.key_pages().device());
-  if (score_mod && !score_mod.target<SoftcapScore>()) {
-    std::string why;
-    TORCH_CHECK(score_variant_of(score_mod, &why), fn,
-                " option score_mod: a paged step evaluates it row by row, and ", why);
-  }
+  if (score_mod)  // what paged_attention would refuse after the append
+    cpu_forward_score_variant(fn.c_str(), score_mod, query_heads);
   TORCH_CHECK(static_cast<int64_t>(sequences.size()) == x.size(0), fn,
               " sequences: expected one per row of x (", x.size(0), "), got ", sequences.size());
   const int64_t n = x.size(1);

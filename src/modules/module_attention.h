@@ -178,9 +178,9 @@ torch::Tensor attend_cached(const QueryKeyTransform& transform, const torch::Ten
 /// The checks of forward_with_cache(x, PagedKVCache&, sequences), before anything is written:
 /// eval mode, x (b, n, d_in), one distinct live sequence per row, the pool's heads, head width,
 /// dtype and device (`layout`, `parameter`), positions within context_length (0: no limit)
-/// and the RoPE tables, room in the pool for every row's n positions, and a score_mod that the
-/// paged kernel evaluates (a softcap, or one that rows can evaluate: score_variant_of), and
-/// `mask` against query_heads heads and the positions the step reads.
+/// and the RoPE tables, room in the pool for every row's n positions, a score_mod that fits
+/// query_heads heads on the CPU (cpu_forward_score_variant), and `mask` against query_heads
+/// heads and the positions the step reads.
 void check_paged_call(const char* module, bool training, const torch::Tensor& x, int64_t d_in,
                       int64_t context_length, const PagedKVCache& cache, const CacheLayout& layout,
                       const torch::Tensor& parameter, const std::vector<int64_t>& sequences,

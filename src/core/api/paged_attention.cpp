@@ -96,15 +96,9 @@ torch::Tensor paged_attention(const torch::Tensor& query, const PagedKV& kv,
     TORCH_CHECK(softcap == 0.0, fn,
                 " score_mod and softcap: give one (a softcap is a score function, "
                 "score_mods::softcap)");
-    std::string why;
-    score = detail::score_variant_of(options.score_mod(), &why);
-    TORCH_CHECK(score, fn, " score_mod: the paged kernel evaluates it row by row, and ", why);
-    const auto lacks = score->lacks(heads);
-    TORCH_CHECK(lacks.empty(), fn, " score_mod: ", lacks);
-    for (const auto& t : score->tensors()) {
-      TORCH_CHECK(t.device().is_cpu(), fn, " score_mod reads a tensor on ", t.device(),
-                  "; the paged kernel runs on the CPU");
-    }
+    // A C++ function is called on each row's tensors: slower than a named function or a
+    // ScoreGraph, which the kernels evaluate in their own loops.
+    score = detail::cpu_forward_score_variant(fn, options.score_mod(), heads);
   }
   const detail::ScoreVariant* variant = score ? &*score : nullptr;
   const Mask* mask = options.mask().is_none() ? nullptr : &options.mask();

@@ -24,6 +24,7 @@
 #include "attnkit/score_mod.h"
 #include "core/base/checks.h"
 #include "core/base/row_softmax.h"
+#include "core/scores/score_mods.h"
 #include "core/scores/score_program.h"
 #include "core/scores/score_variants.h"
 
@@ -111,7 +112,7 @@ struct AlibiRows {
   std::string lacks(int64_t heads) const {
     if (slopes.dim() == 1 && slopes.size(0) == heads)
       return "";
-    return c10::str("the fused tile kernel takes ALiBi slopes of one per head (", heads, "), not ",
+    return c10::str("ALiBi's slopes must be one per head (", heads, "), not ",
                     shape_string(slopes));
   }
 
@@ -155,8 +156,8 @@ struct RelativeBiasRows {
   std::string lacks(int64_t heads) const {
     if (table.size(0) == 1 || table.size(0) == heads)
       return "";
-    return c10::str("the fused tile kernel takes a relative-position table of 1 or ", heads,
-                    " rows, not ", shape_string(table));
+    return c10::str("a relative-position table must have 1 or ", heads, " rows, not ",
+                    shape_string(table));
   }
 
   template <typename T>
@@ -225,6 +226,41 @@ struct GraphRows {
   };
 };
 
+/// A C++ function, called on tensors one row at a time: a row's scores (1, 1, 1, count) at
+/// b = o, h = head, q_idx = q, kv_idx = k0 .. k0 + count - 1. Slow beside the others (a few
+/// LibTorch ops per row), and forward only, so `from` never takes one: only the paged kernels,
+/// which record no autograd, make it (forward_score_variant_of).
+struct FunctionRows {
+  static constexpr const char* kName = "function";
+  static constexpr Kept kKeeps = Kept::kNothing;
+  ScoreMod function;
+  static std::optional<FunctionRows> from(const ScoreMod&, std::string*) { return std::nullopt; }
+  std::vector<torch::Tensor> tensors() const { return {}; }
+  std::string lacks(int64_t) const { return ""; }
+
+  template <typename T>
+  struct Rows {
+    const ScoreMod* function;
+    explicit Rows(const FunctionRows& v) : function(&v.function) {}
+    void apply(T* s, int64_t count, const RowAt& at, ScoreProgram::Workspace&) const {
+      // The kernels' workers need not share the caller's grad mode; nothing here is trained.
+      const torch::NoGradGuard no_grad;
+      const auto index = torch::kInt64;
+      const auto scores = torch::from_blob(s, {1, 1, 1, count}, c10::CppTypeToScalarType<T>::value);
+      const auto modified = apply_score_mod(
+          *function, scores,
+          {torch::full({1, 1, 1, 1}, at.o, index), torch::full({1, 1, 1, 1}, at.head, index),
+           torch::full({1, 1, 1, 1}, at.q, index),
+           torch::arange(at.k0, at.k0 + count, index).view({1, 1, 1, -1})});
+      scores.copy_(modified);
+    }
+    void backward(T*, const T*, int64_t, const RowAt&, ScoreProgram::Workspace&,
+                  const std::vector<GradSink>&) const {
+      TORCH_INTERNAL_ASSERT(false, "a C++ score function's rows run forward only");
+    }
+  };
+};
+
 /// Every variant, one type each (ScoreBind::bind makes a graph that matches a named function that
 /// function's value, so the types never overlap).
 template <typename... Variants>
@@ -234,7 +270,7 @@ struct VariantList {
   using Rows = std::variant<typename Variants::template Rows<T>...>;
 };
 using ScoreVariants =
-    VariantList<IdentityScore, SoftcapRows, AlibiRows, RelativeBiasRows, GraphRows>;
+    VariantList<IdentityScore, SoftcapRows, AlibiRows, RelativeBiasRows, GraphRows, FunctionRows>;
 
 /// A score function as the fused tile kernel evaluates it: its variant, and the positions it
 /// reads (q_idx is query_offset plus the query's index in the call, kv_idx key_offset plus the
@@ -244,7 +280,7 @@ struct ScoreVariant {
   int64_t query_offset = 0;
   int64_t key_offset = 0;
 
-  /// The variant's kName ("none", "softcap", "alibi", "relative_bias", "graph").
+  /// The variant's kName ("none", "softcap", "alibi", "relative_bias", "graph", "function").
   const char* name() const;
   /// The tensors it reads, whose gradients backward computes (a table, or the graph's).
   std::vector<torch::Tensor> tensors() const;
@@ -259,5 +295,13 @@ struct ScoreVariant {
 /// The variant a score function is (IdentityScore for none); nullopt for a C++ function, or a
 /// graph that rows cannot evaluate, with the reason in `why` (when given).
 std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::string* why = nullptr);
+
+/// score_variant_of, or where it has none, the function called on each row's tensors
+/// (FunctionRows): for kernels that run forward only, without autograd (the paged ones).
+ScoreVariant forward_score_variant_of(const ScoreMod& score_mod);
+
+/// forward_score_variant_of, checked for a call on the CPU of `heads` query heads: a table of
+/// another head count, or a tensor it reads on another device, is refused, `fn` in the message.
+ScoreVariant cpu_forward_score_variant(const char* fn, const ScoreMod& score_mod, int64_t heads);
 
 }  // namespace attnkit::detail

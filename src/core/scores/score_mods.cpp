@@ -133,6 +133,23 @@ std::optional<ScoreVariant> score_variant_of(const ScoreMod& score_mod, std::str
   return std::nullopt;
 }
 
+ScoreVariant forward_score_variant_of(const ScoreMod& score_mod) {
+  if (auto variant = score_variant_of(score_mod))
+    return std::move(*variant);
+  return ScoreVariant{FunctionRows{score_mod}};
+}
+
+ScoreVariant cpu_forward_score_variant(const char* fn, const ScoreMod& score_mod, int64_t heads) {
+  auto variant = forward_score_variant_of(score_mod);
+  const auto lacks = variant.lacks(heads);
+  TORCH_CHECK(lacks.empty(), fn, " score_mod: ", lacks);
+  for (const auto& t : variant.tensors()) {
+    TORCH_CHECK(t.device().is_cpu(), fn, " score_mod reads a tensor on ", t.device(),
+                "; the kernel runs on the CPU");
+  }
+  return variant;
+}
+
 bool score_reads_positions(const ScoreMod& score_mod) {
   return score_mod && score_mod.target<SoftcapScore>() == nullptr;
 }
