@@ -166,17 +166,22 @@ int run_batch(attnkit::train::AttentionModel& model, const attnkit::train::Model
 // whose rows' pages interleave, as requests' pages do in a shared pool). With `queries` > 1,
 // a prefill chunk of that many queries per row at the end of the length instead: on a
 // contiguous cache through attnkit::functional::attention (causal, bottom-right: the fused
-// tile kernel), on a paged one through paged_attention. Prints one row per length:
+// tile kernel), on a paged one through paged_attention. With `evict_mib` > 0, that many MiB
+// are written before each timed step, outside its time, so that it reads its cache from
+// memory as a model's layer does after the other layers ran. Prints one row per length:
 // "step MODE LENGTH DTYPE MEDIAN us".
 int run_attention_step(const std::string& mode, const std::vector<int64_t>& lengths, int64_t batch,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size,
-                       torch::ScalarType dtype, int64_t repeats, int64_t queries) {
+                       torch::ScalarType dtype, int64_t repeats, int64_t queries,
+                       int64_t evict_mib) {
   TORCH_CHECK(mode == "contiguous" || mode == "paged",
               "--attention-step: expected contiguous or paged, got '", mode, "'");
   torch::NoGradGuard no_grad;
   const auto options = torch::TensorOptions(dtype);
   const auto query = torch::randn({batch, heads, queries, head_dim}).to(dtype);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  // (evict_mib MiB of float32)
+  auto evict = torch::empty({evict_mib * (int64_t{1} << 18)}, torch::kFloat);
   for (const int64_t length : lengths) {
     TORCH_CHECK(length >= queries, "--cached: expected lengths >= --step-queries (", queries,
                 "), got ", length);
@@ -217,6 +222,8 @@ int run_attention_step(const std::string& mode, const std::vector<int64_t>& leng
     step();  // warm-up
     std::vector<double> times;
     for (int64_t r = 0; r < repeats; ++r) {
+      if (evict_mib > 0)
+        evict.fill_(static_cast<double>(r));
       const auto start = Clock::now();
       step();
       times.push_back(seconds_since(start) * 1e6);
@@ -276,7 +283,13 @@ int main(int argc, char** argv) {
       .value("Run", "step-queries",
              "with --attention-step: queries per row, the last of each cached length (1: a "
              "decode step; more: a prefill chunk)",
-             "1");
+             "1")
+      .value("Run", "evict-mib",
+             "with --attention-step: MiB written before each timed step, outside its time, so "
+             "that the step reads its cache from memory as in a model whose other layers ran "
+             "in between (more than the last-level cache: 64 for 32 MiB); 0: the cache as the "
+             "last step left it",
+             "0");
   cli.flag("Output", "trace-cache",
            "feed the generated sequence again one token at a time through fresh caches and "
            "report the most positions a cache held and whether its storage moved")
@@ -299,7 +312,7 @@ int main(int argc, char** argv) {
   bool uncached = true, trace = false;
   std::string json, device_name, dtype_name, step_mode;
   std::vector<int64_t> step_lengths;
-  int64_t step_rows = 0, page_size = 0, step_queries = 0;
+  int64_t step_rows = 0, page_size = 0, step_queries = 0, evict_mib = 0;
   try {
     cli.parse(argc, argv);
     if (cli.given("help")) {
@@ -336,6 +349,7 @@ int main(int argc, char** argv) {
     step_rows = cli.integer("step-rows");
     page_size = cli.integer("page-size");
     step_queries = cli.integer("step-queries");
+    evict_mib = cli.integer("evict-mib");
     json = cli.text("json");
   } catch (const attnkit::cli::UsageError& e) {
     Line(std::cerr) << "attnkit-decode-bench: " << e.what() << "\n";
@@ -379,11 +393,12 @@ int main(int argc, char** argv) {
       TORCH_CHECK(step_rows >= 1 && page_size >= 1 && step_queries >= 1,
                   "--step-rows, --page-size and --step-queries: expected >= 1 each, got ",
                   step_rows, ", ", page_size, " and ", step_queries);
+      TORCH_CHECK(evict_mib >= 0, "--evict-mib: expected >= 0 (0: none), got ", evict_mib);
       const int64_t kv_heads = config.kv_groups > 0 ? config.kv_groups : config.heads;
       TORCH_CHECK(device.is_cpu(), "--attention-step runs on the CPU, got --device ", device);
       return run_attention_step(step_mode, step_lengths, step_rows, config.heads, kv_heads,
                                 config.d_model / config.heads, page_size, dtype, repeats,
-                                step_queries);
+                                step_queries, evict_mib);
     }
     attnkit::train::AttentionModel model(config);  // validates the sizes
     model->to(device, dtype);
