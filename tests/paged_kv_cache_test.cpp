@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "attnkit/block_mask.h"
 #include "attnkit/grouped_query_attention.h"
 #include "attnkit/latent_attention.h"
 #include "attnkit/memory_budget.h"
@@ -171,6 +172,46 @@ TEST(PagedDecode, PrefillChunksInTilesEqualTheDenseMath) {
         }
       }
     }
+  }
+}
+
+// A BlockMask's lists bound the keys each query reads: two documents of 32 positions in
+// blocks of 16, on pages of 16, the first document's pages poisoned with NaN. Queries of the
+// second read none of them (a decode step, a chunk of 2 a query at a time, a chunk of 8 in
+// tiles) and equal the dense math over their document's keys; the inner mask alone would
+// read the poisoned pages and give NaN.
+TEST(PagedDecode, ABlockMasksListsSkipThePagesItMasks) {
+  torch::manual_seed(10);
+  torch::NoGradGuard no_grad;
+  PagedKVCache cache(8, 16, /*num_heads=*/2, /*head_dim=*/8, torch::TensorOptions(torch::kDouble));
+  const auto ids = filled(cache, {64}, torch::kDouble);
+  const auto view = cache.view(ids);
+  const auto [keys, values] = gathered_row(view, 0);  // before the poison
+  for (int64_t page = 0; page < 2; ++page) {
+    const int64_t index = view.page_table[0][page].item<int64_t>();
+    cache.key_pages()[index].fill_(NAN);
+    cache.value_pages()[index].fill_(NAN);
+  }
+  const auto documents = attnkit::Mask::documents(
+      torch::cat({torch::zeros({1, 32}, torch::kInt64), torch::ones({1, 32}, torch::kInt64)}, 1));
+  const auto blocks = attnkit::Mask::from_block_mask(attnkit::create_block_mask(
+      documents, 1, 1, 64, 64, attnkit::BlockMaskOptions().block_size(16)));
+  for (const int64_t n : {1, 2, 8}) {
+    const auto query = torch::randn({1, 4, n, 8}, torch::kDouble);
+    const auto out = attnkit::paged_attention(query, view, PagedAttentionOptions().mask(blocks));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t seen = 64 - n + i + 1;  // causal within the second document: [32, seen)
+      EXPECT_TENSOR_NEAR(out[0].select(1, i),
+                         dense_step(query[0].select(1, i), keys.narrow(1, 32, seen - 32),
+                                    values.narrow(1, 32, seen - 32), 0, 0.0, {}),
+                         kFloat64)
+          << n << " queries, query " << i;
+    }
+    EXPECT_TRUE(
+        torch::isnan(attnkit::paged_attention(query, view, PagedAttentionOptions().mask(documents)))
+            .any()
+            .item<bool>())
+        << "the poison is not read without the lists: this test would prove nothing";
   }
 }
 

@@ -55,7 +55,8 @@ struct PagedAttentionOptions {
   /// row's positions [0, max lengths), or of the whole sequence it was made for (documents'
   /// ids, a block mask's length, a tensor's size: at least those positions). Named kinds are
   /// read from their host form, others evaluated as tensors per query and head (a block
-  /// mask: its inner mask, the block lists unused). A query it allows no key gets zeros.
+  /// mask: its inner mask, over the span of kv blocks its lists give the query's block, so
+  /// that pages outside the span are not read). A query it allows no key gets zeros.
   TORCH_ARG(Mask, mask);
 };
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "attnkit/block_mask.h"
 #include "core/base/checks.h"
 #include "core/kernels/decode_attention.h"
 #include "core/kernels/paged_prefill.h"
@@ -37,6 +38,55 @@ void check_index_tensor(const char* fn, const char* name, const torch::Tensor& t
               ", got ", shape_or_undefined(t));
   TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.device().is_cpu(), fn, " ", name,
               " must be int64 on the CPU, got ", t.scalar_type(), " on ", t.device());
+}
+
+// Narrows each query's keys [begin, end) to the span of the kv blocks that `blocks` lists
+// for the query's block (partial or full, any head): the keys outside it are masked for every
+// head, so the kernels need not read their pages. A query it lists no block for sees no key
+// (begin = end: zeros, as the mask gives). Queries are positions: task r * n + i is at
+// end - 1.
+void narrow_to_listed_blocks(const BlockMask& blocks, int64_t b, int64_t n,
+                             std::vector<int64_t>& begin, std::vector<int64_t>& end) {
+  const auto host = [](const torch::Tensor& t) {
+    return t.to(torch::kCPU, torch::kInt64).contiguous();
+  };
+  const auto counts = host(blocks.kv_num_blocks()), indices = host(blocks.kv_indices());
+  const auto full_counts = host(blocks.full_kv_num_blocks());
+  const auto full_indices = host(blocks.full_kv_indices());
+  const int64_t heads = blocks.heads(), nq = blocks.num_q_blocks(), nk = indices.size(3);
+  const int64_t q_block = blocks.q_block_size(), kv_block = blocks.kv_block_size();
+  for (int64_t r = 0; r < b; ++r) {
+    const int64_t entry = blocks.batch() == 1 ? 0 : r;
+    int64_t cached_block = -1, lo = 0, hi = 0;  // the last query block's listed span, in blocks
+    for (int64_t i = 0; i < n; ++i) {
+      const auto task = static_cast<size_t>(r * n + i);
+      const int64_t query_block = (end[task] - 1) / q_block;
+      if (query_block >= nq)
+        continue;  // past the mask's queries: positions_problem has refused such a mask
+      if (query_block != cached_block) {
+        cached_block = query_block;
+        lo = nk;
+        hi = -1;
+        for (int64_t head = 0; head < heads; ++head) {
+          const int64_t at = (entry * heads + head) * nq + query_block;
+          for (const auto& [count, index] :
+               {std::pair{&counts, &indices}, std::pair{&full_counts, &full_indices}}) {
+            const int64_t* listed = index->data_ptr<int64_t>() + at * nk;
+            for (int64_t j = 0; j < count->data_ptr<int64_t>()[at]; ++j) {
+              lo = std::min(lo, listed[j]);
+              hi = std::max(hi, listed[j]);
+            }
+          }
+        }
+      }
+      if (hi < 0) {
+        begin[task] = end[task];
+        continue;
+      }
+      begin[task] = std::min(end[task], std::max(begin[task], lo * kv_block));
+      end[task] = std::max(begin[task], std::min(end[task], (hi + 1) * kv_block));
+    }
+  }
 }
 
 }  // namespace
@@ -133,6 +183,8 @@ torch::Tensor paged_attention(const torch::Tensor& query, const PagedKV& kv,
     const int64_t longest = *std::max_element(length, length + b);
     const auto [mask_queries, mask_keys] = detail::positions_problem(*mask, longest);
     mask->check(fn, b, heads, mask_queries, mask_keys, torch::kCPU);
+    if (const BlockMask* blocks = mask->block_mask())
+      narrow_to_listed_blocks(*blocks, b, n, begin, end);
   }
   if (n == 1) {
     return detail::paged_decode_attention(query.contiguous(), keys, values, table, begin, end,
