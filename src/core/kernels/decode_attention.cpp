@@ -183,9 +183,10 @@ bool apply_mask(const Mask& mask, const Tile& tile, bool* allowed, Acc* p) {
 enum class Read { kKeys, kValues };
 
 // One query per row and head against that row's keys [begin[r], end[r]), read where they lie:
-// `runs(row, kv_head, begin, end, read, visit)` calls visit(data, first, count) for each run of
-// positions [first, first + count) whose keys (values) lie one key_stride (value_stride) apart
-// from `data` on: the contiguous cache's whole range, or a paged cache's blocks within its pages.
+// `runs(row, kv_head, begin, end, read, visit)` calls visit(data, first, count, ahead) for each
+// run of positions [first, first + count) whose keys (values) lie one key_stride (value_stride)
+// apart from `data` on: the contiguous cache's whole range, or a paged cache's blocks within its
+// pages, with `ahead` the memory to prefetch as the run is read (a paged cache's next block).
 // `m` bounds every row's end. Writes out (b, 1, h, hd_v), rounded once to In.
 //
 // A task is a row's key head with its group of query heads (grouped-query attention): each
@@ -238,17 +239,18 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
       std::fill(context.begin(), context.end(), Acc(0));
       if (end > begin) {
         runs(row, kv_head, begin, end, Read::kKeys,
-             [&](const In* keys, int64_t first, int64_t count) {
+             [&](const In* keys, int64_t first, int64_t count, const PrefetchAhead& ahead) {
                for (int64_t block = 0; block < count; block += kKeyBlock) {
                  const int64_t size = std::min(kKeyBlock, count - block);
                  if constexpr (kAvx512Dtype) {
                    if (avx512_group) {
                      group_key_dots_avx512(q + row * qs[0] + first_head * qs[1], qs[1], group_size,
                                            hd, keys + block * key_stride, key_stride, size,
-                                           weights.data() + first + block, m);
+                                           weights.data() + first + block, m, ahead);
                      continue;
                    }
                  }
+                 ahead.with_rows(0, size, size);
                  for (int64_t g = 0; g < group_size; ++g) {
                    key_dots(q_rows.data() + g * hd, keys + block * key_stride, key_stride, hd, 0,
                             size, weights.data() + g * m + first + block);
@@ -309,17 +311,18 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
           }
         }
         runs(row, kv_head, begin, end, Read::kValues,
-             [&](const In* values, int64_t first, int64_t count) {
+             [&](const In* values, int64_t first, int64_t count, const PrefetchAhead& ahead) {
                for (int64_t block = 0; block < count; block += kKeyBlock) {
                  const int64_t size = std::min(kKeyBlock, count - block);
                  if constexpr (kAvx512Dtype) {
                    if (avx512_group) {
                      group_weighted_values_avx512(weights.data() + first + block, m, group_size,
                                                   values + block * value_stride, value_stride, size,
-                                                  hd_v, context.data());
+                                                  hd_v, context.data(), ahead);
                      continue;
                    }
                  }
+                 ahead.with_rows(0, size, size);
                  for (int64_t g = 0; g < group_size; ++g) {
                    const Acc* weight = weights.data() + g * m + first + block;
                    for (int64_t j = 0; j < size; ++j) {
@@ -402,12 +405,26 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
         const auto* k = keys.data_ptr<scalar_t>();
         const auto* v = values.data_ptr<scalar_t>();
         const auto ks = keys.strides(), vs = values.strides();
-        // One run: the row's keys (values) in the cache's storage.
+        // One run per block of kKeyBlock positions of the row's keys (values) in the cache's
+        // storage, each prefetching the next (PrefetchAhead).
         const auto runs = [&](int64_t row, int64_t kv_head, int64_t begin, int64_t end, Read read,
                               const auto& visit) {
-          visit(read == Read::kKeys ? k + row * ks[0] + kv_head * ks[1] + begin * ks[2]
-                                    : v + row * vs[0] + kv_head * vs[1] + begin * vs[2],
-                begin, end - begin);
+          const bool keys_read = read == Read::kKeys;
+          const int64_t stride = keys_read ? ks[2] : vs[2];
+          const scalar_t* data =
+              keys_read ? k + row * ks[0] + kv_head * ks[1] : v + row * vs[0] + kv_head * vs[1];
+          const int64_t row_bytes =
+              (keys_read ? keys.size(3) : values.size(3)) * static_cast<int64_t>(sizeof(scalar_t));
+          for (int64_t first = begin; first < end; first += kKeyBlock) {
+            const int64_t count = std::min(kKeyBlock, end - first), next = first + count;
+            PrefetchAhead ahead;
+            if (next < end) {
+              ahead = {reinterpret_cast<const char*>(data + next * stride),
+                       std::min(kKeyBlock, end - next),
+                       stride * static_cast<int64_t>(sizeof(scalar_t)), row_bytes};
+            }
+            visit(data + first * stride, first, count, ahead);
+          }
         };
         decode_rows<scalar_t>(query, keys.size(1), m, values.size(3), ks[2], vs[2], scale,
                               key_begin, key_end, softcap, sinks_of_heads, runs, out);
@@ -432,13 +449,10 @@ torch::Tensor paged_decode_attention(
         const auto* v = value_pages.data_ptr<scalar_t>();
         const auto ks = key_pages.strides(), vs = value_pages.strides();
         // One run per block of kKeyBlock positions within a page: key j in page
-        // table[row][j / page_size], slot j % page_size. Pages lie anywhere in the pool, and
-        // the hardware prefetcher, which follows a stream, ramps up too late in each page's
-        // short run to hide memory's latency: each block prefetches the next before it is
-        // read, a block at a time so that the prefetches spread among the arithmetic. Into L2
-        // (prefetcht1, locality 2): into L1 they evicted the block being read, and into the
-        // outer caches only they came too late (AMD EPYC, bfloat16 at 32k positions: 0.70x
-        // and 0.92x the time of those two).
+        // table[row][j / page_size], slot j % page_size. Each block's reading prefetches the
+        // next block (PrefetchAhead). Into L2 (locality 2): into L1 they evicted the block being
+        // read, and into the outer caches only they came too late (AMD EPYC, bfloat16 at 32k
+        // positions: 0.70x and 0.92x the time of those two).
         const auto runs = [&](int64_t row, int64_t kv_head, int64_t begin, int64_t end, Read read,
                               const auto& visit) {
           const auto* data = read == Read::kKeys ? k : v;
@@ -447,7 +461,10 @@ torch::Tensor paged_decode_attention(
           const auto page_data = [&](int64_t page) {
             return data + row_pages[page] * strides[0] + kv_head * strides[1];
           };
-          const int64_t row_bytes = strides[2] * static_cast<int64_t>(sizeof(scalar_t));
+          const int64_t row_stride = strides[2] * static_cast<int64_t>(sizeof(scalar_t));
+          const int64_t row_bytes =
+              (read == Read::kKeys ? key_pages.size(3) : value_pages.size(3)) *
+              static_cast<int64_t>(sizeof(scalar_t));
           // Positions from `first` (slot `slot` of its page) to the end of its block, its
           // page or the row's keys. kKeyBlock is a power of two: no division per block.
           const auto block_count = [&](int64_t first, int64_t slot) {
@@ -459,6 +476,7 @@ torch::Tensor paged_decode_attention(
             const int64_t count = block_count(first, slot);
             const scalar_t* block = at;
             const int64_t next = first + count;
+            PrefetchAhead ahead;
             if (next < end) {
               slot += count;
               if (slot == page_size) {
@@ -467,12 +485,10 @@ torch::Tensor paged_decode_attention(
               } else {
                 at += count * strides[2];
               }
-              const auto* next_block = reinterpret_cast<const char*>(at);
-              const int64_t bytes = block_count(next, slot) * row_bytes;
-              for (int64_t offset = 0; offset < bytes; offset += 64)
-                __builtin_prefetch(next_block + offset, 0, 2);
+              ahead = {reinterpret_cast<const char*>(at), block_count(next, slot), row_stride,
+                       row_bytes};
             }
-            visit(block, first, count);
+            visit(block, first, count, ahead);
             first = next;
           }
         };

@@ -60,11 +60,9 @@ constexpr int64_t kStep = 64 / static_cast<int64_t>(sizeof(In));  // features pe
 // Positions [0, hd_v) of G heads' contexts, 64 at a time: G x 4 registers held across the
 // block's keys.
 template <int G, typename In>
-__attribute__((target(ATTNKIT_AVX512))) void weighted_values(const float* weights,
-                                                             int64_t weight_stride,
-                                                             const In* values, int64_t value_stride,
-                                                             int64_t count, int64_t hd_v,
-                                                             float* context) {
+__attribute__((target(ATTNKIT_AVX512))) void weighted_values(
+    const float* weights, int64_t weight_stride, const In* values, int64_t value_stride,
+    int64_t count, int64_t hd_v, float* context, const PrefetchAhead& ahead) {
   for (int64_t d = 0; d < hd_v; d += 64) {
     __m512 acc[G][4];
     for (int g = 0; g < G; ++g) {
@@ -72,6 +70,8 @@ __attribute__((target(ATTNKIT_AVX512))) void weighted_values(const float* weight
         acc[g][c] = _mm512_loadu_ps(context + g * hd_v + d + 16 * c);
     }
     for (int64_t j = 0; j < count; ++j) {
+      if (d == 0)  // the first pass over the rows
+        ahead.with_rows(j, j + 1, count);
       const In* row = values + j * value_stride + d;
       __m512 v[4];
       for (int c = 0; c < 4; ++c)
@@ -93,16 +93,16 @@ __attribute__((target(ATTNKIT_AVX512))) void weighted_values(const float* weight
 // no bfloat16 to convert, so it uses none of its instructions (decode_avx512_fits asks for them
 // only for bfloat16).
 template <typename In>
-__attribute__((target(ATTNKIT_AVX512_BF16))) void key_dots(const In* q, int64_t q_stride,
-                                                           int64_t group, int64_t hd,
-                                                           const In* keys, int64_t key_stride,
-                                                           int64_t count, float* scores,
-                                                           int64_t score_stride) {
+__attribute__((target(ATTNKIT_AVX512_BF16))) void key_dots(
+    const In* q, int64_t q_stride, int64_t group, int64_t hd, const In* keys, int64_t key_stride,
+    int64_t count, float* scores, int64_t score_stride, const PrefetchAhead& ahead) {
   for (int64_t g = 0; g < group; ++g) {
     const In* q_g = q + g * q_stride;
     float* out = scores + g * score_stride;
     int64_t j = 0;
     for (; j + 8 <= count; j += 8) {  // eight keys, their sums reduced together
+      if (g == 0)                     // the first pass over the keys
+        ahead.with_rows(j, j + 8, count);
       __m512 acc[8];
       for (int t = 0; t < 8; ++t)
         acc[t] = _mm512_setzero_ps();
@@ -116,6 +116,8 @@ __attribute__((target(ATTNKIT_AVX512_BF16))) void key_dots(const In* q, int64_t 
       _mm256_storeu_ps(out + j, horizontal_sums_of_eight(halves));
     }
     for (; j < count; ++j) {
+      if (g == 0)
+        ahead.with_rows(j, j + 1, count);
       __m512 acc = _mm512_setzero_ps();
       for (int64_t d = 0; d < hd; d += kStep<In>)
         acc = dot_step(acc, q_g + d, keys + j * key_stride + d);
@@ -145,36 +147,37 @@ bool decode_avx512_fits(torch::ScalarType dtype, int64_t hd, int64_t hd_v) {
 
 void group_key_dots_avx512(const float* q, int64_t q_stride, int64_t group, int64_t hd,
                            const float* keys, int64_t key_stride, int64_t count, float* scores,
-                           int64_t score_stride) {
-  key_dots(q, q_stride, group, hd, keys, key_stride, count, scores, score_stride);
+                           int64_t score_stride, const PrefetchAhead& ahead) {
+  key_dots(q, q_stride, group, hd, keys, key_stride, count, scores, score_stride, ahead);
 }
 
 void group_key_dots_avx512(const c10::BFloat16* q, int64_t q_stride, int64_t group, int64_t hd,
                            const c10::BFloat16* keys, int64_t key_stride, int64_t count,
-                           float* scores, int64_t score_stride) {
-  key_dots(q, q_stride, group, hd, keys, key_stride, count, scores, score_stride);
+                           float* scores, int64_t score_stride, const PrefetchAhead& ahead) {
+  key_dots(q, q_stride, group, hd, keys, key_stride, count, scores, score_stride, ahead);
 }
 
 template <typename In>
 void group_weighted_values_avx512(const float* weights, int64_t weight_stride, int64_t group,
                                   const In* values, int64_t value_stride, int64_t count,
-                                  int64_t hd_v, float* context) {
+                                  int64_t hd_v, float* context, const PrefetchAhead& ahead) {
   // Up to 4 heads at a time: 16 registers of contexts, 4 of values, one of weights.
   for (int64_t g = 0; g < group; g += 4) {
     const float* w = weights + g * weight_stride;
     float* c = context + g * hd_v;
+    const PrefetchAhead once = g == 0 ? ahead : PrefetchAhead{};  // in the first group's pass
     switch (std::min<int64_t>(4, group - g)) {
       case 1:
-        weighted_values<1>(w, weight_stride, values, value_stride, count, hd_v, c);
+        weighted_values<1>(w, weight_stride, values, value_stride, count, hd_v, c, once);
         break;
       case 2:
-        weighted_values<2>(w, weight_stride, values, value_stride, count, hd_v, c);
+        weighted_values<2>(w, weight_stride, values, value_stride, count, hd_v, c, once);
         break;
       case 3:
-        weighted_values<3>(w, weight_stride, values, value_stride, count, hd_v, c);
+        weighted_values<3>(w, weight_stride, values, value_stride, count, hd_v, c, once);
         break;
       default:
-        weighted_values<4>(w, weight_stride, values, value_stride, count, hd_v, c);
+        weighted_values<4>(w, weight_stride, values, value_stride, count, hd_v, c, once);
     }
   }
 }
@@ -185,19 +188,20 @@ bool decode_avx512_fits(torch::ScalarType, int64_t, int64_t) {
   return false;
 }
 void group_key_dots_avx512(const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
-                           float*, int64_t) {}
+                           float*, int64_t, const PrefetchAhead&) {}
 void group_key_dots_avx512(const c10::BFloat16*, int64_t, int64_t, int64_t, const c10::BFloat16*,
-                           int64_t, int64_t, float*, int64_t) {}
+                           int64_t, int64_t, float*, int64_t, const PrefetchAhead&) {}
 template <typename In>
 void group_weighted_values_avx512(const float*, int64_t, int64_t, const In*, int64_t, int64_t,
-                                  int64_t, float*) {}
+                                  int64_t, float*, const PrefetchAhead&) {}
 
 #endif
 
 template void group_weighted_values_avx512<float>(const float*, int64_t, int64_t, const float*,
-                                                  int64_t, int64_t, int64_t, float*);
+                                                  int64_t, int64_t, int64_t, float*,
+                                                  const PrefetchAhead&);
 template void group_weighted_values_avx512<c10::BFloat16>(const float*, int64_t, int64_t,
                                                           const c10::BFloat16*, int64_t, int64_t,
-                                                          int64_t, float*);
+                                                          int64_t, float*, const PrefetchAhead&);
 
 }  // namespace attnkit::detail
