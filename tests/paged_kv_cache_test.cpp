@@ -215,6 +215,9 @@ TEST(PagedDecode, ABlockMasksListsSkipThePagesItMasks) {
   }
 }
 
+// Decode steps and prefill chunks: a chunk of 8 queries or more runs in tiles on the matrix
+// units where LibTorch has brgemm and the CPU the instructions (2.6 on, AVX-512 BF16 or AMX),
+// else a query at a time like a decode step.
 TEST(PagedDecode, SixteenBitPagesAgreeWithFloat32) {
   torch::manual_seed(3);
   torch::NoGradGuard no_grad;
@@ -222,17 +225,23 @@ TEST(PagedDecode, SixteenBitPagesAgreeWithFloat32) {
     // Heads of 64, two query heads per key head: bfloat16 takes the AVX-512 BF16 group paths
     // where the CPU has them.
     PagedKVCache cache(32, 16, 2, 64, torch::TensorOptions(dtype));
-    const auto ids = filled(cache, {50, 9}, dtype);
+    const auto ids = filled(cache, {90, 75}, dtype);
     const auto view = cache.view(ids);
-    const auto query = torch::randn({2, 4, 1, 64}).to(dtype);
-    const auto out = attnkit::paged_attention(query, view);
-    EXPECT_EQ(out.scalar_type(), dtype);
     // The same pages widened to float32: the arithmetic is float32 either way, so only the
-    // output's rounding differs.
+    // roundings differ: the output's, and in tiles the weights' before their product.
     const PagedKV wide{view.key_pages.to(torch::kFloat), view.value_pages.to(torch::kFloat),
                        view.page_table, view.lengths};
-    const auto expected = attnkit::paged_attention(query.to(torch::kFloat), wide);
-    EXPECT_TENSOR_NEAR(out.to(torch::kFloat), expected, dtype == torch::kHalf ? 2e-3 : 1e-2);
+    for (const int64_t n : {1, 16, 70}) {  // 70: a block of 64 queries and one of 6
+      const auto query = torch::randn({2, 4, n, 64}).to(dtype);
+      for (const double softcap : {0.0, 5.0}) {
+        const auto options = PagedAttentionOptions().softcap(softcap);
+        const auto out = attnkit::paged_attention(query, view, options);
+        EXPECT_EQ(out.scalar_type(), dtype);
+        const auto expected = attnkit::paged_attention(query.to(torch::kFloat), wide, options);
+        EXPECT_TENSOR_NEAR(out.to(torch::kFloat), expected, dtype == torch::kHalf ? 2e-3 : 1e-2)
+            << c10::toString(dtype) << ", " << n << " queries, softcap " << softcap;
+      }
+    }
   }
 }
 

@@ -1,6 +1,6 @@
 // paged_attention: the checks of a paged view against its queries, then the kernels reading
 // the pages in place: the decode kernel (core/kernels/decode_attention.cpp), one query per
-// task, or for a float32 or float64 prefill chunk the tiles of core/kernels/paged_prefill.cpp.
+// task, or for a prefill chunk the tiles of core/kernels/paged_prefill.cpp where they fit.
 
 #include "attnkit/paged_attention.h"
 
@@ -22,10 +22,6 @@ namespace attnkit {
 namespace {
 
 using detail::shape_string;
-
-// Queries per row from which a float32 or float64 chunk runs in tiles (paged_prefill.h):
-// below it, each query read against the pages like a decode step costs less.
-constexpr int64_t kTiledQueries = 8;
 
 std::string shape_or_undefined(const torch::Tensor& t) {
   return t.defined() ? shape_string(t) : std::string("undefined");
@@ -190,7 +186,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const PagedKV& kv,
     return detail::paged_decode_attention(query.contiguous(), keys, values, table, begin, end,
                                           scale, softcap, options.sinks(), variant, mask);
   }
-  if (n >= kTiledQueries && detail::paged_prefill_fits(dtype)) {
+  if (detail::paged_prefill_fits(dtype, query.size(3), n)) {
     return detail::paged_prefill_attention(
         query.contiguous(), keys, values, table, begin, end, scale, softcap,
         detail::sink_values(options.sinks(), heads, fn), variant, mask);

@@ -14,10 +14,13 @@
 
 namespace attnkit::detail {
 
-/// Whether paged_prefill_attention takes pages of `dtype`: float32 and float64. 16-bit pages
-/// stay with the decode kernel, whose AVX-512 BF16 dot products read them in place (on LibTorch
-/// 1.13, where 16-bit matrix products run in float32, the tiles would convert every page).
-bool paged_prefill_fits(torch::ScalarType dtype);
+/// Whether paged_prefill_attention runs chunks of `queries` per row over pages of `dtype` with
+/// heads of `head_dim`, rather than the decode kernel a query at a time: float32 and float64
+/// from 8 queries; bfloat16 and float16 from 16, where the CPU's matrix units multiply them
+/// (matrix_units.h: LibTorch 2.x's brgemm) and head_dim is even. Elsewhere 16-bit pages stay
+/// with the decode kernel, which reads them in place (tiles in float32 would convert every
+/// page).
+bool paged_prefill_fits(torch::ScalarType dtype, int64_t head_dim, int64_t queries);
 
 /// n queries per row over paged storage: query (b, h, n, hd) contiguous, key_pages and
 /// value_pages (num_pages, kv_heads, page_size, hd / hd_v) with contiguous rows, page_table
@@ -31,7 +34,8 @@ bool paged_prefill_fits(torch::ScalarType dtype);
 /// A task is a row's key head with its group of query heads and a block of queries: their
 /// scores against one page's run of keys by one product, the rows' score function, mask and
 /// online softmax, and their weights times the run's values by another, accumulated in the
-/// pages' dtype.
+/// pages' dtype (16-bit pages: float32, the weights rounded to 16 bits for the product, the
+/// output once).
 torch::Tensor paged_prefill_attention(const torch::Tensor& query, const torch::Tensor& key_pages,
                                       const torch::Tensor& value_pages,
                                       const torch::Tensor& page_table,
