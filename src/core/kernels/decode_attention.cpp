@@ -119,20 +119,24 @@ bool avx2_for() {
   return false;
 }
 
-// scores[j] = q . keys[j * key_stride] for j in [begin, end).
+// scores[j] = q . keys[j * key_stride] for j in [0, count), prefetching `ahead` as it reads
+// the keys.
 template <typename In, typename Acc = Arithmetic<In>>
-void key_dots(const Acc* q, const In* keys, int64_t key_stride, int64_t hd, int64_t begin,
-              int64_t end, Acc* scores) {
-  int64_t j = begin;
+void key_dots(const Acc* q, const In* keys, int64_t key_stride, int64_t hd, int64_t count,
+              Acc* scores, const PrefetchAhead& ahead) {
+  int64_t j = 0;
 #ifdef ATTNKIT_HAVE_AVX2_KERNEL
   if constexpr (std::is_same_v<Acc, float>) {
     if (avx2_for<In>()) {
-      for (; j + 8 <= end; j += 8)
+      for (; j + 8 <= count; j += 8) {
+        ahead.with_rows(j, j + 8, count);
         eight_dots_avx2(q, keys + j * key_stride, key_stride, hd, scores + j);
+      }
     }
   }
 #endif
-  for (; j < end; ++j) {
+  for (; j < count; ++j) {
+    ahead.with_rows(j, j + 1, count);
     const In* key = keys + j * key_stride;
     if constexpr (std::is_same_v<In, Acc>) {
       scores[j] = dot(q, key, hd);
@@ -250,10 +254,10 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
                      continue;
                    }
                  }
-                 ahead.with_rows(0, size, size);
-                 for (int64_t g = 0; g < group_size; ++g) {
-                   key_dots(q_rows.data() + g * hd, keys + block * key_stride, key_stride, hd, 0,
-                            size, weights.data() + g * m + first + block);
+                 for (int64_t g = 0; g < group_size; ++g) {  // the first head's pass prefetches
+                   key_dots(q_rows.data() + g * hd, keys + block * key_stride, key_stride, hd, size,
+                            weights.data() + g * m + first + block,
+                            g == 0 ? ahead : PrefetchAhead{});
                  }
                }
              });
@@ -322,10 +326,11 @@ void decode_rows(const torch::Tensor& query, int64_t kv_heads, int64_t m, int64_
                      continue;
                    }
                  }
-                 ahead.with_rows(0, size, size);
                  for (int64_t g = 0; g < group_size; ++g) {
                    const Acc* weight = weights.data() + g * m + first + block;
                    for (int64_t j = 0; j < size; ++j) {
+                     if (g == 0)  // the first head's pass prefetches
+                       ahead.with_rows(j, j + 1, size);
                      add_weighted_row(weight[j], values + (block + j) * value_stride, hd_v,
                                       context.data() + g * hd_v);
                    }
