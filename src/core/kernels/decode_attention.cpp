@@ -189,8 +189,8 @@ enum class Read { kKeys, kValues };
 // One query per row and head against that row's keys [begin[r], end[r]), read where they lie:
 // `runs(row, kv_head, begin, end, read, visit)` calls visit(data, first, count, ahead) for each
 // run of positions [first, first + count) whose keys (values) lie one key_stride (value_stride)
-// apart from `data` on: the contiguous cache's whole range, or a paged cache's blocks within its
-// pages, with `ahead` the memory to prefetch as the run is read (a paged cache's next block).
+// apart from `data` on: blocks of kKeyBlock positions of the contiguous cache's range, or of a
+// paged cache's pages, with `ahead` the next block, to prefetch as the run is read.
 // `m` bounds every row's end. Writes out (b, 1, h, hd_v), rounded once to In.
 //
 // A task is a row's key head with its group of query heads (grouped-query attention): each

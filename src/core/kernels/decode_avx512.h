@@ -19,9 +19,10 @@ namespace attnkit::detail {
 /// prefetches the next block's row of the same index (the last row, the rest). Why: the hardware
 /// prefetcher follows a stream, and ramps up too late in a paged cache's short runs, whose pages
 /// lie anywhere in the pool, and even in a contiguous cache's long one it fell behind (AMD EPYC,
-/// bfloat16 at 4k positions read from memory: 0.72x the time without). Spread among the
-/// arithmetic, not issued at once: 128 prefetches in a burst filled the miss buffers and
-/// stalled the step. No data: nothing to fetch.
+/// a contiguous cache's bfloat16 step at 4k positions read from memory: 0.60x the time
+/// without; docs/inference.md). Spread among the arithmetic, not issued at once: 128
+/// prefetches in a burst filled the miss buffers and stalled the step. No data: nothing to
+/// fetch.
 struct PrefetchAhead {
   const char* data = nullptr;                       // the next block's first row
   int64_t rows = 0, row_stride = 0, row_bytes = 0;  // strides and widths in bytes
